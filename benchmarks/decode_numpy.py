@@ -1,0 +1,498 @@
+"""One decode step: kvcache's NumPy backend against a contiguous NumPy cache, side by side.
+
+What is compared, in one process, with the same inputs:
+
+* **ours** -- ``create_manager("numpy", CacheConfig(...))``. A step extends every request
+  by one token (``manager.extend``), takes the batch's ``manager.page_table(handles)``
+  and then, for every layer, scatters the new token's K/V of all requests with one
+  ``manager.write(layer, concatenated_slots, K, V)`` and runs
+  ``manager.paged_attention(layer, q, page_table)``, which reads the pool in place.
+* **dense** -- the usual competitor: one contiguous ``[kv_heads, tokens, head_dim]``
+  array per request per layer that grows by ``np.concatenate`` each step, followed by
+  grouped-query softmax attention on it (the query heads of one KV head grouped into
+  one matmul, softmax in place, a second matmul).
+
+Scenarios: (a) one request at each context of ``--contexts``; (b) a batch of
+``--batch-size`` requests with lengths spread between ``--min-length`` and
+``--max-length`` (fixed ``--seed``), whose blocks were allocated while the requests grew
+side by side, one token per step each (staggered arrivals, so all of them are still
+decoding), as a serving engine would have placed them. ``--kv-layout`` picks our pool's
+layout (``NHD`` by default; ``heads_first`` and ``HND`` for comparison) and ``--placement
+fifo`` the allocator's fragmenting baseline (through ``PagedKvCacheManager(storage,
+placement="fifo")``), to show what many short block runs cost attention.
+
+Before timing, both approaches run one step on the same inputs and their attention
+outputs are compared with ``np.allclose``; the script exits with status 1 if they
+differ (every timed step is checked the same way, outside the timed region). Times are
+medians over ``--repeats`` steps, each a real decode step (contexts grow by one per
+step), alternating the two approaches. Nothing here asserts a time.
+
+Run, from the repository root (the environment keeps glibc from returning large
+buffers to the OS after every step, which otherwise dominates the dense cache's time;
+on a machine other processes share, add ``OPENBLAS_NUM_THREADS=1``)::
+
+    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \\
+        .venv/bin/python benchmarks/decode_numpy.py            # ~25 s on 2 cores, ~3 GiB
+    .venv/bin/python benchmarks/decode_numpy.py --quick        # ~6 s
+    .venv/bin/python benchmarks/decode_numpy.py --layers 2 --contexts 2048,16384 --repeats 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core import (
+    KV_LAYOUTS,
+    AllocationRequest,
+    CacheConfig,
+    PagedKvCacheHandle,
+    PagedKvCacheManager,
+    create_manager,
+)
+from kvcache_core.allocator import Placement
+from kvcache_core.numpy_backend import NumpyStorage
+
+Array = npt.NDArray[Any]
+Manager = PagedKvCacheManager[Array]
+Handle = PagedKvCacheHandle[Array]
+
+RECOMMENDED_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
+
+# fp32 outputs of paged (per-run products) and dense attention differ in the last bits only.
+RTOL = 1e-4
+ATOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The model whose cache is benchmarked, and our pool's layout and block placement."""
+
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str = "float32"
+    kv_layout: str = "NHD"
+    placement: Placement = "contiguous"
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What the model hands the cache in one decode step, per layer.
+
+    ``keys[layer]``/``values[layer]``: ``[batch, kv_heads, head_dim]``;
+    ``queries[layer]``: ``[batch, query_heads, head_dim]``.
+    """
+
+    keys: tuple[Array, ...]
+    values: tuple[Array, ...]
+    queries: tuple[Array, ...]
+
+
+def step_inputs(rng: np.random.Generator, geometry: Geometry, batch: int) -> StepInputs:
+    """Random new-token K/V and queries for every layer."""
+    dtype = np.dtype(geometry.dtype)
+    kv_shape = (batch, geometry.num_kv_heads, geometry.head_dim)
+    q_shape = (batch, geometry.num_query_heads, geometry.head_dim)
+    layers = range(geometry.num_layers)
+    return StepInputs(
+        keys=tuple(rng.standard_normal(kv_shape, dtype=np.float32).astype(dtype, copy=False) for _ in layers),
+        values=tuple(rng.standard_normal(kv_shape, dtype=np.float32).astype(dtype, copy=False) for _ in layers),
+        queries=tuple(rng.standard_normal(q_shape, dtype=np.float32).astype(dtype, copy=False) for _ in layers),
+    )
+
+
+# -- the competitor: a contiguous cache per request per layer ---------------------------
+
+
+def dense_decode_attention(query: Array, keys: Array, values: Array, scale: float) -> Array:
+    """Grouped-query softmax attention of one token over a contiguous cache.
+
+    Args:
+        query: ``[query_heads, head_dim]``.
+        keys, values: ``[kv_heads, tokens, head_dim]``, C-contiguous.
+        scale: score scale.
+
+    Returns:
+        ``[query_heads, head_dim]``.
+    """
+    kv_heads, _, head_dim = keys.shape
+    grouped = (query * query.dtype.type(scale)).reshape(kv_heads, -1, head_dim)  # [H, group, D]
+    scores = np.matmul(grouped, keys.transpose(0, 2, 1))  # [H, group, tokens]; BLAS reads K transposed
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    output = np.matmul(scores, values)  # [H, group, D]
+    output /= scores.sum(axis=-1, keepdims=True)
+    result: Array = output.reshape(-1, head_dim)
+    return result
+
+
+class DenseCache:
+    """``keys[layer][request]``: ``[kv_heads, tokens, head_dim]`` arrays grown by concatenation."""
+
+    def __init__(self, keys: list[list[Array]], values: list[list[Array]]) -> None:
+        self.keys = keys
+        self.values = values
+
+    def step(self, inputs: StepInputs, scale: float) -> list[Array]:
+        """Append each request's new K/V and attend, layer by layer; ``[batch, q_heads, D]`` per layer."""
+        outputs: list[Array] = []
+        for layer, (layer_keys, layer_values) in enumerate(zip(self.keys, self.values, strict=True)):
+            new_keys, new_values, queries = inputs.keys[layer], inputs.values[layer], inputs.queries[layer]
+            result = np.empty_like(queries)
+            for request in range(len(layer_keys)):
+                layer_keys[request] = np.concatenate((layer_keys[request], new_keys[request][:, None, :]), axis=1)
+                layer_values[request] = np.concatenate((layer_values[request], new_values[request][:, None, :]), axis=1)
+                result[request] = dense_decode_attention(
+                    queries[request], layer_keys[request], layer_values[request], scale
+                )
+            outputs.append(result)
+        return outputs
+
+    def memory_bytes(self) -> int:
+        """Bytes the arrays hold (exactly the tokens stored)."""
+        return sum(array.nbytes for layer in (*self.keys, *self.values) for array in layer)
+
+
+# -- ours ---------------------------------------------------------------------------------
+
+
+def paged_step(manager: Manager, handles: Sequence[Handle], inputs: StepInputs) -> list[Array]:
+    """One decode step through the manager's public data path; ``[batch, q_heads, D]`` per layer."""
+    slots = np.concatenate([manager.extend(handle, 1) for handle in handles])
+    page_table = manager.page_table(handles)
+    outputs: list[Array] = []
+    for layer in range(manager.config.num_layers):
+        manager.write(layer, slots, inputs.keys[layer], inputs.values[layer])
+        outputs.append(manager.paged_attention(layer, inputs.queries[layer], page_table))
+    return outputs
+
+
+# -- building both caches with the same contents ------------------------------------------
+
+
+@dataclass
+class Scenario:
+    """Both caches of one scenario, holding the same tokens."""
+
+    name: str
+    geometry: Geometry
+    manager: Manager
+    handles: list[Handle]
+    dense: DenseCache
+
+
+def fill_both(
+    name: str, geometry: Geometry, manager: Manager, handles: list[Handle], slots: list[Array], rng: np.random.Generator
+) -> Scenario:
+    """Write random contexts into the pool (one write per layer) and keep them as the dense cache.
+
+    ``slots[r]`` are the slots ``extend`` handed request ``r`` for its tokens, in order.
+    """
+    all_slots = np.concatenate(slots)
+    dense_keys: list[list[Array]] = []
+    dense_values: list[list[Array]] = []
+    shape = (geometry.num_kv_heads, -1, geometry.head_dim)
+    for layer in range(geometry.num_layers):
+        per_kind: list[list[Array]] = []
+        for _kind in ("keys", "values"):
+            # [kv_heads, tokens, head_dim] per request: the dense layout, generated directly.
+            arrays = [
+                rng.standard_normal((shape[0], request_slots.size, shape[2]), dtype=np.float32).astype(
+                    geometry.dtype, copy=False
+                )
+                for request_slots in slots
+            ]
+            per_kind.append(arrays)
+        token_major = [
+            np.concatenate([array.transpose(1, 0, 2) for array in arrays]) for arrays in per_kind
+        ]  # [sum tokens, kv_heads, head_dim]
+        manager.write(layer, all_slots, token_major[0], token_major[1])
+        del token_major
+        dense_keys.append(per_kind[0])
+        dense_values.append(per_kind[1])
+    return Scenario(name, geometry, manager, handles, DenseCache(dense_keys, dense_values))
+
+
+def make_manager(geometry: Geometry, num_blocks: int) -> Manager:
+    """A NumPy-backend manager with this geometry and pool size (``create_manager`` unless
+    another placement than the default is asked for)."""
+    config = CacheConfig(
+        num_layers=geometry.num_layers,
+        num_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        num_blocks=num_blocks,
+        block_size=geometry.block_size,
+        dtype=geometry.dtype,
+        kv_layout=geometry.kv_layout,
+    )
+    if geometry.placement == "contiguous":
+        return create_manager("numpy", config)
+    return PagedKvCacheManager(NumpyStorage(config), backend="numpy", placement=geometry.placement)
+
+
+def single_request(geometry: Geometry, context: int, extra_steps: int, rng: np.random.Generator) -> Scenario:
+    """Scenario (a): one request holding ``context`` tokens."""
+    blocks = math.ceil((context + extra_steps) / geometry.block_size)
+    manager = make_manager(geometry, blocks)
+    handle = manager.allocate(AllocationRequest("request-0"))
+    slots = manager.extend(handle, context)
+    return fill_both(f"1 x {context}", geometry, manager, [handle], [slots], rng)
+
+
+def staggered_batch(
+    geometry: Geometry, lengths: Sequence[int], extra_steps: int, headroom: float, rng: np.random.Generator
+) -> Scenario:
+    """Scenario (b): requests that grew side by side, one token per step each.
+
+    Request ``r`` arrives at step ``max(lengths) - lengths[r]``, so at the end every
+    request holds its length and is still decoding; the pool has ``headroom`` more blocks
+    than the final lengths plus the benchmark's steps need.
+    """
+    needed = sum(math.ceil((length + extra_steps) / geometry.block_size) for length in lengths)
+    manager = make_manager(geometry, math.ceil(needed * (1.0 + headroom)))
+    longest = max(lengths)
+    handles: list[Handle | None] = [None] * len(lengths)
+    slot_parts: list[list[Array]] = [[] for _ in lengths]
+    for step in range(longest):
+        for request, length in enumerate(lengths):
+            if step < longest - length:
+                continue
+            handle = handles[request]
+            if handle is None:
+                handle = manager.allocate(AllocationRequest(f"request-{request}"))
+                handles[request] = handle
+            slot_parts[request].append(manager.extend(handle, 1))
+    ready = [handle for handle in handles if handle is not None]
+    slots = [np.concatenate(parts) for parts in slot_parts]
+    return fill_both(f"{len(lengths)} mixed", geometry, manager, ready, slots, rng)
+
+
+# -- timing -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds of one decode step for each approach, and how much the steps varied."""
+
+    ours_s: float
+    dense_s: float
+    spread: float  # the larger interquartile range of the two, as a fraction of its median
+
+
+def relative_spread(samples: Sequence[float]) -> float:
+    """Interquartile range over median (0 with fewer than two samples)."""
+    if len(samples) < 2:
+        return 0.0
+    low, _, high = statistics.quantiles(samples, n=4)
+    return (high - low) / statistics.median(samples)
+
+
+def outputs_match(ours: Sequence[Array], dense: Sequence[Array]) -> tuple[bool, float]:
+    """Whether every layer's outputs agree, and the largest absolute difference."""
+    worst = max(float(np.max(np.abs(a - b))) for a, b in zip(ours, dense, strict=True))
+    return all(np.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(ours, dense, strict=True)), worst
+
+
+def run_scenario(scenario: Scenario, repeats: int, rng: np.random.Generator) -> Timing:
+    """Verify, then time ``repeats`` steps of each approach (alternating); exit 1 on a mismatch."""
+    geometry = scenario.geometry
+    scale = 1.0 / math.sqrt(geometry.head_dim)
+    batch = len(scenario.handles)
+
+    def ours(inputs: StepInputs) -> list[Array]:
+        return paged_step(scenario.manager, scenario.handles, inputs)
+
+    def dense(inputs: StepInputs) -> list[Array]:
+        return scenario.dense.step(inputs, scale)
+
+    approaches: tuple[tuple[str, Callable[[StepInputs], list[Array]]], ...] = (("ours", ours), ("dense", dense))
+    times: dict[str, list[float]] = {"ours": [], "dense": []}
+    for step in range(repeats + 1):  # step 0: the verification step, untimed
+        inputs = step_inputs(rng, geometry, batch)
+        results: dict[str, list[Array]] = {}
+        order = approaches if step % 2 == 0 else approaches[::-1]
+        for name, function in order:
+            started = time.perf_counter()
+            results[name] = function(inputs)
+            if step:
+                times[name].append(time.perf_counter() - started)
+        same, worst = outputs_match(results["ours"], results["dense"])
+        if step == 0:
+            verdict = "match" if same else "DIFFER"
+            print(
+                f"  verify {scenario.name:>10}: paged and dense attention outputs {verdict} "
+                f"(np.allclose rtol={RTOL:g} atol={ATOL:g}, max |diff| {worst:.2e}, {geometry.num_layers} layers)"
+            )
+        if not same:
+            print(f"error: outputs differ at step {step} of {scenario.name} (max |diff| {worst:.3e})", file=sys.stderr)
+            sys.exit(1)
+    spread = max(relative_spread(times["ours"]), relative_spread(times["dense"]))
+    return Timing(statistics.median(times["ours"]), statistics.median(times["dense"]), spread)
+
+
+# -- command line -----------------------------------------------------------------------
+
+
+def int_list(text: str) -> list[int]:
+    """``"1024,4096"`` -> ``[1024, 4096]``."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, with the ``--quick`` defaults applied."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
+    parser.add_argument("--query-heads", type=int, default=32, help="query heads (default 32)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
+    parser.add_argument("--head-dim", type=int, default=128, help="features per head (default 128)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="NHD", help="layout of our pool (default NHD)")
+    parser.add_argument(
+        "--placement",
+        choices=("contiguous", "fifo"),
+        default="contiguous",
+        help="our allocator's placement (default contiguous; fifo fragments scenario (b) into many runs)",
+    )
+    parser.add_argument(
+        "--contexts", type=int_list, default=None, help="scenario (a) contexts (default 1024,4096,8192)"
+    )
+    parser.add_argument("--batch-size", type=int, default=16, help="scenario (b) requests (default 16)")
+    parser.add_argument("--min-length", type=int, default=128, help="scenario (b) shortest request (default 128)")
+    parser.add_argument("--max-length", type=int, default=None, help="scenario (b) longest request (default 4096)")
+    parser.add_argument("--headroom", type=float, default=0.25, help="scenario (b) spare pool fraction (default 0.25)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per scenario (default 15)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of lengths and data (default 0)")
+    parser.add_argument("--skip-batch", action="store_true", help="run scenario (a) only")
+    parser.add_argument(
+        "--quick", action="store_true", help="smaller defaults: contexts 1024,4096, batch up to 1024, 7 repeats"
+    )
+    args = parser.parse_args(argv)
+    if args.contexts is None:
+        args.contexts = [1024, 4096] if args.quick else [1024, 4096, 8192]
+    if args.max_length is None:
+        args.max_length = 1024 if args.quick else 4096
+    if args.repeats is None:
+        args.repeats = 7 if args.quick else 15
+    if args.repeats < 1 or args.layers < 1 or args.batch_size < 1 or not 1 <= args.min_length <= args.max_length:
+        parser.error("--repeats, --layers, --batch-size must be >= 1 and 1 <= --min-length <= --max-length")
+    if args.query_heads % args.kv_heads:
+        parser.error("--query-heads must be a multiple of --kv-heads")
+    return args
+
+
+def mib(num_bytes: int) -> str:
+    """``1_572_864`` -> ``"1.5 MiB"``."""
+    return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run every scenario and print the table; 1 if the two approaches disagree."""
+    args = parse_args(argv)
+    recommended = " ".join(f"{key}={value}" for key, value in RECOMMENDED_ENV.items())
+    print(f"recommended environment: {recommended}")
+    missing = [key for key, value in RECOMMENDED_ENV.items() if os.environ.get(key) != value]
+    print(f"  (currently {'set' if not missing else 'NOT set: ' + ', '.join(missing)})")
+    threads = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
+    print(
+        f"  on a machine other processes share, add OPENBLAS_NUM_THREADS=1 (now {threads}): BLAS threads "
+        "waiting for a busy core can make a step 10x slower"
+    )
+    geometry = Geometry(
+        args.layers,
+        args.query_heads,
+        args.kv_heads,
+        args.head_dim,
+        args.block_size,
+        kv_layout=args.kv_layout,
+        placement=args.placement,
+    )
+    print(
+        f"geometry: {geometry.num_layers} layers, {geometry.num_query_heads} query heads, "
+        f"{geometry.num_kv_heads} KV heads, head_dim {geometry.head_dim}, {geometry.dtype}, "
+        f"block_size {geometry.block_size}, pool layout {geometry.kv_layout}, placement {geometry.placement}"
+    )
+    print(f"{args.repeats} timed decode steps per scenario after one verification step; medians")
+    print(f"numpy {np.__version__}, {os.cpu_count()} CPUs")
+    rng = np.random.default_rng(args.seed)
+    extra_steps = args.repeats + 1
+    rows: list[tuple[str, Timing]] = []
+    started = time.perf_counter()
+    for context in args.contexts:
+        scenario = single_request(geometry, context, extra_steps, rng)
+        rows.append((scenario.name, run_scenario(scenario, args.repeats, rng)))
+        del scenario
+    batch_notes: list[str] = []
+    if not args.skip_batch:
+        draw = random.Random(args.seed)
+        lengths = sorted(draw.randint(args.min_length, args.max_length) for _ in range(args.batch_size))
+        build_started = time.perf_counter()
+        scenario = staggered_batch(geometry, lengths, extra_steps, args.headroom, rng)
+        build_s = time.perf_counter() - build_started
+        runs = [len(handle.block_table().runs()) for handle in scenario.handles]
+        pool_bytes = scenario.manager.stats().total_memory_bytes
+        rows.append((scenario.name, run_scenario(scenario, args.repeats, rng)))
+        manager_stats = scenario.manager.stats()
+        tokens = manager_stats.tokens_stored
+        batch_notes = [
+            f"scenario (b): {len(lengths)} requests, lengths {lengths} (seed {args.seed}), "
+            f"built in {build_s:.1f} s "
+            "(grown one token per step side by side, then filled)",
+            f"  block runs per request (BlockTable.runs()): {runs}  -> max {max(runs)}, "
+            f"mean {statistics.fmean(runs):.2f}",
+            f"  KV memory after the steps, {tokens:,} tokens:",
+            f"    ours : pool {mib(pool_bytes)} allocated ({args.headroom:.0%} headroom), "
+            f"{mib(manager_stats.used_memory_bytes)} in {manager_stats.used_blocks:,} used blocks "
+            f"(utilization {manager_stats.utilization:.1%})",
+            f"    dense: {mib(scenario.dense.memory_bytes())} (exact), plus a transient copy of one "
+            f"request-layer array per append",
+            f"    exact: {mib(tokens * geometry.bytes_per_token)}",
+        ]
+        del scenario
+
+    print()
+    header = f"{'scenario':>12} | {'ours (ms)':>10} | {'dense (ms)':>10} | {'dense/ours':>10} | {'IQR/median':>10}"
+    print(header)
+    print("-" * len(header))
+    for name, timing in rows:
+        ratio = timing.dense_s / timing.ours_s
+        print(
+            f"{name:>12} | {timing.ours_s * 1e3:10.2f} | {timing.dense_s * 1e3:10.2f} | {ratio:9.2f}x"
+            f" | {timing.spread:9.0%}"
+        )
+    print(
+        "(median of one decode step over all layers; dense/ours > 1 means the paged cache is faster;\n"
+        " IQR/median: the noisier approach's spread -- rerun or raise --repeats when it is large)"
+    )
+    for note in batch_notes:
+        print(note)
+    print(f"total {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

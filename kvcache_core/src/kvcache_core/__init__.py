@@ -1,0 +1,123 @@
+"""kvcache-core: the paged key/value cache of transformer inference.
+
+The contract (:class:`KvCacheHandle`, :class:`KvCacheManager`, :class:`BlockTable`), the
+paged manager and allocator, the NumPy reference backend, and backend discovery::
+
+    from kvcache_core import AllocationRequest, CacheConfig, create_manager
+
+    manager = create_manager("numpy", CacheConfig(num_layers=2, num_heads=4, head_dim=64, num_blocks=256))
+    handle = manager.allocate(AllocationRequest("req-1", initial_tokens=10))
+    slots = manager.extend(handle, 10)
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from kvcache_core.allocator import BlockAllocator, FreeBlockQueue
+from kvcache_core.attention import decode_indptr, paged_attention
+from kvcache_core.block_table import BlockRun, BlockTable
+from kvcache_core.config import DTYPE_SIZES, KV_LAYOUTS, AllocationRequest, CacheConfig
+from kvcache_core.device import Device
+from kvcache_core.discovery import (
+    ENTRY_POINT_GROUP,
+    BackendInfo,
+    available_backends,
+    create_manager,
+    get_backend,
+    get_plugin_manager,
+    installed_backends,
+    refresh_backends,
+)
+from kvcache_core.errors import (
+    ArrayTypeError,
+    BackendConflictError,
+    BackendNotFoundError,
+    BackendUnavailableError,
+    DTypeMismatchError,
+    DuplicateRequestError,
+    ForeignHandleError,
+    InsufficientBlocksError,
+    InvalidArgumentError,
+    InvalidConfigError,
+    InvalidHandleError,
+    InvalidTypeError,
+    KvCacheError,
+    KvCachePluginWarning,
+    LayerIndexError,
+    OutOfBlocksError,
+    SequenceTooLongError,
+    ShapeMismatchError,
+    SlotError,
+    UnknownRequestError,
+    UnsupportedConfigError,
+)
+from kvcache_core.handle import PagedKvCacheHandle
+from kvcache_core.hookspecs import BackendSpec, hookimpl, hookspec
+from kvcache_core.manager import InvariantError, PagedKvCacheManager
+from kvcache_core.page_table import PageTable
+from kvcache_core.protocols import KvCacheHandle, KvCacheManager, KvStorage
+from kvcache_core.stats import CacheGcStats, CacheHandleStats, CacheManagerStats, MemoryPressure
+
+try:
+    __version__ = version("kvcache-core")
+except PackageNotFoundError:  # running from an uninstalled tree
+    __version__ = "0+unknown"
+
+__all__ = [
+    "DTYPE_SIZES",
+    "ENTRY_POINT_GROUP",
+    "KV_LAYOUTS",
+    "AllocationRequest",
+    "ArrayTypeError",
+    "BackendConflictError",
+    "BackendInfo",
+    "BackendNotFoundError",
+    "BackendSpec",
+    "BackendUnavailableError",
+    "BlockAllocator",
+    "BlockRun",
+    "BlockTable",
+    "CacheConfig",
+    "CacheGcStats",
+    "CacheHandleStats",
+    "CacheManagerStats",
+    "DTypeMismatchError",
+    "Device",
+    "DuplicateRequestError",
+    "ForeignHandleError",
+    "FreeBlockQueue",
+    "InsufficientBlocksError",
+    "InvalidArgumentError",
+    "InvalidConfigError",
+    "InvalidHandleError",
+    "InvalidTypeError",
+    "InvariantError",
+    "KvCacheError",
+    "KvCacheHandle",
+    "KvCacheManager",
+    "KvCachePluginWarning",
+    "KvStorage",
+    "LayerIndexError",
+    "MemoryPressure",
+    "OutOfBlocksError",
+    "PageTable",
+    "PagedKvCacheHandle",
+    "PagedKvCacheManager",
+    "SequenceTooLongError",
+    "ShapeMismatchError",
+    "SlotError",
+    "UnknownRequestError",
+    "UnsupportedConfigError",
+    "__version__",
+    "available_backends",
+    "create_manager",
+    "decode_indptr",
+    "get_backend",
+    "get_plugin_manager",
+    "hookimpl",
+    "hookspec",
+    "installed_backends",
+    "paged_attention",
+    "refresh_backends",
+]

@@ -1,0 +1,254 @@
+"""NumPy reference paged attention: decode and prefill, causal, grouped-query, ragged batch.
+
+It reads K/V from the pool in place: each run of physically consecutive blocks of a
+request is one zero-copy view of the pool. The runs' scores fill one buffer per request,
+one softmax normalises them and each run adds its share of the values, so any number of
+runs gives the exact result without a merge step. Nothing copies a request's context;
+the score buffer is bounded by splitting very long prefills into chunks of query rows.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.config import KV_LAYOUTS
+from kvcache_core.errors import InvalidArgumentError, ShapeMismatchError
+from kvcache_core.page_table import PageTable
+
+__all__ = ["decode_indptr", "paged_attention", "validate_query_indptr"]
+
+FloatArray = npt.NDArray[np.floating[Any]]
+IntArray = npt.NDArray[np.int64]
+
+#: Most elements of one request's score buffer before its query rows are split in chunks
+#: (16 MiB of float32): long prefills stay bounded in memory.
+_SCORE_BUDGET = 1 << 22
+
+
+class _Run(NamedTuple):
+    """One run of consecutive blocks: its first token, live tokens and pool views."""
+
+    first_token: int
+    tokens: int
+    keys: FloatArray
+    values: FloatArray
+
+
+def decode_indptr(batch_size: int) -> npt.NDArray[np.int32]:
+    """``qo_indptr`` of a decode step: one query token per request."""
+    return np.arange(batch_size + 1, dtype=np.int32)
+
+
+def validate_query_indptr(qo_indptr: object, page_table: PageTable, total_queries: int) -> npt.NDArray[np.int32]:
+    """Check a ``qo_indptr`` (``[B + 1]``) against a page table and the query count.
+
+    Query tokens of request ``b`` are ``query[qo_indptr[b]:qo_indptr[b + 1]]``: the last
+    tokens of its sequence, so each request needs at most ``seq_lens[b]`` of them.
+    ``None`` means one query per request (decode).
+
+    Raises:
+        InvalidArgumentError: wrong length, not offsets from 0 to ``total_queries``, or a
+            request with more queries than tokens.
+    """
+    batch = page_table.batch_size
+    if qo_indptr is None:
+        if total_queries != batch:
+            raise ShapeMismatchError(
+                f"decode attention takes one query per request: {batch} requests, "
+                f"{total_queries} query tokens; pass qo_indptr for prefill"
+            )
+        return decode_indptr(batch)
+    indptr = np.asarray(qo_indptr)
+    if indptr.dtype.kind not in "iu" or indptr.shape != (batch + 1,):
+        raise InvalidArgumentError(
+            f"qo_indptr must be {batch + 1} integers, got dtype {indptr.dtype} shape {indptr.shape}"
+        )
+    counts = np.diff(indptr)
+    if indptr[0] != 0 or int(indptr[-1]) != total_queries or np.any(counts < 0):
+        raise InvalidArgumentError(
+            f"qo_indptr must rise from 0 to {total_queries} (the query tokens), got {indptr.tolist()}"
+        )
+    too_many = np.flatnonzero(counts > page_table.seq_lens)
+    if too_many.size:
+        b = int(too_many[0])
+        raise InvalidArgumentError(
+            f"request {b} has {int(counts[b])} query tokens but only {int(page_table.seq_lens[b])} "
+            "cached tokens; write a token's K/V before attending from it"
+        )
+    return indptr.astype(np.int32)
+
+
+def _run_view(cache: FloatArray, start: int, length: int, layout: str) -> FloatArray:
+    """A run of blocks as a ``[num_heads, length, block_size, head_dim]`` view (no copy)."""
+    view: FloatArray
+    if layout == "NHD":
+        view = cache[start : start + length].transpose(2, 0, 1, 3)
+    elif layout == "HND":
+        view = cache[start : start + length].transpose(1, 0, 2, 3)
+    else:
+        view = cache[:, start : start + length]
+    return view
+
+
+def paged_attention(
+    query: FloatArray,
+    key_cache: FloatArray,
+    value_cache: FloatArray,
+    page_table: PageTable,
+    *,
+    qo_indptr: object = None,
+    scale: float | None = None,
+    causal: bool = True,
+    kv_layout: str = "NHD",
+) -> FloatArray:
+    """Attention of packed queries over the paged K/V of a batch.
+
+    Args:
+        query: ``[total_queries, num_query_heads, head_dim]``, requests packed in batch
+            order; ``num_query_heads`` a multiple of the pool's ``num_heads`` (GQA).
+        key_cache, value_cache: one layer's pool in ``kv_layout``.
+        page_table: the batch's pages (:meth:`KvCacheManager.page_table`).
+        qo_indptr: ``[B + 1]`` query offsets per request; ``None`` for decode (one each).
+        scale: score scale, ``1 / sqrt(head_dim)`` by default.
+        causal: query ``i`` of a request with ``q`` queries and ``n`` tokens sits at
+            position ``n - q + i`` and sees keys up to it; otherwise it sees all ``n``.
+        kv_layout: ``"NHD"``, ``"HND"`` or ``"heads_first"``.
+
+    Returns:
+        ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype.
+
+    Raises:
+        ShapeMismatchError: shapes that do not fit together.
+        InvalidArgumentError: bad ``qo_indptr``, ``scale`` or ``kv_layout``.
+    """
+    if kv_layout not in KV_LAYOUTS:
+        raise InvalidArgumentError(f"kv_layout {kv_layout!r} is unknown; valid: {', '.join(KV_LAYOUTS)}")
+    if key_cache.shape != value_cache.shape or key_cache.ndim != 4:
+        raise ShapeMismatchError(
+            f"key and value caches must share one 4-D shape, got {key_cache.shape} and {value_cache.shape}"
+        )
+    heads_axis = {"NHD": 2, "HND": 1, "heads_first": 0}[kv_layout]
+    num_heads, head_dim = key_cache.shape[heads_axis], key_cache.shape[3]
+    if query.ndim != 3 or query.shape[2] != head_dim or query.shape[1] % num_heads:
+        raise ShapeMismatchError(
+            f"query must be [tokens, k * {num_heads}, {head_dim}] for a pool of {num_heads} heads "
+            f"of {head_dim}, got {query.shape}"
+        )
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scale, bool) or not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
+        raise InvalidArgumentError(f"scale must be a finite number > 0, got {scale!r}")
+    indptr = validate_query_indptr(qo_indptr, page_table, query.shape[0])
+    group = query.shape[1] // num_heads
+    compute = np.float64 if query.dtype == np.float64 else np.float32
+    output = np.empty(query.shape, dtype=query.dtype)
+    for b in range(page_table.batch_size):
+        q_start, q_stop = int(indptr[b]), int(indptr[b + 1])
+        if q_stop == q_start:
+            continue
+        num_queries, seq_len = q_stop - q_start, int(page_table.seq_lens[b])
+        rows = num_queries * group
+        # [num_heads, queries * group, head_dim]: the query rows of one KV head together.
+        q = (
+            query[q_start:q_stop]
+            .astype(compute, copy=False)
+            .reshape(num_queries, num_heads, group, head_dim)
+            .transpose(1, 0, 2, 3)
+            .reshape(num_heads, rows, head_dim)
+        )
+        runs = [
+            _Run(
+                first_token=run.first_logical * page_table.block_size,
+                tokens=min(run.length * page_table.block_size, seq_len - run.first_logical * page_table.block_size),
+                keys=_run_view(key_cache, run.start, run.length, kv_layout),
+                values=_run_view(value_cache, run.start, run.length, kv_layout),
+            )
+            for run in page_table.runs(b)
+        ]
+        row_positions = np.repeat(np.arange(seq_len - num_queries, seq_len), group) if causal else None
+        out = np.empty((num_heads, rows, head_dim), dtype=compute)
+        chunk = max(1, _SCORE_BUDGET // (num_heads * seq_len))  # bounds long prefills' scores
+        for first_row in range(0, rows, chunk):
+            last_row = min(rows, first_row + chunk)
+            out[:, first_row:last_row] = _attend_rows(
+                q[:, first_row:last_row],
+                runs,
+                seq_len,
+                None if row_positions is None else row_positions[first_row:last_row],
+                compute(scale),
+            )
+        output[q_start:q_stop] = (
+            out.reshape(num_heads, num_queries, group, head_dim)
+            .transpose(1, 0, 2, 3)
+            .reshape(num_queries, num_heads * group, head_dim)
+        )
+    return output
+
+
+def _as_tokens(run: FloatArray) -> FloatArray | None:
+    """``[heads, blocks, block_size, dim]`` -> ``[heads, tokens, dim]`` if NumPy can do it
+    as a view (NHD and heads_first pools); ``None`` when it would copy (HND)."""
+    heads, blocks, tokens, dim = run.shape
+    if blocks == 1 or run.strides[1] == tokens * run.strides[2]:
+        return run.reshape(heads, blocks * tokens, dim)
+    return None
+
+
+def _attend_rows(
+    q: FloatArray, runs: list[_Run], seq_len: int, row_positions: IntArray | None, scale: np.floating[Any]
+) -> FloatArray:
+    """Softmax attention of query rows ``[heads, rows, dim]`` over every run of a request.
+
+    Each run's scores land in its slice of one ``[heads, rows, seq_len]`` buffer, one
+    softmax normalises them, and each run adds its weighted values: the runs are read in
+    place and no merge step is needed."""
+    heads, rows, _ = q.shape
+    scores = np.empty((heads, rows, seq_len), dtype=q.dtype)
+    for run in runs:
+        _run_scores(q, run, scores[:, :, run.first_token : run.first_token + run.tokens])
+    scores *= scale
+    if row_positions is not None:
+        hidden = np.arange(seq_len)[None, :] > row_positions[:, None]  # [rows, seq_len]
+        if hidden.any():
+            np.copyto(scores, -np.inf, where=hidden[None])
+    scores -= scores.max(axis=-1, keepdims=True)  # every row sees key 0, so the max is finite
+    np.exp(scores, out=scores)
+    result = np.zeros((heads, rows, q.shape[2]), dtype=q.dtype)
+    for run in runs:
+        result += _run_weighted_values(scores[:, :, run.first_token : run.first_token + run.tokens], run)
+    result /= scores.sum(axis=-1, keepdims=True)
+    return result
+
+
+def _run_scores(q: FloatArray, run: _Run, out: FloatArray) -> None:
+    """``q [heads, rows, dim]`` against the run's keys, into ``out [heads, rows, tokens]``."""
+    dtype = q.dtype
+    flat = _as_tokens(run.keys)
+    if flat is not None:
+        np.matmul(q, flat[:, : run.tokens].transpose(0, 2, 1).astype(dtype, copy=False), out=out)
+        return
+    # One product per block, batched over (head, block): still no copy of the pool.
+    per_block: FloatArray = np.matmul(q[:, None], run.keys.transpose(0, 1, 3, 2).astype(dtype, copy=False))
+    heads, blocks, rows, tokens = per_block.shape
+    out[...] = per_block.transpose(0, 2, 1, 3).reshape(heads, rows, blocks * tokens)[:, :, : run.tokens]
+
+
+def _run_weighted_values(weights: FloatArray, run: _Run) -> FloatArray:
+    """``weights [heads, rows, tokens]`` times the run's values -> ``[heads, rows, dim]``."""
+    dtype = weights.dtype
+    flat = _as_tokens(run.values)
+    result: FloatArray
+    if flat is not None:
+        result = np.matmul(weights, flat[:, : run.tokens].astype(dtype, copy=False))
+        return result
+    heads, blocks, tokens, _ = run.values.shape
+    padded = np.zeros((heads, weights.shape[1], blocks * tokens), dtype=dtype)
+    padded[:, :, : run.tokens] = weights
+    per_block = padded.reshape(heads, -1, blocks, tokens).transpose(0, 2, 1, 3)
+    result = np.matmul(per_block, run.values.astype(dtype, copy=False)).sum(axis=1)
+    return result

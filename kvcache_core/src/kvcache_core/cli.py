@@ -1,0 +1,89 @@
+"""The ``kvcache`` command: ``kvcache backends`` and ``kvcache demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import TextIO
+
+from kvcache_core import __version__
+from kvcache_core.demo import DemoOptions, run_demo
+from kvcache_core.discovery import KNOWN_BACKENDS, installed_backends
+from kvcache_core.errors import KvCacheError
+
+__all__ = ["main"]
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)]
+    for line in (headers, ["-" * width for width in widths], *rows):
+        out.write("  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=False)).rstrip() + "\n")
+
+
+def _backends(out: TextIO) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        infos = installed_backends()
+    rows: list[list[str]] = []
+    for info in infos:
+        available, reason = info.spec.availability()
+        rows.append(
+            [
+                info.name,
+                info.distribution,
+                info.version,
+                "yes" if available else f"no: {reason}",
+                ", ".join(info.spec.devices),
+            ]
+        )
+    _table(["name", "distribution", "version", "available", "devices"], rows, out)
+    missing = [name for name in KNOWN_BACKENDS if name not in {info.name for info in infos}]
+    if missing:
+        out.write("\nnot installed: " + ", ".join(f"{name} ({KNOWN_BACKENDS[name]})" for name in missing) + "\n")
+    for warning in caught:
+        out.write(f"\nwarning: {warning.message}\n")
+    return 0
+
+
+def _demo(args: argparse.Namespace, out: TextIO) -> int:
+    options = DemoOptions(num_requests=args.requests, seed=args.seed)
+    report = run_demo(args.backend, options, out)
+    return 0 if report.ok else 1
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcache", description="Paged key/value cache for transformer inference.")
+    parser.add_argument("--version", action="version", version=f"kvcache-core {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("backends", help="list installed backends and whether they can run here")
+    demo = commands.add_parser("demo", help="serve a small random transformer through the paged cache and check it")
+    demo.add_argument("--backend", default="numpy", help="backend to run on (default: numpy)")
+    demo.add_argument("--requests", type=_positive, default=DemoOptions.num_requests, help="requests to serve")
+    demo.add_argument("--seed", type=int, default=DemoOptions.seed, help="seed of weights and workload")
+    return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    stream = out or sys.stdout
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "backends":
+            return _backends(stream)
+        return _demo(args, stream)
+    except KvCacheError as exc:
+        sys.stderr.write(f"kvcache: error: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Finding backends: entry points of group ``kvcache_core.backends``, loaded through pluggy.
+
+Each entry point is loaded and asked for its specs on its own: a plugin that fails to
+import, or whose hook raises, produces a :class:`~kvcache_core.errors.KvCachePluginWarning`
+naming its distribution, and every other backend still loads. Discovery runs once and is
+cached; :func:`refresh_backends` runs it again (after installing a plugin at run time).
+
+Discovery imports the plugin modules only; they must not import torch or jax at module
+level, so listing backends never does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Literal, overload
+
+import pluggy
+
+from kvcache_core.allocator import Placement
+from kvcache_core.config import CacheConfig
+from kvcache_core.errors import (
+    BackendConflictError,
+    BackendNotFoundError,
+    BackendUnavailableError,
+    InvalidTypeError,
+    KvCachePluginWarning,
+    UnsupportedConfigError,
+)
+from kvcache_core.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec
+from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.numpy_backend import NumpyArray
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "KNOWN_BACKENDS",
+    "BackendInfo",
+    "available_backends",
+    "create_manager",
+    "get_backend",
+    "get_plugin_manager",
+    "installed_backends",
+    "refresh_backends",
+]
+
+#: The entry-point group backends register under.
+ENTRY_POINT_GROUP = "kvcache_core.backends"
+
+#: Backends this project publishes, with the command that installs each.
+KNOWN_BACKENDS: dict[str, str] = {
+    "numpy": "pip install kvcache-core",
+    "torch": "pip install kvcache-torch",
+    "jax": "pip install kvcache-jax",
+}
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """An installed backend: its spec and where it came from."""
+
+    spec: BackendSpec
+    distribution: str
+    version: str
+    entry_point: str
+
+    @property
+    def name(self) -> str:
+        """The backend's name."""
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class _Registry:
+    plugin_manager: pluggy.PluginManager
+    backends: dict[str, BackendInfo]
+    conflicts: dict[str, tuple[str, ...]]
+
+
+_lock = threading.Lock()
+_registry: _Registry | None = None
+
+
+def _distribution_of(entry_point: metadata.EntryPoint) -> tuple[str, str]:
+    dist = entry_point.dist
+    if dist is None:
+        return "unknown distribution", "?"
+    return dist.metadata["Name"] or "unknown distribution", dist.version
+
+
+def _collect_specs(plugin_manager: pluggy.PluginManager, plugin: object) -> list[BackendSpec]:
+    """Call this plugin's hook implementations alone, so a failure stays its own."""
+    impls = [impl for impl in plugin_manager.hook.kvcache_register_backends.get_hookimpls() if impl.plugin is plugin]
+    if not impls:
+        raise TypeError("it defines no @hookimpl kvcache_register_backends()")
+    specs: list[BackendSpec] = []
+    for impl in impls:
+        produced: object = impl.function()
+        if produced is None:
+            continue
+        if not isinstance(produced, Iterable):
+            raise TypeError(f"its hook returned {type(produced).__name__}, not an iterable of BackendSpec")
+        items: Iterable[object] = produced  # pyright: ignore[reportUnknownVariableType]
+        for item in items:
+            if not isinstance(item, BackendSpec):
+                raise TypeError(f"its hook yielded {type(item).__name__}, not BackendSpec")
+            specs.append(item)
+    return specs
+
+
+def _discover() -> _Registry:
+    plugin_manager = pluggy.PluginManager(PROJECT_NAME)
+    plugin_manager.add_hookspecs(BackendHookSpecs)
+    backends: dict[str, BackendInfo] = {}
+    conflicts: dict[str, list[str]] = {}
+    entry_points = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (ep.name, ep.value))
+    for entry_point in entry_points:
+        distribution, version = _distribution_of(entry_point)
+        try:
+            plugin = entry_point.load()
+            if plugin_manager.is_registered(plugin):
+                continue  # two entry points naming one module: already counted
+            plugin_manager.register(plugin, name=f"{distribution}:{entry_point.name}")
+            try:
+                specs = _collect_specs(plugin_manager, plugin)
+            except Exception:
+                plugin_manager.unregister(plugin)
+                raise
+        except Exception as exc:  # isolate every plugin: one broken one must hide nothing
+            warnings.warn(
+                KvCachePluginWarning(
+                    f"kvcache backend plugin {entry_point.name!r} from distribution {distribution} "
+                    f"{version} ({entry_point.value}) failed to load and was skipped: "
+                    f"{type(exc).__name__}: {exc}"
+                ),
+                stacklevel=3,
+            )
+            continue
+        for spec in specs:
+            info = BackendInfo(spec, distribution, version, f"{entry_point.name} = {entry_point.value}")
+            if spec.name in backends and backends[spec.name].distribution != distribution:
+                conflicts.setdefault(spec.name, [backends[spec.name].distribution]).append(distribution)
+                warnings.warn(
+                    KvCachePluginWarning(
+                        f"kvcache backend {spec.name!r} is registered by both "
+                        f"{backends[spec.name].distribution} and {distribution}; using it raises "
+                        "until one is uninstalled"
+                    ),
+                    stacklevel=3,
+                )
+                continue
+            backends.setdefault(spec.name, info)
+    return _Registry(plugin_manager, backends, {k: tuple(v) for k, v in conflicts.items()})
+
+
+def _get_registry() -> _Registry:
+    global _registry
+    with _lock:
+        if _registry is None:
+            _registry = _discover()
+        return _registry
+
+
+def refresh_backends() -> None:
+    """Forget the cached discovery; the next call looks at the entry points again."""
+    global _registry
+    with _lock:
+        _registry = None
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The pluggy plugin manager holding every loaded backend plugin."""
+    return _get_registry().plugin_manager
+
+
+def installed_backends() -> list[BackendInfo]:
+    """Every backend whose plugin loaded, available here or not, sorted by name."""
+    registry = _get_registry()
+    return [registry.backends[name] for name in sorted(registry.backends)]
+
+
+def available_backends() -> list[str]:
+    """Names of the installed backends that can run here, sorted."""
+    return [info.name for info in installed_backends() if info.spec.availability()[0]]
+
+
+def _install_hint(names: Iterable[str]) -> str:
+    hints = [f"{name}: {KNOWN_BACKENDS[name]}" for name in KNOWN_BACKENDS if name not in names]
+    return "; to add more: " + ", ".join(hints) if hints else ""
+
+
+def get_backend(name: str) -> BackendSpec:
+    """The spec of an installed, available backend.
+
+    Raises:
+        BackendNotFoundError: no installed backend has this name (the message lists the
+            installed ones and how to install the known others).
+        BackendConflictError: two distributions register this name.
+        BackendUnavailableError: installed, but cannot run here (the message says why).
+    """
+    if not isinstance(name, str):
+        raise InvalidTypeError(f"backend name must be a str, got {name!r}")
+    registry = _get_registry()
+    if name in registry.conflicts:
+        raise BackendConflictError(
+            f"backend {name!r} is registered by several distributions: "
+            f"{', '.join(registry.conflicts[name])}; uninstall all but one"
+        )
+    info = registry.backends.get(name)
+    if info is None:
+        installed = sorted(registry.backends)
+        hint = f" (install it with: {KNOWN_BACKENDS[name]})" if name in KNOWN_BACKENDS else ""
+        raise BackendNotFoundError(
+            f"no kvcache backend named {name!r}{hint}; installed: {', '.join(installed) or 'none'}"
+            f"{_install_hint(installed)}"
+        )
+    available, reason = info.spec.availability()
+    if not available:
+        raise BackendUnavailableError(f"kvcache backend {name!r} ({info.distribution}) is unavailable: {reason}")
+    return info.spec
+
+
+@overload
+def create_manager(
+    backend: Literal["numpy"], config: CacheConfig, *, placement: Placement = "contiguous", **options: Any
+) -> PagedKvCacheManager[NumpyArray]: ...
+@overload
+def create_manager(
+    backend: str, config: CacheConfig, *, placement: Placement = "contiguous", **options: Any
+) -> PagedKvCacheManager[Any]: ...
+def create_manager(
+    backend: str, config: CacheConfig, *, placement: Placement = "contiguous", **options: Any
+) -> PagedKvCacheManager[Any]:
+    """A paged cache manager over a new pool of the named backend.
+
+    Args:
+        backend: an installed backend's name (``"numpy"``, ``"torch"``, ``"jax"``, ...).
+        config: the pool's configuration.
+        placement: the allocator's placement policy (see :class:`BlockAllocator`).
+        **options: passed to the backend's storage factory (backend-specific).
+
+    Raises:
+        BackendNotFoundError, BackendConflictError, BackendUnavailableError: see
+            :func:`get_backend`.
+        InvalidTypeError: ``config`` is not a :class:`CacheConfig`.
+        UnsupportedConfigError: the backend does not support the config's dtype, device
+            or layout (the message lists what it supports), an option its storage factory
+            does not take, or a policy not built yet.
+    """
+    spec = get_backend(backend)
+    if not isinstance(config, CacheConfig):
+        raise InvalidTypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+    problems = spec.check_config(config)
+    if problems:
+        raise UnsupportedConfigError(f"backend {backend!r} does not support {'; '.join(problems)}")
+    try:
+        inspect.signature(spec.storage_factory).bind(config, **options)
+    except TypeError as exc:
+        raise UnsupportedConfigError(f"backend {backend!r} does not take the options {sorted(options)}: {exc}") from exc
+    storage = spec.storage_factory(config, **options)
+    return PagedKvCacheManager(storage, backend=spec.name, placement=placement)

@@ -1,0 +1,121 @@
+"""The exception hierarchy: one root, :class:`KvCacheError`, and specific subclasses.
+
+Each subclass also inherits the builtin exception a Python caller would expect
+(``ValueError`` for a bad value, ``IndexError`` for an index out of range, ...), so
+``except ValueError`` keeps working. Rust's ``Result`` error of the seed crate maps to
+raising one of these; its ``Option`` maps to ``None``.
+
+Every error is raised *before* any state changes: after one is caught, every cache,
+table and count is exactly as it was.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArrayTypeError",
+    "BackendConflictError",
+    "BackendNotFoundError",
+    "BackendUnavailableError",
+    "DTypeMismatchError",
+    "DuplicateRequestError",
+    "ForeignHandleError",
+    "InsufficientBlocksError",
+    "InvalidArgumentError",
+    "InvalidConfigError",
+    "InvalidHandleError",
+    "InvalidTypeError",
+    "KvCacheError",
+    "KvCachePluginWarning",
+    "LayerIndexError",
+    "OutOfBlocksError",
+    "SequenceTooLongError",
+    "ShapeMismatchError",
+    "SlotError",
+    "UnknownRequestError",
+    "UnsupportedConfigError",
+]
+
+
+class KvCacheError(Exception):
+    """Root of every error raised by kvcache."""
+
+
+class InvalidArgumentError(KvCacheError, ValueError):
+    """An argument has a value outside its valid range (negative count, empty id, ...)."""
+
+
+class InvalidConfigError(InvalidArgumentError):
+    """A :class:`~kvcache_core.CacheConfig` field is out of range."""
+
+
+class UnsupportedConfigError(KvCacheError, ValueError):
+    """The configuration is valid, but the chosen backend does not support it
+    (a dtype, device or layout it does not claim, or a policy not built yet)."""
+
+
+class ShapeMismatchError(InvalidArgumentError):
+    """An array has the wrong shape, e.g. keys that are not ``[n, num_heads, head_dim]``."""
+
+
+class DTypeMismatchError(KvCacheError, TypeError):
+    """An array's dtype differs from the pool's dtype."""
+
+
+class InvalidTypeError(KvCacheError, TypeError):
+    """An argument has the wrong type (a list where an AllocationRequest belongs, ...)."""
+
+
+class ArrayTypeError(InvalidTypeError):
+    """An argument is not an array of the backend's native type."""
+
+
+class LayerIndexError(KvCacheError, IndexError):
+    """A layer index outside ``[0, num_layers)``."""
+
+
+class SlotError(KvCacheError, IndexError):
+    """A slot outside the pool, in a block no request owns, or repeated in one write."""
+
+
+class UnknownRequestError(KvCacheError, LookupError):
+    """No live request has this id (never allocated, or already deallocated)."""
+
+
+class DuplicateRequestError(KvCacheError, ValueError):
+    """A request with this id is already allocated."""
+
+
+class InvalidHandleError(KvCacheError, RuntimeError):
+    """The handle's request was deallocated; its data can no longer be read or written."""
+
+
+class ForeignHandleError(KvCacheError, ValueError):
+    """The handle belongs to another manager (or is not a kvcache handle at all)."""
+
+
+class OutOfBlocksError(KvCacheError, MemoryError):
+    """The pool has fewer free blocks than the operation needs. Nothing was taken."""
+
+
+class SequenceTooLongError(InvalidArgumentError):
+    """Extending would grow a request past its ``max_sequence_length``."""
+
+
+class InsufficientBlocksError(InvalidArgumentError):
+    """:meth:`BlockTable.extend_sequence` was asked for more tokens than its blocks hold."""
+
+
+class BackendNotFoundError(KvCacheError, LookupError):
+    """No installed backend has this name."""
+
+
+class BackendUnavailableError(KvCacheError, RuntimeError):
+    """The backend is installed, but cannot run here (its library or device is missing)."""
+
+
+class BackendConflictError(KvCacheError, ValueError):
+    """Two installed distributions register a backend under the same name."""
+
+
+class KvCachePluginWarning(UserWarning):
+    """A backend plugin failed to load; the other backends are unaffected."""

@@ -1,0 +1,111 @@
+"""The plugin contract: pluggy markers of project ``"kvcache"``, the hook, and :class:`BackendSpec`.
+
+A backend distribution registers a module under the entry-point group
+``kvcache_core.backends`` (the entry point's name is the backend's name) whose hook
+yields its spec::
+
+    from kvcache_core import BackendSpec, hookimpl
+
+    @hookimpl
+    def kvcache_register_backends():
+        yield BackendSpec(name="mine", storage_factory=make_storage, dtypes=("float32",))
+
+Nothing heavy may be imported at module level of that module: discovery imports it to
+list backends. Import the array library inside ``storage_factory`` and ``is_available``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from kvcache_core.config import CacheConfig
+from kvcache_core.errors import InvalidArgumentError
+
+__all__ = ["PROJECT_NAME", "BackendHookSpecs", "BackendSpec", "hookimpl", "hookspec"]
+
+#: The pluggy project name.
+PROJECT_NAME = "kvcache"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+def _always_available() -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a backend plugin registers.
+
+    Attributes:
+        name: the backend's name (``"numpy"``, ``"torch"``, ...), as users pass it to
+            :func:`~kvcache_core.create_manager`.
+        storage_factory: ``factory(config, **options)`` builds the pool (a
+            :class:`~kvcache_core.KvStorage`); it may import the array library.
+        is_available: whether the backend can run here (library importable, ...).
+        unavailable_reason: why not, when ``is_available()`` is false.
+        devices: device kinds it supports (``"cpu"``, ``"cuda"``, ...).
+        dtypes: dtype names it supports.
+        kv_layouts: pool layouts it supports (``"NHD"`` first if supported).
+        description: one line for ``kvcache backends``.
+        capabilities: optional features it claims (``"swap"``, ...).
+
+    Raises:
+        InvalidArgumentError: an empty name, or empty devices, dtypes or layouts.
+    """
+
+    name: str
+    storage_factory: Callable[..., Any]
+    is_available: Callable[[], bool] = _always_available
+    unavailable_reason: Callable[[], str] | None = None
+    devices: tuple[str, ...] = ("cpu",)
+    dtypes: tuple[str, ...] = ("float32",)
+    kv_layouts: tuple[str, ...] = ("NHD",)
+    description: str = ""
+    capabilities: frozenset[str] = field(default_factory=frozenset[str])
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise InvalidArgumentError(f"BackendSpec.name must be an identifier, got {self.name!r}")
+        for attribute in ("devices", "dtypes", "kv_layouts"):
+            if not getattr(self, attribute):
+                raise InvalidArgumentError(f"BackendSpec.{attribute} of {self.name!r} must not be empty")
+
+    def availability(self) -> tuple[bool, str]:
+        """``(available, reason)``; an ``is_available`` that raises counts as unavailable."""
+        try:
+            available = bool(self.is_available())
+        except Exception as exc:  # a probe that crashes must not break listing
+            return False, f"availability check raised {exc!r}"
+        if available:
+            return True, ""
+        if self.unavailable_reason is None:
+            return False, "is_available() returned False"
+        try:
+            return False, self.unavailable_reason()
+        except Exception as exc:
+            return False, f"unavailable (reason check raised {exc!r})"
+
+    def check_config(self, config: CacheConfig) -> list[str]:
+        """What in ``config`` this backend does not support (empty when all is fine)."""
+        problems: list[str] = []
+        if config.dtype not in self.dtypes:
+            problems.append(f"dtype {config.dtype!r} (supported: {', '.join(self.dtypes)})")
+        if config.device.kind not in self.devices:
+            problems.append(f"device {str(config.device)!r} (supported kinds: {', '.join(self.devices)})")
+        if config.kv_layout not in self.kv_layouts:
+            problems.append(f"kv_layout {config.kv_layout!r} (supported: {', '.join(self.kv_layouts)})")
+        return problems
+
+
+class BackendHookSpecs:
+    """Hook specifications of project ``"kvcache"``."""
+
+    @hookspec
+    def kvcache_register_backends(self) -> Iterable[BackendSpec]:  # type: ignore[empty-body]
+        """Yield the :class:`BackendSpec` records this plugin provides."""

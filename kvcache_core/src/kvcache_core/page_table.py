@@ -1,0 +1,164 @@
+"""The page table of a batch: FlashInfer's CSR form plus vLLM's padded block tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.block_table import BlockRun, BlockTable
+from kvcache_core.errors import InvalidArgumentError
+
+__all__ = ["IndexArray", "PageTable"]
+
+IndexArray = npt.NDArray[np.int32]
+
+
+def _int32(values: object, name: str, ndim: int) -> IndexArray:
+    array = np.asarray(values)
+    if array.dtype.kind not in "iu" and array.size:
+        raise InvalidArgumentError(f"PageTable.{name} must hold integers, got dtype {array.dtype}")
+    if array.ndim != ndim:
+        raise InvalidArgumentError(f"PageTable.{name} must be {ndim}-D, got shape {array.shape}")
+    return np.ascontiguousarray(array, dtype=np.int32)
+
+
+@dataclass(frozen=True, eq=False)
+class PageTable:
+    """Where the K/V of a batch of ``B`` requests live in the pool.
+
+    CSR form (FlashInfer): the pages of request ``b`` are
+    ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``, the last one holding
+    ``kv_last_page_len[b]`` tokens (0 only for an empty sequence). Padded form (vLLM):
+    ``block_tables[b, :ceil(seq_lens[b] / block_size)]``, padded with 0 beyond (padding is
+    masked by ``seq_lens``). All arrays are int32.
+
+    Attributes:
+        kv_indptr: ``[B + 1]``.
+        kv_indices: ``[kv_indptr[B]]`` physical block ids.
+        kv_last_page_len: ``[B]``.
+        block_tables: ``[B, max_blocks]``.
+        seq_lens: ``[B]`` tokens per request.
+        block_size: tokens per block.
+        request_ids: the requests, in batch order.
+
+    Raises:
+        InvalidArgumentError: arrays that do not describe a consistent batch.
+    """
+
+    kv_indptr: IndexArray
+    kv_indices: IndexArray
+    kv_last_page_len: IndexArray
+    block_tables: IndexArray
+    seq_lens: IndexArray
+    block_size: int
+    request_ids: tuple[str, ...] = ()
+    _runs: tuple[tuple[BlockRun, ...], ...] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name, ndim in (
+            ("kv_indptr", 1),
+            ("kv_indices", 1),
+            ("kv_last_page_len", 1),
+            ("block_tables", 2),
+            ("seq_lens", 1),
+        ):
+            object.__setattr__(self, name, _int32(getattr(self, name), name, ndim))
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise InvalidArgumentError(f"PageTable.block_size must be an int >= 1, got {self.block_size!r}")
+        batch = self.seq_lens.shape[0]
+        indptr = self.kv_indptr
+        if indptr.shape[0] != batch + 1 or indptr[0] != 0 or np.any(np.diff(indptr) < 0):
+            raise InvalidArgumentError(
+                f"PageTable.kv_indptr must be {batch + 1} non-decreasing offsets from 0, got {indptr.tolist()}"
+            )
+        if int(indptr[-1]) != self.kv_indices.shape[0]:
+            raise InvalidArgumentError(
+                f"PageTable.kv_indptr ends at {int(indptr[-1])}, but kv_indices has {self.kv_indices.shape[0]} entries"
+            )
+        pages = np.diff(indptr)
+        needed = (self.seq_lens.astype(np.int64) + self.block_size - 1) // self.block_size
+        if np.any(self.seq_lens < 0) or not np.array_equal(pages, needed):
+            raise InvalidArgumentError(
+                f"PageTable pages per request {pages.tolist()} do not match seq_lens "
+                f"{self.seq_lens.tolist()} at block_size {self.block_size}"
+            )
+        expected_last = np.where(self.seq_lens > 0, self.seq_lens - (needed - 1) * self.block_size, 0)
+        if self.kv_last_page_len.shape[0] != batch or not np.array_equal(self.kv_last_page_len, expected_last):
+            raise InvalidArgumentError(
+                f"PageTable.kv_last_page_len {self.kv_last_page_len.tolist()} does not match seq_lens"
+            )
+        if self.block_tables.shape[0] != batch or (batch and self.block_tables.shape[1] < int(pages.max(initial=0))):
+            raise InvalidArgumentError(
+                f"PageTable.block_tables shape {self.block_tables.shape} cannot hold {batch} requests "
+                f"of up to {int(pages.max(initial=0))} blocks"
+            )
+        if self.request_ids and len(self.request_ids) != batch:
+            raise InvalidArgumentError(
+                f"PageTable.request_ids names {len(self.request_ids)} requests for a batch of {batch}"
+            )
+
+    @classmethod
+    def from_block_tables(
+        cls, tables: Sequence[BlockTable], request_ids: Sequence[str] = (), block_size: int | None = None
+    ) -> PageTable:
+        """Build the page table of requests with these block tables (only the blocks their
+        tokens occupy are listed). ``block_size`` is needed for an empty batch.
+
+        Raises:
+            InvalidArgumentError: tables with different block sizes (or other than
+                ``block_size``), or an empty batch without ``block_size``.
+        """
+        sizes = {table.block_size for table in tables}
+        if block_size is not None:
+            sizes.add(block_size)
+        if len(sizes) > 1:
+            raise InvalidArgumentError(f"tables mix block sizes {sorted(sizes)}")
+        if not sizes:
+            raise InvalidArgumentError("an empty batch needs its block_size")
+        block_size = sizes.pop()
+        used = [
+            table.physical_blocks[: -(-table.sequence_length // block_size)] if table.sequence_length else ()
+            for table in tables
+        ]
+        counts = np.fromiter((len(blocks) for blocks in used), dtype=np.int32, count=len(used))
+        indptr = np.zeros(len(used) + 1, dtype=np.int32)
+        np.cumsum(counts, out=indptr[1:])
+        indices = np.fromiter((block for blocks in used for block in blocks), dtype=np.int32, count=int(indptr[-1]))
+        seq_lens = np.fromiter((t.sequence_length for t in tables), dtype=np.int32, count=len(used))
+        last = np.where(seq_lens > 0, seq_lens - (counts - 1) * block_size, 0).astype(np.int32)
+        padded = np.zeros((len(used), int(counts.max(initial=0))), dtype=np.int32)
+        for row, blocks in enumerate(used):
+            padded[row, : len(blocks)] = blocks
+        return cls(indptr, indices, last, padded, seq_lens, block_size, tuple(request_ids))
+
+    @property
+    def batch_size(self) -> int:
+        """Requests in the batch."""
+        return int(self.seq_lens.shape[0])
+
+    def blocks(self, index: int) -> IndexArray:
+        """Physical blocks of request ``index`` (a view of :attr:`kv_indices`)."""
+        return self.kv_indices[self.kv_indptr[index] : self.kv_indptr[index + 1]]
+
+    def runs(self, index: int) -> tuple[BlockRun, ...]:
+        """Runs of physically consecutive blocks of request ``index``, in logical order."""
+        runs = self._runs
+        if runs is None:  # computed once; a racing thread computes the same value
+            runs = tuple(self._compute_runs(b) for b in range(self.batch_size))
+            object.__setattr__(self, "_runs", runs)
+        return runs[index]
+
+    def _compute_runs(self, index: int) -> tuple[BlockRun, ...]:
+        blocks = self.blocks(index).astype(np.int64)
+        if blocks.size == 0:
+            return ()
+        breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+        firsts = np.concatenate(([0], breaks))
+        lengths = np.diff(np.concatenate((firsts, [blocks.size])))
+        return tuple(
+            BlockRun(int(blocks[first]), int(length), int(first))
+            for first, length in zip(firsts, lengths, strict=False)
+        )

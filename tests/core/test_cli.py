@@ -1,0 +1,64 @@
+"""The ``kvcache`` command: demo and its self-check."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcache_core import PagedKvCacheManager
+from kvcache_core.cli import main
+from kvcache_core.demo import DemoOptions, run_demo
+
+
+def test_demo_serves_every_request_and_passes_its_check() -> None:
+    out = io.StringIO()
+    assert main(["demo"], out) == 0
+    text = out.getvalue()
+    assert "all 8 requests match a recomputation without cache" in text
+    assert "0 in use (all returned)" in text
+    assert "max-length reservation" in text
+
+
+def test_demo_report_figures_are_consistent() -> None:
+    report = run_demo("numpy", DemoOptions(num_requests=6, seed=3), io.StringIO())
+    assert report.ok
+    assert report.tokens_generated > 0
+    assert 0 < report.peak_blocks_used <= report.total_blocks
+    assert 0 < report.peak_utilization <= 1
+    assert report.peak_paged_bytes < report.max_length_reservation_bytes
+    assert report.max_logit_difference < 1e-4
+    assert report.peak_concurrency > 1
+
+
+def test_demo_fails_with_nonzero_status_when_attention_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+    original: Callable[..., Any] = PagedKvCacheManager[Any].paged_attention
+
+    def skewed(self: PagedKvCacheManager[Any], *args: Any, **kwargs: Any) -> Any:
+        return np.asarray(original(self, *args, **kwargs)) * 1.01
+
+    monkeypatch.setattr(PagedKvCacheManager, "paged_attention", skewed)
+    out = io.StringIO()
+    assert main(["demo", "--requests", "3"], out) == 1
+    assert "FAILED" in out.getvalue()
+
+
+def test_demo_on_an_unknown_backend_exits_with_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--backend", "nope"], io.StringIO()) == 2
+    assert "no kvcache backend named 'nope'" in capsys.readouterr().err
+
+
+def test_the_installed_console_script_runs() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvcache_core.cli", "demo", "--requests", "2"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "all 2 requests match" in result.stdout

@@ -1,0 +1,214 @@
+"""Backend discovery through real entry points of fake distributions put on ``sys.path``."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcache_core import (
+    ENTRY_POINT_GROUP,
+    BackendConflictError,
+    BackendNotFoundError,
+    BackendUnavailableError,
+    CacheConfig,
+    KvCachePluginWarning,
+    UnsupportedConfigError,
+    available_backends,
+    create_manager,
+    get_backend,
+    get_plugin_manager,
+    installed_backends,
+    refresh_backends,
+)
+from kvcache_core.cli import main
+
+GOOD_PLUGIN = """
+from kvcache_core import BackendSpec, hookimpl
+from kvcache_core.numpy_backend import NumpyStorage
+
+class FakeStorage(NumpyStorage):
+    pass
+
+@hookimpl
+def kvcache_register_backends():
+    yield BackendSpec(name="{name}", storage_factory=FakeStorage, dtypes=("float32",),
+                      description="a second backend for the tests")
+"""
+
+UNAVAILABLE_PLUGIN = """
+from kvcache_core import BackendSpec, hookimpl
+
+@hookimpl
+def kvcache_register_backends():
+    yield BackendSpec(name="ghost", storage_factory=object, is_available=lambda: False,
+                      unavailable_reason=lambda: "no ghost device here", devices=("cuda",))
+"""
+
+IMPORT_ERROR_PLUGIN = "import a_module_that_does_not_exist_anywhere\n"
+
+HOOK_ERROR_PLUGIN = """
+from kvcache_core import hookimpl
+
+@hookimpl
+def kvcache_register_backends():
+    raise RuntimeError("the hook itself is broken")
+    yield
+"""
+
+
+def add_distribution(root: Path, dist: str, version: str, entry_name: str, module: str, source: str) -> None:
+    """A minimal installed distribution: a module and a dist-info with one entry point."""
+    (root / f"{module}.py").write_text(textwrap.dedent(source))
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{entry_name} = {module}\n")
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.syspath_prepend(str(tmp_path))  # pyright: ignore[reportUnknownMemberType]
+    refresh_backends()
+    yield tmp_path
+    for module in [name for name in sys.modules if name.startswith("kvtest_")]:
+        del sys.modules[module]
+    refresh_backends()
+
+
+def load_quietly() -> list[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KvCachePluginWarning)
+        return [info.name for info in installed_backends()]
+
+
+def test_numpy_is_registered_through_the_entry_point_of_kvcache_core() -> None:
+    refresh_backends()
+    info = {i.name: i for i in installed_backends()}["numpy"]
+    assert info.distribution == "kvcache-core"
+    assert info.entry_point == "numpy = kvcache_core.numpy_backend"
+    assert "numpy" in available_backends()
+    assert any(name.endswith(":numpy") for name, _ in get_plugin_manager().list_name_plugin())
+
+
+def test_a_second_backend_is_found_and_usable(plugin_dir: Path) -> None:
+    add_distribution(plugin_dir, "kvtest-fake", "1.2.3", "fake", "kvtest_fake", GOOD_PLUGIN.format(name="fake"))
+    infos = {i.name: i for i in installed_backends()}
+    assert set(infos) >= {"numpy", "fake"}
+    assert (infos["fake"].distribution, infos["fake"].version) == ("kvtest-fake", "1.2.3")
+    manager = create_manager("fake", CacheConfig(num_layers=1, num_heads=1, head_dim=2, num_blocks=4))
+    assert type(manager.storage).__name__ == "FakeStorage"
+    assert manager.backend == "fake"
+
+
+def test_a_plugin_that_fails_to_import_warns_with_its_distribution_and_hides_nothing(plugin_dir: Path) -> None:
+    add_distribution(plugin_dir, "kvtest-broken", "0.1", "broken", "kvtest_broken", IMPORT_ERROR_PLUGIN)
+    add_distribution(plugin_dir, "kvtest-fake", "1.0", "fake", "kvtest_fake", GOOD_PLUGIN.format(name="fake"))
+    with pytest.warns(
+        KvCachePluginWarning, match=r"'broken' from distribution kvtest-broken 0\.1.*ModuleNotFoundError"
+    ):
+        names = [info.name for info in installed_backends()]
+    assert "broken" not in names
+    assert {"numpy", "fake"} <= set(names)
+    assert get_backend("fake").name == "fake"
+
+
+def test_a_plugin_whose_hook_raises_warns_and_hides_nothing(plugin_dir: Path) -> None:
+    add_distribution(plugin_dir, "kvtest-hookfail", "2.0", "hookfail", "kvtest_hookfail", HOOK_ERROR_PLUGIN)
+    with pytest.warns(KvCachePluginWarning, match="kvtest-hookfail.*the hook itself is broken"):
+        names = [info.name for info in installed_backends()]
+    assert names == ["numpy"]
+    assert not get_plugin_manager().has_plugin("kvtest-hookfail:hookfail")
+
+
+def test_an_unavailable_backend_is_listed_with_its_reason_and_refused(plugin_dir: Path) -> None:
+    add_distribution(plugin_dir, "kvtest-ghost", "0.3", "ghost", "kvtest_ghost", UNAVAILABLE_PLUGIN)
+    assert "ghost" in load_quietly()
+    assert "ghost" not in available_backends()
+    with pytest.raises(BackendUnavailableError, match=r"'ghost' .*no ghost device here"):
+        create_manager("ghost", CacheConfig(num_layers=1, num_heads=1, head_dim=2, num_blocks=4))
+    out = io.StringIO()
+    assert main(["backends"], out) == 0
+    assert "no: no ghost device here" in out.getvalue()
+
+
+def test_two_distributions_claiming_one_name_warn_and_using_it_raises(plugin_dir: Path) -> None:
+    add_distribution(plugin_dir, "kvtest-one", "1.0", "dup", "kvtest_one", GOOD_PLUGIN.format(name="dup"))
+    add_distribution(plugin_dir, "kvtest-two", "1.0", "dup", "kvtest_two", GOOD_PLUGIN.format(name="dup"))
+    with pytest.warns(KvCachePluginWarning, match="'dup' is registered by both"):
+        installed_backends()
+    with pytest.raises(BackendConflictError, match="kvtest-one, kvtest-two"):
+        get_backend("dup")
+    assert get_backend("numpy").name == "numpy"
+
+
+def test_an_unknown_backend_lists_what_is_installed_and_how_to_get_more() -> None:
+    refresh_backends()
+    with pytest.raises(BackendNotFoundError, match=r"'nope'.*installed: numpy.*pip install kvcache-torch"):
+        get_backend("nope")
+
+
+def test_a_known_but_missing_backend_says_how_to_install_it() -> None:
+    refresh_backends()
+    if "jax" in [info.name for info in installed_backends()]:
+        pytest.skip("kvcache-jax is installed here")
+    with pytest.raises(BackendNotFoundError, match=r"install it with: pip install kvcache-jax"):
+        create_manager("jax", CacheConfig(num_layers=1, num_heads=1, head_dim=2, num_blocks=4))
+
+
+def test_a_config_the_backend_does_not_support_is_refused_with_what_it_supports() -> None:
+    config = CacheConfig(num_layers=1, num_heads=1, head_dim=2, num_blocks=4, dtype="bfloat16", device="cuda:0")
+    with pytest.raises(
+        UnsupportedConfigError,
+        match=r"dtype 'bfloat16' \(supported: float16, float32, float64\).*"
+        r"device 'cuda:0'",
+    ):
+        create_manager("numpy", config)
+
+
+def test_backends_command_lists_numpy_with_its_distribution() -> None:
+    refresh_backends()
+    out = io.StringIO()
+    assert main(["backends"], out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].split() == ["name", "distribution", "version", "available", "devices"]
+    numpy_row = next(line.split() for line in lines if line.startswith("numpy"))
+    assert numpy_row[1] == "kvcache-core"
+    assert numpy_row[3] == "yes"
+
+
+def test_importing_and_listing_never_imports_torch_or_jax(tmp_path: Path) -> None:
+    """Poisoned torch and jax packages on the path: any import of them fails the run."""
+    for name in ("torch", "jax", "jaxlib"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise SystemExit('{name} was imported')\n")
+    code = (
+        "import sys, kvcache_core\n"
+        "kvcache_core.installed_backends(); kvcache_core.available_backends()\n"
+        "kvcache_core.get_backend('numpy')\n"
+        "assert not {'torch', 'jax'} & set(sys.modules), sorted(sys.modules)\n"
+        "print('clean')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "clean"
+
+
+def test_an_option_the_storage_does_not_take_is_refused_by_name() -> None:
+    config = CacheConfig(num_layers=1, num_heads=1, head_dim=2, num_blocks=4)
+    with pytest.raises(UnsupportedConfigError, match=r"does not take the options \['mesh'\]"):
+        create_manager("numpy", config, mesh="8 devices")
+
+
+def test_the_placement_policy_is_chosen_at_creation() -> None:
+    config = CacheConfig(num_layers=1, num_heads=1, head_dim=2, num_blocks=4)
+    assert create_manager("numpy", config).allocator.placement == "contiguous"
+    assert create_manager("numpy", config, placement="fifo").allocator.placement == "fifo"

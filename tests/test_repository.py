@@ -1,0 +1,46 @@
+"""The repository keeps its promises: README commands, CI script and examples agree."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL)]
+
+
+def test_readme_has_exactly_two_setup_commands() -> None:
+    commands = readme_commands()
+    assert len(commands) == 2, commands
+    assert commands[0].endswith("kvcache demo")
+    assert commands[1].endswith("python -m pytest")
+    assert all("-c constraints.txt" in command for command in commands)
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    script = (ROOT / ".ci" / "run").read_text()
+    assert readme_commands()[1] in script.splitlines()
+
+
+def test_constraints_pin_torch_to_the_local_cpu_wheel() -> None:
+    assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().splitlines()
+
+
+def test_readme_example_is_the_quickstart_script() -> None:
+    text = (ROOT / "README.md").read_text()
+    example = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)[0]
+    script = (ROOT / "examples" / "quickstart.py").read_text()
+    assert example.strip() in script.replace("from __future__ import annotations\n\n", "")
+    assert len(example.strip().splitlines()) <= 20
+
+
+def test_examples_run() -> None:
+    for script in sorted((ROOT / "examples").glob("*.py")):
+        result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False)
+        assert result.returncode == 0, f"{script.name}: {result.stderr}"

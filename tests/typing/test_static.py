@@ -1,0 +1,100 @@
+"""Static typing: Protocol conformance of the NumPy backend, and the whole tree strict-clean.
+
+These run the real type checkers (mypy and pyright, strict) as the CI gate for typing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcache_core import KvCacheHandle, KvCacheManager, KvStorage, PagedKvCacheHandle, PagedKvCacheManager
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = Path(__file__).parent / "cases"
+
+
+def run_mypy(*paths: Path) -> tuple[int, str]:
+    from mypy import api
+
+    stdout, stderr, status = api.run(
+        ["--strict", "--no-incremental", "--config-file", str(ROOT / "pyproject.toml"), *map(str, paths)]
+    )
+    return status, stdout + stderr
+
+
+def run_pyright(*paths: Path, project: Path = ROOT) -> tuple[int, list[dict[str, object]]]:
+    executable = shutil.which("pyright", path=str(Path(sys.executable).parent)) or shutil.which("pyright")
+    if executable is None:
+        pytest.fail("pyright is not installed: pip install -r requirements-test.txt")
+    result = subprocess.run(
+        [executable, "--outputjson", "--pythonpath", sys.executable, "--project", str(project), *map(str, paths)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    report = json.loads(result.stdout)
+    diagnostics: list[dict[str, object]] = [d for d in report["generalDiagnostics"] if d["severity"] == "error"]
+    return result.returncode, diagnostics
+
+
+def test_the_handle_and_manager_satisfy_the_protocols_without_inheriting() -> None:
+    for concrete, protocol in ((PagedKvCacheHandle, KvCacheHandle), (PagedKvCacheManager, KvCacheManager)):
+        assert protocol not in concrete.__mro__
+    assert KvStorage is not None
+
+
+def test_mypy_accepts_the_numpy_backend_as_the_protocols() -> None:
+    status, output = run_mypy(CASES / "handle_conforms.py")
+    assert status == 0, output
+
+
+def test_mypy_rejects_a_handle_missing_a_member() -> None:
+    status, output = run_mypy(CASES / "handle_missing_member.py")
+    assert status == 1
+    assert "cache_id" in output, output
+
+
+def test_pyright_accepts_the_numpy_backend_as_the_protocols() -> None:
+    _, errors = run_pyright(CASES / "handle_conforms.py", project=CASES)
+    assert errors == [], errors
+
+
+def test_pyright_rejects_a_handle_missing_a_member() -> None:
+    _, errors = run_pyright(CASES / "handle_missing_member.py", project=CASES)
+    assert any("cache_id" in str(error["message"]) for error in errors), errors
+
+
+def test_runtime_isinstance_follows_the_members() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("handle_missing_member", CASES / "handle_missing_member.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not isinstance(module.handle, KvCacheHandle)
+
+
+def test_the_whole_tree_is_mypy_strict_clean() -> None:
+    status, output = run_mypy()
+    assert status == 0, output
+
+
+def test_the_whole_tree_is_pyright_strict_clean() -> None:
+    _, errors = run_pyright()
+    assert errors == [], json.dumps(errors, indent=1)[:5000]
+
+
+def test_ruff_finds_nothing() -> None:
+    executable = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if executable is None:
+        pytest.fail("ruff is not installed: pip install -r requirements-test.txt")
+    result = subprocess.run([executable, "check", str(ROOT)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
