@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from kvcache_core import ENTRY_POINT_GROUP, refresh_backends
+
+pytest_plugins = ["pytester"]
 
 # Shared CI machines are noisy: no deadlines. "ci" is derandomized so a run is repeatable.
 settings.register_profile("default", deadline=None)
@@ -15,3 +24,31 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def _add_distribution(root: Path, dist: str, version: str, entry_name: str, module: str, source: str) -> None:
+    """A minimal installed distribution: a module and a dist-info with one entry point."""
+    (root / f"{module}.py").write_text(textwrap.dedent(source))
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{entry_name} = {module}\n")
+
+
+@pytest.fixture
+def add_distribution() -> Callable[[Path, str, str, str, str, str], None]:
+    """``add_distribution(root, dist, version, entry_name, module, source)``: a fake
+    installed backend distribution (use with ``plugin_dir``)."""
+    return _add_distribution
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A directory on ``sys.path`` for fake distributions; backends are rediscovered
+    before and after the test, and its ``kvtest_*`` modules forgotten."""
+    monkeypatch.syspath_prepend(str(tmp_path))  # pyright: ignore[reportUnknownMemberType]
+    refresh_backends()
+    yield tmp_path
+    for module in [name for name in sys.modules if name.startswith("kvtest_")]:
+        del sys.modules[module]
+    refresh_backends()

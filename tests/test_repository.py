@@ -44,3 +44,16 @@ def test_examples_run() -> None:
     for script in sorted((ROOT / "examples").glob("*.py")):
         result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False)
         assert result.returncode == 0, f"{script.name}: {result.stderr}"
+
+
+def test_readme_shows_how_to_write_register_and_check_a_backend_in_under_40_lines() -> None:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Writing a backend", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", section, flags=re.DOTALL)
+    assert len(blocks) == 4  # entry point, storage + hook, test file, commands
+    assert sum(len(block.strip().splitlines()) for block in blocks) < 40
+    kit_file = (ROOT / "examples" / "kvcache-memmap" / "tests" / "test_conformance.py").read_text()
+    code = [line for line in blocks[2].splitlines() if line.strip() and not line.startswith("#")]
+    assert code == [line for line in kit_file.splitlines() if line.strip() and not line.startswith('"""')]
+    pyproject = (ROOT / "examples" / "kvcache-memmap" / "pyproject.toml").read_text()
+    assert 'memmap = "kvcache_memmap"' in pyproject

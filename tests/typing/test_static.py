@@ -71,6 +71,21 @@ def test_pyright_rejects_a_handle_missing_a_member() -> None:
     assert any("cache_id" in str(error["message"]) for error in errors), errors
 
 
+def test_mypy_and_pyright_accept_every_backend_storage_as_kv_storage() -> None:
+    status, output = run_mypy(CASES / "storage_conforms.py")
+    assert status == 0, output
+    _, errors = run_pyright(CASES / "storage_conforms.py", project=CASES)
+    assert errors == [], errors
+
+
+def test_mypy_and_pyright_reject_a_storage_missing_a_member() -> None:
+    status, output = run_mypy(CASES / "storage_missing_member.py")
+    assert status == 1
+    assert "copy_blocks" in output, output
+    _, errors = run_pyright(CASES / "storage_missing_member.py", project=CASES)
+    assert any("copy_blocks" in str(error["message"]) for error in errors), errors
+
+
 def test_runtime_isinstance_follows_the_members() -> None:
     import importlib.util
 

@@ -1,4 +1,4 @@
-"""The ``kvcache`` command: ``kvcache backends`` and ``kvcache demo``."""
+"""The ``kvcache`` command: ``kvcache backends``, ``kvcache demo`` and ``kvcache check``."""
 
 from __future__ import annotations
 
@@ -53,6 +53,19 @@ def _demo(args: argparse.Namespace, out: TextIO) -> int:
     return 0 if report.ok else 1
 
 
+def _check(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        from kvcache_core.testing.check import run_check
+    except ImportError as exc:
+        sys.stderr.write(
+            f"kvcache: error: the conformance kit needs pytest and hypothesis ({exc}); install them with: "
+            "pip install 'kvcache-core[testing]'\n"
+        )
+        return 2
+    result = run_check(args.backend, max_examples=args.max_examples, steps=args.steps, verbose=args.verbose, out=out)
+    return 0 if result.ok else 1
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcache", description="Paged key/value cache for transformer inference.")
     parser.add_argument("--version", action="version", version=f"kvcache-core {__version__}")
@@ -62,6 +75,13 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", default="numpy", help="backend to run on (default: numpy)")
     demo.add_argument("--requests", type=_positive, default=DemoOptions.num_requests, help="requests to serve")
     demo.add_argument("--seed", type=int, default=DemoOptions.seed, help="seed of weights and workload")
+    check = commands.add_parser("check", help="run the conformance kit against installed backends")
+    check.add_argument(
+        "--backend", action="append", default=[], metavar="NAME", help="check this backend (repeatable; default: all)"
+    )
+    check.add_argument("--max-examples", type=_positive, default=None, help="Hypothesis examples per property test")
+    check.add_argument("--steps", type=_positive, default=None, help="steps per state-machine run")
+    check.add_argument("-v", "--verbose", action="store_true", help="show every test, not only failures")
     return parser
 
 
@@ -79,6 +99,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     try:
         if args.command == "backends":
             return _backends(stream)
+        if args.command == "check":
+            return _check(args, stream)
         return _demo(args, stream)
     except KvCacheError as exc:
         sys.stderr.write(f"kvcache: error: {exc}\n")

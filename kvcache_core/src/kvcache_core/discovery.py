@@ -261,4 +261,7 @@ def create_manager(
     except TypeError as exc:
         raise UnsupportedConfigError(f"backend {backend!r} does not take the options {sorted(options)}: {exc}") from exc
     storage = spec.storage_factory(config, **options)
+    if spec.manager_factory is not None:
+        manager: PagedKvCacheManager[Any] = spec.manager_factory(storage, backend=spec.name, placement=placement)
+        return manager
     return PagedKvCacheManager(storage, backend=spec.name, placement=placement)

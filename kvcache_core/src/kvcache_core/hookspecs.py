@@ -53,7 +53,11 @@ class BackendSpec:
         dtypes: dtype names it supports.
         kv_layouts: pool layouts it supports (``"NHD"`` first if supported).
         description: one line for ``kvcache backends``.
-        capabilities: optional features it claims (``"swap"``, ...).
+        capabilities: optional features it claims (``"swap"``, ...); the conformance kit
+            runs the matching tests only where they are claimed.
+        manager_factory: ``factory(storage, backend=name, placement=...)`` building the
+            manager, for a backend that extends :class:`~kvcache_core.PagedKvCacheManager`
+            (a fused kernel, a native allocator, ...); ``None`` (the default) uses it as is.
 
     Raises:
         InvalidArgumentError: an empty name, or empty devices, dtypes or layouts.
@@ -68,6 +72,7 @@ class BackendSpec:
     kv_layouts: tuple[str, ...] = ("NHD",)
     description: str = ""
     capabilities: frozenset[str] = field(default_factory=frozenset[str])
+    manager_factory: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():

@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 from kvcache_core.attention import paged_attention
 from kvcache_core.config import KV_LAYOUTS, CacheConfig
+from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from kvcache_core.hookspecs import BackendSpec, hookimpl
 from kvcache_core.page_table import PageTable
 
@@ -33,11 +34,45 @@ class NumpyStorage:
     later :meth:`write` shows through a reference taken before it.
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, *, pool: NumpyArray | None = None) -> None:
+        """Build the pool for ``config``.
+
+        Args:
+            config: the pool's configuration.
+            pool: memory to use instead of a new zeroed allocation (a memory-mapped file,
+                shared memory, ...): shape :meth:`pool_shape` of ``config``, its dtype,
+                writeable. Its contents are kept.
+
+        Raises:
+            ArrayTypeError: ``pool`` is not a NumPy array.
+            ShapeMismatchError, DTypeMismatchError: ``pool`` has the wrong shape or dtype.
+            InvalidArgumentError: ``pool`` is read-only.
+        """
         self._config = config
-        # [layer, K/V, *layout]: one block copy moves every layer at once.
-        self._pool = np.zeros((config.num_layers, 2, *config.block_shape()), dtype=np.dtype(config.dtype))
+        shape = self.pool_shape(config)
+        if pool is None:
+            # [layer, K/V, *layout]: one block copy moves every layer at once.
+            pool = np.zeros(shape, dtype=np.dtype(config.dtype))
+        elif not isinstance(pool, np.ndarray):
+            raise ArrayTypeError(f"pool must be a numpy.ndarray, got {type(pool).__name__}")
+        elif tuple(pool.shape) != shape:
+            raise ShapeMismatchError(f"pool has shape {tuple(pool.shape)}, expected {shape}")
+        elif pool.dtype != np.dtype(config.dtype):
+            raise DTypeMismatchError(f"pool has dtype {pool.dtype.name}, expected {config.dtype}")
+        elif not pool.flags.writeable:
+            raise InvalidArgumentError("pool must be writeable, got a read-only array")
+        self._pool = pool
         self._block_axis = 3 if config.kv_layout == "heads_first" else 2
+
+    @staticmethod
+    def pool_shape(config: CacheConfig) -> tuple[int, ...]:
+        """Shape of the one array holding every layer: ``[num_layers, 2, *block_shape]``."""
+        return (config.num_layers, 2, *config.block_shape())
+
+    @property
+    def pool(self) -> NumpyArray:
+        """The array holding every layer's keys and values."""
+        return self._pool
 
     @property
     def config(self) -> CacheConfig:

@@ -1,0 +1,72 @@
+"""The conformance kit for kvcache backends: a pytest plugin and a test base class.
+
+Run it against every installed backend, or one::
+
+    pytest -p kvcache_core.testing --kvcache-backend numpy --pyargs kvcache_core.testing.selftest
+
+or subclass :class:`KvCacheConformance` in one test file of your own backend::
+
+    import pytest
+    from kvcache_core.testing import KvCacheConformance
+
+    @pytest.mark.kvcache_backends("mine")
+    class TestMine(KvCacheConformance):
+        pass
+
+The plugin registers itself through the ``pytest11`` entry point of kvcache-core and stays
+inert until a test uses the ``kvcache_backend`` fixture. Importing this package imports
+neither hypothesis nor any backend's array library; the suite loads on first use of
+:class:`KvCacheConformance`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+# Before the kit's modules load: failures inside them show the compared values.
+pytest.register_assert_rewrite(
+    "kvcache_core.testing.suite",
+    "kvcache_core.testing.machine",
+    "kvcache_core.testing.catalogue",
+    "kvcache_core.testing.backend",
+)
+
+from kvcache_core.testing._plugin import (  # noqa: E402  (after the rewrite registration)
+    KitSettings,
+    kit_settings,
+    kvcache_backend,
+    pytest_addoption,
+    pytest_configure,
+    pytest_generate_tests,
+    pytest_runtest_makereport,
+)
+
+if TYPE_CHECKING:
+    from kvcache_core.testing.backend import BackendUnderTest
+    from kvcache_core.testing.suite import KvCacheConformance
+
+__all__ = [
+    "BackendUnderTest",
+    "KitSettings",
+    "KvCacheConformance",
+    "kit_settings",
+    "kvcache_backend",
+    "pytest_addoption",
+    "pytest_configure",
+    "pytest_generate_tests",
+    "pytest_runtest_makereport",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KvCacheConformance":
+        from kvcache_core.testing.suite import KvCacheConformance
+
+        return KvCacheConformance
+    if name == "BackendUnderTest":
+        from kvcache_core.testing.backend import BackendUnderTest
+
+        return BackendUnderTest
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

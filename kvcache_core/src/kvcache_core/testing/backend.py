@@ -1,0 +1,118 @@
+"""The backend under test: its spec, small configurations, and array conversions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.config import CacheConfig
+from kvcache_core.discovery import create_manager
+from kvcache_core.hookspecs import BackendSpec
+from kvcache_core.manager import PagedKvCacheManager
+
+__all__ = ["CAPABILITIES", "TOLERANCES", "BackendUnderTest"]
+
+#: Capabilities the kit knows; a backend claims them in ``BackendSpec.capabilities``.
+#: ``immutable_arrays``: ``key_cache`` hands out the current pool array of an immutable
+#: array library (JAX), which later writes replace but never delete, instead of a view.
+CAPABILITIES = frozenset({"immutable_arrays", "fork", "prefix_caching", "swap", "eviction", "sliding_window"})
+
+#: ``(rtol, atol)`` for attention outputs compared with the float64 NumPy reference.
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float64": (1e-9, 1e-9),
+    "float32": (1e-5, 1e-5),
+    "float16": (2e-3, 4e-3),
+    "bfloat16": (1.6e-2, 3e-2),
+}
+
+#: The kit's default geometry: 2 layers, 2 KV heads of 8 features, 24 blocks of 4 tokens.
+BASE_CONFIG: dict[str, Any] = {"num_layers": 2, "num_heads": 2, "head_dim": 8, "num_blocks": 24, "block_size": 4}
+
+
+@dataclass(frozen=True)
+class BackendUnderTest:
+    """One installed backend as the kit sees it (the ``kvcache_backend`` fixture).
+
+    Attributes:
+        name: the backend's name.
+        spec: its registered :class:`~kvcache_core.BackendSpec`.
+        device: the device the kit puts pools on (the first the backend lists).
+    """
+
+    name: str
+    spec: BackendSpec
+
+    @property
+    def device(self) -> str:
+        return self.spec.devices[0]
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return self.spec.dtypes
+
+    @property
+    def kv_layouts(self) -> tuple[str, ...]:
+        return self.spec.kv_layouts
+
+    @property
+    def default_dtype(self) -> str:
+        """float32 where claimed (lossless comparisons), else the first dtype claimed."""
+        return "float32" if "float32" in self.spec.dtypes else self.spec.dtypes[0]
+
+    def claims(self, capability: str) -> bool:
+        return capability in self.spec.capabilities
+
+    def config(self, **fields: Any) -> CacheConfig:
+        """A small config on this backend's device, dtype and first layout, with ``fields`` changed."""
+        base: dict[str, Any] = {
+            **BASE_CONFIG,
+            "dtype": self.default_dtype,
+            "device": self.device,
+            "kv_layout": self.spec.kv_layouts[0],
+        }
+        return CacheConfig(**{**base, **fields})
+
+    def configs(self, **fields: Any) -> Iterator[CacheConfig]:
+        """:meth:`config` for every dtype x layout the backend claims."""
+        for dtype in self.spec.dtypes:
+            for layout in self.spec.kv_layouts:
+                yield self.config(**{"dtype": dtype, "kv_layout": layout, **fields})
+
+    def manager(self, config: CacheConfig | None = None, **options: Any) -> PagedKvCacheManager[Any]:
+        """A new manager of this backend (``create_manager``, exactly as users call it)."""
+        return create_manager(self.name, config if config is not None else self.config(), **options)
+
+    # -- arrays ----------------------------------------------------------------------------
+
+    @staticmethod
+    def native(manager: PagedKvCacheManager[Any], array: npt.NDArray[Any], dtype: str | None = None) -> Any:
+        """``array`` as a native array of ``dtype`` (the pool's by default) on the pool's device.
+
+        Types NumPy holds go through ``from_numpy``; others (bfloat16) are cast with the
+        backend's Array API namespace from a float32 native array.
+        """
+        storage = manager.storage
+        target = dtype if dtype is not None else manager.config.dtype
+        if target in ("float16", "float32", "float64"):
+            return storage.from_numpy(np.ascontiguousarray(array, dtype=np.dtype(target)))
+        namespace = storage.array_namespace()
+        widened = storage.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        return namespace.astype(widened, getattr(namespace, target))
+
+    @staticmethod
+    def host(manager: PagedKvCacheManager[Any], array: Any) -> npt.NDArray[np.float64]:
+        """A float64 host copy of a native array (for comparisons in any dtype)."""
+        copy: npt.NDArray[np.float64] = np.asarray(manager.storage.to_numpy(array)).astype(np.float64)
+        return copy
+
+    @staticmethod
+    def representable(values: npt.NDArray[np.float64], dtype: str) -> npt.NDArray[np.float64]:
+        """``values`` rounded to ``dtype`` (so a round trip through it is exact)."""
+        if dtype == "bfloat16":
+            bits: npt.NDArray[np.uint32] = values.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+            return bits.view(np.float32).astype(np.float64)
+        return values.astype(np.dtype(dtype)).astype(np.float64)

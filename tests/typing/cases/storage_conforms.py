@@ -1,0 +1,11 @@
+"""Must type-check cleanly: every backend's storage satisfies ``KvStorage`` without inheriting it."""
+
+from __future__ import annotations
+
+from kvcache_core import CacheConfig, KvStorage
+from kvcache_core.numpy_backend import NumpyArray, NumpyStorage
+from kvcache_memmap import MemmapStorage
+
+config = CacheConfig(num_layers=1, num_heads=1, head_dim=4, num_blocks=8)
+numpy_storage: KvStorage[NumpyArray] = NumpyStorage(config)
+memmap_storage: KvStorage[NumpyArray] = MemmapStorage(config)
