@@ -16,7 +16,8 @@ from kvcache_core.errors import KvCacheError
 __all__ = ["main"]
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
+def write_table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO) -> None:
+    """Write ``rows`` under ``headers`` as left-aligned columns."""
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)]
     for line in (headers, ["-" * width for width in widths], *rows):
         out.write("  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=False)).rstrip() + "\n")
@@ -38,7 +39,7 @@ def _backends(out: TextIO) -> int:
                 ", ".join(info.spec.devices),
             ]
         )
-    _table(["name", "distribution", "version", "available", "devices"], rows, out)
+    write_table(["name", "distribution", "version", "available", "devices"], rows, out)
     missing = [name for name in KNOWN_BACKENDS if name not in {info.name for info in infos}]
     if missing:
         out.write("\nnot installed: " + ", ".join(f"{name} ({KNOWN_BACKENDS[name]})" for name in missing) + "\n")

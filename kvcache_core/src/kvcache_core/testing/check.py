@@ -13,6 +13,8 @@ from typing import Any, TextIO
 
 import pytest
 
+from kvcache_core.cli import write_table
+
 __all__ = ["CheckResult", "run_check"]
 
 _OUTCOMES = ("passed", "failed", "skipped")
@@ -95,9 +97,6 @@ def _print_table(result: CheckResult, out: TextIO) -> None:
         counts = result.counts[backend]
         verdict = "FAIL" if counts["failed"] else ("ok" if counts["passed"] else "not run")
         rows.append([backend, *(counts[outcome] for outcome in _OUTCOMES), verdict])
-    headers = ["backend", *_OUTCOMES, "verdict"]
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)]
-    for line in (headers, ["-" * width for width in widths], *rows):
-        out.write("  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=False)).rstrip() + "\n")
+    write_table(["backend", *_OUTCOMES, "verdict"], rows, out)
     if not rows:
         out.write("no kit test ran\n")
