@@ -48,6 +48,12 @@ class CopyingStorage(NumpyStorage):
         return super().value_cache(layer).copy()
 
 
+class NoCopyStorage(NumpyStorage):
+    # Claims fork, but its block copies copy nothing.
+    def copy_blocks(self, source, destination):
+        pass
+
+
 class LeakyManager(PagedKvCacheManager):
     # Keeps the last block of every request it frees.
     def deallocate(self, request_id):
@@ -64,6 +70,8 @@ def kvcache_register_backends():
     yield BackendSpec(name="copying", storage_factory=CopyingStorage, description="returns copies")
     yield BackendSpec(name="leaky", storage_factory=NumpyStorage, manager_factory=LeakyManager,
                       description="leaks blocks")
+    yield BackendSpec(name="nocopy", storage_factory=NoCopyStorage, capabilities=frozenset({"fork"}),
+                      description="claims fork, copies nothing")
     yield BackendSpec(name="offline", storage_factory=NumpyStorage, is_available=lambda: False,
                       unavailable_reason=lambda: "the offline device is unplugged")
 """
@@ -97,6 +105,7 @@ def test_the_kit_passes_the_numpy_backend(pytester: pytest.Pytester, faulty: Pat
         ("lossy", "test_write_then_gather_round_trips_every_dtype_and_layout", "differs from what was written"),
         ("copying", "test_key_and_value_cache_are_references_to_the_pool_not_copies", "a copy, not a reference"),
         ("leaky", "test_exhausting_the_pool_fails_atomically_and_frees_everything", "has reference count 1 but 0"),
+        ("nocopy", "test_fork_copies_exactly_the_shared_block_that_is_written", "the copy lost the shared tokens"),
     ],
 )
 def test_a_broken_backend_fails_with_its_name_the_case_and_how_to_reproduce(

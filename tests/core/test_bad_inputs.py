@@ -122,20 +122,6 @@ FACTORY_CASES: list[BadFactoryCall] = [
         "cuda:0.*cpu",
     ),
     BadFactoryCall("config-not-a-config", "numpy", {"num_layers": 2}, InvalidTypeError, "dict"),
-    BadFactoryCall(
-        "prefix-caching-not-built",
-        "numpy",
-        dataclasses.replace(CONFIG, enable_prefix_caching=True),
-        UnsupportedConfigError,
-        "enable_prefix_caching",
-    ),
-    BadFactoryCall(
-        "sliding-window-not-built",
-        "numpy",
-        dataclasses.replace(CONFIG, sliding_window=8),
-        UnsupportedConfigError,
-        "sliding_window=8",
-    ),
 ]
 
 

@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from kvcache_core.allocator import BlockAllocator, FreeBlockQueue
 from kvcache_core.attention import decode_indptr, paged_attention
 from kvcache_core.block_table import BlockRun, BlockTable
-from kvcache_core.config import DTYPE_SIZES, KV_LAYOUTS, AllocationRequest, CacheConfig
+from kvcache_core.config import DTYPE_SIZES, KV_LAYOUTS, MAX_TOKEN_ID, AllocationRequest, CacheConfig
 from kvcache_core.device import Device
 from kvcache_core.discovery import (
     ENTRY_POINT_GROUP,
@@ -45,10 +45,13 @@ from kvcache_core.errors import (
     KvCacheError,
     KvCachePluginWarning,
     LayerIndexError,
+    NotSwappedOutError,
     OutOfBlocksError,
     SequenceTooLongError,
     ShapeMismatchError,
+    SharedBlockWriteError,
     SlotError,
+    SwappedOutError,
     UnknownRequestError,
     UnsupportedConfigError,
 )
@@ -56,6 +59,7 @@ from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.hookspecs import BackendSpec, hookimpl, hookspec
 from kvcache_core.manager import InvariantError, PagedKvCacheManager
 from kvcache_core.page_table import PageTable
+from kvcache_core.prefix import BlockEvictor, PrefixCache, hash_block
 from kvcache_core.protocols import KvCacheHandle, KvCacheManager, KvStorage
 from kvcache_core.stats import CacheGcStats, CacheHandleStats, CacheManagerStats, MemoryPressure
 
@@ -68,6 +72,7 @@ __all__ = [
     "DTYPE_SIZES",
     "ENTRY_POINT_GROUP",
     "KV_LAYOUTS",
+    "MAX_TOKEN_ID",
     "AllocationRequest",
     "ArrayTypeError",
     "BackendConflictError",
@@ -76,6 +81,7 @@ __all__ = [
     "BackendSpec",
     "BackendUnavailableError",
     "BlockAllocator",
+    "BlockEvictor",
     "BlockRun",
     "BlockTable",
     "CacheConfig",
@@ -100,13 +106,17 @@ __all__ = [
     "KvStorage",
     "LayerIndexError",
     "MemoryPressure",
+    "NotSwappedOutError",
     "OutOfBlocksError",
     "PageTable",
     "PagedKvCacheHandle",
     "PagedKvCacheManager",
+    "PrefixCache",
     "SequenceTooLongError",
     "ShapeMismatchError",
+    "SharedBlockWriteError",
     "SlotError",
+    "SwappedOutError",
     "UnknownRequestError",
     "UnsupportedConfigError",
     "__version__",
@@ -115,6 +125,7 @@ __all__ = [
     "decode_indptr",
     "get_backend",
     "get_plugin_manager",
+    "hash_block",
     "hookimpl",
     "hookspec",
     "installed_backends",

@@ -1,8 +1,17 @@
 """The block allocator: a free list, reference counts and run-keeping placement.
 
-Every block is either free (reference count 0, in the free list and in exactly one free
-extent) or in use (reference count >= 1). A sequence keeps its blocks physically
-consecutive where it can:
+Every block is in exactly one of three states:
+
+* **free**: reference count 0, in the free list and in exactly one free extent;
+* **in use**: reference count >= 1 (more than 1 when requests share it);
+* **cached**: reference count 0, but its contents are kept for prefix-cache hits; it sits in
+  the least-recently-used :class:`~kvcache_core.prefix.BlockEvictor`, not in the free list.
+
+``free + in_use + cached == num_blocks``. Allocation takes free blocks only: the manager
+evicts cached blocks (oldest first) when the free ones do not suffice, so blocks without a
+cached prefix are always reused before those with one.
+
+A sequence keeps its blocks physically consecutive where it can:
 
 * a new sequence starts in a free extent with room to grow, sized from its expected
   need when known (best fit), otherwise in the middle of the largest gap;
@@ -20,12 +29,14 @@ starts scans the free extents, O(number of gaps), once per run rather than per t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.errors import InvalidArgumentError, OutOfBlocksError
+from kvcache_core.prefix import BlockEvictor
 
 __all__ = ["BlockAllocator", "FreeBlockQueue", "Placement"]
 
@@ -128,6 +139,9 @@ class BlockAllocator:
         self._placement: Placement = placement
         self._ref_counts = [0] * num_blocks
         self._in_use = np.zeros(num_blocks, dtype=np.bool_)
+        self._shared = np.zeros(num_blocks, dtype=np.bool_)  # reference count >= 2
+        self._shared_count = 0
+        self._cached = BlockEvictor()
         self._free = FreeBlockQueue(num_blocks)
         for block in range(num_blocks):
             self._free.push_back(block)
@@ -155,7 +169,27 @@ class BlockAllocator:
 
     def used_block_count(self) -> int:
         """Blocks with a reference count of 1 or more."""
-        return self._num_blocks - len(self._free)
+        return self._num_blocks - len(self._free) - len(self._cached)
+
+    def cached_block_count(self) -> int:
+        """Unreferenced blocks kept for prefix-cache hits (evictable)."""
+        return len(self._cached)
+
+    def cached_blocks(self) -> list[int]:
+        """The cached blocks, least recently used first."""
+        return list(self._cached)
+
+    def is_cached(self, block: int) -> bool:
+        """Whether ``block`` is cached (unreferenced, contents kept)."""
+        return block in self._cached
+
+    def is_free(self, block: int) -> bool:
+        """Whether ``block`` is free."""
+        return block in self._free
+
+    def free_blocks(self) -> list[int]:
+        """The free blocks, least recently freed first."""
+        return list(self._free)
 
     def ref_count(self, block: int) -> int:
         """References held on ``block``."""
@@ -164,6 +198,16 @@ class BlockAllocator:
     def in_use_mask(self) -> npt.NDArray[np.bool_]:
         """Read-only ``[num_blocks]`` mask of blocks in use."""
         view: npt.NDArray[np.bool_] = self._in_use.view()
+        view.flags.writeable = False
+        return view
+
+    def shared_block_count(self) -> int:
+        """Blocks with two or more references."""
+        return self._shared_count
+
+    def shared_mask(self) -> npt.NDArray[np.bool_]:
+        """Read-only ``[num_blocks]`` mask of blocks with two or more references."""
+        view: npt.NDArray[np.bool_] = self._shared.view()
         view.flags.writeable = False
         return view
 
@@ -208,24 +252,68 @@ class BlockAllocator:
         self._tails[last] = remaining
         return blocks
 
-    def release(self, blocks: list[int], tail: int | None) -> None:
-        """Drop one reference on each block; blocks reaching zero become free.
+    def release(
+        self, blocks: list[int], tail: int | None, keep_cached: Callable[[int], bool] | None = None
+    ) -> list[int]:
+        """Drop one reference on each block, in the order given.
 
-        ``tail`` is the releasing sequence's last block (its reservation ends).
+        A block reaching zero becomes cached (the most recently used) if ``keep_cached``
+        says so, and free otherwise. ``tail`` is the releasing sequence's last block (its
+        reservation ends).
+
+        Returns:
+            The blocks that reached zero, in order.
         """
         if tail is not None:
             self._tails.pop(tail, None)
+        unreferenced: list[int] = []
         for block in blocks:
             count = self._ref_counts[block]
             assert count > 0, f"block {block} released while free"
             self._ref_counts[block] = count - 1
-            if count == 1:
-                self._give_back(block)
+            if count == 2:
+                self._shared[block] = False
+                self._shared_count -= 1
+            elif count == 1:
+                unreferenced.append(block)
+                if keep_cached is not None and keep_cached(block):
+                    self._in_use[block] = False
+                    self._cached.push(block)
+                else:
+                    self._give_back(block)
+        return unreferenced
 
     def retain(self, block: int) -> None:
         """Add a reference on an in-use block (sharing)."""
-        assert self._ref_counts[block] > 0, f"block {block} is free"
-        self._ref_counts[block] += 1
+        count = self._ref_counts[block]
+        assert count > 0, f"block {block} is not in use"
+        self._ref_counts[block] = count + 1
+        if count == 1:
+            self._shared[block] = True
+            self._shared_count += 1
+
+    def revive(self, block: int) -> None:
+        """Take a cached block back into use with one reference (a prefix-cache hit)."""
+        self._cached.remove(block)
+        self._ref_counts[block] = 1
+        self._in_use[block] = True
+
+    def evict(self, count: int) -> list[int]:
+        """Move the ``count`` least recently used cached blocks to the free list.
+
+        Returns:
+            The evicted blocks, oldest first (their contents are now unowned).
+        """
+        assert count <= len(self._cached), f"cannot evict {count} of {len(self._cached)} cached blocks"
+        evicted = [self._cached.pop_oldest() for _ in range(count)]
+        for block in evicted:
+            self._give_back(block)
+        return evicted
+
+    def uncache(self, block: int) -> None:
+        """Move one cached block to the free list."""
+        self._cached.remove(block)
+        self._give_back(block)
 
     # -- internals ---------------------------------------------------------------------
 

@@ -1,10 +1,16 @@
-"""NumPy reference paged attention: decode and prefill, causal, grouped-query, ragged batch.
+"""NumPy reference paged attention: decode and prefill, causal, grouped-query, ragged batch,
+optionally over a sliding window.
 
 It reads K/V from the pool in place: each run of physically consecutive blocks of a
 request is one zero-copy view of the pool. The runs' scores fill one buffer per request,
 one softmax normalises them and each run adds its share of the values, so any number of
 runs gives the exact result without a merge step. Nothing copies a request's context;
 the score buffer is bounded by splitting very long prefills into chunks of query rows.
+
+Sliding window ``W``: the query at position ``p`` sees keys at positions ``p - W < k``
+(the last ``W`` tokens, itself included; and, causal, ``k <= p``). Blocks wholly older
+than the window of every query in a chunk are not read at all; the mask is applied only
+when some key that is read is older than some query's window.
 """
 
 from __future__ import annotations
@@ -37,6 +43,15 @@ class _Run(NamedTuple):
     tokens: int
     keys: FloatArray
     values: FloatArray
+
+    def skip_blocks(self, count: int, block_size: int) -> _Run:
+        """The run without its first ``count`` blocks (views, no copy)."""
+        return _Run(
+            self.first_token + count * block_size,
+            self.tokens - count * block_size,
+            self.keys[:, count:],
+            self.values[:, count:],
+        )
 
 
 def decode_indptr(batch_size: int) -> npt.NDArray[np.int32]:
@@ -105,6 +120,7 @@ def paged_attention(
     scale: float | None = None,
     causal: bool = True,
     kv_layout: str = "NHD",
+    sliding_window: int | None = None,
 ) -> FloatArray:
     """Attention of packed queries over the paged K/V of a batch.
 
@@ -118,14 +134,19 @@ def paged_attention(
         causal: query ``i`` of a request with ``q`` queries and ``n`` tokens sits at
             position ``n - q + i`` and sees keys up to it; otherwise it sees all ``n``.
         kv_layout: ``"NHD"``, ``"HND"`` or ``"heads_first"``.
+        sliding_window: ``W``: each query sees only keys at positions ``p - W < k`` (its
+            last ``W`` tokens). ``None`` takes the page table's
+            :attr:`~PageTable.sliding_window` (``None`` there too: no window).
 
     Returns:
         ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype.
 
     Raises:
         ShapeMismatchError: shapes that do not fit together.
-        InvalidArgumentError: bad ``qo_indptr``, ``scale`` or ``kv_layout``.
+        InvalidArgumentError: bad ``qo_indptr``, ``scale``, ``kv_layout`` or
+            ``sliding_window`` (not an int >= 1, or unlike the page table's).
     """
+    window = _effective_window(sliding_window, page_table)
     if kv_layout not in KV_LAYOUTS:
         raise InvalidArgumentError(f"kv_layout {kv_layout!r} is unknown; valid: {', '.join(KV_LAYOUTS)}")
     if key_cache.shape != value_cache.shape or key_cache.ndim != 4:
@@ -170,7 +191,7 @@ def paged_attention(
             )
             for run in page_table.runs(b)
         ]
-        row_positions = np.repeat(np.arange(seq_len - num_queries, seq_len), group) if causal else None
+        row_positions = np.repeat(np.arange(seq_len - num_queries, seq_len), group)
         out = np.empty((num_heads, rows, head_dim), dtype=compute)
         chunk = max(1, _SCORE_BUDGET // (num_heads * seq_len))  # bounds long prefills' scores
         for first_row in range(0, rows, chunk):
@@ -179,8 +200,11 @@ def paged_attention(
                 q[:, first_row:last_row],
                 runs,
                 seq_len,
-                None if row_positions is None else row_positions[first_row:last_row],
+                row_positions[first_row:last_row],
                 compute(scale),
+                causal=causal,
+                window=window,
+                block_size=page_table.block_size,
             )
         output[q_start:q_stop] = (
             out.reshape(num_heads, num_queries, group, head_dim)
@@ -188,6 +212,20 @@ def paged_attention(
             .reshape(num_queries, num_heads * group, head_dim)
         )
     return output
+
+
+def _effective_window(argument: object, page_table: PageTable) -> int | None:
+    """The window to apply: the argument, else the page table's."""
+    if argument is not None and (isinstance(argument, bool) or not isinstance(argument, int) or argument < 1):
+        raise InvalidArgumentError(f"sliding_window must be None or an int >= 1, got {argument!r}")
+    table_window = page_table.sliding_window
+    if argument is None:
+        return table_window
+    if table_window is not None and table_window != argument:
+        raise InvalidArgumentError(
+            f"sliding_window={argument} contradicts the page table's sliding_window={table_window}"
+        )
+    return int(argument)
 
 
 def _as_tokens(run: FloatArray) -> FloatArray | None:
@@ -199,28 +237,59 @@ def _as_tokens(run: FloatArray) -> FloatArray | None:
     return None
 
 
+def _window_runs(runs: list[_Run], first_key: int, block_size: int) -> list[_Run]:
+    """The runs without the blocks wholly before position ``first_key``."""
+    kept: list[_Run] = []
+    for run in runs:
+        if run.first_token + run.tokens <= first_key:
+            continue
+        skip = max(0, (first_key - run.first_token) // block_size)
+        kept.append(run.skip_blocks(skip, block_size) if skip else run)
+    return kept
+
+
 def _attend_rows(
-    q: FloatArray, runs: list[_Run], seq_len: int, row_positions: IntArray | None, scale: np.floating[Any]
+    q: FloatArray,
+    runs: list[_Run],
+    seq_len: int,
+    row_positions: IntArray,
+    scale: np.floating[Any],
+    *,
+    causal: bool,
+    window: int | None,
+    block_size: int,
 ) -> FloatArray:
     """Softmax attention of query rows ``[heads, rows, dim]`` over every run of a request.
 
-    Each run's scores land in its slice of one ``[heads, rows, seq_len]`` buffer, one
+    Each run's scores land in its slice of one ``[heads, rows, keys]`` buffer, one
     softmax normalises them, and each run adds its weighted values: the runs are read in
-    place and no merge step is needed."""
+    place and no merge step is needed. ``row_positions [rows]`` are the rows' positions."""
     heads, rows, _ = q.shape
-    scores = np.empty((heads, rows, seq_len), dtype=q.dtype)
+    base = 0  # position of the buffer's first key
+    if window is not None:
+        oldest_visible = int(row_positions.min()) - window + 1
+        if oldest_visible > 0:
+            runs = _window_runs(runs, oldest_visible, block_size)
+            base = runs[0].first_token  # the row at the lowest position sees itself
+    scores = np.empty((heads, rows, seq_len - base), dtype=q.dtype)
     for run in runs:
-        _run_scores(q, run, scores[:, :, run.first_token : run.first_token + run.tokens])
+        _run_scores(q, run, scores[:, :, run.first_token - base : run.first_token - base + run.tokens])
     scores *= scale
-    if row_positions is not None:
-        hidden = np.arange(seq_len)[None, :] > row_positions[:, None]  # [rows, seq_len]
-        if hidden.any():
-            np.copyto(scores, -np.inf, where=hidden[None])
-    scores -= scores.max(axis=-1, keepdims=True)  # every row sees key 0, so the max is finite
+    key_positions = np.arange(base, seq_len)[None, :]
+    hidden: npt.NDArray[np.bool_] | None = None
+    if causal and int(row_positions.min()) < seq_len - 1:
+        hidden = key_positions > row_positions[:, None]  # [rows, keys]
+    if window is not None and int(row_positions.max()) - window + 1 > base:
+        too_old = key_positions <= row_positions[:, None] - window
+        hidden = too_old if hidden is None else hidden | too_old
+    if hidden is not None:
+        np.copyto(scores, -np.inf, where=hidden[None])
+    scores -= scores.max(axis=-1, keepdims=True)  # every row sees its own position: the max is finite
     np.exp(scores, out=scores)
     result = np.zeros((heads, rows, q.shape[2]), dtype=q.dtype)
     for run in runs:
-        result += _run_weighted_values(scores[:, :, run.first_token : run.first_token + run.tokens], run)
+        start = run.first_token - base
+        result += _run_weighted_values(scores[:, :, start : start + run.tokens], run)
     result /= scores.sum(axis=-1, keepdims=True)
     return result
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, TypeGuard
+from typing import Any, Final, TypeGuard, cast
+
+import numpy as np
+import numpy.typing as npt
 
 from kvcache_core.device import Device
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerIndexError
 
-__all__ = ["DTYPE_SIZES", "KV_LAYOUTS", "AllocationRequest", "CacheConfig"]
+__all__ = ["DTYPE_SIZES", "KV_LAYOUTS", "MAX_TOKEN_ID", "AllocationRequest", "CacheConfig", "check_token_ids"]
 
 #: Bytes per element of every dtype name a backend may claim.
 DTYPE_SIZES: Final[dict[str, int]] = {
@@ -26,8 +29,40 @@ DTYPE_SIZES: Final[dict[str, int]] = {
 KV_LAYOUTS: Final[tuple[str, ...]] = ("NHD", "HND", "heads_first")
 
 
+#: The largest token id accepted (token ids are hashed as 64-bit integers).
+MAX_TOKEN_ID: Final = 2**63 - 1
+
+
 def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_token_ids(value: object, name: str) -> tuple[int, ...]:
+    """``value`` as a tuple of token ids, if it is a sequence (or 1-D integer array) of
+    ints in ``[0, MAX_TOKEN_ID]``.
+
+    Raises:
+        InvalidArgumentError: anything else; the message names ``name``, the first bad
+            element and the valid range.
+    """
+    if isinstance(value, np.ndarray):
+        array = cast("npt.NDArray[Any]", value)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            raise InvalidArgumentError(
+                f"{name} must be a 1-D integer array, got dtype {array.dtype} shape {array.shape}"
+            )
+        value = array.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InvalidArgumentError(f"{name} must be a sequence of ints in [0, {MAX_TOKEN_ID}], got {value!r}")
+    items: list[object] = list(cast("Iterable[object]", value))
+    checked: list[int] = []
+    for index, item in enumerate(items):
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not 0 <= int(item) <= MAX_TOKEN_ID:
+            raise InvalidArgumentError(
+                f"{name}[{index}] = {item!r} is not a token id: valid ids are ints in [0, {MAX_TOKEN_ID}]"
+            )
+        checked.append(int(item))
+    return tuple(checked)
 
 
 def _require_int(owner: str, name: str, value: object, minimum: int) -> None:
@@ -49,8 +84,12 @@ class CacheConfig:
         dtype: element type of the pool, a key of :data:`DTYPE_SIZES`.
         device: where the pool lives; a :class:`Device` or its text (``"cuda:0"``).
         kv_layout: pool layout, one of :data:`KV_LAYOUTS`.
-        enable_prefix_caching: share full prompt blocks between requests.
-        sliding_window: tokens each query attends to, or ``None`` for all.
+        enable_prefix_caching: share full prompt blocks between requests: ``allocate`` maps
+            the cached full blocks of ``AllocationRequest.prompt_token_ids``; blocks whose
+            K/V are written stay cached after their requests end, until evicted.
+        sliding_window: ``W``, the tokens each query attends to (its last ``W``, itself
+            included), or ``None`` for all; blocks wholly older than the window are released
+            as a request grows.
         medium_pressure_threshold, high_pressure_threshold, critical_pressure_threshold:
             fractions of the pool in use at which :class:`MemoryPressure` rises;
             ``0 < medium < high < critical <= 1``.
@@ -181,8 +220,14 @@ class AllocationRequest:
         max_sequence_length: the most tokens this request will ever hold, or ``None`` if
             unknown; when given, the allocator keeps room after the request's blocks so it
             grows as one run, and ``extend`` refuses to go past it.
-        prompt_token_ids: the prompt's token ids (used by prefix caching).
+        prompt_token_ids: the prompt's token ids, ints in ``[0, MAX_TOKEN_ID]`` (a sequence or
+            a 1-D integer NumPy array); stored as a tuple. With prefix caching, ``allocate`` maps
+            the cached full blocks of the prompt, and the prompt's later blocks become
+            cacheable once written.
         priority: larger is more important; recorded on the handle.
+        cache_salt: ``str`` or ``bytes`` mixed into every block hash of this request, so
+            requests with different salts (tenants) never share cached blocks; ``None`` for
+            no salt. A ``str`` is hashed as its UTF-8 bytes.
 
     Raises:
         InvalidArgumentError: a field out of its range; the message names it.
@@ -193,6 +238,7 @@ class AllocationRequest:
     max_sequence_length: int | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     priority: int = 0
+    cache_salt: str | bytes | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -206,13 +252,29 @@ class AllocationRequest:
                     f"max_sequence_length={self.max_sequence_length}"
                 )
         if self.prompt_token_ids is not None:
-            tokens: object = self.prompt_token_ids
-            if (
-                not isinstance(tokens, Sequence)
-                or isinstance(tokens, (str, bytes))
-                or not all(_is_int(t) and t >= 0 for t in tokens)
-            ):
-                raise InvalidArgumentError("AllocationRequest.prompt_token_ids must be a sequence of ints >= 0")
-            object.__setattr__(self, "prompt_token_ids", tuple(tokens))  # pyright: ignore[reportUnknownArgumentType]
+            tokens = check_token_ids(self.prompt_token_ids, "AllocationRequest.prompt_token_ids")
+            if self.max_sequence_length is not None and len(tokens) > self.max_sequence_length:
+                raise InvalidArgumentError(
+                    f"AllocationRequest.prompt_token_ids holds {len(tokens)} tokens, more than "
+                    f"max_sequence_length={self.max_sequence_length}"
+                )
+            object.__setattr__(self, "prompt_token_ids", tokens)
         if not _is_int(self.priority):
             raise InvalidArgumentError(f"AllocationRequest.priority must be an int, got {self.priority!r}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, (str, bytes)):
+            raise InvalidArgumentError(
+                f"AllocationRequest.cache_salt must be a str, bytes or None, got {type(self.cache_salt).__name__} "
+                f"{self.cache_salt!r}"
+            )
+        if isinstance(self.cache_salt, str):
+            try:
+                self.cache_salt.encode()
+            except UnicodeEncodeError as exc:
+                raise InvalidArgumentError(
+                    f"AllocationRequest.cache_salt {self.cache_salt!r} cannot be encoded as UTF-8: {exc.reason}"
+                ) from exc
+
+    def salt_bytes(self) -> bytes | None:
+        """:attr:`cache_salt` as the bytes that are hashed (UTF-8 for a ``str``)."""
+        salt = self.cache_salt
+        return salt.encode() if isinstance(salt, str) else salt

@@ -27,10 +27,13 @@ __all__ = [
     "KvCacheError",
     "KvCachePluginWarning",
     "LayerIndexError",
+    "NotSwappedOutError",
     "OutOfBlocksError",
     "SequenceTooLongError",
     "ShapeMismatchError",
+    "SharedBlockWriteError",
     "SlotError",
+    "SwappedOutError",
     "UnknownRequestError",
     "UnsupportedConfigError",
 ]
@@ -77,6 +80,12 @@ class SlotError(KvCacheError, IndexError):
     """A slot outside the pool, in a block no request owns, or repeated in one write."""
 
 
+class SharedBlockWriteError(SlotError):
+    """A write names a slot in a block that several requests share (after ``fork`` or a
+    prefix-cache hit): it would change every sharer's tokens. Take private slots from
+    ``extend`` or ``writable_slots``, which copy the block first (copy-on-write)."""
+
+
 class UnknownRequestError(KvCacheError, LookupError):
     """No live request has this id (never allocated, or already deallocated)."""
 
@@ -87,6 +96,15 @@ class DuplicateRequestError(KvCacheError, ValueError):
 
 class InvalidHandleError(KvCacheError, RuntimeError):
     """The handle's request was deallocated; its data can no longer be read or written."""
+
+
+class SwappedOutError(InvalidHandleError):
+    """The request is swapped out to host memory: its handle stays valid, but its data can
+    be read, written or extended only after ``swap_in``."""
+
+
+class NotSwappedOutError(KvCacheError, RuntimeError):
+    """``swap_in`` of a request that is resident (it was never swapped out, or is back)."""
 
 
 class ForeignHandleError(KvCacheError, ValueError):

@@ -6,18 +6,55 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from kvcache_core.block_table import BlockTable
 from kvcache_core.config import CacheConfig
 from kvcache_core.device import Device
-from kvcache_core.errors import InvalidHandleError
+from kvcache_core.errors import InvalidHandleError, SwappedOutError
+from kvcache_core.prefix import PrefixEntry
 from kvcache_core.protocols import KvStorage
 from kvcache_core.stats import CacheHandleStats
 
-__all__ = ["PagedKvCacheHandle", "RequestState"]
+__all__ = ["PagedKvCacheHandle", "RequestState", "SwapRecord"]
 
 ArrayT = TypeVar("ArrayT")
+
+
+@dataclass(frozen=True, eq=False)
+class SwapRecord:
+    """A swapped-out request's blocks in host memory, and what restores its table.
+
+    Attributes:
+        keys, values: ``[num_layers, n, block_size, num_heads, head_dim]`` host copies of
+            the ``n`` blocks that held its tokens, in logical order.
+        sequence_length: the request's length.
+        first_logical: leading blocks a sliding window had released.
+        written: ``[num_layers, n * block_size]`` which slots had been written (kept only
+            with prefix caching, which caches only written blocks), or ``None``.
+        released_blocks: the pool blocks it gave up, to name it when a stale slot is used.
+    """
+
+    keys: npt.NDArray[Any]
+    values: npt.NDArray[Any]
+    sequence_length: int
+    first_logical: int
+    written: npt.NDArray[np.bool_] | None
+    released_blocks: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held in host memory."""
+        return int(self.keys.shape[1])
+
+    @property
+    def memory_bytes(self) -> int:
+        """Host bytes of the copies."""
+        return int(self.keys.nbytes + self.values.nbytes)
 
 
 class RequestState(Generic[ArrayT]):
@@ -27,7 +64,11 @@ class RequestState(Generic[ArrayT]):
     """
 
     __slots__ = (
+        "awaiting_block",
         "cache_id",
+        "cached_tokens",
+        "chain",
+        "chain_open",
         "config",
         "last_access",
         "lock",
@@ -35,8 +76,11 @@ class RequestState(Generic[ArrayT]):
         "owner",
         "priority",
         "request_id",
+        "salt",
         "storage",
+        "swap",
         "table",
+        "token_ids",
         "valid",
     )
 
@@ -61,6 +105,16 @@ class RequestState(Generic[ArrayT]):
         self.max_sequence_length = max_sequence_length
         self.priority = priority
         self.last_access = time.monotonic()
+        # Prefix caching: the token ids known so far (positions 0 .. len - 1), the salt, the
+        # cache entries of the logical blocks hashed so far, whether the chain may still
+        # grow, and the block whose writes it waits for.
+        self.token_ids: list[int] = []
+        self.salt: bytes | None = None
+        self.chain: list[PrefixEntry] = []
+        self.chain_open = True
+        self.awaiting_block: int | None = None
+        self.cached_tokens = 0  # tokens mapped from the prefix cache at allocation
+        self.swap: SwapRecord | None = None  # set while swapped out
 
     def touch(self) -> None:
         """Record an access now."""
@@ -74,12 +128,26 @@ class RequestState(Generic[ArrayT]):
                 "its handles no longer give access to data"
             )
 
-    def pool(self, layer: int, values: bool) -> ArrayT:
-        """The layer's key (or value) pool, after checking the handle and the layer."""
+    def check_resident(self) -> None:
+        """Raise :class:`InvalidHandleError` if the request was deallocated, and
+        :class:`SwappedOutError` if it is swapped out."""
+        self.check_valid()
+        if self.swap is not None:
+            raise SwappedOutError(
+                f"request {self.request_id!r} is swapped out ({self.swap.sequence_length} tokens in host "
+                "memory): call swap_in before reading, writing or extending it"
+            )
+
+    def pool(self, layer: int, values: bool) -> ArrayT | None:
+        """The layer's key (or value) pool, after checking the handle and the layer; ``None``
+        when a sliding window has released every block the request held."""
         with self.lock:
             self.check_valid()
             index = self.config.check_layer(layer)
+            self.check_resident()
             self.touch()
+            if not self.table.num_blocks() and self.table.first_logical:
+                return None
             return self.storage.value_cache(index) if values else self.storage.key_cache(index)
 
 
@@ -147,11 +215,13 @@ class PagedKvCacheHandle(Generic[ArrayT]):
         return self._state.config.head_dim
 
     def key_cache(self, layer: int) -> ArrayT | None:
-        """The layer's key pool itself (see :meth:`KvCacheHandle.key_cache`).
+        """The layer's key pool itself (see :meth:`KvCacheHandle.key_cache`); ``None`` when
+        the request holds no block because its sliding window released them all.
 
         Raises:
             LayerIndexError: ``layer`` outside ``[0, num_layers)``.
             InvalidHandleError: the request was deallocated.
+            SwappedOutError: the request is swapped out.
         """
         return self._state.pool(layer, values=False)
 
@@ -169,11 +239,11 @@ class PagedKvCacheHandle(Generic[ArrayT]):
         return PagedKvCacheHandle(self._state)
 
     def stats(self) -> CacheHandleStats:
-        """Figures of this request (zeros once deallocated)."""
+        """Figures of this request in the pool (zeros once deallocated or while swapped out)."""
         state = self._state
         with state.lock:
             blocks = state.table.num_blocks()
-            tokens = state.table.sequence_length
+            tokens = state.table.held_tokens()
             capacity = blocks * state.config.block_size
             return CacheHandleStats(
                 memory_bytes=blocks * state.config.bytes_per_block,
@@ -184,15 +254,24 @@ class PagedKvCacheHandle(Generic[ArrayT]):
             )
 
     def is_valid(self) -> bool:
-        """``False`` once the request is deallocated."""
+        """``False`` once the request is deallocated (a swapped-out request stays valid)."""
         return self._state.valid
+
+    def is_swapped_out(self) -> bool:
+        """Whether the request's blocks are in host memory (see ``manager.swap_in``)."""
+        return self._state.swap is not None
+
+    def num_cached_tokens(self) -> int:
+        """Tokens the prefix cache supplied when the request was allocated: already
+        computed, so ``num_tokens()`` started there and ``extend`` went on from it."""
+        return self._state.cached_tokens
 
     def cache_id(self) -> str:
         """Unique id of this cache, shared by its clones."""
         return self._state.cache_id
 
     def num_tokens(self) -> int:
-        """Tokens stored."""
+        """Tokens stored: ``block_table().sequence_length`` (0 while swapped out)."""
         return self._state.table.sequence_length
 
     def __eq__(self, other: object) -> bool:
@@ -205,7 +284,7 @@ class PagedKvCacheHandle(Generic[ArrayT]):
 
     def __repr__(self) -> str:
         state = self._state
-        status = "valid" if state.valid else "deallocated"
+        status = "deallocated" if not state.valid else "swapped out" if state.swap is not None else "valid"
         return (
             f"PagedKvCacheHandle(request_id={state.request_id!r}, tokens={state.table.sequence_length}, "
             f"blocks={state.table.num_blocks()}, {status})"

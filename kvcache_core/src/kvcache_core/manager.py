@@ -2,10 +2,24 @@
 
 Data path, top to bottom::
 
-    allocate(request) -> handle             blocks reserved for initial_tokens
+    allocate(request) -> handle             blocks reserved for initial_tokens (prefix hits mapped)
     extend(handle, n) -> slots [n]          the sequence grows; new blocks when needed
     write(layer, slots, keys, values)       one scatter per layer, batched across requests
     paged_attention(layer, q, page_table)   reads the pool in place
+
+Policies, the same for every backend (they move bytes only through ``KvStorage``):
+
+* **prefix caching** (``CacheConfig(enable_prefix_caching=True)``): a full block whose K/V
+  are written is hashed (chained with its prefix, see :mod:`kvcache_core.prefix`);
+  ``allocate`` maps the cached full blocks of ``AllocationRequest.prompt_token_ids`` and
+  starts the sequence after them. Blocks nobody references stay cached until evicted,
+  least recently used first; blocks without a hash are always reused first.
+* **fork with copy-on-write**: :meth:`PagedKvCacheManager.fork` shares blocks; the first
+  slot handed out in a shared block (``extend``, ``writable_slots``) copies that block.
+* **swapping**: ``swap_out`` copies a request's blocks to host memory and releases them;
+  ``swap_in`` brings them back, bit-identical, into any free blocks.
+* **sliding window** (``CacheConfig(sliding_window=W)``): blocks wholly older than the
+  window of the next token are released as a request grows; attention masks the rest.
 
 Every public method takes the manager's lock, validates everything first and only then
 changes state, so a call that raises leaves every table and count as it was.
@@ -19,14 +33,15 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeGuard, TypeVar
+from typing import Any, Generic, NamedTuple, TypeGuard, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.allocator import BlockAllocator, Placement
 from kvcache_core.attention import validate_query_indptr
-from kvcache_core.config import AllocationRequest, CacheConfig
+from kvcache_core.block_table import BlockTable
+from kvcache_core.config import AllocationRequest, CacheConfig, check_token_ids
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -35,15 +50,18 @@ from kvcache_core.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     KvCacheError,
+    NotSwappedOutError,
     OutOfBlocksError,
     SequenceTooLongError,
     ShapeMismatchError,
+    SharedBlockWriteError,
     SlotError,
+    SwappedOutError,
     UnknownRequestError,
-    UnsupportedConfigError,
 )
-from kvcache_core.handle import PagedKvCacheHandle, RequestState
+from kvcache_core.handle import PagedKvCacheHandle, RequestState, SwapRecord
 from kvcache_core.page_table import PageTable
+from kvcache_core.prefix import PrefixCache, PrefixEntry, same_prefix
 from kvcache_core.protocols import KvCacheHandle, KvStorage, SlotArray, SlotsLike
 from kvcache_core.stats import CacheGcStats, CacheManagerStats, MemoryPressure
 
@@ -64,36 +82,46 @@ def _blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class _AllocationPlan(NamedTuple):
+    """What ``allocate`` would do, worked out without changing anything."""
+
+    hits: list[tuple[PrefixEntry, int]]  # per cached logical block: its entry and the block to map
+    queries: int  # full prompt blocks looked up
+    collisions: int
+    released: int  # leading hit blocks a sliding window leaves unmapped
+    new_blocks: int  # blocks to take from the pool
+    revived: int  # mapped hit blocks that are cached now (not free, not in use)
+
+
 class PagedKvCacheManager(Generic[ArrayT]):
-    """Allocates request caches in one paged pool and runs the write/read path.
+    """Allocates request caches in one paged pool, runs the write/read path and the cache
+    policies (prefix caching, fork with copy-on-write, eviction, swapping, sliding window).
 
     Satisfies :class:`~kvcache_core.KvCacheManager` structurally. Thread-safe: every
     public method holds one re-entrant lock.
+
+    Prefix caching, the rule for when a block becomes cacheable: a block is hashed and
+    findable by later requests once (1) it is full (``extend`` handed out all its
+    positions), (2) the token ids of all its positions are known (from
+    ``AllocationRequest.prompt_token_ids`` or ``extend(..., token_ids=...)``), (3) every one
+    of its slots has been written through :meth:`write` in every layer, and (4) the block
+    before it is hashed. The manager tracks the writes itself; the caller marks nothing.
 
     Args:
         storage: the backend's pool; its ``config`` is the manager's.
         backend: the backend's name, for messages and ``kvcache backends``.
         placement: ``"contiguous"`` (default: requests keep their blocks in long runs) or
             ``"fifo"`` (least recently freed block first, for comparison).
-
-    Raises:
-        UnsupportedConfigError: the config asks for a policy this manager does not have yet.
     """
 
     def __init__(
         self, storage: KvStorage[ArrayT], *, backend: str = "custom", placement: Placement = "contiguous"
     ) -> None:
         config = storage.config
-        if config.enable_prefix_caching:
-            raise UnsupportedConfigError(
-                "enable_prefix_caching=True is not supported yet: prefix caching is not built; "
-                "use enable_prefix_caching=False"
-            )
-        if config.sliding_window is not None:
-            raise UnsupportedConfigError(
-                f"sliding_window={config.sliding_window} is not supported yet: the sliding-window "
-                "policy is not built; use sliding_window=None"
-            )
         self._storage = storage
         self._config = config
         self._backend = backend
@@ -108,6 +136,24 @@ class PagedKvCacheManager(Generic[ArrayT]):
         # still names only blocks in use, so per-layer attention calls skip the check.
         self._release_generation = 0
         self._checked_page_table: tuple[PageTable, int] | None = None
+        # Prefix caching: the hash map, which slots hold written K/V ([layers, slots]), and
+        # the blocks whose writes some request's hash chain waits for.
+        self._prefix: PrefixCache | None = PrefixCache() if config.enable_prefix_caching else None
+        self._written: npt.NDArray[np.bool_] | None = (
+            np.zeros((config.num_layers, config.num_blocks * config.block_size), dtype=np.bool_)
+            if config.enable_prefix_caching
+            else None
+        )
+        self._awaiting: dict[int, set[str]] = {}
+        self._awaiting_mask = np.zeros(config.num_blocks, dtype=np.bool_)
+        # Blocks a swap_out released (and nobody took since) -> the request, for the error
+        # a stale slot of a swapped-out request gets.
+        self._swapped_blocks: dict[int, str] = {}
+        self._eviction_count = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._hash_collisions = 0
+        self._copy_on_write_count = 0
 
     # -- introspection -----------------------------------------------------------------
 
@@ -131,18 +177,29 @@ class PagedKvCacheManager(Generic[ArrayT]):
         """The block allocator (read it; the manager alone should change it)."""
         return self._allocator
 
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache's hash map (``None`` without prefix caching); read it only."""
+        return self._prefix
+
     # -- lifecycle -----------------------------------------------------------------------
 
     def allocate(self, request: AllocationRequest) -> PagedKvCacheHandle[ArrayT]:
         """Create a request's cache and reserve blocks for its ``initial_tokens``.
 
-        The sequence starts empty (``num_tokens() == 0``); :meth:`extend` grows it and
-        hands out slots, using the reserved blocks first.
+        Without a prefix hit the sequence starts empty (``num_tokens() == 0``). With prefix
+        caching, every cached full block of ``request.prompt_token_ids`` is mapped (shared,
+        not copied), at most ``(len(prompt) - 1) // block_size`` of them so that the last
+        prompt token is always computed; the sequence then starts at the cached tokens
+        (``handle.num_tokens() == handle.num_cached_tokens()``) and :meth:`extend` hands
+        out slots for the rest. Reserved blocks cover ``max(initial_tokens, cached)``
+        positions; cached blocks nobody uses are evicted (oldest first) when free blocks
+        do not suffice.
 
         Raises:
             InvalidTypeError: ``request`` is not an :class:`AllocationRequest`.
             DuplicateRequestError: a live request has this id.
-            OutOfBlocksError: fewer free blocks than ``initial_tokens`` needs.
+            OutOfBlocksError: fewer free and evictable blocks than ``initial_tokens`` needs.
         """
         if not isinstance(request, AllocationRequest):
             raise InvalidTypeError(f"allocate takes an AllocationRequest, got {type(request).__name__}")
@@ -150,17 +207,14 @@ class PagedKvCacheManager(Generic[ArrayT]):
         with self._lock:
             if request.request_id in self._requests:
                 raise DuplicateRequestError(f"request {request.request_id!r} is already allocated")
-            count = _blocks_for(request.initial_tokens, block_size)
-            expected = (
-                None if request.max_sequence_length is None else _blocks_for(request.max_sequence_length, block_size)
-            )
-            blocks = self._take_blocks(
-                count,
-                None,
-                expected,
-                f"cannot allocate request {request.request_id!r}: {request.initial_tokens} initial tokens "
-                f"need {count} blocks",
-            )
+            plan = self._plan_allocation(request)
+            available = self._allocator.free_block_count() + self._allocator.cached_block_count() - plan.revived
+            if plan.new_blocks > available:
+                self._allocation_failures += 1
+                raise OutOfBlocksError(
+                    f"cannot allocate request {request.request_id!r}: {request.initial_tokens} initial tokens "
+                    f"need {plan.new_blocks} blocks{self._cached_note(len(plan.hits))}, {self._free_note()}"
+                )
             state = RequestState(
                 request_id=request.request_id,
                 owner=self,
@@ -169,38 +223,93 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 max_sequence_length=request.max_sequence_length,
                 priority=request.priority,
             )
-            state.table.add_blocks(blocks)
+            mapped: list[int] = []
+            for _, block in plan.hits[plan.released :]:
+                if self._allocator.is_cached(block):
+                    self._allocator.revive(block)
+                    self._swapped_blocks.pop(block, None)
+                else:
+                    self._allocator.retain(block)
+                mapped.append(block)
+            logical_now = len(plan.hits)
+            new_blocks = self._take_blocks(
+                plan.new_blocks,
+                mapped[-1] if mapped and self._allocator.ref_count(mapped[-1]) == 1 else None,
+                self._expected_blocks(request.max_sequence_length, logical_now),
+                f"cannot allocate request {request.request_id!r}",
+            )
+            cached_tokens = len(plan.hits) * block_size
+            state.table = BlockTable(block_size, mapped + new_blocks, cached_tokens, first_logical=plan.released)
+            state.cached_tokens = cached_tokens
+            if self._prefix is not None:
+                state.token_ids = list(request.prompt_token_ids or ())
+                state.salt = request.salt_bytes()
+                state.chain = [entry for entry, _ in plan.hits]
+                self._prefix_queries += plan.queries
+                self._prefix_hits += len(plan.hits)
+                self._hash_collisions += plan.collisions
             self._requests[request.request_id] = state
             self._allocation_count += 1
             self._update_pressure()
             return PagedKvCacheHandle(state)
 
     def can_allocate(self, request: AllocationRequest) -> bool:
-        """Whether :meth:`allocate` would succeed now (id free, blocks enough)."""
+        """Whether :meth:`allocate` would succeed now (id free, free and evictable blocks
+        enough, prefix hits taken into account)."""
         if not isinstance(request, AllocationRequest):
             return False
         with self._lock:
-            return (
-                request.request_id not in self._requests
-                and _blocks_for(request.initial_tokens, self._config.block_size) <= self._allocator.free_block_count()
-            )
+            if request.request_id in self._requests:
+                return False
+            plan = self._plan_allocation(request)
+            available = self._allocator.free_block_count() + self._allocator.cached_block_count() - plan.revived
+            return plan.new_blocks <= available
 
-    def extend(self, handle: KvCacheHandle[ArrayT], additional_tokens: int) -> SlotArray:
+    def extend(
+        self, handle: KvCacheHandle[ArrayT], additional_tokens: int, *, token_ids: Sequence[int] | None = None
+    ) -> SlotArray:
         """Grow the request by ``additional_tokens`` and return their slots.
+
+        Slots always point at blocks this request alone holds: a shared block (after
+        :meth:`fork` or a prefix hit) that the new positions fall in is copied first
+        (copy-on-write, one ``storage.copy_blocks`` per shared block). With a sliding
+        window ``W``, blocks wholly older than the window of the first new token are
+        released first: the request keeps the blocks of positions
+        ``num_tokens() - W + 1`` onwards, so one growing a token per step never holds more
+        than ``ceil(W / block_size) + 1`` blocks (beyond what ``initial_tokens`` reserved
+        ahead). Queries attending after this call should be the new tokens': an earlier
+        token's window may reach into released blocks.
+
+        Args:
+            handle: the request.
+            additional_tokens: tokens to add (>= 0).
+            token_ids: the new tokens' ids (``[additional_tokens]``), so that their blocks
+                can be cached (prefix caching). Positions the prompt already covers must
+                repeat the prompt's ids. Ids may be given only while every earlier
+                position's id is known; without prefix caching they are checked and
+                ignored.
 
         Returns:
             ``[additional_tokens]`` int64 slots, ``block * block_size + offset``, for the
             token positions ``num_tokens() .. num_tokens() + additional_tokens - 1``.
 
         Raises:
-            InvalidArgumentError: ``additional_tokens`` is not an int >= 0.
+            InvalidArgumentError: ``additional_tokens`` is not an int >= 0, or bad
+                ``token_ids`` (type, length, range, disagreeing with the prompt, or after
+                positions whose ids were never given).
             SequenceTooLongError: the request would pass its ``max_sequence_length``.
-            OutOfBlocksError: fewer free blocks than the growth needs.
-            InvalidHandleError: the request was deallocated.
+            OutOfBlocksError: fewer free and evictable blocks than the growth needs.
+            InvalidHandleError: the request was deallocated; SwappedOutError: it is
+                swapped out.
             ForeignHandleError: the handle belongs to another manager.
         """
         if isinstance(additional_tokens, bool) or not isinstance(additional_tokens, int) or additional_tokens < 0:
             raise InvalidArgumentError(f"additional_tokens must be an int >= 0, got {additional_tokens!r}")
+        ids = None if token_ids is None else check_token_ids(token_ids, "token_ids")
+        if ids is not None and len(ids) != additional_tokens:
+            raise InvalidArgumentError(
+                f"token_ids holds {len(ids)} ids for additional_tokens={additional_tokens}; give one id per new token"
+            )
         with self._lock:
             state = self._state_of(handle)
             table = state.table
@@ -211,32 +320,136 @@ class PagedKvCacheManager(Generic[ArrayT]):
                     f"request {state.request_id!r} would grow to {new_length} tokens, past its "
                     f"max_sequence_length of {state.max_sequence_length}"
                 )
+            new_ids = self._new_token_ids(state, ids, old_length) if ids is not None else ()
             block_size = self._config.block_size
-            missing = _blocks_for(new_length, block_size) - table.num_blocks()
-            if missing > 0:
-                blocks_now = table.num_blocks()
-                expected = (
-                    None
-                    if state.max_sequence_length is None
-                    else _blocks_for(state.max_sequence_length, block_size) - blocks_now
-                )
-                last = table.physical_blocks[-1] if blocks_now else None
-                new_blocks = self._take_blocks(
-                    missing,
-                    last,
-                    expected,
+            first, held = table.first_logical, table.num_blocks()
+            released = freed = 0
+            if additional_tokens and self._config.sliding_window is not None:
+                released = self._window_release(table, old_length)
+                freed = sum(1 for block in table.physical_blocks[:released] if self._allocator.ref_count(block) == 1)
+            copies = self._shared_blocks(table, old_length, new_length)
+            missing = max(0, _blocks_for(new_length, block_size) - first - held)
+            needed = missing + len(copies)
+            if needed and needed > self._allocator.free_block_count() + self._allocator.cached_block_count() + freed:
+                self._allocation_failures += 1
+                copied = f" ({len(copies)} to copy shared blocks)" if copies else ""
+                raise OutOfBlocksError(
                     f"cannot extend request {state.request_id!r} by {additional_tokens} tokens: "
-                    f"{missing} more blocks needed",
+                    f"{needed} more blocks needed{copied}, {self._free_note()}"
                 )
-                table.add_blocks(new_blocks)
+            if released:
+                self._advance_chain(state)  # hash what is ready before the window releases it
+                self._release_leading(state, released)
+            for logical in copies:
+                self._copy_on_write(state, logical)
+            if missing:
+                logical_now = table.first_logical + table.num_blocks()
+                last = table.physical_blocks[-1] if table.num_blocks() else None
+                table.add_blocks(
+                    self._take_blocks(
+                        missing,
+                        last if last is not None and self._allocator.ref_count(last) == 1 else None,
+                        self._expected_blocks(state.max_sequence_length, logical_now),
+                        f"cannot extend request {state.request_id!r} by {additional_tokens} tokens",
+                    )
+                )
             slots = table.slots(old_length, new_length)
             table.extend_sequence(additional_tokens)
+            if new_ids:
+                state.token_ids.extend(new_ids)
+            self._advance_chain(state)
             state.touch()
             self._update_pressure()
             return slots
 
+    def writable_slots(self, handle: KvCacheHandle[ArrayT], start: int, stop: int) -> SlotArray:
+        """Slots of the request's positions ``start .. stop - 1``, safe to write into: any
+        shared block among them is copied first (copy-on-write), so that rewriting tokens
+        of a forked or prefix-shared request changes no other request.
+
+        Raises:
+            InvalidArgumentError: not ``first_held <= start <= stop <= num_tokens()``
+                (``first_held`` is 0 unless a sliding window released leading blocks).
+            OutOfBlocksError: fewer free and evictable blocks than the copies need.
+            InvalidHandleError, SwappedOutError, ForeignHandleError: as :meth:`extend`.
+        """
+        with self._lock:
+            state = self._state_of(handle)
+            table = state.table
+            low = table.first_logical * self._config.block_size
+            if not (_is_count(start) and _is_count(stop) and low <= start <= stop <= table.sequence_length):
+                raise InvalidArgumentError(
+                    f"positions [{start!r}, {stop!r}) are outside the held positions [{low}, "
+                    f"{table.sequence_length}) of request {state.request_id!r}"
+                )
+            copies = self._shared_blocks(table, start, stop)
+            if len(copies) > self._allocator.free_block_count() + self._allocator.cached_block_count():
+                self._allocation_failures += 1
+                raise OutOfBlocksError(
+                    f"cannot copy {len(copies)} shared blocks of request {state.request_id!r}, {self._free_note()}"
+                )
+            for logical in copies:
+                self._copy_on_write(state, logical)
+            if copies:
+                self._update_pressure()
+            state.touch()
+            return table.slots(start, stop)
+
+    def fork(self, handle: KvCacheHandle[ArrayT], new_request_id: str) -> PagedKvCacheHandle[ArrayT]:
+        """A new request that shares every block holding the request's tokens.
+
+        Nothing is copied now: each shared block's reference count rises by one, and the
+        first slot handed out in a shared block (by :meth:`extend` or
+        :meth:`writable_slots`, for either request) copies that block alone. The two
+        requests then diverge without seeing each other's writes. The parent's reserved
+        empty blocks stay the parent's. Write the K/V of slots already handed out before
+        forking: a :meth:`write` into a shared block is refused.
+
+        Returns:
+            The new request's handle (same length, ``max_sequence_length`` and priority).
+
+        Raises:
+            InvalidArgumentError: ``new_request_id`` is not a non-empty str.
+            DuplicateRequestError: a live request has ``new_request_id``.
+            InvalidHandleError, SwappedOutError, ForeignHandleError: bad parent handle.
+        """
+        if not isinstance(new_request_id, str) or not new_request_id:
+            raise InvalidArgumentError(f"new_request_id must be a non-empty str, got {new_request_id!r}")
+        with self._lock:
+            parent = self._state_of(handle)
+            if new_request_id in self._requests:
+                raise DuplicateRequestError(f"cannot fork into {new_request_id!r}: it is already allocated")
+            table = parent.table
+            shared = table.physical_blocks[: _blocks_for(table.held_tokens(), self._config.block_size)]
+            for block in shared:
+                self._allocator.retain(block)
+            child = RequestState(
+                request_id=new_request_id,
+                owner=self,
+                storage=self._storage,
+                lock=self._lock,
+                max_sequence_length=parent.max_sequence_length,
+                priority=parent.priority,
+            )
+            child.table = BlockTable(
+                self._config.block_size, shared, table.sequence_length, first_logical=table.first_logical
+            )
+            child.token_ids = list(parent.token_ids)
+            child.salt = parent.salt
+            child.chain = list(parent.chain)
+            child.chain_open = parent.chain_open
+            if parent.awaiting_block is not None and parent.awaiting_block in shared:
+                self._set_awaiting(child, parent.awaiting_block)
+            self._requests[new_request_id] = child
+            parent.touch()
+            return PagedKvCacheHandle(child)
+
     def deallocate(self, request_id: str) -> None:
         """Release the request's blocks; every handle to it becomes invalid.
+
+        Blocks shared with other requests stay theirs; blocks holding a cached prefix stay
+        cached (evictable) when their last reference goes; the rest become free. A
+        swapped-out request's host copy is dropped.
 
         Raises:
             UnknownRequestError: no live request has this id (never allocated, or already
@@ -249,11 +462,101 @@ class PagedKvCacheManager(Generic[ArrayT]):
                     f"unknown request {request_id!r}: it was never allocated or is already "
                     f"deallocated ({len(self._requests)} requests are live)"
                 )
-            blocks = list(state.table.physical_blocks)
-            self._allocator.release(blocks, tail=blocks[-1] if blocks else None)
-            self._release_generation += 1
+            if state.swap is None:
+                self._set_awaiting(state, None)
+                self._release_blocks(list(state.table.physical_blocks))
+            else:
+                self._forget_swapped_blocks(state.request_id, state.swap)
             state.valid = False
+            state.swap = None
+            state.chain = []
             state.table = type(state.table)(self._config.block_size)
+            self._update_pressure()
+
+    def swap_out(self, request_id: str) -> None:
+        """Move a request's blocks to host memory and release them to the pool.
+
+        The blocks holding its tokens are copied with ``storage.blocks_to_host``; then the
+        request drops its reference on every block it held: a block shared with another
+        request (fork, prefix hit) stays with that request, a block holding a cached
+        prefix stays cached, the rest become free. Its handles stay valid
+        (``is_valid()``) and report ``is_swapped_out()``; data access raises
+        :class:`~kvcache_core.errors.SwappedOutError` until :meth:`swap_in`.
+
+        Raises:
+            UnknownRequestError: no live request has this id.
+            SwappedOutError: the request is already swapped out.
+        """
+        with self._lock:
+            state = self._live_state(request_id)
+            if state.swap is not None:
+                raise SwappedOutError(f"request {request_id!r} is already swapped out; swap_in brings it back")
+            table = state.table
+            block_size = self._config.block_size
+            kept = table.physical_blocks[: _blocks_for(table.held_tokens(), block_size)]
+            kept_array = np.asarray(kept, dtype=np.int64)
+            keys, values = self._storage.blocks_to_host(kept_array)
+            written = None
+            if self._written is not None:
+                written = self._written[:, self._block_slots(kept_array)].copy()
+            self._set_awaiting(state, None)
+            unreferenced = self._release_blocks(list(table.physical_blocks))
+            for block in unreferenced:
+                self._swapped_blocks[block] = state.request_id
+            state.swap = SwapRecord(
+                keys=keys,
+                values=values,
+                sequence_length=table.sequence_length,
+                first_logical=table.first_logical,
+                written=written,
+                released_blocks=tuple(unreferenced),
+            )
+            state.table = BlockTable(block_size)
+            state.touch()
+            self._update_pressure()
+
+    def swap_in(self, request_id: str) -> None:
+        """Bring a swapped-out request's blocks back from host memory, bit-identical, into
+        any free (or evicted) blocks; its handles give access to data again.
+
+        Atomic: when the blocks do not fit, nothing changes.
+
+        Raises:
+            UnknownRequestError: no live request has this id.
+            NotSwappedOutError: the request is resident.
+            OutOfBlocksError: fewer free and evictable blocks than it needs.
+        """
+        with self._lock:
+            state = self._live_state(request_id)
+            record = state.swap
+            if record is None:
+                raise NotSwappedOutError(
+                    f"request {request_id!r} is resident, not swapped out: swap_in needs a swapped-out request"
+                )
+            count = record.num_blocks
+            if count > self._allocator.free_block_count() + self._allocator.cached_block_count():
+                self._allocation_failures += 1
+                raise OutOfBlocksError(
+                    f"cannot swap in request {request_id!r}: it needs {count} blocks, {self._free_note()}"
+                )
+            blocks = self._take_blocks(
+                count,
+                None,
+                self._expected_blocks(state.max_sequence_length, record.first_logical),
+                f"cannot swap in request {request_id!r}",
+            )
+            block_array = np.asarray(blocks, dtype=np.int64)
+            self._storage.blocks_from_host(block_array, record.keys, record.values)
+            if self._written is not None and record.written is not None:
+                self._written[:, self._block_slots(block_array)] = record.written
+            self._forget_swapped_blocks(state.request_id, record)
+            state.table = BlockTable(
+                self._config.block_size, blocks, record.sequence_length, first_logical=record.first_logical
+            )
+            state.swap = None
+            self._rechain(state)
+            self._advance_chain(state)
+            state.touch()
             self._update_pressure()
 
     def get_handle(self, request_id: str) -> PagedKvCacheHandle[ArrayT] | None:
@@ -274,13 +577,19 @@ class PagedKvCacheManager(Generic[ArrayT]):
 
         Args:
             layer: ``0 <= layer < num_layers``.
-            slots: ``[n]`` distinct slots from :meth:`extend` (concatenate several
-                requests' slots to write them in one call).
+            slots: ``[n]`` distinct slots from :meth:`extend` or :meth:`writable_slots`
+                (concatenate several requests' slots to write them in one call).
             keys, values: ``[n, num_heads, head_dim]`` native arrays of the pool's dtype.
+
+        With prefix caching, the writes are what makes a full block cacheable (see the
+        class docstring); a block already cached holds the K/V of its tokens for every
+        later hit, so rewrite it only with the same tokens' K/V.
 
         Raises:
             LayerIndexError, SlotError (outside the pool, in a free block, or repeated),
-            ShapeMismatchError, DTypeMismatchError, ArrayTypeError.
+            SharedBlockWriteError (in a block several requests share), SwappedOutError (a
+            slot of a request swapped out since), ShapeMismatchError, DTypeMismatchError,
+            ArrayTypeError.
         """
         with self._lock:
             layer = self._config.check_layer(layer)
@@ -289,35 +598,51 @@ class PagedKvCacheManager(Generic[ArrayT]):
             expected = (count, self._config.num_heads, self._config.head_dim)
             self._check_array("keys", keys, expected)
             self._check_array("values", values, expected)
-            if count:
-                self._storage.write(layer, slot_array, keys, values)
+            if not count:
+                return
+            blocks = slot_array // self._config.block_size
+            if self._allocator.shared_block_count():
+                shared = self._allocator.shared_mask()[blocks]
+                if shared.any():
+                    self._refuse_shared_write(int(slot_array[np.argmax(shared)]))
+            self._storage.write(layer, slot_array, keys, values)
+            if self._written is not None:
+                self._written[layer, slot_array] = True
+                self._after_write(blocks)
 
     def gather(self, handle: KvCacheHandle[ArrayT], layer: int) -> tuple[ArrayT, ArrayT]:
         """The request's keys and values as contiguous ``[num_tokens, num_heads, head_dim]``
-        copies, in token order.
+        copies, in token order. With a sliding window that released leading blocks, the
+        tokens still held: positions ``first_logical * block_size`` onwards.
 
         Raises:
-            LayerIndexError, InvalidHandleError, ForeignHandleError.
+            LayerIndexError, InvalidHandleError, SwappedOutError, ForeignHandleError.
         """
         with self._lock:
             state = self._state_of(handle)
             layer = self._config.check_layer(layer)
             table = state.table
-            used = _blocks_for(table.sequence_length, self._config.block_size)
+            tokens = table.held_tokens()
+            used = _blocks_for(tokens, self._config.block_size)
             blocks = np.asarray(table.physical_blocks[:used], dtype=np.int64)
             state.touch()
-            return self._storage.gather(layer, blocks, table.sequence_length)
+            return self._storage.gather(layer, blocks, tokens)
 
     def page_table(self, handles: Sequence[KvCacheHandle[ArrayT]]) -> PageTable:
-        """The page table of a batch, in the order of ``handles``.
+        """The page table of a batch, in the order of ``handles``; with a sliding window it
+        lists each request from its first held block and carries the window.
 
         Raises:
-            InvalidHandleError, ForeignHandleError: for any handle of the batch.
+            InvalidHandleError, SwappedOutError, ForeignHandleError: for any handle of the
+            batch.
         """
         with self._lock:
             states = [self._state_of(handle) for handle in handles]
             table = PageTable.from_block_tables(
-                [state.table for state in states], [state.request_id for state in states], self._config.block_size
+                [state.table for state in states],
+                [state.request_id for state in states],
+                self._config.block_size,
+                sliding_window=self._config.sliding_window,
             )
             self._checked_page_table = (table, self._release_generation)
             return table
@@ -343,15 +668,22 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 batches); ``None`` for decode, one query per request.
             scale: score scale, ``1 / sqrt(head_dim)`` by default.
             causal: each request's queries are its last tokens and see keys up to their
-                own position; ``False`` lets every query see the whole sequence.
+                own position; ``False`` lets every query see the whole sequence. With a
+                sliding window ``W`` (carried by the page table) a query never sees keys
+                ``W`` or more positions before its own; the page table starts at the
+                request's first held block, which the last ``extend`` kept for the
+                windows of the tokens it added (an older token's window may start
+                before it: such a query sees only the held keys).
 
         Returns:
             ``[total_q, num_query_heads, head_dim]`` of the query's dtype.
 
         Raises:
             LayerIndexError, ShapeMismatchError, DTypeMismatchError, ArrayTypeError,
-            InvalidArgumentError (bad ``qo_indptr`` or ``scale``), SlotError (the page
-            table names blocks outside the pool or not in use).
+            InvalidArgumentError (bad ``qo_indptr`` or ``scale``, or a page table whose
+            ``sliding_window`` is not the pool's), SlotError (the page table names blocks
+            outside the pool or not in use), SwappedOutError (blocks of a request swapped
+            out since the page table was taken).
         """
         with self._lock:
             layer = self._config.check_layer(layer)
@@ -368,6 +700,11 @@ class PagedKvCacheManager(Generic[ArrayT]):
             if page_table.block_size != self._config.block_size:
                 raise InvalidArgumentError(
                     f"page table block_size {page_table.block_size} != pool block_size {self._config.block_size}"
+                )
+            if page_table.sliding_window != self._config.sliding_window:
+                raise InvalidArgumentError(
+                    f"page table sliding_window {page_table.sliding_window} != the pool's sliding_window "
+                    f"{self._config.sliding_window}; take the page table from manager.page_table"
                 )
             if self._checked_page_table != (page_table, self._release_generation):
                 self._check_blocks_in_use(page_table.kv_indices.astype(np.int64), "page table")
@@ -391,8 +728,9 @@ class PagedKvCacheManager(Generic[ArrayT]):
         """Figures of the whole pool."""
         with self._lock:
             used = self._allocator.used_block_count()
-            tokens = sum(state.table.sequence_length for state in self._requests.values())
+            tokens = sum(state.table.held_tokens() for state in self._requests.values())
             capacity = used * self._config.block_size
+            swapped = [state.swap for state in self._requests.values() if state.swap is not None]
             return CacheManagerStats(
                 total_memory_bytes=self._config.num_blocks * self._config.bytes_per_block,
                 used_memory_bytes=used * self._config.bytes_per_block,
@@ -402,24 +740,40 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 used_blocks=used,
                 tokens_stored=tokens,
                 utilization=tokens / capacity if capacity else 0.0,
-                cache_hit_rate=0.0,  # no prefix cache: no lookups, no hits
-                eviction_count=0,  # no cached blocks to evict
+                cache_hit_rate=self._prefix_hits / self._prefix_queries if self._prefix_queries else 0.0,
+                eviction_count=self._eviction_count,
                 allocation_count=self._allocation_count,
                 allocation_failures=self._allocation_failures,
                 pressure=self._pressure,
+                cached_blocks=self._allocator.cached_block_count(),
+                prefix_cache_queries=self._prefix_queries,
+                prefix_cache_hits=self._prefix_hits,
+                hash_collisions=self._hash_collisions,
+                copy_on_write_count=self._copy_on_write_count,
+                swapped_out_requests=len(swapped),
+                swapped_out_blocks=sum(record.num_blocks for record in swapped),
+                swapped_out_memory_bytes=sum(record.memory_bytes for record in swapped),
             )
 
     def gc(self) -> CacheGcStats:
-        """Reclaim what is reclaimable.
+        """Reclaim what is reclaimable: evict every cached block (prefix-cache contents
+        nobody references) to the free list. Live requests, shared blocks and swapped-out
+        requests are untouched.
 
-        Every block is either owned by a live request or free, so without prefix caching
-        there is nothing to reclaim: the figures are zeros and the time the check took.
+        Returns:
+            The blocks and bytes returned to the free pool (``caches_freed`` is 0: no live
+            request is ended) and the time it took. Evicted blocks count in
+            ``stats().eviction_count``.
         """
         started = time.perf_counter()
         with self._lock:
-            self.check_invariants()
+            count = self._allocator.cached_block_count()
+            self._evict(count)
         return CacheGcStats(
-            memory_freed=0, caches_freed=0, blocks_freed=0, gc_time_ms=(time.perf_counter() - started) * 1e3
+            memory_freed=count * self._config.bytes_per_block,
+            caches_freed=0,
+            blocks_freed=count,
+            gc_time_ms=(time.perf_counter() - started) * 1e3,
         )
 
     def set_pressure_callback(self, callback: Callable[[MemoryPressure], object] | None) -> None:
@@ -439,50 +793,33 @@ class PagedKvCacheManager(Generic[ArrayT]):
 
     @property
     def pressure(self) -> MemoryPressure:
-        """The current memory pressure level."""
+        """The current memory pressure level: blocks in use (referenced) over the pool.
+        Cached blocks count as reclaimable, not as used: allocation evicts them."""
         return self._pressure
 
     def check_invariants(self) -> None:
-        """Verify the pool's records: every block free or owned, none owned twice, none
-        leaked, reference counts equal to owners, free + used == total.
+        """Verify the pool's records.
+
+        Every block is free, in use or cached, and ``free + used + cached == total``;
+        reference counts equal the number of resident requests holding each block (none
+        listed twice in one table); the in-use and shared masks and the free extents
+        agree; every cached block holds a registered prefix and every registered block is
+        in use or cached, fully written and hashed from its entry's parent and tokens;
+        swapped-out requests hold no block and their host copies have the right shape;
+        the blocks awaited by hash chains are held by the requests awaiting them.
 
         Raises:
             InvariantError: naming the first inconsistency found.
         """
         with self._lock:
-            allocator = self._allocator
-            owners = np.zeros(self._config.num_blocks, dtype=np.int64)
-            for state in self._requests.values():
-                table = state.table
-                blocks = table.physical_blocks
-                if len(set(blocks)) != len(blocks):
-                    raise InvariantError(f"request {state.request_id!r} lists a block twice: {blocks}")
-                if table.sequence_length > table.capacity():
-                    raise InvariantError(f"request {state.request_id!r} holds more tokens than its blocks")
-                np.add.at(owners, np.asarray(blocks, dtype=np.int64), 1)
-            counts = np.asarray([allocator.ref_count(b) for b in range(self._config.num_blocks)])
-            wrong = np.flatnonzero(owners != counts)
-            if wrong.size:
-                b = int(wrong[0])
-                raise InvariantError(f"block {b} has reference count {int(counts[b])} but {int(owners[b])} owners")
-            if np.any(owners > 1):
-                raise InvariantError(f"block {int(np.argmax(owners > 1))} is owned twice")
-            free, used = allocator.free_block_count(), allocator.used_block_count()
-            if free + used != self._config.num_blocks or used != int(np.count_nonzero(owners)):
-                raise InvariantError(
-                    f"free {free} + used {used} != total {self._config.num_blocks}, "
-                    f"or {int(np.count_nonzero(owners))} blocks are owned"
-                )
-            if not np.array_equal(allocator.in_use_mask(), owners > 0):
-                raise InvariantError("the in-use mask disagrees with the owners")
-            if allocator.placement == "contiguous":
-                extent_blocks = sum(end - start for start, end in allocator.free_extents())
-                if extent_blocks != free:
-                    raise InvariantError(f"free extents cover {extent_blocks} blocks, {free} are free")
+            self._check_block_records()
+            self._check_prefix_records()
+            self._check_request_records()
 
-    # -- internals ---------------------------------------------------------------------
+    # -- internals: validation ---------------------------------------------------------
 
     def _state_of(self, handle: object) -> RequestState[ArrayT]:
+        """The state of a resident request's handle of this manager."""
         as_any = getattr(handle, "as_any", None)  # downcast, as the seed crate does
         concrete: object = as_any() if callable(as_any) else None
         if not _is_paged_handle(concrete):
@@ -490,18 +827,37 @@ class PagedKvCacheManager(Generic[ArrayT]):
         state: RequestState[Any] = concrete.request_state
         if state.owner is not self:
             raise ForeignHandleError(f"the handle of request {state.request_id!r} belongs to another manager")
-        state.check_valid()
+        state.check_resident()
         return state
 
-    def _take_blocks(self, count: int, after: int | None, expected: int | None, failure: str) -> list[int]:
-        """Blocks from the allocator; on a shortage, count the failure and say why."""
-        try:
-            return self._allocator.allocate(count, after=after, expected=expected)
-        except OutOfBlocksError as exc:
-            self._allocation_failures += 1
-            raise OutOfBlocksError(
-                f"{failure}, {self._allocator.free_block_count()} of {self._config.num_blocks} are free"
-            ) from exc
+    def _live_state(self, request_id: object) -> RequestState[ArrayT]:
+        state = self._requests.get(request_id) if isinstance(request_id, str) else None
+        if state is None:
+            raise UnknownRequestError(
+                f"unknown request {request_id!r}: it was never allocated or is already "
+                f"deallocated ({len(self._requests)} requests are live)"
+            )
+        return state
+
+    def _new_token_ids(self, state: RequestState[ArrayT], ids: tuple[int, ...], start: int) -> tuple[int, ...]:
+        """The ids of ``ids`` (for positions ``start ..``) not known yet, after checking
+        that the known ones agree and that no earlier id is missing."""
+        if self._prefix is None:
+            return ()
+        known = state.token_ids
+        if start > len(known):
+            raise InvalidArgumentError(
+                f"token_ids for positions {start}.. of request {state.request_id!r} cannot be used: the ids of "
+                f"positions {len(known)} to {start - 1} were never given (pass token_ids to every extend)"
+            )
+        overlap = min(len(known) - start, len(ids))
+        for offset in range(overlap):
+            if ids[offset] != known[start + offset]:
+                raise InvalidArgumentError(
+                    f"token_ids[{offset}] = {ids[offset]} disagrees with the known token {known[start + offset]} "
+                    f"at position {start + offset} of request {state.request_id!r}"
+                )
+        return ids[overlap:]
 
     def _check_slots(self, slots: SlotsLike) -> SlotArray:
         array = np.asarray(slots)
@@ -534,7 +890,22 @@ class PagedKvCacheManager(Generic[ArrayT]):
         in_use = self._allocator.in_use_mask()[blocks]
         if not in_use.all():
             block = int(blocks[np.argmin(in_use)])
+            owner = self._swapped_blocks.get(block)
+            if owner is not None:
+                raise SwappedOutError(
+                    f"{what} points into block {block}, which request {owner!r} gave up when it was swapped "
+                    "out: swap_in brings it back, with new slots"
+                )
             raise SlotError(f"{what} points into block {block}, which no live request owns")
+
+    def _refuse_shared_write(self, slot: int) -> None:
+        block = slot // self._config.block_size
+        sharers = [rid for rid, state in self._requests.items() if block in state.table.physical_blocks]
+        raise SharedBlockWriteError(
+            f"slot {slot} is in block {block}, shared by {self._allocator.ref_count(block)} requests "
+            f"{sharers}: a write there would change all of them; take private slots from extend() or "
+            "writable_slots(), which copy the block first"
+        )
 
     def _array_info(self, name: str, array: object) -> tuple[tuple[int, ...], str]:
         try:
@@ -549,6 +920,387 @@ class PagedKvCacheManager(Generic[ArrayT]):
             raise ShapeMismatchError(f"{name} must have shape {expected} ([n, num_heads, head_dim]), got {shape}")
         if dtype != self._config.dtype:
             raise DTypeMismatchError(f"{name} has dtype {dtype}, the pool holds {self._config.dtype}")
+
+    # -- internals: blocks -------------------------------------------------------------
+
+    def _free_note(self) -> str:
+        free, cached = self._allocator.free_block_count(), self._allocator.cached_block_count()
+        note = f"{free} of {self._config.num_blocks} are free"
+        return f"{note} and {cached} cached blocks evictable" if cached else note
+
+    def _cached_note(self, hits: int) -> str:
+        return f" beyond {hits} cached ones" if hits else ""
+
+    def _expected_blocks(self, max_sequence_length: int | None, logical_now: int) -> int | None:
+        """Blocks a request still expects to need (placement hint), ``None`` if unknown."""
+        if max_sequence_length is None:
+            return None
+        block_size = self._config.block_size
+        remaining = _blocks_for(max_sequence_length, block_size) - logical_now
+        window = self._config.sliding_window
+        if window is not None:
+            remaining = min(remaining, _blocks_for(window, block_size) + 1)
+        return max(remaining, 0)
+
+    def _take_blocks(self, count: int, after: int | None, expected: int | None, failure: str) -> list[int]:
+        """Blocks from the allocator, evicting cached blocks (oldest first) when the free
+        ones do not suffice; on a shortage, count the failure and say why."""
+        free = self._allocator.free_block_count()
+        if count > free:
+            if count > free + self._allocator.cached_block_count():
+                self._allocation_failures += 1
+                raise OutOfBlocksError(f"{failure}: {count} blocks needed, {self._free_note()}")
+            self._evict(count - free)
+        blocks = self._allocator.allocate(count, after=after, expected=expected)
+        if blocks:
+            if self._written is not None:
+                self._written[:, self._block_slots(np.asarray(blocks, dtype=np.int64))] = False
+            if self._swapped_blocks:
+                for block in blocks:
+                    self._swapped_blocks.pop(block, None)
+        return blocks
+
+    def _evict(self, count: int) -> None:
+        """Evict the ``count`` least recently used cached blocks to the free list."""
+        if not count:
+            return
+        assert self._prefix is not None, "cached blocks without a prefix cache"
+        for block in self._allocator.evict(count):
+            self._prefix.unregister(block)
+        self._eviction_count += count
+
+    def _keep_cached(self, block: int) -> bool:
+        return self._prefix is not None and self._prefix.is_registered(block)
+
+    def _release_blocks(self, blocks: list[int]) -> list[int]:
+        """Drop a request's reference on ``blocks`` (its whole table); return those that
+        reached zero. Later blocks go first, so within a request the tail is evicted first."""
+        tail = blocks[-1] if blocks and self._allocator.ref_count(blocks[-1]) == 1 else None
+        unreferenced = self._allocator.release(blocks[::-1], tail, self._keep_cached)
+        self._release_generation += 1
+        return unreferenced
+
+    def _block_slots(self, blocks: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Every slot of ``blocks``, block by block: ``[len(blocks) * block_size]``."""
+        block_size = self._config.block_size
+        slots: npt.NDArray[np.int64] = (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)
+        return slots
+
+    def _window_release(self, table: BlockTable, length: int) -> int:
+        """Held blocks wholly older than the window of the token at position ``length``."""
+        first_needed = self._window_start(length)
+        return max(0, min(first_needed, table.first_logical + table.num_blocks()) - table.first_logical)
+
+    def _release_leading(self, state: RequestState[ArrayT], count: int) -> None:
+        """Release the first ``count`` held blocks of a request (its window passed them)."""
+        table = state.table
+        all_released = count == table.num_blocks()
+        blocks = table.release_leading(count)
+        if state.awaiting_block in blocks:
+            self._set_awaiting(state, None)
+        if len(state.chain) < table.first_logical:
+            state.chain_open = False  # an unhashed block is gone: the chain cannot go on
+            self._set_awaiting(state, None)
+        tail = blocks[-1] if all_released and self._allocator.ref_count(blocks[-1]) == 1 else None
+        self._allocator.release(blocks[::-1], tail, self._keep_cached)
+        self._release_generation += 1
+
+    def _shared_blocks(self, table: BlockTable, start: int, stop: int) -> list[int]:
+        """Held logical blocks that positions ``start .. stop - 1`` fall in and that other
+        requests share (they need a copy before a write)."""
+        if stop <= start or not self._allocator.shared_block_count():
+            return []
+        block_size = self._config.block_size
+        first = max(start // block_size, table.first_logical)
+        last = min(_blocks_for(stop, block_size), table.first_logical + table.num_blocks())
+        return [
+            logical for logical in range(first, last) if self._allocator.ref_count(table.physical_block(logical)) > 1
+        ]
+
+    def _copy_on_write(self, state: RequestState[ArrayT], logical: int) -> None:
+        """Give the request a private copy of its shared logical block ``logical``."""
+        table = state.table
+        source = table.physical_block(logical)
+        previous = table.physical_block(logical - 1) if logical > table.first_logical else None
+        (copy,) = self._take_blocks(
+            1,
+            previous if previous is not None and self._allocator.ref_count(previous) == 1 else None,
+            None,
+            f"cannot copy block {source} of request {state.request_id!r}",
+        )
+        self._storage.copy_blocks(np.array([source], dtype=np.int64), np.array([copy], dtype=np.int64))
+        if self._written is not None:
+            block_size = self._config.block_size
+            self._written[:, copy * block_size : (copy + 1) * block_size] = self._written[
+                :, source * block_size : (source + 1) * block_size
+            ]
+        table.replace_block(logical, copy)
+        self._allocator.release([source], None)  # the other sharers keep it
+        if self._prefix is not None:
+            entry = self._prefix.entry_of(source)
+            if entry is not None:
+                self._prefix.register(copy, entry)  # same tokens, same K/V
+        if state.awaiting_block == source:
+            self._set_awaiting(state, copy)
+        self._copy_on_write_count += 1
+
+    def _forget_swapped_blocks(self, request_id: str, record: SwapRecord) -> None:
+        for block in record.released_blocks:
+            if self._swapped_blocks.get(block) == request_id:
+                del self._swapped_blocks[block]
+
+    # -- internals: prefix caching ---------------------------------------------------------
+
+    def _plan_allocation(self, request: AllocationRequest) -> _AllocationPlan:
+        """Look up the prompt's cached blocks and count the blocks ``allocate`` needs."""
+        block_size = self._config.block_size
+        hits: list[tuple[PrefixEntry, int]] = []
+        queries = collisions = 0
+        prompt = request.prompt_token_ids
+        if self._prefix is not None and prompt:
+            queries = (len(prompt) - 1) // block_size  # the last prompt token is always computed
+            salt = request.salt_bytes()
+            parent: PrefixEntry | None = None
+            for logical in range(queries):
+                tokens = prompt[logical * block_size : (logical + 1) * block_size]
+                entry, collided = self._prefix.find(parent, tokens, salt)
+                collisions += collided
+                if entry is None:
+                    break
+                hits.append((entry, self._pick_block(entry)))
+                parent = entry
+        cached_tokens = len(hits) * block_size
+        released = min(len(hits), self._window_start(cached_tokens))
+        logical_total = max(len(hits), _blocks_for(request.initial_tokens, block_size))
+        revived = sum(1 for _, block in hits[released:] if self._allocator.is_cached(block))
+        return _AllocationPlan(hits, queries, collisions, released, logical_total - len(hits), revived)
+
+    def _window_start(self, length: int) -> int:
+        """The first logical block the token at position ``length`` can see."""
+        window = self._config.sliding_window
+        if window is None or length < window:
+            return 0
+        return (length - window + 1) // self._config.block_size
+
+    def _pick_block(self, entry: PrefixEntry) -> int:
+        """A block of ``entry`` to map: one already in use if any (keeps the cache whole)."""
+        for block in entry.blocks:
+            if self._allocator.ref_count(block):
+                return block
+        return next(iter(entry.blocks))
+
+    def _set_awaiting(self, state: RequestState[ArrayT], block: int | None) -> None:
+        old = state.awaiting_block
+        if old == block:
+            return
+        if old is not None:
+            waiting = self._awaiting[old]
+            waiting.discard(state.request_id)
+            if not waiting:
+                del self._awaiting[old]
+                self._awaiting_mask[old] = False
+        if block is not None:
+            self._awaiting.setdefault(block, set()).add(state.request_id)
+            self._awaiting_mask[block] = True
+        state.awaiting_block = block
+
+    def _fully_written(self, block: int) -> bool:
+        assert self._written is not None
+        block_size = self._config.block_size
+        return bool(self._written[:, block * block_size : (block + 1) * block_size].all())
+
+    def _after_write(self, blocks: npt.NDArray[np.int64]) -> None:
+        """Advance the hash chains waiting for any of ``blocks`` now fully written."""
+        if not self._awaiting:
+            return
+        touched = blocks[self._awaiting_mask[blocks]]
+        if not touched.size:
+            return
+        for block in np.unique(touched).tolist():
+            if not self._fully_written(block):
+                continue
+            for request_id in sorted(self._awaiting.get(block, ())):
+                state = self._requests[request_id]
+                self._set_awaiting(state, None)
+                self._advance_chain(state)
+
+    def _advance_chain(self, state: RequestState[ArrayT]) -> None:
+        """Hash (and register) the request's next blocks while they are cacheable; wait
+        for the first full block whose writes are missing."""
+        prefix = self._prefix
+        if prefix is None or not state.chain_open or state.swap is not None:
+            return
+        table = state.table
+        block_size = self._config.block_size
+        while True:
+            logical = len(state.chain)
+            end = (logical + 1) * block_size
+            if end > table.sequence_length or end > len(state.token_ids):
+                break  # not full yet, or its token ids are not known yet
+            if logical < table.first_logical:
+                state.chain_open = False  # released before it was hashed
+                break
+            block = table.physical_block(logical)
+            if not self._fully_written(block):
+                self._set_awaiting(state, block)
+                return
+            parent = state.chain[-1] if state.chain else None
+            entry, collided = prefix.find_or_create(
+                parent, tuple(state.token_ids[logical * block_size : end]), state.salt
+            )
+            if entry is None:
+                self._hash_collisions += collided
+                state.chain_open = False
+                break
+            prefix.register(block, entry)
+            state.chain.append(entry)
+        self._set_awaiting(state, None)
+
+    def _rechain(self, state: RequestState[ArrayT]) -> None:
+        """After ``swap_in``: register the restored blocks under the request's hash chain,
+        re-creating entries evicted meanwhile; the chain stops where that fails."""
+        prefix = self._prefix
+        if prefix is None:
+            return
+        table = state.table
+        block_size = self._config.block_size
+        chain: list[PrefixEntry] = []
+        for logical in range(len(state.chain)):
+            parent = chain[-1] if chain else None
+            tokens = tuple(state.token_ids[logical * block_size : (logical + 1) * block_size])
+            if logical < table.first_logical:
+                entry, collided = prefix.find(parent, tokens, state.salt)
+            else:
+                entry, collided = prefix.find_or_create(parent, tokens, state.salt)
+                if entry is not None:
+                    prefix.register(table.physical_block(logical), entry)
+            self._hash_collisions += collided
+            if entry is None:
+                state.chain_open = False
+                break
+            chain.append(entry)
+        state.chain = chain
+
+    # -- internals: invariants ---------------------------------------------------------
+
+    def _check_block_records(self) -> None:
+        allocator = self._allocator
+        num_blocks = self._config.num_blocks
+        owners = np.zeros(num_blocks, dtype=np.int64)
+        for state in self._requests.values():
+            table = state.table
+            blocks = table.physical_blocks
+            if len(set(blocks)) != len(blocks):
+                raise InvariantError(f"request {state.request_id!r} lists a block twice: {blocks}")
+            if table.sequence_length > table.capacity():
+                raise InvariantError(f"request {state.request_id!r} holds more tokens than its blocks")
+            np.add.at(owners, np.asarray(blocks, dtype=np.int64), 1)
+        counts = np.asarray([allocator.ref_count(b) for b in range(num_blocks)])
+        wrong = np.flatnonzero(owners != counts)
+        if wrong.size:
+            b = int(wrong[0])
+            raise InvariantError(f"block {b} has reference count {int(counts[b])} but {int(owners[b])} owners")
+        if not np.array_equal(allocator.shared_mask(), owners > 1):
+            raise InvariantError("the shared mask disagrees with the owners")
+        if allocator.shared_block_count() != int(np.count_nonzero(owners > 1)):
+            raise InvariantError("the shared block count disagrees with the owners")
+        free, used, cached = allocator.free_block_count(), allocator.used_block_count(), allocator.cached_block_count()
+        if free + used + cached != num_blocks or used != int(np.count_nonzero(owners)):
+            raise InvariantError(
+                f"free {free} + used {used} + cached {cached} != total {num_blocks}, "
+                f"or {int(np.count_nonzero(owners))} blocks are owned"
+            )
+        if not np.array_equal(allocator.in_use_mask(), owners > 0):
+            raise InvariantError("the in-use mask disagrees with the owners")
+        free_list, cached_list = allocator.free_blocks(), allocator.cached_blocks()
+        if len(set(free_list) | set(cached_list)) != free + cached or np.any(owners[free_list + cached_list] > 0):
+            raise InvariantError("a block is both free and cached, or free/cached and owned")
+        if allocator.placement == "contiguous":
+            extents = allocator.free_extents()
+            extent_blocks = sum(end - start for start, end in extents)
+            covered = {block for start, end in extents for block in range(start, end)}
+            if extent_blocks != free or covered != set(free_list):
+                raise InvariantError(f"free extents cover {extent_blocks} blocks, {free} are free")
+        for block, request_id in self._swapped_blocks.items():
+            swapped = self._requests.get(request_id)
+            if swapped is None or swapped.swap is None or allocator.in_use_mask()[block]:
+                raise InvariantError(f"block {block} is recorded as released by swapped-out {request_id!r}")
+
+    def _check_prefix_records(self) -> None:
+        prefix = self._prefix
+        allocator = self._allocator
+        if prefix is None:
+            if allocator.cached_block_count() or self._awaiting:
+                raise InvariantError("cached blocks or awaited blocks without prefix caching")
+            return
+        for block in allocator.cached_blocks():
+            if not prefix.is_registered(block):
+                raise InvariantError(f"cached block {block} holds no registered prefix")
+        registered = 0
+        for entry in prefix.entries():
+            if not entry.alive or not entry.blocks or prefix.get(entry.block_hash) is not entry:
+                raise InvariantError(f"{entry!r} is mapped but dead or empty")
+            if prefix.rehash(entry) != entry.block_hash:
+                raise InvariantError(f"{entry!r} does not hash to its key")
+            if len(entry.token_ids) != self._config.block_size:
+                raise InvariantError(f"{entry!r} holds {len(entry.token_ids)} token ids, not a full block")
+            for block in entry.blocks:
+                registered += 1
+                if prefix.entry_of(block) is not entry:
+                    raise InvariantError(f"block {block} is listed by {entry!r} but registered elsewhere")
+                if allocator.is_free(block):
+                    raise InvariantError(f"registered block {block} is free")
+                if not self._fully_written(block):
+                    raise InvariantError(f"registered block {block} is not fully written")
+        if registered != len(prefix):
+            raise InvariantError(f"{len(prefix)} blocks registered, entries list {registered}")
+        for block, waiting in self._awaiting.items():
+            if not waiting or not self._awaiting_mask[block]:
+                raise InvariantError(f"block {block} is awaited by nobody or unmarked")
+            for request_id in waiting:
+                state = self._requests.get(request_id)
+                if state is None or state.awaiting_block != block or block not in state.table.physical_blocks:
+                    raise InvariantError(f"request {request_id!r} awaits block {block} it does not hold")
+        if int(np.count_nonzero(self._awaiting_mask)) != len(self._awaiting):
+            raise InvariantError("the awaited-block mask disagrees with the awaited blocks")
+
+    def _check_request_records(self) -> None:
+        config = self._config
+        block_size = config.block_size
+        window = config.sliding_window
+        for state in self._requests.values():
+            table = state.table
+            if not state.valid:
+                raise InvariantError(f"request {state.request_id!r} is live but invalid")
+            record = state.swap
+            if record is not None:
+                expected = (config.num_layers, record.num_blocks, block_size, config.num_heads, config.head_dim)
+                if table.num_blocks() or table.sequence_length or state.awaiting_block is not None:
+                    raise InvariantError(f"swapped-out request {state.request_id!r} holds blocks")
+                if tuple(record.keys.shape) != expected or tuple(record.values.shape) != expected:
+                    raise InvariantError(f"swapped-out request {state.request_id!r} has host copies of the wrong shape")
+                if record.num_blocks != _blocks_for(record.sequence_length, block_size) - record.first_logical:
+                    raise InvariantError(f"swapped-out request {state.request_id!r} keeps the wrong number of blocks")
+                continue
+            if window is not None and table.first_logical > self._window_start(table.sequence_length):
+                raise InvariantError(f"request {state.request_id!r} released blocks inside its window")
+            if self._prefix is None:
+                continue
+            if len(state.chain) * block_size > min(table.sequence_length, len(state.token_ids)):
+                raise InvariantError(f"request {state.request_id!r} hashed blocks it has not filled")
+            for logical, entry in enumerate(state.chain):
+                tokens = tuple(state.token_ids[logical * block_size : (logical + 1) * block_size])
+                parent = state.chain[logical - 1] if logical else None
+                if entry.token_ids != tokens or entry.salt != state.salt or not same_prefix(entry.parent, parent):
+                    raise InvariantError(f"request {state.request_id!r}: chain entry {logical} is not its prefix")
+                if logical >= table.first_logical:
+                    block = table.physical_block(logical)
+                    if not entry.alive or self._prefix.entry_of(block) is not entry:
+                        raise InvariantError(
+                            f"request {state.request_id!r}: hashed block {block} is not registered under its entry"
+                        )
+
+    # -- internals: pressure -----------------------------------------------------------
 
     def _update_pressure(self) -> None:
         config = self._config

@@ -18,10 +18,14 @@ from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, InvalidArgum
 from kvcache_core.hookspecs import BackendSpec, hookimpl
 from kvcache_core.page_table import PageTable
 
-__all__ = ["NumpyArray", "NumpyStorage", "kvcache_register_backends"]
+__all__ = ["POLICY_CAPABILITIES", "NumpyArray", "NumpyStorage", "kvcache_register_backends"]
 
 NumpyArray = npt.NDArray[Any]
 IntArray = npt.NDArray[np.int64]
+
+#: The cache policies of core (fork, prefix caching, ...) this storage supports: all of them,
+#: through ``copy_blocks``, ``blocks_to_host`` / ``blocks_from_host`` and windowed attention.
+POLICY_CAPABILITIES = frozenset({"fork", "prefix_caching", "swap", "eviction", "sliding_window"})
 
 #: The dtypes NumPy holds natively (no bfloat16).
 NUMPY_DTYPES = ("float16", "float32", "float64")
@@ -201,4 +205,5 @@ def kvcache_register_backends() -> Iterator[BackendSpec]:
         dtypes=NUMPY_DTYPES,
         kv_layouts=KV_LAYOUTS,
         description="NumPy reference backend (host memory), built into kvcache-core",
+        capabilities=POLICY_CAPABILITIES,
     )

@@ -35,6 +35,15 @@ class PageTable:
     ``block_tables[b, :ceil(seq_lens[b] / block_size)]``, padded with 0 beyond (padding is
     masked by ``seq_lens``). All arrays are int32.
 
+    Sliding window: a request whose window released its leading blocks is listed from its
+    first *held* block, and ``seq_lens[b]`` counts the tokens from that block's first slot
+    (``sequence_length - first_logical * block_size``). Positions are relative to that slot,
+    which is all attention needs: query ``i`` of ``q`` sits at ``seq_lens[b] - q + i`` and,
+    with :attr:`sliding_window` ``W``, sees only keys at positions ``p`` with
+    ``query_position - W < p``: the last ``W`` tokens including itself. A kernel must honour
+    :attr:`sliding_window` (the held blocks may still hold up to ``block_size - 1`` tokens
+    older than the window, and a prefill's early queries see fewer keys than its late ones).
+
     Attributes:
         kv_indptr: ``[B + 1]``.
         kv_indices: ``[kv_indptr[B]]`` physical block ids.
@@ -43,6 +52,8 @@ class PageTable:
         seq_lens: ``[B]`` tokens per request.
         block_size: tokens per block.
         request_ids: the requests, in batch order.
+        sliding_window: ``W`` to let each query see only the last ``W`` positions (itself
+            included), or ``None`` for no window.
 
     Raises:
         InvalidArgumentError: arrays that do not describe a consistent batch.
@@ -55,6 +66,7 @@ class PageTable:
     seq_lens: IndexArray
     block_size: int
     request_ids: tuple[str, ...] = ()
+    sliding_window: int | None = None
     _runs: tuple[tuple[BlockRun, ...], ...] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +107,9 @@ class PageTable:
                 f"PageTable.block_tables shape {self.block_tables.shape} cannot hold {batch} requests "
                 f"of up to {int(pages.max(initial=0))} blocks"
             )
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise InvalidArgumentError(f"PageTable.sliding_window must be None or an int >= 1, got {window!r}")
         if self.request_ids and len(self.request_ids) != batch:
             raise InvalidArgumentError(
                 f"PageTable.request_ids names {len(self.request_ids)} requests for a batch of {batch}"
@@ -102,10 +117,15 @@ class PageTable:
 
     @classmethod
     def from_block_tables(
-        cls, tables: Sequence[BlockTable], request_ids: Sequence[str] = (), block_size: int | None = None
+        cls,
+        tables: Sequence[BlockTable],
+        request_ids: Sequence[str] = (),
+        block_size: int | None = None,
+        sliding_window: int | None = None,
     ) -> PageTable:
-        """Build the page table of requests with these block tables (only the blocks their
-        tokens occupy are listed). ``block_size`` is needed for an empty batch.
+        """Build the page table of requests with these block tables (only the held blocks
+        their tokens occupy are listed, from the first held one). ``block_size`` is needed
+        for an empty batch.
 
         Raises:
             InvalidArgumentError: tables with different block sizes (or other than
@@ -119,20 +139,21 @@ class PageTable:
         if not sizes:
             raise InvalidArgumentError("an empty batch needs its block_size")
         block_size = sizes.pop()
+        held = [table.held_tokens() for table in tables]
         used = [
-            table.physical_blocks[: -(-table.sequence_length // block_size)] if table.sequence_length else ()
-            for table in tables
+            table.physical_blocks[: -(-tokens // block_size)] if tokens else ()
+            for table, tokens in zip(tables, held, strict=True)
         ]
         counts = np.fromiter((len(blocks) for blocks in used), dtype=np.int32, count=len(used))
         indptr = np.zeros(len(used) + 1, dtype=np.int32)
         np.cumsum(counts, out=indptr[1:])
         indices = np.fromiter((block for blocks in used for block in blocks), dtype=np.int32, count=int(indptr[-1]))
-        seq_lens = np.fromiter((t.sequence_length for t in tables), dtype=np.int32, count=len(used))
+        seq_lens = np.asarray(held, dtype=np.int32).reshape(len(used))
         last = np.where(seq_lens > 0, seq_lens - (counts - 1) * block_size, 0).astype(np.int32)
         padded = np.zeros((len(used), int(counts.max(initial=0))), dtype=np.int32)
         for row, blocks in enumerate(used):
             padded[row, : len(blocks)] = blocks
-        return cls(indptr, indices, last, padded, seq_lens, block_size, tuple(request_ids))
+        return cls(indptr, indices, last, padded, seq_lens, block_size, tuple(request_ids), sliding_window)
 
     @property
     def batch_size(self) -> int:

@@ -114,28 +114,69 @@ class KvCacheHandle(Protocol[ArrayT_co]):
 
 
 class KvCacheManager(Protocol[ArrayT]):
-    """Allocates and tracks request caches in one pool, and runs the data path.
+    """Allocates and tracks request caches in one pool, runs the data path and the cache
+    policies.
 
     The seed crate's manager, made synchronous, plus the write/read path:
-    ``allocate -> extend -> write -> paged_attention``. Every method is atomic: when it
-    raises, every table and count is as it was.
+    ``allocate -> extend -> write -> paged_attention``, and the policies of a serving
+    engine: prefix caching (through ``allocate``), ``fork`` with copy-on-write,
+    eviction, ``swap_out``/``swap_in`` and the sliding window. Every method is atomic:
+    when it raises, every table and count is as it was.
     """
 
     def allocate(self, request: AllocationRequest) -> KvCacheHandle[ArrayT]:
-        """Create the cache of a new request and reserve blocks for ``initial_tokens``.
+        """Create the cache of a new request and reserve blocks for ``initial_tokens``;
+        with prefix caching, map the cached full blocks of its prompt and start the
+        sequence after them.
 
         Raises:
             DuplicateRequestError: the id is live already.
-            OutOfBlocksError: not enough free blocks.
+            OutOfBlocksError: not enough free (or evictable cached) blocks.
         """
         ...
 
-    def extend(self, handle: KvCacheHandle[ArrayT], additional_tokens: int) -> SlotArray:
-        """Grow the request by ``additional_tokens`` and return their slots (``[n]`` int64).
+    def extend(
+        self, handle: KvCacheHandle[ArrayT], additional_tokens: int, *, token_ids: Sequence[int] | None = None
+    ) -> SlotArray:
+        """Grow the request by ``additional_tokens`` and return their slots (``[n]`` int64),
+        each in a block the request alone holds (shared blocks are copied first).
+        ``token_ids`` are the new tokens' ids, for prefix caching.
 
         Raises:
             OutOfBlocksError: not enough free blocks; SequenceTooLongError: past
-            ``max_sequence_length``; InvalidHandleError: deallocated request.
+            ``max_sequence_length``; InvalidHandleError: deallocated request;
+            SwappedOutError: swapped-out request.
+        """
+        ...
+
+    def writable_slots(self, handle: KvCacheHandle[ArrayT], start: int, stop: int) -> SlotArray:
+        """Slots of positions ``start .. stop - 1`` of the request, in blocks it alone
+        holds (shared blocks among them are copied first), for rewriting tokens."""
+        ...
+
+    def fork(self, handle: KvCacheHandle[ArrayT], new_request_id: str) -> KvCacheHandle[ArrayT]:
+        """A new request sharing every block holding the request's tokens (copy-on-write).
+
+        Raises:
+            DuplicateRequestError: ``new_request_id`` is live already;
+            InvalidHandleError / SwappedOutError: the parent is deallocated / swapped out.
+        """
+        ...
+
+    def swap_out(self, request_id: str) -> None:
+        """Copy the request's blocks to host memory and release them to the pool.
+
+        Raises:
+            UnknownRequestError; SwappedOutError: already swapped out.
+        """
+        ...
+
+    def swap_in(self, request_id: str) -> None:
+        """Bring a swapped-out request's blocks back, bit-identical.
+
+        Raises:
+            UnknownRequestError; NotSwappedOutError: the request is resident;
+            OutOfBlocksError: its blocks do not fit (nothing changed).
         """
         ...
 
@@ -156,7 +197,7 @@ class KvCacheManager(Protocol[ArrayT]):
         ...
 
     def gc(self) -> CacheGcStats:
-        """Reclaim what is reclaimable and say how much."""
+        """Reclaim what is reclaimable (evict cached blocks) and say how much."""
         ...
 
     def set_pressure_callback(self, callback: Callable[[MemoryPressure], object] | None) -> None:

@@ -36,9 +36,11 @@ class CacheHandleStats:
     """Figures of one request's cache.
 
     Attributes:
-        memory_bytes: bytes its blocks take in the pool (all layers, K and V, pool dtype).
-        blocks_allocated: blocks in its table.
-        tokens_stored: tokens in its sequence.
+        memory_bytes: bytes its blocks take in the pool (all layers, K and V, pool dtype);
+            a block shared with other requests counts in full for each.
+        blocks_allocated: blocks held in its table (0 while swapped out).
+        tokens_stored: tokens of its sequence held in the pool: ``num_tokens()`` less the
+            positions a sliding window released (0 while swapped out).
         utilization: ``tokens_stored / (blocks_allocated * block_size)``; 0 with no blocks.
         last_access: ``time.monotonic()`` of the last allocate, extend, write or read.
     """
@@ -57,15 +59,31 @@ class CacheManagerStats:
     Attributes:
         total_memory_bytes: bytes of the whole pool.
         used_memory_bytes: bytes of the blocks in use.
-        active_caches: live requests.
-        total_blocks, free_blocks, used_blocks: ``free_blocks + used_blocks == total_blocks``.
-        tokens_stored: tokens held by all live requests.
+        active_caches: live requests (swapped-out ones included).
+        total_blocks, free_blocks, used_blocks, cached_blocks:
+            ``free_blocks + used_blocks + cached_blocks == total_blocks``. Used blocks have a
+            reference; cached blocks have none but keep a prefix for later hits and are
+            evicted (least recently used first) when free blocks run out.
+        tokens_stored: tokens held in the pool by all live requests (a shared block's
+            tokens count once per request sharing it).
         utilization: ``tokens_stored / (used_blocks * block_size)``; 0 with no blocks used.
-        cache_hit_rate: prefix-cache hits over lookups (0 while prefix caching is off).
-        eviction_count: cached blocks evicted so far.
+            Above 1 when requests share blocks.
+        cache_hit_rate: ``prefix_cache_hits / prefix_cache_queries``; 0 before any query.
+        eviction_count: cached blocks evicted so far (to make room, or by ``gc()``).
         allocation_count: successful ``allocate`` calls.
-        allocation_failures: ``allocate`` or ``extend`` calls refused for lack of blocks.
+        allocation_failures: ``allocate``, ``extend``, ``fork`` or ``swap_in`` calls refused
+            for lack of blocks.
         pressure: the current :class:`MemoryPressure` level.
+        prefix_cache_queries: full prompt blocks looked up in the prefix cache (at most
+            ``(len(prompt) - 1) // block_size`` per request: the last prompt token is always
+            computed).
+        prefix_cache_hits: of those, blocks found cached and mapped.
+        hash_collisions: lookups or insertions that met the same hash with other tokens
+            (treated as misses).
+        copy_on_write_count: shared blocks copied because one sharer was about to write.
+        swapped_out_requests: requests whose blocks are in host memory.
+        swapped_out_blocks: blocks held in host memory for them.
+        swapped_out_memory_bytes: host bytes those blocks take.
     """
 
     total_memory_bytes: int
@@ -81,6 +99,14 @@ class CacheManagerStats:
     allocation_count: int
     allocation_failures: int
     pressure: MemoryPressure
+    cached_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    hash_collisions: int = 0
+    copy_on_write_count: int = 0
+    swapped_out_requests: int = 0
+    swapped_out_blocks: int = 0
+    swapped_out_memory_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +115,9 @@ class CacheGcStats:
 
     Attributes:
         memory_freed: bytes returned to the free pool.
-        caches_freed: requests whose caches were released.
-        blocks_freed: blocks returned to the free pool.
+        caches_freed: requests whose caches were released (``gc()`` never ends a live
+            request: 0).
+        blocks_freed: blocks returned to the free pool (the cached blocks it evicted).
         gc_time_ms: wall time the collection took.
     """
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvcache_core import BackendSpec, CacheConfig, hookimpl
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError
-from kvcache_core.numpy_backend import NumpyArray, NumpyStorage
+from kvcache_core.numpy_backend import POLICY_CAPABILITIES, NumpyArray, NumpyStorage
 
 __all__ = ["MemmapStorage", "kvcache_register_backends"]
 
@@ -101,4 +101,5 @@ def kvcache_register_backends() -> Iterator[BackendSpec]:
         dtypes=("float16", "float32"),
         kv_layouts=("NHD", "HND", "heads_first"),
         description="pool in a memory-mapped file (example third-party backend)",
+        capabilities=POLICY_CAPABILITIES,  # the policies live in core; the NumPy kernels serve them
     )

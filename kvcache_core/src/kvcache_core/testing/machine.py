@@ -5,6 +5,12 @@ the same outcome on both: the same slots, the same block tables, the same error 
 the same K/V bit for bit (values are drawn representable in the pool's dtype), and
 attention within the dtype's tolerance. After every step both managers' invariants are
 checked and the backend's figures are compared with the reference's.
+
+The policies run where the backend claims them (``BackendSpec.capabilities``): ``fork``
+(copy-on-write; rewrites go through ``writable_slots``), ``prefix_caching`` (requests
+with prompts drawn from a few shared prefixes, token ids on every ``extend``),
+``swap`` (``swap_out`` / ``swap_in``), ``eviction`` (exhausting a pool that holds cached
+blocks) and ``sliding_window`` (a run with a window).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing._plugin import KitSettings
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 
-__all__ = ["ReferenceMachine", "run_reference_machine"]
+__all__ = ["POLICIES", "ReferenceMachine", "run_policy_machine", "run_reference_machine"]
 
 Manager = PagedKvCacheManager[Any]
 Handle = PagedKvCacheHandle[Any]
@@ -44,6 +50,10 @@ def _deallocate(manager: Manager, request_id: str) -> None:
     manager.deallocate(request_id)
 
 
+def _writable_slots(manager: Manager, handle: Handle, start: int, stop: int) -> Any:
+    return manager.writable_slots(handle, start, stop)
+
+
 def _outcome(operation: Callable[[], Any]) -> tuple[str, Any]:
     try:
         return "ok", operation()
@@ -56,6 +66,7 @@ class ReferenceMachine(RuleBasedStateMachine):
 
     backend: BackendUnderTest
     config: CacheConfig
+    policies: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         super().__init__()
@@ -74,6 +85,16 @@ class ReferenceMachine(RuleBasedStateMachine):
         """Run ``operation`` on both managers; fail unless the outcomes agree."""
         got = _outcome(lambda: operation(self.subject))
         want = _outcome(lambda: operation(self.reference))
+        if got[0] != want[0] or (got[0] == "error" and got[1] != want[1]):
+            raise AssertionError(f"{what}: backend {self.backend.name!r} gave {got}, the NumPy reference {want}")
+        return got
+
+    def both_on(
+        self, pair: tuple[Handle, Handle], operation: Callable[[Manager, Handle], Any], what: str
+    ) -> tuple[str, Any]:
+        """Run ``operation`` on each manager with its own handle of one request."""
+        got = _outcome(lambda: operation(self.subject, pair[0]))
+        want = _outcome(lambda: operation(self.reference, pair[1]))
         if got[0] != want[0] or (got[0] == "error" and got[1] != want[1]):
             raise AssertionError(f"{what}: backend {self.backend.name!r} gave {got}, the NumPy reference {want}")
         return got
@@ -107,12 +128,19 @@ class ReferenceMachine(RuleBasedStateMachine):
             assert subject.block_table() == reference.block_table(), f"allocate({request_id!r}): tables differ"
             self.handles[request_id] = (subject, reference)
 
+    def token_ids(self, count: int, seed: int) -> list[int] | None:
+        """Ids for ``count`` new tokens when prefix caching is on (a small vocabulary)."""
+        if not self.config.enable_prefix_caching:
+            return None
+        return [int(token) for token in np.random.default_rng(seed).integers(0, 3, count)]
+
     @precondition(lambda self: bool(self.handles))
-    @rule(index=st.integers(0, 1 << 16), count=st.integers(0, 9))
-    def extend(self, index: int, count: int) -> None:
+    @rule(index=st.integers(0, 1 << 16), count=st.integers(0, 9), seed=st.integers(0, 2**16))
+    def extend(self, index: int, count: int, seed: int) -> None:
         request_id, subject, reference = self.pick(index)
-        got = _outcome(lambda: self.subject.extend(subject, count))
-        want = _outcome(lambda: self.reference.extend(reference, count))
+        ids = self.token_ids(count, seed)
+        got = _outcome(lambda: self.subject.extend(subject, count, token_ids=ids))
+        want = _outcome(lambda: self.reference.extend(reference, count, token_ids=ids))
         assert got[0] == want[0], f"extend({request_id!r}, {count}): backend {got}, reference {want}"
         if got[0] == "ok":
             assert np.array_equal(got[1], want[1]), f"extend({request_id!r}, {count}): slots differ"
@@ -130,14 +158,25 @@ class ReferenceMachine(RuleBasedStateMachine):
         """One batched write: a window of one request's tokens plus a window of another's."""
         rng = np.random.default_rng(seed)
         slots: list[np.ndarray[Any, Any]] = []
-        for chosen in {self.pick(first)[0], self.pick(second)[0]}:
-            handle = self.handles[chosen][0]
-            tokens = handle.num_tokens()
-            if tokens == 0:
+        for chosen in sorted({self.pick(first)[0], self.pick(second)[0]}):
+            subject, reference = self.handles[chosen]
+            if subject.is_swapped_out():
                 continue
-            start = int(rng.integers(0, tokens))
+            table = subject.block_table()
+            low, tokens = table.first_logical * self.config.block_size, table.sequence_length
+            if tokens <= low:
+                continue
+            start = int(rng.integers(low, tokens))
             stop = int(rng.integers(start + 1, tokens + 1))
-            slots.append(handle.block_table().slots(start, stop))
+            # Shared blocks (fork, prefix hits) are copied before they are rewritten.
+            kind, got = self.both_on(
+                (subject, reference),
+                functools.partial(_writable_slots, start=start, stop=stop),
+                f"writable_slots({chosen!r}, {start}, {stop})",
+            )
+            if kind == "error":
+                continue
+            slots.append(got)
         if not slots:
             return
         slot_array = np.concatenate(slots)
@@ -166,6 +205,68 @@ class ReferenceMachine(RuleBasedStateMachine):
         assert clone.cache_id() == subject.cache_id()
         assert clone.num_tokens() == subject.num_tokens()
         self.clones.append((request_id, clone))
+
+    @precondition(lambda self: "prefix_caching" in self.policies)
+    @rule(prefix=st.integers(0, 2), shared=st.integers(0, 14), suffix=st.integers(0, 6), seed=st.integers(0, 2**16))
+    def allocate_with_prompt(self, prefix: int, shared: int, suffix: int, seed: int) -> None:
+        """A request whose prompt starts with one of three shared prefixes; the part not
+        cached is computed (extended with its ids and written in every layer)."""
+        prompt = [(prefix + position) % 3 for position in range(shared)] + (self.token_ids(suffix, seed) or [])
+        if not prompt:
+            return
+        request_id = f"p{self.counter}"
+        self.counter += 1
+        request = AllocationRequest(request_id, initial_tokens=len(prompt), prompt_token_ids=tuple(prompt))
+        kind, _ = self.both(functools.partial(_allocate, request=request), f"allocate({request_id!r}, prompt={prompt})")
+        if kind == "error":
+            return
+        subject, reference = self.subject.get_handle(request_id), self.reference.get_handle(request_id)
+        assert subject is not None
+        assert reference is not None
+        self.handles[request_id] = (subject, reference)
+        cached = subject.num_tokens()
+        assert cached == reference.num_tokens(), f"{request_id!r}: {cached} cached tokens, the reference has "
+        rest = prompt[cached:]
+        got = _outcome(lambda: self.subject.extend(subject, len(rest), token_ids=rest))
+        want = _outcome(lambda: self.reference.extend(reference, len(rest), token_ids=rest))
+        assert got[0] == want[0], f"extend({request_id!r}) for its prompt: backend {got}, reference {want}"
+        if got[0] == "error":
+            return
+        assert np.array_equal(got[1], want[1]), f"extend({request_id!r}) for its prompt: slots differ"
+        rng = np.random.default_rng(seed)
+        shape = (len(rest), self.config.num_heads, self.config.head_dim)
+        for layer in range(self.config.num_layers):
+            keys = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
+            for manager, slots in ((self.subject, got[1]), (self.reference, want[1])):
+                native = BackendUnderTest.native(manager, keys)
+                manager.write(layer, slots, native, native)
+
+    @precondition(lambda self: "fork" in self.policies and bool(self.handles))
+    @rule(index=st.integers(0, 1 << 16))
+    def fork(self, index: int) -> None:
+        parent_id, subject, reference = self.pick(index)
+        child_id = f"f{self.counter}"
+        self.counter += 1
+        kind, _ = self.both_on(
+            (subject, reference),
+            lambda manager, handle: manager.fork(handle, child_id),
+            f"fork({parent_id!r}, {child_id!r})",
+        )
+        if kind == "ok":
+            child_subject, child_reference = self.subject.get_handle(child_id), self.reference.get_handle(child_id)
+            assert child_subject is not None
+            assert child_reference is not None
+            self.handles[child_id] = (child_subject, child_reference)
+
+    @precondition(lambda self: "swap" in self.policies and bool(self.handles))
+    @rule(index=st.integers(0, 1 << 16))
+    def swap(self, index: int) -> None:
+        """Swap the request out, or back in when it is out."""
+        request_id, subject, _ = self.pick(index)
+        if subject.is_swapped_out():
+            self.both(lambda manager: manager.swap_in(request_id), f"swap_in({request_id!r})")
+        else:
+            self.both(lambda manager: manager.swap_out(request_id), f"swap_out({request_id!r})")
 
     @precondition(lambda self: bool(self.handles))
     @rule(index=st.integers(0, 1 << 16))
@@ -201,8 +302,10 @@ class ReferenceMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(s.num_tokens() for s, _ in self.handles.values()))
     @rule(group=st.sampled_from([1, 2]), seed=st.integers(0, 2**32 - 1))
     def attention(self, group: int, seed: int) -> None:
-        """Decode attention of every request holding tokens, compared with the reference."""
-        live = [pair for pair in self.handles.values() if pair[0].num_tokens()]
+        """Decode attention of every resident request holding tokens, compared with the reference."""
+        live = [pair for pair in self.handles.values() if pair[0].num_tokens() and not pair[0].is_swapped_out()]
+        if not live:
+            return
         rng = np.random.default_rng(seed)
         shape = (len(live), self.config.num_heads * group, self.config.head_dim)
         query = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
@@ -235,6 +338,9 @@ class ReferenceMachine(RuleBasedStateMachine):
         assert [rid for rid, _ in self.subject.list_handles()] == [rid for rid, _ in self.reference.list_handles()]
         for request_id, (subject, reference) in self.handles.items():
             assert subject.block_table() == reference.block_table(), f"{request_id!r}: tables differ"
+            assert subject.is_swapped_out() == reference.is_swapped_out(), f"{request_id!r}: swap state differs"
+            if subject.is_swapped_out():
+                continue
             for layer in range(self.config.num_layers):
                 got = self.subject.gather(subject, layer)
                 want = self.reference.gather(reference, layer)
@@ -255,13 +361,32 @@ class ReferenceMachine(RuleBasedStateMachine):
         self.subject.check_invariants()
 
 
+#: The policies the machine drives where a backend claims them.
+POLICIES = frozenset({"fork", "prefix_caching", "swap", "eviction", "sliding_window"})
+
+
+def _run(backend: BackendUnderTest, config: CacheConfig, policies: frozenset[str], name: str, settings: Any) -> None:
+    machine = type(
+        f"ReferenceMachine_{backend.name}_{name}",
+        (ReferenceMachine,),
+        {"backend": backend, "config": config, "policies": policies},
+    )
+    run_state_machine_as_test(machine, settings=settings)
+
+
 def run_reference_machine(backend: BackendUnderTest, settings: KitSettings) -> None:
     """Run :class:`ReferenceMachine` for every layout of ``backend`` (default dtype)."""
     for layout in backend.kv_layouts:
-        config = backend.config(kv_layout=layout, num_blocks=12)
-        machine = type(
-            f"ReferenceMachine_{backend.name}_{layout}",
-            (ReferenceMachine,),
-            {"backend": backend, "config": config},
-        )
-        run_state_machine_as_test(machine, settings=settings.hypothesis())
+        _run(backend, backend.config(kv_layout=layout, num_blocks=12), frozenset(), layout, settings.hypothesis())
+
+
+def run_policy_machine(backend: BackendUnderTest, settings: KitSettings, *, window: bool) -> None:
+    """Run :class:`ReferenceMachine` with every policy ``backend`` claims (prefix caching on
+    where claimed), or, with ``window``, with a sliding window of 7 tokens."""
+    claimed = frozenset(backend.spec.capabilities) & POLICIES
+    if window:
+        config = backend.config(num_blocks=12, sliding_window=7)
+        _run(backend, config, claimed - {"prefix_caching"}, "window", settings.hypothesis())
+        return
+    config = backend.config(num_blocks=12, enable_prefix_caching="prefix_caching" in claimed)
+    _run(backend, config, claimed, "policies", settings.hypothesis())

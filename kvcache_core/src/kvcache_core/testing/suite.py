@@ -41,7 +41,7 @@ from kvcache_core.testing.catalogue import (
     make_world,
     snapshot,
 )
-from kvcache_core.testing.machine import run_reference_machine
+from kvcache_core.testing.machine import POLICIES, run_policy_machine, run_reference_machine
 
 __all__ = ["KvCacheConformance"]
 
@@ -121,11 +121,12 @@ def _tokens_from_pool(config: CacheConfig, pool: FloatArray, slots: npt.NDArray[
 
 
 def _grown_side_by_side(
-    manager: Manager, lengths: list[int], rng: np.random.Generator
+    manager: Manager, lengths: list[int], rng: np.random.Generator, prefix: str = "r"
 ) -> tuple[list[PagedKvCacheHandle[Any]], list[tuple[FloatArray, FloatArray]]]:
-    """Requests grown a few tokens at a time in turn (so their blocks interleave), K/V
-    written in every layer; returns the handles and each layer 0's float64 K/V."""
-    handles = [manager.allocate(AllocationRequest(f"r{index}")) for index in range(len(lengths))]
+    """Requests ``<prefix>0``, ``<prefix>1``, ... grown a few tokens at a time in turn (so
+    their blocks interleave), K/V written in every layer; returns the handles and each
+    layer 0's float64 K/V."""
+    handles = [manager.allocate(AllocationRequest(f"{prefix}{index}")) for index in range(len(lengths))]
     written: list[list[tuple[FloatArray, FloatArray]]] = [[] for _ in lengths]
     done = [0] * len(lengths)
     while done != lengths:
@@ -359,6 +360,162 @@ class KvCacheConformance:
         from kvcache_core.testing._plugin import kit_settings
 
         run_reference_machine(kvcache_backend, kit_settings(request.config))
+
+    def test_state_machine_with_the_policies_the_backend_claims(
+        self, kvcache_backend: BackendUnderTest, request: pytest.FixtureRequest
+    ) -> None:
+        from kvcache_core.testing._plugin import kit_settings
+
+        claimed = set(kvcache_backend.spec.capabilities) & (POLICIES - {"sliding_window"})
+        if not claimed:
+            pytest.skip(f"kvcache backend {kvcache_backend.name!r} claims none of {sorted(POLICIES)}")
+        run_policy_machine(kvcache_backend, kit_settings(request.config), window=False)
+
+    @pytest.mark.kvcache_requires("sliding_window")
+    def test_state_machine_with_a_sliding_window(
+        self, kvcache_backend: BackendUnderTest, request: pytest.FixtureRequest
+    ) -> None:
+        from kvcache_core.testing._plugin import kit_settings
+
+        run_policy_machine(kvcache_backend, kit_settings(request.config), window=True)
+
+    # -- policies --------------------------------------------------------------------------
+
+    @pytest.mark.kvcache_requires("fork")
+    def test_fork_copies_exactly_the_shared_block_that_is_written(self, kvcache_backend: BackendUnderTest) -> None:
+        rng = np.random.default_rng(17)
+        manager = kvcache_backend.manager()
+        parent = manager.allocate(AllocationRequest("parent"))
+        keys, _ = _write_random(manager, manager.extend(parent, 6), rng, 0)  # blocks: 4 + 2 tokens
+        child = manager.fork(parent, "child")
+        assert child.block_table().physical_blocks == parent.block_table().physical_blocks
+
+        child_slots = manager.extend(child, 1)  # lands in the shared, half-full second block
+        assert manager.stats().copy_on_write_count == 1
+        assert child.block_table().physical_blocks[0] == parent.block_table().physical_blocks[0]
+        assert child.block_table().physical_blocks[1] != parent.block_table().physical_blocks[1]
+        child_keys, _ = _write_random(manager, child_slots, rng, 0)
+        parent_keys, _ = _write_random(manager, manager.extend(parent, 1), rng, 0)  # no longer shared: no copy
+        assert manager.stats().copy_on_write_count == 1
+
+        parent_back = BackendUnderTest.host(manager, manager.gather(parent, 0)[0])
+        child_back = BackendUnderTest.host(manager, manager.gather(child, 0)[0])
+        assert np.array_equal(parent_back, np.concatenate([keys, parent_keys])), "the child's write reached the parent"
+        assert np.array_equal(child_back, np.concatenate([keys, child_keys])), "the copy lost the shared tokens"
+        manager.deallocate("parent")
+        manager.deallocate("child")
+        manager.check_invariants()
+        assert manager.stats().used_blocks == 0
+
+    @pytest.mark.kvcache_requires("swap")
+    def test_swap_out_and_in_is_bit_identical_every_dtype_and_layout(self, kvcache_backend: BackendUnderTest) -> None:
+        rng = np.random.default_rng(19)
+        for config in kvcache_backend.configs():
+            context = f"dtype {config.dtype}, layout {config.kv_layout}"
+            manager = kvcache_backend.manager(config)
+            handles, _ = _grown_side_by_side(manager, [11, 6], rng)
+            before = [
+                BackendUnderTest.host(manager, a) for layer in range(2) for a in manager.gather(handles[0], layer)
+            ]
+            blocks_before = handles[0].block_table().num_blocks()
+            manager.swap_out("r0")
+            assert handles[0].is_swapped_out(), context
+            assert manager.stats().used_blocks == handles[1].block_table().num_blocks(), context
+            # Another request takes the freed blocks, so swap_in must go elsewhere.
+            _grown_side_by_side(manager, [blocks_before * config.block_size], rng, prefix="filler")
+            manager.swap_in("r0")
+            after = [BackendUnderTest.host(manager, a) for layer in range(2) for a in manager.gather(handles[0], layer)]
+            for index, (got, want) in enumerate(zip(after, before, strict=True)):
+                assert np.array_equal(got, want), f"{context}: array {index} changed through swap_out / swap_in"
+            manager.check_invariants()
+
+    @pytest.mark.kvcache_requires("prefix_caching")
+    def test_a_shared_prompt_is_stored_once_and_hit_by_every_later_request(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        rng = np.random.default_rng(23)
+        config = kvcache_backend.config(num_blocks=64, enable_prefix_caching=True)
+        manager = kvcache_backend.manager(config)
+        shared = [int(token) for token in rng.integers(0, 1000, 5 * config.block_size + 2)]
+        first_keys: FloatArray | None = None
+        for index in range(4):
+            prompt = (*shared, 1000 + index, 2000 + index)
+            handle = manager.allocate(AllocationRequest(f"r{index}", prompt_token_ids=prompt))
+            cached = handle.num_tokens()
+            assert cached == (0 if index == 0 else 5 * config.block_size), f"request {index}: {cached} cached"
+            slots = manager.extend(handle, len(prompt) - cached, token_ids=prompt[cached:])
+            for layer in range(config.num_layers):
+                _write_random(manager, slots, rng, layer)
+            keys = BackendUnderTest.host(manager, manager.gather(handle, 0)[0])
+            if first_keys is None:
+                first_keys = keys
+            else:
+                shared_tokens = 5 * config.block_size
+                assert np.array_equal(keys[:shared_tokens], first_keys[:shared_tokens]), "a hit maps other K/V"
+        stats = manager.stats()
+        assert stats.prefix_cache_hits == 3 * 5
+        own_blocks = -(-(len(shared) + 2 - 5 * config.block_size) // config.block_size)
+        assert stats.used_blocks == 5 + 4 * own_blocks  # the shared blocks once, the rest per request
+        manager.check_invariants()
+
+    @pytest.mark.kvcache_requires("eviction")
+    def test_a_full_pool_evicts_cached_blocks_before_failing(self, kvcache_backend: BackendUnderTest) -> None:
+        config = kvcache_backend.config(num_blocks=8, enable_prefix_caching=True)
+        manager = kvcache_backend.manager(config)
+        rng = np.random.default_rng(29)
+        prompt = tuple(range(6 * config.block_size + 1))
+        handle = manager.allocate(AllocationRequest("warm", prompt_token_ids=prompt))
+        slots = manager.extend(handle, len(prompt), token_ids=prompt)
+        for layer in range(config.num_layers):
+            _write_random(manager, slots, rng, layer)
+        manager.deallocate("warm")
+        assert manager.stats().cached_blocks == 6
+
+        manager.allocate(AllocationRequest("big", initial_tokens=config.num_blocks * config.block_size))
+
+        stats = manager.stats()
+        assert stats.eviction_count == 6
+        assert (stats.cached_blocks, stats.free_blocks, stats.used_blocks) == (0, 0, config.num_blocks)
+        with pytest.raises(OutOfBlocksError):
+            manager.allocate(AllocationRequest("late", initial_tokens=1))
+        manager.check_invariants()
+
+    @pytest.mark.kvcache_requires("sliding_window")
+    def test_sliding_window_attention_matches_the_reference_and_blocks_are_released(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        rng = np.random.default_rng(31)
+        window = 9
+        for config in kvcache_backend.configs(num_blocks=32, sliding_window=window):
+            context = f"dtype {config.dtype}, layout {config.kv_layout}"
+            manager = kvcache_backend.manager(config)
+            handles = [manager.allocate(AllocationRequest(f"r{index}")) for index in range(3)]
+            limit = -(-window // config.block_size) + 1
+            for step in range(40):
+                for index, handle in enumerate(handles):
+                    if step < 10 * (index + 1):
+                        slots = manager.extend(handle, 1)
+                        for layer in range(config.num_layers):
+                            _write_random(manager, slots, rng, layer)
+                        assert handle.block_table().num_blocks() <= limit, f"{context}: holds too many blocks"
+            table = manager.page_table(handles)
+            query = BackendUnderTest.representable(
+                rng.standard_normal((3, 2 * config.num_heads, config.head_dim)), config.dtype
+            )
+            output = manager.paged_attention(0, BackendUnderTest.native(manager, query), table)
+            expected = reference_attention(
+                query,
+                BackendUnderTest.host(manager, manager.storage.key_cache(0)),
+                BackendUnderTest.host(manager, manager.storage.value_cache(0)),
+                table,
+                kv_layout=config.kv_layout,
+                sliding_window=window,
+            )
+            rtol, atol = TOLERANCES.get(config.dtype, (1e-2, 1e-2))
+            got = BackendUnderTest.host(manager, output)
+            assert np.allclose(got, expected, rtol=rtol, atol=atol), (
+                f"{context}: windowed attention differs by up to {float(np.max(np.abs(got - expected))):.3g}"
+            )
 
     # -- bad inputs ------------------------------------------------------------------------
 
