@@ -9,3 +9,12 @@ from kvcache_memmap import MemmapStorage
 config = CacheConfig(num_layers=1, num_heads=1, head_dim=4, num_blocks=8)
 numpy_storage: KvStorage[NumpyArray] = NumpyStorage(config)
 memmap_storage: KvStorage[NumpyArray] = MemmapStorage(config)
+
+
+def jax_storage_conforms() -> None:
+    import jax
+
+    from kvcache_jax import JaxStorage
+
+    storage: KvStorage[jax.Array] = JaxStorage(config)
+    del storage

@@ -1,0 +1,77 @@
+"""The ``jax`` backend's plugin: the module the ``kvcache_core.backends`` entry point names.
+
+Discovery imports this module to list backends, so it imports no JAX: the storage
+factory and the availability check import it when a manager is built or the backend is
+asked about.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from kvcache_core.config import KV_LAYOUTS, CacheConfig
+from kvcache_core.errors import BackendUnavailableError
+from kvcache_core.hookspecs import BackendSpec, hookimpl
+
+if TYPE_CHECKING:
+    from kvcache_jax.storage import JaxStorage
+
+__all__ = [
+    "CAPABILITIES",
+    "DEVICES",
+    "DTYPES",
+    "is_available",
+    "kvcache_register_backends",
+    "make_storage",
+    "unavailable_reason",
+]
+
+#: Device kinds a JAX pool can live on (when JAX has such a device here).
+DEVICES = ("cpu", "cuda", "gpu", "rocm", "tpu")
+#: dtypes of a JAX pool (kept equal to ``kvcache_jax.storage.JAX_DTYPES``).
+DTYPES = ("float32", "float16", "bfloat16")
+#: What the conformance kit may check: the pool arrays are immutable (``key_cache`` hands
+#: out the current array, never deleted under its holder), and the core policies run
+#: through this storage's block copies and host transfers.
+CAPABILITIES = frozenset({"immutable_arrays", "fork", "prefix_caching", "swap", "eviction", "sliding_window"})
+
+
+def make_storage(config: CacheConfig, *, mesh: object = None, axis: object = None) -> JaxStorage:
+    """The storage factory: a :class:`~kvcache_jax.JaxStorage` for ``config``.
+
+    ``create_manager("jax", config, mesh=mesh, axis="model")`` passes ``mesh`` and ``axis``
+    here to split the pool's KV heads over that mesh axis.
+    """
+    try:
+        from kvcache_jax.storage import JaxStorage
+    except ImportError as exc:  # jax or jaxlib installed but broken (mismatched versions, ...)
+        raise BackendUnavailableError(f"the jax backend cannot import JAX: {exc}; {unavailable_reason()}") from exc
+    return JaxStorage(config, mesh=mesh, axis=axis)
+
+
+def is_available() -> bool:
+    """Whether JAX and jaxlib are installed here (looked up without importing them)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("jax", "jaxlib"))
+
+
+def unavailable_reason() -> str:
+    """Why the backend cannot run, with the command that fixes it."""
+    return "jax is not installed: pip install kvcache-jax (or pip install jax jaxlib)"
+
+
+@hookimpl
+def kvcache_register_backends() -> Iterator[BackendSpec]:
+    """Register the ``jax`` backend."""
+    yield BackendSpec(
+        name="jax",
+        storage_factory=make_storage,
+        is_available=is_available,
+        unavailable_reason=unavailable_reason,
+        devices=DEVICES,
+        dtypes=DTYPES,
+        kv_layouts=KV_LAYOUTS,
+        description="JAX pool updated in place (donated), jitted paged attention, KV heads sharded over a mesh",
+        capabilities=CAPABILITIES,
+    )
