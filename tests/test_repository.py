@@ -57,3 +57,12 @@ def test_readme_shows_how_to_write_register_and_check_a_backend_in_under_40_line
     assert code == [line for line in kit_file.splitlines() if line.strip() and not line.startswith('"""')]
     pyproject = (ROOT / "examples" / "kvcache-memmap" / "pyproject.toml").read_text()
     assert 'memmap = "kvcache_memmap"' in pyproject
+
+
+def test_readme_shows_the_transformers_drop_in_in_under_15_lines() -> None:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Hugging Face transformers", 1)[1].split("\n## ", 1)[0]
+    (snippet,) = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    assert len(snippet.strip().splitlines()) < 15
+    assert "cache=cache" in snippet
+    assert 'attn_implementation="kvcache_paged"' in snippet

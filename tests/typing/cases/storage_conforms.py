@@ -18,3 +18,12 @@ def jax_storage_conforms() -> None:
 
     storage: KvStorage[jax.Array] = JaxStorage(config)
     del storage
+
+
+def torch_storage_conforms() -> None:
+    import torch
+
+    from kvcache_torch import TorchStorage
+
+    storage: KvStorage[torch.Tensor] = TorchStorage(config)
+    del storage
