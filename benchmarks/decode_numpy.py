@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from _bench import int_list, mib, relative_spread
 
 from kvcache_core import (
     KV_LAYOUTS,
@@ -298,14 +299,6 @@ class Timing:
     spread: float  # the larger interquartile range of the two, as a fraction of its median
 
 
-def relative_spread(samples: Sequence[float]) -> float:
-    """Interquartile range over median (0 with fewer than two samples)."""
-    if len(samples) < 2:
-        return 0.0
-    low, _, high = statistics.quantiles(samples, n=4)
-    return (high - low) / statistics.median(samples)
-
-
 def outputs_match(ours: Sequence[Array], dense: Sequence[Array]) -> tuple[bool, float]:
     """Whether every layer's outputs agree, and the largest absolute difference."""
     worst = max(float(np.max(np.abs(a - b))) for a, b in zip(ours, dense, strict=True))
@@ -352,17 +345,6 @@ def run_scenario(scenario: Scenario, repeats: int, rng: np.random.Generator) -> 
 # -- command line -----------------------------------------------------------------------
 
 
-def int_list(text: str) -> list[int]:
-    """``"1024,4096"`` -> ``[1024, 4096]``."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line, with the ``--quick`` defaults applied."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
@@ -403,11 +385,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.query_heads % args.kv_heads:
         parser.error("--query-heads must be a multiple of --kv-heads")
     return args
-
-
-def mib(num_bytes: int) -> str:
-    """``1_572_864`` -> ``"1.5 MiB"``."""
-    return f"{num_bytes / 2**20:,.1f} MiB"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

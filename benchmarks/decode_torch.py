@@ -69,6 +69,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 import torch
+from _bench import int_list, mib, relative_spread
 from transformers import LlamaConfig
 from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.integrations import sdpa_attention
@@ -414,14 +415,6 @@ def figure_ms(samples: Sequence[float]) -> float:
     return statistic(samples) * 1e3
 
 
-def relative_spread(samples: Sequence[float]) -> float:
-    """Interquartile range over median (0 with fewer than two samples)."""
-    if len(samples) < 2:
-        return 0.0
-    low, _, high = statistics.quantiles(samples, n=4)
-    return (high - low) / statistics.median(samples)
-
-
 def fail(message: str) -> None:
     """Print ``message`` and exit with status 1."""
     print(f"error: {message}", file=sys.stderr)
@@ -565,17 +558,6 @@ def run_batch(
 # -- command line -------------------------------------------------------------------------
 
 
-def int_list(text: str) -> list[int]:
-    """``"1024,4096"`` -> ``[1024, 4096]``."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line, with the ``--quick`` defaults applied."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
@@ -638,11 +620,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be >= 1")
     return args
-
-
-def mib(num_bytes: float) -> str:
-    """``1_572_864`` -> ``"1.5 MiB"``."""
-    return f"{num_bytes / 2**20:,.1f} MiB"
 
 
 def verdict(met: bool) -> str:
