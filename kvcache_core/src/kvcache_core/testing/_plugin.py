@@ -56,8 +56,7 @@ class KitSettings:
             stateful_step_count=self.step_count,
             deadline=self.deadline_ms,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-            derandomize=False,
-        )
+        )  # everything else (derandomize, database, ...) from the loaded Hypothesis profile
 
 
 def _positive_int(text: str) -> int:
