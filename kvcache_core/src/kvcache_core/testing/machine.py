@@ -142,10 +142,20 @@ class ReferenceMachine(RuleBasedStateMachine):
         got = _outcome(lambda: self.subject.extend(subject, count, token_ids=ids))
         want = _outcome(lambda: self.reference.extend(reference, count, token_ids=ids))
         assert got[0] == want[0], f"extend({request_id!r}, {count}): backend {got}, reference {want}"
-        if got[0] == "ok":
-            assert np.array_equal(got[1], want[1]), f"extend({request_id!r}, {count}): slots differ"
-        else:
+        if got[0] == "error":
             assert got[1] == want[1], f"extend({request_id!r}, {count}): backend {got}, reference {want}"
+            return
+        assert np.array_equal(got[1], want[1]), f"extend({request_id!r}, {count}): slots differ"
+        # As in a model's step, the new tokens' K/V are written in every layer.
+        rng = np.random.default_rng(seed)
+        shape = (count, self.config.num_heads, self.config.head_dim)
+        for layer in range(self.config.num_layers):
+            keys = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
+            values = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
+            for manager in (self.subject, self.reference):
+                manager.write(
+                    layer, got[1], BackendUnderTest.native(manager, keys), BackendUnderTest.native(manager, values)
+                )
 
     @precondition(lambda self: any(s.num_tokens() for s, _ in self.handles.values()))
     @rule(
