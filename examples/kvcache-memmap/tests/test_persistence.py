@@ -67,3 +67,16 @@ def test_bad_options_are_refused(options: dict[str, object], match: str) -> None
 def test_reopening_a_missing_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="no kvcache pool"):
         MemmapStorage(CONFIG, path=tmp_path / "missing.kv", mode="r+")
+
+
+def test_reopening_a_damaged_pool_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "pool.kv"
+    MemmapStorage(CONFIG, path=path)
+    with path.open("r+b") as pool_file:
+        pool_file.truncate(100)
+    with pytest.raises(InvalidConfigError, match="holds 100 bytes"):
+        MemmapStorage(CONFIG, path=path, mode="r+")
+
+    (tmp_path / "pool.kv.json").write_text("{not json")
+    with pytest.raises(InvalidConfigError, match="not valid JSON"):
+        MemmapStorage(CONFIG, path=path, mode="r+")

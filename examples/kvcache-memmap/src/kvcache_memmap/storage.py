@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 import weakref
@@ -67,9 +68,17 @@ class MemmapStorage(NumpyStorage):
         if mode == "r+":
             if not file.exists() or not sidecar.exists():
                 raise InvalidArgumentError(f"no kvcache pool at {str(file)!r} (or its .json sidecar) to reopen")
-            recorded = json.loads(sidecar.read_text())
+            try:
+                recorded = json.loads(sidecar.read_text())
+            except ValueError as exc:
+                raise InvalidConfigError(f"the sidecar {str(sidecar)!r} of the pool is not valid JSON: {exc}") from exc
             if recorded != _geometry(config):
                 raise InvalidConfigError(f"the pool at {str(file)!r} was built for {recorded}, not {_geometry(config)}")
+            expected = math.prod(shape) * np.dtype(config.dtype).itemsize
+            if file.stat().st_size != expected:
+                raise InvalidConfigError(
+                    f"the pool at {str(file)!r} holds {file.stat().st_size} bytes, its geometry needs {expected}"
+                )
         pool: NumpyArray = np.memmap(file, dtype=np.dtype(config.dtype), mode=mode, shape=shape)
         if mode == "w+":
             sidecar.write_text(json.dumps(_geometry(config)))
