@@ -16,6 +16,7 @@ from kvcache_core import (
     KvCacheHandle,
     MemoryPressure,
     OutOfBlocksError,
+    PageTable,
     PagedKvCacheManager,
     create_manager,
 )
@@ -269,7 +270,7 @@ def test_paged_requests_take_far_less_memory_than_max_length_reservations() -> N
 
 
 def test_a_page_table_naming_freed_blocks_is_refused() -> None:
-    from kvcache_core import SlotError
+    from kvcache_core import SlotError, StalePageTableError
 
     manager = make_manager()
     first = manager.allocate(AllocationRequest("a"))
@@ -280,5 +281,8 @@ def test_a_page_table_naming_freed_blocks_is_refused() -> None:
     query = np.zeros((2, 2, 4), dtype=np.float32)
     manager.paged_attention(0, query, table)
     manager.deallocate("a")
-    with pytest.raises(SlotError, match="no live request owns"):
+    with pytest.raises(StalePageTableError, match="'a', released since"):
         manager.paged_attention(0, query, table)
+    hand_built = PageTable(table.kv_indptr, table.kv_indices, table.kv_last_page_len, table.block_tables, table.seq_lens, 4)
+    with pytest.raises(SlotError, match="no live request owns"):
+        manager.paged_attention(0, query, hand_built)

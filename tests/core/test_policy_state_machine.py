@@ -101,7 +101,9 @@ class ModelRequest:
     kv: dict[int, list[tuple[Array, Array]]] = field(default_factory=dict[int, list[tuple[Array, Array]]])
     pending: list[int] = field(default_factory=list[int])  # positions handed out, not written
     versions: dict[int, int] = field(default_factory=dict[int, int])
-    hashed: int = 0  # leading logical blocks hashed (cacheable)
+    hashed: int = 0  # leading logical blocks hashed (cacheable): the request's hash chain
+    registered_until: int = 0  # blocks past a chain a rewrite cut stay registered up to here
+    dropped: set[int] = field(default_factory=set[int])  # logical blocks a rewrite took out of the cache
     chain_open: bool = True
     certain: bool = True  # False once the model cannot follow the manager's hash chain
     swapped_blocks: int | None = None  # blocks in host memory while swapped out
@@ -190,7 +192,7 @@ class PolicyMachine(RuleBasedStateMachine):
         """Whether the block of ``logical`` holds a cached prefix (None: unknown)."""
         if not (self.exact and request.certain):
             return None
-        return logical < request.hashed
+        return logical < max(request.hashed, request.registered_until) and logical not in request.dropped
 
     def expected_kv(self, request: ModelRequest, position: int, layer: int) -> tuple[Array, Array]:
         if position < len(request.tokens):
@@ -470,6 +472,15 @@ class PolicyMachine(RuleBasedStateMachine):
         self.copy_on_write(request, copies, request.handle.block_table().physical_blocks)
         self.take(len(copies), (free, cached))
         self.check_accounting()
+        # A cached block is immutable: the rewritten ones leave the prefix cache, and the
+        # request's chain stops before the first of them (later ones stay registered).
+        first = max(start // BLOCK, request.first_logical)
+        last = min(blocks_for(stop), max(request.hashed, request.registered_until))
+        request.dropped.update(range(first, last))
+        if first < request.hashed:
+            request.registered_until = max(request.registered_until, request.hashed)
+            request.hashed = first
+            request.chain_open = False
         for position in range(start, stop):
             if position >= len(request.tokens):  # unknown ids: new noise; known ids: the same K/V again
                 request.versions[position] = request.versions.get(position, 0) + 1
@@ -499,6 +510,8 @@ class PolicyMachine(RuleBasedStateMachine):
             pending=list(parent.pending),
             versions=dict(parent.versions),
             hashed=parent.hashed,
+            registered_until=parent.registered_until,
+            dropped=set(parent.dropped),
             chain_open=parent.chain_open,
             certain=parent.certain,
         )

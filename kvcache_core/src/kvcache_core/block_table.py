@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.errors import InsufficientBlocksError, InvalidArgumentError
+from kvcache_core.errors import InsufficientBlocksError, InvalidArgumentError, InvalidTypeError
 
 __all__ = ["BlockRun", "BlockTable"]
 
@@ -317,15 +317,21 @@ class BlockTable:
         """Rebuild a table from :meth:`to_dict` output.
 
         Raises:
+            InvalidTypeError: ``data`` is not a mapping.
             InvalidArgumentError: missing keys or values that do not form a valid table.
         """
+        if not isinstance(data, Mapping):
+            raise InvalidTypeError(f"BlockTable.from_dict takes a mapping from to_dict(), got {type(data).__name__}")
         missing = {"physical_blocks", "logical_to_physical", "sequence_length", "block_size"} - set(data)
         if missing:
             raise InvalidArgumentError(f"BlockTable dict is missing {sorted(missing)}")
         length = data["sequence_length"]
         if not _is_count(length):
             raise InvalidArgumentError(f"BlockTable dict: sequence_length must be an int >= 0, got {length!r}")
-        mapping = list(data["logical_to_physical"])
+        raw_mapping: object = data["logical_to_physical"]
+        if isinstance(raw_mapping, (str, bytes)) or not isinstance(raw_mapping, Iterable):
+            raise InvalidArgumentError(f"BlockTable dict: logical_to_physical must be a list of ints, got {raw_mapping!r}")
+        mapping = list(raw_mapping)
         released = 0
         while released < len(mapping) and mapping[released] == -1:
             released += 1

@@ -13,7 +13,16 @@ import numpy.typing as npt
 from kvcache_core.device import Device
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerIndexError
 
-__all__ = ["DTYPE_SIZES", "KV_LAYOUTS", "MAX_TOKEN_ID", "AllocationRequest", "CacheConfig", "check_token_ids"]
+__all__ = [
+    "DTYPE_SIZES",
+    "KV_LAYOUTS",
+    "MAX_POOL_SLOTS",
+    "MAX_TOKEN_ID",
+    "AllocationRequest",
+    "CacheConfig",
+    "check_count",
+    "check_token_ids",
+]
 
 #: Bytes per element of every dtype name a backend may claim.
 DTYPE_SIZES: Final[dict[str, int]] = {
@@ -33,8 +42,24 @@ KV_LAYOUTS: Final[tuple[str, ...]] = ("NHD", "HND", "heads_first")
 MAX_TOKEN_ID: Final = 2**63 - 1
 
 
+#: The most slots (``num_blocks * block_size``) a pool may have: page tables are int32.
+MAX_POOL_SLOTS: Final = 2**31 - 1
+
+
 def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_count(value: object, name: str, minimum: int = 0) -> int:
+    """``value`` as an int, if it is an integer (Python or NumPy, not bool) ``>= minimum``.
+
+    Raises:
+        InvalidArgumentError: anything else; the message names ``name``, the value and
+            the valid range.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
+        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def check_token_ids(value: object, name: str) -> tuple[int, ...]:
@@ -139,6 +164,11 @@ class CacheConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_dim", "num_blocks", "block_size"):
             _require_int("CacheConfig", name, getattr(self, name), 1)
+        if self.num_blocks * self.block_size > MAX_POOL_SLOTS:
+            raise InvalidConfigError(
+                f"CacheConfig has {self.num_blocks} blocks of {self.block_size} tokens = "
+                f"{self.num_blocks * self.block_size} slots; page tables address at most {MAX_POOL_SLOTS}"
+            )
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise InvalidConfigError(f"CacheConfig.dtype {self.dtype!r} is unknown; valid: {', '.join(DTYPE_SIZES)}")
         try:

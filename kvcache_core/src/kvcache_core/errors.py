@@ -33,6 +33,7 @@ __all__ = [
     "ShapeMismatchError",
     "SharedBlockWriteError",
     "SlotError",
+    "StalePageTableError",
     "SwappedOutError",
     "UnknownRequestError",
     "UnsupportedConfigError",
@@ -84,6 +85,12 @@ class SharedBlockWriteError(SlotError):
     """A write names a slot in a block that several requests share (after ``fork`` or a
     prefix-cache hit): it would change every sharer's tokens. Take private slots from
     ``extend`` or ``writable_slots``, which copy the block first (copy-on-write)."""
+
+
+class StalePageTableError(SlotError):
+    """A page table taken before one of its requests was released, swapped, re-planned
+    or had a block replaced (copy-on-write, window release): its blocks may belong to
+    another request now. Take a new page table from the manager."""
 
 
 class UnknownRequestError(KvCacheError, LookupError):

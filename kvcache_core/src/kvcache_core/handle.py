@@ -3,6 +3,7 @@ request's cache in a :class:`~kvcache_core.manager.PagedKvCacheManager`."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -20,9 +21,17 @@ from kvcache_core.prefix import PrefixEntry
 from kvcache_core.protocols import KvStorage
 from kvcache_core.stats import CacheHandleStats
 
-__all__ = ["PagedKvCacheHandle", "RequestState", "SwapRecord"]
+__all__ = ["PagedKvCacheHandle", "RequestState", "SwapRecord", "next_generation"]
 
 ArrayT = TypeVar("ArrayT")
+
+_GENERATIONS = itertools.count(1)
+
+
+def next_generation() -> int:
+    """A new ownership generation, unique in this process (so a page table of one manager
+    never matches a request of another)."""
+    return next(_GENERATIONS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,6 +79,7 @@ class RequestState(Generic[ArrayT]):
         "chain",
         "chain_open",
         "config",
+        "generation",
         "last_access",
         "lock",
         "max_sequence_length",
@@ -115,6 +125,9 @@ class RequestState(Generic[ArrayT]):
         self.awaiting_block: int | None = None
         self.cached_tokens = 0  # tokens mapped from the prefix cache at allocation
         self.swap: SwapRecord | None = None  # set while swapped out
+        # Changes whenever a block the request held stops being its own (release, swap,
+        # copy-on-write, window release): page tables taken before are refused.
+        self.generation = next_generation()
 
     def touch(self) -> None:
         """Record an access now."""

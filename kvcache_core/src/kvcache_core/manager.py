@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import numbers
 import threading
+import weakref
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -41,7 +42,7 @@ import numpy.typing as npt
 from kvcache_core.allocator import BlockAllocator, Placement
 from kvcache_core.attention import validate_query_indptr
 from kvcache_core.block_table import BlockTable
-from kvcache_core.config import AllocationRequest, CacheConfig, check_token_ids
+from kvcache_core.config import AllocationRequest, CacheConfig, check_count, check_token_ids
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -56,10 +57,11 @@ from kvcache_core.errors import (
     ShapeMismatchError,
     SharedBlockWriteError,
     SlotError,
+    StalePageTableError,
     SwappedOutError,
     UnknownRequestError,
 )
-from kvcache_core.handle import PagedKvCacheHandle, RequestState, SwapRecord
+from kvcache_core.handle import PagedKvCacheHandle, RequestState, SwapRecord, next_generation
 from kvcache_core.page_table import PageTable
 from kvcache_core.prefix import PrefixCache, PrefixEntry, same_prefix
 from kvcache_core.protocols import KvCacheHandle, KvStorage, SlotArray, SlotsLike
@@ -80,10 +82,6 @@ def _is_paged_handle(value: object) -> TypeGuard[PagedKvCacheHandle[Any]]:
 
 def _blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class _AllocationPlan(NamedTuple):
@@ -132,10 +130,15 @@ class PagedKvCacheManager(Generic[ArrayT]):
         self._pressure_callback: Callable[[MemoryPressure], object] | None = None
         self._allocation_count = 0
         self._allocation_failures = 0
-        # Blocks become free only on release; a page table checked since the last release
-        # still names only blocks in use, so per-layer attention calls skip the check.
-        self._release_generation = 0
+        # Every change of a request's generation bumps the epoch; a page table checked in
+        # this epoch still names only its requests' own blocks, so per-layer attention
+        # calls skip the check. Tables this manager issued cannot be edited (read-only).
+        self._ownership_epoch = 0
         self._checked_page_table: tuple[PageTable, int] | None = None
+        self._issued_tables: weakref.WeakSet[PageTable] = weakref.WeakSet()
+        # Slots whose positions extend (or a prefix hit, copy or swap_in) handed out: a
+        # write anywhere else in a block is refused (it would count as written too early).
+        self._issued = np.zeros(config.num_blocks * config.block_size, dtype=np.bool_)
         # Prefix caching: the hash map, which slots hold written K/V ([layers, slots]), and
         # the blocks whose writes some request's hash chain waits for.
         self._prefix: PrefixCache | None = PrefixCache() if config.enable_prefix_caching else None
@@ -144,6 +147,8 @@ class PagedKvCacheManager(Generic[ArrayT]):
             if config.enable_prefix_caching
             else None
         )
+        # Blocks registered in the prefix cache: immutable, so a plain write there is refused.
+        self._registered = np.zeros(config.num_blocks, dtype=np.bool_)
         self._awaiting: dict[int, set[str]] = {}
         self._awaiting_mask = np.zeros(config.num_blocks, dtype=np.bool_)
         # Blocks a swap_out released (and nobody took since) -> the request, for the error
@@ -241,6 +246,8 @@ class PagedKvCacheManager(Generic[ArrayT]):
             cached_tokens = len(plan.hits) * block_size
             state.table = BlockTable(block_size, mapped + new_blocks, cached_tokens, first_logical=plan.released)
             state.cached_tokens = cached_tokens
+            if mapped:
+                self._issued[state.table.slots(plan.released * block_size, cached_tokens)] = True
             if self._prefix is not None:
                 state.token_ids = list(request.prompt_token_ids or ())
                 state.salt = request.salt_bytes()
@@ -303,8 +310,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 swapped out.
             ForeignHandleError: the handle belongs to another manager.
         """
-        if isinstance(additional_tokens, bool) or not isinstance(additional_tokens, int) or additional_tokens < 0:
-            raise InvalidArgumentError(f"additional_tokens must be an int >= 0, got {additional_tokens!r}")
+        additional_tokens = check_count(additional_tokens, "additional_tokens")
         ids = None if token_ids is None else check_token_ids(token_ids, "token_ids")
         if ids is not None and len(ids) != additional_tokens:
             raise InvalidArgumentError(
@@ -330,18 +336,24 @@ class PagedKvCacheManager(Generic[ArrayT]):
             copies = self._shared_blocks(table, old_length, new_length)
             missing = max(0, _blocks_for(new_length, block_size) - first - held)
             needed = missing + len(copies)
-            if needed and needed > self._allocator.free_block_count() + self._allocator.cached_block_count() + freed:
+            spare = self._allocator.free_block_count() + self._allocator.cached_block_count()
+            if needed and needed > spare + freed:
                 self._allocation_failures += 1
                 copied = f" ({len(copies)} to copy shared blocks)" if copies else ""
                 raise OutOfBlocksError(
                     f"cannot extend request {state.request_id!r} by {additional_tokens} tokens: "
                     f"{needed} more blocks needed{copied}, {self._free_note()}"
                 )
+            # The copies are the only storage call: made first, so that a storage failure
+            # leaves the request as it was (unless they need the blocks the window frees).
+            copy_first = len(copies) <= spare
+            if copy_first:
+                self._copy_on_write(state, copies)
             if released:
                 self._advance_chain(state)  # hash what is ready before the window releases it
                 self._release_leading(state, released)
-            for logical in copies:
-                self._copy_on_write(state, logical)
+            if not copy_first:
+                self._copy_on_write(state, copies)
             if missing:
                 logical_now = table.first_logical + table.num_blocks()
                 last = table.physical_blocks[-1] if table.num_blocks() else None
@@ -355,6 +367,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 )
             slots = table.slots(old_length, new_length)
             table.extend_sequence(additional_tokens)
+            self._issued[slots] = True
             if new_ids:
                 state.token_ids.extend(new_ids)
             self._advance_chain(state)
@@ -367,6 +380,12 @@ class PagedKvCacheManager(Generic[ArrayT]):
         shared block among them is copied first (copy-on-write), so that rewriting tokens
         of a forked or prefix-shared request changes no other request.
 
+        A block registered in the prefix cache is immutable: one the request holds alone
+        leaves the prefix cache (its hash is unregistered) before any slot is handed out,
+        and a shared one is copied (the copy is not registered). The request's own hash
+        chain stops before the first of its hashed blocks in the range, so it never
+        registers K/V a rewrite may have changed.
+
         Raises:
             InvalidArgumentError: not ``first_held <= start <= stop <= num_tokens()``
                 (``first_held`` is 0 unless a sliding window released leading blocks).
@@ -377,23 +396,27 @@ class PagedKvCacheManager(Generic[ArrayT]):
             state = self._state_of(handle)
             table = state.table
             low = table.first_logical * self._config.block_size
-            if not (_is_count(start) and _is_count(stop) and low <= start <= stop <= table.sequence_length):
+            try:
+                first, last = check_count(start, "start"), check_count(stop, "stop")
+            except InvalidArgumentError:
+                first = last = -1
+            if not low <= first <= last <= table.sequence_length:
                 raise InvalidArgumentError(
                     f"positions [{start!r}, {stop!r}) are outside the held positions [{low}, "
                     f"{table.sequence_length}) of request {state.request_id!r}"
                 )
-            copies = self._shared_blocks(table, start, stop)
+            copies = self._shared_blocks(table, first, last)
             if len(copies) > self._allocator.free_block_count() + self._allocator.cached_block_count():
                 self._allocation_failures += 1
                 raise OutOfBlocksError(
                     f"cannot copy {len(copies)} shared blocks of request {state.request_id!r}, {self._free_note()}"
                 )
-            for logical in copies:
-                self._copy_on_write(state, logical)
+            self._copy_on_write(state, copies)
+            self._unregister_rewritten(state, first, last)
             if copies:
                 self._update_pressure()
             state.touch()
-            return table.slots(start, stop)
+            return table.slots(first, last)
 
     def fork(self, handle: KvCacheHandle[ArrayT], new_request_id: str) -> PagedKvCacheHandle[ArrayT]:
         """A new request that shares every block holding the request's tokens.
@@ -469,6 +492,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 self._forget_swapped_blocks(state.request_id, state.swap)
             state.valid = False
             state.swap = None
+            self._new_generation(state)
             state.chain = []
             state.table = type(state.table)(self._config.block_size)
             self._update_pressure()
@@ -512,6 +536,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 released_blocks=tuple(unreferenced),
             )
             state.table = BlockTable(block_size)
+            self._new_generation(state)
             state.touch()
             self._update_pressure()
 
@@ -546,14 +571,22 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 f"cannot swap in request {request_id!r}",
             )
             block_array = np.asarray(blocks, dtype=np.int64)
-            self._storage.blocks_from_host(block_array, record.keys, record.values)
+            try:
+                self._storage.blocks_from_host(block_array, record.keys, record.values)
+            except BaseException:  # nothing is committed yet: give the blocks back
+                if blocks:
+                    self._allocator.release(blocks[::-1], blocks[-1])
+                raise
             if self._written is not None and record.written is not None:
                 self._written[:, self._block_slots(block_array)] = record.written
             self._forget_swapped_blocks(state.request_id, record)
             state.table = BlockTable(
                 self._config.block_size, blocks, record.sequence_length, first_logical=record.first_logical
             )
+            held_from = record.first_logical * self._config.block_size
+            self._issued[state.table.slots(held_from, max(held_from, record.sequence_length))] = True
             state.swap = None
+            self._new_generation(state)
             self._rechain(state)
             self._advance_chain(state)
             state.touch()
@@ -582,14 +615,15 @@ class PagedKvCacheManager(Generic[ArrayT]):
             keys, values: ``[n, num_heads, head_dim]`` native arrays of the pool's dtype.
 
         With prefix caching, the writes are what makes a full block cacheable (see the
-        class docstring); a block already cached holds the K/V of its tokens for every
-        later hit, so rewrite it only with the same tokens' K/V.
+        class docstring); a block registered in the prefix cache is immutable: rewrite it
+        through :meth:`writable_slots`, which takes it out of the cache first.
 
         Raises:
-            LayerIndexError, SlotError (outside the pool, in a free block, or repeated),
-            SharedBlockWriteError (in a block several requests share), SwappedOutError (a
-            slot of a request swapped out since), ShapeMismatchError, DTypeMismatchError,
-            ArrayTypeError.
+            LayerIndexError, SlotError (outside the pool, in a free block, repeated, or at
+            a position ``extend`` has not handed out yet), SharedBlockWriteError (in a
+            block several requests share, or one the prefix cache serves),
+            SwappedOutError (a slot of a request swapped out since), ShapeMismatchError,
+            DTypeMismatchError, ArrayTypeError.
         """
         with self._lock:
             layer = self._config.check_layer(layer)
@@ -605,6 +639,15 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 shared = self._allocator.shared_mask()[blocks]
                 if shared.any():
                     self._refuse_shared_write(int(slot_array[np.argmax(shared)]))
+            if self._prefix is not None:
+                registered = self._registered[blocks]
+                if registered.any():
+                    slot = int(slot_array[np.argmax(registered)])
+                    raise SharedBlockWriteError(
+                        f"slot {slot} is in block {slot // self._config.block_size}, which the prefix cache "
+                        "serves to every request with the same prompt: take slots from writable_slots() to "
+                        "rewrite it (it leaves the prefix cache first)"
+                    )
             self._storage.write(layer, slot_array, keys, values)
             if self._written is not None:
                 self._written[layer, slot_array] = True
@@ -632,10 +675,19 @@ class PagedKvCacheManager(Generic[ArrayT]):
         """The page table of a batch, in the order of ``handles``; with a sliding window it
         lists each request from its first held block and carries the window.
 
+        The table's arrays are read-only and it carries each request's ownership
+        generation: :meth:`paged_attention` refuses it once one of its requests was
+        released, swapped or had a block replaced (copy-on-write, window release).
+
         Raises:
+            InvalidTypeError: ``handles`` is not a sequence (list, tuple) of handles.
             InvalidHandleError, SwappedOutError, ForeignHandleError: for any handle of the
             batch.
         """
+        if isinstance(handles, (str, bytes)) or not isinstance(handles, Sequence):
+            raise InvalidTypeError(
+                f"page_table takes a sequence (list or tuple) of handles, got {type(handles).__name__}"
+            )
         with self._lock:
             states = [self._state_of(handle) for handle in handles]
             table = PageTable.from_block_tables(
@@ -643,8 +695,10 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 [state.request_id for state in states],
                 self._config.block_size,
                 sliding_window=self._config.sliding_window,
+                generations=[state.generation for state in states],
             )
-            self._checked_page_table = (table, self._release_generation)
+            self._issued_tables.add(table)
+            self._checked_page_table = (table, self._ownership_epoch)
             return table
 
     def paged_attention(
@@ -706,9 +760,9 @@ class PagedKvCacheManager(Generic[ArrayT]):
                     f"page table sliding_window {page_table.sliding_window} != the pool's sliding_window "
                     f"{self._config.sliding_window}; take the page table from manager.page_table"
                 )
-            if self._checked_page_table != (page_table, self._release_generation):
-                self._check_blocks_in_use(page_table.kv_indices.astype(np.int64), "page table")
-                self._checked_page_table = (page_table, self._release_generation)
+            if self._checked_page_table != (page_table, self._ownership_epoch):
+                self._check_page_table(page_table)
+                self._checked_page_table = (page_table, self._ownership_epoch)
             indptr = validate_query_indptr(qo_indptr, page_table, shape[0])
             if scale is None:
                 scale = 1.0 / math.sqrt(dim)
@@ -874,6 +928,14 @@ class PagedKvCacheManager(Generic[ArrayT]):
         array = array.astype(np.int64, copy=False)
         if array.size:
             self._check_blocks_in_use(array // self._config.block_size, "slot")
+            issued = self._issued[array]
+            if not issued.all():
+                slot = int(array[np.argmin(issued)])
+                raise SlotError(
+                    f"slot {slot} (block {slot // self._config.block_size}, offset "
+                    f"{slot % self._config.block_size}) is reserved but its position was not handed out: "
+                    "write only slots returned by extend() or writable_slots()"
+                )
             if np.unique(array).size != array.size:
                 values, counts = np.unique(array, return_counts=True)
                 raise SlotError(f"slot {int(values[counts > 1][0])} appears more than once in one write")
@@ -897,6 +959,42 @@ class PagedKvCacheManager(Generic[ArrayT]):
                     "out: swap_in brings it back, with new slots"
                 )
             raise SlotError(f"{what} points into block {block}, which no live request owns")
+
+    def _check_page_table(self, page_table: PageTable) -> None:
+        """Refuse a page table that may read blocks its requests no longer own.
+
+        A table with generations (taken from a manager) must list live, resident
+        requests of this manager at the generations it recorded; one this manager did not
+        issue must also list exactly their held blocks. A table without generations (built
+        by hand) must name blocks in use.
+        """
+        if not page_table.generations:
+            self._check_blocks_in_use(page_table.kv_indices.astype(np.int64), "page table")
+            return
+        issued = page_table in self._issued_tables
+        for index, (request_id, generation) in enumerate(
+            zip(page_table.request_ids, page_table.generations, strict=True)
+        ):
+            state = self._requests.get(request_id)
+            if state is not None and state.swap is not None:
+                raise SwappedOutError(
+                    f"the page table lists request {request_id!r}, swapped out since it was taken: "
+                    "swap_in brings it back; then take a new page table"
+                )
+            if state is None or state.generation != generation:
+                why = "released" if state is None else "changed (released, copied or re-planned blocks)"
+                raise StalePageTableError(
+                    f"the page table lists request {request_id!r}, {why} since the table was taken: "
+                    "its blocks may belong to another request now; take a new page table from manager.page_table"
+                )
+            if not issued:
+                table = state.table
+                held = table.physical_blocks[: _blocks_for(table.held_tokens(), self._config.block_size)]
+                if page_table.blocks(index).tolist() != list(held):
+                    raise StalePageTableError(
+                        f"the page table lists blocks {page_table.blocks(index).tolist()} for request "
+                        f"{request_id!r}, which holds {list(held)}: take page tables from manager.page_table"
+                    )
 
     def _refuse_shared_write(self, slot: int) -> None:
         block = slot // self._config.block_size
@@ -953,8 +1051,10 @@ class PagedKvCacheManager(Generic[ArrayT]):
             self._evict(count - free)
         blocks = self._allocator.allocate(count, after=after, expected=expected)
         if blocks:
+            block_slots = self._block_slots(np.asarray(blocks, dtype=np.int64))
+            self._issued[block_slots] = False
             if self._written is not None:
-                self._written[:, self._block_slots(np.asarray(blocks, dtype=np.int64))] = False
+                self._written[:, block_slots] = False
             if self._swapped_blocks:
                 for block in blocks:
                     self._swapped_blocks.pop(block, None)
@@ -966,7 +1066,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
             return
         assert self._prefix is not None, "cached blocks without a prefix cache"
         for block in self._allocator.evict(count):
-            self._prefix.unregister(block)
+            self._unregister(block)
         self._eviction_count += count
 
     def _keep_cached(self, block: int) -> bool:
@@ -976,9 +1076,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
         """Drop a request's reference on ``blocks`` (its whole table); return those that
         reached zero. Later blocks go first, so within a request the tail is evicted first."""
         tail = blocks[-1] if blocks and self._allocator.ref_count(blocks[-1]) == 1 else None
-        unreferenced = self._allocator.release(blocks[::-1], tail, self._keep_cached)
-        self._release_generation += 1
-        return unreferenced
+        return self._allocator.release(blocks[::-1], tail, self._keep_cached)
 
     def _block_slots(self, blocks: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Every slot of ``blocks``, block by block: ``[len(blocks) * block_size]``."""
@@ -1003,7 +1101,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
             self._set_awaiting(state, None)
         tail = blocks[-1] if all_released and self._allocator.ref_count(blocks[-1]) == 1 else None
         self._allocator.release(blocks[::-1], tail, self._keep_cached)
-        self._release_generation += 1
+        self._new_generation(state)
 
     def _shared_blocks(self, table: BlockTable, start: int, stop: int) -> list[int]:
         """Held logical blocks that positions ``start .. stop - 1`` fall in and that other
@@ -1017,32 +1115,83 @@ class PagedKvCacheManager(Generic[ArrayT]):
             logical for logical in range(first, last) if self._allocator.ref_count(table.physical_block(logical)) > 1
         ]
 
-    def _copy_on_write(self, state: RequestState[ArrayT], logical: int) -> None:
-        """Give the request a private copy of its shared logical block ``logical``."""
+    def _copy_on_write(self, state: RequestState[ArrayT], logicals: list[int]) -> None:
+        """Give the request private copies of its shared logical blocks ``logicals``.
+
+        Transactional: the copies are taken, then made in one ``storage.copy_blocks``
+        call, then committed; whatever the storage raises (``KeyboardInterrupt``
+        included), the copies go back to the free list and the request is unchanged.
+        The copies are not registered in the prefix cache (see :meth:`writable_slots`).
+        """
+        if not logicals:
+            return
         table = state.table
-        source = table.physical_block(logical)
-        previous = table.physical_block(logical - 1) if logical > table.first_logical else None
-        (copy,) = self._take_blocks(
-            1,
-            previous if previous is not None and self._allocator.ref_count(previous) == 1 else None,
-            None,
-            f"cannot copy block {source} of request {state.request_id!r}",
-        )
-        self._storage.copy_blocks(np.array([source], dtype=np.int64), np.array([copy], dtype=np.int64))
-        if self._written is not None:
-            block_size = self._config.block_size
-            self._written[:, copy * block_size : (copy + 1) * block_size] = self._written[
-                :, source * block_size : (source + 1) * block_size
-            ]
-        table.replace_block(logical, copy)
-        self._allocator.release([source], None)  # the other sharers keep it
-        if self._prefix is not None:
-            entry = self._prefix.entry_of(source)
-            if entry is not None:
-                self._prefix.register(copy, entry)  # same tokens, same K/V
-        if state.awaiting_block == source:
-            self._set_awaiting(state, copy)
-        self._copy_on_write_count += 1
+        sources = [table.physical_block(logical) for logical in logicals]
+        copies: list[int] = []
+        try:
+            for logical in logicals:
+                previous = table.physical_block(logical - 1) if logical > table.first_logical else None
+                if copies and logical - 1 == logicals[len(copies) - 1]:
+                    previous = copies[-1]
+                (copy,) = self._take_blocks(
+                    1,
+                    previous if previous is not None and self._allocator.ref_count(previous) == 1 else None,
+                    None,
+                    f"cannot copy block {sources[len(copies)]} of request {state.request_id!r}",
+                )
+                copies.append(copy)
+            self._storage.copy_blocks(np.asarray(sources, dtype=np.int64), np.asarray(copies, dtype=np.int64))
+        except BaseException:
+            if copies:
+                self._allocator.release(copies[::-1], copies[-1])
+            raise
+        block_size = self._config.block_size
+        for logical, source, copy in zip(logicals, sources, copies, strict=True):
+            source_slots = slice(source * block_size, (source + 1) * block_size)
+            copy_slots = slice(copy * block_size, (copy + 1) * block_size)
+            if self._written is not None:
+                self._written[:, copy_slots] = self._written[:, source_slots]
+            self._issued[copy_slots] = self._issued[source_slots]
+            table.replace_block(logical, copy)
+            self._allocator.release([source], None)  # the other sharers keep it
+            if state.awaiting_block == source:
+                self._set_awaiting(state, copy)
+            self._copy_on_write_count += 1
+        self._new_generation(state)
+
+    def _unregister_rewritten(self, state: RequestState[ArrayT], start: int, stop: int) -> None:
+        """Take the request's blocks of positions ``start .. stop - 1`` out of the prefix
+        cache (they are about to be rewritten), and stop its hash chain before them."""
+        prefix = self._prefix
+        if prefix is None or stop <= start:
+            return
+        table = state.table
+        block_size = self._config.block_size
+        first = max(start // block_size, table.first_logical)
+        last = min(_blocks_for(stop, block_size), table.first_logical + table.num_blocks())
+        for logical in range(first, last):
+            block = table.physical_block(logical)
+            if prefix.is_registered(block):
+                self._unregister(block)
+        if first < len(state.chain):
+            del state.chain[first:]
+            state.chain_open = False
+            self._set_awaiting(state, None)
+
+    def _register(self, block: int, entry: PrefixEntry) -> None:
+        assert self._prefix is not None
+        self._prefix.register(block, entry)
+        self._registered[block] = True
+
+    def _unregister(self, block: int) -> None:
+        assert self._prefix is not None
+        self._prefix.unregister(block)
+        self._registered[block] = False
+
+    def _new_generation(self, state: RequestState[ArrayT]) -> None:
+        """The request's blocks changed owner: page tables taken before are stale."""
+        state.generation = next_generation()
+        self._ownership_epoch += 1
 
     def _forget_swapped_blocks(self, request_id: str, record: SwapRecord) -> None:
         for block in record.released_blocks:
@@ -1152,7 +1301,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 self._hash_collisions += collided
                 state.chain_open = False
                 break
-            prefix.register(block, entry)
+            self._register(block, entry)
             state.chain.append(entry)
         self._set_awaiting(state, None)
 
@@ -1173,7 +1322,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
             else:
                 entry, collided = prefix.find_or_create(parent, tokens, state.salt)
                 if entry is not None:
-                    prefix.register(table.physical_block(logical), entry)
+                    self._register(table.physical_block(logical), entry)
             self._hash_collisions += collided
             if entry is None:
                 state.chain_open = False
@@ -1254,6 +1403,10 @@ class PagedKvCacheManager(Generic[ArrayT]):
                     raise InvariantError(f"registered block {block} is not fully written")
         if registered != len(prefix):
             raise InvariantError(f"{len(prefix)} blocks registered, entries list {registered}")
+        if int(np.count_nonzero(self._registered)) != registered or not all(
+            prefix.is_registered(block) for block in np.flatnonzero(self._registered).tolist()
+        ):
+            raise InvariantError("the registered-block mask disagrees with the prefix cache")
         for block, waiting in self._awaiting.items():
             if not waiting or not self._awaiting_mask[block]:
                 raise InvariantError(f"block {block} is awaited by nobody or unmarked")

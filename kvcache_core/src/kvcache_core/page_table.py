@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -11,18 +12,34 @@ import numpy.typing as npt
 from kvcache_core.block_table import BlockRun, BlockTable
 from kvcache_core.errors import InvalidArgumentError
 
-__all__ = ["IndexArray", "PageTable"]
+__all__ = ["INDEX_MAX", "IndexArray", "PageTable"]
 
 IndexArray = npt.NDArray[np.int32]
 
+#: The largest value a page-table entry (block id, length, offset) can hold: int32.
+INDEX_MAX: Final = int(np.iinfo(np.int32).max)
+
 
 def _int32(values: object, name: str, ndim: int) -> IndexArray:
-    array = np.asarray(values)
+    """A read-only int32 copy of ``values``, after checking that every entry fits."""
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"PageTable.{name} must be an integer array, got {values!r}") from exc
     if array.dtype.kind not in "iu" and array.size:
         raise InvalidArgumentError(f"PageTable.{name} must hold integers, got dtype {array.dtype}")
     if array.ndim != ndim:
         raise InvalidArgumentError(f"PageTable.{name} must be {ndim}-D, got shape {array.shape}")
-    return np.ascontiguousarray(array, dtype=np.int32)
+    if array.size:
+        low, high = int(array.min()), int(array.max())  # exact for any integer dtype
+        if low < 0 or high > INDEX_MAX:
+            raise InvalidArgumentError(
+                f"PageTable.{name} holds {low if low < 0 else high}: entries must be in [0, {INDEX_MAX}]"
+            )
+    # A read-only base under a view: nobody can make the table's arrays writeable again.
+    base = np.array(array, dtype=np.int32, order="C")
+    base.flags.writeable = False
+    return base.view()
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,7 +50,8 @@ class PageTable:
     ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``, the last one holding
     ``kv_last_page_len[b]`` tokens (0 only for an empty sequence). Padded form (vLLM):
     ``block_tables[b, :ceil(seq_lens[b] / block_size)]``, padded with 0 beyond (padding is
-    masked by ``seq_lens``). All arrays are int32.
+    masked by ``seq_lens``). All arrays are int32, range-checked (``[0, INDEX_MAX]``) and
+    read-only: a page table cannot be edited after it is built.
 
     Sliding window: a request whose window released its leading blocks is listed from its
     first *held* block, and ``seq_lens[b]`` counts the tokens from that block's first slot
@@ -54,6 +72,9 @@ class PageTable:
         request_ids: the requests, in batch order.
         sliding_window: ``W`` to let each query see only the last ``W`` positions (itself
             included), or ``None`` for no window.
+        generations: the ownership generation of each request when the table was taken
+            (set by the manager, empty otherwise): a manager refuses a table once one of
+            its requests was released, swapped or had a block replaced since.
 
     Raises:
         InvalidArgumentError: arrays that do not describe a consistent batch.
@@ -67,6 +88,7 @@ class PageTable:
     block_size: int
     request_ids: tuple[str, ...] = ()
     sliding_window: int | None = None
+    generations: tuple[int, ...] = ()
     _runs: tuple[tuple[BlockRun, ...], ...] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +136,15 @@ class PageTable:
             raise InvalidArgumentError(
                 f"PageTable.request_ids names {len(self.request_ids)} requests for a batch of {batch}"
             )
+        if self.generations and (
+            len(self.generations) != batch
+            or len(self.request_ids) != batch
+            or not all(isinstance(g, int) and not isinstance(g, bool) for g in self.generations)
+        ):
+            raise InvalidArgumentError(
+                f"PageTable.generations must give one int per request of request_ids ({batch}), "
+                f"got {self.generations!r}"
+            )
 
     @classmethod
     def from_block_tables(
@@ -122,6 +153,7 @@ class PageTable:
         request_ids: Sequence[str] = (),
         block_size: int | None = None,
         sliding_window: int | None = None,
+        generations: Sequence[int] = (),
     ) -> PageTable:
         """Build the page table of requests with these block tables (only the held blocks
         their tokens occupy are listed, from the first held one). ``block_size`` is needed
@@ -144,16 +176,18 @@ class PageTable:
             table.physical_blocks[: -(-tokens // block_size)] if tokens else ()
             for table, tokens in zip(tables, held, strict=True)
         ]
-        counts = np.fromiter((len(blocks) for blocks in used), dtype=np.int32, count=len(used))
-        indptr = np.zeros(len(used) + 1, dtype=np.int32)
+        counts = np.fromiter((len(blocks) for blocks in used), dtype=np.int64, count=len(used))
+        indptr = np.zeros(len(used) + 1, dtype=np.int64)
         np.cumsum(counts, out=indptr[1:])
-        indices = np.fromiter((block for blocks in used for block in blocks), dtype=np.int32, count=int(indptr[-1]))
-        seq_lens = np.asarray(held, dtype=np.int32).reshape(len(used))
-        last = np.where(seq_lens > 0, seq_lens - (counts - 1) * block_size, 0).astype(np.int32)
-        padded = np.zeros((len(used), int(counts.max(initial=0))), dtype=np.int32)
+        indices = np.fromiter((block for blocks in used for block in blocks), dtype=np.int64, count=int(indptr[-1]))
+        seq_lens = np.asarray(held, dtype=np.int64).reshape(len(used))
+        last = np.where(seq_lens > 0, seq_lens - (counts - 1) * block_size, 0).astype(np.int64)
+        padded = np.zeros((len(used), int(counts.max(initial=0))), dtype=np.int64)
         for row, blocks in enumerate(used):
             padded[row, : len(blocks)] = blocks
-        return cls(indptr, indices, last, padded, seq_lens, block_size, tuple(request_ids), sliding_window)
+        return cls(
+            indptr, indices, last, padded, seq_lens, block_size, tuple(request_ids), sliding_window, tuple(generations)
+        )
 
     @property
     def batch_size(self) -> int:
