@@ -16,8 +16,8 @@ from kvcache_core import (
     KvCacheHandle,
     MemoryPressure,
     OutOfBlocksError,
-    PageTable,
     PagedKvCacheManager,
+    PageTable,
     create_manager,
 )
 
@@ -283,6 +283,8 @@ def test_a_page_table_naming_freed_blocks_is_refused() -> None:
     manager.deallocate("a")
     with pytest.raises(StalePageTableError, match="'a', released since"):
         manager.paged_attention(0, query, table)
-    hand_built = PageTable(table.kv_indptr, table.kv_indices, table.kv_last_page_len, table.block_tables, table.seq_lens, 4)
+    hand_built = PageTable(
+        table.kv_indptr, table.kv_indices, table.kv_last_page_len, table.block_tables, table.seq_lens, 4
+    )
     with pytest.raises(SlotError, match="no live request owns"):
         manager.paged_attention(0, query, hand_built)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -330,8 +330,10 @@ class BlockTable:
             raise InvalidArgumentError(f"BlockTable dict: sequence_length must be an int >= 0, got {length!r}")
         raw_mapping: object = data["logical_to_physical"]
         if isinstance(raw_mapping, (str, bytes)) or not isinstance(raw_mapping, Iterable):
-            raise InvalidArgumentError(f"BlockTable dict: logical_to_physical must be a list of ints, got {raw_mapping!r}")
-        mapping = list(raw_mapping)
+            raise InvalidArgumentError(
+                f"BlockTable dict: logical_to_physical must be a list of ints, got {raw_mapping!r}"
+            )
+        mapping: list[object] = list(cast("Iterable[object]", raw_mapping))
         released = 0
         while released < len(mapping) and mapping[released] == -1:
             released += 1

@@ -75,7 +75,9 @@ def _build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="serve a small random transformer through the paged cache and check it")
     demo.add_argument("--backend", default="numpy", help="backend to run on (default: numpy)")
     demo.add_argument("--requests", type=_positive, default=DemoOptions.num_requests, help="requests to serve")
-    demo.add_argument("--seed", type=int, default=DemoOptions.seed, help="seed of weights and workload")
+    demo.add_argument(
+        "--seed", type=_non_negative, default=DemoOptions.seed, help="seed of weights and workload (>= 0)"
+    )
     check = commands.add_parser("check", help="run the conformance kit against installed backends")
     check.add_argument(
         "--backend", action="append", default=[], metavar="NAME", help="check this backend (repeatable; default: all)"
@@ -90,6 +92,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 

@@ -34,6 +34,7 @@ from kvcache_core.errors import (
 from kvcache_core.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.numpy_backend import NumpyArray
+from kvcache_core.protocols import KvStorage
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -83,6 +84,9 @@ class _Registry:
 _lock = threading.Lock()
 _registry: _Registry | None = None
 
+#: What a storage factory's result must have (the members of :class:`KvStorage`).
+_STORAGE_MEMBERS = tuple(name for name in vars(KvStorage) if not name.startswith("_"))
+
 
 def _distribution_of(entry_point: metadata.EntryPoint) -> tuple[str, str]:
     dist = entry_point.dist
@@ -126,10 +130,12 @@ def _discover() -> _Registry:
             plugin_manager.register(plugin, name=f"{distribution}:{entry_point.name}")
             try:
                 specs = _collect_specs(plugin_manager, plugin)
-            except Exception:
+            except (Exception, SystemExit):
                 plugin_manager.unregister(plugin)
                 raise
-        except Exception as exc:  # isolate every plugin: one broken one must hide nothing
+        # Isolate every plugin: one broken one (even one calling sys.exit on import) must
+        # hide nothing. KeyboardInterrupt still stops the program.
+        except (Exception, SystemExit) as exc:
             warnings.warn(
                 KvCachePluginWarning(
                     f"kvcache backend plugin {entry_point.name!r} from distribution {distribution} "
@@ -249,6 +255,8 @@ def create_manager(
         UnsupportedConfigError: the backend does not support the config's dtype, device
             or layout (the message lists what it supports), an option its storage factory
             does not take, or a policy not built yet.
+        BackendUnavailableError: the backend is broken: its storage factory is not
+            callable or returned something that is not a storage.
     """
     spec = get_backend(backend)
     if not isinstance(config, CacheConfig):
@@ -256,11 +264,28 @@ def create_manager(
     problems = spec.check_config(config)
     if problems:
         raise UnsupportedConfigError(f"backend {backend!r} does not support {'; '.join(problems)}")
+    if not callable(spec.storage_factory):
+        raise BackendUnavailableError(
+            f"backend {backend!r} is broken: its storage_factory {spec.storage_factory!r} is not callable"
+        )
     try:
-        inspect.signature(spec.storage_factory).bind(config, **options)
-    except TypeError as exc:
-        raise UnsupportedConfigError(f"backend {backend!r} does not take the options {sorted(options)}: {exc}") from exc
+        signature = inspect.signature(spec.storage_factory)
+    except (TypeError, ValueError):
+        signature = None  # a callable without a signature (a builtin): let the call decide
+    if signature is not None:
+        try:
+            signature.bind(config, **options)
+        except TypeError as exc:
+            raise UnsupportedConfigError(
+                f"backend {backend!r} does not take the options {sorted(options)}: {exc}"
+            ) from exc
     storage = spec.storage_factory(config, **options)
+    missing = [name for name in _STORAGE_MEMBERS if not hasattr(storage, name)]
+    if missing:
+        raise BackendUnavailableError(
+            f"backend {backend!r} is broken: its storage_factory returned {type(storage).__name__}, "
+            f"which lacks the KvStorage members {missing}"
+        )
     if spec.manager_factory is not None:
         manager: PagedKvCacheManager[Any] = spec.manager_factory(storage, backend=spec.name, placement=placement)
         return manager

@@ -30,9 +30,9 @@ from __future__ import annotations
 import math
 import numbers
 import threading
-import weakref
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, NamedTuple, TypeGuard, TypeVar
 

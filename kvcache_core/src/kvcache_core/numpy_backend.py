@@ -50,7 +50,8 @@ class NumpyStorage:
         Raises:
             ArrayTypeError: ``pool`` is not a NumPy array.
             ShapeMismatchError, DTypeMismatchError: ``pool`` has the wrong shape or dtype.
-            InvalidArgumentError: ``pool`` is read-only.
+            InvalidArgumentError: ``pool`` is read-only, not C-contiguous, or has a zero
+                or negative stride.
         """
         self._config = config
         shape = self.pool_shape(config)
@@ -65,6 +66,16 @@ class NumpyStorage:
             raise DTypeMismatchError(f"pool has dtype {pool.dtype.name}, expected {config.dtype}")
         elif not pool.flags.writeable:
             raise InvalidArgumentError("pool must be writeable, got a read-only array")
+        elif not pool.flags.c_contiguous or any(
+            stride <= 0 for stride, extent in zip(pool.strides, pool.shape, strict=True) if extent > 1
+        ):
+            # Writes go through reshaped views: on any other memory order they would land
+            # in a temporary copy and vanish; a zero stride aliases many elements in one.
+            raise InvalidArgumentError(
+                f"pool must be C-contiguous with positive strides, got strides {pool.strides} "
+                f"(C-contiguous: {pool.flags.c_contiguous}); pass numpy.ascontiguousarray(pool) "
+                "or allocate it in C order"
+            )
         self._pool = pool
         self._block_axis = 3 if config.kv_layout == "heads_first" else 2
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -37,9 +37,10 @@ def _int32(values: object, name: str, ndim: int) -> IndexArray:
                 f"PageTable.{name} holds {low if low < 0 else high}: entries must be in [0, {INDEX_MAX}]"
             )
     # A read-only base under a view: nobody can make the table's arrays writeable again.
-    base = np.array(array, dtype=np.int32, order="C")
+    base: IndexArray = np.array(array, dtype=np.int32, order="C")
     base.flags.writeable = False
-    return base.view()
+    view: IndexArray = base.view()
+    return view
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,8 +186,17 @@ class PageTable:
         padded = np.zeros((len(used), int(counts.max(initial=0))), dtype=np.int64)
         for row, blocks in enumerate(used):
             padded[row, : len(blocks)] = blocks
+        # int64 here; __post_init__ range-checks and stores read-only int32 copies.
         return cls(
-            indptr, indices, last, padded, seq_lens, block_size, tuple(request_ids), sliding_window, tuple(generations)
+            cast("IndexArray", indptr),
+            cast("IndexArray", indices),
+            cast("IndexArray", last),
+            cast("IndexArray", padded),
+            cast("IndexArray", seq_lens),
+            block_size,
+            tuple(request_ids),
+            sliding_window,
+            tuple(generations),
         )
 
     @property

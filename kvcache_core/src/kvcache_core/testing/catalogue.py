@@ -36,6 +36,7 @@ from kvcache_core.errors import (
     SequenceTooLongError,
     ShapeMismatchError,
     SlotError,
+    StalePageTableError,
     UnknownRequestError,
 )
 from kvcache_core.handle import PagedKvCacheHandle
@@ -318,6 +319,15 @@ def attend(
     )
 
 
+def forged_page_table(world: World) -> PageTable:
+    """A page table claiming request "a" at its current generation, but listing a block
+    of "b" in place of a's first block (built by hand, not by the manager)."""
+    table = world.manager.page_table([world.a])
+    indices = np.array(table.kv_indices)
+    indices[0] = world.b.block_table().physical_blocks[0]
+    return dataclasses.replace(table, kv_indices=indices, block_tables=indices[None, :])
+
+
 def page_table_with_indices(indices: list[int]) -> PageTable:
     """A hand-made page table of one request of ``4 * len(indices)`` tokens."""
     count = len(indices)
@@ -595,6 +605,20 @@ MANAGER_CASES: list[BadCall] = [
     BadCall(
         "attention-stale-page-table-of-deallocated-request",
         lambda w: attend(w, page_table=w.stale_page_table),
+        StalePageTableError,
+        "'dead', released since",
+    ),
+    BadCall(
+        "attention-page-table-forged-with-another-requests-block",
+        lambda w: attend(w, decode_query(w, rows=1), page_table=forged_page_table(w)),
+        StalePageTableError,
+        "for request 'a'",
+    ),
+    BadCall(
+        "attention-hand-made-page-table-naming-a-freed-block",
+        lambda w: attend(
+            w, decode_query(w, rows=1), page_table=page_table_with_indices([int(w.dead_slots[0]) // CONFIG.block_size])
+        ),
         SlotError,
         "no live request owns",
     ),
@@ -607,8 +631,24 @@ MANAGER_CASES: list[BadCall] = [
     BadCall(
         "attention-page-table-negative-block",
         lambda w: attend(w, decode_query(w, rows=1), page_table=page_table_with_indices([3, -1])),
+        InvalidArgumentError,
+        "holds -1: entries must be in",
+    ),
+    BadCall(
+        "attention-page-table-block-past-int32",
+        lambda w: attend(w, decode_query(w, rows=1), page_table=page_table_with_indices([2**32 + 3])),
+        InvalidArgumentError,
+        str(2**32 + 3),
+    ),
+    # page_table: what it takes
+    BadCall("page-table-of-none", lambda w: w.manager.page_table(untyped(None)), InvalidTypeError, "NoneType"),
+    BadCall("page-table-of-one-handle", lambda w: w.manager.page_table(untyped(w.a)), InvalidTypeError, "Handle"),
+    # write: only positions extend handed out
+    BadCall(
+        "write-slot-reserved-but-not-handed-out",
+        lambda w: w.manager.write(0, w.b.block_table().slots(3, 4), kv(w, rows=1), kv(w, rows=1)),
         SlotError,
-        "-1",
+        "not handed out",
     ),
 ]
 

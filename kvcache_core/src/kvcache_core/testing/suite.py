@@ -26,7 +26,13 @@ import pytest
 from kvcache_core.attention import paged_attention as reference_attention
 from kvcache_core.block_table import BlockTable
 from kvcache_core.config import AllocationRequest, CacheConfig
-from kvcache_core.errors import OutOfBlocksError
+from kvcache_core.errors import (
+    InvalidArgumentError,
+    OutOfBlocksError,
+    SharedBlockWriteError,
+    StalePageTableError,
+    SwappedOutError,
+)
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.protocols import KvCacheHandle, KvStorage
@@ -40,10 +46,27 @@ from kvcache_core.testing.catalogue import (
     kv,
     make_world,
     snapshot,
+    untyped,
 )
+from kvcache_core.testing.faults import run_fault_injection
 from kvcache_core.testing.machine import POLICIES, run_policy_machine, run_reference_machine
+from kvcache_core.testing.soak import run_soak
 
 __all__ = ["KvCacheConformance"]
+
+
+def kv_pair(manager: PagedKvCacheManager[Any], rows: int, value: float) -> tuple[Any, Any]:
+    """Native keys and values ``[rows, num_heads, head_dim]``: ``value`` plus the row index."""
+    config = manager.config
+    host = np.full((rows, config.num_heads, config.head_dim), value) + np.arange(rows)[:, None, None]
+    return BackendUnderTest.native(manager, host), BackendUnderTest.native(manager, -host)
+
+
+def decode_like(manager: PagedKvCacheManager[Any], requests: int) -> Any:
+    """A native decode query of ``requests`` rows, one query head per KV head."""
+    config = manager.config
+    return BackendUnderTest.native(manager, np.ones((requests, config.num_heads, config.head_dim)) / 8)
+
 
 Manager = PagedKvCacheManager[Any]
 FloatArray = npt.NDArray[np.float64]
@@ -622,3 +645,137 @@ class KvCacheConformance:
         stats = manager.stats()
         assert (stats.used_blocks, stats.active_caches) == (0, 0), f"blocks leaked: {stats}"
         assert stats.allocation_count > 0
+
+    # -- reliability -----------------------------------------------------------------------
+
+    def test_a_storage_failure_at_any_call_leaks_nothing_and_corrupts_no_request(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        report = run_fault_injection(kvcache_backend)
+        expected = {"write", "gather", "paged_attention"}
+        if kvcache_backend.claims("fork"):
+            expected.add("copy_blocks")
+        if kvcache_backend.claims("swap"):
+            expected |= {"blocks_to_host", "blocks_from_host"}
+        assert expected <= report.kinds, f"the script never called {sorted(expected - report.kinds)}"
+        assert report.injections == 2 * len(report.storage_calls)
+        shown = "\n".join(report.failures[:5])
+        assert not report.failures, (
+            f"{len(report.failures)} of {report.injections} injected faults broke a promise:\n{shown}"
+        )
+
+    def test_soak_threads_mix_every_policy_without_a_mismatch_or_a_leak(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        report = run_soak(kvcache_backend, threads=4, operations=150)
+        assert report.errors == []
+        assert report.mismatches == []
+        assert report.leaked_blocks == 0
+        assert report.operations.get("verify", 0) > 0
+
+    def test_page_tables_are_read_only_and_range_checked(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager()
+        handle = manager.allocate(AllocationRequest("a"))
+        manager.extend(handle, 5)
+        table = manager.page_table([handle])
+        for name in ("kv_indptr", "kv_indices", "kv_last_page_len", "block_tables", "seq_lens"):
+            array = getattr(table, name)
+            assert not array.flags.writeable, f"PageTable.{name} is writeable"
+            with pytest.raises(ValueError, match="WRITEABLE"):
+                array.setflags(write=True)
+        with pytest.raises(InvalidArgumentError, match=str(2**32)):
+            type(table)(
+                table.kv_indptr,
+                table.kv_indices,
+                table.kv_last_page_len,
+                table.block_tables,
+                np.array([2**32]),
+                table.block_size,
+            )
+
+    @pytest.mark.kvcache_requires("swap")
+    def test_a_page_table_taken_before_a_swap_is_refused(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager()
+        first, second = (manager.allocate(AllocationRequest(rid)) for rid in ("a", "b"))
+        for handle in (first, second):
+            slots = manager.extend(handle, 4)
+            for layer in range(manager.config.num_layers):
+                manager.write(layer, slots, *kv_pair(manager, 4, 1.0))
+        table = manager.page_table([first, second])
+        query = decode_like(manager, 2)
+        manager.swap_out("a")
+        with pytest.raises(SwappedOutError, match="'a'"):
+            manager.paged_attention(0, query, table)
+        manager.swap_in("a")  # new blocks: the old table must not read them, nor others'
+        with pytest.raises(StalePageTableError, match="'a'"):
+            manager.paged_attention(0, query, table)
+        manager.paged_attention(0, query, manager.page_table([first, second]))
+
+    def test_a_page_table_of_a_released_request_never_reads_its_successor(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        manager = kvcache_backend.manager(kvcache_backend.config(num_blocks=4))
+        old = manager.allocate(AllocationRequest("old", initial_tokens=16))
+        slots = manager.extend(old, 16)
+        for layer in range(manager.config.num_layers):
+            manager.write(layer, slots, *kv_pair(manager, 16, 1.0))
+        table = manager.page_table([old])
+        manager.deallocate("old")
+        new = manager.allocate(AllocationRequest("new", initial_tokens=16))  # takes the same blocks
+        assert set(new.block_table().physical_blocks) == set(table.kv_indices.tolist())
+        with pytest.raises(StalePageTableError, match="'old', released since"):
+            manager.paged_attention(0, decode_like(manager, 1), table)
+
+    def test_counts_and_positions_take_numpy_integers(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager()
+        handle = manager.allocate(AllocationRequest("a"))
+        slots = manager.extend(handle, untyped(np.int64(3)))
+        assert handle.num_tokens() == 3
+        rewritten = manager.writable_slots(handle, untyped(np.int64(0)), untyped(np.int64(2)))
+        assert rewritten.tolist() == slots[:2].tolist()
+        with pytest.raises(InvalidArgumentError, match="True"):
+            manager.extend(handle, True)
+
+    @pytest.mark.kvcache_requires("prefix_caching")
+    def test_a_rewritten_cached_block_is_never_served_to_a_later_request(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        manager = kvcache_backend.manager(kvcache_backend.config(enable_prefix_caching=True))
+        block_size, layers = manager.config.block_size, manager.config.num_layers
+        prompt = tuple(range(1, 2 * block_size + 2))  # two full blocks and one token
+
+        def first_block(handle: KvCacheHandle[Any]) -> FloatArray:
+            return BackendUnderTest.host(manager, manager.gather(handle, 0)[0])[:block_size]
+
+        def rewrite_first_block(handle: KvCacheHandle[Any]) -> None:
+            slots = manager.writable_slots(handle, 0, block_size)
+            for layer in range(layers):
+                manager.write(layer, slots, *kv_pair(manager, block_size, 666.0))
+
+        writer = manager.allocate(AllocationRequest("a", prompt_token_ids=prompt))
+        slots = manager.extend(writer, len(prompt), token_ids=prompt)
+        for layer in range(layers):
+            manager.write(layer, slots, *kv_pair(manager, len(prompt), 1.0))
+        original = first_block(writer)
+        # A plain write into a cached block is refused: it is immutable.
+        with pytest.raises(SharedBlockWriteError, match="prefix cache"):
+            manager.write(0, slots[:1], *kv_pair(manager, 1, 666.0))
+        # Shared with a request that hit it: the rewrite copies; the cache keeps the original.
+        sharer = manager.allocate(AllocationRequest("b", prompt_token_ids=prompt))
+        assert sharer.num_cached_tokens() == 2 * block_size
+        rewrite_first_block(writer)
+        manager.deallocate("a")
+        hit = manager.allocate(AllocationRequest("c", prompt_token_ids=prompt))
+        assert hit.num_cached_tokens() == 2 * block_size
+        np.testing.assert_array_equal(first_block(hit), original)
+        manager.deallocate("b")
+        manager.deallocate("c")
+        # Held alone: the rewrite takes the block out of the cache before handing out slots.
+        alone = manager.allocate(AllocationRequest("d", prompt_token_ids=prompt))
+        assert alone.num_cached_tokens() == 2 * block_size
+        rewrite_first_block(alone)
+        manager.check_invariants()
+        manager.deallocate("d")
+        later = manager.allocate(AllocationRequest("e", prompt_token_ids=prompt))
+        assert later.num_cached_tokens() == 0, "a block rewritten in place was served from the prefix cache"
+        manager.check_invariants()

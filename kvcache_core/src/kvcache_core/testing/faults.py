@@ -1,0 +1,418 @@
+"""Fault injection: a storage that fails at its k-th call, and a scripted run through every
+policy that is checked after each failure.
+
+Every manager operation that calls the storage must be transactional: take, call, commit,
+or give back everything it took, whatever the storage raised. :func:`run_fault_injection`
+proves it for one backend. It runs a script (allocate, prefill, prefix hit, fork,
+copy-on-write, rewrite of a cached block, swap out and in, attention, eviction, gather,
+deallocate) once without faults to count the storage calls ``N``, then ``2 * N`` times more:
+for each ``k < N`` the ``k``-th storage call raises :class:`InjectedFaultError`, once before the
+real call and once after it (the storage did the work, then failed). After each failure
+it checks that
+
+* the exception reached the caller unchanged and the pool's records are consistent
+  (``check_invariants``);
+* every live request gathers exactly the K/V the script wrote for it (only a failed
+  ``write`` leaves its own rows unknown: a storage may fail half-way through a scatter);
+* nothing leaked: once every request is deallocated no block is in use, and ``gc`` returns
+  every cached block to the free list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.config import AllocationRequest, CacheConfig
+from kvcache_core.handle import PagedKvCacheHandle
+from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.page_table import PageTable
+from kvcache_core.protocols import KvStorage, SlotArray
+from kvcache_core.testing.backend import BackendUnderTest
+
+__all__ = ["STORAGE_CALLS", "FaultReport", "FaultyStorage", "InjectedFaultError", "run_fault_injection"]
+
+#: The storage methods the manager calls on the data path and in its policies; each call
+#: of one of them is an injection point.
+STORAGE_CALLS = ("write", "gather", "copy_blocks", "blocks_to_host", "blocks_from_host", "paged_attention")
+
+Manager = PagedKvCacheManager[Any]
+Handle = PagedKvCacheHandle[Any]
+FloatArray = npt.NDArray[np.float64]
+When = Literal["before", "after"]
+
+
+class InjectedFaultError(Exception):
+    """The failure :class:`FaultyStorage` injects (a storage's own error, not a
+    ``KvCacheError``: the manager must pass it on unchanged)."""
+
+
+class FaultyStorage:
+    """A :class:`~kvcache_core.KvStorage` wrapper whose ``fail_at``-th storage call raises.
+
+    Calls of :data:`STORAGE_CALLS` are counted from 0 in :attr:`calls`. The call numbered
+    ``fail_at`` raises :class:`InjectedFaultError` before reaching the wrapped storage
+    (``when="before"``) or after it returned (``when="after"``); every other call, and
+    every other member, goes straight through.
+    """
+
+    def __init__(self, inner: KvStorage[Any], fail_at: int | None = None, when: When = "before") -> None:
+        self._inner = inner
+        self.fail_at = fail_at
+        self.when: When = when
+        self.calls: list[str] = []
+        self.fired: str | None = None
+
+    def _call(self, name: str, call: Callable[[], Any]) -> Any:
+        index = len(self.calls)
+        self.calls.append(name)
+        armed = index == self.fail_at
+        if armed and self.when == "before":
+            self.fired = name
+            raise InjectedFaultError(f"injected before storage call {index} ({name})")
+        result = call()
+        if armed:
+            self.fired = name
+            raise InjectedFaultError(f"injected after storage call {index} ({name})")
+        return result
+
+    @property
+    def config(self) -> CacheConfig:
+        return self._inner.config
+
+    def key_cache(self, layer: int) -> Any:
+        return self._inner.key_cache(layer)
+
+    def value_cache(self, layer: int) -> Any:
+        return self._inner.value_cache(layer)
+
+    def write(self, layer: int, slots: SlotArray, keys: Any, values: Any) -> None:
+        self._call("write", lambda: self._inner.write(layer, slots, keys, values))
+
+    def gather(self, layer: int, blocks: SlotArray, num_tokens: int) -> tuple[Any, Any]:
+        result: tuple[Any, Any] = self._call("gather", lambda: self._inner.gather(layer, blocks, num_tokens))
+        return result
+
+    def copy_blocks(self, source: SlotArray, destination: SlotArray) -> None:
+        self._call("copy_blocks", lambda: self._inner.copy_blocks(source, destination))
+
+    def blocks_to_host(self, blocks: SlotArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+        result: tuple[npt.NDArray[Any], npt.NDArray[Any]] = self._call(
+            "blocks_to_host", lambda: self._inner.blocks_to_host(blocks)
+        )
+        return result
+
+    def blocks_from_host(self, blocks: SlotArray, keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> None:
+        self._call("blocks_from_host", lambda: self._inner.blocks_from_host(blocks, keys, values))
+
+    def paged_attention(
+        self,
+        layer: int,
+        query: Any,
+        page_table: PageTable,
+        qo_indptr: npt.NDArray[np.int32],
+        scale: float,
+        causal: bool,
+    ) -> Any:
+        return self._call(
+            "paged_attention", lambda: self._inner.paged_attention(layer, query, page_table, qo_indptr, scale, causal)
+        )
+
+    def array_info(self, array: object) -> tuple[tuple[int, ...], str]:
+        return self._inner.array_info(array)
+
+    def from_numpy(self, array: npt.NDArray[Any]) -> Any:
+        return self._inner.from_numpy(array)
+
+    def to_numpy(self, array: Any) -> npt.NDArray[Any]:
+        return self._inner.to_numpy(array)
+
+    def array_namespace(self) -> Any:
+        return self._inner.array_namespace()
+
+
+# -- the script ------------------------------------------------------------------------------
+
+PROMPT = tuple(range(101, 111))  # 10 tokens: two full blocks of 4 and two tokens more
+
+
+def _kv_of(key: object, heads: int, dim: int, layer: int) -> tuple[FloatArray, FloatArray]:
+    """K/V determined by ``key`` and the layer, exact in every float dtype (multiples of 1/8)."""
+    digest = hashlib.sha256(repr((key, layer)).encode()).digest()
+    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+    pair = np.round(rng.standard_normal((2, heads, dim)) * 8) / 8
+    return pair[0], pair[1]
+
+
+@dataclass
+class _Expected:
+    """What one request holds: known K/V per layer per position (unknown ones absent)."""
+
+    tokens: list[int] = field(default_factory=list[int])
+    rows: list[dict[int, tuple[FloatArray, FloatArray]]] = field(
+        default_factory=list[dict[int, tuple[FloatArray, FloatArray]]]
+    )
+
+
+@dataclass
+class _Script:
+    """Runs the script on one manager, keeping the K/V every request should hold."""
+
+    manager: Manager
+    claims: Callable[[str], bool]
+    handles: dict[str, Handle] = field(default_factory=dict[str, Handle])
+    expected: dict[str, _Expected] = field(default_factory=dict[str, _Expected])
+    versions: int = 0
+
+    @property
+    def config(self) -> CacheConfig:
+        return self.manager.config
+
+    def steps(self) -> list[tuple[str, Callable[[], None]]]:
+        """The script's steps, those of unclaimed policies left out."""
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("allocate a", lambda: self.allocate("a", PROMPT)),
+            ("prefill a", lambda: self.extend_and_write("a", len(PROMPT), PROMPT)),
+        ]
+        if self.claims("prefix_caching"):
+            steps += [
+                ("allocate b with a prefix hit", lambda: self.allocate("b", PROMPT)),
+                ("prefill the rest of b", lambda: self.extend_and_write("b", None, PROMPT)),
+            ]
+        else:
+            steps += [
+                ("allocate b", lambda: self.allocate("b", ())),
+                ("prefill b", lambda: self.extend_and_write("b", len(PROMPT), PROMPT)),
+            ]
+        if self.claims("fork"):
+            steps += [
+                ("fork a into c", lambda: self.fork("a", "c")),
+                ("extend c into a shared block (copy-on-write)", lambda: self.extend_and_write("c", 3, None)),
+                ("rewrite a's first block (shared or cached)", lambda: self.rewrite("a", 0, 4)),
+            ]
+        if self.claims("swap"):
+            steps.append(("swap b out", lambda: self.manager.swap_out("b")))
+        steps.append(("attention over the resident requests", self.attend))
+        if self.claims("swap"):
+            steps.append(("swap b in", lambda: self.manager.swap_in("b")))
+        if self.claims("fork"):
+            steps.append(("deallocate c", lambda: self.deallocate("c")))
+        if self.claims("eviction") and self.claims("prefix_caching"):
+            steps += [
+                ("allocate d over every free and cached block", self.fill_pool),
+                ("deallocate d", lambda: self.deallocate("d")),
+            ]
+        steps += [
+            ("allocate e with the prompt again", lambda: self.allocate("e", PROMPT)),
+            ("prefill the rest of e", lambda: self.extend_and_write("e", None, PROMPT)),
+            ("gather every request", self.gather_all),
+            ("deallocate a", lambda: self.deallocate("a")),
+        ]
+        return steps
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def allocate(self, request_id: str, prompt: tuple[int, ...]) -> None:
+        handle = self.manager.allocate(
+            AllocationRequest(request_id, prompt_token_ids=prompt or None, max_sequence_length=32)
+        )
+        self.handles[request_id] = handle
+        expected = _Expected(rows=[{} for _ in range(self.config.num_layers)])
+        cached = handle.num_cached_tokens()
+        for position in range(cached):  # mapped from the prefix cache: the prompt's K/V
+            for layer in range(self.config.num_layers):
+                expected.rows[layer][position] = self.prompt_kv(prompt, position, layer)
+        expected.tokens = list(prompt[:cached])
+        self.expected[request_id] = expected
+
+    def prompt_kv(self, prompt: tuple[int, ...], position: int, layer: int) -> tuple[FloatArray, FloatArray]:
+        return _kv_of(("prompt", prompt[: position + 1]), self.config.num_heads, self.config.head_dim, layer)
+
+    def extend_and_write(self, request_id: str, count: int | None, prompt: tuple[int, ...] | None) -> None:
+        handle = self.handles[request_id]
+        start = handle.num_tokens()
+        if count is None:
+            count = len(prompt or ()) - start
+        ids = list(prompt[start : start + count]) if prompt is not None else None
+        slots = self.manager.extend(handle, count, token_ids=ids)
+        self.expected[request_id].tokens.extend(ids or [])
+        self.write(request_id, slots, start, prompt)
+
+    def write(self, request_id: str, slots: SlotArray, start: int, prompt: tuple[int, ...] | None) -> None:
+        heads, dim = self.config.num_heads, self.config.head_dim
+        count = int(slots.shape[0])
+        self.versions += 1
+        for layer in range(self.config.num_layers):
+            pairs = [
+                self.prompt_kv(prompt, start + row, layer)
+                if prompt is not None
+                else _kv_of(("noise", request_id, start + row, self.versions), heads, dim, layer)
+                for row in range(count)
+            ]
+            keys = np.stack([pair[0] for pair in pairs]) if pairs else np.zeros((0, heads, dim))
+            values = np.stack([pair[1] for pair in pairs]) if pairs else np.zeros((0, heads, dim))
+            rows = self.expected[request_id].rows[layer]
+            for row in range(count):
+                rows.pop(start + row, None)  # unknown until the write returns
+            self.manager.write(
+                layer, slots, BackendUnderTest.native(self.manager, keys), BackendUnderTest.native(self.manager, values)
+            )
+            for row in range(count):
+                rows[start + row] = (keys[row], values[row])
+
+    def fork(self, parent: str, child: str) -> None:
+        self.handles[child] = self.manager.fork(self.handles[parent], child)
+        source = self.expected[parent]
+        self.expected[child] = _Expected(list(source.tokens), [dict(rows) for rows in source.rows])
+
+    def rewrite(self, request_id: str, start: int, stop: int) -> None:
+        slots = self.manager.writable_slots(self.handles[request_id], start, stop)
+        self.write(request_id, slots, start, None)  # new K/V: a cached copy must not change
+
+    def attend(self) -> None:
+        handles = [h for h in self.handles.values() if not h.is_swapped_out()]
+        heads, dim = self.config.num_heads, self.config.head_dim
+        query = BackendUnderTest.native(self.manager, np.ones((len(handles), heads, dim)) / 8)
+        self.manager.paged_attention(0, query, self.manager.page_table(handles))
+
+    def fill_pool(self) -> None:
+        stats = self.manager.stats()
+        blocks = stats.free_blocks + stats.cached_blocks
+        self.handles["d"] = self.manager.allocate(
+            AllocationRequest("d", initial_tokens=blocks * self.config.block_size)
+        )
+        self.expected["d"] = _Expected(rows=[{} for _ in range(self.config.num_layers)])
+
+    def gather_all(self) -> None:
+        for handle in list(self.handles.values()):
+            if not handle.is_swapped_out():
+                for layer in range(self.config.num_layers):
+                    self.manager.gather(handle, layer)
+
+    def deallocate(self, request_id: str) -> None:
+        self.manager.deallocate(request_id)
+        del self.handles[request_id]
+        del self.expected[request_id]
+
+    # -- checks ------------------------------------------------------------------------------
+
+    def mismatches(self) -> list[str]:
+        """Every live request's known K/V that the pool does not hold bit for bit."""
+        problems: list[str] = []
+        for request_id, handle in self.handles.items():
+            if handle.is_swapped_out():
+                continue
+            low = handle.block_table().first_logical * self.config.block_size
+            for layer in range(self.config.num_layers):
+                keys, values = self.manager.gather(handle, layer)
+                host_keys = BackendUnderTest.host(self.manager, keys)
+                host_values = BackendUnderTest.host(self.manager, values)
+                for position, (key, value) in sorted(self.expected[request_id].rows[layer].items()):
+                    if position < low or position >= handle.num_tokens():
+                        continue
+                    row = position - low
+                    if not (np.array_equal(host_keys[row], key) and np.array_equal(host_values[row], value)):
+                        problems.append(f"request {request_id!r} layer {layer} position {position} changed")
+        return problems
+
+
+@dataclass(frozen=True)
+class FaultReport:
+    """What :func:`run_fault_injection` covered.
+
+    Attributes:
+        storage_calls: the storage calls of the script, in order (each one an injection
+            point, injected before and after the call).
+        injections: the runs with a fault injected (``2 * len(storage_calls)``).
+        failures: one line per broken promise (empty when the backend passes).
+    """
+
+    storage_calls: tuple[str, ...]
+    injections: int
+    failures: tuple[str, ...]
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """The storage methods the script called."""
+        return frozenset(self.storage_calls)
+
+
+def _faulty_manager(backend: BackendUnderTest, config: CacheConfig, fail_at: int | None, when: When) -> Manager:
+    inner = backend.manager(config).storage
+    storage = FaultyStorage(inner, fail_at, when)
+    factory = backend.spec.manager_factory
+    if factory is not None:
+        manager: Manager = factory(storage, backend=backend.name, placement="contiguous")
+        return manager
+    return PagedKvCacheManager(storage, backend=backend.name)
+
+
+def _check_run(script: _Script, label: str, failures: list[str]) -> None:
+    manager = script.manager
+    try:
+        manager.check_invariants()
+    except AssertionError as exc:
+        failures.append(f"{label}: invariants broken: {exc}")
+        return
+    failures.extend(f"{label}: {problem}" for problem in script.mismatches())
+    for request_id in list(script.handles):
+        script.deallocate(request_id)
+    manager.gc()
+    stats = manager.stats()
+    if stats.used_blocks or stats.free_blocks != stats.total_blocks:
+        failures.append(
+            f"{label}: after deallocating everything and gc, {stats.used_blocks} blocks are in use and "
+            f"{stats.free_blocks} of {stats.total_blocks} free: blocks leaked"
+        )
+    try:
+        manager.check_invariants()
+    except AssertionError as exc:
+        failures.append(f"{label}: invariants broken after cleanup: {exc}")
+
+
+def run_fault_injection(backend: BackendUnderTest) -> FaultReport:
+    """Run the script once per storage call and per side (before/after), failing that call.
+
+    Returns:
+        The calls covered and every failure found (see the module docstring).
+    """
+    fields: dict[str, Any] = {"num_blocks": 14, "block_size": 4}
+    if backend.claims("prefix_caching"):
+        fields["enable_prefix_caching"] = True
+    config = backend.config(**fields)
+    failures: list[str] = []
+
+    clean = _Script(_faulty_manager(backend, config, None, "before"), backend.claims)
+    for _, step in clean.steps():
+        step()
+    storage = clean.manager.storage
+    assert isinstance(storage, FaultyStorage)
+    calls = tuple(storage.calls)
+    _check_run(clean, "without a fault", failures)
+
+    injections = 0
+    for fail_at in range(len(calls)):
+        for when in ("before", "after"):
+            manager = _faulty_manager(backend, config, fail_at, when)
+            script = _Script(manager, backend.claims)
+            faulty = manager.storage
+            assert isinstance(faulty, FaultyStorage)
+            label = f"fault {when} storage call {fail_at} ({calls[fail_at]})"
+            for name, step in script.steps():
+                try:
+                    step()
+                except InjectedFaultError:
+                    label = f"{label} in step {name!r}"
+                    break
+            injections += 1
+            if faulty.fired is None:
+                failures.append(f"{label}: the script made fewer storage calls than without a fault")
+                continue
+            faulty.fail_at = None
+            _check_run(script, label, failures)
+    return FaultReport(calls, injections, tuple(failures))
