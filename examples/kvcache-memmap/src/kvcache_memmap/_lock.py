@@ -88,9 +88,14 @@ def acquire_lock(lock_path: str, *, pool_path: str, follow_symlinks: bool) -> Po
             os.close(fd)
             raise path_error(exc, lock_path, what="the lock file of the pool") from exc
         if _names_same_file(lock_path, fd, follow_symlinks=follow_symlinks):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            return PoolLock(fd=fd, path=lock_path)
+            lock = PoolLock(fd=fd, path=lock_path)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError as exc:
+                lock.release()
+                raise path_error(exc, lock_path, what="the lock file of the pool") from exc
+            return lock
         os.close(fd)  # the holder removed this file as it released it: lock the new one
     raise PoolLockedError(
         f"the lock file {lock_path!r} of the kvcache pool at {pool_path!r} was replaced {_ATTEMPTS} times "
