@@ -24,7 +24,7 @@ def test_a_reopened_pool_holds_what_was_written(tmp_path: Path) -> None:
     table = handle.block_table().to_dict()
     storage = manager.storage
     assert isinstance(storage, MemmapStorage)
-    storage.flush()
+    storage.close()  # flushes, and releases the path's lock for the next opener
     del manager, handle, storage
 
     reopened = MemmapStorage(CONFIG, path=path, mode="r+")

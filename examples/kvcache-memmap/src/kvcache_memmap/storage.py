@@ -15,8 +15,11 @@ from typing import Any, Literal
 import numpy as np
 
 from kvcache_core import BackendSpec, CacheConfig, hookimpl
-from kvcache_core.errors import InvalidArgumentError, InvalidConfigError
+from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError
 from kvcache_core.numpy_backend import POLICY_CAPABILITIES, NumpyArray, NumpyStorage
+from kvcache_memmap._lock import PoolLock, acquire_lock
+from kvcache_memmap._paths import PoolPaths, check_file, create_file, path_error, read_small_file, resolve_paths
+from kvcache_memmap.errors import PoolPathNotFoundError
 
 __all__ = ["MemmapStorage", "kvcache_register_backends"]
 
@@ -25,79 +28,229 @@ Mode = Literal["w+", "r+"]
 #: Geometry a reopened file must match (the sidecar ``<path>.json`` records it).
 _GEOMETRY_FIELDS = ("num_layers", "num_heads", "head_dim", "num_blocks", "block_size", "dtype", "kv_layout")
 
+#: A sidecar records seven short fields; anything much larger is not one.
+_SIDECAR_LIMIT_BYTES = 64 * 1024
+
 
 def _geometry(config: CacheConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in _GEOMETRY_FIELDS}
 
 
-def _remove_file(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
 class MemmapStorage(NumpyStorage):
     """A kvcache pool in a memory-mapped file.
+
+    While the storage is live it holds an exclusive lock on ``<path>.lock``
+    (``fcntl.flock``, recording its pid there): a second storage on the same path, in this
+    process or another, is refused instead of overwriting the pool under the first.
+    :meth:`close` (or the storage's garbage collection) releases it.
+
+    A new pool is written to a temporary file beside ``path`` and moved over it
+    (``os.replace``) only once every check has passed: an existing pool is never truncated
+    or zeroed by an open that fails, and a process still mapping the old file keeps it.
 
     Args:
         config: the pool's configuration (device ``cpu``).
         path: the pool file; ``None`` makes a temporary file, deleted when the storage is
-            garbage-collected. A ``<path>.json`` sidecar records the geometry.
-        mode: ``"w+"`` creates (or truncates) the file; ``"r+"`` reopens an existing
-            pool, whose geometry must equal ``config``'s.
+            closed or garbage-collected. A ``<path>.json`` sidecar records the geometry.
+        mode: ``"w+"`` creates the pool (replacing one already at ``path``, zeroed);
+            ``"r+"`` reopens an existing pool, whose geometry must equal ``config``'s.
+        follow_symlinks: use the targets of symbolic links at ``path`` and at its
+            sidecar and lock paths; by default such a link is refused, so an open
+            never writes through a link into a file elsewhere.
 
     Raises:
-        InvalidArgumentError: a bad ``mode`` or ``path``; ``"r+"`` of a missing file.
-        InvalidConfigError: ``"r+"`` of a pool built for another geometry.
+        InvalidArgumentError: a bad ``mode`` or ``path``.
+        InvalidTypeError: ``follow_symlinks`` is not a bool.
+        PoolLockedError: another live storage holds ``path`` (the message names its pid).
+        PoolPathIsADirectoryError: ``path`` or its sidecar is a directory.
+        PoolPathNotFoundError: the directory of ``path`` does not exist; ``"r+"`` of a
+            missing pool or sidecar.
+        PoolPathError: a symbolic link without ``follow_symlinks``, something that is not
+            a regular file, or another operating-system error on one of the pool's files.
+        InvalidConfigError: ``"r+"`` of a pool built for another geometry, of a pool file
+            of the wrong size, or of a sidecar that is not a small JSON object.
     """
 
-    def __init__(self, config: CacheConfig, *, path: str | os.PathLike[str] | None = None, mode: Mode = "w+") -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        mode: Mode = "w+",
+        follow_symlinks: bool = False,
+    ) -> None:
         if mode not in ("w+", "r+"):
             raise InvalidArgumentError(f"mode must be 'w+' (create) or 'r+' (reopen), got {mode!r}")
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise InvalidArgumentError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        if not isinstance(follow_symlinks, bool):
+            raise InvalidTypeError(f"follow_symlinks must be a bool, got {type(follow_symlinks).__name__}")
         temporary = path is None
         if path is None:
             if mode == "r+":
                 raise InvalidArgumentError("mode 'r+' reopens an existing pool: give its path")
-            handle, name = tempfile.mkstemp(prefix="kvcache-", suffix=".kv")
+            handle, path_text = tempfile.mkstemp(prefix="kvcache-", suffix=".kv")
             os.close(handle)
-            path = name
-        file = Path(path)
-        sidecar = file.with_name(file.name + ".json")
-        shape = self.pool_shape(config)
-        if mode == "r+":
-            if not file.exists() or not sidecar.exists():
-                raise InvalidArgumentError(f"no kvcache pool at {str(file)!r} (or its .json sidecar) to reopen")
-            try:
-                recorded = json.loads(sidecar.read_text())
-            except ValueError as exc:
-                raise InvalidConfigError(f"the sidecar {str(sidecar)!r} of the pool is not valid JSON: {exc}") from exc
-            if recorded != _geometry(config):
-                raise InvalidConfigError(f"the pool at {str(file)!r} was built for {recorded}, not {_geometry(config)}")
-            expected = math.prod(shape) * np.dtype(config.dtype).itemsize
-            if file.stat().st_size != expected:
-                raise InvalidConfigError(
-                    f"the pool at {str(file)!r} holds {file.stat().st_size} bytes, its geometry needs {expected}"
-                )
-        pool: NumpyArray = np.memmap(file, dtype=np.dtype(config.dtype), mode=mode, shape=shape)
-        if mode == "w+":
-            sidecar.write_text(json.dumps(_geometry(config)))
-        super().__init__(config, pool=pool)
-        self._path = file
-        if temporary:
-            weakref.finalize(self, _remove_file, str(file))
-            weakref.finalize(self, _remove_file, str(sidecar))
+        else:
+            path_text = os.fsdecode(os.fspath(path))
+            if "\0" in path_text:
+                raise InvalidArgumentError(f"path must not contain a NUL character, got {path_text!r}")
+        try:
+            paths = resolve_paths(path_text, follow_symlinks=follow_symlinks)
+            lock = acquire_lock(paths.lock, pool_path=paths.pool, follow_symlinks=follow_symlinks)
+        except BaseException:
+            if temporary:
+                _remove_files(os.getpid(), (path_text,))
+            raise
+        owned = (paths.pool, paths.sidecar) if temporary else ()
+        try:
+            if mode == "w+":
+                pool = _create_pool(paths, config, follow_symlinks=follow_symlinks)
+            else:
+                pool = _reopen_pool(paths, config, follow_symlinks=follow_symlinks)
+            super().__init__(config, pool=pool)
+        except BaseException:
+            _release(lock, owned)
+            raise
+        self._path = Path(paths.pool)
+        self._temporary = temporary
+        # The fallback for a storage dropped without close(): it must not refer to self.
+        self._finalizer = weakref.finalize(self, _release, lock, owned)
 
     @property
     def path(self) -> Path:
-        """The pool file."""
+        """The pool file (absolute; the link's target when following symbolic links)."""
         return self._path
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` released the pool's files."""
+        return not self._finalizer.alive
 
     def flush(self) -> None:
         """Write dirty pages of the pool to the file."""
         pool = self.pool
         if isinstance(pool, np.memmap):
             pool.flush()
+
+    def close(self) -> None:
+        """Flush the pool and release its lock, so its path can be opened again.
+
+        Idempotent. A temporary pool's files are deleted. Arrays taken from the storage
+        stay readable (the mapping lives as long as they do), but the file is no longer
+        protected: write nothing more through this storage.
+        """
+        if not self._finalizer.alive:
+            return
+        if not self._temporary:
+            self.flush()
+        self._finalizer()
+
+
+def _create_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool) -> NumpyArray:
+    """A zeroed pool file and its sidecar, moved into place once both are complete."""
+    pool_status = check_file(paths.pool, what="the pool file", follow_symlinks=follow_symlinks)
+    sidecar_status = check_file(paths.sidecar, what="the sidecar of the pool", follow_symlinks=follow_symlinks)
+    shape = MemmapStorage.pool_shape(config)
+    size_bytes = math.prod(shape) * np.dtype(config.dtype).itemsize
+    created: list[str] = []
+    try:
+        pool_fd, pool_temporary = create_file(paths.directory, os.path.basename(paths.pool), mode_of=pool_status)
+        created.append(pool_temporary)
+        try:
+            os.ftruncate(pool_fd, size_bytes)  # sparse: the zeros cost no disk until written
+            pool = _map(pool_fd, config, shape)
+        except OSError as exc:
+            raise path_error(exc, pool_temporary, what="the new pool file") from exc
+        finally:
+            os.close(pool_fd)
+        sidecar_fd, sidecar_temporary = create_file(
+            paths.directory, os.path.basename(paths.sidecar), mode_of=sidecar_status
+        )
+        created.append(sidecar_temporary)
+        try:
+            with os.fdopen(sidecar_fd, "wb", closefd=False) as sidecar:
+                sidecar.write(json.dumps(_geometry(config)).encode())
+        except OSError as exc:
+            raise path_error(exc, sidecar_temporary, what="the new sidecar") from exc
+        finally:
+            os.close(sidecar_fd)
+        for temporary, final in ((pool_temporary, paths.pool), (sidecar_temporary, paths.sidecar)):
+            try:
+                os.replace(temporary, final)
+            except OSError as exc:
+                raise path_error(exc, final, what="the pool's file") from exc
+            created.remove(temporary)
+    except BaseException:
+        _remove_files(os.getpid(), created)
+        raise
+    return pool
+
+
+def _reopen_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool) -> NumpyArray:
+    """The existing pool at ``paths``, after its sidecar and size match ``config``."""
+    pool_status = check_file(paths.pool, what="the pool file", follow_symlinks=follow_symlinks)
+    sidecar_status = check_file(paths.sidecar, what="the sidecar of the pool", follow_symlinks=follow_symlinks)
+    if pool_status is None or sidecar_status is None:
+        missing = paths.pool if pool_status is None else paths.sidecar
+        raise PoolPathNotFoundError(
+            f"no kvcache pool at {paths.pool!r} (or its .json sidecar) to reopen: {missing!r} does not exist; "
+            "create the pool with mode='w+'",
+            path=missing,
+        )
+    data = read_small_file(
+        paths.sidecar, limit_bytes=_SIDECAR_LIMIT_BYTES, what="the sidecar of the pool", follow_symlinks=follow_symlinks
+    )
+    if data is None:
+        raise InvalidConfigError(
+            f"the sidecar {paths.sidecar!r} of the pool holds more than {_SIDECAR_LIMIT_BYTES} bytes: "
+            "it is not a kvcache sidecar"
+        )
+    try:
+        recorded = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested too deep
+        raise InvalidConfigError(f"the sidecar {paths.sidecar!r} of the pool is not valid JSON: {exc}") from exc
+    if recorded != _geometry(config):
+        raise InvalidConfigError(f"the pool at {paths.pool!r} was built for {recorded}, not {_geometry(config)}")
+    shape = MemmapStorage.pool_shape(config)
+    expected_bytes = math.prod(shape) * np.dtype(config.dtype).itemsize
+    flags = os.O_RDWR | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        pool_fd = os.open(paths.pool, flags)
+    except OSError as exc:
+        raise path_error(exc, paths.pool, what="the pool file") from exc
+    try:
+        size_bytes = os.fstat(pool_fd).st_size
+        if size_bytes != expected_bytes:
+            raise InvalidConfigError(
+                f"the pool at {paths.pool!r} holds {size_bytes} bytes, its geometry needs {expected_bytes}"
+            )
+        return _map(pool_fd, config, shape)
+    except OSError as exc:
+        raise path_error(exc, paths.pool, what="the pool file") from exc
+    finally:
+        os.close(pool_fd)
+
+
+def _map(fd: int, config: CacheConfig, shape: tuple[int, ...]) -> NumpyArray:
+    """Map the whole of the open file ``fd`` (already of the pool's size) read-write."""
+    with os.fdopen(fd, "r+b", closefd=False) as file:
+        pool: NumpyArray = np.memmap(file, dtype=np.dtype(config.dtype), mode="r+", shape=shape)
+    return pool
+
+
+def _release(lock: PoolLock, owned: tuple[str, ...]) -> None:
+    """Delete a temporary pool's files, then release its lock."""
+    _remove_files(lock.owner_pid, owned)
+    lock.release()
+
+
+def _remove_files(owner_pid: int, paths: tuple[str, ...] | list[str]) -> None:
+    if os.getpid() != owner_pid:  # a forked child does not own its parent's files
+        return
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 @hookimpl
@@ -106,6 +259,8 @@ def kvcache_register_backends() -> Iterator[BackendSpec]:
     yield BackendSpec(
         name="memmap",
         storage_factory=MemmapStorage,
+        is_available=lambda: os.name == "posix",
+        unavailable_reason=lambda: "the memmap backend locks its files with fcntl.flock, which needs a POSIX system",
         devices=("cpu",),
         dtypes=("float16", "float32"),
         kv_layouts=("NHD", "HND", "heads_first"),
