@@ -210,3 +210,38 @@ def test_the_placement_policy_is_chosen_at_creation() -> None:
     config = CacheConfig(num_layers=1, num_heads=1, head_dim=2, num_blocks=4)
     assert create_manager("numpy", config).allocator.placement == "contiguous"
     assert create_manager("numpy", config, placement="fifo").allocator.placement == "fifo"
+
+
+EXIT_PLUGIN = "import sys\nsys.exit(3)\n"
+
+WRONG_FACTORY_PLUGIN = """
+from kvcache_core import BackendSpec, hookimpl
+
+@hookimpl
+def kvcache_register_backends():
+    yield BackendSpec(name="wrongtype", storage_factory=lambda config: 42, dtypes=("float32",))
+    yield BackendSpec(name="notcallable", storage_factory=42, dtypes=("float32",))
+"""
+
+
+def test_a_plugin_that_calls_sys_exit_on_import_warns_and_hides_nothing(
+    plugin_dir: Path, add_distribution: AddDistribution
+) -> None:
+    add_distribution(plugin_dir, "kvtest-exit", "0.2", "exiting", "kvtest_exit", EXIT_PLUGIN)
+    refresh_backends()
+    with pytest.warns(KvCachePluginWarning, match=r"'exiting' from distribution kvtest-exit 0\.2.*SystemExit"):
+        names = [info.name for info in installed_backends()]
+    assert "exiting" not in names
+    assert create_manager("numpy", CacheConfig(num_layers=1, num_heads=1, head_dim=2, num_blocks=2)).backend == "numpy"
+
+
+def test_a_storage_factory_of_the_wrong_type_is_named_as_broken(
+    plugin_dir: Path, add_distribution: AddDistribution
+) -> None:
+    add_distribution(plugin_dir, "kvtest-wrong", "0.1", "wrong", "kvtest_wrong", WRONG_FACTORY_PLUGIN)
+    refresh_backends()
+    config = CacheConfig(num_layers=1, num_heads=1, head_dim=2, num_blocks=2)
+    with pytest.raises(BackendUnavailableError, match=r"'wrongtype' is broken.*returned int.*lacks.*'write'"):
+        create_manager("wrongtype", config)
+    with pytest.raises(BackendUnavailableError, match=r"'notcallable' is broken.*not callable"):
+        create_manager("notcallable", config)
