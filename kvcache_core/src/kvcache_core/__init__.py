@@ -52,6 +52,7 @@ from kvcache_core.errors import (
     SharedBlockWriteError,
     SlotError,
     StalePageTableError,
+    StaleStepError,
     SwappedOutError,
     UnknownRequestError,
     UnsupportedConfigError,
@@ -63,6 +64,7 @@ from kvcache_core.page_table import PageTable
 from kvcache_core.prefix import BlockEvictor, PrefixCache, hash_block
 from kvcache_core.protocols import KvCacheHandle, KvCacheManager, KvStorage
 from kvcache_core.stats import CacheGcStats, CacheHandleStats, CacheManagerStats, MemoryPressure
+from kvcache_core.step import Step
 
 try:
     __version__ = version("kvcache-core")
@@ -118,6 +120,8 @@ __all__ = [
     "SharedBlockWriteError",
     "SlotError",
     "StalePageTableError",
+    "Step",
+    "StaleStepError",
     "SwappedOutError",
     "UnknownRequestError",
     "UnsupportedConfigError",

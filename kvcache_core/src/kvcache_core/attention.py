@@ -26,7 +26,7 @@ from kvcache_core.config import KV_LAYOUTS
 from kvcache_core.errors import InvalidArgumentError, ShapeMismatchError
 from kvcache_core.page_table import PageTable
 
-__all__ = ["decode_indptr", "paged_attention", "validate_query_indptr"]
+__all__ = ["check_scale", "decode_indptr", "paged_attention", "validate_query_indptr"]
 
 FloatArray = npt.NDArray[np.floating[Any]]
 IntArray = npt.NDArray[np.int64]
@@ -57,6 +57,23 @@ class _Run(NamedTuple):
 def decode_indptr(batch_size: int) -> npt.NDArray[np.int32]:
     """``qo_indptr`` of a decode step: one query token per request."""
     return np.arange(batch_size + 1, dtype=np.int32)
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    """The attention score scale: ``1 / sqrt(head_dim)`` for ``None``, else ``scale`` if it
+    is a finite real number > 0.
+
+    Raises:
+        InvalidArgumentError: anything else.
+    """
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise InvalidArgumentError(f"scale must be a finite number > 0, got {scale!r}")
+    value = float(scale)
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidArgumentError(f"scale must be a finite number > 0, got {scale!r}")
+    return value
 
 
 def validate_query_indptr(qo_indptr: object, page_table: PageTable, total_queries: int) -> npt.NDArray[np.int32]:

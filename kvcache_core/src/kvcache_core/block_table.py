@@ -177,6 +177,29 @@ class BlockTable:
             )
         self._sequence_length = new_length
 
+    def truncate(self, length: int) -> list[int]:
+        """Shorten the sequence to ``length`` tokens and drop the blocks wholly past it
+        (reserved ones included).
+
+        Returns:
+            The dropped physical blocks, in logical order.
+
+        Raises:
+            InvalidArgumentError: not ``first_logical * block_size <= length <=
+                sequence_length``; the table is unchanged.
+        """
+        low = self._first_logical * self._block_size
+        if not _is_count(length) or not low <= int(length) <= self._sequence_length:
+            raise InvalidArgumentError(
+                f"length must be an int in [{low}, {self._sequence_length}] (the held positions), got {length!r}"
+            )
+        keep = max(0, -(-int(length) // self._block_size) - self._first_logical)
+        dropped = self._physical_blocks[keep:]
+        del self._physical_blocks[keep:]
+        del self._logical_to_physical[self._first_logical + keep :]
+        self._sequence_length = int(length)
+        return dropped
+
     def release_leading(self, count: int) -> list[int]:
         """Release the first ``count`` held blocks (a sliding window has passed them).
 

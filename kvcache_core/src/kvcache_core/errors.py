@@ -34,6 +34,7 @@ __all__ = [
     "SharedBlockWriteError",
     "SlotError",
     "StalePageTableError",
+    "StaleStepError",
     "SwappedOutError",
     "UnknownRequestError",
     "UnsupportedConfigError",
@@ -91,6 +92,12 @@ class StalePageTableError(SlotError):
     """A page table taken before one of its requests was released, swapped, re-planned
     or had a block replaced (copy-on-write, window release): its blocks may belong to
     another request now. Take a new page table from the manager."""
+
+
+class StaleStepError(KvCacheError, RuntimeError):
+    """A step used after one of its requests was released, swapped out, truncated,
+    forked or planned again (``extend``, another ``begin_step``): its slots and page table
+    may name blocks that are no longer the request's. Plan a new step."""
 
 
 class UnknownRequestError(KvCacheError, LookupError):

@@ -84,6 +84,7 @@ class RequestState(Generic[ArrayT]):
         "lock",
         "max_sequence_length",
         "owner",
+        "plan",
         "priority",
         "request_id",
         "salt",
@@ -128,6 +129,9 @@ class RequestState(Generic[ArrayT]):
         # Changes whenever a block the request held stops being its own (release, swap,
         # copy-on-write, window release): page tables taken before are refused.
         self.generation = next_generation()
+        # Counts changes of length and sharing (extend, truncate, fork): a step planned
+        # before one is refused.
+        self.plan = 0
 
     def touch(self) -> None:
         """Record an access now."""

@@ -27,20 +27,18 @@ changes state, so a call that raises leaves every table and count as it was.
 
 from __future__ import annotations
 
-import math
-import numbers
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, NamedTuple, TypeGuard, TypeVar
+from typing import Any, Generic, NamedTuple, TypeGuard, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.allocator import BlockAllocator, Placement
-from kvcache_core.attention import validate_query_indptr
+from kvcache_core.attention import check_scale, validate_query_indptr
 from kvcache_core.block_table import BlockTable
 from kvcache_core.config import AllocationRequest, CacheConfig, check_count, check_token_ids
 from kvcache_core.errors import (
@@ -58,6 +56,7 @@ from kvcache_core.errors import (
     SharedBlockWriteError,
     SlotError,
     StalePageTableError,
+    StaleStepError,
     SwappedOutError,
     UnknownRequestError,
 )
@@ -66,6 +65,7 @@ from kvcache_core.page_table import PageTable
 from kvcache_core.prefix import PrefixCache, PrefixEntry, same_prefix
 from kvcache_core.protocols import KvCacheHandle, KvStorage, SlotArray, SlotsLike
 from kvcache_core.stats import CacheGcStats, CacheManagerStats, MemoryPressure
+from kvcache_core.step import Step, StepHooks
 
 __all__ = ["InvariantError", "PagedKvCacheManager"]
 
@@ -93,6 +93,21 @@ class _AllocationPlan(NamedTuple):
     released: int  # leading hit blocks a sliding window leaves unmapped
     new_blocks: int  # blocks to take from the pool
     revived: int  # mapped hit blocks that are cached now (not free, not in use)
+
+
+class _GrowthPlan(NamedTuple):
+    """What growing a request by ``tokens`` tokens takes, worked out without changing anything."""
+
+    tokens: int
+    new_ids: tuple[int, ...]  # token ids not known before
+    released: int  # leading blocks the sliding window releases
+    freed: int  # of those, blocks nobody else holds (they return to the pool)
+    copies: list[int]  # shared logical blocks the new positions fall in (copy-on-write)
+    missing: int  # new blocks to take
+
+    @property
+    def needed(self) -> int:
+        return self.missing + len(self.copies)
 
 
 class PagedKvCacheManager(Generic[ArrayT]):
@@ -318,60 +333,15 @@ class PagedKvCacheManager(Generic[ArrayT]):
             )
         with self._lock:
             state = self._state_of(handle)
-            table = state.table
-            old_length = table.sequence_length
-            new_length = old_length + additional_tokens
-            if state.max_sequence_length is not None and new_length > state.max_sequence_length:
-                raise SequenceTooLongError(
-                    f"request {state.request_id!r} would grow to {new_length} tokens, past its "
-                    f"max_sequence_length of {state.max_sequence_length}"
-                )
-            new_ids = self._new_token_ids(state, ids, old_length) if ids is not None else ()
-            block_size = self._config.block_size
-            first, held = table.first_logical, table.num_blocks()
-            released = freed = 0
-            if additional_tokens and self._config.sliding_window is not None:
-                released = self._window_release(table, old_length)
-                freed = sum(1 for block in table.physical_blocks[:released] if self._allocator.ref_count(block) == 1)
-            copies = self._shared_blocks(table, old_length, new_length)
-            missing = max(0, _blocks_for(new_length, block_size) - first - held)
-            needed = missing + len(copies)
-            spare = self._allocator.free_block_count() + self._allocator.cached_block_count()
-            if needed and needed > spare + freed:
+            plan = self._plan_growth(state, additional_tokens, ids)
+            if plan.needed > self._allocator.free_block_count() + self._allocator.cached_block_count() + plan.freed:
                 self._allocation_failures += 1
-                copied = f" ({len(copies)} to copy shared blocks)" if copies else ""
+                copied = f" ({len(plan.copies)} to copy shared blocks)" if plan.copies else ""
                 raise OutOfBlocksError(
                     f"cannot extend request {state.request_id!r} by {additional_tokens} tokens: "
-                    f"{needed} more blocks needed{copied}, {self._free_note()}"
+                    f"{plan.needed} more blocks needed{copied}, {self._free_note()}"
                 )
-            # The copies are the only storage call: made first, so that a storage failure
-            # leaves the request as it was (unless they need the blocks the window frees).
-            copy_first = len(copies) <= spare
-            if copy_first:
-                self._copy_on_write(state, copies)
-            if released:
-                self._advance_chain(state)  # hash what is ready before the window releases it
-                self._release_leading(state, released)
-            if not copy_first:
-                self._copy_on_write(state, copies)
-            if missing:
-                logical_now = table.first_logical + table.num_blocks()
-                last = table.physical_blocks[-1] if table.num_blocks() else None
-                table.add_blocks(
-                    self._take_blocks(
-                        missing,
-                        last if last is not None and self._allocator.ref_count(last) == 1 else None,
-                        self._expected_blocks(state.max_sequence_length, logical_now),
-                        f"cannot extend request {state.request_id!r} by {additional_tokens} tokens",
-                    )
-                )
-            slots = table.slots(old_length, new_length)
-            table.extend_sequence(additional_tokens)
-            self._issued[slots] = True
-            if new_ids:
-                state.token_ids.extend(new_ids)
-            self._advance_chain(state)
-            state.touch()
+            slots = self._grow(state, plan)
             self._update_pressure()
             return slots
 
@@ -417,6 +387,40 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 self._update_pressure()
             state.touch()
             return table.slots(first, last)
+
+    def truncate(self, handle: KvCacheHandle[ArrayT], num_tokens: int) -> None:
+        """Shorten the request to its first ``num_tokens`` tokens (speculative-decoding
+        rollback, transformers' ``crop``).
+
+        Blocks wholly past the new end are released at once (reserved ones too): a block
+        holding a cached prefix stays cached, a shared one stays with its other holders.
+        The block the new end falls in keeps its first tokens; if it was registered in
+        the prefix cache and the request holds it alone it leaves the cache (the request
+        will write new tokens into it), and if it is shared the next ``extend`` copies it.
+        The request's hash chain and token ids are cut to the new length. Page tables and
+        steps taken before are refused afterwards.
+
+        Raises:
+            InvalidArgumentError: not ``first_held <= num_tokens <= num_tokens()``
+                (``first_held`` is 0 unless a sliding window released leading blocks).
+            InvalidHandleError, SwappedOutError, ForeignHandleError: as :meth:`extend`.
+        """
+        with self._lock:
+            state = self._state_of(handle)
+            table = state.table
+            low = table.first_logical * self._config.block_size
+            try:
+                length = check_count(num_tokens, "num_tokens")
+            except InvalidArgumentError:
+                length = -1
+            if not low <= length <= table.sequence_length:
+                raise InvalidArgumentError(
+                    f"num_tokens {num_tokens!r} is outside the held positions [{low}, {table.sequence_length}] "
+                    f"of request {state.request_id!r}"
+                )
+            self._truncate_state(state, length)
+            state.touch()
+            self._update_pressure()
 
     def fork(self, handle: KvCacheHandle[ArrayT], new_request_id: str) -> PagedKvCacheHandle[ArrayT]:
         """A new request that shares every block holding the request's tokens.
@@ -464,6 +468,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
             if parent.awaiting_block is not None and parent.awaiting_block in shared:
                 self._set_awaiting(child, parent.awaiting_block)
             self._requests[new_request_id] = child
+            self._replanned(parent)  # its blocks are shared now: a step planned before is stale
             parent.touch()
             return PagedKvCacheHandle(child)
 
@@ -605,6 +610,96 @@ class PagedKvCacheManager(Generic[ArrayT]):
 
     # -- data path ---------------------------------------------------------------------
 
+    def begin_step(
+        self,
+        handles: Sequence[KvCacheHandle[ArrayT]],
+        new_tokens: Sequence[int] | int,
+        *,
+        token_ids: Sequence[Sequence[int] | None] | None = None,
+    ) -> Step[ArrayT]:
+        """Plan one forward pass: grow every request of the batch, once, with every check.
+
+        Each request grows by its count of new tokens exactly as :meth:`extend` does
+        (copy-on-write of shared blocks, sliding-window release, reserved blocks); the
+        step then holds the new tokens' slots, the batch's page table after the growth
+        and the query offsets. Its per-layer :meth:`Step.write` and
+        :meth:`Step.attention` check only the layer's arrays.
+
+        Args:
+            handles: the batch's requests, each once.
+            new_tokens: tokens each request adds (``[B]``), or one count for all; 0 is
+                allowed (a request that only attends).
+            token_ids: for prefix caching, each request's new token ids (or ``None``),
+                as :meth:`extend` takes them.
+
+        Returns:
+            The step. It is refused (:class:`~kvcache_core.errors.StaleStepError`) once
+            one of its requests is released, swapped out, truncated, forked, extended or
+            planned into another step.
+
+        Raises:
+            InvalidTypeError: ``handles`` is not a sequence of handles.
+            InvalidArgumentError: a request listed twice, counts that are not one int
+                >= 0 per request, or bad ``token_ids``.
+            SequenceTooLongError: a request would pass its ``max_sequence_length``.
+            OutOfBlocksError: the batch's growth needs more free and evictable blocks
+                than there are (checked for the whole batch before anything changes).
+            InvalidHandleError, SwappedOutError, ForeignHandleError: a bad handle.
+        """
+        if isinstance(handles, (str, bytes)) or not isinstance(handles, Sequence):
+            raise InvalidTypeError(f"begin_step takes a sequence of handles, got {type(handles).__name__}")
+        batch = len(handles)
+        counts = self._step_counts(new_tokens, batch)
+        ids = self._step_token_ids(token_ids, counts)
+        with self._lock:
+            states = [self._state_of(handle) for handle in handles]
+            request_ids = tuple(state.request_id for state in states)
+            if len(set(request_ids)) != batch:
+                twice = next(rid for rid in request_ids if request_ids.count(rid) > 1)
+                raise InvalidArgumentError(f"request {twice!r} is listed twice in one step")
+            plans = [
+                self._plan_growth(state, count, request_ids_of)
+                for state, count, request_ids_of in zip(states, counts, ids, strict=True)
+            ]
+            needed = sum(plan.needed for plan in plans)
+            if needed > self._allocator.free_block_count() + self._allocator.cached_block_count() + sum(
+                plan.freed for plan in plans
+            ):
+                self._allocation_failures += 1
+                raise OutOfBlocksError(
+                    f"cannot plan a step of {batch} requests adding {sum(counts)} tokens: {needed} more blocks "
+                    f"needed, {self._free_note()}"
+                )
+            lengths = [state.table.sequence_length for state in states]
+            grown: list[SlotArray] = []
+            try:
+                for state, plan in zip(states, plans, strict=True):
+                    grown.append(self._grow(state, plan))
+            except BaseException:  # a storage failure in a copy: the requests grown so far shrink back
+                for state, length in zip(states[: len(grown)], lengths, strict=False):
+                    self._truncate_state(state, length)
+                raise
+            table = PageTable.from_block_tables(
+                [state.table for state in states],
+                request_ids,
+                self._config.block_size,
+                sliding_window=self._config.sliding_window,
+                generations=[state.generation for state in states],
+            )
+            self._issued_tables.add(table)
+            self._checked_page_table = (table, self._ownership_epoch)
+            self._update_pressure()
+            slots = np.concatenate(grown) if grown else np.zeros(0, dtype=np.int64)
+            return Step(
+                self._step_hooks(states),
+                request_ids,
+                tuple(counts),
+                slots,
+                table,
+                self._config.num_heads,
+                self._config.head_dim,
+            )
+
     def write(self, layer: int, slots: SlotsLike, keys: ArrayT, values: ArrayT) -> None:
         """Scatter one layer's new K/V into the pool, for any mix of requests.
 
@@ -741,14 +836,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
         """
         with self._lock:
             layer = self._config.check_layer(layer)
-            shape, dtype = self._array_info("query", query)
-            heads, dim = self._config.num_heads, self._config.head_dim
-            if len(shape) != 3 or shape[2] != dim or shape[1] < heads or shape[1] % heads:
-                raise ShapeMismatchError(
-                    f"query must be [tokens, k * {heads}, {dim}] (k >= 1 query heads per KV head), got {shape}"
-                )
-            if dtype != self._config.dtype:
-                raise DTypeMismatchError(f"query has dtype {dtype}, the pool holds {self._config.dtype}")
+            shape = self._check_query(query)
             if not isinstance(page_table, PageTable):
                 raise InvalidTypeError(f"page_table must be a PageTable, got {type(page_table).__name__}")
             if page_table.block_size != self._config.block_size:
@@ -764,17 +852,10 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 self._check_page_table(page_table)
                 self._checked_page_table = (page_table, self._ownership_epoch)
             indptr = validate_query_indptr(qo_indptr, page_table, shape[0])
-            if scale is None:
-                scale = 1.0 / math.sqrt(dim)
-            elif (
-                isinstance(scale, bool)
-                or not isinstance(scale, numbers.Real)
-                or not (math.isfinite(scale) and scale > 0)
-            ):
-                raise InvalidArgumentError(f"scale must be a finite number > 0, got {scale!r}")
+            checked_scale = check_scale(scale, self._config.head_dim)
             if not isinstance(causal, bool):
                 raise InvalidTypeError(f"causal must be a bool, got {causal!r}")
-            return self._storage.paged_attention(layer, query, page_table, indptr, float(scale), causal)
+            return self._storage.paged_attention(layer, query, page_table, indptr, checked_scale, causal)
 
     # -- figures -----------------------------------------------------------------------
 
@@ -1012,6 +1093,18 @@ class PagedKvCacheManager(Generic[ArrayT]):
             raise ArrayTypeError(f"{name}: {exc}") from exc
         return tuple(shape), dtype
 
+    def _check_query(self, query: object) -> tuple[int, ...]:
+        """The shape of a query ``[tokens, k * num_heads, head_dim]`` of the pool's dtype."""
+        shape, dtype = self._array_info("query", query)
+        heads, dim = self._config.num_heads, self._config.head_dim
+        if len(shape) != 3 or shape[2] != dim or shape[1] < heads or shape[1] % heads:
+            raise ShapeMismatchError(
+                f"query must be [tokens, k * {heads}, {dim}] (k >= 1 query heads per KV head), got {shape}"
+            )
+        if dtype != self._config.dtype:
+            raise DTypeMismatchError(f"query has dtype {dtype}, the pool holds {self._config.dtype}")
+        return shape
+
     def _check_array(self, name: str, array: object, expected: tuple[int, ...]) -> None:
         shape, dtype = self._array_info(name, array)
         if shape != expected:
@@ -1115,6 +1208,167 @@ class PagedKvCacheManager(Generic[ArrayT]):
             logical for logical in range(first, last) if self._allocator.ref_count(table.physical_block(logical)) > 1
         ]
 
+    def _step_counts(self, new_tokens: object, batch: int) -> list[int]:
+        if isinstance(new_tokens, Sequence) and not isinstance(new_tokens, (str, bytes)):
+            counts: list[object] = list(cast("Sequence[object]", new_tokens))
+            if len(counts) != batch:
+                raise InvalidArgumentError(f"new_tokens gives {len(counts)} counts for {batch} requests")
+            return [check_count(count, f"new_tokens[{index}]") for index, count in enumerate(counts)]
+        if isinstance(new_tokens, np.ndarray):
+            return self._step_counts(cast("npt.NDArray[Any]", new_tokens).tolist(), batch)
+        return [check_count(new_tokens, "new_tokens")] * batch
+
+    def _step_token_ids(self, token_ids: object, counts: list[int]) -> list[tuple[int, ...] | None]:
+        if token_ids is None:
+            return [None] * len(counts)
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+            raise InvalidArgumentError(
+                f"token_ids must be a sequence of one id list (or None) per request, got {token_ids!r}"
+            )
+        per_request: list[object] = list(cast("Sequence[object]", token_ids))
+        if len(per_request) != len(counts):
+            raise InvalidArgumentError(f"token_ids gives {len(per_request)} id lists for {len(counts)} requests")
+        checked: list[tuple[int, ...] | None] = []
+        for index, (ids, count) in enumerate(zip(per_request, counts, strict=True)):
+            if ids is None:
+                checked.append(None)
+                continue
+            values = check_token_ids(ids, f"token_ids[{index}]")
+            if len(values) != count:
+                raise InvalidArgumentError(f"token_ids[{index}] holds {len(values)} ids for {count} new tokens")
+            checked.append(values)
+        return checked
+
+    def _step_hooks(self, states: list[RequestState[ArrayT]]) -> StepHooks[ArrayT]:
+        """The hooks of a step over ``states``, stamped with their current generation and plan."""
+        stamps = [(state, state.generation, state.plan) for state in states]
+        epoch = self._ownership_epoch
+
+        def check_current() -> None:
+            if self._ownership_epoch == epoch:
+                return  # nothing changed anywhere since the step was planned
+            for state, generation, plan in stamps:
+                if not state.valid or state.swap is not None or state.generation != generation or state.plan != plan:
+                    why = (
+                        "was released"
+                        if not state.valid
+                        else "is swapped out"
+                        if state.swap is not None
+                        else "changed (truncated, forked, extended, copied or planned again)"
+                    )
+                    raise StaleStepError(
+                        f"the step's request {state.request_id!r} {why} since begin_step: plan a new step"
+                    )
+
+        return StepHooks(
+            lock=self._lock,
+            check_current=check_current,
+            check_layer=self._config.check_layer,
+            check_array=self._check_array,
+            check_query=self._check_query,
+            write=self._write_planned,
+            attention=self._storage.paged_attention,
+        )
+
+    def _write_planned(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT) -> None:
+        """A step's write: its slots were checked when it was planned (private, handed out)."""
+        self._storage.write(layer, slots, keys, values)
+        if self._written is not None:
+            self._written[layer, slots] = True
+            self._after_write(slots // self._config.block_size)
+
+    def _truncate_state(self, state: RequestState[ArrayT], length: int) -> None:
+        """Shorten a resident request to ``length`` (checked) tokens; see :meth:`truncate`."""
+        table = state.table
+        block_size = self._config.block_size
+        if length % block_size and length // block_size >= table.first_logical:
+            logical = length // block_size
+            block = table.physical_block(logical)
+            if self._allocator.ref_count(block) == 1:  # shared: the next extend copies it
+                if self._registered[block]:
+                    self._unregister(block)
+                cut = slice(block * block_size + length % block_size, (block + 1) * block_size)
+                self._issued[cut] = False
+                if self._written is not None:
+                    self._written[:, cut] = False
+        last = table.physical_blocks[-1] if table.num_blocks() else None
+        dropped = table.truncate(length)
+        if dropped:
+            tail = last if last is not None and self._allocator.ref_count(last) == 1 else None
+            self._allocator.release(dropped[::-1], tail, self._keep_cached)
+            self._new_generation(state)
+        del state.chain[length // block_size :]
+        del state.token_ids[length:]
+        state.cached_tokens = min(state.cached_tokens, length)
+        self._set_awaiting(state, None)
+        self._replanned(state)
+        self._advance_chain(state)
+
+    def _plan_growth(self, state: RequestState[ArrayT], count: int, ids: tuple[int, ...] | None) -> _GrowthPlan:
+        """Check that the request may grow by ``count`` tokens and count the blocks it takes.
+
+        Raises:
+            SequenceTooLongError, InvalidArgumentError (token ids): nothing changed.
+        """
+        table = state.table
+        old_length = table.sequence_length
+        new_length = old_length + count
+        if state.max_sequence_length is not None and new_length > state.max_sequence_length:
+            raise SequenceTooLongError(
+                f"request {state.request_id!r} would grow to {new_length} tokens, past its "
+                f"max_sequence_length of {state.max_sequence_length}"
+            )
+        new_ids = self._new_token_ids(state, ids, old_length) if ids is not None else ()
+        released = freed = 0
+        if count and self._config.sliding_window is not None:
+            released = self._window_release(table, old_length)
+            freed = sum(1 for block in table.physical_blocks[:released] if self._allocator.ref_count(block) == 1)
+        copies = self._shared_blocks(table, old_length, new_length)
+        held_end = table.first_logical + table.num_blocks()
+        missing = max(0, _blocks_for(new_length, self._config.block_size) - held_end)
+        return _GrowthPlan(count, new_ids, released, freed, copies, missing)
+
+    def _grow(self, state: RequestState[ArrayT], plan: _GrowthPlan) -> SlotArray:
+        """Carry out a checked growth plan (blocks for it are available)."""
+        table = state.table
+        old_length = table.sequence_length
+        spare = self._allocator.free_block_count() + self._allocator.cached_block_count()
+        # The copies are the only storage call: made first, so that a storage failure leaves
+        # the request as it was. Only when they need the blocks the window frees does the
+        # window release (which the request's tokens no longer see) come first.
+        copies = [logical for logical in plan.copies if self._allocator.ref_count(table.physical_block(logical)) > 1]
+        copy_first = len(copies) <= spare
+        if copy_first:
+            self._copy_on_write(state, copies)
+        if plan.released:
+            self._advance_chain(state)  # hash what is ready before the window releases it
+            self._release_leading(state, plan.released)
+        if not copy_first:
+            self._copy_on_write(state, copies)
+        if plan.missing:
+            logical_now = table.first_logical + table.num_blocks()
+            last = table.physical_blocks[-1] if table.num_blocks() else None
+            table.add_blocks(
+                self._take_blocks(
+                    plan.missing,
+                    last if last is not None and self._allocator.ref_count(last) == 1 else None,
+                    self._expected_blocks(state.max_sequence_length, logical_now),
+                    f"cannot extend request {state.request_id!r} by {plan.tokens} tokens",
+                )
+            )
+        slots = table.slots(old_length, old_length + plan.tokens)
+        table.extend_sequence(plan.tokens)
+        self._issued[slots] = True
+        if self._written is not None:
+            self._written[:, slots] = False  # handed out anew: nothing of this request is there yet
+        if plan.new_ids:
+            state.token_ids.extend(plan.new_ids)
+        if plan.tokens:
+            self._replanned(state)
+        self._advance_chain(state)
+        state.touch()
+        return slots
+
     def _copy_on_write(self, state: RequestState[ArrayT], logicals: list[int]) -> None:
         """Give the request private copies of its shared logical blocks ``logicals``.
 
@@ -1147,8 +1401,10 @@ class PagedKvCacheManager(Generic[ArrayT]):
             raise
         block_size = self._config.block_size
         for logical, source, copy in zip(logicals, sources, copies, strict=True):
-            source_slots = slice(source * block_size, (source + 1) * block_size)
-            copy_slots = slice(copy * block_size, (copy + 1) * block_size)
+            # Only the request's own positions carry over; past its length the copy is new.
+            own = min(block_size, max(0, table.sequence_length - logical * block_size))
+            source_slots = slice(source * block_size, source * block_size + own)
+            copy_slots = slice(copy * block_size, copy * block_size + own)
             if self._written is not None:
                 self._written[:, copy_slots] = self._written[:, source_slots]
             self._issued[copy_slots] = self._issued[source_slots]
@@ -1189,8 +1445,13 @@ class PagedKvCacheManager(Generic[ArrayT]):
         self._registered[block] = False
 
     def _new_generation(self, state: RequestState[ArrayT]) -> None:
-        """The request's blocks changed owner: page tables taken before are stale."""
+        """The request's blocks changed owner: page tables and steps taken before are stale."""
         state.generation = next_generation()
+        self._ownership_epoch += 1
+
+    def _replanned(self, state: RequestState[ArrayT]) -> None:
+        """The request's length or sharing changed: steps planned before are stale."""
+        state.plan += 1
         self._ownership_epoch += 1
 
     def _forget_swapped_blocks(self, request_id: str, record: SwapRecord) -> None:

@@ -1,0 +1,165 @@
+"""The forward step: a batch planned once, then written and attended layer by layer.
+
+FlashInfer's plan/run, vLLM's attention metadata::
+
+    step = manager.begin_step(handles, new_tokens, token_ids=...)   # extend, copy-on-write,
+    for layer in range(num_layers):                                 #   window, slots, page
+        step.write(layer, keys, values)                             #   table, qo_indptr:
+        out = step.attention(layer, query)                          #   checked once
+
+:meth:`~kvcache_core.PagedKvCacheManager.begin_step` does every check that depends on the
+requests; :meth:`Step.write` and :meth:`Step.attention` check only what depends on the
+layer's arrays (layer index, shape, dtype) and that the step is still current.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.attention import check_scale
+from kvcache_core.errors import InvalidTypeError, ShapeMismatchError
+from kvcache_core.page_table import PageTable
+from kvcache_core.protocols import SlotArray
+
+__all__ = ["Step", "StepHooks"]
+
+ArrayT = TypeVar("ArrayT")
+
+
+@dataclass(frozen=True)
+class StepHooks(Generic[ArrayT]):
+    """What a step needs of the manager that planned it (bound methods; manager plumbing).
+
+    Attributes:
+        lock: the manager's lock (held around each call).
+        check_current: raises :class:`~kvcache_core.errors.StaleStepError` if one of the
+            step's requests changed since it was planned.
+        check_layer: the layer index, or ``LayerIndexError``.
+        check_array: ``(name, array, expected_shape)``: shape and dtype against the pool.
+        check_query: the query's shape, after checking it and its dtype.
+        write: ``(layer, slots, keys, values)``: the scatter and its bookkeeping.
+        attention: ``(layer, query, page_table, qo_indptr, scale, causal)``: the kernel.
+    """
+
+    lock: threading.RLock
+    check_current: Callable[[], None]
+    check_layer: Callable[[object], int]
+    check_array: Callable[[str, object, tuple[int, ...]], None]
+    check_query: Callable[[object], tuple[int, ...]]
+    write: Callable[[int, SlotArray, ArrayT, ArrayT], None]
+    attention: Callable[[int, ArrayT, PageTable, npt.NDArray[np.int32], float, bool], ArrayT]
+
+
+class Step(Generic[ArrayT]):
+    """One forward pass of a batch, planned by
+    :meth:`~kvcache_core.PagedKvCacheManager.begin_step`.
+
+    Attributes:
+        request_ids: the batch's requests, in order.
+        new_tokens: ``[B]`` tokens each request added in this step.
+        slots: ``[sum(new_tokens)]`` int64 slots of the new tokens, requests packed in
+            order (read-only).
+        page_table: the batch after the step's growth (read-only, generation-stamped).
+        qo_indptr: ``[B + 1]`` int32 offsets of each request's new tokens in ``slots``
+            and in the query (read-only).
+        num_heads, head_dim: the pool's KV heads and features.
+    """
+
+    __slots__ = ("_hooks", "head_dim", "new_tokens", "num_heads", "page_table", "qo_indptr", "request_ids", "slots")
+
+    def __init__(
+        self,
+        hooks: StepHooks[ArrayT],
+        request_ids: tuple[str, ...],
+        new_tokens: tuple[int, ...],
+        slots: SlotArray,
+        page_table: PageTable,
+        num_heads: int,
+        head_dim: int,
+    ) -> None:
+        self._hooks = hooks
+        self.request_ids = request_ids
+        self.new_tokens = new_tokens
+        slots = np.array(slots, dtype=np.int64)
+        slots.flags.writeable = False
+        self.slots: SlotArray = slots
+        self.page_table = page_table
+        indptr = np.zeros(len(new_tokens) + 1, dtype=np.int32)
+        indptr[1:] = np.cumsum(np.asarray(new_tokens, dtype=np.int64))
+        indptr.flags.writeable = False
+        self.qo_indptr: npt.NDArray[np.int32] = indptr
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the step adds over the whole batch."""
+        return int(self.slots.shape[0])
+
+    def write(self, layer: int, keys: ArrayT, values: ArrayT) -> None:
+        """Scatter one layer's K/V of the step's new tokens into the pool.
+
+        Args:
+            layer: ``0 <= layer < num_layers``.
+            keys, values: ``[num_new_tokens, num_heads, head_dim]`` native arrays of the
+                pool's dtype, requests packed in the step's order.
+
+        Writing every layer makes full blocks cacheable (prefix caching), exactly as
+        :meth:`~kvcache_core.PagedKvCacheManager.write` does.
+
+        Raises:
+            StaleStepError: a request of the step changed since it was planned.
+            LayerIndexError, ShapeMismatchError, DTypeMismatchError, ArrayTypeError.
+        """
+        hooks = self._hooks
+        with hooks.lock:
+            hooks.check_current()
+            index = hooks.check_layer(layer)
+            expected = (self.num_new_tokens, self.num_heads, self.head_dim)
+            hooks.check_array("keys", keys, expected)
+            hooks.check_array("values", values, expected)
+            if self.num_new_tokens:
+                hooks.write(index, self.slots, keys, values)
+
+    def attention(self, layer: int, query: ArrayT, *, scale: float | None = None, causal: bool = True) -> ArrayT:
+        """Attention of the step's new tokens over the batch, reading the pool in place.
+
+        Args:
+            layer: the layer whose pool to read (write it first).
+            query: ``[num_new_tokens, k * num_heads, head_dim]`` (``k >= 1`` query heads
+                per KV head), requests packed in the step's order.
+            scale: score scale, ``1 / sqrt(head_dim)`` by default.
+            causal: each new token sees keys up to its own position (and, with a sliding
+                window, only the window's).
+
+        Returns:
+            ``[num_new_tokens, k * num_heads, head_dim]`` of the query's dtype.
+
+        Raises:
+            StaleStepError: a request of the step changed since it was planned.
+            LayerIndexError, ShapeMismatchError, DTypeMismatchError, ArrayTypeError,
+            InvalidArgumentError (``scale``), InvalidTypeError (``causal``).
+        """
+        hooks = self._hooks
+        with hooks.lock:
+            hooks.check_current()
+            index = hooks.check_layer(layer)
+            shape = hooks.check_query(query)
+            if shape[0] != self.num_new_tokens:
+                raise ShapeMismatchError(
+                    f"query has {shape[0]} tokens; the step added {self.num_new_tokens} "
+                    f"(new tokens per request: {list(self.new_tokens)})"
+                )
+            checked_scale = check_scale(scale, self.head_dim)
+            if not isinstance(causal, bool):
+                raise InvalidTypeError(f"causal must be a bool, got {causal!r}")
+            return hooks.attention(index, query, self.page_table, self.qo_indptr, checked_scale, causal)
+
+    def __repr__(self) -> str:
+        return f"Step(requests={list(self.request_ids)}, new_tokens={list(self.new_tokens)})"
