@@ -401,21 +401,28 @@ class PagedKvCacheManager(Generic[ArrayT]):
         steps taken before are refused afterwards.
 
         Raises:
-            InvalidArgumentError: not ``first_held <= num_tokens <= num_tokens()``
-                (``first_held`` is 0 unless a sliding window released leading blocks).
+            InvalidArgumentError: ``num_tokens`` past ``num_tokens()``, or so short that
+                the window of its last token would reach blocks a sliding window released
+                (at least ``first_held + W - 1`` once any was released).
             InvalidHandleError, SwappedOutError, ForeignHandleError: as :meth:`extend`.
         """
         with self._lock:
             state = self._state_of(handle)
             table = state.table
             low = table.first_logical * self._config.block_size
+            window = self._config.sliding_window
+            if window is not None and table.first_logical:
+                low += window - 1  # the last token's window must not reach a released block
             try:
                 length = check_count(num_tokens, "num_tokens")
             except InvalidArgumentError:
                 length = -1
             if not low <= length <= table.sequence_length:
                 raise InvalidArgumentError(
-                    f"num_tokens {num_tokens!r} is outside the held positions [{low}, {table.sequence_length}] "
+                    f"num_tokens {num_tokens!r} is outside [{low}, {table.sequence_length}] for request "
+                    f"{state.request_id!r} (shorter, its last token's window would reach released blocks)"
+                    if window is not None and table.first_logical
+                    else f"num_tokens {num_tokens!r} is outside the held positions [{low}, {table.sequence_length}] "
                     f"of request {state.request_id!r}"
                 )
             self._truncate_state(state, length)

@@ -28,7 +28,11 @@ IntArray = npt.NDArray[np.int64]
 
 
 def _tensor_of(array: npt.NDArray[Any]) -> torch.Tensor:
-    """``torch.from_numpy`` with its parameter typed (torch leaves it unannotated)."""
+    """``torch.from_numpy`` with its parameter typed (torch leaves it unannotated); a
+    read-only array (a step's slots, a page table's indices) is copied, as torch has no
+    read-only tensors."""
+    if not array.flags.writeable:
+        array = array.copy()
     tensor: torch.Tensor = torch.from_numpy(array)  # pyright: ignore[reportUnknownMemberType]
     return tensor
 

@@ -192,6 +192,7 @@ class _Script:
         if self.claims("fork"):
             steps += [
                 ("fork a into c", lambda: self.fork("a", "c")),
+                ("a decode step over a and c (copy-on-write)", lambda: self.decode_step(["a", "c"])),
                 ("extend c into a shared block (copy-on-write)", lambda: self.extend_and_write("c", 3, None)),
                 ("rewrite a's first block (shared or cached)", lambda: self.rewrite("a", 0, 4)),
             ]
@@ -264,6 +265,29 @@ class _Script:
             )
             for row in range(count):
                 rows[start + row] = (keys[row], values[row])
+
+    def decode_step(self, request_ids: list[str]) -> None:
+        """One token more for each request, through a planned step, every layer written and attended."""
+        heads, dim = self.config.num_heads, self.config.head_dim
+        handles = [self.handles[request_id] for request_id in request_ids]
+        positions = [handle.num_tokens() for handle in handles]
+        step = self.manager.begin_step(handles, 1)
+        self.versions += 1
+        for layer in range(self.config.num_layers):
+            pairs = [
+                _kv_of(("noise", request_id, position, self.versions), heads, dim, layer)
+                for request_id, position in zip(request_ids, positions, strict=True)
+            ]
+            for request_id, position in zip(request_ids, positions, strict=True):
+                self.expected[request_id].rows[layer].pop(position, None)
+            keys = np.stack([pair[0] for pair in pairs])
+            values = np.stack([pair[1] for pair in pairs])
+            step.write(
+                layer, BackendUnderTest.native(self.manager, keys), BackendUnderTest.native(self.manager, values)
+            )
+            for request_id, position, pair in zip(request_ids, positions, pairs, strict=True):
+                self.expected[request_id].rows[layer][position] = pair
+            step.attention(layer, BackendUnderTest.native(self.manager, keys))
 
     def fork(self, parent: str, child: str) -> None:
         self.handles[child] = self.manager.fork(self.handles[parent], child)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -205,6 +206,59 @@ class ReferenceMachine(RuleBasedStateMachine):
             slot_array,
             BackendUnderTest.native(self.reference, keys),
             BackendUnderTest.native(self.reference, values),
+        )
+
+    @precondition(lambda self: bool(self.handles))
+    @rule(
+        picks=st.lists(st.integers(0, 1 << 16), min_size=1, max_size=3),
+        counts=st.lists(st.integers(0, 4), min_size=3, max_size=3),
+        seed=st.integers(0, 2**32 - 1),
+    )
+    def step(self, picks: list[int], counts: list[int], seed: int) -> None:
+        """A forward step over a few requests: plan, then write and attend every layer."""
+        chosen = sorted({self.pick(index)[0] for index in picks})
+        new_tokens = counts[: len(chosen)]
+        ids = [self.token_ids(count, seed + offset) for offset, count in enumerate(new_tokens)]
+        pairs = [self.handles[request_id] for request_id in chosen]
+        token_ids = ids if self.config.enable_prefix_caching else None
+        got = _outcome(lambda: self.subject.begin_step([s for s, _ in pairs], new_tokens, token_ids=token_ids))
+        want = _outcome(lambda: self.reference.begin_step([r for _, r in pairs], new_tokens, token_ids=token_ids))
+        what = f"begin_step({chosen}, {new_tokens})"
+        assert got[0] == want[0], f"{what}: backend {got}, reference {want}"
+        if got[0] == "error":
+            assert got[1] == want[1], f"{what}: backend {got}, reference {want}"
+            return
+        steps = (got[1], want[1])
+        assert np.array_equal(steps[0].slots, steps[1].slots), f"{what}: slots differ"
+        rng = np.random.default_rng(seed)
+        total = steps[0].num_new_tokens
+        heads, dim = self.config.num_heads, self.config.head_dim
+        rtol, atol = TOLERANCES.get(self.config.dtype, (1e-2, 1e-2))
+        for layer in range(self.config.num_layers):
+            keys = BackendUnderTest.representable(rng.standard_normal((total, heads, dim)), self.config.dtype)
+            values = BackendUnderTest.representable(rng.standard_normal((total, heads, dim)), self.config.dtype)
+            query = BackendUnderTest.representable(rng.standard_normal((total, heads, dim)), self.config.dtype)
+            outputs: list[npt.NDArray[np.float64]] = []
+            for manager, planned in zip((self.subject, self.reference), steps, strict=True):
+                planned.write(layer, BackendUnderTest.native(manager, keys), BackendUnderTest.native(manager, values))
+                if total:
+                    out = planned.attention(layer, BackendUnderTest.native(manager, query))
+                    outputs.append(BackendUnderTest.host(manager, out))
+            if total:
+                assert np.allclose(outputs[0], outputs[1], rtol=rtol, atol=atol), (
+                    f"{what}: step attention of layer {layer} differs from the reference by up to "
+                    f"{float(np.max(np.abs(outputs[0] - outputs[1]))):.3g}"
+                )
+
+    @precondition(lambda self: any(s.num_tokens() for s, _ in self.handles.values()))
+    @rule(index=st.integers(0, 1 << 16), cut=st.integers(0, 8))
+    def truncate(self, index: int, cut: int) -> None:
+        request_id, subject, reference = self.pick(index)
+        length = max(0, subject.num_tokens() - cut)
+        self.both_on(
+            (subject, reference),
+            lambda manager, handle: manager.truncate(handle, length),
+            f"truncate({request_id!r}, {length})",
         )
 
     @precondition(lambda self: bool(self.handles))

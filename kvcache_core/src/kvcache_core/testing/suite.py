@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -28,9 +29,12 @@ from kvcache_core.block_table import BlockTable
 from kvcache_core.config import AllocationRequest, CacheConfig
 from kvcache_core.errors import (
     InvalidArgumentError,
+    LayerIndexError,
     OutOfBlocksError,
+    ShapeMismatchError,
     SharedBlockWriteError,
     StalePageTableError,
+    StaleStepError,
     SwappedOutError,
 )
 from kvcache_core.handle import PagedKvCacheHandle
@@ -69,6 +73,8 @@ def decode_like(manager: PagedKvCacheManager[Any], requests: int) -> Any:
 
 
 Manager = PagedKvCacheManager[Any]
+#: Something done to a manager's requests (given their handles) after a step was planned.
+RequestChange = Callable[[Manager, list[PagedKvCacheHandle[Any]]], object]
 FloatArray = npt.NDArray[np.float64]
 
 
@@ -779,3 +785,136 @@ class KvCacheConformance:
         later = manager.allocate(AllocationRequest("e", prompt_token_ids=prompt))
         assert later.num_cached_tokens() == 0, "a block rewritten in place was served from the prefix cache"
         manager.check_invariants()
+
+    # -- the step --------------------------------------------------------------------------
+
+    def test_a_step_writes_and_attends_exactly_as_the_raw_calls(self, kvcache_backend: BackendUnderTest) -> None:
+        managers = (kvcache_backend.manager(), kvcache_backend.manager())
+        config = managers[0].config
+        heads, dim = config.num_heads, config.head_dim
+        rng = np.random.default_rng(11)
+        handles = [[m.allocate(AllocationRequest(rid)) for rid in ("a", "b", "c")] for m in managers]
+        rtol, atol = TOLERANCES.get(config.dtype, (1e-2, 1e-2))
+        for new_tokens in ([5, 3, 7], [1, 1, 1], [0, 2, 1]):
+            total = sum(new_tokens)
+            data = [
+                [
+                    BackendUnderTest.representable(rng.standard_normal((total, heads, dim)), config.dtype)
+                    for _ in range(3)
+                ]
+                for _ in range(config.num_layers)
+            ]
+            step = managers[0].begin_step(handles[0], new_tokens)
+            raw = managers[1]
+            slots = np.concatenate([raw.extend(h, n) for h, n in zip(handles[1], new_tokens, strict=True)])
+            assert step.slots.tolist() == slots.tolist()
+            assert step.qo_indptr.tolist() == np.concatenate(([0], np.cumsum(new_tokens))).tolist()
+            table = raw.page_table(handles[1])
+            for layer, (keys, values, query) in enumerate(data):
+                step.write(
+                    layer, BackendUnderTest.native(managers[0], keys), BackendUnderTest.native(managers[0], values)
+                )
+                raw.write(layer, slots, BackendUnderTest.native(raw, keys), BackendUnderTest.native(raw, values))
+                got = step.attention(layer, BackendUnderTest.native(managers[0], query))
+                want = raw.paged_attention(layer, BackendUnderTest.native(raw, query), table, qo_indptr=step.qo_indptr)
+                np.testing.assert_allclose(
+                    BackendUnderTest.host(managers[0], got), BackendUnderTest.host(raw, want), rtol=rtol, atol=atol
+                )
+        for first, second in zip(handles[0], handles[1], strict=True):
+            for layer in range(config.num_layers):
+                np.testing.assert_array_equal(
+                    BackendUnderTest.host(managers[0], managers[0].gather(first, layer)[0]),
+                    BackendUnderTest.host(managers[1], managers[1].gather(second, layer)[0]),
+                )
+
+    def test_a_step_is_refused_once_a_request_changed_and_the_refusal_changes_nothing(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        config = kvcache_backend.config()
+        changes: dict[str, RequestChange] = {
+            "released": lambda m, h: m.deallocate("a"),
+            "extended": lambda m, h: m.extend(h[0], 1),
+            "truncated": lambda m, h: m.truncate(h[0], 1),
+            "planned again": lambda m, h: m.begin_step([h[0]], 1),
+        }
+        if kvcache_backend.claims("fork"):
+            changes["forked"] = lambda m, h: m.fork(h[0], "child")
+        if kvcache_backend.claims("swap"):
+            changes["swapped out"] = lambda m, h: m.swap_out("a")
+        for what, change in changes.items():
+            manager = kvcache_backend.manager(config)
+            handles = [manager.allocate(AllocationRequest(rid)) for rid in ("a", "b")]
+            step = manager.begin_step(handles, [3, 2])
+            keys, values = kv_pair(manager, 5, 1.0)
+            step.write(0, keys, values)
+            change(manager, handles)
+            before = snapshot(manager)
+            with pytest.raises(StaleStepError, match="'a'") as refusal:
+                step.write(1, keys, values)
+            assert refusal.value.args, f"no message after the request was {what}"
+            with pytest.raises(StaleStepError, match="'a'"):
+                step.attention(0, decode_like(manager, 5))
+            assert_same_state(snapshot(manager), before)  # a refused step changes nothing, whatever changed
+
+    def test_a_step_refuses_bad_arrays_and_bad_plans_without_changing_anything(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        manager = kvcache_backend.manager(kvcache_backend.config(num_blocks=4))
+        handles = [manager.allocate(AllocationRequest(rid)) for rid in ("a", "b")]
+        before = snapshot(manager)
+        with pytest.raises(InvalidArgumentError, match="'a' is listed twice"):
+            manager.begin_step([handles[0], handles[0]], 1)
+        with pytest.raises(InvalidArgumentError, match="2 counts for 1 requests"):
+            manager.begin_step([handles[0]], [1, 1])
+        with pytest.raises(InvalidArgumentError, match=r"new_tokens\[1\]"):
+            manager.begin_step(handles, [1, -1])
+        with pytest.raises(OutOfBlocksError, match="2 requests"):  # the second cannot grow: neither does
+            manager.begin_step(handles, [8, 9])
+        assert_same_state(snapshot(manager), before)
+        step = manager.begin_step(handles, [2, 1])
+        planned = snapshot(manager)
+        keys, values = kv_pair(manager, 3, 1.0)
+        with pytest.raises(LayerIndexError):
+            step.write(manager.config.num_layers, keys, values)
+        with pytest.raises(ShapeMismatchError):
+            step.write(0, *kv_pair(manager, 2, 1.0))
+        with pytest.raises(ShapeMismatchError, match="the step added 3"):
+            step.attention(0, decode_like(manager, 2))
+        assert_same_state(snapshot(manager), planned)
+
+    @pytest.mark.kvcache_requires("prefix_caching")
+    def test_a_step_with_token_ids_makes_its_blocks_cacheable(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager(kvcache_backend.config(enable_prefix_caching=True))
+        block_size = manager.config.block_size
+        prompt = tuple(range(7, 7 + 3 * block_size))
+        first = manager.allocate(AllocationRequest("a", prompt_token_ids=prompt))
+        step = manager.begin_step([first], [len(prompt)], token_ids=[prompt])
+        for layer in range(manager.config.num_layers):
+            step.write(layer, *kv_pair(manager, len(prompt), 1.0))
+        second = manager.allocate(AllocationRequest("b", prompt_token_ids=prompt))
+        assert second.num_cached_tokens() == 2 * block_size  # the last prompt token is always computed
+        manager.check_invariants()
+
+    def test_truncate_frees_the_blocks_past_the_end_and_keeps_the_rest(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager()
+        block_size = manager.config.block_size
+        handle = manager.allocate(AllocationRequest("a"))
+        slots = manager.extend(handle, 3 * block_size)
+        for layer in range(manager.config.num_layers):
+            manager.write(layer, slots, *kv_pair(manager, 3 * block_size, 1.0))
+        kept = BackendUnderTest.host(manager, manager.gather(handle, 1)[0])[: block_size + 1]
+        table = manager.page_table([handle])
+        used = manager.stats().used_blocks
+        manager.truncate(handle, block_size + 1)
+        assert handle.num_tokens() == block_size + 1
+        assert manager.stats().used_blocks == used - 1
+        np.testing.assert_array_equal(BackendUnderTest.host(manager, manager.gather(handle, 1)[0]), kept)
+        with pytest.raises(StalePageTableError):
+            manager.paged_attention(0, decode_like(manager, 1), table)
+        with pytest.raises(InvalidArgumentError, match="outside"):
+            manager.truncate(handle, block_size + 2)
+        again = manager.extend(handle, 2)  # the cut block is written again from its new end
+        assert again.tolist() == slots[block_size + 1 : block_size + 3].tolist()
+        manager.check_invariants()
+        manager.deallocate("a")
+        assert manager.stats().used_blocks == 0
