@@ -24,7 +24,8 @@ from kvcache_core.config import AllocationRequest, CacheConfig
 from kvcache_core.discovery import create_manager
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.page_table import PageTable
+from kvcache_core.protocols import KvCacheHandle
+from kvcache_core.step import Step
 
 __all__ = ["DemoOptions", "DemoReport", "TinyTransformer", "run_demo"]
 
@@ -219,17 +220,12 @@ class _Progress:
             self.stream.write("\n")
 
 
-def _paged_attend(
-    manager: PagedKvCacheManager[Any],
-    slots: npt.NDArray[np.int64],
-    page_table: PageTable,
-    qo_indptr: npt.NDArray[np.int32],
-) -> AttendFn:
-    """Attention through the cache: write the batch's K/V, then read the pool in place."""
+def _paged_attend(step: Step[Any]) -> AttendFn:
+    """Attention through the cache: write the step's K/V, then read the pool in place."""
 
     def attend(layer: int, q: Any, k: Any, v: Any) -> Any:
-        manager.write(layer, slots, k, v)
-        return manager.paged_attention(layer, q, page_table, qo_indptr=qo_indptr)
+        step.write(layer, k, v)
+        return step.attention(layer, q)
 
     return attend
 
@@ -276,25 +272,25 @@ def _serve(
         if not batch:
             step += 1
             continue
-        # One forward pass over the whole batch: new requests prefill, others decode.
+        # One forward pass over the whole batch, planned once: new requests prefill, others decode.
         token_ids: list[int] = []
         positions: list[int] = []
-        slots: list[npt.NDArray[np.int64]] = []
-        query_counts: list[int] = []
+        new_token_ids: list[list[int]] = []
+        handles: list[KvCacheHandle[Any]] = []
         for request in batch:
             assert request.handle is not None
             new_tokens = request.prompt if request in admitted else request.generated[-1:]
             start = request.handle.num_tokens()
-            slots.append(manager.extend(request.handle, len(new_tokens)))
+            handles.append(request.handle)
+            new_token_ids.append(list(new_tokens))
             token_ids.extend(new_tokens)
             positions.extend(range(start, start + len(new_tokens)))
-            query_counts.append(len(new_tokens))
-        all_slots = np.concatenate(slots)
-        qo_indptr = np.concatenate(([0], np.cumsum(query_counts))).astype(np.int32)
-        page_table = manager.page_table([r.handle for r in batch if r.handle is not None])
-        attend = _paged_attend(manager, all_slots, page_table, qo_indptr)
+        step_plan = manager.begin_step(handles, [len(ids) for ids in new_token_ids], token_ids=new_token_ids)
+        qo_indptr = step_plan.qo_indptr
         logits = storage.to_numpy(
-            model.forward(np.asarray(token_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64), attend)
+            model.forward(
+                np.asarray(token_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64), _paged_attend(step_plan)
+            )
         )
         stats = manager.stats()
         if stats.used_blocks > peak_blocks:

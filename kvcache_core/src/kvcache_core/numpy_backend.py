@@ -27,6 +27,9 @@ IntArray = npt.NDArray[np.int64]
 #: through ``copy_blocks``, ``blocks_to_host`` / ``blocks_from_host`` and windowed attention.
 POLICY_CAPABILITIES = frozenset({"fork", "prefix_caching", "swap", "eviction", "sliding_window"})
 
+# dtype -> its name, filled on first use.
+_DTYPE_NAMES: dict[np.dtype[Any], str] = {}
+
 #: The dtypes NumPy holds natively (no bfloat16).
 NUMPY_DTYPES = ("float16", "float32", "float64")
 
@@ -191,7 +194,11 @@ class NumpyStorage:
         if not isinstance(array, np.ndarray):
             raise TypeError(f"expected a numpy.ndarray, got {type(array).__name__}")
         checked = cast("NumpyArray", array)
-        return tuple(checked.shape), checked.dtype.name
+        dtype = checked.dtype
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:  # dtype.name builds a new string each time (microseconds per layer call)
+            name = _DTYPE_NAMES.setdefault(dtype, dtype.name)
+        return tuple(checked.shape), name
 
     def from_numpy(self, array: NumpyArray) -> NumpyArray:
         """The array itself (NumPy is the host format)."""

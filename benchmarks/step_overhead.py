@@ -1,0 +1,162 @@
+"""What the manager adds per layer on top of the storage, for a batched decode step.
+
+One process, interleaved rounds, medians. Per layer of a decode step of 16 requests on the
+NumPy backend, three ways, timed over an attention kernel that does nothing (what remains is
+the caller's overhead, free of the kernel's noise; the three are first checked to agree with
+the real kernel):
+
+* **bare**: the storage's own ``write`` and ``paged_attention`` (no checks at all);
+* **step**: ``Step.write`` + ``Step.attention`` of a step planned once by ``begin_step``;
+* **raw**: ``manager.write`` + ``manager.paged_attention``, which check slots, ownership
+  and the page table on every call.
+
+It prints the overhead of each over bare, in microseconds per layer, and their ratio.
+The step and the raw calls must return what the bare calls return (exit 1 otherwise).
+
+    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \\
+        .venv/bin/python benchmarks/step_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench import relative_spread
+
+from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, PageTable, Step
+from kvcache_core.numpy_backend import NumpyStorage
+
+
+class NullKernelStorage(NumpyStorage):
+    """The NumPy storage with an attention kernel that does nothing: what remains of a
+    call's time is the caller's overhead, free of the kernel's noise."""
+
+    def paged_attention(
+        self,
+        layer: int,
+        query: npt.NDArray[Any],
+        page_table: PageTable,
+        qo_indptr: npt.NDArray[np.int32],
+        scale: float,
+        causal: bool,
+    ) -> npt.NDArray[Any]:
+        return query
+
+
+def timed(call: Callable[[], object], repeats: int) -> float:
+    """Seconds per call, best of a short burst (the burst is one sample)."""
+    started = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - started) / repeats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="What the manager adds per layer on top of the storage.")
+    parser.add_argument("--requests", type=int, default=16, help="requests in the decode batch")
+    parser.add_argument("--context", type=int, default=64, help="tokens each request holds")
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved samples per way")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    args = parser.parse_args(argv)
+    rounds, repeats = (5, 20) if args.quick else (args.rounds, 200)
+
+    config = CacheConfig(
+        num_layers=2, num_heads=2, head_dim=16, num_blocks=args.requests * (args.context // 16 + 2), block_size=16
+    )
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((args.requests, config.num_heads, config.head_dim)).astype(np.float32)
+    values = rng.standard_normal(keys.shape).astype(np.float32)
+    query = rng.standard_normal((args.requests, 4 * config.num_heads, config.head_dim)).astype(np.float32)
+    scale = 1.0 / float(np.sqrt(config.head_dim))
+
+    def decode_step(storage: NumpyStorage) -> tuple[PagedKvCacheManager[npt.NDArray[Any]], Step[npt.NDArray[Any]]]:
+        """A manager over ``storage`` holding the batch's context, and its planned decode step."""
+        manager = PagedKvCacheManager(storage, backend="numpy")
+        handles = [manager.allocate(AllocationRequest(f"r{index}")) for index in range(args.requests)]
+        prefill = manager.begin_step(handles, args.context - 1)
+        context = np.random.default_rng(1).standard_normal((prefill.num_new_tokens, config.num_heads, config.head_dim))
+        for layer in range(config.num_layers):
+            prefill.write(layer, context.astype(np.float32), -context.astype(np.float32))
+        return manager, manager.begin_step(handles, 1)
+
+    # The three ways compute the same thing (checked with the real kernel) ...
+    real = NumpyStorage(config)
+    manager, step = decode_step(real)
+    step.write(0, keys, values)
+    reference = real.paged_attention(0, query, step.page_table, step.qo_indptr, scale, True)
+    for name, got in (
+        ("step", step.attention(0, query)),
+        ("raw", manager.paged_attention(0, query, step.page_table, qo_indptr=step.qo_indptr)),
+    ):
+        if not np.array_equal(got, reference):
+            print(f"{name}: attention differs from the bare storage call", file=sys.stderr)
+            return 1
+    # ... and are timed over a kernel that does nothing, so that only their overhead remains.
+    storage = NullKernelStorage(config)
+    manager, step = decode_step(storage)
+    slots, table, indptr = step.slots, step.page_table, step.qo_indptr
+
+    def bare_write() -> None:
+        storage.write(0, slots, keys, values)
+
+    def bare_attention() -> object:
+        return storage.paged_attention(0, query, table, indptr, scale, True)
+
+    def step_write() -> None:
+        step.write(0, keys, values)
+
+    def step_attention() -> object:
+        return step.attention(0, query)
+
+    def raw_write() -> None:
+        manager.write(0, slots, keys, values)
+
+    def raw_attention() -> object:
+        return manager.paged_attention(0, query, table, qo_indptr=indptr)
+
+    ways = {
+        ("bare", "write"): bare_write,
+        ("step", "write"): step_write,
+        ("raw", "write"): raw_write,
+        ("bare", "attention"): bare_attention,
+        ("step", "attention"): step_attention,
+        ("raw", "attention"): raw_attention,
+    }
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in ways}
+    for _ in range(rounds):
+        for key, way in ways.items():
+            samples[key].append(timed(way, repeats))
+    median = {key: statistics.median(values) * 1e6 for key, values in samples.items()}
+    print(
+        f"decode step of {args.requests} requests x {args.context} tokens, NumPy backend, per layer "
+        "(medians, us; the attention kernel replaced by a no-op)"
+    )
+    print(f"  {'':<6}{'write':>10}{'attention':>12}{'overhead over bare':>22}")
+    for name in ("bare", "step", "raw"):
+        overhead = sum(median[(name, call)] - median[("bare", call)] for call in ("write", "attention"))
+        spread = max(relative_spread(samples[(name, call)]) for call in ("write", "attention"))
+        print(
+            f"  {name:<6}{median[(name, 'write')]:>10.1f}{median[(name, 'attention')]:>12.1f}"
+            f"{'' if name == 'bare' else f'{overhead:>19.1f} us'}   (spread up to {spread:.0%})"
+        )
+    write_step = median[("step", "write")] - median[("bare", "write")]
+    write_raw = median[("raw", "write")] - median[("bare", "write")]
+    print(
+        f"  write checks: step {write_step:.1f} us, raw {write_raw:.1f} us ({write_raw / max(write_step, 1e-3):.1f}x)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
