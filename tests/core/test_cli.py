@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcache_core import PagedKvCacheManager
+from kvcache_core import Step
 from kvcache_core.cli import main
 from kvcache_core.demo import DemoOptions, run_demo
 
@@ -37,12 +37,12 @@ def test_demo_report_figures_are_consistent() -> None:
 
 
 def test_demo_fails_with_nonzero_status_when_attention_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
-    original: Callable[..., Any] = PagedKvCacheManager[Any].paged_attention
+    original: Callable[..., Any] = Step[Any].attention
 
-    def skewed(self: PagedKvCacheManager[Any], *args: Any, **kwargs: Any) -> Any:
+    def skewed(self: Step[Any], *args: Any, **kwargs: Any) -> Any:
         return np.asarray(original(self, *args, **kwargs)) * 1.01
 
-    monkeypatch.setattr(PagedKvCacheManager, "paged_attention", skewed)
+    monkeypatch.setattr(Step, "attention", skewed)
     out = io.StringIO()
     assert main(["demo", "--requests", "3"], out) == 1
     assert "FAILED" in out.getvalue()
