@@ -55,6 +55,8 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),  # sliding_window 4096: the paged mask accepts it
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    # Multi-query: one KV head for the 4 query heads (its num_key_value_heads is not read).
+    "falcon": ("FalconConfig", "FalconForCausalLM", {"multi_query": True, "new_decoder_architecture": False}),
 }
 COMMON_CONFIG: dict[str, Any] = {
     "vocab_size": VOCAB,
@@ -70,6 +72,9 @@ COMMON_CONFIG: dict[str, Any] = {
     "eos_token_id": None,  # never stop early: both runs produce every step
 }
 IMPLEMENTATIONS = ("paged", "sdpa")
+#: Models whose attention is not behind transformers' AttentionInterface: they keep their own
+#: attention whatever is set, so PagedCache serves them through its contiguous path.
+FIXED_ATTENTION = frozenset({"falcon"})
 
 
 def build_model(architecture: str = "llama", **overrides: Any) -> Model:
@@ -142,6 +147,36 @@ def forward(model: Model, ids: Tensor, mask: Tensor, seen: int, cache: Any) -> T
     return output.logits
 
 
+@pytest.mark.parametrize(
+    ("options", "kv_heads"),
+    [
+        ({"multi_query": True, "new_decoder_architecture": False}, 1),
+        ({"multi_query": False, "new_decoder_architecture": False, "num_kv_heads": 4}, 4),
+        ({"new_decoder_architecture": True, "num_kv_heads": 2}, 4),  # broadcast to every query head
+    ],
+    ids=["multi-query", "multi-head", "new-decoder-architecture"],
+)
+def test_cache_config_for_reads_the_kv_heads_falcon_hands_its_cache(options: dict[str, Any], kv_heads: int) -> None:
+    config = transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **options
+    )
+    assert cache_config_for(config, num_blocks=8).num_heads == kv_heads
+    model = transformers.FalconForCausalLM(config).eval()
+    dynamic = transformers.DynamicCache(config=config)
+    with torch.no_grad():
+        model(torch.randint(3, VOCAB, (1, 5)), cache=dynamic, use_cache=True)
+    assert dynamic.layers[0].keys.shape[1] == kv_heads
+
+
+def test_cache_config_for_refuses_layers_with_different_kv_head_counts() -> None:
+    # Per-layer counts, as OpenELM-style configs give them.
+    config = transformers.PretrainedConfig(
+        num_hidden_layers=2, num_attention_heads=4, hidden_size=64, num_kv_heads=[2, 4]
+    )
+    with pytest.raises(UnsupportedConfigError, match=r"different KV head counts \[2, 4\]"):
+        cache_config_for(config, num_blocks=8)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread() -> Iterator[None]:
     """These models are tiny: one thread is faster than two fighting over a busy CI core."""
@@ -180,7 +215,7 @@ def test_left_padded_batch_gives_the_logits_of_dynamic_cache(architecture: str, 
     expected = generate(reference, ids, mask)
     assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
     assert torch.equal(ours.sequences, expected.sequences)
-    if implementation == "paged":
+    if implementation == "paged" and architecture not in FIXED_ATTENTION:
         assert stored == [10 + 5, 6 + 5, 9 + 5]  # padding is never stored
     else:
         assert stored == [15, 15, 15]  # the contiguous path stores every position

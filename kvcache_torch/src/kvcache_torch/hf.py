@@ -133,18 +133,46 @@ def _attention_implementation(config: PretrainedConfig) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def _one_per_model(value: object, name: str) -> int | None:
+    """A per-model count from a config field that may also be per layer (a list)."""
+    if isinstance(value, (list, tuple)):
+        counts = {int(item) for item in cast("Sequence[int]", value)}
+        if len(counts) > 1:
+            raise UnsupportedConfigError(
+                f"the model's layers have different {name} {list(cast('Sequence[int]', value))}; a kvcache pool "
+                "holds one count for every layer"
+            )
+        return counts.pop() if counts else None
+    return None if value is None else int(cast("int", value))
+
+
+def _kv_heads(text: PretrainedConfig) -> int:
+    """The KV heads a decoder hands its cache, as its attention computes them."""
+    query_heads = _one_per_model(text.num_attention_heads, "query head counts") or 1
+    if hasattr(text, "new_decoder_architecture") and hasattr(text, "multi_query"):  # Falcon's convention
+        if getattr(text, "new_decoder_architecture", False):
+            return query_heads  # keys and values are broadcast to every query head before caching
+        if getattr(text, "multi_query", False):
+            return 1
+        return _one_per_model(getattr(text, "num_kv_heads", None), "KV head counts") or query_heads
+    for name in ("num_key_value_heads", "num_kv_heads"):
+        heads = _one_per_model(getattr(text, name, None), "KV head counts")
+        if heads is not None:
+            return heads
+    return query_heads
+
+
 def _geometry(config: PretrainedConfig) -> tuple[int, int, int]:
-    """``(num_layers, kv_heads, head_dim)`` of a decoder config."""
+    """``(num_layers, kv_heads, head_dim)`` of a decoder config.
+
+    Raises:
+        UnsupportedConfigError: layers with different KV head counts or head sizes.
+    """
     text = _text_config(config)
     layers = int(text.num_hidden_layers)
-    query_heads = int(text.num_attention_heads)
-    kv_heads = getattr(text, "num_key_value_heads", None)
-    head_dim = getattr(text, "head_dim", None)
-    return (
-        layers,
-        query_heads if kv_heads is None else int(kv_heads),
-        int(text.hidden_size) // query_heads if head_dim is None else int(head_dim),
-    )
+    query_heads = _one_per_model(text.num_attention_heads, "query head counts") or 1
+    head_dim = _one_per_model(getattr(text, "head_dim", None), "head sizes")
+    return layers, _kv_heads(text), int(text.hidden_size) // query_heads if head_dim is None else head_dim
 
 
 def cache_config_for(
