@@ -26,6 +26,16 @@ def test_the_run_covers_every_storage_call_before_and_after_it() -> None:
     assert report.injections == 2 * len(report.storage_calls) >= 40
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C arriving inside a storage call."""
+
+
+def test_an_interrupt_inside_any_storage_call_leaks_nothing_either() -> None:
+    report = run_fault_injection(numpy_backend(), Interrupted)
+    assert report.failures == ()
+    assert report.injections == 2 * len(report.storage_calls)
+
+
 def test_the_run_finds_a_copy_on_write_that_keeps_its_copy_when_the_storage_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

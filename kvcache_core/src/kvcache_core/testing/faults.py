@@ -56,15 +56,23 @@ class FaultyStorage:
     """A :class:`~kvcache_core.KvStorage` wrapper whose ``fail_at``-th storage call raises.
 
     Calls of :data:`STORAGE_CALLS` are counted from 0 in :attr:`calls`. The call numbered
-    ``fail_at`` raises :class:`InjectedFaultError` before reaching the wrapped storage
+    ``fail_at`` raises ``fault`` (:class:`InjectedFaultError` by default; a
+    ``KeyboardInterrupt`` subclass tests interruption) before reaching the wrapped storage
     (``when="before"``) or after it returned (``when="after"``); every other call, and
     every other member, goes straight through.
     """
 
-    def __init__(self, inner: KvStorage[Any], fail_at: int | None = None, when: When = "before") -> None:
+    def __init__(
+        self,
+        inner: KvStorage[Any],
+        fail_at: int | None = None,
+        when: When = "before",
+        fault: type[BaseException] = InjectedFaultError,
+    ) -> None:
         self._inner = inner
         self.fail_at = fail_at
         self.when: When = when
+        self.fault = fault
         self.calls: list[str] = []
         self.fired: str | None = None
 
@@ -74,11 +82,11 @@ class FaultyStorage:
         armed = index == self.fail_at
         if armed and self.when == "before":
             self.fired = name
-            raise InjectedFaultError(f"injected before storage call {index} ({name})")
+            raise self.fault(f"injected before storage call {index} ({name})")
         result = call()
         if armed:
             self.fired = name
-            raise InjectedFaultError(f"injected after storage call {index} ({name})")
+            raise self.fault(f"injected after storage call {index} ({name})")
         return result
 
     @property
@@ -366,9 +374,15 @@ class FaultReport:
         return frozenset(self.storage_calls)
 
 
-def _faulty_manager(backend: BackendUnderTest, config: CacheConfig, fail_at: int | None, when: When) -> Manager:
+def _faulty_manager(
+    backend: BackendUnderTest,
+    config: CacheConfig,
+    fail_at: int | None,
+    when: When,
+    fault: type[BaseException] = InjectedFaultError,
+) -> Manager:
     inner = backend.manager(config).storage
-    storage = FaultyStorage(inner, fail_at, when)
+    storage = FaultyStorage(inner, fail_at, when, fault)
     factory = backend.spec.manager_factory
     if factory is not None:
         manager: Manager = factory(storage, backend=backend.name, placement="contiguous")
@@ -399,8 +413,9 @@ def _check_run(script: _Script, label: str, failures: list[str]) -> None:
         failures.append(f"{label}: invariants broken after cleanup: {exc}")
 
 
-def run_fault_injection(backend: BackendUnderTest) -> FaultReport:
-    """Run the script once per storage call and per side (before/after), failing that call.
+def run_fault_injection(backend: BackendUnderTest, fault: type[BaseException] = InjectedFaultError) -> FaultReport:
+    """Run the script once per storage call and per side (before/after), failing that call
+    with ``fault`` (any exception class, ``KeyboardInterrupt`` subclasses included).
 
     Returns:
         The calls covered and every failure found (see the module docstring).
@@ -422,7 +437,7 @@ def run_fault_injection(backend: BackendUnderTest) -> FaultReport:
     injections = 0
     for fail_at in range(len(calls)):
         for when in ("before", "after"):
-            manager = _faulty_manager(backend, config, fail_at, when)
+            manager = _faulty_manager(backend, config, fail_at, when, fault)
             script = _Script(manager, backend.claims)
             faulty = manager.storage
             assert isinstance(faulty, FaultyStorage)
@@ -430,7 +445,7 @@ def run_fault_injection(backend: BackendUnderTest) -> FaultReport:
             for name, step in script.steps():
                 try:
                     step()
-                except InjectedFaultError:
+                except fault:
                     label = f"{label} in step {name!r}"
                     break
             injections += 1
