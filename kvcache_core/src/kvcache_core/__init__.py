@@ -42,6 +42,7 @@ from kvcache_core.errors import (
     InvalidConfigError,
     InvalidHandleError,
     InvalidTypeError,
+    InvariantError,
     KvCacheError,
     KvCachePluginWarning,
     LayerIndexError,
@@ -59,7 +60,7 @@ from kvcache_core.errors import (
 )
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.hookspecs import BackendSpec, hookimpl, hookspec
-from kvcache_core.manager import InvariantError, PagedKvCacheManager
+from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.page_table import PageTable
 from kvcache_core.prefix import BlockEvictor, PrefixCache, hash_block
 from kvcache_core.protocols import KvCacheHandle, KvCacheManager, KvStorage

@@ -24,6 +24,7 @@ __all__ = [
     "InvalidConfigError",
     "InvalidHandleError",
     "InvalidTypeError",
+    "InvariantError",
     "KvCacheError",
     "KvCachePluginWarning",
     "LayerIndexError",
@@ -147,6 +148,10 @@ class BackendUnavailableError(KvCacheError, RuntimeError):
 
 class BackendConflictError(KvCacheError, ValueError):
     """Two installed distributions register a backend under the same name."""
+
+
+class InvariantError(KvCacheError, AssertionError):
+    """``PagedKvCacheManager.check_invariants`` found the pool's records inconsistent."""
 
 
 class KvCachePluginWarning(UserWarning):

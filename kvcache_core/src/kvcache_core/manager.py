@@ -48,7 +48,7 @@ from kvcache_core.errors import (
     ForeignHandleError,
     InvalidArgumentError,
     InvalidTypeError,
-    KvCacheError,
+    InvariantError,
     NotSwappedOutError,
     OutOfBlocksError,
     SequenceTooLongError,
@@ -70,10 +70,6 @@ from kvcache_core.step import Step, StepHooks
 __all__ = ["InvariantError", "PagedKvCacheManager"]
 
 ArrayT = TypeVar("ArrayT")
-
-
-class InvariantError(KvCacheError, AssertionError):
-    """:meth:`PagedKvCacheManager.check_invariants` found the pool's records inconsistent."""
 
 
 def _is_paged_handle(value: object) -> TypeGuard[PagedKvCacheHandle[Any]]:
