@@ -293,10 +293,11 @@ def test_crop_rolls_back_to_the_logits_of_dynamic_cache(implementation: str, pad
             past.crop(-4)
         assert cache.get_seq_length() == dynamic.get_seq_length() == 8
         assert cache.request_lengths() == stored_before
-        assert manager.stats().used_blocks == blocks_with_draft  # nothing copied, nothing taken
+        # The crop truncates each request: the blocks wholly past its new end are free at once.
+        assert manager.stats().used_blocks == sum(-(-tokens // 4) for tokens in stored_before) < blocks_with_draft
         ours = forward(model, accepted, mask, 8, cache)
         expected = forward(reference, accepted, mask, 8, dynamic)
-        assert manager.stats().used_blocks == blocks_with_draft  # the accepted tokens took the draft's slots
+        assert manager.stats().used_blocks == sum(-(-tokens // 4) for tokens in cache.request_lengths())
     assert float((ours - expected).abs().max()) <= TOLERANCE
 
 
@@ -364,11 +365,34 @@ def test_reorder_moves_rows_used_once_and_copies_the_others() -> None:
         old_ids = cache.request_ids
         cache.reorder_cache(torch.tensor([2, 2, 0]))
         assert (cache.request_ids[0], cache.request_ids[2]) == (old_ids[2], old_ids[0])  # moved, not copied
-        assert cache.request_ids[1] not in old_ids  # a copy of row 2
+        assert cache.request_ids[1] not in old_ids  # a fork of row 2
         assert cache.request_lengths() == [8, 8, 9]
         for row, source in enumerate([2, 2, 0]):
             assert torch.equal(manager.gather(cache.handles[row], 1)[0], keys[source])
         assert manager.stats().active_caches == 3  # row 1's old request was released
+
+
+def test_reordered_beams_share_blocks_and_copy_only_the_block_they_diverge_in() -> None:
+    model, reference = model_pair("llama", "paged")
+    manager = make_manager(model)
+    ids, mask = prompts(3, 9, pads=(0, 3, 1))  # rows hold 9, 6 and 8 tokens in blocks of 4
+    following, _ = prompts(3, 1, seed=12)
+    grown_mask = torch.cat([mask[[0, 0, 1]], torch.ones(3, 1, dtype=torch.long)], dim=1)
+    with PagedCache(manager, model.config) as cache:
+        dynamic = transformers.DynamicCache(config=reference.config)
+        for tested, past in ((model, cache), (reference, dynamic)):
+            forward(tested, ids, mask, 0, past)
+            past.reorder_cache(torch.tensor([0, 0, 1]))
+        shared = cache.handles[0].block_table().physical_blocks
+        assert cache.handles[1].block_table().physical_blocks == shared  # a fork: nothing copied yet
+        assert manager.stats().copy_on_write_count == 0
+        ours = forward(model, following, grown_mask, 9, cache)
+        expected = forward(reference, following, grown_mask, 9, dynamic)
+        # The beams diverge in the block holding token 9: that block alone is copied.
+        assert manager.stats().copy_on_write_count == 1
+        assert cache.handles[0].block_table().physical_blocks[:2] == cache.handles[1].block_table().physical_blocks[:2]
+    assert float((ours - expected).abs().max()) <= TOLERANCE
+    assert manager.stats().used_blocks == 0
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -543,7 +567,7 @@ def test_a_pool_too_small_raises_and_takes_no_block() -> None:
     manager = make_manager(model, num_blocks=4)
     ids, mask = prompts(2, 12)
     with PagedCache(manager, model.config) as cache:
-        with pytest.raises(OutOfBlocksError, match="needs 6 more blocks"):
+        with pytest.raises(OutOfBlocksError, match="6 more blocks needed"):
             forward(model, ids, mask, 0, cache)
         assert (manager.stats().used_blocks, cache.batch_size) == (0, 0)
 

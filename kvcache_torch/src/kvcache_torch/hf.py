@@ -15,8 +15,9 @@ Two pieces, used together or apart::
   kvcache request per batch row, allocated at the first forward.
 - The ``"kvcache_paged"`` attention implementation (registered on import, or with
   :func:`register_attention`) writes each layer's new K/V into the pool in one batched write
-  and runs the manager's paged attention on the pool directly: decode never rebuilds a
-  contiguous K/V. The write happens in the attention function rather than in ``update``
+  and runs paged attention on the pool directly: decode never rebuilds a contiguous K/V.
+  Each forward is one manager step (``begin_step``): planned once at the first layer (every
+  row grown by its real new tokens, atomically), then written and attended per layer. The write happens in the attention function rather than in ``update``
   because only the attention function sees the padding mask: padding tokens (zeros of the
   2-D ``attention_mask``) are never stored, so each request holds exactly its real tokens
   and a left-padded batch gives the same logits at the real positions as ``DynamicCache``.
@@ -28,9 +29,12 @@ Two pieces, used together or apart::
   head_dim]`` the model expects: slower, but any model works. The ``"kvcache_paged"``
   attention with another cache (or none) runs ``sdpa`` on what it is given.
 - Beam search (``reorder_cache``), ``batch_repeat_interleave`` and ``batch_select_indices``
-  move requests between rows and copy blocks (``storage.copy_blocks``, one call) only for
-  rows that duplicate another. ``crop`` (rollback, assisted generation) copies nothing: a
-  row forgets its removed tokens and its next tokens take their slots.
+  move requests between rows and ``fork`` a request for each row that duplicates another:
+  the rows share every block, and only the block a beam goes on to write in is copied
+  (copy-on-write, by the next step). ``crop`` (rollback, assisted generation) truncates each
+  request (``manager.truncate``): the blocks past its new end are free at once.
+- Only public core API is used: the step, ``fork``, ``truncate``, ``gather``; the pool's
+  policies (free-block accounting, copies, tables) stay in core.
 
 Tested with transformers 5.24 (``cache=``) and, by hand, 4.56 and 4.57
 (``past_key_values=``).
@@ -45,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import threading
 import uuid
 import weakref
@@ -65,19 +68,15 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvcache_core import (
     AllocationRequest,
-    BlockTable,
     CacheConfig,
     DTypeMismatchError,
     InvalidArgumentError,
     InvalidTypeError,
-    KvCacheError,
     LayerIndexError,
-    OutOfBlocksError,
     PagedKvCacheHandle,
     PagedKvCacheManager,
-    PageTable,
-    SequenceTooLongError,
     ShapeMismatchError,
+    Step,
     UnknownRequestError,
     UnsupportedConfigError,
 )
@@ -257,24 +256,17 @@ def cache_config_for(
 class _Step:
     """The new tokens of one forward pass, shared by every layer.
 
-    ``slots`` is ``None`` until the first layer has placed the tokens (extended the
-    requests); the other layers then write into the same slots and read the same page
-    table.
+    ``planned`` is ``None`` until the first layer has placed the tokens (the manager's
+    ``begin_step`` grew every row by its real new tokens); every layer then writes and
+    attends through it.
     """
 
     start: int  # positions (padding included) held before the step
     query_length: int
     layers_done: set[int] = field(default_factory=set[int])
-    slots: SlotArray | None = None
-    page_table: PageTable | None = None
-    qo_indptr: npt.NDArray[np.int32] | None = None
+    planned: Step[torch.Tensor] | None = None
     valid: torch.Tensor | None = None  # [batch, query_length] bool on the model's device; None: all real
     stored: int = 0  # tokens the step stores over all rows
-
-    @staticmethod
-    def scale(scaling: float | None, head_dim: int) -> float:
-        """The score scale the manager would use (checked by it on the step's first layer)."""
-        return 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
 
 
 @dataclass
@@ -595,10 +587,10 @@ class PagedCache(Cache):
         if mode == "paged":
             _PENDING.entry = _Pending(self, layer, key_states, value_states, step)
             return key_states, value_states
-        if step.slots is None:
+        if step.planned is None:
             self._place_step(step, int(key_states.shape[0]), None, "contiguous")
-        assert step.slots is not None  # placed just above
-        self._manager.write(layer, step.slots, _token_major(key_states), _token_major(value_states))
+        assert step.planned is not None  # placed just above
+        step.planned.write(layer, _token_major(key_states), _token_major(value_states))
         self._finish_layer(step, layer)
         return self._gather_padded(layer)
 
@@ -625,37 +617,20 @@ class PagedCache(Cache):
             raise ShapeMismatchError(
                 f"query {tuple(query.shape)} does not match the keys {tuple(pending.key.shape)} of this layer"
             )
-        if step.slots is None:
+        if step.planned is None:
             valid = _real_tokens(attention_mask, step.start + query_length, query_length, batch)
             self._place_step(step, batch, valid, "paged")
-        assert step.slots is not None  # placed just above
-        assert step.page_table is not None
+        planned = step.planned
+        assert planned is not None  # placed just above
         valid = step.valid
-        # The step's first layer goes through the manager, which checks the slots, arrays and
-        # page table; the other layers reuse them, so they call the storage directly.
-        checked = self._manager if not step.layers_done else None
-        storage = self._manager.storage
-        if step.stored:
-            keys, values = _token_major(pending.key, valid), _token_major(pending.value, valid)
-            if checked is not None:
-                checked.write(layer, step.slots, keys, values)
-            else:
-                storage.write(layer, step.slots, keys, values)
+        if step.stored:  # the step was checked when planned: per layer only the arrays are
+            planned.write(layer, _token_major(pending.key, valid), _token_major(pending.value, valid))
         if step.start == 0 and valid is None and query_length > 1:
             output, _ = _sdpa_attention_forward(module, query, pending.key, pending.value, None, 0.0, scaling)
         elif not step.stored:
             output = query.new_zeros((batch, query_length, query_heads, head_dim))
         else:
-            queries = _token_major(query, valid)
-            if checked is not None:
-                attended = checked.paged_attention(
-                    layer, queries, step.page_table, qo_indptr=step.qo_indptr, scale=scaling, causal=True
-                )
-            else:
-                assert step.qo_indptr is not None  # set with the page table
-                attended = storage.paged_attention(
-                    layer, queries, step.page_table, step.qo_indptr, step.scale(scaling, head_dim), True
-                )
+            attended = planned.attention(layer, _token_major(query, valid), scale=scaling, causal=True)
             if valid is None:
                 output = attended.view(batch, query_length, query_heads, head_dim)
             else:
@@ -669,11 +644,12 @@ class PagedCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` becomes a copy of row ``beam_idx[i]`` (beam search).
 
-        A source row used once moves without copying; each further use copies its blocks.
+        A source row used once moves; each further use is a ``fork`` of its request, which
+        shares every block: only the block a beam goes on to write in is copied, by the
+        next forward (copy-on-write).
 
         Raises:
             InvalidArgumentError: an index outside the rows, or not one per row.
-            OutOfBlocksError: too few free blocks for the copies (nothing is changed).
         """
         sources = self._check_indices(beam_idx, "beam_idx")
         if len(sources) != len(self._handles):
@@ -683,22 +659,22 @@ class PagedCache(Cache):
         self._remap_rows(sources)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every row ``repeats`` times in place: rows ``a, b`` become ``a, a, b, b``.
+        """Repeat every row ``repeats`` times in place: rows ``a, b`` become ``a, a, b, b``
+        (the repeats are forks: they share the row's blocks until they diverge).
 
         Raises:
             InvalidArgumentError: ``repeats`` below 1.
-            OutOfBlocksError: too few free blocks for the copies (nothing is changed).
         """
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise InvalidArgumentError(f"repeats must be an int >= 1, got {repeats!r}")
         self._remap_rows([row for row in range(len(self._handles)) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the rows ``indices`` (in that order); the others are released.
+        """Keep only the rows ``indices`` (in that order); the others are released and a
+        repeated row is forked (shared blocks).
 
         Raises:
             InvalidArgumentError: an index outside the rows.
-            OutOfBlocksError: too few free blocks for the copies of repeated rows.
         """
         self._remap_rows(self._check_indices(indices, "indices"))
 
@@ -707,9 +683,8 @@ class PagedCache(Cache):
         ``crop(n)`` with ``n >= 0`` keeps the first ``n`` (the older style); ``crop(0)`` and
         ``crop(n)`` with ``n`` at or past the length change nothing.
 
-        Nothing is copied and no block is needed: each row forgets its removed tokens, and
-        their slots take the row's next tokens (the blocks stay the request's until
-        :meth:`release`).
+        Each row's request is truncated (``manager.truncate``): the blocks wholly past its
+        new end go back to the pool at once.
 
         Raises:
             InvalidArgumentError: removing more positions than cached, or not an int.
@@ -723,7 +698,10 @@ class PagedCache(Cache):
             return
         if keep < 0:
             raise InvalidArgumentError(f"cannot remove {-tokens_to_remove} positions: the cache holds {total}")
-        self._tokens[:] = [int(kept) for kept in self._stored[:, :keep].sum(axis=1)]
+        kept_tokens = [int(kept) for kept in self._stored[:, :keep].sum(axis=1)]
+        for handle, tokens in zip(self._handles, kept_tokens, strict=True):
+            self._manager.truncate(handle, tokens)
+        self._tokens[:] = kept_tokens
         self._lengths = [keep] * self._num_layers
         self._positions = keep
         self._step = None
@@ -791,96 +769,40 @@ class PagedCache(Cache):
         return self._step
 
     def _place_step(self, step: _Step, batch: int, valid: torch.Tensor | None, mode: Mode) -> None:
-        """Give the step's stored tokens their slots: allocate the rows at the first forward,
-        then extend every row by its real new tokens (all new tokens on the contiguous path).
+        """Plan the step in the manager: allocate the rows at the first forward, then grow
+        every row by its real new tokens (all new tokens on the contiguous path), for the
+        whole batch at once.
 
-        Atomic: on a shortage nothing is allocated or extended.
+        Atomic: when the pool cannot hold the step, nothing is allocated or grown.
         """
         query_length = step.query_length
         counts = [query_length] * batch if valid is None else [int(c) for c in valid.sum(dim=1).cpu().numpy()]
+        allocated: list[str] = []
         try:
-            self._check_room(counts)
-        except KvCacheError:
-            self._step = None  # nothing changed: the next forward starts afresh
-            raise
-        if not self._handles:
-            try:
-                for count in counts:
+            if not self._handles:
+                for _ in counts:
                     request_id = self._new_request_id()
                     handle = self._manager.allocate(
-                        AllocationRequest(
-                            request_id, initial_tokens=int(count), max_sequence_length=self._max_sequence_length
-                        )
+                        AllocationRequest(request_id, max_sequence_length=self._max_sequence_length)
                     )
+                    allocated.append(request_id)
                     self._handles.append(handle)
                     self._request_ids.append(request_id)
                     self._tokens.append(0)
-            except KvCacheError:
+            planned = self._manager.begin_step(self._handles, counts)
+        except BaseException:
+            if allocated:  # the first forward failed: no row stays
                 _release_requests(self._manager, self._request_ids)
                 self._handles.clear()
                 self._tokens.clear()
-                self._step = None
-                raise
-        slots = [self._row_slots(row, count) for row, count in enumerate(counts)]
-        step.slots = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
-        step.page_table = self._page_table()
-        indptr = np.zeros(batch + 1, dtype=np.int32)
-        np.cumsum(np.asarray(counts, dtype=np.int32), out=indptr[1:])
-        step.qo_indptr = indptr
+            self._step = None  # nothing changed: the next forward starts afresh
+            raise
+        step.planned = planned
         step.valid = valid
-        step.stored = int(indptr[-1])
+        step.stored = planned.num_new_tokens
+        self._tokens[:] = [tokens + count for tokens, count in zip(self._tokens, counts, strict=True)]
         self._mode = mode
         self._record_stored(valid, batch, query_length)
-
-    def _row_slots(self, row: int, count: int) -> SlotArray:
-        """Slots of the row's next ``count`` tokens: first those a :meth:`crop` freed, then
-        new ones from ``manager.extend``."""
-        handle, start = self._handles[row], self._tokens[row]
-        held = handle.block_table_mut().sequence_length
-        reused = min(count, held - start)
-        slots = self._manager.extend(handle, count - reused)
-        if reused:
-            slots = np.concatenate([handle.block_table().slots(start, start + reused), slots])
-        self._tokens[row] = start + count
-        return slots
-
-    def _page_table(self) -> PageTable:
-        """The batch's page table over the tokens in use (shorter than the requests after a crop)."""
-        held = [handle.block_table_mut().sequence_length for handle in self._handles]
-        if held == self._tokens:
-            return self._manager.page_table(self._handles)
-        tables = [handle.block_table() for handle in self._handles]
-        block_size = self._manager.config.block_size
-        in_use = [
-            BlockTable(block_size, table.physical_blocks[: _blocks_for(tokens, block_size)], tokens)
-            for table, tokens in zip(tables, self._tokens, strict=True)
-        ]
-        return PageTable.from_block_tables(in_use, self._request_ids, block_size)
-
-    def _check_room(self, counts: Sequence[int]) -> None:
-        """Raise before any change if the rows cannot grow by ``counts``."""
-        block_size = self._manager.config.block_size
-        # Read-only looks at the live tables: O(1) per row, no snapshot copies each step.
-        tables = [handle.block_table_mut() for handle in self._handles]
-        lengths = list(self._tokens) or [0] * len(counts)
-        capacity = [table.num_blocks() for table in tables] or [0] * len(counts)
-        if self._max_sequence_length is not None:
-            for row, (length, count) in enumerate(zip(lengths, counts, strict=True)):
-                if length + count > self._max_sequence_length:
-                    raise SequenceTooLongError(
-                        f"row {row} would hold {length + count} tokens, past max_sequence_length "
-                        f"{self._max_sequence_length}"
-                    )
-        needed = sum(
-            max(0, _blocks_for(length + count, block_size) - blocks)
-            for length, count, blocks in zip(lengths, counts, capacity, strict=True)
-        )
-        free = self._manager.allocator.free_block_count()
-        if needed > free:
-            raise OutOfBlocksError(
-                f"the batch needs {needed} more blocks of {block_size} tokens for {sum(counts)} new tokens, "
-                f"{free} of {self._manager.config.num_blocks} are free"
-            )
 
     def _record_stored(self, valid: torch.Tensor | None, batch: int, query_length: int) -> None:
         start = self._positions
@@ -923,7 +845,8 @@ class PagedCache(Cache):
         """New row ``j`` takes the content of old row ``sources[j]``.
 
         Each source's own request goes to one of the rows that want it (itself if it does),
-        the other rows get copies, and requests nobody wants are released.
+        the other rows get forks of it (shared blocks, copied on write), and requests
+        nobody wants are released.
         """
         self._check_step_complete()
         rows = len(self._handles)
@@ -939,14 +862,20 @@ class PagedCache(Cache):
             if chosen[new_row] is None and source not in taken:
                 chosen[new_row] = source
                 taken.add(source)
-        copy_rows = [new_row for new_row, source in enumerate(chosen) if source is None]
-        copies = self._copy_requests([(self._handles[sources[r]], self._tokens[sources[r]]) for r in copy_rows])
-        copied = dict(zip(copy_rows, copies, strict=True))
+        forks: dict[int, tuple[PagedKvCacheHandle[torch.Tensor], str]] = {}
+        try:
+            for new_row, chosen_source in enumerate(chosen):
+                if chosen_source is None:
+                    request_id = self._new_request_id()
+                    forks[new_row] = (self._manager.fork(self._handles[sources[new_row]], request_id), request_id)
+        except BaseException:
+            _release_requests(self._manager, [request_id for _, request_id in forks.values()])
+            raise
         handles: list[PagedKvCacheHandle[torch.Tensor]] = []
         request_ids: list[str] = []
         for new_row, chosen_source in enumerate(chosen):
             if chosen_source is None:
-                handle, request_id = copied[new_row]
+                handle, request_id = forks[new_row]
             else:
                 handle, request_id = self._handles[chosen_source], self._request_ids[chosen_source]
             handles.append(handle)
@@ -958,43 +887,6 @@ class PagedCache(Cache):
         _release_requests(self._manager, unused)
         self._stored = self._stored[sources]
         self._step = None
-
-    def _copy_requests(
-        self, sources: Sequence[tuple[PagedKvCacheHandle[torch.Tensor], int]]
-    ) -> list[tuple[PagedKvCacheHandle[torch.Tensor], str]]:
-        """New requests holding the first ``tokens`` tokens of each source, copied block by
-        block in one storage call. Atomic: on a shortage nothing is allocated."""
-        if not sources:
-            return []
-        block_size = self._manager.config.block_size
-        needed = sum(_blocks_for(tokens, block_size) for _, tokens in sources)
-        free = self._manager.allocator.free_block_count()
-        if needed > free:
-            raise OutOfBlocksError(
-                f"copying {len(sources)} rows needs {needed} blocks, {free} of {self._manager.config.num_blocks} are free"
-            )
-        created: list[tuple[PagedKvCacheHandle[torch.Tensor], str]] = []
-        source_blocks: list[int] = []
-        target_blocks: list[int] = []
-        try:
-            for handle, tokens in sources:
-                request_id = self._new_request_id()
-                copy = self._manager.allocate(
-                    AllocationRequest(request_id, initial_tokens=tokens, max_sequence_length=self._max_sequence_length)
-                )
-                created.append((copy, request_id))
-                self._manager.extend(copy, tokens)
-                used = _blocks_for(tokens, block_size)
-                source_blocks.extend(handle.block_table().physical_blocks[:used])
-                target_blocks.extend(copy.block_table().physical_blocks[:used])
-            if source_blocks:
-                self._manager.storage.copy_blocks(
-                    np.asarray(source_blocks, dtype=np.int64), np.asarray(target_blocks, dtype=np.int64)
-                )
-        except BaseException:
-            _release_requests(self._manager, [request_id for _, request_id in created])
-            raise
-        return created
 
 
 def _token_major(states: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
