@@ -112,9 +112,8 @@ def grow(policy: Policy, lengths: Sequence[int], arrival: str, block_size: int, 
     handles: list[PagedKvCacheHandle[Array] | None] = [None] * len(lengths)
     step_s: list[float] = []
     block_step_s: list[float] = []
-    allocator = manager.allocator
     for step in range(longest):
-        free_before = allocator.free_block_count()
+        free_before = manager.stats().free_blocks
         started = time.perf_counter()
         for request, (start, length) in enumerate(zip(starts, lengths, strict=True)):
             if not start <= step < start + length:
@@ -128,7 +127,7 @@ def grow(policy: Policy, lengths: Sequence[int], arrival: str, block_size: int, 
             manager.extend(handle, 1)
         elapsed = time.perf_counter() - started
         step_s.append(elapsed)
-        if allocator.free_block_count() != free_before:
+        if manager.stats().free_blocks != free_before:
             block_step_s.append(elapsed)
     manager.check_invariants()
     runs = tuple(len(handle.block_table().runs()) for handle in handles if handle is not None)

@@ -103,13 +103,17 @@ class WriteSetup:
     """A pool of one size, with one decode step's slots and tokens ready to write."""
 
     manager: Manager
+    storage: JaxStorage  # the manager's pool, built here (its copy counter is read at the end)
+    handle: Handle  # any request: its key_cache is the current pool array
     slots: npt.NDArray[np.int64]
     tokens: jax.Array
     copying_pools: tuple[jax.Array, jax.Array]  # the copying contender's own pools
 
     def donated(self) -> jax.Array:
         self.manager.write(0, self.slots, self.tokens, self.tokens)
-        return self.manager.storage.key_cache(0)
+        pool = self.handle.key_cache(0)
+        assert pool is not None
+        return pool
 
     def copying(self, program: Callable[..., tuple[jax.Array, jax.Array]]) -> jax.Array:
         slots = jnp.asarray(self.slots, jnp.int32)
@@ -125,15 +129,16 @@ def write_setup(geometry: Geometry, size_mib: int, batch: int) -> WriteSetup:
         num_blocks=size_mib * MIB // geometry.bytes_per_block,
         block_size=geometry.block_size,
     )
-    manager: Manager = create_manager("jax", config)
+    storage = JaxStorage(config)
+    manager: Manager = PagedKvCacheManager(storage, backend="jax")
     handles = [manager.allocate(AllocationRequest(f"r{index}")) for index in range(batch)]
     for handle in handles:
         manager.extend(handle, 100)
     rng = np.random.default_rng(0)
-    tokens = manager.storage.from_numpy(rng.standard_normal((batch, geometry.kv_heads, geometry.head_dim), np.float32))
+    tokens = jnp.asarray(rng.standard_normal((batch, geometry.kv_heads, geometry.head_dim), np.float32))
     slots = np.concatenate([manager.extend(handle, 1) for handle in handles])
     pools = (jnp.zeros(config.block_shape()), jnp.zeros(config.block_shape()))
-    return WriteSetup(manager, slots, tokens, pools)
+    return WriteSetup(manager, storage, handles[0], slots, tokens, pools)
 
 
 def write_costs(geometry: Geometry, pool_mib: Sequence[int], batch: int, repeats: int) -> dict[str, list[float]]:
@@ -151,9 +156,8 @@ def write_costs(geometry: Geometry, pool_mib: Sequence[int], batch: int, repeats
     )
     costs["copying"] = [copying[str(index)] for index in range(len(setups))]
     for setup in setups:
-        storage = setup.manager.storage
-        if isinstance(storage, JaxStorage) and storage.copies_made:
-            print(f"  warning: {storage.copies_made} pools copied on write (a reference was held)")
+        if setup.storage.copies_made:
+            print(f"  warning: {setup.storage.copies_made} pools copied on write (a reference was held)")
     return costs
 
 
@@ -172,7 +176,6 @@ def grown_batch(geometry: Geometry, context: int, batch: int, kv_layout: str) ->
         kv_layout=kv_layout,
     )
     manager: Manager = create_manager("jax", config)
-    storage = manager.storage
     handles = [manager.allocate(AllocationRequest(f"r{index}")) for index in range(batch)]
     rng = np.random.default_rng(context)
     chunk = 32 * geometry.block_size
@@ -180,8 +183,8 @@ def grown_batch(geometry: Geometry, context: int, batch: int, kv_layout: str) ->
         count = min(chunk, context - first)
         slots = np.concatenate([manager.extend(handle, count) for handle in handles])
         shape = (len(slots), geometry.kv_heads, geometry.head_dim)
-        keys = storage.from_numpy(rng.standard_normal(shape, np.float32))
-        values = storage.from_numpy(rng.standard_normal(shape, np.float32))
+        keys = jnp.asarray(rng.standard_normal(shape, np.float32))
+        values = jnp.asarray(rng.standard_normal(shape, np.float32))
         manager.write(0, slots, keys, values)
     return manager, handles
 
@@ -209,9 +212,8 @@ def attention_times(
 ) -> dict[str, float] | None:
     """Medians of paged and dense decode attention; ``None`` if their outputs differ."""
     manager, handles = grown_batch(geometry, context, batch, kv_layout)
-    storage = manager.storage
     rng = np.random.default_rng(1)
-    query = storage.from_numpy(rng.standard_normal((batch, geometry.query_heads, geometry.head_dim), np.float32))
+    query = jnp.asarray(rng.standard_normal((batch, geometry.query_heads, geometry.head_dim), np.float32))
     table = manager.page_table(handles)
     gathered = [manager.gather(handle, 0) for handle in handles]
     token_major = [jnp.stack([pair[side] for pair in gathered]) for side in (0, 1)]  # [B, S, H, D]

@@ -66,3 +66,27 @@ def test_readme_shows_the_transformers_drop_in_in_under_15_lines() -> None:
     assert len(snippet.strip().splitlines()) < 15
     assert "cache=cache" in snippet
     assert 'attn_implementation="kvcache_paged"' in snippet
+
+
+#: Where integrations live: they may use core's public API only (core owns every policy).
+INTEGRATIONS = ("kvcache_torch/src", "kvcache_jax/src", "examples", "benchmarks")
+#: Reaching into a manager: its storage, allocator or prefix map, or any private member.
+MANAGER_INTERNALS = re.compile(r"(?:\b|_)manager\.(?:storage|allocator|prefix_cache)\b|(?:\b|_)manager\._[a-z]\w*")
+
+
+def test_integrations_use_no_manager_internals() -> None:
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for folder in INTEGRATIONS
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if MANAGER_INTERNALS.search(line) and not line.lstrip().startswith("#")
+    ]
+    assert offenders == [], "use core's public API (the step, fork, truncate, gather, stats):\n" + "\n".join(offenders)
+
+
+def test_the_internals_check_finds_what_it_looks_for() -> None:
+    for line in ("m = self._manager.storage", "free = manager.allocator.free_block_count()", "manager._requests"):
+        assert MANAGER_INTERNALS.search(line), line
+    for line in ("manager.stats().free_blocks", "manager.begin_step(handles, 1)", "storage.write(0, slots, k, v)"):
+        assert not MANAGER_INTERNALS.search(line), line

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcache_core import AllocationRequest, CacheConfig, create_manager
+from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError
 from kvcache_memmap import MemmapStorage
 
@@ -16,14 +16,13 @@ CONFIG = CacheConfig(num_layers=2, num_heads=2, head_dim=4, num_blocks=8, block_
 
 def test_a_reopened_pool_holds_what_was_written(tmp_path: Path) -> None:
     path = tmp_path / "pool.kv"
-    manager = create_manager("memmap", CONFIG, path=path)
+    storage = MemmapStorage(CONFIG, path=path)
+    manager = PagedKvCacheManager(storage, backend="memmap")
     handle = manager.allocate(AllocationRequest("r"))
     slots = manager.extend(handle, 6)
     keys = np.arange(6 * 2 * 4, dtype=np.float32).reshape(6, 2, 4)
     manager.write(1, slots, keys, -keys)
     table = handle.block_table().to_dict()
-    storage = manager.storage
-    assert isinstance(storage, MemmapStorage)
     storage.close()  # flushes, and releases the path's lock for the next opener
     del manager, handle, storage
 
