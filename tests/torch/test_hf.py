@@ -10,6 +10,7 @@ max abs difference <= 1e-4) at every real position. ``paged`` is the fast path (
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -661,3 +662,74 @@ def test_cache_config_for_a_model_takes_the_dtype_of_its_weights() -> None:
     assert cache_config_for(model, num_blocks=4).dtype == "bfloat16"
     assert cache_config_for(model.config, num_blocks=4).dtype == "float32"  # the config still says float32
     assert cache_config_for(model, num_blocks=4, dtype="float16").dtype == "float16"
+
+
+def prefix_caching_manager(model: Model, block_size: int = 16) -> PagedKvCacheManager[Tensor]:
+    config = dataclasses.replace(
+        cache_config_for(model, num_blocks=96, block_size=block_size), enable_prefix_caching=True
+    )
+    manager: PagedKvCacheManager[Tensor] = create_manager("torch", config)
+    return manager
+
+
+def test_a_second_generate_on_a_shared_prompt_computes_only_the_uncached_tokens() -> None:
+    model, _ = model_pair("llama", "paged")
+    manager = prefix_caching_manager(model)
+    ids, mask = prompts(1, 200, seed=13)
+    computed: list[int] = []
+
+    def count_new_tokens(_module: Model, _args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        input_ids: Tensor = kwargs["input_ids"]
+        computed.append(int(input_ids.shape[1]))
+
+    hook = model.register_forward_pre_hook(count_new_tokens, with_kwargs=True)
+    runs: list[tuple[int, Any, int]] = []
+    try:
+        for _ in range(2):
+            computed.clear()
+            with PagedCache(manager, model.config) as cache:
+                cached = cache.map_cached_prefix(ids, mask)
+                runs.append((cached, generate(model, ids, mask, cache), computed[0]))
+    finally:
+        hook.remove()
+    (first_cached, first, first_computed), (second_cached, second, second_computed) = runs
+    assert (first_cached, first_computed) == (0, 200)
+    assert second_cached == (200 - 1) // 16 * 16 == 192  # every full block but the one of the last token
+    assert second_computed == 200 - 192
+    assert manager.stats().prefix_cache_hits >= (200 - 1) // 16
+    assert torch.equal(first.sequences, second.sequences)
+    assert max_logit_difference(second.logits, first.logits) <= 1e-5
+    assert manager.stats().used_blocks == 0
+
+
+def test_rows_keep_only_the_cached_positions_every_row_shares() -> None:
+    model, reference = model_pair("llama", "paged")
+    manager = prefix_caching_manager(model, block_size=4)
+    long_ids, _ = prompts(1, 12, seed=14)
+    with PagedCache(manager, model.config) as cache:  # caches the 12-token prompt's full blocks
+        cache.map_cached_prefix(long_ids)
+        generate(model, long_ids, torch.ones_like(long_ids), cache, max_new_tokens=1)
+    ids = torch.cat([long_ids, torch.cat([torch.zeros(1, 4, dtype=torch.long), long_ids[:, :8]], dim=1)])
+    mask = torch.cat([torch.ones(1, 12, dtype=torch.long), torch.tensor([[0] * 4 + [1] * 8])])
+    with PagedCache(manager, model.config) as cache:
+        # Row 0 hits 8 tokens (2 blocks; the last is always computed), row 1 hits 4 after 4
+        # padding columns: both share 8 cached positions.
+        assert cache.map_cached_prefix(ids, mask) == 8
+        assert cache.request_lengths() == [8, 4]
+        ours = generate(model, ids, mask, cache)
+    expected = generate(reference, ids, mask)
+    assert torch.equal(ours.sequences, expected.sequences)
+    assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
+
+
+def test_map_cached_prefix_refuses_a_filled_cache_and_right_padding() -> None:
+    model, _ = model_pair("llama", "paged")
+    manager = prefix_caching_manager(model)
+    ids, mask = prompts(2, 6)
+    with PagedCache(manager, model.config) as cache:
+        with pytest.raises(InvalidArgumentError, match=r"row 1 .* not left-padded"):
+            cache.map_cached_prefix(ids, torch.tensor([[1] * 6, [1] * 5 + [0]]))
+        assert manager.stats().active_caches == 0
+        cache.map_cached_prefix(ids, mask)
+        with pytest.raises(InvalidArgumentError, match="release"):
+            cache.map_cached_prefix(ids, mask)

@@ -516,6 +516,95 @@ class PagedCache(Cache):
             f"tokens={sum(self.request_lengths())}, mode={self._mode}, manager={self._manager!r})"
         )
 
+    # -- prefix caching ----------------------------------------------------------------
+
+    def map_cached_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """Start every row from the prefix cache: call it with the prompts before ``generate``.
+
+        Each row becomes a kvcache request holding its prompt's token ids (padding left
+        out), so that the blocks of the prompt become cacheable as they are written, and
+        mapping every cached full block of it (``CacheConfig(enable_prefix_caching=True)``).
+        transformers counts positions per batch, so the rows keep the cached positions all
+        of them share (a row with fewer drops its extra hits); ``generate`` then sees a cache
+        of that many positions and computes only the tokens after them.
+
+        Args:
+            input_ids: ``[batch, positions]`` token ids, left-padded.
+            attention_mask: ``[batch, positions]``, 0 for padding (``None``: no padding).
+
+        Returns:
+            The positions now cached (``get_seq_length()``): 0 without a hit.
+
+        Raises:
+            InvalidArgumentError: the cache already holds rows (``release()`` it first), or
+                ids and mask that are not 2-D integer tensors of one shape, left-padded.
+            UnsupportedConfigError: the model does not run ``"kvcache_paged"`` attention
+                (the contiguous path stores padding, so rows cannot skip it).
+            OutOfBlocksError: the pool cannot hold the rows (nothing is kept).
+        """
+        if self._handles:
+            raise InvalidArgumentError(f"the cache holds {len(self._handles)} rows already: release() it first")
+        if _attention_implementation(self._text) != ATTN_IMPLEMENTATION:
+            raise UnsupportedConfigError(
+                f"map_cached_prefix needs attn_implementation={ATTN_IMPLEMENTATION!r}, the model runs "
+                f"{_attention_implementation(self._text)!r}"
+            )
+        prompts = self._prompt_rows(input_ids, attention_mask)
+        columns = int(input_ids.shape[1])
+        handles: list[PagedKvCacheHandle[torch.Tensor]] = []
+        request_ids: list[str] = []
+        try:
+            for prompt in prompts:
+                request_id = self._new_request_id()
+                handles.append(
+                    self._manager.allocate(
+                        AllocationRequest(
+                            request_id, prompt_token_ids=prompt or None, max_sequence_length=self._max_sequence_length
+                        )
+                    )
+                )
+                request_ids.append(request_id)
+            pads = [columns - len(prompt) for prompt in prompts]
+            shared = min(pad + handle.num_cached_tokens() for pad, handle in zip(pads, handles, strict=True))
+            kept = [max(0, shared - pad) for pad in pads]
+            for handle, tokens in zip(handles, kept, strict=True):
+                if handle.num_tokens() > tokens:
+                    self._manager.truncate(handle, tokens)
+        except BaseException:
+            _release_requests(self._manager, request_ids)
+            raise
+        self._handles[:] = handles
+        self._request_ids[:] = request_ids
+        self._tokens[:] = kept
+        self._mode = "paged"
+        self._lengths = [shared] * self._num_layers
+        self._positions = shared
+        real = np.ones((len(prompts), columns), dtype=np.bool_)
+        for row, pad in enumerate(pads):
+            real[row, :pad] = False
+        self._stored = real[:, :shared].copy()
+        return shared
+
+    def _prompt_rows(self, input_ids: object, attention_mask: object) -> list[tuple[int, ...]]:
+        """Each row's real token ids, after checking that the batch is left-padded."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise InvalidArgumentError(f"input_ids must be a 2-D integer tensor, got {input_ids!r}")
+        if attention_mask is None:
+            mask = torch.ones_like(input_ids, dtype=torch.bool)
+        elif isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape:
+            mask = attention_mask.to(torch.bool)
+        else:
+            raise InvalidArgumentError(
+                f"attention_mask must be a tensor of the ids' shape {tuple(input_ids.shape)}, got {attention_mask!r}"
+            )
+        rows: list[tuple[int, ...]] = []
+        for row, (ids, real) in enumerate(zip(input_ids.cpu(), mask.cpu(), strict=True)):
+            count = int(real.sum())
+            if not bool(real[real.shape[0] - count :].all()):
+                raise InvalidArgumentError(f"row {row} of the attention_mask is not left-padded: {real.int().tolist()}")
+            rows.append(tuple(int(token) for token in ids[real.shape[0] - count :].tolist()))
+        return rows
+
     # -- lifecycle ---------------------------------------------------------------------
 
     def release(self) -> None:
