@@ -2,11 +2,11 @@
 
 What is compared, in one process, with the same inputs:
 
-* **ours** -- ``create_manager("numpy", CacheConfig(...))``. A step extends every request
-  by one token (``manager.extend``), takes the batch's ``manager.page_table(handles)``
-  and then, for every layer, scatters the new token's K/V of all requests with one
-  ``manager.write(layer, concatenated_slots, K, V)`` and runs
-  ``manager.paged_attention(layer, q, page_table)``, which reads the pool in place.
+* **ours** -- ``create_manager("numpy", CacheConfig(...))``. A step is planned once
+  (``manager.begin_step(handles, 1)``: every request grows by one token) and then, for
+  every layer, scatters the new token's K/V of all requests with one
+  ``step.write(layer, K, V)`` and runs ``step.attention(layer, q)``, which reads the pool
+  in place.
 * **dense** -- the usual competitor: one contiguous ``[kv_heads, tokens, head_dim]``
   array per request per layer that grows by ``np.concatenate`` each step, followed by
   grouped-query softmax attention on it (the query heads of one KV head grouped into
@@ -177,13 +177,12 @@ class DenseCache:
 
 
 def paged_step(manager: Manager, handles: Sequence[Handle], inputs: StepInputs) -> list[Array]:
-    """One decode step through the manager's public data path; ``[batch, q_heads, D]`` per layer."""
-    slots = np.concatenate([manager.extend(handle, 1) for handle in handles])
-    page_table = manager.page_table(handles)
+    """One decode step through the manager's step (planned once); ``[batch, q_heads, D]`` per layer."""
+    step = manager.begin_step(handles, 1)
     outputs: list[Array] = []
     for layer in range(manager.config.num_layers):
-        manager.write(layer, slots, inputs.keys[layer], inputs.values[layer])
-        outputs.append(manager.paged_attention(layer, inputs.queries[layer], page_table))
+        step.write(layer, inputs.keys[layer], inputs.values[layer])
+        outputs.append(step.attention(layer, inputs.queries[layer]))
     return outputs
 
 
