@@ -1348,6 +1348,10 @@ class PagedKvCacheManager(Generic[ArrayT]):
             self._release_leading(state, plan.released)
         if not copy_first:
             self._copy_on_write(state, copies)
+        if self._prefix is not None and plan.tokens:
+            # A block truncated into while shared may be ours alone now and still cached:
+            # it leaves the cache before new tokens go into it (a cached block is immutable).
+            self._unregister_rewritten(state, old_length, old_length + plan.tokens)
         if plan.missing:
             logical_now = table.first_logical + table.num_blocks()
             last = table.physical_blocks[-1] if table.num_blocks() else None

@@ -918,3 +918,30 @@ class KvCacheConformance:
         manager.check_invariants()
         manager.deallocate("a")
         assert manager.stats().used_blocks == 0
+
+    @pytest.mark.kvcache_requires("prefix_caching")
+    @pytest.mark.kvcache_requires("fork")
+    def test_a_cached_block_truncated_into_while_shared_leaves_the_cache_before_it_is_written(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        manager = kvcache_backend.manager(kvcache_backend.config(enable_prefix_caching=True))
+        block_size, layers = manager.config.block_size, manager.config.num_layers
+        prompt = tuple(range(1, 3 * block_size + 1))  # three full blocks, all cached once written
+        parent = manager.allocate(AllocationRequest("a", prompt_token_ids=prompt))
+        step = manager.begin_step([parent], [len(prompt)], token_ids=[prompt])
+        for layer in range(layers):
+            step.write(layer, *kv_pair(manager, len(prompt), 1.0))
+        child = manager.fork(parent, "b")
+        manager.truncate(parent, 2 * block_size + 1)  # into the third block, which the child shares
+        rewrite = manager.writable_slots(child, 2 * block_size, 3 * block_size)  # the child copies it away
+        for layer in range(layers):
+            manager.write(layer, rewrite, *kv_pair(manager, block_size, 5.0))
+        grow = manager.begin_step([parent], [2])  # into the block the cache still lists
+        for layer in range(layers):
+            grow.write(layer, *kv_pair(manager, 2, 9.0))
+        manager.check_invariants()
+        manager.deallocate("a")
+        manager.deallocate("b")
+        later = manager.allocate(AllocationRequest("c", prompt_token_ids=(*prompt, 99)))
+        assert later.num_cached_tokens() <= 2 * block_size, "a block written after truncation was served"
+        manager.check_invariants()
