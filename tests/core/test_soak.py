@@ -21,7 +21,17 @@ def test_eight_threads_of_mixed_operations_end_clean() -> None:
     assert report.invariant_checks > 0
     assert report.evictions > 0
     done = report.operations
-    for operation in ("prefix hit", "fork", "rewrite", "swap out", "swap in", "verify", "deallocate"):
+    for operation in (
+        "prefix hit",
+        "step",
+        "truncate",
+        "fork",
+        "rewrite",
+        "swap out",
+        "swap in",
+        "verify",
+        "deallocate",
+    ):
         assert done.get(operation, 0) > 0, f"the soak never ran {operation!r}: {done}"
     print(
         f"soak: {sum(done.values())} operations {dict(sorted(done.items()))}, {report.invariant_checks} checks, {report.evictions} evictions"

@@ -112,7 +112,7 @@ class _Worker:
         return ids[int(self.rng.integers(len(ids)))] if ids else None
 
     def run(self) -> None:
-        actions = [self.allocate, self.grow, self.grow, self.grow, self.verify, self.deallocate]
+        actions = [self.allocate, self.grow, self.grow, self.step, self.truncate, self.verify, self.deallocate]
         if self.backend.claims("fork"):
             actions += [self.fork, self.rewrite]
         if self.backend.claims("swap"):
@@ -182,6 +182,50 @@ class _Worker:
         tokens = [ALPHABET[int(i)] for i in self.rng.integers(len(ALPHABET), size=count)]
         self.extend(request, tokens)
         self.count("extend")
+
+    def step(self) -> None:
+        """A planned step over every resident request: one or two new tokens each."""
+        ids = self.resident()
+        if not ids:
+            return self.allocate()
+        requests = [self.requests[request_id] for request_id in ids]
+        counts = [min(int(self.rng.integers(1, 3)), 40 - r.handle.num_tokens()) for r in requests]
+        tokens = [[ALPHABET[int(i)] for i in self.rng.integers(len(ALPHABET), size=max(count, 0))] for count in counts]
+        if min(counts) < 0:
+            return self.deallocate()
+        starts = [r.handle.num_tokens() for r in requests]
+        planned = self.manager.begin_step([r.handle for r in requests], counts, token_ids=tokens)
+        keys: list[tuple[object, ...]] = []
+        for request, start, new in zip(requests, starts, tokens, strict=True):
+            request.tokens.extend(new)
+            keys.extend(("p", *request.tokens[: p + 1]) for p in range(start, start + len(new)))
+        heads, dim, layers = self.shape
+        pairs = [_kv(key, heads, dim, layers) for key in keys]
+        for layer in range(layers):
+            k = np.stack([pair[0][layer] for pair in pairs]) if pairs else np.zeros((0, heads, dim))
+            v = np.stack([pair[1][layer] for pair in pairs]) if pairs else np.zeros((0, heads, dim))
+            planned.write(layer, BackendUnderTest.native(self.manager, k), BackendUnderTest.native(self.manager, v))
+        offset = 0
+        for request, start, new in zip(requests, starts, tokens, strict=True):
+            del request.keys[start:]
+            request.keys.extend(keys[offset : offset + len(new)])
+            offset += len(new)
+        self.count("step")
+
+    def truncate(self) -> None:
+        """A rollback: the request drops its last few tokens (and forgets their ids)."""
+        request_id = self.pick(self.resident())
+        if request_id is None:
+            return
+        request = self.requests[request_id]
+        length = request.handle.num_tokens()
+        if not length:
+            return
+        keep = max(0, length - int(self.rng.integers(1, 4)))
+        self.manager.truncate(request.handle, keep)
+        del request.tokens[keep:]
+        del request.keys[keep:]
+        self.count("truncate")
 
     def fork(self) -> None:
         parent_id = self.pick(self.resident())
