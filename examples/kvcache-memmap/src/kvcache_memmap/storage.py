@@ -101,7 +101,7 @@ class MemmapStorage(NumpyStorage):
 
 
 @hookimpl
-def kvcache_register_backends() -> Iterator[BackendSpec]:
+def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
     """Register the ``memmap`` backend."""
     yield BackendSpec(
         name="memmap",

@@ -44,7 +44,7 @@ class BackendUnderTest:
     """
 
     name: str
-    spec: BackendSpec
+    spec: BackendSpec[Any]
 
     @property
     def device(self) -> str:
