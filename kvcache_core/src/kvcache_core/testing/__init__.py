@@ -2,7 +2,7 @@
 
 Run it against every installed backend, or one::
 
-    pytest -p kvcache_core.testing --kvcache-backend numpy --pyargs kvcache_core.testing.selftest
+    pytest -p kvcache_core.testing --kvcache-backend numpy --pyargs kvcache_core.testing.test_conformance
 
 or subclass :class:`KvCacheConformance` in one test file of your own backend::
 
@@ -41,6 +41,8 @@ from kvcache_core.testing._plugin import (  # noqa: E402  (after the rewrite reg
     pytest_configure,
     pytest_generate_tests,
     pytest_runtest_makereport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
 )
 
 if TYPE_CHECKING:
@@ -57,6 +59,8 @@ __all__ = [
     "pytest_configure",
     "pytest_generate_tests",
     "pytest_runtest_makereport",
+    "pytest_sessionfinish",
+    "pytest_terminal_summary",
 ]
 
 
