@@ -81,13 +81,15 @@ class KitSettings:
         so a run's failures depend on the code and the seed alone. Apply the seed with
         ``hypothesis.seed(settings.seed)`` on the test or state machine.
         """
-        from hypothesis import HealthCheck, settings
+        from hypothesis import HealthCheck, Phase, settings
 
         return settings(
             max_examples=self.max_examples,
             stateful_step_count=self.step_count,
             deadline=self.deadline_ms,
             database=None,
+            # No "explain" phase: its coverage notes bury the failing steps.
+            phases=[Phase.explicit, Phase.generate, Phase.target, Phase.shrink],
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
         )  # everything else (verbosity, phases, ...) from the loaded Hypothesis profile
 
