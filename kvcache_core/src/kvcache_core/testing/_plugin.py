@@ -21,7 +21,7 @@ import json
 import math
 import shlex
 from collections import Counter
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,7 +285,7 @@ def backend_records(config: pytest.Config) -> dict[str, BackendRecord]:
 
 
 @contextlib.contextmanager
-def _short_array_reprs() -> Iterator[None]:
+def _short_array_reprs() -> Generator[None, None, None]:
     """Arrays in failure explanations as a few edge items, not whole pools."""
     import numpy as np
 
@@ -305,7 +305,7 @@ def skip_unclaimed(request: pytest.FixtureRequest, backend: str, *capabilities: 
 
 
 @pytest.fixture
-def kvcache_backend(request: pytest.FixtureRequest) -> Iterator[Any]:
+def kvcache_backend(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
     """The backend under test (a :class:`~kvcache_core.testing.BackendUnderTest`).
 
     Skips, with the reason, when the backend is not installed, is unavailable here, or
