@@ -176,7 +176,7 @@ def test_backends_command_lists_numpy_with_its_distribution() -> None:
     out = io.StringIO()
     assert main(["backends"], out) == 0
     lines = out.getvalue().splitlines()
-    assert lines[0].split() == ["name", "distribution", "version", "available", "devices"]
+    assert lines[0].split() == ["name", "distribution", "version", "available", "devices", "description"]
     numpy_row = next(line.split() for line in lines if line.startswith("numpy"))
     assert numpy_row[1] == "kvcache-core"
     assert numpy_row[3] == "yes"
@@ -210,3 +210,13 @@ def test_the_placement_policy_is_chosen_at_creation() -> None:
     config = CacheConfig(num_layers=1, num_heads=1, head_dim=2, num_blocks=4)
     assert create_manager("numpy", config).allocator.placement == "contiguous"
     assert create_manager("numpy", config, placement="fifo").allocator.placement == "fifo"
+
+
+def test_the_capability_vocabulary_is_one_list() -> None:
+    from kvcache_core.hookspecs import CAPABILITIES
+    from kvcache_core.numpy_backend import POLICY_CAPABILITIES
+    from kvcache_core.testing._plugin import POLICY_CAPABILITIES as KIT_POLICIES
+    from kvcache_core.testing.backend import CAPABILITIES as KIT_CAPABILITIES
+
+    assert set(KIT_POLICIES) == set(POLICY_CAPABILITIES)
+    assert KIT_CAPABILITIES == set(CAPABILITIES) == POLICY_CAPABILITIES | {"immutable_arrays"}
