@@ -13,6 +13,13 @@ or subclass :class:`KvCacheConformance` in one test file of your own backend::
     class TestMine(KvCacheConformance):
         pass
 
+Besides the Protocol members and their signatures, the kit checks what every storage
+method returns (:mod:`kvcache_core.testing.returns`), the data path, attention, the
+policies a backend claims in ``BackendSpec.capabilities`` (the summary lists those it does
+not claim and the tests skipped for that; ``--kvcache-require-all`` fails them), closing,
+bad inputs and threads. Runs are repeatable (``--kvcache-seed``, default 0, no Hypothesis
+example database) and every failure ends with a ``reproduce:`` command to paste.
+
 The plugin registers itself through the ``pytest11`` entry point of kvcache-core and stays
 inert until a test uses the ``kvcache_backend`` fixture. Importing this package imports
 neither hypothesis nor any backend's array library; the suite loads on first use of
