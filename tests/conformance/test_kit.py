@@ -7,7 +7,9 @@ installed as fake distributions; a kit that cannot fail them would be worth noth
 from __future__ import annotations
 
 import io
+import os
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -54,6 +56,25 @@ class NoCopyStorage(NumpyStorage):
         pass
 
 
+class ListGatherStorage(NumpyStorage):
+    # Returns a list from gather: it unpacks like the tuple the contract says.
+    def gather(self, layer, blocks, num_tokens):
+        return list(super().gather(layer, blocks, num_tokens))
+
+
+HOARD = []
+
+
+class HoardingStorage(NumpyStorage):
+    # Keeps every pool it ever made, closed or not.
+    def __init__(self, config):
+        super().__init__(config)
+        HOARD.append(self)
+
+    def close(self):
+        pass
+
+
 class LeakyManager(PagedKvCacheManager):
     # Keeps the last block of every request it frees.
     def deallocate(self, request_id):
@@ -72,6 +93,9 @@ def kvcache_register_backends():
                       description="leaks blocks")
     yield BackendSpec(name="nocopy", storage_factory=NoCopyStorage, capabilities=frozenset({"fork"}),
                       description="claims fork, copies nothing")
+    yield BackendSpec(name="listy", storage_factory=ListGatherStorage, description="gather returns a list")
+    yield BackendSpec(name="hoarding", storage_factory=HoardingStorage, description="keeps closed pools")
+    yield BackendSpec(name="bare", storage_factory=NumpyStorage, description="claims no policy")
     yield BackendSpec(name="offline", storage_factory=NumpyStorage, is_available=lambda: False,
                       unavailable_reason=lambda: "the offline device is unplugged")
 """
@@ -267,3 +291,162 @@ def test_kvcache_check_of_a_good_backend_exits_zero() -> None:
 
     assert status == 0, out.getvalue()
     assert out.getvalue().splitlines()[0].split() == ["backend", "passed", "failed", "skipped", "verdict"]
+
+
+def test_a_storage_returning_a_list_from_gather_fails_on_one_line_naming_it(
+    pytester: pytest.Pytester, faulty: Path
+) -> None:
+    result = run_kit(pytester, "--kvcache-backend", "listy", "-k", "returns")
+
+    output = result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, output
+    lines = output.splitlines()
+    header = next(
+        i for i, line in enumerate(lines) if "test_every_storage_method_returns" in line and "_ TestKit" in line
+    )
+    assert lines[header + 1] == (
+        "KvStorage.gather returned list of 2, expected a tuple (keys, values) (dtype float32, layout NHD)"
+    ), output
+
+
+def test_a_storage_kept_alive_after_close_fails_the_kit(pytester: pytest.Pytester, faulty: Path) -> None:
+    result = run_kit(pytester, "--kvcache-backend", "hoarding", "-k", "close_releases or not_kept_alive")
+
+    output = result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, output
+    result.assert_outcomes(passed=1, failed=1)
+    assert "the storage outlives its closed manager" in output
+
+
+def test_a_backend_without_close_passes_the_lifecycle_tests(pytester: pytest.Pytester, faulty: Path) -> None:
+    result = run_kit(pytester, "--kvcache-backend", "bare", "-k", "close_releases or not_kept_alive")
+
+    assert result.ret == 0, result.stdout.str()
+    result.assert_outcomes(passed=2)
+
+
+def test_the_verdict_of_a_backend_claiming_no_policy_says_so(faulty: Path) -> None:
+    out = io.StringIO()
+    status = main(["check", "--backend", "bare", "--max-examples", "2", "--steps", "3"], out=out)
+
+    text = out.getvalue()
+    assert status == 0, text
+    row = next(line for line in text.splitlines() if line.startswith("bare "))
+    assert row.split(maxsplit=4)[4] == "ok (not claimed: eviction, fork, prefix_caching, sliding_window, swap)", text
+    assert "bare: does not claim eviction, fork, prefix_caching, sliding_window, swap; 7 tests skipped: " in text
+    assert "test_fork_copies_exactly_the_shared_block_that_is_written" in text
+
+
+def test_require_all_fails_the_tests_of_unclaimed_policies(pytester: pytest.Pytester, faulty: Path) -> None:
+    result = run_kit(pytester, "--kvcache-backend", "bare", "--kvcache-require-all", "-k", "fork or swap")
+
+    output = result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, output
+    assert "kvcache backend 'bare' does not claim capability 'fork' (--kvcache-require-all)" in output
+    assert "bare: FAIL" in output
+
+
+def test_a_pytest_run_lists_the_unclaimed_policies_and_the_seed(pytester: pytest.Pytester, faulty: Path) -> None:
+    result = run_kit(pytester, "--kvcache-backend", "bare", "-k", "fork or geometry")
+
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "*= kvcache conformance =*",
+            "seed 0 (--kvcache-seed)*",
+            "bare: ok (not claimed: eviction, fork, prefix_caching, sliding_window, swap)",
+            "  1 tests skipped as not claimed: test_fork_copies_exactly_the_shared_block_that_is_written[[]bare[]]",
+        ]
+    )
+
+
+def _failure_story(output: str) -> list[str]:
+    """The FAILED lines and Hypothesis's steps, without memory addresses."""
+    stripped = [line.removeprefix("E").strip() for line in output.splitlines()]
+    kept = [line for line in stripped if line.startswith(("FAILED", "state.", "state = "))]
+    return [re.sub(r"0x[0-9a-f]+", "0x?", line) for line in kept]
+
+
+def test_the_same_bug_gives_the_same_failures_every_run(pytester: pytest.Pytester, faulty: Path) -> None:
+    args = ("--kvcache-backend", "lossy", "-k", "state_machine or batched", "-p", "no:randomly")
+    first = run_kit(pytester, *args)
+    second = run_kit(pytester, *args)
+
+    assert first.ret == pytest.ExitCode.TESTS_FAILED, first.stdout.str()
+    story = _failure_story(first.stdout.str())
+    assert any(line.startswith("state.") for line in story), first.stdout.str()
+    assert _failure_story(second.stdout.str()) == story
+    assert first.parseoutcomes()["failed"] == second.parseoutcomes()["failed"]
+
+
+def test_failure_explanations_truncate_arrays(pytester: pytest.Pytester, faulty: Path) -> None:
+    # -vv lifts pytest's own length limit on reprs: the arrays' print options still cut them.
+    result = run_kit(pytester, "--kvcache-backend", "lossy", "-k", "references_to_the_pool", "-vv")
+
+    output = result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, output
+    explanation = [line for line in output.splitlines() if line.startswith("E ")]
+    assert explanation[0].split(maxsplit=1)[1] == (
+        "AssertionError: dtype float32, layout NHD: a write is not visible through key_cache taken "
+        "before it (a copy, not a reference)"
+    ), output
+    assert "shape=(24, 4, 2, 8)" in output  # the whole pool appears, as its edges (1536 values in full)
+    assert sum(len(line) for line in explanation) < 8000, output
+
+
+def _run_pasted(line: str, cwd: Path, plugin_dir: Path) -> subprocess.CompletedProcess[str]:
+    """Run a printed rerun line as a user pastes it into a shell (pytest on PATH)."""
+    environment = dict(os.environ)
+    environment["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), environment.get("PATH", "")])
+    environment["PYTHONPATH"] = str(plugin_dir)
+    return subprocess.run(["bash", "-c", line], capture_output=True, text=True, check=False, cwd=cwd, env=environment)
+
+
+def test_the_rerun_line_of_kvcache_check_reproduces_the_failure_when_pasted(faulty: Path, tmp_path: Path) -> None:
+    out = io.StringIO()
+    status = main(["check", "--backend", "lossy", "--max-examples", "2", "--steps", "3"], out=out)
+
+    text = out.getvalue()
+    assert status == 1, text
+    assert "PytestAssertRewriteWarning" not in text
+    assert "kvcache-check-" not in text  # no FAILED line points at the deleted temporary directory
+    reruns = [line.removeprefix("reproduce: ") for line in text.splitlines() if line.startswith("reproduce: ")]
+    assert reruns, text
+    case = re.search(r"::TestKvCacheConformance::(\w+\[lossy\])", reruns[0])
+    assert case is not None, reruns[0]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    rerun = _run_pasted(reruns[0], elsewhere, faulty)
+
+    assert rerun.returncode == 1, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "1 failed" in rerun.stdout, rerun.stdout[-3000:]
+    assert f"failed conformance case {case.group(1)}" in rerun.stdout
+    assert shlex.split(reruns[0])[0] == "pytest"
+
+
+def test_the_rerun_line_of_a_backends_own_test_file_reproduces_when_pasted(
+    pytester: pytest.Pytester, faulty: Path
+) -> None:
+    result = run_kit(pytester, "--kvcache-backend", "lossy", "-k", "round_trips")
+    output = result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, output
+    line = next(line for line in output.splitlines() if line.startswith("reproduce: ")).removeprefix("reproduce: ")
+    assert shlex.split(line)[1].startswith("test_kit_run.py::TestKit::test_write_then_gather_round_trips"), line
+
+    rerun = _run_pasted(line, pytester.path, faulty)
+
+    assert rerun.returncode == 1, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "1 failed" in rerun.stdout, rerun.stdout[-3000:]
+    assert "differs from what was written" in rerun.stdout
+
+
+def test_the_kit_docstring_names_modules_that_exist() -> None:
+    import importlib
+
+    import kvcache_core.testing
+
+    named = re.findall(r"--pyargs ([\w.]+)", kvcache_core.testing.__doc__ or "")
+    assert named, kvcache_core.testing.__doc__
+    for module in named:
+        importlib.import_module(module)

@@ -62,3 +62,12 @@ def test_the_installed_console_script_runs() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "all 2 requests match" in result.stdout
+
+
+def test_backends_lists_each_backends_description() -> None:
+    out = io.StringIO()
+    assert main(["backends"], out) == 0
+    header, _, *rows = out.getvalue().splitlines()
+    assert header.split()[-1] == "description"
+    numpy_row = next(row for row in rows if row.startswith("numpy "))
+    assert numpy_row.endswith("NumPy reference backend (host memory), built into kvcache-core")

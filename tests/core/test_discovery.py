@@ -176,7 +176,7 @@ def test_backends_command_lists_numpy_with_its_distribution() -> None:
     out = io.StringIO()
     assert main(["backends"], out) == 0
     lines = out.getvalue().splitlines()
-    assert lines[0].split() == ["name", "distribution", "version", "available", "devices"]
+    assert lines[0].split() == ["name", "distribution", "version", "available", "devices", "description"]
     numpy_row = next(line.split() for line in lines if line.startswith("numpy"))
     assert numpy_row[1] == "kvcache-core"
     assert numpy_row[3] == "yes"
@@ -245,3 +245,13 @@ def test_a_storage_factory_of_the_wrong_type_is_named_as_broken(
         create_manager("wrongtype", config)
     with pytest.raises(BackendUnavailableError, match=r"'notcallable' is broken.*not callable"):
         create_manager("notcallable", config)
+
+
+def test_the_capability_vocabulary_is_one_list() -> None:
+    from kvcache_core.hookspecs import CAPABILITIES
+    from kvcache_core.numpy_backend import POLICY_CAPABILITIES
+    from kvcache_core.testing._plugin import POLICY_CAPABILITIES as KIT_POLICIES
+    from kvcache_core.testing.backend import CAPABILITIES as KIT_CAPABILITIES
+
+    assert set(KIT_POLICIES) == set(POLICY_CAPABILITIES)
+    assert KIT_CAPABILITIES == set(CAPABILITIES) == POLICY_CAPABILITIES | {"immutable_arrays"}

@@ -421,3 +421,13 @@ def test_attention_refuses_a_query_of_another_dtype_or_device() -> None:
         manager.paged_attention(0, torch.zeros(2, 4, 8, device="meta"), table)
     with pytest.raises(ArrayTypeError, match="ndarray"):
         manager.paged_attention(0, untyped(np.zeros((2, 4, 8), dtype=np.float32)), table)
+
+
+def test_closing_the_manager_drops_the_pool_tensor() -> None:
+    config = CacheConfig(num_layers=2, num_heads=2, head_dim=8, num_blocks=16, block_size=4)
+    with create_manager("torch", config) as manager:
+        storage = manager.storage
+        assert isinstance(storage, TorchStorage)
+        assert storage.pool.numel() == 2 * 2 * 16 * 4 * 2 * 8
+    assert storage.pool.numel() == 0
+    assert storage.pool.dtype == torch.float32

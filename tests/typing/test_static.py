@@ -28,7 +28,7 @@ def run_mypy(*paths: Path) -> tuple[int, str]:
     return status, stdout + stderr
 
 
-def run_pyright(*paths: Path, project: Path = ROOT) -> tuple[int, list[dict[str, object]]]:
+def run_pyright(*paths: Path, project: Path = ROOT, severity: str = "error") -> tuple[int, list[dict[str, object]]]:
     executable = shutil.which("pyright", path=str(Path(sys.executable).parent)) or shutil.which("pyright")
     if executable is None:
         pytest.fail("pyright is not installed: pip install -r requirements-test.txt")
@@ -40,7 +40,7 @@ def run_pyright(*paths: Path, project: Path = ROOT) -> tuple[int, list[dict[str,
         check=False,
     )
     report = json.loads(result.stdout)
-    diagnostics: list[dict[str, object]] = [d for d in report["generalDiagnostics"] if d["severity"] == "error"]
+    diagnostics: list[dict[str, object]] = [d for d in report["generalDiagnostics"] if d["severity"] == severity]
     return result.returncode, diagnostics
 
 
@@ -84,6 +84,68 @@ def test_mypy_and_pyright_reject_a_storage_missing_a_member() -> None:
     assert "copy_blocks" in output, output
     _, errors = run_pyright(CASES / "storage_missing_member.py", project=CASES)
     assert any("copy_blocks" in str(error["message"]) for error in errors), errors
+
+
+def marked_line(case: Path, marker: str) -> int:
+    """The 1-based number of the line of ``case`` that contains ``marker``."""
+    lines = case.read_text().splitlines()
+    return next(number for number, line in enumerate(lines, start=1) if marker in line)
+
+
+def pyright_line(diagnostic: dict[str, object]) -> int:
+    where = diagnostic["range"]
+    assert isinstance(where, dict)
+    start: object = where["start"]  # pyright: ignore[reportUnknownVariableType]
+    assert isinstance(start, dict)
+    line: object = start["line"]  # pyright: ignore[reportUnknownVariableType]
+    assert isinstance(line, int)
+    return line + 1
+
+
+@pytest.mark.parametrize(
+    ("case", "member"),
+    [
+        pytest.param("registration_wrong_return.py", "gather", id="gather-returns-a-list"),
+        pytest.param("registration_wrong_signature.py", "write", id="write-lacks-values"),
+    ],
+)
+def test_registering_a_nonconforming_storage_fails_at_the_registration_line(case: str, member: str) -> None:
+    path = CASES / case
+    line = marked_line(path, f"# error: {member}")
+
+    status, output = run_mypy(path)
+    assert status == 1, output
+    errors = [text for text in output.splitlines() if ": error:" in text]
+    assert len(errors) == 1, output
+    assert f"{case}:{line}: error: " in errors[0], output
+    assert '"storage_factory" to "BackendSpec"' in errors[0], output
+    assert "KvStorage" in errors[0], output
+
+    _, diagnostics = run_pyright(path, project=CASES)
+    assert [pyright_line(d) for d in diagnostics] == [line], diagnostics
+    assert f'"{member}" is an incompatible type' in str(diagnostics[0]["message"]), diagnostics
+
+
+def test_create_manager_carries_each_builtin_backends_array_type() -> None:
+    path = CASES / "create_manager_types.py"
+    expected = {
+        marked_line(path, "# torch: "): ("torch._tensor.Tensor | None", "Tensor | None"),
+        marked_line(path, "# jax: "): ("jax._src.basearray.Array | None", "Array | None"),
+        marked_line(path, "# numpy: "): ("numpy.ndarray[tuple[Any, ...], numpy.dtype[Any]] | None", None),
+    }
+
+    status, output = run_mypy(path)
+    assert status == 0, output  # the assert_type lines hold too
+    for line, (mypy_type, _) in expected.items():
+        assert f'{path.name}:{line}: note: Revealed type is "{mypy_type}"' in output, output
+
+    _, errors = run_pyright(path, project=CASES)
+    assert errors == [], errors
+    _, revealed = run_pyright(path, project=CASES, severity="information")
+    types = {pyright_line(d): str(d["message"]) for d in revealed}
+    for line, (_, pyright_type) in expected.items():
+        if pyright_type is not None:
+            assert types.get(line, "").endswith(f'is "{pyright_type}"'), types
 
 
 def test_runtime_isinstance_follows_the_members() -> None:

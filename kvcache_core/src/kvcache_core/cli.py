@@ -37,9 +37,10 @@ def _backends(out: TextIO) -> int:
                 info.version,
                 "yes" if available else f"no: {reason}",
                 ", ".join(info.spec.devices),
+                info.spec.description or "-",
             ]
         )
-    write_table(["name", "distribution", "version", "available", "devices"], rows, out)
+    write_table(["name", "distribution", "version", "available", "devices", "description"], rows, out)
     missing = [name for name in KNOWN_BACKENDS if name not in {info.name for info in infos}]
     if missing:
         out.write("\nnot installed: " + ", ".join(f"{name} ({KNOWN_BACKENDS[name]})" for name in missing) + "\n")
@@ -63,7 +64,15 @@ def _check(args: argparse.Namespace, out: TextIO) -> int:
             "pip install 'kvcache-core[testing]'\n"
         )
         return 2
-    result = run_check(args.backend, max_examples=args.max_examples, steps=args.steps, verbose=args.verbose, out=out)
+    result = run_check(
+        args.backend,
+        max_examples=args.max_examples,
+        steps=args.steps,
+        seed=args.seed,
+        require_all=args.require_all,
+        verbose=args.verbose,
+        out=out,
+    )
     return 0 if result.ok else 1
 
 
@@ -84,6 +93,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--max-examples", type=_positive, default=None, help="Hypothesis examples per property test")
     check.add_argument("--steps", type=_positive, default=None, help="steps per state-machine run")
+    check.add_argument(
+        "--seed", type=_non_negative, default=None, help="seed of the kit's property tests (default 0, printed)"
+    )
+    check.add_argument(
+        "--require-all",
+        action="store_true",
+        help="fail, instead of skipping, the tests of policies a backend does not claim",
+    )
     check.add_argument("-v", "--verbose", action="store_true", help="show every test, not only failures")
     return parser
 

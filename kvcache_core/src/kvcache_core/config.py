@@ -24,7 +24,10 @@ __all__ = [
     "check_token_ids",
 ]
 
-#: Bytes per element of every dtype name a backend may claim.
+#: Bytes per element of every dtype name a backend may claim. Each backend holds only the
+#: dtypes it lists in ``BackendSpec.dtypes``: NumPy has no bfloat16, so the built-in ``numpy``
+#: backend holds float16, float32 and float64; ``torch`` and ``jax`` hold float32, float16 and
+#: bfloat16 (their host copies of bfloat16 come back as float32, or ``ml_dtypes.bfloat16``).
 DTYPE_SIZES: Final[dict[str, int]] = {
     "float16": 2,
     "bfloat16": 2,
@@ -230,7 +233,9 @@ class CacheConfig:
         return self.num_blocks * self.block_size
 
     def block_shape(self) -> tuple[int, ...]:
-        """Shape of one layer's key (or value) pool in :attr:`kv_layout`."""
+        """Shape of one layer's key (or value) pool in :attr:`kv_layout`: ``"NHD"``
+        ``[num_blocks, block_size, num_heads, head_dim]``, ``"HND"`` ``[num_blocks, num_heads,
+        block_size, head_dim]``, ``"heads_first"`` ``[num_heads, num_blocks, block_size, head_dim]``."""
         blocks, tokens, heads, dim = self.num_blocks, self.block_size, self.num_heads, self.head_dim
         if self.kv_layout == "NHD":
             return (blocks, tokens, heads, dim)

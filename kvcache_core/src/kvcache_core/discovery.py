@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import pluggy
 
@@ -35,6 +35,10 @@ from kvcache_core.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.numpy_backend import NumpyArray
 from kvcache_core.protocols import KvStorage
+
+if TYPE_CHECKING:  # the array types of the built-in backends, for create_manager's overloads only
+    import jax
+    import torch
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -63,7 +67,7 @@ KNOWN_BACKENDS: dict[str, str] = {
 class BackendInfo:
     """An installed backend: its spec and where it came from."""
 
-    spec: BackendSpec
+    spec: BackendSpec[Any]
     distribution: str
     version: str
     entry_point: str
@@ -95,12 +99,12 @@ def _distribution_of(entry_point: metadata.EntryPoint) -> tuple[str, str]:
     return dist.metadata["Name"] or "unknown distribution", dist.version
 
 
-def _collect_specs(plugin_manager: pluggy.PluginManager, plugin: object) -> list[BackendSpec]:
+def _collect_specs(plugin_manager: pluggy.PluginManager, plugin: object) -> list[BackendSpec[Any]]:
     """Call this plugin's hook implementations alone, so a failure stays its own."""
     impls = [impl for impl in plugin_manager.hook.kvcache_register_backends.get_hookimpls() if impl.plugin is plugin]
     if not impls:
         raise TypeError("it defines no @hookimpl kvcache_register_backends()")
-    specs: list[BackendSpec] = []
+    specs: list[BackendSpec[Any]] = []
     for impl in impls:
         produced: object = impl.function()
         if produced is None:
@@ -111,7 +115,7 @@ def _collect_specs(plugin_manager: pluggy.PluginManager, plugin: object) -> list
         for item in items:
             if not isinstance(item, BackendSpec):
                 raise TypeError(f"its hook yielded {type(item).__name__}, not BackendSpec")
-            specs.append(item)
+            specs.append(item)  # pyright: ignore[reportUnknownArgumentType]
     return specs
 
 
@@ -198,7 +202,7 @@ def _install_hint(names: Iterable[str]) -> str:
     return "; to add more: " + ", ".join(hints) if hints else ""
 
 
-def get_backend(name: str) -> BackendSpec:
+def get_backend(name: str) -> BackendSpec[Any]:
     """The spec of an installed, available backend.
 
     Raises:
@@ -235,12 +239,26 @@ def create_manager(
 ) -> PagedKvCacheManager[NumpyArray]: ...
 @overload
 def create_manager(
+    backend: Literal["torch"], config: CacheConfig, *, placement: Placement = "contiguous", **options: Any
+) -> PagedKvCacheManager[torch.Tensor]: ...
+@overload
+def create_manager(
+    backend: Literal["jax"], config: CacheConfig, *, placement: Placement = "contiguous", **options: Any
+) -> PagedKvCacheManager[jax.Array]: ...
+@overload
+def create_manager(
     backend: str, config: CacheConfig, *, placement: Placement = "contiguous", **options: Any
 ) -> PagedKvCacheManager[Any]: ...
 def create_manager(
     backend: str, config: CacheConfig, *, placement: Placement = "contiguous", **options: Any
 ) -> PagedKvCacheManager[Any]:
     """A paged cache manager over a new pool of the named backend.
+
+    Typed with the backend's array type for the built-in backends (``"numpy"`` ->
+    ``numpy.ndarray``, ``"torch"`` -> ``torch.Tensor``, ``"jax"`` -> ``jax.Array``), so
+    ``manager.allocate(request).key_cache(0)`` is a ``torch.Tensor | None`` to a type
+    checker; ``Any`` for other names. Close it (``manager.close()`` or ``with``) to
+    release the pool at once.
 
     Args:
         backend: an installed backend's name (``"numpy"``, ``"torch"``, ``"jax"``, ...).

@@ -28,6 +28,7 @@ __all__ = [
     "KvCacheError",
     "KvCachePluginWarning",
     "LayerIndexError",
+    "ManagerClosedError",
     "NotSwappedOutError",
     "OutOfBlocksError",
     "SequenceTooLongError",
@@ -116,6 +117,11 @@ class InvalidHandleError(KvCacheError, RuntimeError):
 class SwappedOutError(InvalidHandleError):
     """The request is swapped out to host memory: its handle stays valid, but its data can
     be read, written or extended only after ``swap_in``."""
+
+
+class ManagerClosedError(InvalidHandleError):
+    """The manager was closed (``manager.close()`` or the end of its ``with`` block): its
+    pool is released, so neither it nor any handle it gave out can be used."""
 
 
 class NotSwappedOutError(KvCacheError, RuntimeError):

@@ -16,7 +16,7 @@ import numpy.typing as npt
 from kvcache_core.block_table import BlockTable
 from kvcache_core.config import CacheConfig
 from kvcache_core.device import Device
-from kvcache_core.errors import InvalidHandleError, SwappedOutError
+from kvcache_core.errors import InvalidHandleError, ManagerClosedError, SwappedOutError
 from kvcache_core.prefix import PrefixEntry
 from kvcache_core.protocols import KvStorage
 from kvcache_core.stats import CacheHandleStats
@@ -138,8 +138,14 @@ class RequestState(Generic[ArrayT]):
         self.last_access = time.monotonic()
 
     def check_valid(self) -> None:
-        """Raise :class:`InvalidHandleError` if the request was deallocated."""
+        """Raise :class:`InvalidHandleError` if the request was deallocated
+        (:class:`ManagerClosedError` if its manager was closed)."""
         if not self.valid:
+            if getattr(self.owner, "closed", False):
+                raise ManagerClosedError(
+                    f"request {self.request_id!r} (cache {self.cache_id}) belongs to a closed manager: "
+                    "its pool was released"
+                )
             raise InvalidHandleError(
                 f"request {self.request_id!r} (cache {self.cache_id}) was deallocated; "
                 "its handles no longer give access to data"

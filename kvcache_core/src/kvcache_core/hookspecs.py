@@ -6,9 +6,18 @@ yields its spec::
 
     from kvcache_core import BackendSpec, hookimpl
 
+    from collections.abc import Iterator
+
+    from kvcache_core import BackendSpec, hookimpl
+
     @hookimpl
-    def kvcache_register_backends():
-        yield BackendSpec(name="mine", storage_factory=make_storage, dtypes=("float32",))
+    def kvcache_register_backends() -> Iterator[BackendSpec[MyArray]]:
+        yield BackendSpec(name="mine", storage_factory=MyStorage, dtypes=("float32",))
+
+``BackendSpec`` is generic in the backend's array type and ``storage_factory`` must
+return a :class:`~kvcache_core.KvStorage` of it, so mypy and pyright reject a storage
+that does not conform (a missing member, a wrong signature or return type) at the line
+that registers it, naming the member.
 
 Nothing heavy may be imported at module level of that module: discovery imports it to
 list backends. Import the array library inside ``storage_factory`` and ``is_available``.
@@ -18,14 +27,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import pluggy
 
 from kvcache_core.config import CacheConfig
 from kvcache_core.errors import InvalidArgumentError
 
-__all__ = ["PROJECT_NAME", "BackendHookSpecs", "BackendSpec", "hookimpl", "hookspec"]
+if TYPE_CHECKING:
+    from kvcache_core.manager import PagedKvCacheManager
+    from kvcache_core.protocols import KvStorage
+
+__all__ = ["CAPABILITIES", "PROJECT_NAME", "BackendHookSpecs", "BackendSpec", "hookimpl", "hookspec"]
+
+ArrayT = TypeVar("ArrayT")
 
 #: The pluggy project name.
 PROJECT_NAME = "kvcache"
@@ -34,27 +49,50 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
+#: The capability vocabulary of ``BackendSpec.capabilities``: what each one means, and the
+#: storage methods it relies on. The policies live in core, but they move bytes only
+#: through the storage, so a backend claims one once its storage serves it (the kit then
+#: runs that policy's tests against it; unclaimed ones are skipped and listed).
+CAPABILITIES: dict[str, str] = {
+    "fork": "fork with copy-on-write: the first write into a shared block copies it (copy_blocks)",
+    "prefix_caching": "cached full blocks are mapped into new requests, never rewritten (copy_blocks, write, gather)",
+    "swap": "swap_out / swap_in move a request's blocks to host memory and back, bit-identical "
+    "(blocks_to_host, blocks_from_host)",
+    "eviction": "a full pool evicts unreferenced cached blocks before failing (copy_blocks, write)",
+    "sliding_window": "blocks outside a sliding window are released; attention masks the rest "
+    "(paged_attention with page_table.sliding_window)",
+    "immutable_arrays": "key_cache hands out the current pool array of an immutable array library "
+    "(JAX), which later writes replace but never delete, instead of a view",
+}
+
+
 def _always_available() -> bool:
     return True
 
 
 @dataclass(frozen=True)
-class BackendSpec:
-    """What a backend plugin registers.
+class BackendSpec(Generic[ArrayT]):
+    """What a backend plugin registers; ``ArrayT`` is the backend's native array type.
 
     Attributes:
         name: the backend's name (``"numpy"``, ``"torch"``, ...), as users pass it to
             :func:`~kvcache_core.create_manager`.
-        storage_factory: ``factory(config, **options)`` builds the pool (a
-            :class:`~kvcache_core.KvStorage`); it may import the array library.
+        storage_factory: ``factory(config, **options)`` builds the pool, a
+            :class:`~kvcache_core.KvStorage` of ``ArrayT`` (a class conforming to it, or a
+            function returning one); it may import the array library. Typed so that a
+            storage that does not conform fails mypy and pyright here.
         is_available: whether the backend can run here (library importable, ...).
         unavailable_reason: why not, when ``is_available()`` is false.
         devices: device kinds it supports (``"cpu"``, ``"cuda"``, ...).
         dtypes: dtype names it supports.
         kv_layouts: pool layouts it supports (``"NHD"`` first if supported).
         description: one line for ``kvcache backends``.
-        capabilities: optional features it claims (``"swap"``, ...); the conformance kit
-            runs the matching tests only where they are claimed.
+        capabilities: the optional features it claims, names of :data:`CAPABILITIES`
+            (``"fork"``, ``"prefix_caching"``, ``"swap"``, ``"eviction"``,
+            ``"sliding_window"``, ``"immutable_arrays"``). The policies are core's, but they
+            run only over a storage whose methods serve them, so the conformance kit runs a
+            policy's tests only where it is claimed and lists the ones not claimed in its
+            verdict (``--kvcache-require-all`` fails on them).
         manager_factory: ``factory(storage, backend=name, placement=...)`` building the
             manager, for a backend that extends :class:`~kvcache_core.PagedKvCacheManager`
             (a fused kernel, a native allocator, ...); ``None`` (the default) uses it as is.
@@ -64,7 +102,7 @@ class BackendSpec:
     """
 
     name: str
-    storage_factory: Callable[..., Any]
+    storage_factory: Callable[..., KvStorage[ArrayT]]
     is_available: Callable[[], bool] = _always_available
     unavailable_reason: Callable[[], str] | None = None
     devices: tuple[str, ...] = ("cpu",)
@@ -72,7 +110,7 @@ class BackendSpec:
     kv_layouts: tuple[str, ...] = ("NHD",)
     description: str = ""
     capabilities: frozenset[str] = field(default_factory=frozenset[str])
-    manager_factory: Callable[..., Any] | None = None
+    manager_factory: Callable[..., PagedKvCacheManager[ArrayT]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -112,5 +150,5 @@ class BackendHookSpecs:
     """Hook specifications of project ``"kvcache"``."""
 
     @hookspec
-    def kvcache_register_backends(self) -> Iterable[BackendSpec]:  # type: ignore[empty-body]
+    def kvcache_register_backends(self) -> Iterable[BackendSpec[Any]]:  # type: ignore[empty-body]
         """Yield the :class:`BackendSpec` records this plugin provides."""

@@ -49,6 +49,7 @@ from kvcache_core.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     InvariantError,
+    ManagerClosedError,
     NotSwappedOutError,
     OutOfBlocksError,
     SequenceTooLongError,
@@ -70,6 +71,7 @@ from kvcache_core.step import Step, StepHooks
 __all__ = ["InvariantError", "PagedKvCacheManager"]
 
 ArrayT = TypeVar("ArrayT")
+_ManagerT = TypeVar("_ManagerT", bound="PagedKvCacheManager[Any]")
 
 
 def _is_paged_handle(value: object) -> TypeGuard[PagedKvCacheHandle[Any]]:
@@ -221,6 +223,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
             raise InvalidTypeError(f"allocate takes an AllocationRequest, got {type(request).__name__}")
         block_size = self._config.block_size
         with self._lock:
+            self._check_open()
             if request.request_id in self._requests:
                 raise DuplicateRequestError(f"request {request.request_id!r} is already allocated")
             plan = self._plan_allocation(request)
@@ -487,6 +490,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 deallocated).
         """
         with self._lock:
+            self._check_open()
             state = self._requests.pop(request_id, None) if isinstance(request_id, str) else None
             if state is None:
                 raise UnknownRequestError(
@@ -724,6 +728,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
             DTypeMismatchError, ArrayTypeError.
         """
         with self._lock:
+            self._check_open()
             layer = self._config.check_layer(layer)
             slot_array = self._check_slots(slots)
             count = int(slot_array.shape[0])
@@ -838,6 +843,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
             out since the page table was taken).
         """
         with self._lock:
+            self._check_open()
             layer = self._config.check_layer(layer)
             shape = self._check_query(query)
             if not isinstance(page_table, PageTable):
@@ -905,6 +911,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
         """
         started = time.perf_counter()
         with self._lock:
+            self._check_open()
             count = self._allocator.cached_block_count()
             self._evict(count)
         return CacheGcStats(
@@ -958,6 +965,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
 
     def _state_of(self, handle: object) -> RequestState[ArrayT]:
         """The state of a resident request's handle of this manager."""
+        self._check_open()
         as_any = getattr(handle, "as_any", None)  # downcast, as the seed crate does
         concrete: object = as_any() if callable(as_any) else None
         if not _is_paged_handle(concrete):
@@ -969,6 +977,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
         return state
 
     def _live_state(self, request_id: object) -> RequestState[ArrayT]:
+        self._check_open()
         state = self._requests.get(request_id) if isinstance(request_id, str) else None
         if state is None:
             raise UnknownRequestError(
@@ -1248,6 +1257,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
         epoch = self._ownership_epoch
 
         def check_current() -> None:
+            self._check_open()
             if self._ownership_epoch == epoch:
                 return  # nothing changed anywhere since the step was planned
             for state, generation, plan in stamps:
@@ -1744,6 +1754,45 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 f"memory pressure callback {callback!r} raised {exc!r} on level {level.name}",
                 RuntimeWarning,
                 stacklevel=3,
+            )
+
+    # -- closing: release the pool ------------------------------------------------------
+
+    _closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Release the pool: every handle becomes invalid, the manager refuses further use,
+        and the storage's optional ``close()`` runs (once, however often this is called).
+
+        ``stats()`` still reports the figures at closing. Using the manager or one of its
+        handles afterwards raises :class:`~kvcache_core.errors.ManagerClosedError`.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._ownership_epoch += 1  # page tables and steps taken before are refused
+            for state in self._requests.values():
+                state.valid = False
+            release = getattr(self._storage, "close", None)
+            if callable(release):
+                release()
+
+    def __enter__(self: _ManagerT) -> _ManagerT:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ManagerClosedError(
+                f"the {self._backend!r} manager is closed: its pool was released; create a new manager"
             )
 
     def __repr__(self) -> str:

@@ -214,7 +214,7 @@ class NumpyStorage:
 
 
 @hookimpl
-def kvcache_register_backends() -> Iterator[BackendSpec]:
+def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
     """Register the NumPy backend."""
     yield BackendSpec(
         name="numpy",

@@ -20,13 +20,16 @@ from kvcache_core.device import Device
 from kvcache_core.page_table import PageTable
 from kvcache_core.stats import CacheGcStats, CacheHandleStats, CacheManagerStats, MemoryPressure
 
-__all__ = ["KvCacheHandle", "KvCacheManager", "KvStorage", "SlotArray", "SlotsLike"]
+__all__ = ["BlockArray", "KvCacheHandle", "KvCacheManager", "KvStorage", "SlotArray", "SlotsLike"]
 
 ArrayT = TypeVar("ArrayT")
 ArrayT_co = TypeVar("ArrayT_co", covariant=True)
 
 #: Slots as the manager hands them out: ``[n]`` int64, ``block_id * block_size + offset``.
 SlotArray = npt.NDArray[np.int64]
+#: Physical block ids, as the manager passes them to the storage: ``[n]`` int64, each in
+#: ``[0, num_blocks)``.
+BlockArray = npt.NDArray[np.int64]
 #: What ``write`` accepts as slots: an integer NumPy array or a sequence of ints.
 SlotsLike = npt.NDArray[np.integer[Any]] | Sequence[int]
 
@@ -244,6 +247,18 @@ class KvStorage(Protocol[ArrayT]):
 
     The manager, tables and policies come from core and call these methods with
     arguments already validated (slots in range, shapes and dtypes right).
+
+    Optional member: ``close() -> None``, which releases what the pool holds (shared
+    memory, a file, device memory). :meth:`PagedKvCacheManager.close` (and leaving its
+    ``with`` block) calls it exactly once, after which the manager calls the storage no
+    more; a storage without ``close`` is left to the garbage collector. It is not a
+    Protocol member, so a storage without it still conforms.
+
+    Registering the storage through :class:`~kvcache_core.BackendSpec` makes mypy and
+    pyright check it against this Protocol; to check a class on its own, assign it::
+
+        def _conforms(storage: MyStorage) -> KvStorage[MyArray]:
+            return storage
     """
 
     @property
@@ -263,21 +278,21 @@ class KvStorage(Protocol[ArrayT]):
         """Scatter ``[n, num_heads, head_dim]`` keys and values into distinct ``slots``."""
         ...
 
-    def gather(self, layer: int, blocks: SlotArray, num_tokens: int) -> tuple[ArrayT, ArrayT]:
+    def gather(self, layer: int, blocks: BlockArray, num_tokens: int) -> tuple[ArrayT, ArrayT]:
         """The first ``num_tokens`` tokens stored in ``blocks`` (in order), as contiguous
         ``[num_tokens, num_heads, head_dim]`` arrays."""
         ...
 
-    def copy_blocks(self, source: SlotArray, destination: SlotArray) -> None:
+    def copy_blocks(self, source: BlockArray, destination: BlockArray) -> None:
         """Copy every layer's K and V of block ``source[i]`` into ``destination[i]``."""
         ...
 
-    def blocks_to_host(self, blocks: SlotArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    def blocks_to_host(self, blocks: BlockArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """Host copies of ``blocks``: keys and values ``[num_layers, n, block_size, num_heads,
         head_dim]`` (always this order, whatever the pool layout)."""
         ...
 
-    def blocks_from_host(self, blocks: SlotArray, keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> None:
+    def blocks_from_host(self, blocks: BlockArray, keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> None:
         """Write host copies made by :meth:`blocks_to_host` into ``blocks``."""
         ...
 

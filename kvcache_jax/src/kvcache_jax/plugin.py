@@ -16,6 +16,8 @@ from kvcache_core.errors import BackendUnavailableError
 from kvcache_core.hookspecs import BackendSpec, hookimpl
 
 if TYPE_CHECKING:
+    import jax
+
     from kvcache_jax.storage import JaxStorage
 
 __all__ = [
@@ -62,7 +64,7 @@ def unavailable_reason() -> str:
 
 
 @hookimpl
-def kvcache_register_backends() -> Iterator[BackendSpec]:
+def kvcache_register_backends() -> Iterator[BackendSpec[jax.Array]]:
     """Register the ``jax`` backend."""
     yield BackendSpec(
         name="jax",

@@ -598,11 +598,15 @@ class PagedCache(Cache):
                 f"attention_mask must be a tensor of the ids' shape {tuple(input_ids.shape)}, got {attention_mask!r}"
             )
         rows: list[tuple[int, ...]] = []
-        for row, (ids, real) in enumerate(zip(input_ids.cpu(), mask.cpu(), strict=True)):
+        id_rows: npt.NDArray[np.int64] = input_ids.cpu().numpy().astype(np.int64)
+        real_rows: npt.NDArray[np.bool_] = mask.cpu().numpy()
+        for row, (ids, real) in enumerate(zip(id_rows, real_rows, strict=True)):
             count = int(real.sum())
             if not bool(real[real.shape[0] - count :].all()):
-                raise InvalidArgumentError(f"row {row} of the attention_mask is not left-padded: {real.int().tolist()}")
-            rows.append(tuple(int(token) for token in ids[real.shape[0] - count :].tolist()))
+                raise InvalidArgumentError(
+                    f"row {row} of the attention_mask is not left-padded: {real.astype(np.int64).tolist()}"
+                )
+            rows.append(tuple(int(token) for token in ids[real.shape[0] - count :]))
         return rows
 
     # -- lifecycle ---------------------------------------------------------------------

@@ -14,6 +14,8 @@ from kvcache_core.config import KV_LAYOUTS, CacheConfig
 from kvcache_core.hookspecs import BackendSpec, hookimpl
 
 if TYPE_CHECKING:
+    import torch
+
     from kvcache_torch.storage import TorchStorage
 
 __all__ = ["CAPABILITIES", "DTYPES", "kvcache_register_backends", "make_storage"]
@@ -47,7 +49,7 @@ def _why_unavailable() -> str:
 
 
 @hookimpl
-def kvcache_register_backends() -> Iterator[BackendSpec]:
+def kvcache_register_backends() -> Iterator[BackendSpec[torch.Tensor]]:
     """Register the torch backend."""
     yield BackendSpec(
         name="torch",

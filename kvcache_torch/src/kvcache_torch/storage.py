@@ -110,6 +110,12 @@ class TorchStorage:
         """The whole pool ``[num_layers, 2, *config.block_shape()]`` (K at index 0, V at 1)."""
         return self._pool
 
+    def close(self) -> None:
+        """Drop the pool tensor, so its device memory goes back to torch once no view a
+        caller still holds refers to it (on CUDA, to the caching allocator, for reuse).
+        ``manager.close()`` calls this; the storage is not used afterwards."""
+        self._pool = torch.empty((0,), dtype=self._dtype, device=self._device)
+
     def key_cache(self, layer: int) -> torch.Tensor:
         """View of the layer's key pool, in the configured layout."""
         return self._pool[layer, 0]

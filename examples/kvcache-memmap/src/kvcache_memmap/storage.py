@@ -254,7 +254,7 @@ def _remove_files(owner_pid: int, paths: tuple[str, ...] | list[str]) -> None:
 
 
 @hookimpl
-def kvcache_register_backends() -> Iterator[BackendSpec]:
+def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
     """Register the ``memmap`` backend."""
     yield BackendSpec(
         name="memmap",

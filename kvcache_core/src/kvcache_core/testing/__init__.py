@@ -2,7 +2,7 @@
 
 Run it against every installed backend, or one::
 
-    pytest -p kvcache_core.testing --kvcache-backend numpy --pyargs kvcache_core.testing.selftest
+    pytest -p kvcache_core.testing --kvcache-backend numpy --pyargs kvcache_core.testing.test_conformance
 
 or subclass :class:`KvCacheConformance` in one test file of your own backend::
 
@@ -12,6 +12,13 @@ or subclass :class:`KvCacheConformance` in one test file of your own backend::
     @pytest.mark.kvcache_backends("mine")
     class TestMine(KvCacheConformance):
         pass
+
+Besides the Protocol members and their signatures, the kit checks what every storage
+method returns (:mod:`kvcache_core.testing.returns`), the data path, attention, the
+policies a backend claims in ``BackendSpec.capabilities`` (the summary lists those it does
+not claim and the tests skipped for that; ``--kvcache-require-all`` fails them), closing,
+bad inputs and threads. Runs are repeatable (``--kvcache-seed``, default 0, no Hypothesis
+example database) and every failure ends with a ``reproduce:`` command to paste.
 
 The plugin registers itself through the ``pytest11`` entry point of kvcache-core and stays
 inert until a test uses the ``kvcache_backend`` fixture. Importing this package imports
@@ -41,6 +48,8 @@ from kvcache_core.testing._plugin import (  # noqa: E402  (after the rewrite reg
     pytest_configure,
     pytest_generate_tests,
     pytest_runtest_makereport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
 )
 
 if TYPE_CHECKING:
@@ -57,6 +66,8 @@ __all__ = [
     "pytest_configure",
     "pytest_generate_tests",
     "pytest_runtest_makereport",
+    "pytest_sessionfinish",
+    "pytest_terminal_summary",
 ]
 
 

@@ -11,15 +11,15 @@ import numpy.typing as npt
 
 from kvcache_core.config import CacheConfig
 from kvcache_core.discovery import create_manager
+from kvcache_core.hookspecs import CAPABILITIES as CAPABILITY_DESCRIPTIONS
 from kvcache_core.hookspecs import BackendSpec
 from kvcache_core.manager import PagedKvCacheManager
 
 __all__ = ["CAPABILITIES", "TOLERANCES", "BackendUnderTest"]
 
-#: Capabilities the kit knows; a backend claims them in ``BackendSpec.capabilities``.
-#: ``immutable_arrays``: ``key_cache`` hands out the current pool array of an immutable
-#: array library (JAX), which later writes replace but never delete, instead of a view.
-CAPABILITIES = frozenset({"immutable_arrays", "fork", "prefix_caching", "swap", "eviction", "sliding_window"})
+#: Capabilities the kit knows; a backend claims them in ``BackendSpec.capabilities``. Their
+#: meanings and the storage methods each relies on: :data:`kvcache_core.hookspecs.CAPABILITIES`.
+CAPABILITIES = frozenset(CAPABILITY_DESCRIPTIONS)
 
 #: ``(rtol, atol)`` for attention outputs compared with the float64 NumPy reference.
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -44,7 +44,7 @@ class BackendUnderTest:
     """
 
     name: str
-    spec: BackendSpec
+    spec: BackendSpec[Any]
 
     @property
     def device(self) -> str:

@@ -143,6 +143,12 @@ class FaultyStorage:
     def array_namespace(self) -> Any:
         return self._inner.array_namespace()
 
+    def close(self) -> None:
+        """Release the wrapped storage (if it has anything to release)."""
+        release = getattr(self._inner, "close", None)
+        if callable(release):
+            release()
+
 
 # -- the script ------------------------------------------------------------------------------
 

@@ -15,8 +15,10 @@ installed backends the run selects (``--kvcache-backend``, the class's pin marke
 
 from __future__ import annotations
 
+import gc
 import inspect
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -30,6 +32,7 @@ from kvcache_core.config import AllocationRequest, CacheConfig
 from kvcache_core.errors import (
     InvalidArgumentError,
     LayerIndexError,
+    ManagerClosedError,
     OutOfBlocksError,
     ShapeMismatchError,
     SharedBlockWriteError,
@@ -54,6 +57,7 @@ from kvcache_core.testing.catalogue import (
 )
 from kvcache_core.testing.faults import run_fault_injection
 from kvcache_core.testing.machine import POLICIES, run_policy_machine, run_reference_machine
+from kvcache_core.testing.returns import storage_return_problems
 from kvcache_core.testing.soak import run_soak
 
 __all__ = ["KvCacheConformance"]
@@ -193,8 +197,57 @@ class KvCacheConformance:
             problem = _signature_problem(member, getattr(storage, name))
             if problem is not None:
                 problems.append(f"{name}: {problem}")
-        assert problems == [], f"{type(storage).__name__} does not implement KvStorage: {problems}"
-        assert isinstance(storage.config, CacheConfig)
+        if problems:
+            pytest.fail(f"{type(storage).__name__} does not implement KvStorage: {'; '.join(problems)}", pytrace=False)
+        assert isinstance(storage.config, CacheConfig), f"KvStorage.config is {type(storage.config).__name__}"
+
+    def test_every_storage_method_returns_the_contracts_types_and_shapes(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        problems: list[str] = []
+        for config in kvcache_backend.configs():
+            problems += storage_return_problems(kvcache_backend, config)
+        if problems:  # the first line names the method and what it returned
+            pytest.fail("\n".join(dict.fromkeys(problems)), pytrace=False)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def test_close_releases_the_pool_once_and_refuses_further_use(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager()
+        storage = manager.storage
+        release = getattr(storage, "close", None)
+        calls: list[int] = []
+        if callable(release):
+
+            def counted() -> None:
+                calls.append(1)
+                release()
+
+            try:
+                storage.close = counted  # type: ignore[attr-defined]  # pyright: ignore[reportAttributeAccessIssue]
+            except (AttributeError, TypeError):  # a storage with __slots__: count nothing
+                calls = [1]
+        with manager:
+            handle = manager.allocate(AllocationRequest("r"))
+            _write_random(manager, manager.extend(handle, 5), np.random.default_rng(37), 0)
+        manager.close()  # a second close does nothing
+        assert manager.closed, "the with block did not close the manager"
+        if callable(release):
+            assert len(calls) == 1, f"KvStorage.close was called {len(calls)} times by two closes, expected once"
+        with pytest.raises(ManagerClosedError):
+            handle.key_cache(0)
+        with pytest.raises(ManagerClosedError):
+            manager.allocate(AllocationRequest("late"))
+        assert not handle.is_valid(), "a handle of a closed manager reports is_valid() == True"
+
+    def test_a_closed_pool_is_released_not_kept_alive(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager()
+        handle = manager.allocate(AllocationRequest("r", initial_tokens=3))
+        storage_ref = weakref.ref(manager.storage)
+        manager.close()
+        del manager, handle
+        gc.collect()
+        assert storage_ref() is None, "the storage outlives its closed manager and every handle: something keeps it"
 
     def test_handles_satisfy_the_handle_protocol(self, kvcache_backend: BackendUnderTest) -> None:
         manager = kvcache_backend.manager()
@@ -204,7 +257,7 @@ class KvCacheConformance:
             assert _signature_problem(member, getattr(handle, name)) is None, name
         clone = handle.clone_handle()
         assert isinstance(clone, KvCacheHandle)
-        assert clone.cache_id() == handle.cache_id()
+        assert clone.cache_id() == handle.cache_id(), "a clone has another cache_id than its handle"
         assert isinstance(handle.block_table(), BlockTable)
 
     # -- geometry and references -----------------------------------------------------------
@@ -289,8 +342,12 @@ class KvCacheConformance:
         keys, values = _write_random(manager, slots, rng, 0)
         for handle, rows in ((first, slice(0, 5)), (second, slice(5, 8))):
             gathered_keys, gathered_values = manager.gather(handle, 0)
-            assert np.array_equal(BackendUnderTest.host(manager, gathered_keys), keys[rows]), handle.request_id
-            assert np.array_equal(BackendUnderTest.host(manager, gathered_values), values[rows]), handle.request_id
+            assert np.array_equal(BackendUnderTest.host(manager, gathered_keys), keys[rows]), (
+                f"gathered keys of {handle.request_id!r} differ from its rows of the batched write"
+            )
+            assert np.array_equal(BackendUnderTest.host(manager, gathered_values), values[rows]), (
+                f"gathered values of {handle.request_id!r} differ from its rows of the batched write"
+            )
 
     def test_copy_blocks_and_host_transfers_are_exact(self, kvcache_backend: BackendUnderTest) -> None:
         rng = np.random.default_rng(11)
@@ -393,11 +450,11 @@ class KvCacheConformance:
     def test_state_machine_with_the_policies_the_backend_claims(
         self, kvcache_backend: BackendUnderTest, request: pytest.FixtureRequest
     ) -> None:
-        from kvcache_core.testing._plugin import kit_settings
+        from kvcache_core.testing._plugin import kit_settings, skip_unclaimed
 
-        claimed = set(kvcache_backend.spec.capabilities) & (POLICIES - {"sliding_window"})
-        if not claimed:
-            pytest.skip(f"kvcache backend {kvcache_backend.name!r} claims none of {sorted(POLICIES)}")
+        machine_policies = sorted(POLICIES - {"sliding_window"})
+        if not set(kvcache_backend.spec.capabilities) & set(machine_policies):
+            skip_unclaimed(request, kvcache_backend.name, *machine_policies)
         run_policy_machine(kvcache_backend, kit_settings(request.config), window=False)
 
     @pytest.mark.kvcache_requires("sliding_window")
@@ -417,15 +474,15 @@ class KvCacheConformance:
         parent = manager.allocate(AllocationRequest("parent"))
         keys, _ = _write_random(manager, manager.extend(parent, 6), rng, 0)  # blocks: 4 + 2 tokens
         child = manager.fork(parent, "child")
-        assert child.block_table().physical_blocks == parent.block_table().physical_blocks
+        assert child.block_table().physical_blocks == parent.block_table().physical_blocks, "fork copied blocks"
 
         child_slots = manager.extend(child, 1)  # lands in the shared, half-full second block
-        assert manager.stats().copy_on_write_count == 1
-        assert child.block_table().physical_blocks[0] == parent.block_table().physical_blocks[0]
-        assert child.block_table().physical_blocks[1] != parent.block_table().physical_blocks[1]
+        assert manager.stats().copy_on_write_count == 1, "extending into a shared block did not copy it"
+        assert child.block_table().physical_blocks[0] == parent.block_table().physical_blocks[0], "full block copied"
+        assert child.block_table().physical_blocks[1] != parent.block_table().physical_blocks[1], "no copy made"
         child_keys, _ = _write_random(manager, child_slots, rng, 0)
         parent_keys, _ = _write_random(manager, manager.extend(parent, 1), rng, 0)  # no longer shared: no copy
-        assert manager.stats().copy_on_write_count == 1
+        assert manager.stats().copy_on_write_count == 1, "a block no longer shared was copied again"
 
         parent_back = BackendUnderTest.host(manager, manager.gather(parent, 0)[0])
         child_back = BackendUnderTest.host(manager, manager.gather(child, 0)[0])
@@ -434,7 +491,9 @@ class KvCacheConformance:
         manager.deallocate("parent")
         manager.deallocate("child")
         manager.check_invariants()
-        assert manager.stats().used_blocks == 0
+        assert manager.stats().used_blocks == 0, (
+            f"{manager.stats().used_blocks} blocks in use after every request ended"
+        )
 
     @pytest.mark.kvcache_requires("swap")
     def test_swap_out_and_in_is_bit_identical_every_dtype_and_layout(self, kvcache_backend: BackendUnderTest) -> None:
@@ -482,7 +541,7 @@ class KvCacheConformance:
                 shared_tokens = 5 * config.block_size
                 assert np.array_equal(keys[:shared_tokens], first_keys[:shared_tokens]), "a hit maps other K/V"
         stats = manager.stats()
-        assert stats.prefix_cache_hits == 3 * 5
+        assert stats.prefix_cache_hits == 3 * 5, f"{stats.prefix_cache_hits} prefix-cache hits, expected 15"
         own_blocks = -(-(len(shared) + 2 - 5 * config.block_size) // config.block_size)
         assert stats.used_blocks == 5 + 4 * own_blocks  # the shared blocks once, the rest per request
         manager.check_invariants()
@@ -498,12 +557,12 @@ class KvCacheConformance:
         for layer in range(config.num_layers):
             _write_random(manager, slots, rng, layer)
         manager.deallocate("warm")
-        assert manager.stats().cached_blocks == 6
+        assert manager.stats().cached_blocks == 6, f"{manager.stats().cached_blocks} blocks cached, expected 6"
 
         manager.allocate(AllocationRequest("big", initial_tokens=config.num_blocks * config.block_size))
 
         stats = manager.stats()
-        assert stats.eviction_count == 6
+        assert stats.eviction_count == 6, f"{stats.eviction_count} blocks evicted, expected 6"
         assert (stats.cached_blocks, stats.free_blocks, stats.used_blocks) == (0, 0, config.num_blocks)
         with pytest.raises(OutOfBlocksError):
             manager.allocate(AllocationRequest("late", initial_tokens=1))
@@ -575,7 +634,7 @@ class KvCacheConformance:
             except OutOfBlocksError:
                 break
             taken += 1
-        assert taken == config.num_blocks // 3
+        assert taken == config.num_blocks // 3, f"{taken} requests of 3 blocks fit in {config.num_blocks} blocks"
         before = (manager.stats().used_blocks, [h.block_table() for _, h in manager.list_handles()])
         with pytest.raises(OutOfBlocksError):
             manager.allocate(AllocationRequest("late", initial_tokens=config.num_blocks * config.block_size))
@@ -646,10 +705,11 @@ class KvCacheConformance:
         for thread in threads:
             thread.join()
         assert errors == [], f"a worker raised: {errors[0]!r}" if errors else ""
-        assert failures == []
+        assert failures == [], f"{len(failures)} reads disagree with what was written, first: {failures[0]}"
         manager.check_invariants()
         stats = manager.stats()
         assert (stats.used_blocks, stats.active_caches) == (0, 0), f"blocks leaked: {stats}"
+        assert stats.allocation_count > 0, "no worker allocated anything"
         assert stats.allocation_count > 0
 
     # -- reliability -----------------------------------------------------------------------
@@ -945,3 +1005,17 @@ class KvCacheConformance:
         later = manager.allocate(AllocationRequest("c", prompt_token_ids=(*prompt, 99)))
         assert later.num_cached_tokens() <= 2 * block_size, "a block written after truncation was served"
         manager.check_invariants()
+
+    def test_a_step_is_refused_once_its_manager_is_closed(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager()
+        handle = manager.allocate(AllocationRequest("a"))
+        step = manager.begin_step([handle], 2)
+        keys, values = kv_pair(manager, 2, 1.0)
+        step.write(0, keys, values)
+        manager.close()
+        with pytest.raises(ManagerClosedError):
+            step.write(1, keys, values)
+        with pytest.raises(ManagerClosedError):
+            step.attention(0, decode_like(manager, 2))
+        with pytest.raises(ManagerClosedError):
+            manager.begin_step([handle], 1)
