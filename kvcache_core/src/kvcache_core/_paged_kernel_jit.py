@@ -19,9 +19,10 @@ accumulator, maximum and sum into the partial buffers, which :func:`merge_splits
 merges with a log-sum-exp.
 
 Pools are flat 1-D views of one layer's K or V and element strides of (block, token in
-block, head); the feature axis is contiguous. float32 pools are read in place; 16-bit
-pools (``POOL_FLOAT16`` and ``POOL_BFLOAT16``, handed over as ``uint16`` bits) are
-decoded one row at a time into a float32 scratch row. ``cache=True``: the compiled code
+block, head); the feature axis is contiguous. Each key tile's rows are copied (float32)
+or decoded (``POOL_FLOAT16`` and ``POOL_BFLOAT16``, handed over as ``uint16`` bits) into
+one float32 tile that stays in L1 while every query row reads it; the pool itself is
+only read, never copied as a whole. ``cache=True``: the compiled code
 is kept on disk, so each machine compiles once (per pool element type).
 """
 
@@ -45,9 +46,12 @@ POOL_BFLOAT16 = 2
 
 #: Query rows attended together (their K/V rows are read once for all of them).
 ROW_TILE = 16
-#: Keys per online-softmax step (the score tile is ``ROW_TILE x KEY_TILE`` float32 in L1).
-KEY_TILE = 64
+#: Keys per online-softmax step: their K (then V) rows are copied or decoded into one float32
+#: tile of ``KEY_TILE x head_dim`` (16 KiB at 128), read from L1 by every query row.
+KEY_TILE = 32
 
+# Helpers are inlined: a call between compiled functions (reference counts of its array
+# arguments) measured 10x the cost of the 4 x 128 products it made.
 # Reassociation lets LLVM vectorise the dot products; no "nnan"/"ninf": -inf is a real value
 # here (the running maximum before the first key).
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -56,45 +60,44 @@ _F16_TO_F32 = np.float32(2.0**112)  # a half's bits shifted into a float32, time
 _F16_OVERFLOW = np.float32(65536.0)  # ... and at least this for an infinity or NaN
 
 
-@njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def _decode_row(pool, base, dim, kind, bits, row):  # type: ignore[no-untyped-def]
-    """Decode ``dim`` 16-bit elements from ``pool[base:]`` into ``row`` (float32, a view of ``bits``)."""
-    if kind == POOL_BFLOAT16:
-        for d in range(dim):
-            bits[d] = np.uint32(pool[base + d]) << np.uint32(16)
-        return
-    for d in range(dim):
-        bits[d] = (np.uint32(pool[base + d]) & np.uint32(0x7FFF)) << np.uint32(13)
-    for d in range(dim):
-        row[d] *= _F16_TO_F32  # exact for normal and subnormal halves
-    for d in range(dim):
-        extra = (np.uint32(pool[base + d]) & np.uint32(0x8000)) << np.uint32(16)
-        if row[d] >= _F16_OVERFLOW:
-            extra |= np.uint32(0x7F800000)
-        bits[d] |= extra
-
-
-@njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def _score_key(source, base, queries, rows, dim, scores, column):  # type: ignore[no-untyped-def]
-    """``scores[j, column] = queries[j] . source[base:base + dim]`` for the first ``rows`` rows."""
-    for j in range(rows):
-        total = np.float32(0.0)
-        for d in range(dim):
-            total += queries[j, d] * np.float32(source[base + d])
-        scores[j, column] = total
-
-
-@njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def _add_value(source, base, weights, column, rows, dim, acc):  # type: ignore[no-untyped-def]
-    """``acc[j] += weights[j, column] * source[base:base + dim]`` for the first ``rows`` rows."""
-    for j in range(rows):
-        weight = weights[j, column]
-        if weight != 0.0:
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+def _load_tile(  # type: ignore[no-untyped-def]
+    pool, kind, block_row, request, first_key, keys, block_size, block_stride, token_stride, head_offset, tile, bits
+):
+    """Copy (float32) or decode (16-bit) the rows of keys ``[first_key, first_key + keys)``
+    of one head into ``tile [KEY_TILE, dim]`` float32 (``bits`` is its uint32 view),
+    following the block table row ``block_row``."""
+    dim = tile.shape[1]
+    block_index = first_key // block_size
+    offset = first_key - block_index * block_size
+    for c in range(keys):
+        base = block_row[block_index] * block_stride + offset * token_stride + head_offset
+        source = pool[base : base + dim]  # a slice: its indices are known non-negative, so loads vectorise
+        target = tile[c]
+        target_bits = bits[c]
+        if kind == POOL_FLOAT32:
             for d in range(dim):
-                acc[j, d] += weight * np.float32(source[base + d])
+                target[d] = source[d]
+        elif kind == POOL_BFLOAT16:
+            for d in range(dim):
+                target_bits[d] = np.uint32(source[d]) << np.uint32(16)
+        else:
+            for d in range(dim):
+                target_bits[d] = (np.uint32(source[d]) & np.uint32(0x7FFF)) << np.uint32(13)
+            for d in range(dim):
+                target[d] *= _F16_TO_F32  # exact for normal and subnormal halves
+            for d in range(dim):
+                extra = (np.uint32(source[d]) & np.uint32(0x8000)) << np.uint32(16)
+                if target[d] >= _F16_OVERFLOW:
+                    extra |= np.uint32(0x7F800000)
+                target_bits[d] |= extra
+        offset += 1
+        if offset == block_size:
+            offset = 0
+            block_index += 1
 
 
-@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
 def _attend_item(  # type: ignore[no-untyped-def]
     item,
     query,
@@ -120,8 +123,8 @@ def _attend_item(  # type: ignore[no-untyped-def]
     row_sum,
     row_low,
     row_high,
+    tile,
     bits,
-    row,
 ):
     """Attend the rows ``[item[2], item[3])`` of one ``(request, kv_head)`` over its keys
     ``[item[4], item[5])``; scratch buffers are the thread's."""
@@ -140,6 +143,7 @@ def _attend_item(  # type: ignore[no-untyped-def]
     seq_len = seq_lens[request]
     block_stride, token_stride, head_stride = strides[0], strides[1], strides[2]
     head_offset = head * head_stride
+    block_row = block_tables[request]
     for tile_row in range(first_row, last_row, ROW_TILE):
         rows = min(ROW_TILE, last_row - tile_row)
         low_all = last_key
@@ -165,19 +169,28 @@ def _attend_item(  # type: ignore[no-untyped-def]
             row_sum[j] = 0.0
         for tile_key in range(low_all, high_all, KEY_TILE):
             keys = min(KEY_TILE, high_all - tile_key)
-            block_index = tile_key // block_size
-            offset = tile_key - block_index * block_size
+            _load_tile(
+                key_pool,
+                pool_kind,
+                block_row,
+                request,
+                tile_key,
+                keys,
+                block_size,
+                block_stride,
+                token_stride,
+                head_offset,
+                tile,
+                bits,
+            )
             for c in range(keys):
-                base = block_tables[request, block_index] * block_stride + offset * token_stride + head_offset
-                if pool_kind == POOL_FLOAT32:
-                    _score_key(key_pool, base, queries, rows, dim, scores, c)
-                else:
-                    _decode_row(key_pool, base, dim, pool_kind, bits, row)
-                    _score_key(row, 0, queries, rows, dim, scores, c)
-                offset += 1
-                if offset == block_size:
-                    offset = 0
-                    block_index += 1
+                key_row = tile[c]
+                for j in range(rows):
+                    query_row = queries[j]
+                    total = np.float32(0.0)
+                    for d in range(dim):
+                        total += query_row[d] * key_row[d]
+                    scores[j, c] = total
             for j in range(rows):
                 low = max(row_low[j], tile_key) - tile_key
                 high = min(row_high[j], tile_key + keys) - tile_key
@@ -204,19 +217,26 @@ def _attend_item(  # type: ignore[no-untyped-def]
                 for c in range(high, keys):
                     scores[j, c] = 0.0
                 row_sum[j] += total
-            block_index = tile_key // block_size
-            offset = tile_key - block_index * block_size
+            _load_tile(
+                value_pool,
+                pool_kind,
+                block_row,
+                request,
+                tile_key,
+                keys,
+                block_size,
+                block_stride,
+                token_stride,
+                head_offset,
+                tile,
+                bits,
+            )
             for c in range(keys):
-                base = block_tables[request, block_index] * block_stride + offset * token_stride + head_offset
-                if pool_kind == POOL_FLOAT32:
-                    _add_value(value_pool, base, scores, c, rows, dim, acc)
-                else:
-                    _decode_row(value_pool, base, dim, pool_kind, bits, row)
-                    _add_value(row, 0, scores, c, rows, dim, acc)
-                offset += 1
-                if offset == block_size:
-                    offset = 0
-                    block_index += 1
+                for j in range(rows):
+                    weight = scores[j, c]
+                    if weight != 0.0:
+                        for d in range(dim):
+                            acc[j, d] += weight * tile[c, d]
         for j in range(rows):
             r = tile_row + j
             if partial_row < 0:
@@ -265,8 +285,8 @@ def attend_share(  # type: ignore[no-untyped-def]
     row_sum = np.empty(ROW_TILE, np.float32)
     row_low = np.empty(ROW_TILE, np.int64)
     row_high = np.empty(ROW_TILE, np.int64)
-    bits = np.empty(dim, np.uint32)
-    row = bits.view(np.float32)
+    bits = np.empty((KEY_TILE, dim), np.uint32)
+    tile = bits.view(np.float32)
     for position in range(items.shape[0]):
         _attend_item(
             items[position],
@@ -293,8 +313,8 @@ def attend_share(  # type: ignore[no-untyped-def]
             row_sum,
             row_low,
             row_high,
+            tile,
             bits,
-            row,
         )
 
 
