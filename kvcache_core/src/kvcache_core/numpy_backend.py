@@ -13,11 +13,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.attention import paged_attention
-from kvcache_core.paged_kernel import attend_with_kernel, kernel_available, kernel_reads
 from kvcache_core.config import KV_LAYOUTS, CacheConfig
 from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from kvcache_core.hookspecs import BackendSpec, hookimpl
 from kvcache_core.page_table import PageTable
+from kvcache_core.paged_kernel import attend_with_kernel, kernel_available, kernel_reads
 
 __all__ = ["POLICY_CAPABILITIES", "NumpyArray", "NumpyStorage", "kvcache_register_backends"]
 

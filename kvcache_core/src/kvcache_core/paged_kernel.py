@@ -77,7 +77,11 @@ MIN_SPLIT_KEYS: Final = 512
 _ROW_READ_COST = 8
 
 _POOL_KINDS: Final = {"float32": 0, "float16": 1, "bfloat16": 2}
-_POOL_ELEMENTS: Final = {"float32": np.dtype(np.float32), "float16": np.dtype(np.uint16), "bfloat16": np.dtype(np.uint16)}
+_POOL_ELEMENTS: Final = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.uint16),
+    "bfloat16": np.dtype(np.uint16),
+}
 _HEADS_AXIS: Final = {"NHD": 2, "HND": 1, "heads_first": 0}
 #: Axes of (block, token in block, head) in each layout.
 _STRIDE_AXES: Final = {"NHD": (0, 1, 2), "HND": (0, 2, 1), "heads_first": (1, 2, 0)}
@@ -160,7 +164,7 @@ def _flat(cache: npt.NDArray[Any]) -> npt.NDArray[Any]:
 def _read_only(array: npt.NDArray[Any], dtype: type[np.generic]) -> npt.NDArray[Any]:
     """A C-contiguous read-only array of ``dtype`` (a view when it already is one): every
     call hands numba the same types, so the kernel compiles once."""
-    view = np.ascontiguousarray(array, dtype=dtype).view()
+    view: npt.NDArray[Any] = np.ascontiguousarray(array, dtype=dtype).view()
     view.flags.writeable = False
     return view
 
