@@ -34,6 +34,7 @@ to the module, or ``NUMBA_CACHE_DIR``); later processes load it in well under a 
 from __future__ import annotations
 
 import heapq
+import importlib
 import math
 import os
 import threading
@@ -105,11 +106,9 @@ def _jit() -> ModuleType | None:
         with _load_lock:
             if _jit_module is None and not _jit_missing:
                 try:
-                    from kvcache_core import _paged_kernel_jit
+                    _jit_module = importlib.import_module("kvcache_core._paged_kernel_jit")
                 except ImportError:
                     _jit_missing = True
-                else:
-                    _jit_module = _paged_kernel_jit
     return _jit_module
 
 
