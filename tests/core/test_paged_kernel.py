@@ -22,8 +22,8 @@ from kvcache_core import (
     UnsupportedConfigError,
     create_manager,
     paged_attention,
+    paged_kernel,
 )
-from kvcache_core import numpy_backend, paged_kernel
 
 Array = npt.NDArray[Any]
 
@@ -136,7 +136,8 @@ def test_a_long_context_on_few_heads_is_split_and_merged() -> None:
     query = rng.standard_normal((1, 4, 32)).astype(np.float32)
     indptr = np.array([0, 1], dtype=np.int32)
     plan = paged_kernel._cached_plan(table, indptr, 1, 4, True, 0, 4)  # pyright: ignore[reportPrivateUsage]
-    assert plan.merges.shape[0] == 1 and plan.merges[0, 4] > 1, plan.merges
+    assert plan.merges.shape[0] == 1, plan.merges
+    assert plan.merges[0, 4] > 1, plan.merges
     got = paged_kernel.attend_with_kernel(
         query, keys, values, table, indptr, dtype="float32", scale=0.2, causal=True, kv_layout="NHD",
         sliding_window=None, num_threads=4,
@@ -151,7 +152,8 @@ def test_the_kernel_only_reads_its_inputs() -> None:
     rng = np.random.default_rng(1)
     table, num_blocks = hand_built_table([3, 0, 1, 2, 6, 5, 4], [9, 13], 4, None)
     pool = rng.standard_normal((2, num_blocks + 1, 4, 2, 8)).astype(np.float32)
-    for array in (pool, table.kv_indices, table.block_tables, table.seq_lens, table.kv_indptr):
+    inputs: tuple[Array, ...] = (pool, table.kv_indices, table.block_tables, table.seq_lens, table.kv_indptr)
+    for array in inputs:
         array.flags.writeable = False
     before = [array.copy() for array in (pool, table.block_tables, table.seq_lens)]
     query = rng.standard_normal((2, 4, 8)).astype(np.float32)
@@ -184,13 +186,13 @@ def numpy_manager(dtype: str = "float32") -> tuple[Any, Array, PageTable]:
 def test_the_numpy_backend_uses_the_kernel(dtype: str) -> None:
     manager, query, table = numpy_manager(dtype)
     calls: list[str] = []
-    real = numpy_backend.attend_with_kernel
+    real = paged_kernel.attend_with_kernel
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(kwargs["dtype"])
         return real(*args, **kwargs)
 
-    with mock.patch.object(numpy_backend, "attend_with_kernel", counted):
+    with mock.patch.object(paged_kernel, "attend_with_kernel", counted):
         got = manager.paged_attention(0, query, table)
     assert calls == [dtype]
     assert got.dtype == np.dtype(dtype)
@@ -207,7 +209,7 @@ def test_the_environment_switch_falls_back_to_the_reference(monkeypatch: pytest.
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the kernel ran although it is switched off")
 
-    monkeypatch.setattr(numpy_backend, "attend_with_kernel", refuse)
+    monkeypatch.setattr(paged_kernel, "attend_with_kernel", refuse)
     got = manager.paged_attention(0, query, table)
     expected = paged_attention(query, manager.storage.key_cache(0), manager.storage.value_cache(0), table)
     np.testing.assert_array_equal(got, expected)  # the reference itself

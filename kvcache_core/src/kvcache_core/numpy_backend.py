@@ -12,12 +12,12 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from kvcache_core import paged_kernel
 from kvcache_core.attention import paged_attention
 from kvcache_core.config import KV_LAYOUTS, CacheConfig
 from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from kvcache_core.hookspecs import BackendSpec, hookimpl
 from kvcache_core.page_table import PageTable
-from kvcache_core.paged_kernel import attend_with_kernel, kernel_available, kernel_reads
 
 __all__ = ["POLICY_CAPABILITIES", "NumpyArray", "NumpyStorage", "kvcache_register_backends"]
 
@@ -171,8 +171,8 @@ class NumpyStorage:
         dtype = self._config.dtype
         if dtype == "float16":  # the kernel decodes half floats from their bits
             keys, values = keys.view(np.uint16), values.view(np.uint16)
-        if kernel_available() and kernel_reads(dtype, keys, values):
-            output = attend_with_kernel(
+        if paged_kernel.kernel_available() and paged_kernel.kernel_reads(dtype, keys, values):
+            output = paged_kernel.attend_with_kernel(
                 query,
                 keys,
                 values,

@@ -48,11 +48,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvcache_core import paged_kernel
 from kvcache_core.attention import validate_query_indptr
 from kvcache_core.config import KV_LAYOUTS
 from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from kvcache_core.page_table import PageTable
-from kvcache_core.paged_kernel import attend_with_kernel, kernel_available, kernel_reads
 
 __all__ = ["attend_pool", "paged_attention"]
 
@@ -92,13 +92,13 @@ def _kernel_attention(
     ``torch.get_num_threads()`` threads; ``None`` where it does not apply (another device,
     another dtype, numba missing or switched off)."""
     dtype = _KERNEL_DTYPES.get(key_cache.dtype)
-    if dtype is None or key_cache.device.type != "cpu" or not kernel_available():
+    if dtype is None or key_cache.device.type != "cpu" or not paged_kernel.kernel_available():
         return None
     keys, values = _host_view(key_cache), _host_view(value_cache)
-    if not kernel_reads(dtype, keys, values):
+    if not paged_kernel.kernel_reads(dtype, keys, values):
         return None
     host_query = query.detach().to(torch.float32).numpy()
-    output = attend_with_kernel(
+    output = paged_kernel.attend_with_kernel(
         host_query,
         keys,
         values,
