@@ -185,12 +185,28 @@ def _attend_item(  # type: ignore[no-untyped-def]
             )
             for c in range(keys):
                 key_row = tile[c]
-                for j in range(rows):
+                j = 0
+                while j + 4 <= rows:  # four rows per pass: each key element loaded once for them
+                    q0, q1, q2, q3 = queries[j], queries[j + 1], queries[j + 2], queries[j + 3]
+                    t0 = t1 = t2 = t3 = np.float32(0.0)
+                    for d in range(dim):
+                        k = key_row[d]
+                        t0 += q0[d] * k
+                        t1 += q1[d] * k
+                        t2 += q2[d] * k
+                        t3 += q3[d] * k
+                    scores[j, c] = t0
+                    scores[j + 1, c] = t1
+                    scores[j + 2, c] = t2
+                    scores[j + 3, c] = t3
+                    j += 4
+                while j < rows:
                     query_row = queries[j]
                     total = np.float32(0.0)
                     for d in range(dim):
                         total += query_row[d] * key_row[d]
                     scores[j, c] = total
+                    j += 1
             for j in range(rows):
                 low = max(row_low[j], tile_key) - tile_key
                 high = min(row_high[j], tile_key + keys) - tile_key
@@ -232,11 +248,25 @@ def _attend_item(  # type: ignore[no-untyped-def]
                 bits,
             )
             for c in range(keys):
-                for j in range(rows):
+                value_row = tile[c]
+                j = 0
+                while j + 4 <= rows:  # four rows per pass: each value element loaded once for them
+                    w0, w1, w2, w3 = scores[j, c], scores[j + 1, c], scores[j + 2, c], scores[j + 3, c]
+                    a0, a1, a2, a3 = acc[j], acc[j + 1], acc[j + 2], acc[j + 3]
+                    for d in range(dim):
+                        v = value_row[d]
+                        a0[d] += w0 * v
+                        a1[d] += w1 * v
+                        a2[d] += w2 * v
+                        a3[d] += w3 * v
+                    j += 4
+                while j < rows:
                     weight = scores[j, c]
                     if weight != 0.0:
+                        acc_row = acc[j]
                         for d in range(dim):
-                            acc[j, d] += weight * tile[c, d]
+                            acc_row[d] += weight * value_row[d]
+                    j += 1
         for j in range(rows):
             r = tile_row + j
             if partial_row < 0:
