@@ -215,7 +215,7 @@ def _plan(
             first_key = max(0, seq_len - num_queries - window + 1) if window > 0 else 0
             decode_like.append((request, rows, first_key))
     split_rows: dict[int, int] = {}
-    if len(chunks) < 4 * threads and decode_like:
+    if threads > 1 and len(chunks) < 4 * threads and decode_like:
         wanted = math.ceil(4 * threads / len(chunks))
         for request, _, first_key in decode_like:
             splits = min(wanted, (seq_lens[request] - first_key) // MIN_SPLIT_KEYS)
