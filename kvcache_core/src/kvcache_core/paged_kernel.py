@@ -26,9 +26,10 @@ The plan of a batch (items, shares, splits) depends only on the page table, the 
 offsets, the geometry and the thread count: it is computed once and reused by every layer
 of the step (cached per :class:`PageTable`, which is immutable).
 
-The first call on a machine compiles the kernel (about 10 s per pool element type,
-float32 or 16-bit) and caches it on disk (numba ``cache=True``, in ``__pycache__`` next
-to the module, or ``NUMBA_CACHE_DIR``); later processes load it in well under a second.
+The first call on a machine compiles the kernel (measured 6.4 s for float32 pools and
+5.0 s for 16-bit ones on a busy 2-core machine) and caches it on disk (numba
+``cache=True``, in ``__pycache__`` next to the module, or ``NUMBA_CACHE_DIR``); later
+processes import numba and the module in 0.3 s and load the compiled code in 0.4 s.
 """
 
 from __future__ import annotations
