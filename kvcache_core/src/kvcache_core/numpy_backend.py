@@ -12,6 +12,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from kvcache_core import paged_kernel
 from kvcache_core.attention import paged_attention
 from kvcache_core.config import KV_LAYOUTS, CacheConfig
 from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
@@ -177,7 +178,27 @@ class NumpyStorage:
         scale: float,
         causal: bool,
     ) -> NumpyArray:
-        """The NumPy reference paged attention over this layer's pool."""
+        """Attention over this layer's pool, read in place: the compiled kernel
+        (:mod:`kvcache_core.paged_kernel`) for float32 and float16 pools when numba is
+        installed, else the NumPy reference."""
+        keys, values = self._pool[layer, 0], self._pool[layer, 1]
+        dtype = self._config.dtype
+        if dtype == "float16":  # the kernel decodes half floats from their bits
+            keys, values = keys.view(np.uint16), values.view(np.uint16)
+        if paged_kernel.kernel_available() and paged_kernel.kernel_reads(dtype, keys, values):
+            output = paged_kernel.attend_with_kernel(
+                query,
+                keys,
+                values,
+                page_table,
+                qo_indptr,
+                dtype=dtype,
+                scale=scale,
+                causal=causal,
+                kv_layout=self._config.kv_layout,
+                sliding_window=page_table.sliding_window,
+            )
+            return output.astype(query.dtype, copy=False)
         return paged_attention(
             query,
             self._pool[layer, 0],

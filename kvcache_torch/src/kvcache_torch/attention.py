@@ -1,6 +1,12 @@
 """Paged attention in torch: decode and prefill, causal, grouped-query, ragged batch,
 optionally over a sliding window.
 
+On CPU, for float32, float16 and bfloat16 pools, it is one call of the compiled kernel of
+:mod:`kvcache_core.paged_kernel` per layer for the whole batch: the pool and the page
+table are handed over as zero-copy NumPy views, the kernel uses ``torch.get_num_threads()``
+threads. What follows is the torch path, used on other devices, for other dtypes, and on
+CPU when numba is missing or ``KVCACHE_DISABLE_NUMBA`` is set.
+
 It reads K/V from the pool in place. Each run of physically consecutive blocks of a
 request (:meth:`PageTable.runs`) is one zero-copy view of the pool: in the ``NHD`` and
 ``heads_first`` layouts a run is a ``[kv_heads, tokens, head_dim]`` view (contiguous per
@@ -36,12 +42,13 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvcache_core import paged_kernel
 from kvcache_core.attention import validate_query_indptr
 from kvcache_core.config import KV_LAYOUTS
 from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
@@ -58,6 +65,53 @@ _HEADS_AXIS = {"NHD": 2, "HND": 1, "heads_first": 0}
 
 #: Dtypes whose softmax runs in float32 (their products still run in the pool's dtype).
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+#: Pool dtypes the compiled CPU kernel reads, with their names there.
+_KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _host_view(cache: torch.Tensor) -> npt.NDArray[Any]:
+    """A CPU pool as a NumPy view of the same memory (16-bit floats as their ``uint16`` bits)."""
+    if cache.dtype == torch.float32:
+        return cache.detach().numpy()
+    return cache.detach().view(torch.int16).numpy().view(np.uint16)
+
+
+def _kernel_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    page_table: PageTable,
+    qo_indptr: npt.NDArray[np.int32],
+    scale: float,
+    causal: bool,
+    kv_layout: str,
+    window: int | None,
+) -> torch.Tensor | None:
+    """The compiled CPU kernel over the pool read in place (zero-copy NumPy views), with
+    ``torch.get_num_threads()`` threads; ``None`` where it does not apply (another device,
+    another dtype, numba missing or switched off)."""
+    dtype = _KERNEL_DTYPES.get(key_cache.dtype)
+    if dtype is None or key_cache.device.type != "cpu" or not paged_kernel.kernel_available():
+        return None
+    keys, values = _host_view(key_cache), _host_view(value_cache)
+    if not paged_kernel.kernel_reads(dtype, keys, values):
+        return None
+    host_query = query.detach().to(torch.float32).numpy()
+    output = paged_kernel.attend_with_kernel(
+        host_query,
+        keys,
+        values,
+        page_table,
+        qo_indptr,
+        dtype=dtype,
+        scale=scale,
+        causal=causal,
+        kv_layout=kv_layout,
+        sliding_window=window,
+        num_threads=torch.get_num_threads(),
+    )
+    return torch.from_numpy(output).to(query.dtype)  # pyright: ignore[reportUnknownMemberType]
 
 
 class _Piece(NamedTuple):
@@ -209,7 +263,8 @@ def attend_pool(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The kernel of :func:`paged_attention`, on arguments already validated (the storage
-    calls it after the manager's checks). Runs without autograd.
+    calls it after the manager's checks). Runs without autograd. On CPU it is the compiled
+    kernel where it applies (see the module docstring), else the torch path.
 
     Args:
         query: ``[total_queries, num_query_heads, head_dim]``.
@@ -225,11 +280,15 @@ def attend_pool(
     Returns:
         ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype and device.
     """
+    window = page_table.sliding_window if sliding_window is None else sliding_window
+    if query.shape[0]:
+        fast = _kernel_attention(query, key_cache, value_cache, page_table, qo_indptr, scale, causal, kv_layout, window)
+        if fast is not None:
+            return fast
     num_heads, head_dim = key_cache.shape[_HEADS_AXIS[kv_layout]], key_cache.shape[3]
     group = query.shape[1] // num_heads
     block_size = page_table.block_size
     reader = _PoolReader(key_cache, value_cache, kv_layout, block_size)
-    window = page_table.sliding_window if sliding_window is None else sliding_window
     offsets = [int(x) for x in qo_indptr.tolist()]
     seq_lens = [int(x) for x in page_table.seq_lens.tolist()]
     with torch.no_grad():

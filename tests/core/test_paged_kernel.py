@@ -1,0 +1,253 @@
+"""The compiled paged-attention kernel equals the NumPy reference, and the backends fall
+back to the reference when numba is missing or switched off."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache_core import (
+    KV_LAYOUTS,
+    AllocationRequest,
+    CacheConfig,
+    PageTable,
+    UnsupportedConfigError,
+    create_manager,
+    paged_attention,
+    paged_kernel,
+)
+
+Array = npt.NDArray[Any]
+
+needs_numba = pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
+
+#: The kernel's output is float32 whatever the pool: it matches the reference computed in
+#: float64 on the same (decoded) values to this tolerance.
+ATOL = RTOL = 1e-5
+
+
+def bfloat16_bits(values: Array) -> tuple[Array, Array]:
+    """``values`` rounded down to bfloat16: ``(uint16 bits, the float64 values they hold)``."""
+    bits = (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def pool_of(values: Array, dtype: str) -> tuple[Array, Array]:
+    """A pool of ``dtype`` holding ``values``: ``(what the kernel reads, float64 values)``."""
+    if dtype == "bfloat16":
+        return bfloat16_bits(values)
+    if dtype == "float16":
+        half = values.astype(np.float16)
+        return half.view(np.uint16), half.astype(np.float64)
+    single = values.astype(np.float32)
+    return single, single.astype(np.float64)
+
+
+def hand_built_table(
+    order: list[int], lengths: list[int], block_size: int, window: int | None
+) -> tuple[PageTable, int]:
+    """Requests of ``lengths`` tokens whose blocks are taken from ``order`` in turn
+    (any physical order: any number of runs); returns the table and the blocks used."""
+    indices: list[int] = []
+    indptr = [0]
+    rows: list[list[int]] = []
+    for length in lengths:
+        count = -(-length // block_size)
+        blocks = order[len(indices) : len(indices) + count]
+        indices.extend(blocks)
+        indptr.append(len(indices))
+        rows.append(blocks)
+    padded = np.zeros((len(lengths), max(len(row) for row in rows)), dtype=np.int32)
+    for index, row in enumerate(rows):
+        padded[index, : len(row)] = row
+    last = [length - (-(-length // block_size) - 1) * block_size for length in lengths]
+    table = PageTable(
+        np.asarray(indptr), np.asarray(indices), np.asarray(last), padded, np.asarray(lengths), block_size,
+        sliding_window=window,
+    )  # fmt: skip
+    return table, len(indices)
+
+
+@needs_numba
+@settings(max_examples=60)
+@given(data=st.data())
+def test_the_kernel_equals_the_reference_on_any_batch(data: st.DataObject) -> None:
+    """Random block tables (any runs), ragged lengths, decode / prefill / chunked / mixed
+    queries, causal or not, windows, layouts, pool dtypes, threads, splits."""
+    block_size = data.draw(st.sampled_from([1, 3, 4, 16]), label="block_size")
+    lengths = data.draw(st.lists(st.integers(1, 70), min_size=1, max_size=5), label="lengths")
+    query_counts = [data.draw(st.integers(0, min(length, 9)), label="queries") for length in lengths]
+    heads = data.draw(st.integers(1, 3), label="kv_heads")
+    group = data.draw(st.integers(1, 4), label="group")
+    dim = data.draw(st.sampled_from([8, 20, 64]), label="head_dim")
+    layout = data.draw(st.sampled_from(KV_LAYOUTS), label="layout")
+    dtype = data.draw(st.sampled_from(paged_kernel.KERNEL_DTYPES), label="dtype")
+    causal = data.draw(st.booleans(), label="causal")
+    window = data.draw(st.none() | st.integers(1, 40), label="window")
+    threads = data.draw(st.integers(1, 4), label="threads")
+    min_split = data.draw(st.sampled_from([4, 512]), label="min_split_keys")  # 4: KV splits happen
+    row_split = data.draw(st.sampled_from([5, 64]), label="row_split")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+
+    needed = sum(-(-length // block_size) for length in lengths)
+    num_blocks = needed + data.draw(st.integers(0, 4), label="spare")
+    order = data.draw(st.permutations(range(num_blocks)), label="order")
+    table, _ = hand_built_table(list(order), lengths, block_size, window)
+    rng = np.random.default_rng(seed)
+    shape = {"NHD": (num_blocks, block_size, heads, dim), "HND": (num_blocks, heads, block_size, dim)}.get(
+        layout, (heads, num_blocks, block_size, dim)
+    )
+    keys, keys64 = pool_of(rng.standard_normal(shape), dtype)
+    values, values64 = pool_of(rng.standard_normal(shape), dtype)
+    indptr = np.concatenate([[0], np.cumsum(query_counts)]).astype(np.int32)
+    query = rng.standard_normal((int(indptr[-1]), heads * group, dim)).astype(np.float32)
+    scale = float(rng.uniform(0.05, 0.5))
+    with (
+        mock.patch.object(paged_kernel, "MIN_SPLIT_KEYS", min_split),
+        mock.patch.object(paged_kernel, "ROW_SPLIT", row_split),
+    ):
+        got = paged_kernel.attend_with_kernel(
+            query, keys, values, table, indptr, dtype=dtype, scale=scale, causal=causal, kv_layout=layout,
+            sliding_window=window, num_threads=threads,
+        )  # fmt: skip
+    expected = paged_attention(
+        query.astype(np.float64), keys64, values64, table, qo_indptr=indptr, scale=scale, causal=causal,
+        kv_layout=layout,
+    )  # fmt: skip
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+@needs_numba
+def test_a_long_context_on_few_heads_is_split_and_merged() -> None:
+    """One request of 3000 tokens on one KV head, 4 threads: the plan splits its keys."""
+    rng = np.random.default_rng(0)
+    table, num_blocks = hand_built_table(list(range(188)), [3000], 16, None)
+    keys = rng.standard_normal((num_blocks, 16, 1, 32)).astype(np.float32)
+    values = rng.standard_normal((num_blocks, 16, 1, 32)).astype(np.float32)
+    query = rng.standard_normal((1, 4, 32)).astype(np.float32)
+    indptr = np.array([0, 1], dtype=np.int32)
+    plan = paged_kernel._cached_plan(table, indptr, 1, 4, True, 0, 4)  # pyright: ignore[reportPrivateUsage]
+    assert plan.merges.shape[0] == 1, plan.merges
+    assert plan.merges[0, 4] > 1, plan.merges
+    got = paged_kernel.attend_with_kernel(
+        query, keys, values, table, indptr, dtype="float32", scale=0.2, causal=True, kv_layout="NHD",
+        sliding_window=None, num_threads=4,
+    )  # fmt: skip
+    expected = paged_attention(query.astype(np.float64), keys, values, table, scale=0.2)
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+@needs_numba
+def test_the_kernel_only_reads_its_inputs() -> None:
+    """Read-only page-table arrays and pools are accepted and left as they were."""
+    rng = np.random.default_rng(1)
+    table, num_blocks = hand_built_table([3, 0, 1, 2, 6, 5, 4], [9, 13], 4, None)
+    pool = rng.standard_normal((2, num_blocks + 1, 4, 2, 8)).astype(np.float32)
+    inputs: tuple[Array, ...] = (pool, table.kv_indices, table.block_tables, table.seq_lens, table.kv_indptr)
+    for array in inputs:
+        array.flags.writeable = False
+    before = [array.copy() for array in (pool, table.block_tables, table.seq_lens)]
+    query = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    indptr = np.array([0, 1, 2], dtype=np.int32)
+    got = paged_kernel.attend_with_kernel(
+        query, pool[0], pool[1], table, indptr, dtype="float32", scale=0.3, causal=True, kv_layout="NHD",
+        sliding_window=None,
+    )  # fmt: skip
+    expected = paged_attention(query, pool[0], pool[1], table, scale=0.3)
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+    for original, array in zip(before, (pool, table.block_tables, table.seq_lens), strict=True):
+        assert np.array_equal(original, array)
+
+
+def numpy_manager(dtype: str = "float32") -> tuple[Any, Array, PageTable]:
+    """A NumPy-backend manager with three ragged requests written; ``(manager, query, table)``."""
+    rng = np.random.default_rng(2)
+    config = CacheConfig(num_layers=1, num_heads=2, head_dim=16, num_blocks=32, block_size=4, dtype=dtype)
+    manager = create_manager("numpy", config)
+    handles = [manager.allocate(AllocationRequest(f"r{index}")) for index in range(3)]
+    for handle, length in zip(handles, (5, 17, 30), strict=True):
+        slots = manager.extend(handle, length)
+        data = rng.standard_normal((2, length, 2, 16)).astype(dtype)
+        manager.write(0, slots, data[0], data[1])
+    return manager, rng.standard_normal((3, 4, 16)).astype(dtype), manager.page_table(handles)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_numpy_backend_uses_the_kernel(dtype: str) -> None:
+    manager, query, table = numpy_manager(dtype)
+    calls: list[str] = []
+    real = paged_kernel.attend_with_kernel
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs["dtype"])
+        return real(*args, **kwargs)
+
+    with mock.patch.object(paged_kernel, "attend_with_kernel", counted):
+        got = manager.paged_attention(0, query, table)
+    assert calls == [dtype]
+    assert got.dtype == np.dtype(dtype)
+    expected = paged_attention(query, manager.storage.key_cache(0), manager.storage.value_cache(0), table)
+    tolerance = 1e-5 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_the_environment_switch_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(paged_kernel.DISABLE_ENV, "1")
+    assert not paged_kernel.kernel_available()
+    manager, query, table = numpy_manager()
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the kernel ran although it is switched off")
+
+    monkeypatch.setattr(paged_kernel, "attend_with_kernel", refuse)
+    got = manager.paged_attention(0, query, table)
+    expected = paged_attention(query, manager.storage.key_cache(0), manager.storage.value_cache(0), table)
+    np.testing.assert_array_equal(got, expected)  # the reference itself
+
+
+def test_without_numba_the_kernel_is_unavailable_and_the_reference_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a machine where numba is not installed: its import fails."""
+    monkeypatch.delenv(paged_kernel.DISABLE_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
+    monkeypatch.delitem(sys.modules, "kvcache_core._paged_kernel_jit", raising=False)
+    monkeypatch.setattr(paged_kernel, "_jit_module", None)
+    monkeypatch.setattr(paged_kernel, "_jit_missing", False)
+    assert not paged_kernel.kernel_available()
+    manager, query, table = numpy_manager()
+    got = manager.paged_attention(0, query, table)
+    expected = paged_attention(query, manager.storage.key_cache(0), manager.storage.value_cache(0), table)
+    np.testing.assert_array_equal(got, expected)
+    with pytest.raises(UnsupportedConfigError, match="pip install numba"):
+        paged_kernel.attend_with_kernel(
+            query, manager.storage.key_cache(0), manager.storage.value_cache(0), table,
+            np.arange(4, dtype=np.int32), dtype="float32", scale=0.25, causal=True, kv_layout="NHD",
+            sliding_window=None,
+        )  # fmt: skip
+
+
+def test_importing_kvcache_core_does_not_import_numba() -> None:
+    """Discovery stays light: numba is imported at the first kernel call only."""
+    code = "import sys, kvcache_core; kvcache_core.available_backends(); print('numba' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_float64_pools_keep_the_reference_path() -> None:
+    """The kernel reads float32, float16 and bfloat16 pools; float64 stays exact on the reference."""
+    rng = np.random.default_rng(3)
+    pool = rng.standard_normal((2, 4, 4, 2, 8))
+    assert not paged_kernel.kernel_reads("float64", pool[0], pool[1])
+    assert not paged_kernel.kernel_reads("float32", pool[0], pool[1])  # float64 arrays are not float32
+    single = pool.astype(np.float32)
+    assert paged_kernel.kernel_reads("float32", single[0], single[1])
+    assert not paged_kernel.kernel_reads("float32", single[0][..., ::2], single[1][..., ::2])  # strided features
