@@ -2,11 +2,11 @@
 
 What is compared, in one process, on the same K/V and queries (fp32, CPU):
 
-* **ours** -- ``create_manager("torch", CacheConfig(...))``. A step extends every request
-  by one token (``manager.extend``), takes the batch's ``manager.page_table(handles)`` and
-  then, for every layer, scatters the new token's K/V of all requests with one
-  ``manager.write(layer, slots, K, V)`` and runs ``manager.paged_attention(layer, q,
-  page_table)``, which reads the pool in place: on CPU one call of the compiled kernel of
+* **ours** -- ``create_manager("torch", CacheConfig(...))``. A step is planned once
+  (``manager.begin_step(handles, 1)``: every request grows by one token) and then, for
+  every layer, scatters the new token's K/V of all requests with one
+  ``step.write(layer, K, V)`` and runs ``step.attention(layer, q)``, which reads the pool
+  in place: on CPU one call of the compiled kernel of
   ``kvcache_core.paged_kernel`` (numba) for the whole batch, else per-run views of the pool.
 * **DynamicCache** -- transformers' default path: ``DynamicCache.update`` (which
   concatenates the new token onto each layer's K/V) and the function transformers runs for
@@ -200,13 +200,12 @@ def step_inputs(generator: torch.Generator, geometry: Geometry, batch: int, laye
 
 
 def ours_step(manager: Manager, handles: Sequence[Handle], inputs: StepInputs) -> Outputs:
-    """One decode step through the manager's public data path."""
-    slots = np.concatenate([manager.extend(handle, 1) for handle in handles])
-    table = manager.page_table(handles)
+    """One decode step through the manager's step (planned once, checked per layer only for its arrays)."""
+    step = manager.begin_step(handles, 1)
     outputs: Outputs = []
     for layer in range(manager.config.num_layers):
-        manager.write(layer, slots, inputs.keys[layer], inputs.values[layer])
-        outputs.append(manager.paged_attention(layer, inputs.queries[layer], table))
+        step.write(layer, inputs.keys[layer], inputs.values[layer])
+        outputs.append(step.attention(layer, inputs.queries[layer]))
     return outputs
 
 
