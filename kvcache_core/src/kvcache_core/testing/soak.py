@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,8 @@ FloatArray = npt.NDArray[np.float64]
 BLOCK_SIZE = 4
 # Prompts sharing prefixes: the last starts like the first for two blocks.
 PROMPTS = (*(tuple(range(base, base + 13)) for base in (1, 1000, 2000)), (1, 2, 3, 4, 5, 6, 7, 8, 900, 901))
-ALPHABET = (7, 8, 9)  # generated tokens: a small alphabet, so generated blocks get hits too
+ALPHABET = (7, 8, 9)
+CHECK_EVERY = 16  # worker operations between two invariant checks  # generated tokens: a small alphabet, so generated blocks get hits too
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -84,7 +86,9 @@ class _Worker:
         operations: int,
         seed: int,
         report: tuple[SoakReport, threading.Lock],
+        progress: Callable[[], None],
     ) -> None:
+        self.progress = progress  # called after each operation (wakes the checker)
         self.backend = backend
         self.manager = manager
         self.index = index
@@ -123,6 +127,7 @@ class _Worker:
                 action()
             except OutOfBlocksError:
                 self.count(f"{action.__name__} refused")
+            self.progress()
         for request_id in list(self.requests):
             self.manager.deallocate(request_id)
         report, lock = self.report
@@ -324,8 +329,26 @@ def run_soak(backend: BackendUnderTest, *, threads: int = 8, operations: int = 5
     stop = threading.Event()
     lock = threading.Lock()
 
+    # The checker runs after every CHECK_EVERY operations of the workers, not in a loop of
+    # its own: a thread retaking the manager's lock at once would starve the workers.
+    advanced = threading.Condition()
+    done = [0]
+
+    def progress() -> None:
+        with advanced:
+            done[0] += 1
+            if done[0] % CHECK_EVERY == 0:
+                advanced.notify()
+
     def checker() -> None:
-        while not stop.is_set():
+        seen = 0
+        while True:
+            with advanced:
+                while not stop.is_set() and done[0] - seen < CHECK_EVERY:
+                    advanced.wait()
+                if stop.is_set():
+                    return
+                seen = done[0]
             try:
                 manager.check_invariants()
             except AssertionError as exc:
@@ -336,7 +359,7 @@ def run_soak(backend: BackendUnderTest, *, threads: int = 8, operations: int = 5
 
     def work(index: int) -> None:
         try:
-            _Worker(backend, manager, index, operations, seed, (report, lock)).run()
+            _Worker(backend, manager, index, operations, seed, (report, lock), progress).run()
         except BaseException as exc:  # reported, not lost in the thread
             with lock:
                 report.errors.append(f"worker {index}: {type(exc).__name__}: {exc}")
@@ -348,7 +371,9 @@ def run_soak(backend: BackendUnderTest, *, threads: int = 8, operations: int = 5
         worker.start()
     for worker in workers:
         worker.join()
-    stop.set()
+    with advanced:
+        stop.set()
+        advanced.notify()
     checking.join()
     manager.check_invariants()
     stats = manager.stats()
