@@ -6,6 +6,7 @@ installed as fake distributions; a kit that cannot fail them would be worth noth
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
 import re
@@ -337,7 +338,7 @@ def test_the_verdict_of_a_backend_claiming_no_policy_says_so(faulty: Path) -> No
 
     gated = [
         name
-        for name, member in vars(KvCacheConformance).items()
+        for name, member in inspect.getmembers(KvCacheConformance, inspect.isfunction)  # inherited cases too
         if name.startswith("test_")
         and any(mark.name == "kvcache_requires" for mark in getattr(member, "pytestmark", []))
     ]

@@ -37,6 +37,7 @@ pytest.register_assert_rewrite(
     "kvcache_core.testing.suite",
     "kvcache_core.testing.machine",
     "kvcache_core.testing.catalogue",
+    "kvcache_core.testing.reliability",
     "kvcache_core.testing.backend",
 )
 
