@@ -80,6 +80,9 @@ class TorchStorage:
     """
 
     def __init__(self, config: CacheConfig) -> None:
+        from kvcache_torch.plugin import PREFERRED_LAYOUT
+
+        config = config.with_layout(PREFERRED_LAYOUT)  # kv_layout=None: the fastest here
         self._config = config
         self._dtype = torch_dtype(config.dtype)
         self._device = resolve_device(config)
@@ -253,7 +256,7 @@ class TorchStorage:
             qo_indptr,
             scale,
             causal,
-            self._config.kv_layout,
+            self._config.layout,
         )
 
     # -- arrays ---------------------------------------------------------------------------
