@@ -61,6 +61,7 @@ from kvcache_core.errors import (
     SwappedOutError,
     UnknownRequestError,
 )
+from kvcache_core.events import AllBlocksCleared, EventCallback, EventHub
 from kvcache_core.handle import PagedKvCacheHandle, RequestState, SwapRecord, next_generation
 from kvcache_core.page_table import PageTable
 from kvcache_core.prefix import PrefixCache, PrefixEntry, same_prefix
@@ -154,7 +155,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
         self._issued = np.zeros(config.num_blocks * config.block_size, dtype=np.bool_)
         # Prefix caching: the hash map, which slots hold written K/V ([layers, slots]), and
         # the blocks whose writes some request's hash chain waits for.
-        self._prefix: PrefixCache | None = PrefixCache() if config.enable_prefix_caching else None
+        self._prefix: PrefixCache | None = PrefixCache(config.model_id) if config.enable_prefix_caching else None
         self._written: npt.NDArray[np.bool_] | None = (
             np.zeros((config.num_layers, config.num_blocks * config.block_size), dtype=np.bool_)
             if config.enable_prefix_caching
@@ -172,6 +173,10 @@ class PagedKvCacheManager(Generic[ArrayT]):
         self._prefix_hits = 0
         self._hash_collisions = 0
         self._copy_on_write_count = 0
+        # issue-15 hook (init): cache events; the prefix cache reports hashes entering and leaving.
+        self._events = EventHub(config.block_size)
+        if self._prefix is not None:
+            self._prefix.listener = self._events
 
     # -- introspection -----------------------------------------------------------------
 
@@ -1756,6 +1761,29 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 stacklevel=3,
             )
 
+    # -- issue-15 hooks: cache events (logic in kvcache_core.events) ----------------------
+
+    def subscribe(self, callback: EventCallback) -> None:
+        """Call ``callback(event)`` on every :class:`~kvcache_core.events.BlockStored`,
+        :class:`~kvcache_core.events.BlockRemoved` and
+        :class:`~kvcache_core.events.AllBlocksCleared` from now on (see :mod:`kvcache_core.events`).
+
+        Raises:
+            InvalidTypeError: ``callback`` is not callable.
+            InvalidArgumentError: ``callback`` is already subscribed.
+        """
+        with self._lock:
+            self._events.subscribe(callback)
+
+    def unsubscribe(self, callback: EventCallback) -> None:
+        """Stop calling ``callback``.
+
+        Raises:
+            InvalidArgumentError: ``callback`` is not subscribed.
+        """
+        with self._lock:
+            self._events.unsubscribe(callback)
+
     # -- closing: release the pool ------------------------------------------------------
 
     _closed = False
@@ -1779,6 +1807,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
             self._ownership_epoch += 1  # page tables and steps taken before are refused
             for state in self._requests.values():
                 state.valid = False
+            self._events.emit(AllBlocksCleared())  # issue-15 hook (close)
             release = getattr(self._storage, "close", None)
             if callable(release):
                 release()
