@@ -27,6 +27,7 @@ changes state, so a call that raises leaves every table and count as it was.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
@@ -37,6 +38,7 @@ from typing import Any, Generic, NamedTuple, TypeGuard, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
+from kvcache_core import persist
 from kvcache_core.allocator import BlockAllocator, Placement
 from kvcache_core.attention import check_scale, validate_query_indptr
 from kvcache_core.block_table import BlockTable
@@ -1783,6 +1785,36 @@ class PagedKvCacheManager(Generic[ArrayT]):
         """
         with self._lock:
             self._events.unsubscribe(callback)
+
+    def save_prefix_cache(self, path: str | os.PathLike[str]) -> int:
+        """Write every cached prefix block to ``path`` in the portable format of
+        :mod:`kvcache_core.persist` (safetensors data, JSON header, checksums; no pickle).
+
+        Returns:
+            The blocks written.
+
+        Raises:
+            UnsupportedConfigError: no prefix caching. CacheFileError: the file cannot be
+                written (no partial file is left).
+        """
+        with self._lock:
+            self._check_open()
+            return persist.save_prefix_cache(self, path)
+
+    def load_prefix_cache(self, path: str | os.PathLike[str]) -> int:
+        """Map the blocks of a file :meth:`save_prefix_cache` wrote (by any backend, in any
+        layout) into the prefix cache as cached blocks; those already cached are skipped.
+
+        Returns:
+            The blocks loaded.
+
+        Raises:
+            CorruptCacheFileError, IncompatibleCacheFileError, CacheFileError,
+                OutOfBlocksError, UnsupportedConfigError: nothing is loaded.
+        """
+        with self._lock:
+            self._check_open()
+            return persist.load_prefix_cache(self, path)
 
     # -- closing: release the pool ------------------------------------------------------
 
