@@ -1,0 +1,122 @@
+"""The kit's cases for what lies beyond one pool: cache events, the portable prefix-cache
+file (saved in one layout, loaded into every other, refused whole when corrupted) and
+offload tiers. :class:`~kvcache_core.testing.KvCacheConformance` inherits them, so every
+backend that claims prefix caching and host transfers (``swap``) runs them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcache_core.config import AllocationRequest
+from kvcache_core.errors import CorruptCacheFileError
+from kvcache_core.events import CachedBlockIndex
+from kvcache_core.handle import PagedKvCacheHandle
+from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.testing.backend import BackendUnderTest
+from kvcache_core.testing.catalogue import assert_same_state, snapshot
+
+__all__ = ["BeyondPoolCases"]
+
+Manager = PagedKvCacheManager[Any]
+
+
+def prefill(manager: Manager, request_id: str, prompt: tuple[int, ...]) -> PagedKvCacheHandle[Any]:
+    """Allocate with ``prompt`` and write K/V that depend on each position's token and
+    place (``token + position / 64``) into the positions the cache did not supply."""
+    config = manager.config
+    handle = manager.allocate(AllocationRequest(request_id, prompt_token_ids=prompt))
+    start = handle.num_tokens()
+    slots = manager.extend(handle, len(prompt) - start)
+    rows = np.asarray(prompt[start:], dtype=np.float64) + np.arange(start, len(prompt)) / 64
+    host = np.broadcast_to(rows[:, None, None], (len(rows), config.num_heads, config.head_dim))
+    for layer in range(config.num_layers):
+        manager.write(
+            layer,
+            slots,
+            BackendUnderTest.native(manager, host + layer),
+            BackendUnderTest.native(manager, -host - layer),
+        )
+    return handle
+
+
+def expected_keys(manager: Manager, prompt: tuple[int, ...], layer: int) -> Any:
+    config = manager.config
+    rows = np.asarray(prompt, dtype=np.float64) + np.arange(len(prompt)) / 64 + layer
+    host = np.broadcast_to(rows[:, None, None], (len(rows), config.num_heads, config.head_dim))
+    return BackendUnderTest.representable(np.ascontiguousarray(host), config.dtype)
+
+
+def pool_hashes(manager: Manager) -> frozenset[bytes]:
+    prefix = manager.prefix_cache
+    return frozenset() if prefix is None else frozenset(entry.block_hash for entry in prefix.entries())
+
+
+class BeyondPoolCases:
+    """Cases every backend runs (through :class:`~kvcache_core.testing.KvCacheConformance`)."""
+
+    @pytest.mark.kvcache_requires("prefix_caching")
+    @pytest.mark.kvcache_requires("eviction")
+    def test_cache_events_replayed_give_exactly_the_pool_hashes(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager(kvcache_backend.config(enable_prefix_caching=True, num_blocks=8))
+        block_size = manager.config.block_size
+        index = CachedBlockIndex()
+        manager.subscribe(index)
+        for turn in range(6):
+            prompt = tuple([turn % 2] * block_size + list(range(turn * 100, turn * 100 + block_size + 1)))
+            prefill(manager, f"r{turn}", prompt)
+            manager.deallocate(f"r{turn}")
+            assert index.hashes() == pool_hashes(manager)
+        assert manager.stats().eviction_count > 0
+        manager.gc()
+        assert index.hashes() == pool_hashes(manager) == frozenset()
+
+    @pytest.mark.kvcache_requires("prefix_caching")
+    @pytest.mark.kvcache_requires("swap")
+    def test_a_saved_prefix_cache_loads_into_every_layout_bit_exact(
+        self, kvcache_backend: BackendUnderTest, tmp_path: Path
+    ) -> None:
+        pytest.importorskip("safetensors")
+        layouts = kvcache_backend.kv_layouts
+        source = kvcache_backend.manager(kvcache_backend.config(enable_prefix_caching=True, kv_layout=layouts[0]))
+        block_size = source.config.block_size
+        prompt = tuple(range(3, 3 + 2 * block_size + 1))
+        prefill(source, "a", prompt)
+        path = tmp_path / "prefix.safetensors"
+        assert source.save_prefix_cache(path) == 2
+        for layout in layouts:
+            target = kvcache_backend.manager(kvcache_backend.config(enable_prefix_caching=True, kv_layout=layout))
+            assert target.load_prefix_cache(path) == 2, f"layout {layout}"
+            handle = prefill(target, "b", prompt)
+            assert handle.num_cached_tokens() == 2 * block_size, f"layout {layout}"
+            for layer in range(target.config.num_layers):
+                keys = BackendUnderTest.host(target, target.gather(handle, layer)[0])
+                expected = expected_keys(target, prompt, layer)
+                assert np.array_equal(keys, expected), f"layout {layout}, layer {layer}: loaded keys differ"
+            target.check_invariants()
+
+    @pytest.mark.kvcache_requires("prefix_caching")
+    @pytest.mark.kvcache_requires("swap")
+    def test_a_corrupted_prefix_cache_file_loads_nothing(
+        self, kvcache_backend: BackendUnderTest, tmp_path: Path
+    ) -> None:
+        pytest.importorskip("safetensors")
+        source = kvcache_backend.manager(kvcache_backend.config(enable_prefix_caching=True))
+        prompt = tuple(range(3, 3 + 2 * source.config.block_size + 1))
+        prefill(source, "a", prompt)
+        path = tmp_path / "prefix.safetensors"
+        source.save_prefix_cache(path)
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x10  # one flipped bit in the last block's values
+        path.write_bytes(bytes(data))
+        target = kvcache_backend.manager(kvcache_backend.config(enable_prefix_caching=True))
+        prefill(target, "busy", tuple(range(500, 500 + source.config.block_size + 1)))
+        before = snapshot(target)
+        with pytest.raises(CorruptCacheFileError, match="checksum"):
+            target.load_prefix_cache(path)
+        assert_same_state(snapshot(target), before)
+        target.check_invariants()
