@@ -70,6 +70,7 @@ from kvcache_core.prefix import PrefixCache, PrefixEntry, same_prefix
 from kvcache_core.protocols import KvCacheHandle, KvStorage, SlotArray, SlotsLike
 from kvcache_core.stats import CacheGcStats, CacheManagerStats, MemoryPressure
 from kvcache_core.step import Step, StepHooks
+from kvcache_core.tiers import OffloadTier, TierChain, TierStats
 
 __all__ = ["InvariantError", "PagedKvCacheManager"]
 
@@ -133,7 +134,12 @@ class PagedKvCacheManager(Generic[ArrayT]):
     """
 
     def __init__(
-        self, storage: KvStorage[ArrayT], *, backend: str = "custom", placement: Placement = "contiguous"
+        self,
+        storage: KvStorage[ArrayT],
+        *,
+        backend: str = "custom",
+        placement: Placement = "contiguous",
+        tiers: Sequence[OffloadTier] = (),
     ) -> None:
         config = storage.config
         self._storage = storage
@@ -179,6 +185,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
         self._events = EventHub(config.block_size)
         if self._prefix is not None:
             self._prefix.listener = self._events
+        self._tiers = TierChain(tiers, config, self._events)  # issue-15 hook (init): offload tiers
 
     # -- introspection -----------------------------------------------------------------
 
@@ -273,8 +280,9 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 state.token_ids = list(request.prompt_token_ids or ())
                 state.salt = request.salt_bytes()
                 state.chain = [entry for entry, _ in plan.hits]
+                promoted = self._tiers.promote(self, state)  # issue-15 hook (allocate): tier hits
                 self._prefix_queries += plan.queries
-                self._prefix_hits += len(plan.hits)
+                self._prefix_hits += len(plan.hits) + promoted
                 self._hash_collisions += plan.collisions
             self._requests[request.request_id] = state
             self._allocation_count += 1
@@ -1177,6 +1185,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
         if not count:
             return
         assert self._prefix is not None, "cached blocks without a prefix cache"
+        self._tiers.demote(self, count)  # issue-15 hook (evict): the evicted blocks go to the tiers
         for block in self._allocator.evict(count):
             self._unregister(block)
         self._eviction_count += count
@@ -1816,6 +1825,12 @@ class PagedKvCacheManager(Generic[ArrayT]):
             self._check_open()
             return persist.load_prefix_cache(self, path)
 
+    def tier_stats(self) -> list[TierStats]:
+        """Each offload tier's figures (blocks, bytes, hits, demotions, evictions), first
+        to last; empty without tiers (see :mod:`kvcache_core.tiers`)."""
+        with self._lock:
+            return self._tiers.stats()
+
     # -- closing: release the pool ------------------------------------------------------
 
     _closed = False
@@ -1839,7 +1854,8 @@ class PagedKvCacheManager(Generic[ArrayT]):
             self._ownership_epoch += 1  # page tables and steps taken before are refused
             for state in self._requests.values():
                 state.valid = False
-            self._events.emit(AllBlocksCleared())  # issue-15 hook (close)
+            self._tiers.clear()  # issue-15 hook (close)
+            self._events.emit(AllBlocksCleared())
             release = getattr(self._storage, "close", None)
             if callable(release):
                 release()

@@ -178,8 +178,11 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
     return len(data)
 
 
-def read_blocks(path: str | os.PathLike[str], config: CacheConfig) -> list[BlockRecord]:
+def read_blocks(path: str | os.PathLike[str], config: CacheConfig, *, chained: bool = True) -> list[BlockRecord]:
     """Read and check a file :func:`write_blocks` wrote, for a pool of ``config``.
+
+    With ``chained`` (a saved prefix cache), every parent must be an earlier block of the
+    file; without it (one block of a disk tier), parents may be anywhere.
 
     Every block is checked (checksum, and its hash recomputed from its parent hash, salt
     and tokens under ``config.model_id``'s namespace) before anything is returned.
@@ -214,7 +217,7 @@ def read_blocks(path: str | os.PathLike[str], config: CacheConfig) -> list[Block
     records: list[BlockRecord] = []
     for index, fields in enumerate(blocks):
         record = _record(fields, index, keys[:, index], values[:, index], config.block_size, source)
-        if record.parent_hash is not None and record.parent_hash not in seen:
+        if chained and record.parent_hash is not None and record.parent_hash not in seen:
             raise CorruptCacheFileError(
                 f"{str(source)!r}: block {index}'s parent {record.parent_hash.hex()[:16]}... is not an earlier block"
             )
