@@ -19,6 +19,7 @@ from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.catalogue import assert_same_state, snapshot
+from kvcache_core.tiers import DiskTier, HostTier
 
 __all__ = ["BeyondPoolCases"]
 
@@ -120,3 +121,40 @@ class BeyondPoolCases:
             target.load_prefix_cache(path)
         assert_same_state(snapshot(target), before)
         target.check_invariants()
+
+    @pytest.mark.kvcache_requires("prefix_caching")
+    @pytest.mark.kvcache_requires("eviction")
+    @pytest.mark.kvcache_requires("swap")
+    def test_evicted_blocks_come_back_from_host_and_disk_tiers_bit_exact(
+        self, kvcache_backend: BackendUnderTest, tmp_path: Path
+    ) -> None:
+        pytest.importorskip("safetensors")
+        config = kvcache_backend.config(enable_prefix_caching=True, num_blocks=8)
+        block_size = config.block_size
+        host, disk = HostTier(2 * config.bytes_per_block), DiskTier(tmp_path, 1 << 24)
+        manager = kvcache_backend.manager(config, tiers=[host, disk])
+        index = CachedBlockIndex()
+        manager.subscribe(index)
+        prompts = [tuple(range(seed * 100, seed * 100 + 2 * block_size + 1)) for seed in range(1, 4)]
+        for turn, prompt in enumerate(prompts):
+            prefill(manager, f"r{turn}", prompt)
+            manager.deallocate(f"r{turn}")
+        manager.gc()  # every cached block leaves the pool: two to host, the rest to disk
+        assert index.hashes("host") == frozenset(host.hashes())
+        assert index.hashes("disk") == frozenset(disk.hashes())
+        assert len(host.hashes()) == 2
+        assert len(disk.hashes()) == 4
+        for turn, prompt in enumerate(prompts):
+            handle = prefill(manager, f"again{turn}", prompt)
+            assert handle.num_cached_tokens() == 2 * block_size, f"prompt {turn} was not promoted"
+            for layer in range(config.num_layers):
+                keys = BackendUnderTest.host(manager, manager.gather(handle, layer)[0])
+                assert np.array_equal(keys, expected_keys(manager, prompt, layer)), f"prompt {turn}, layer {layer}"
+            manager.deallocate(f"again{turn}")
+            assert index.hashes() == pool_hashes(manager)
+            assert index.hashes("host") == frozenset(host.hashes())
+            assert index.hashes("disk") == frozenset(disk.hashes())
+        host_stats, disk_stats = manager.tier_stats()
+        assert host_stats.hits > 0
+        assert disk_stats.hits > 0
+        manager.check_invariants()
