@@ -34,9 +34,12 @@ from kvcache_core.errors import (
     BackendConflictError,
     BackendNotFoundError,
     BackendUnavailableError,
+    CacheFileError,
+    CorruptCacheFileError,
     DTypeMismatchError,
     DuplicateRequestError,
     ForeignHandleError,
+    IncompatibleCacheFileError,
     InsufficientBlocksError,
     InvalidArgumentError,
     InvalidConfigError,
@@ -56,9 +59,11 @@ from kvcache_core.errors import (
     StalePageTableError,
     StaleStepError,
     SwappedOutError,
+    TierError,
     UnknownRequestError,
     UnsupportedConfigError,
 )
+from kvcache_core.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.hookspecs import BackendSpec, hookimpl, hookspec
 from kvcache_core.manager import PagedKvCacheManager
@@ -67,6 +72,7 @@ from kvcache_core.prefix import BlockEvictor, PrefixCache, hash_block
 from kvcache_core.protocols import KvCacheHandle, KvCacheManager, KvStorage
 from kvcache_core.stats import CacheGcStats, CacheHandleStats, CacheManagerStats, MemoryPressure
 from kvcache_core.step import Step
+from kvcache_core.tiers import DiskTier, HostTier, OffloadTier, TierStats
 
 try:
     __version__ = version("kvcache-core")
@@ -140,4 +146,17 @@ __all__ = [
     "installed_backends",
     "paged_attention",
     "refresh_backends",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheEvent",
+    "CachedBlockIndex",
+    "CacheFileError",
+    "CorruptCacheFileError",
+    "IncompatibleCacheFileError",
+    "TierError",
+    "DiskTier",
+    "HostTier",
+    "OffloadTier",
+    "TierStats",
 ]

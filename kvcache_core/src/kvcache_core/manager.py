@@ -131,6 +131,8 @@ class PagedKvCacheManager(Generic[ArrayT]):
         backend: the backend's name, for messages and ``kvcache backends``.
         placement: ``"contiguous"`` (default: requests keep their blocks in long runs) or
             ``"fifo"`` (least recently freed block first, for comparison).
+        tiers: offload tiers behind the pool, fastest first (see :mod:`kvcache_core.tiers`):
+            evicted cached blocks are demoted to them, prompt hits promote them back.
     """
 
     def __init__(
