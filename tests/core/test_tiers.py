@@ -261,3 +261,42 @@ def test_namespaced_tiers_serve_only_their_own_chains() -> None:
     assert manager.tier_stats()[0].blocks == 3
     assert admit(manager, "salted", prompt, cache_salt="tenant-2").num_cached_tokens() == 0
     assert admit(manager, "same", prompt).num_cached_tokens() == 12
+
+
+def test_a_request_promotes_with_one_transfer_and_an_eviction_demotes_with_one(tmp_path: Path) -> None:
+    manager = tiered(12, HostTier(3 * BLOCK_BYTES), DiskTier(tmp_path, 1 << 20))
+    prompt = prompt_of(1, 5)
+    admit(manager, "a", prompt)
+    manager.deallocate("a")
+    storage = manager.storage
+    calls: list[str] = []
+    to_host, from_host = storage.blocks_to_host, storage.blocks_from_host
+
+    def counting_to_host(blocks: Any) -> Any:
+        calls.append(f"to_host {len(blocks)}")
+        return to_host(blocks)
+
+    def counting_from_host(blocks: Any, keys: Any, values: Any) -> None:
+        calls.append(f"from_host {len(blocks)}")
+        from_host(blocks, keys, values)
+
+    setattr(storage, "blocks_to_host", counting_to_host)  # noqa: B010 -- patch this instance only
+    setattr(storage, "blocks_from_host", counting_from_host)  # noqa: B010
+    manager.gc()
+    assert calls == ["to_host 5"]  # five blocks leave the pool in one transfer (three to host, two on to disk)
+    calls.clear()
+    handle = admit(manager, "again", prompt)
+    assert handle.num_cached_tokens() == 20  # from host and disk alike
+    assert calls == ["from_host 5"]
+    assert_holds(manager, handle, prompt)
+
+
+def test_a_salted_chain_is_promoted_only_for_its_salt() -> None:
+    manager = tiered(8, HostTier(64 * BLOCK_BYTES))
+    prompt = prompt_of(1, 3)
+    admit(manager, "a", prompt, cache_salt="tenant-1")
+    manager.deallocate("a")
+    manager.gc()
+    assert admit(manager, "other", prompt, cache_salt="tenant-2").num_cached_tokens() == 0
+    manager.deallocate("other")
+    assert admit(manager, "same", prompt, cache_salt="tenant-1").num_cached_tokens() == 12

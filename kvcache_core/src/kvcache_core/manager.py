@@ -1774,7 +1774,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 stacklevel=3,
             )
 
-    # -- issue-15 hooks: cache events (logic in kvcache_core.events) ----------------------
+    # -- issue-15 hooks: events, save/load, tiers (logic in events.py, persist.py, tiers.py) --
 
     def subscribe(self, callback: EventCallback) -> None:
         """Call ``callback(event)`` on every :class:`~kvcache_core.events.BlockStored`,
