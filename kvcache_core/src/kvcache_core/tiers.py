@@ -16,7 +16,10 @@ tier instead of dropped, and a prompt that hits a demoted block promotes it back
   and registered in the prefix cache as if computed (they leave the tier: tiers are
   exclusive). ``handle.num_cached_tokens()`` counts them.
 * **Figures and events.** ``manager.tier_stats()`` gives each tier's blocks, bytes, hits,
-  demotions and promotions; events carry the tier's name as their ``medium``.
+  demotions and evictions; promoted blocks also count as prefix-cache hits in
+  ``manager.stats()``; events carry the tier's name as their ``medium``.
+* **Cost.** Demotion and promotion run inside the manager's call (under its lock): a disk
+  tier's writes and reads are paid by the ``allocate`` or ``extend`` that evicts or hits.
 
 A tier is any object with the :class:`OffloadTier` members; a distribution registers one
 under the entry-point group ``kvcache_core.tiers`` (the entry point's name is the tier's
