@@ -158,3 +158,58 @@ class BeyondPoolCases:
         assert host_stats.hits > 0
         assert disk_stats.hits > 0
         manager.check_invariants()
+
+    @pytest.mark.kvcache_requires("prefix_caching")
+    @pytest.mark.kvcache_requires("eviction")
+    @pytest.mark.kvcache_requires("swap")
+    def test_a_storage_failure_while_demoting_promoting_or_loading_changes_nothing(
+        self, kvcache_backend: BackendUnderTest, tmp_path: Path
+    ) -> None:
+        pytest.importorskip("safetensors")
+        config = kvcache_backend.config(enable_prefix_caching=True, num_blocks=6)
+        block_size = config.block_size
+        manager = kvcache_backend.manager(config, tiers=[HostTier(1 << 24)])
+        storage: Any = manager.storage
+        prompt = tuple(range(7, 7 + 2 * block_size + 1))
+        prefill(manager, "a", prompt)
+        manager.deallocate("a")
+        manager.save_prefix_cache(tmp_path / "prefix.safetensors")
+
+        def interrupted(*args: object) -> None:
+            raise KeyboardInterrupt
+
+        # An eviction's copy to the tier fails: the allocation that needed it fails whole.
+        before = snapshot(manager)
+        original = storage.blocks_to_host
+        storage.blocks_to_host = interrupted
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                manager.allocate(AllocationRequest("big", initial_tokens=6 * block_size))
+        finally:
+            storage.blocks_to_host = original
+        assert_same_state(snapshot(manager), before)
+        assert manager.tier_stats()[0].blocks == 0
+        manager.gc()  # now the blocks reach the tier
+        assert manager.tier_stats()[0].blocks == 2
+        # A promotion's copy into the pool fails: nothing is taken, the tier keeps the blocks.
+        before = snapshot(manager)
+        original = storage.blocks_from_host
+        storage.blocks_from_host = interrupted
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                manager.allocate(AllocationRequest("b", prompt_token_ids=prompt))
+            fresh = kvcache_backend.manager(kvcache_backend.config(enable_prefix_caching=True, num_blocks=6))
+            fresh_storage: Any = fresh.storage
+            fresh_storage.blocks_from_host = interrupted
+            fresh_before = snapshot(fresh)
+            with pytest.raises(KeyboardInterrupt):
+                fresh.load_prefix_cache(tmp_path / "prefix.safetensors")
+            assert_same_state(snapshot(fresh), fresh_before)
+            fresh.check_invariants()
+        finally:
+            storage.blocks_from_host = original
+        assert_same_state(snapshot(manager), before)
+        assert manager.tier_stats()[0].blocks == 2
+        handle = prefill(manager, "b", prompt)
+        assert handle.num_cached_tokens() == 2 * block_size
+        manager.check_invariants()
