@@ -300,3 +300,31 @@ def test_a_salted_chain_is_promoted_only_for_its_salt() -> None:
     assert admit(manager, "other", prompt, cache_salt="tenant-2").num_cached_tokens() == 0
     manager.deallocate("other")
     assert admit(manager, "same", prompt, cache_salt="tenant-1").num_cached_tokens() == 12
+
+
+def test_a_third_party_tier_registered_by_entry_point_is_built_and_serves(plugin_dir: Path) -> None:
+    (plugin_dir / "kvtest_remote_tier.py").write_text(
+        "from kvcache_core.tiers import HostTier\n\n"
+        "def make(max_bytes, **options):\n"
+        "    return HostTier(max_bytes, name='remote')\n\n"
+        "def broken(max_bytes, **options):\n"
+        "    return 'not a tier'\n"
+    )
+    info = plugin_dir / "kvtest_remote_tier-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: remote-tier\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[kvcache_core.tiers]\nremote = kvtest_remote_tier:make\nbroken = kvtest_remote_tier:broken\n"
+    )
+    remote = create_tier("remote", 64 * BLOCK_BYTES)
+    assert remote.name == "remote"
+    with pytest.raises(TierError, match="returned 'not a tier', not an OffloadTier"):
+        create_tier("broken", 1)
+    manager = tiered(8, remote)
+    prompt = prompt_of(4, 3)
+    admit(manager, "a", prompt)
+    manager.deallocate("a")
+    manager.gc()
+    assert admit(manager, "again", prompt).num_cached_tokens() == 12
+    assert manager.tier_stats()[0].name == "remote"
+    assert manager.tier_stats()[0].hits == 3
