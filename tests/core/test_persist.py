@@ -280,3 +280,16 @@ def test_a_permission_refusal_from_the_os_is_a_cache_file_error(
         source.save_prefix_cache(tmp_path / "prefix.safetensors")
     assert caught.value.errno == errno.EACCES
     assert list(tmp_path.iterdir()) == []
+
+
+def test_what_is_saved_is_exactly_what_the_pool_still_caches(tmp_path: Path) -> None:
+    source = make_manager(num_blocks=6)
+    admit(source, "a", PROMPT)  # 4 full blocks and a partial one: 5 of 6 blocks
+    source.deallocate("a")
+    admit(source, "b", list(range(900, 909)))  # 3 blocks: the 2 free ones, and a's tail evicted
+    path = tmp_path / "prefix.safetensors"
+    assert source.save_prefix_cache(path) == 5  # a's first three, b's two full ones
+    target = make_manager()
+    assert target.load_prefix_cache(path) == 5
+    assert admit(target, "again", PROMPT).num_cached_tokens() == 12
+    target.check_invariants()

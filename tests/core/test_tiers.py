@@ -328,3 +328,21 @@ def test_a_third_party_tier_registered_by_entry_point_is_built_and_serves(plugin
     assert admit(manager, "again", prompt).num_cached_tokens() == 12
     assert manager.tier_stats()[0].name == "remote"
     assert manager.tier_stats()[0].hits == 3
+
+
+def test_a_saved_prefix_cache_holds_the_tiers_blocks_too(tmp_path: Path) -> None:
+    manager = tiered(8, HostTier(3 * BLOCK_BYTES), DiskTier(tmp_path / "disk", 1 << 20))
+    prompts = [prompt_of(seed, 3) for seed in range(3)]
+    for index, prompt in enumerate(prompts):
+        admit(manager, f"r{index}", prompt)
+        manager.deallocate(f"r{index}")
+    manager.gc()
+    admit(manager, "pool", prompts[0])  # three blocks back in the pool, six in the tiers
+    assert manager.save_prefix_cache(tmp_path / "all.safetensors") == 9
+    restarted = tiered(16)
+    assert restarted.load_prefix_cache(tmp_path / "all.safetensors") == 9
+    for index, prompt in enumerate(prompts):
+        handle = admit(restarted, f"again{index}", prompt)
+        assert handle.num_cached_tokens() == 12
+        assert_holds(restarted, handle, prompt)
+    restarted.check_invariants()

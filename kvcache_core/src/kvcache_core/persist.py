@@ -316,22 +316,14 @@ def _record(
 # -- the manager's side -------------------------------------------------------------------
 
 
-def _chain_alive(entry: PrefixEntry) -> bool:
-    parent = entry.parent
-    while parent is not None:
-        if not parent.alive:
-            return False
-        parent = parent.parent
-    return True
-
-
 def cached_records(manager: PagedKvCacheManager[Any]) -> list[BlockRecord]:
-    """Every block hash the pool holds whose whole chain is held, parents first, with its
-    K/V copied to the host in one ``blocks_to_host`` call. Call with the manager's lock held."""
+    """Every block hash the pool holds, parents first, with its K/V copied to the host in
+    one ``blocks_to_host`` call (:func:`chain_order` then keeps those whose whole chain is
+    held). Call with the manager's lock held."""
     prefix = manager._prefix
     if prefix is None:
         return []
-    entries = [entry for entry in prefix.entries() if _chain_alive(entry)]
+    entries = list(prefix.entries())
     depth: dict[int, int] = {}
 
     def depth_of(entry: PrefixEntry) -> int:
@@ -438,8 +430,33 @@ def install_cached_blocks(manager: PagedKvCacheManager[Any], records: list[Block
     return len(installed)
 
 
+def chain_order(records: list[BlockRecord]) -> list[BlockRecord]:
+    """``records`` without duplicates, parents before children, keeping only those whose
+    whole chain (up to a first block) is among them."""
+    by_hash = {record.block_hash: record for record in records}
+    depth: dict[bytes, int | None] = {}
+
+    def depth_of(block_hash: bytes) -> int | None:
+        if block_hash in depth:
+            return depth[block_hash]
+        depth[block_hash] = None  # guards a (forged) cycle
+        parent = by_hash[block_hash].parent_hash
+        if parent is None:
+            found: int | None = 0
+        else:
+            above = depth_of(parent) if parent in by_hash else None
+            found = None if above is None else above + 1
+        depth[block_hash] = found
+        return found
+
+    ranked = [(rank, record) for record in by_hash.values() if (rank := depth_of(record.block_hash)) is not None]
+    ranked.sort(key=lambda item: item[0])
+    return [record for _, record in ranked]
+
+
 def save_prefix_cache(manager: PagedKvCacheManager[Any], path: str | os.PathLike[str]) -> int:
-    """Write every cached prefix block of ``manager`` to ``path`` (see the module docstring).
+    """Write every cached prefix block of ``manager``, in its pool and in its offload tiers,
+    to ``path`` (see the module docstring).
 
     Returns:
         The blocks written.
@@ -452,7 +469,7 @@ def save_prefix_cache(manager: PagedKvCacheManager[Any], path: str | os.PathLike
     _check_path(path)
     if manager._prefix is None:
         raise UnsupportedConfigError("save_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
-    records = cached_records(manager)
+    records = chain_order(cached_records(manager) + manager._tiers.records())
     write_blocks(path, manager.config, records)
     return len(records)
 

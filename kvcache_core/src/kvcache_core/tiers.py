@@ -633,6 +633,17 @@ class TierChain:
             return None if record is None else (tier, record)
         return None
 
+    def records(self) -> list[BlockRecord]:
+        """Every block the tiers hold (for ``save_prefix_cache``); one a tier cannot give
+        back is left out (and dropped, with a warning)."""
+        found: list[BlockRecord] = []
+        for tier in self._tiers:
+            for block_hash in tier.hashes():
+                hit = self._find(block_hash)
+                if hit is not None:
+                    found.append(hit[1])
+        return found
+
     def clear(self) -> None:
         """Empty every tier (the manager closes)."""
         for tier in self._tiers:
