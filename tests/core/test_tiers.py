@@ -346,3 +346,24 @@ def test_a_saved_prefix_cache_holds_the_tiers_blocks_too(tmp_path: Path) -> None
         assert handle.num_cached_tokens() == 12
         assert_holds(restarted, handle, prompt)
     restarted.check_invariants()
+
+
+def test_a_failing_demotion_copy_drops_the_blocks_and_the_operation_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = tiered(8, HostTier(64 * BLOCK_BYTES))
+    shared = prompt_of(1, 2)
+    admit(manager, "a", shared)
+    manager.deallocate("a")
+    admit(manager, "b", prompt_of(2, 2))
+    manager.deallocate("b")
+
+    def failing(blocks: object) -> None:
+        raise RuntimeError("copy engine busy")
+
+    monkeypatch.setattr(manager.storage, "blocks_to_host", failing)
+    with pytest.warns(RuntimeWarning, match="copy engine busy"):
+        # Hits a's two blocks, and needs b's cached blocks evicted for the rest.
+        handle = admit(manager, "c", [*shared[:8], *range(7000, 7017)])
+    assert handle.num_cached_tokens() == 8
+    assert manager.tier_stats()[0].blocks == 0
+    assert manager.tier_stats()[0].failures > 0
+    manager.check_invariants()

@@ -30,7 +30,12 @@ of :mod:`kvcache_core.persist` (checksummed; written to a temporary name, then r
 
 A block a tier cannot give back (a disk file corrupted, removed or unreadable) is a miss:
 the tier drops it with a :class:`RuntimeWarning` naming the error, and the request computes
-those tokens. A block a tier cannot take (a disk write failing) is dropped the same way.
+those tokens. A block a tier cannot take (a disk write failing) is dropped the same way, and
+so are the blocks of an eviction whose ``blocks_to_host`` raises an ``Exception``: the
+operation that evicted goes on as without tiers. (An interrupt that is not an ``Exception``,
+``KeyboardInterrupt``, raised by that copy propagates from inside the evicting operation,
+which may then hold blocks it took before: a limit of demotion inside the manager's calls.
+A promotion's copy is transactional: whatever it raises, the request's blocks go back.)
 """
 
 # The chain moves blocks between the manager's pool and its tiers under the manager's lock,
@@ -470,7 +475,14 @@ class TierChain:
             picked.append(block)
         if not picked:
             return
-        keys, values = manager._storage.blocks_to_host(np.asarray(picked, dtype=np.int64))
+        try:
+            keys, values = manager._storage.blocks_to_host(np.asarray(picked, dtype=np.int64))
+        except Exception as exc:  # the eviction goes on as without tiers: the blocks are dropped
+            self._counts[self._tiers[0].name][3] += len(picked)
+            warnings.warn(
+                f"demoting {len(picked)} evicted blocks failed, they are dropped: {exc!r}", RuntimeWarning, stacklevel=5
+            )
+            return
         records: list[BlockRecord] = []
         for index, block in enumerate(picked):
             entry = prefix.entry_of(block)
@@ -573,16 +585,16 @@ class TierChain:
         spare = allocator.free_block_count() + allocator.cached_block_count()
         found = found[: reserved + spare]
         extra: list[int] = []
-        if len(found) > reserved:
-            last = table.physical_blocks[-1] if table.num_blocks() else None
-            extra = manager._take_blocks(
-                len(found) - reserved,
-                last if last is not None and allocator.ref_count(last) == 1 else None,
-                None,
-                f"cannot promote blocks for request {state.request_id!r}",
-            )
-        targets = [table.physical_block(start + index) for index in range(min(reserved, len(found)))] + extra
         try:
+            if len(found) > reserved:  # taking them may evict (and demote) other cached blocks
+                last = table.physical_blocks[-1] if table.num_blocks() else None
+                extra = manager._take_blocks(
+                    len(found) - reserved,
+                    last if last is not None and allocator.ref_count(last) == 1 else None,
+                    None,
+                    f"cannot promote blocks for request {state.request_id!r}",
+                )
+            targets = [table.physical_block(start + index) for index in range(min(reserved, len(found)))] + extra
             manager._storage.blocks_from_host(
                 np.asarray(targets, dtype=np.int64),
                 np.stack([record.keys for _, record in found], axis=1),
