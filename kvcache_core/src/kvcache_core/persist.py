@@ -351,7 +351,7 @@ def cached_records(manager: PagedKvCacheManager[Any]) -> list[BlockRecord]:
     ]
 
 
-def install_cached_blocks(manager: PagedKvCacheManager[Any], records: list[BlockRecord], *, spare: int = 0) -> int:
+def install_cached_blocks(manager: PagedKvCacheManager[Any], records: list[BlockRecord]) -> int:
     """Put ``records`` (parents first) into the pool as cached blocks, findable by later
     requests: one ``blocks_from_host`` call. Call with the manager's lock held.
 
@@ -386,7 +386,7 @@ def install_cached_blocks(manager: PagedKvCacheManager[Any], records: list[Block
             known[record.parent_hash] = parent_entry
         known[record.block_hash] = None
         todo.append(record)
-    free = manager._allocator.free_block_count() - spare
+    free = manager._allocator.free_block_count()
     if len(todo) > free:
         raise OutOfBlocksError(
             f"cannot install {len(todo)} cached blocks: {max(free, 0)} of {manager.config.num_blocks} blocks are "
