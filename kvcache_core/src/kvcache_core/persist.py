@@ -356,8 +356,7 @@ def install_cached_blocks(manager: PagedKvCacheManager[Any], records: list[Block
     requests: one ``blocks_from_host`` call. Call with the manager's lock held.
 
     Records already cached, and records whose parent is neither cached nor among the
-    records, are skipped. Only free blocks are used (nothing cached is evicted for them),
-    keeping ``spare`` of them free.
+    records, are skipped. Only free blocks are used (nothing cached is evicted for them).
 
     Transactional: whatever the storage raises, the blocks taken go back and nothing is
     registered.
