@@ -269,7 +269,9 @@ class DiskTier:
     :mod:`kvcache_core.persist` (checksummed, no pickle), least recently used first out.
 
     Files are written to a temporary name and renamed when complete; the tier's own files
-    are removed when it lets them go or is cleared.
+    are removed when it lets them go or is cleared. Give each manager its own directory:
+    files an earlier run left there are neither served nor counted (to carry a prefix cache
+    across a restart, use ``save_prefix_cache`` / ``load_prefix_cache``).
 
     Args:
         directory: where the files go (created if missing).
