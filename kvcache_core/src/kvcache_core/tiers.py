@@ -520,11 +520,11 @@ class TierChain:
                 overflow = tier.put(record)
             except KvCacheError as exc:
                 counts[3] += 1
-                if known:  # put discards an older copy first
+                if known and record.block_hash not in tier:  # it dropped its older copy
                     self._events.removed((record.block_hash,), tier.name)
                 warnings.warn(f"tier {tier.name!r} could not take a block: {exc}", RuntimeWarning, stacklevel=4)
                 continue
-            counts[1] += 1
+            counts[1] += record.block_hash in tier
             if record.block_hash in tier and not known:
                 self._events.emit(
                     BlockStored(
