@@ -4,6 +4,7 @@ survives a restart (``pip install "kvcache-core[tiers]"``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -47,6 +48,7 @@ with tempfile.TemporaryDirectory() as directory:
 
     saved = Path(directory) / "prefix.safetensors"
     manager.save_prefix_cache(saved)
-    restarted = create_manager("numpy", config)  # a new process, another layout or backend alike
+    # A new process (another layout or backend alike), whose pool holds what the old pool and tiers held.
+    restarted = create_manager("numpy", dataclasses.replace(config, num_blocks=64, kv_layout="heads_first"))
     print(f"restart: loaded {restarted.load_prefix_cache(saved)} blocks from {saved.name}")
     manager.close()
