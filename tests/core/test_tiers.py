@@ -367,3 +367,27 @@ def test_a_failing_demotion_copy_drops_the_blocks_and_the_operation_goes_on(monk
     assert manager.tier_stats()[0].blocks == 0
     assert manager.tier_stats()[0].failures > 0
     manager.check_invariants()
+
+
+def test_a_loaded_cache_larger_than_the_free_pool_spills_into_the_tiers(tmp_path: Path) -> None:
+    source = tiered(16)
+    prompts = [prompt_of(seed, 3) for seed in range(3)]
+    for number, prompt in enumerate(prompts):
+        admit(source, f"r{number}", prompt)
+    assert source.save_prefix_cache(tmp_path / "prefix.safetensors") == 9
+    host_tier, disk_tier = HostTier(2 * BLOCK_BYTES), DiskTier(tmp_path / "disk", 1 << 20)
+    target = tiered(6, host_tier, disk_tier)
+    index = CachedBlockIndex()
+    target.subscribe(index)
+    assert target.load_prefix_cache(tmp_path / "prefix.safetensors") == 9
+    host, disk = target.tier_stats()
+    assert (target.stats().cached_blocks, host.blocks, disk.blocks) == (6, 2, 1)
+    assert index.hashes() == pool_hashes(target)
+    assert index.hashes("host") == frozenset(host_tier.hashes())
+    assert index.hashes("disk") == frozenset(disk_tier.hashes())
+    for seed, prompt in enumerate(prompts):
+        handle = admit(target, f"again{seed}", prompt)
+        assert handle.num_cached_tokens() == 12, seed
+        assert_holds(target, handle, prompt)
+        target.deallocate(f"again{seed}")
+    target.check_invariants()

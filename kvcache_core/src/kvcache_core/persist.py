@@ -356,7 +356,8 @@ def install_cached_blocks(manager: PagedKvCacheManager[Any], records: list[Block
     requests: one ``blocks_from_host`` call. Call with the manager's lock held.
 
     Records already cached, and records whose parent is neither cached nor among the
-    records, are skipped. Only free blocks are used (nothing cached is evicted for them).
+    records, are skipped. Only free blocks are used (nothing cached is evicted for them);
+    with offload tiers, the records past them go to the first tier.
 
     Transactional: whatever the storage raises, the blocks taken go back and nothing is
     registered.
@@ -365,7 +366,8 @@ def install_cached_blocks(manager: PagedKvCacheManager[Any], records: list[Block
         The blocks installed.
 
     Raises:
-        OutOfBlocksError: fewer free blocks than the records need (nothing installed).
+        OutOfBlocksError: without tiers, fewer free blocks than the records need (nothing
+            installed).
     """
     prefix = manager._prefix
     assert prefix is not None
@@ -386,13 +388,16 @@ def install_cached_blocks(manager: PagedKvCacheManager[Any], records: list[Block
         known[record.block_hash] = None
         todo.append(record)
     free = manager._allocator.free_block_count()
+    overflow: list[BlockRecord] = []
+    if len(todo) > free and manager._tiers:  # the chains' tails go to the offload tiers
+        todo, overflow = todo[:free], todo[free:]
     if len(todo) > free:
         raise OutOfBlocksError(
             f"cannot install {len(todo)} cached blocks: {max(free, 0)} of {manager.config.num_blocks} blocks are "
             f"free (cached blocks are not evicted for them); free some with gc() or deallocate"
         )
     if not todo:
-        return 0
+        return manager._tiers.store(overflow)
     allocator = manager._allocator
     blocks = allocator.allocate(len(todo))
     try:
@@ -426,7 +431,7 @@ def install_cached_blocks(manager: PagedKvCacheManager[Any], records: list[Block
     # Children first into the evictor, so a chain is evicted from its tail.
     if installed:
         allocator.release(installed[::-1], installed[-1], manager._keep_cached)
-    return len(installed)
+    return len(installed) + manager._tiers.store(overflow)
 
 
 def chain_order(records: list[BlockRecord]) -> list[BlockRecord]:
@@ -485,7 +490,8 @@ def load_prefix_cache(manager: PagedKvCacheManager[Any], path: str | os.PathLike
         UnsupportedConfigError: the pool has no prefix caching.
         CacheFileError, CorruptCacheFileError, IncompatibleCacheFileError: see
             :func:`read_blocks`; nothing is loaded.
-        OutOfBlocksError: fewer free blocks than the file's new blocks; nothing is loaded.
+        OutOfBlocksError: without offload tiers, fewer free blocks than the file's new
+            blocks; nothing is loaded. (With tiers, the blocks past the free ones go to them.)
     """
     _check_path(path)
     if manager._prefix is None:

@@ -647,6 +647,14 @@ class TierChain:
             return None if record is None else (tier, record)
         return None
 
+    def store(self, records: list[BlockRecord]) -> int:
+        """Put ``records`` into the first tier (what it lets go moves on, as a demotion's
+        would); return how many the tiers hold afterwards."""
+        if not self._tiers or not records:
+            return 0
+        self._push(0, records)
+        return sum(1 for record in records if any(record.block_hash in tier for tier in self._tiers))
+
     def records(self) -> list[BlockRecord]:
         """Every block the tiers hold (for ``save_prefix_cache``); one a tier cannot give
         back is left out (and dropped, with a warning)."""
