@@ -23,10 +23,6 @@ recomputed from its parent, salt and tokens) and refuses with a specific
 name in the same directory, flushed to disk, then renamed: a reader never sees half a file.
 """
 
-# This module is the manager's own persistence: it reads and commits the manager's private
-# records (under its lock) as the manager's methods do.
-# pyright: reportPrivateUsage=false
-
 from __future__ import annotations
 
 import contextlib
@@ -50,6 +46,7 @@ from kvcache_core.errors import (
     OutOfBlocksError,
     UnsupportedConfigError,
 )
+from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import PrefixEntry, hash_block, namespace_root
 
 if TYPE_CHECKING:
@@ -320,7 +317,8 @@ def cached_records(manager: PagedKvCacheManager[Any]) -> list[BlockRecord]:
     """Every block hash the pool holds, parents first, with its K/V copied to the host in
     one ``blocks_to_host`` call (:func:`chain_order` then keeps those whose whole chain is
     held). Call with the manager's lock held."""
-    prefix = manager._prefix
+    pool = PoolAccess(manager)
+    prefix = pool.prefix
     if prefix is None:
         return []
     entries = list(prefix.entries())
@@ -337,7 +335,7 @@ def cached_records(manager: PagedKvCacheManager[Any]) -> list[BlockRecord]:
     if not entries:
         return []
     blocks = np.asarray([next(iter(entry.blocks)) for entry in entries], dtype=np.int64)
-    keys, values = manager._storage.blocks_to_host(blocks)
+    keys, values = pool.storage.blocks_to_host(blocks)
     return [
         BlockRecord(
             entry.block_hash,
@@ -369,7 +367,8 @@ def install_cached_blocks(manager: PagedKvCacheManager[Any], records: list[Block
         OutOfBlocksError: without tiers, fewer free blocks than the records need (nothing
             installed).
     """
-    prefix = manager._prefix
+    pool = PoolAccess(manager)
+    prefix = pool.prefix
     assert prefix is not None
     known: dict[bytes, PrefixEntry | None] = {}  # hash -> its live entry (None: to be installed)
     todo: list[BlockRecord] = []
@@ -387,9 +386,9 @@ def install_cached_blocks(manager: PagedKvCacheManager[Any], records: list[Block
             known[record.parent_hash] = parent_entry
         known[record.block_hash] = None
         todo.append(record)
-    free = manager._allocator.free_block_count()
+    free = pool.allocator.free_block_count()
     overflow: list[BlockRecord] = []
-    if len(todo) > free and manager._tiers:  # the chains' tails go to the offload tiers
+    if len(todo) > free and pool.tiers:  # the chains' tails go to the offload tiers
         todo, overflow = todo[:free], todo[free:]
     if len(todo) > free:
         raise OutOfBlocksError(
@@ -397,11 +396,11 @@ def install_cached_blocks(manager: PagedKvCacheManager[Any], records: list[Block
             f"free (cached blocks are not evicted for them); free some with gc() or deallocate"
         )
     if not todo:
-        return manager._tiers.store(overflow)
-    allocator = manager._allocator
+        return pool.tiers.store(overflow)
+    allocator = pool.allocator
     blocks = allocator.allocate(len(todo))
     try:
-        manager._storage.blocks_from_host(
+        pool.storage.blocks_from_host(
             np.asarray(blocks, dtype=np.int64),
             np.stack([record.keys for record in todo], axis=1),
             np.stack([record.values for record in todo], axis=1),
@@ -421,17 +420,17 @@ def install_cached_blocks(manager: PagedKvCacheManager[Any], records: list[Block
             allocator.release([block], block)
             continue
         slots = slice(block * block_size, (block + 1) * block_size)
-        manager._issued[slots] = True
-        if manager._written is not None:
-            manager._written[:, slots] = True
-        manager._swapped_blocks.pop(block, None)
-        manager._register(block, entry)
+        pool.issued[slots] = True
+        if pool.written is not None:
+            pool.written[:, slots] = True
+        pool.swapped_blocks.pop(block, None)
+        pool.register(block, entry)
         known[record.block_hash] = entry
         installed.append(block)
     # Children first into the evictor, so a chain is evicted from its tail.
     if installed:
-        allocator.release(installed[::-1], installed[-1], manager._keep_cached)
-    return len(installed) + manager._tiers.store(overflow)
+        allocator.release(installed[::-1], installed[-1], pool.keep_cached)
+    return len(installed) + pool.tiers.store(overflow)
 
 
 def chain_order(records: list[BlockRecord]) -> list[BlockRecord]:
@@ -470,10 +469,11 @@ def save_prefix_cache(manager: PagedKvCacheManager[Any], path: str | os.PathLike
         UnsupportedConfigError: the pool has no prefix caching.
         CacheFileError: the file cannot be written (nothing is left behind).
     """
+    pool = PoolAccess(manager)
     _check_path(path)
-    if manager._prefix is None:
+    if pool.prefix is None:
         raise UnsupportedConfigError("save_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
-    records = chain_order(cached_records(manager) + manager._tiers.records())
+    records = chain_order(cached_records(manager) + pool.tiers.records())
     write_blocks(path, manager.config, records)
     return len(records)
 
@@ -493,8 +493,9 @@ def load_prefix_cache(manager: PagedKvCacheManager[Any], path: str | os.PathLike
         OutOfBlocksError: without offload tiers, fewer free blocks than the file's new
             blocks; nothing is loaded. (With tiers, the blocks past the free ones go to them.)
     """
+    pool = PoolAccess(manager)
     _check_path(path)
-    if manager._prefix is None:
+    if pool.prefix is None:
         raise UnsupportedConfigError("load_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
     return install_cached_blocks(manager, read_blocks(path, manager.config))
 

@@ -38,10 +38,6 @@ which may then hold blocks it took before: a limit of demotion inside the manage
 A promotion's copy is transactional: whatever it raises, the request's blocks go back.)
 """
 
-# The chain moves blocks between the manager's pool and its tiers under the manager's lock,
-# committing the manager's records as its own methods do.
-# pyright: reportPrivateUsage=false
-
 from __future__ import annotations
 
 import contextlib
@@ -67,6 +63,7 @@ from kvcache_core.errors import (
 )
 from kvcache_core.events import BlockStored, EventHub
 from kvcache_core.persist import BlockRecord, read_blocks, write_blocks
+from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import hash_block
 
 if TYPE_CHECKING:
@@ -461,11 +458,12 @@ class TierChain:
         """Copy the ``count`` cached blocks the pool is about to evict (least recently used
         first) into the first tier, where their hash leaves the pool with them. The one
         storage call comes first: if it raises, nothing has changed."""
+        pool = PoolAccess(manager)
         if not self._tiers or not count:
             return
-        prefix = manager._prefix
+        prefix = pool.prefix
         assert prefix is not None
-        victims = manager._allocator.cached_blocks()[:count]
+        victims = pool.allocator.cached_blocks()[:count]
         leaving = set(victims)
         picked: list[int] = []
         seen: set[bytes] = set()
@@ -478,7 +476,7 @@ class TierChain:
         if not picked:
             return
         try:
-            keys, values = manager._storage.blocks_to_host(np.asarray(picked, dtype=np.int64))
+            keys, values = pool.storage.blocks_to_host(np.asarray(picked, dtype=np.int64))
         except Exception as exc:  # the eviction goes on as without tiers: the blocks are dropped
             self._counts[self._tiers[0].name][3] += len(picked)
             warnings.warn(
@@ -560,9 +558,10 @@ class TierChain:
             BaseException: what the storage raised that is not an ``Exception``
                 (``KeyboardInterrupt``): every block the request took is given back first.
         """
+        pool = PoolAccess(manager)
         if not self._tiers:
             return 0
-        prefix = manager._prefix
+        prefix = pool.prefix
         assert prefix is not None
         table = state.table
         block_size = self._config.block_size
@@ -582,7 +581,7 @@ class TierChain:
             parent_hash = block_hash
         if not found:
             return 0
-        allocator = manager._allocator
+        allocator = pool.allocator
         reserved = table.num_blocks() - start
         spare = allocator.free_block_count() + allocator.cached_block_count()
         found = found[: reserved + spare]
@@ -590,14 +589,14 @@ class TierChain:
         try:
             if len(found) > reserved:  # taking them may evict (and demote) other cached blocks
                 last = table.physical_blocks[-1] if table.num_blocks() else None
-                extra = manager._take_blocks(
+                extra = pool.take(
                     len(found) - reserved,
                     last if last is not None and allocator.ref_count(last) == 1 else None,
                     None,
                     f"cannot promote blocks for request {state.request_id!r}",
                 )
             targets = [table.physical_block(start + index) for index in range(min(reserved, len(found)))] + extra
-            manager._storage.blocks_from_host(
+            pool.storage.blocks_from_host(
                 np.asarray(targets, dtype=np.int64),
                 np.stack([record.keys for _, record in found], axis=1),
                 np.stack([record.values for _, record in found], axis=1),
@@ -610,18 +609,18 @@ class TierChain:
         except BaseException:
             if extra:
                 allocator.release(extra[::-1], extra[-1])
-            manager._release_blocks(list(table.physical_blocks))
+            pool.release_table(list(table.physical_blocks))
             raise
         if extra:
             table.add_blocks(extra)
         promoted = len(found) * block_size
         slots = table.slots(table.sequence_length, table.sequence_length + promoted)
-        manager._issued[slots] = True
-        if manager._written is not None:
-            manager._written[:, slots] = True
+        pool.issued[slots] = True
+        if pool.written is not None:
+            pool.written[:, slots] = True
         table.extend_sequence(promoted)
         state.cached_tokens += promoted
-        manager._advance_chain(state)
+        pool.advance_chain(state)
         for tier, record in found:
             self._counts[tier.name][0] += 1
             for holder in self._tiers:  # where it is now (the demotions above may have moved it)
