@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,8 +20,10 @@ from kvcache_core.event_publisher import (  # noqa: E402
     encode_event_batch,
 )
 from kvcache_core.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent  # noqa: E402
+from kvcache_core.tiers import DiskTier, HostTier  # noqa: E402
 from tests.core.test_events import pool_hashes  # noqa: E402
 from tests.core.test_prefix_caching import admit, make_manager  # noqa: E402
+from tests.core.test_tiers import BLOCK_BYTES, prompt_of, tiered  # noqa: E402
 
 TIMEOUT_MS = 5_000
 SEQ = struct.Struct(">q")
@@ -124,3 +127,26 @@ def test_bad_sizes_are_refused(field: str) -> None:
 def test_an_endpoint_zmq_cannot_bind_is_refused_naming_it() -> None:
     with pytest.raises(InvalidArgumentError, match="nonsense://here"):
         ZmqEventPublisher("nonsense://here")
+
+
+def test_replayed_batches_rebuild_every_medium_of_a_tiered_manager(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    host, disk = HostTier(2 * BLOCK_BYTES), DiskTier(tmp_path, 1 << 20)
+    manager = tiered(6, host, disk)
+    with ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", buffer_size=10_000) as publisher:
+        manager.subscribe(publisher)
+        for turn in range(6):
+            admit(manager, f"r{turn}", prompt_of(turn % 3, 2))
+            manager.deallocate(f"r{turn}")
+        manager.gc()
+        index = CachedBlockIndex()
+        batches = replay(publisher, 0)
+        assert [seq for seq, _ in batches] == list(range(publisher.next_sequence))
+        for _, payload in batches:
+            for event in decode_event_batch(payload)[1]:
+                index.apply(event)
+    assert index.hashes("pool") == pool_hashes(manager) == frozenset()
+    assert index.hashes("host") == frozenset(host.hashes())
+    assert index.hashes("disk") == frozenset(disk.hashes())
+    assert index.hashes("host")
+    assert index.hashes("disk")
