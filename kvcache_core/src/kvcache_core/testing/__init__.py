@@ -37,6 +37,9 @@ pytest.register_assert_rewrite(
     "kvcache_core.testing.suite",
     "kvcache_core.testing.machine",
     "kvcache_core.testing.catalogue",
+    "kvcache_core.testing.policy_catalogue",
+    "kvcache_core.testing.policies",
+    "kvcache_core.testing.world",
     "kvcache_core.testing.reliability",
     "kvcache_core.testing.backend",
 )
