@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -49,6 +48,7 @@ from kvcache_core.errors import (
     OutOfBlocksError,
     SharedBlockWriteError,
 )
+from kvcache_core.testing.oracle import dense_attention
 
 Array = npt.NDArray[Any]
 Manager = PagedKvCacheManager[Array]
@@ -632,23 +632,21 @@ class PolicyMachine(RuleBasedStateMachine):
         start = 0
         for rid, count in zip(batch, counts, strict=True):
             request = self.model[rid]
-            held = np.arange(request.first_logical * BLOCK, request.length)
-            keys = np.stack([request.kv[int(p)][layer][0] for p in held]).astype(np.float64)
-            values = np.stack([request.kv[int(p)][layer][1] for p in held]).astype(np.float64)
-            for row in range(count):
-                position = request.length - count + row
-                mask = np.ones(held.size, dtype=bool)
-                if causal:
-                    mask &= held <= position
-                if self.window is not None:
-                    mask &= held > position - self.window
-                    assert position - self.window + 1 >= held[0] or held[0] == 0  # the window is held
-                for head in range(HEADS * QUERY_GROUP):
-                    kv_head = head // QUERY_GROUP
-                    scores = keys[mask, kv_head] @ query[start + row, head].astype(np.float64) / math.sqrt(DIM)
-                    weights = np.exp(scores - scores.max())
-                    expected = weights @ values[mask, kv_head] / weights.sum()
-                    np.testing.assert_allclose(output[start + row, head], expected, rtol=1e-4, atol=1e-5)
+            first_held = request.first_logical * BLOCK
+            if self.window is not None:  # the window of the first query row is held
+                assert request.length - count - self.window + 1 >= first_held or first_held == 0
+            held = range(first_held, request.length)
+            keys = np.stack([request.kv[position][layer][0] for position in held])
+            values = np.stack([request.kv[position][layer][1] for position in held])
+            expected = dense_attention(
+                query[start : start + count],
+                keys,
+                values,
+                causal=causal,
+                sliding_window=self.window,
+                key_start=first_held,
+            )
+            np.testing.assert_allclose(output[start : start + count], expected, rtol=1e-4, atol=1e-5)
             start += count
 
     def teardown(self) -> None:

@@ -17,12 +17,10 @@ runs per request.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -45,6 +43,7 @@ from kvcache_core.errors import (
     UnknownRequestError,
 )
 from kvcache_core.numpy_backend import NumpyArray, NumpyStorage
+from kvcache_core.testing.oracle import dense_attention
 
 Manager = PagedKvCacheManager[NumpyArray]
 Handle = PagedKvCacheHandle[NumpyArray]
@@ -93,31 +92,6 @@ def random_kv(rng: np.random.Generator, rows: int) -> NumpyArray:
 
 def empty_kv() -> NumpyArray:
     return np.zeros((0, NUM_HEADS, HEAD_DIM), dtype=np.float32)
-
-
-def dense_attention(
-    query: npt.NDArray[np.float64],
-    keys: npt.NDArray[np.float64],
-    values: npt.NDArray[np.float64],
-    *,
-    causal: bool,
-) -> npt.NDArray[np.float64]:
-    """Softmax attention of ``query [q, H * group, D]`` over one request's ``[n, H, D]``
-    keys and values, written out directly: query ``i`` sits at position ``n - q + i``."""
-    num_queries, query_heads, head_dim = query.shape
-    num_tokens = keys.shape[0]
-    group = query_heads // keys.shape[1]
-    scale = 1.0 / math.sqrt(head_dim)
-    output = np.zeros(query.shape, dtype=np.float64)
-    for i in range(num_queries):
-        visible = num_tokens - num_queries + i + 1 if causal else num_tokens
-        for query_head in range(query_heads):
-            kv_head = query_head // group
-            scores = keys[:visible, kv_head, :] @ query[i, query_head] * scale
-            weights = np.exp(scores - scores.max())
-            weights /= weights.sum()
-            output[i, query_head] = weights @ values[:visible, kv_head, :]
-    return output
 
 
 @dataclass
@@ -433,10 +407,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
         for rid, count in zip(batch, query_counts, strict=True):
             request = self.model[rid]
             expected = dense_attention(
-                query[start : start + count].astype(np.float64),
-                request.keys[layer].astype(np.float64),
-                request.values[layer].astype(np.float64),
-                causal=causal,
+                query[start : start + count], request.keys[layer], request.values[layer], causal=causal
             )
             np.testing.assert_allclose(output[start : start + count], expected, rtol=1e-5, atol=1e-5)
             start += count

@@ -25,11 +25,12 @@ from kvcache_core import (
 )
 from kvcache_core.allocator import Placement
 from kvcache_core.attention import paged_attention as numpy_reference
+from kvcache_core.testing.oracle import dense_attention_batch
 from kvcache_torch import TorchStorage, paged_attention
 from kvcache_torch import attention as attention_module
 from tests.torch.conftest import DTYPES, LAYOUTS, TOLERANCES, TORCH_DTYPES, Filled, Manager, fill, make_manager
 
-#: fp32 paged attention equals dense SDPA to this maximum absolute difference.
+#: fp32 paged attention equals the dense oracle to this maximum absolute difference.
 FP32_ATOL = 1e-5
 
 
@@ -52,28 +53,15 @@ def random_query(manager: Manager, rows: int, group: int, seed: int) -> torch.Te
 def dense_sdpa(
     filled: Filled, layer: int, query: torch.Tensor, counts: list[int], causal: bool, window: int | None = None
 ) -> torch.Tensor:
-    """Dense ``scaled_dot_product_attention`` of each request on its own contiguous K/V (what
-    was written), the query rows being the request's last tokens (bottom-right causal mask;
-    with ``window`` ``W``, a query at ``p`` sees only keys after ``p - W``)."""
-    outputs: list[torch.Tensor] = []
-    start = 0
-    for index, count in enumerate(counts):
-        keys, values = filled.keys[layer][index], filled.values[layer][index]
-        length = keys.shape[0]
-        q = query[start : start + count].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
-        k = keys.transpose(0, 1).unsqueeze(0)
-        v = values.transpose(0, 1).unsqueeze(0)
-        positions = torch.arange(length - count, length, device=query.device)[:, None]
-        keys_at = torch.arange(length, device=query.device)[None, :]
-        mask = torch.ones((count, length), dtype=torch.bool, device=query.device)
-        if causal:
-            mask &= keys_at <= positions
-        if window is not None:
-            mask &= keys_at > positions - window
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        outputs.append(out.squeeze(0).transpose(0, 1))
-        start += count
-    return torch.cat(outputs)
+    """The kit's dense oracle on each request's own contiguous K/V (what was written), the
+    query rows being the request's last tokens, on the query's device."""
+    contexts = [
+        (keys.cpu().double().numpy(), values.cpu().double().numpy())
+        for keys, values in zip(filled.keys[layer], filled.values[layer], strict=True)
+    ]
+    rows = query.cpu().double().numpy()
+    expected = dense_attention_batch(rows, contexts, counts, causal=causal, sliding_window=window)
+    return torch.tensor(expected, dtype=torch.float64, device=query.device)
 
 
 def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
