@@ -27,7 +27,6 @@ __all__ = [
     "draw_lengths",
     "grow_staggered",
     "int_list",
-    "median_ms",
     "mib",
     "print_environment",
     "ratio",
@@ -145,11 +144,6 @@ def int_list(text: str, minimum: int = 1) -> list[int]:
     if not values or min(values) < minimum:
         raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
     return values
-
-
-def median_ms(samples: Sequence[float]) -> float:
-    """The median of ``samples`` (seconds) in milliseconds."""
-    return statistics.median(samples) * 1e3
 
 
 def ratio(numerator: float, denominator: float) -> str:

@@ -51,7 +51,18 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from _bench import ATOL, RTOL, Geometry, draw_lengths, grow_staggered, int_list, mib, print_environment, relative_spread
+from _bench import (
+    ATOL,
+    RTOL,
+    Geometry,
+    draw_lengths,
+    grow_staggered,
+    int_list,
+    mib,
+    print_environment,
+    ratio,
+    relative_spread,
+)
 
 from kvcache_core import (
     KV_LAYOUTS,
@@ -398,9 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(header)
     print("-" * len(header))
     for name, timing in rows:
-        ratio = timing.dense_s / timing.ours_s
         print(
-            f"{name:>12} | {timing.ours_s * 1e3:10.2f} | {timing.dense_s * 1e3:10.2f} | {ratio:9.2f}x"
+            f"{name:>12} | {timing.ours_s * 1e3:10.2f} | {timing.dense_s * 1e3:10.2f} | "
+            f"{ratio(timing.dense_s, timing.ours_s):>10}"
             f" | {timing.spread:9.0%}"
         )
     print(
