@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 import statistics
 import sys
 import time
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy.typing as npt
+from _bench import draw_lengths, int_list
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheHandle, PagedKvCacheManager
 from kvcache_core.allocator import Placement
@@ -77,12 +77,6 @@ class Growth:
     runs: tuple[int, ...]  # runs per request at the end, in request order
     step_s: tuple[float, ...]  # every step
     block_step_s: tuple[float, ...]  # the steps in which some request took a block
-
-
-def draw_lengths(seed: int, requests: int, min_length: int, max_length: int) -> list[int]:
-    """``requests`` final lengths, uniform in ``[min_length, max_length]``."""
-    draw = random.Random(seed)
-    return [draw.randint(min_length, max_length) for _ in range(requests)]
 
 
 def pool_blocks(lengths: Sequence[int], block_size: int, headroom: float) -> int:
@@ -176,15 +170,9 @@ def print_table(arrival: str, summaries: dict[str, Summary]) -> None:
         )
 
 
-def int_list(text: str) -> list[int]:
-    """``"0,1,2"`` -> ``[0, 1, 2]``."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
-    return values
+def seed_list(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]`` (an argparse type)."""
+    return int_list(text, minimum=0)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -195,7 +183,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=4096, help="longest final length (default 4096)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     parser.add_argument("--headroom", type=float, default=0.25, help="spare pool fraction (default 0.25)")
-    parser.add_argument("--seeds", type=int_list, default=None, help="seeds of the lengths (default 0,1,2,3,4)")
+    parser.add_argument("--seeds", type=seed_list, default=None, help="seeds of the lengths (default 0,1,2,3,4)")
     parser.add_argument(
         "--arrivals", choices=(*ARRIVALS, "both"), default="both", help="arrival pattern (default both)"
     )

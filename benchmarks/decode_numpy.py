@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import random
 import statistics
 import sys
 import time
@@ -52,47 +51,31 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from _bench import int_list, mib, relative_spread
+from _bench import (
+    ATOL,
+    RTOL,
+    Geometry,
+    draw_lengths,
+    grow_staggered,
+    int_list,
+    mib,
+    print_environment,
+    ratio,
+    relative_spread,
+)
 
 from kvcache_core import (
     KV_LAYOUTS,
     AllocationRequest,
-    CacheConfig,
     PagedKvCacheHandle,
     PagedKvCacheManager,
     create_manager,
 )
-from kvcache_core.allocator import Placement
 from kvcache_core.numpy_backend import NumpyStorage
 
 Array = npt.NDArray[Any]
 Manager = PagedKvCacheManager[Array]
 Handle = PagedKvCacheHandle[Array]
-
-RECOMMENDED_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
-
-# fp32 outputs of paged (per-run products) and dense attention differ in the last bits only.
-RTOL = 1e-4
-ATOL = 1e-5
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """The model whose cache is benchmarked, and our pool's layout and block placement."""
-
-    num_layers: int
-    num_query_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str = "float32"
-    kv_layout: str = "NHD"
-    placement: Placement = "contiguous"
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V of every layer for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -235,15 +218,7 @@ def fill_both(
 def make_manager(geometry: Geometry, num_blocks: int) -> Manager:
     """A NumPy-backend manager with this geometry and pool size (``create_manager`` unless
     another placement than the default is asked for)."""
-    config = CacheConfig(
-        num_layers=geometry.num_layers,
-        num_heads=geometry.num_kv_heads,
-        head_dim=geometry.head_dim,
-        num_blocks=num_blocks,
-        block_size=geometry.block_size,
-        dtype=geometry.dtype,
-        kv_layout=geometry.kv_layout,
-    )
+    config = geometry.config(num_blocks)
     if geometry.placement == "contiguous":
         return create_manager("numpy", config)
     return PagedKvCacheManager(NumpyStorage(config), backend="numpy", placement=geometry.placement)
@@ -269,21 +244,8 @@ def staggered_batch(
     """
     needed = sum(math.ceil((length + extra_steps) / geometry.block_size) for length in lengths)
     manager = make_manager(geometry, math.ceil(needed * (1.0 + headroom)))
-    longest = max(lengths)
-    handles: list[Handle | None] = [None] * len(lengths)
-    slot_parts: list[list[Array]] = [[] for _ in lengths]
-    for step in range(longest):
-        for request, length in enumerate(lengths):
-            if step < longest - length:
-                continue
-            handle = handles[request]
-            if handle is None:
-                handle = manager.allocate(AllocationRequest(f"request-{request}"))
-                handles[request] = handle
-            slot_parts[request].append(manager.extend(handle, 1))
-    ready = [handle for handle in handles if handle is not None]
-    slots = [np.concatenate(parts) for parts in slot_parts]
-    return fill_both(f"{len(lengths)} mixed", geometry, manager, ready, slots, rng)
+    handles, slots = grow_staggered(manager, lengths)
+    return fill_both(f"{len(lengths)} mixed", geometry, manager, handles, slots, rng)
 
 
 # -- timing -----------------------------------------------------------------------------
@@ -307,7 +269,7 @@ def outputs_match(ours: Sequence[Array], dense: Sequence[Array]) -> tuple[bool, 
 def run_scenario(scenario: Scenario, repeats: int, rng: np.random.Generator) -> Timing:
     """Verify, then time ``repeats`` steps of each approach (alternating); exit 1 on a mismatch."""
     geometry = scenario.geometry
-    scale = 1.0 / math.sqrt(geometry.head_dim)
+    scale = geometry.scale
     batch = len(scenario.handles)
 
     def ours(inputs: StepInputs) -> list[Array]:
@@ -389,10 +351,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run every scenario and print the table; 1 if the two approaches disagree."""
     args = parse_args(argv)
-    recommended = " ".join(f"{key}={value}" for key, value in RECOMMENDED_ENV.items())
-    print(f"recommended environment: {recommended}")
-    missing = [key for key, value in RECOMMENDED_ENV.items() if os.environ.get(key) != value]
-    print(f"  (currently {'set' if not missing else 'NOT set: ' + ', '.join(missing)})")
+    print_environment()
     threads = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
     print(
         f"  on a machine other processes share, add OPENBLAS_NUM_THREADS=1 (now {threads}): BLAS threads "
@@ -407,11 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv_layout=args.kv_layout,
         placement=args.placement,
     )
-    print(
-        f"geometry: {geometry.num_layers} layers, {geometry.num_query_heads} query heads, "
-        f"{geometry.num_kv_heads} KV heads, head_dim {geometry.head_dim}, {geometry.dtype}, "
-        f"block_size {geometry.block_size}, pool layout {geometry.kv_layout}, placement {geometry.placement}"
-    )
+    print(f"geometry: {geometry.describe()}")
     print(f"{args.repeats} timed decode steps per scenario after one verification step; medians")
     print(f"numpy {np.__version__}, {os.cpu_count()} CPUs")
     rng = np.random.default_rng(args.seed)
@@ -424,8 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         del scenario
     batch_notes: list[str] = []
     if not args.skip_batch:
-        draw = random.Random(args.seed)
-        lengths = sorted(draw.randint(args.min_length, args.max_length) for _ in range(args.batch_size))
+        lengths = sorted(draw_lengths(args.seed, args.batch_size, args.min_length, args.max_length))
         build_started = time.perf_counter()
         scenario = staggered_batch(geometry, lengths, extra_steps, args.headroom, rng)
         build_s = time.perf_counter() - build_started
@@ -455,9 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(header)
     print("-" * len(header))
     for name, timing in rows:
-        ratio = timing.dense_s / timing.ours_s
         print(
-            f"{name:>12} | {timing.ours_s * 1e3:10.2f} | {timing.dense_s * 1e3:10.2f} | {ratio:9.2f}x"
+            f"{name:>12} | {timing.ours_s * 1e3:10.2f} | {timing.dense_s * 1e3:10.2f} | "
+            f"{ratio(timing.dense_s, timing.ours_s):>10}"
             f" | {timing.spread:9.0%}"
         )
     print(

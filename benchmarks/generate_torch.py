@@ -45,7 +45,6 @@ import argparse
 import copy
 import functools
 import os
-import random
 import statistics
 import sys
 import time
@@ -57,11 +56,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to downl
 
 import torch  # after the offline switch, which transformers reads on import
 import transformers
+from _bench import draw_lengths, print_environment
 
 from kvcache_core import PagedKvCacheManager, create_manager, paged_kernel
 from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for
 
-RECOMMENDED_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 LOGIT_TOLERANCE = 1e-3  # fp32 through a whole model: the two paths differ in the last bits only
 
 # The targets of the issue, checked in the summary (never asserted): DynamicCache / ours,
@@ -147,8 +146,7 @@ def single_prompt(args: argparse.Namespace) -> Prompt:
 
 def ragged_batch(args: argparse.Namespace) -> Prompt:
     """Scenario (b): ``--batch-size`` prompts of random lengths, left-padded (pad id 0)."""
-    draw = random.Random(args.seed)
-    lengths = tuple(draw.randint(args.min_length, args.max_length) for _ in range(args.batch_size))
+    lengths = tuple(draw_lengths(args.seed, args.batch_size, args.min_length, args.max_length))
     longest = max(lengths)
     generator = torch.Generator().manual_seed(args.seed + 1)
     ids = torch.zeros((len(lengths), longest), dtype=torch.long)
@@ -336,9 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    missing = [key for key, value in RECOMMENDED_ENV.items() if os.environ.get(key) != value]
-    recommended = " ".join(f"{key}={value}" for key, value in RECOMMENDED_ENV.items())
-    print(f"recommended environment: {recommended} ({'set' if not missing else 'NOT set: ' + ', '.join(missing)})")
+    print_environment()
     started = time.perf_counter()
     model, reference = build_models(args)
     print(describe(model, args))

@@ -6,15 +6,28 @@ compared implementations disagree, so this also checks they compute the same thi
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py") if not path.name.startswith("_"))
+
+
+def bench_helpers() -> Any:
+    """The scripts' shared helpers, ``benchmarks/_bench.py`` (a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_bench", BENCHMARKS / "_bench.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_every_benchmark_is_listed_here() -> None:
@@ -31,12 +44,7 @@ def test_every_benchmark_is_listed_here() -> None:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_quick_run_succeeds_and_prints_ratios(script: str) -> None:
-    environment = {
-        **os.environ,
-        "MALLOC_MMAP_THRESHOLD_": "4294967296",
-        "MALLOC_TRIM_THRESHOLD_": "68719476736",
-        "HF_HUB_OFFLINE": "1",
-    }
+    environment = {**os.environ, **bench_helpers().RECOMMENDED_ENV, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), "--quick"],
         capture_output=True,

@@ -90,3 +90,34 @@ def test_the_internals_check_finds_what_it_looks_for() -> None:
         assert MANAGER_INTERNALS.search(line), line
     for line in ("manager.stats().free_blocks", "manager.begin_step(handles, 1)", "storage.write(0, slots, k, v)"):
         assert not MANAGER_INTERNALS.search(line), line
+
+
+#: Modules of kvcache_core may not grow past this many lines: split along a seam instead.
+MODULE_LINE_LIMIT = 620
+
+
+def test_no_core_module_outgrows_the_limit() -> None:
+    package = ROOT / "kvcache_core" / "src" / "kvcache_core"
+    sizes = {path.relative_to(package).as_posix(): len(path.read_text().splitlines()) for path in package.rglob("*.py")}
+    assert len(sizes) > 30, "the package was not found"
+    over = {name: lines for name, lines in sizes.items() if lines > MODULE_LINE_LIMIT}
+    assert over == {}, f"split these along their seams (limit {MODULE_LINE_LIMIT} lines): {over}"
+
+
+def test_the_top_level_names_are_the_public_api_only() -> None:
+    import kvcache_core
+
+    internals = {"BlockAllocator", "FreeBlockQueue", "BlockEvictor", "PrefixCache", "hash_block", "get_plugin_manager"}
+    internals |= {
+        "hookspec",
+        "BlockPool",
+        "PrefixChains",
+        "SequenceBlocks",
+        "ArgumentChecks",
+        "PoolAccess",
+        "TierChain",
+    }
+    assert internals.isdisjoint(kvcache_core.__all__), sorted(internals & set(kvcache_core.__all__))
+    assert all(hasattr(kvcache_core, name) for name in kvcache_core.__all__)
+    for name in ("CacheConfig", "create_manager", "PagedKvCacheManager", "Step", "BackendSpec", "KvCacheError"):
+        assert name in kvcache_core.__all__, name

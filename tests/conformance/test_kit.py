@@ -362,7 +362,7 @@ def test_require_all_fails_the_tests_of_unclaimed_policies(pytester: pytest.Pyte
 
 
 def test_a_pytest_run_lists_the_unclaimed_policies_and_the_seed(pytester: pytest.Pytester, faulty: Path) -> None:
-    result = run_kit(pytester, "--kvcache-backend", "bare", "-k", "fork or geometry")
+    result = run_kit(pytester, "--kvcache-backend", "bare", "-k", "fork_copies or geometry")
 
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(

@@ -20,27 +20,9 @@ from kvcache_core import (
 )
 from kvcache_core.attention import paged_attention
 from kvcache_core.numpy_backend import NumpyStorage
+from kvcache_core.testing.oracle import dense_attention
 
 Array = npt.NDArray[Any]
-
-
-def dense_attention(query: Array, keys: Array, values: Array, causal: bool = True) -> Array:
-    """Textbook attention of one request: query [q, Hq, D] over keys/values [n, H, D];
-    the queries are the last q positions of the n."""
-    num_queries, query_heads, dim = query.shape
-    length, kv_heads, _ = keys.shape
-    group = query_heads // kv_heads
-    out = np.zeros((num_queries, query_heads, dim))
-    for i in range(num_queries):
-        position = length - num_queries + i
-        visible = position + 1 if causal else length
-        for head in range(query_heads):
-            kv_head = head // group
-            scores = keys[:visible, kv_head].astype(np.float64) @ query[i, head].astype(np.float64) / np.sqrt(dim)
-            weights = np.exp(scores - scores.max())
-            weights /= weights.sum()
-            out[i, head] = weights @ values[:visible, kv_head].astype(np.float64)
-    return out
 
 
 def fill(

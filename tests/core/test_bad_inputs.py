@@ -38,7 +38,8 @@ from kvcache_core.errors import (
     UnsupportedConfigError,
 )
 from kvcache_core.testing.backend import BackendUnderTest
-from kvcache_core.testing.catalogue import GEOMETRY, MANAGER_CASES, assert_same_state, make_world, snapshot
+from kvcache_core.testing.catalogue import MANAGER_CASES
+from kvcache_core.testing.world import GEOMETRY, assert_same_state, make_world, snapshot
 
 # The manager catalogue lives in the conformance kit (kvcache_core.testing.catalogue) and
 # runs on every backend in tests/conformance; these are the core-only catalogues.

@@ -71,3 +71,16 @@ def test_backends_lists_each_backends_description() -> None:
     assert header.split()[-1] == "description"
     numpy_row = next(row for row in rows if row.startswith("numpy "))
     assert numpy_row.endswith("NumPy reference backend (host memory), built into kvcache-core")
+
+
+@pytest.mark.parametrize(
+    ("module", "must_not_load"),
+    [("kvcache_core.cli", "kvcache_core.testing.check"), ("kvcache_core.testing.check", "kvcache_core.cli")],
+)
+def test_the_command_and_the_kit_runner_import_alone_without_each_other(module: str, must_not_load: str) -> None:
+    """``cli`` runs the kit only on ``kvcache check`` and the kit's runner prints without the command:
+    each imports alone, in a fresh interpreter, and loads nothing of the other."""
+    probe = f"import importlib, sys; importlib.import_module({module!r}); print({must_not_load!r} in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False", f"importing {module} loaded {must_not_load}"

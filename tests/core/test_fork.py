@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ from kvcache_core import (
     SharedBlockWriteError,
 )
 from kvcache_core.numpy_backend import NumpyStorage
+from kvcache_core.testing.oracle import dense_attention
 
 Array = npt.NDArray[Any]
 Manager = PagedKvCacheManager[Array]
@@ -212,11 +212,8 @@ def test_attention_over_forked_requests_reads_each_ones_own_tokens() -> None:
     output = manager.paged_attention(0, query, manager.page_table([parent, child]))
     for row, handle in enumerate((parent, child)):
         keys, values = manager.gather(handle, 0)
-        scores = np.einsum("hd,nhd->hn", query[row].astype(np.float64), keys.astype(np.float64)) / math.sqrt(DIM)
-        weights = np.exp(scores - scores.max(axis=1, keepdims=True))
-        weights /= weights.sum(axis=1, keepdims=True)
-        expected = np.einsum("hn,nhd->hd", weights, values.astype(np.float64))
-        np.testing.assert_allclose(output[row], expected, rtol=1e-5, atol=1e-6)
+        expected = dense_attention(query[row : row + 1], keys, values)
+        np.testing.assert_allclose(output[row : row + 1], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_forked_prefix_caching_request_caches_its_own_continuation() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,7 @@ from kvcache_core import (
     create_manager,
 )
 from kvcache_core.attention import paged_attention
+from kvcache_core.testing.oracle import dense_attention
 
 Array = npt.NDArray[Any]
 Manager = PagedKvCacheManager[Array]
@@ -39,32 +39,6 @@ def make_manager(window: int, block_size: int, num_blocks: int, **overrides: Any
         **overrides,
     )
     return create_manager("numpy", config)
-
-
-def dense_window_attention(
-    query: npt.NDArray[np.float64], keys: Array, values: Array, *, causal: bool, window: int | None
-) -> npt.NDArray[np.float64]:
-    """Attention of ``query [q, H * group, D]`` over a request's whole history ``[n, H, D]``:
-    query ``i`` sits at ``n - q + i`` and sees keys ``k`` with ``p - W < k`` (and ``k <= p``
-    when causal)."""
-    num_queries, query_heads = int(query.shape[0]), int(query.shape[1])
-    num_tokens = int(keys.shape[0])
-    group = query_heads // int(keys.shape[1])
-    output = np.zeros(query.shape)
-    for i in range(num_queries):
-        position = num_tokens - num_queries + i
-        visible: npt.NDArray[np.int64] = np.arange(num_tokens)
-        mask: npt.NDArray[np.bool_] = np.ones(num_tokens, dtype=np.bool_)
-        if causal:
-            mask &= visible <= position
-        if window is not None:
-            mask &= visible > position - window
-        for head in range(query_heads):
-            kv = head // group
-            scores = keys[mask, kv].astype(np.float64) @ query[i, head] / math.sqrt(DIM)
-            weights = np.exp(scores - scores.max())
-            output[i, head] = weights @ values[mask, kv].astype(np.float64) / weights.sum()
-    return output
 
 
 class History:
@@ -89,9 +63,7 @@ class History:
         query = self.rng.standard_normal((num_queries, HEADS * GROUP, DIM)).astype(np.float32)
         page_table = self.manager.page_table([self.handle])
         output = self.manager.paged_attention(0, query, page_table, qo_indptr=np.array([0, num_queries]), causal=causal)
-        expected = dense_window_attention(
-            query.astype(np.float64), self.keys, self.values, causal=causal, window=window
-        )
+        expected = dense_attention(query, self.keys, self.values, causal=causal, sliding_window=window)
         np.testing.assert_allclose(output, expected, rtol=1e-5, atol=1e-6)
 
 

@@ -7,7 +7,6 @@ jitted step, next to the pure write."""
 # pyright: reportUnknownMemberType=false, reportUnknownVariableType=false, reportUnknownArgumentType=false
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -29,6 +28,7 @@ from kvcache_core import (
     ShapeMismatchError,
 )
 from kvcache_core.attention import paged_attention as numpy_reference
+from kvcache_core.testing.oracle import dense_attention_batch
 from kvcache_jax import JaxStorage
 
 FloatArray = npt.NDArray[np.float64]
@@ -76,35 +76,6 @@ def make_batch(kv_layout: str, seed: int = 0) -> PagedBatch:
             key_pool[index], value_pool[index] = keys[position], values[position]
         contexts.append((keys, values))
     return PagedBatch(contexts, key_pool, value_pool, block_tables, np.asarray(LENGTHS, dtype=np.int32))
-
-
-def dense_attention(
-    query: FloatArray,
-    contexts: list[tuple[FloatArray, FloatArray]],
-    query_lens: tuple[int, ...],
-    causal: bool,
-    window: int | None = None,
-) -> FloatArray:
-    """float64 softmax attention of each request's query rows over its contiguous K/V
-    (with a window ``W``, a row at position ``p`` sees keys ``p - W < k <= p``)."""
-    outputs: list[FloatArray] = []
-    start = 0
-    for (keys, values), count in zip(contexts, query_lens, strict=True):
-        rows = query[start : start + count]
-        start += count
-        group = rows.shape[1] // keys.shape[1]
-        expanded_keys, expanded_values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)
-        scores = np.einsum("qhd,khd->hqk", rows, expanded_keys) / math.sqrt(keys.shape[2])
-        positions = np.arange(len(keys) - count, len(keys))[None, :, None]
-        key_positions = np.arange(len(keys))[None, None, :]
-        if causal:
-            scores = np.where(key_positions <= positions, scores, -np.inf)
-        if window is not None:
-            scores = np.where(key_positions > positions - window, scores, -np.inf)
-        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        weights /= weights.sum(axis=-1, keepdims=True)
-        outputs.append(np.einsum("hqk,khd->qhd", weights, expanded_values))
-    return np.concatenate(outputs)
 
 
 SCENARIOS = [
@@ -157,7 +128,7 @@ def test_jitted_paged_attention_equals_dense_attention_within_1e_5(
         blocks_per_step=blocks_per_step,
     )
 
-    expected = dense_attention(query, batch.contexts, lens, causal, window)
+    expected = dense_attention_batch(query, batch.contexts, lens, causal=causal, sliding_window=window)
     assert output.dtype == jnp.float32
     assert output.shape == expected.shape
     assert np.abs(np.asarray(output, dtype=np.float64) - expected).max() < 1e-5
@@ -277,7 +248,7 @@ def test_a_users_jitted_step_writes_and_attends_on_donated_pools() -> None:
 
     assert key_pool.is_deleted()
     assert value_pool.is_deleted()
-    expected = dense_attention(query, [(ctx, -ctx) for ctx in contexts], (6, 11), causal=True)
+    expected = dense_attention_batch(query, [(ctx, -ctx) for ctx in contexts], (6, 11), causal=True)
     assert np.abs(np.asarray(output, dtype=np.float64) - expected).max() < 1e-5
     storage.replace_layer(0, new_keys, new_values)
     gathered_keys, gathered_values = manager.gather(handles[1], 0)

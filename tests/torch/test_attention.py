@@ -1,4 +1,4 @@
-"""Torch paged attention equals dense ``scaled_dot_product_attention`` on the same K/V and the
+"""Torch paged attention equals the kit's dense-attention oracle on the same K/V and the
 NumPy reference, reading the pool in place through the page table."""
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from kvcache_core import (
 )
 from kvcache_core.allocator import Placement
 from kvcache_core.attention import paged_attention as numpy_reference
+from kvcache_core.testing.oracle import dense_attention_batch
 from kvcache_torch import TorchStorage, paged_attention
 from kvcache_torch import attention as attention_module
 from tests.torch.conftest import DTYPES, LAYOUTS, TOLERANCES, TORCH_DTYPES, Filled, Manager, fill, make_manager
 
-#: fp32 paged attention equals dense SDPA to this maximum absolute difference.
+#: fp32 paged attention equals the dense oracle to this maximum absolute difference.
 FP32_ATOL = 1e-5
 
 
@@ -49,38 +50,25 @@ def random_query(manager: Manager, rows: int, group: int, seed: int) -> torch.Te
     return query.to(device=str(config.device), dtype=TORCH_DTYPES[config.dtype])
 
 
-def dense_sdpa(
+def dense_oracle(
     filled: Filled, layer: int, query: torch.Tensor, counts: list[int], causal: bool, window: int | None = None
 ) -> torch.Tensor:
-    """Dense ``scaled_dot_product_attention`` of each request on its own contiguous K/V (what
-    was written), the query rows being the request's last tokens (bottom-right causal mask;
-    with ``window`` ``W``, a query at ``p`` sees only keys after ``p - W``)."""
-    outputs: list[torch.Tensor] = []
-    start = 0
-    for index, count in enumerate(counts):
-        keys, values = filled.keys[layer][index], filled.values[layer][index]
-        length = keys.shape[0]
-        q = query[start : start + count].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
-        k = keys.transpose(0, 1).unsqueeze(0)
-        v = values.transpose(0, 1).unsqueeze(0)
-        positions = torch.arange(length - count, length, device=query.device)[:, None]
-        keys_at = torch.arange(length, device=query.device)[None, :]
-        mask = torch.ones((count, length), dtype=torch.bool, device=query.device)
-        if causal:
-            mask &= keys_at <= positions
-        if window is not None:
-            mask &= keys_at > positions - window
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        outputs.append(out.squeeze(0).transpose(0, 1))
-        start += count
-    return torch.cat(outputs)
+    """The kit's dense oracle on each request's own contiguous K/V (what was written), the
+    query rows being the request's last tokens, on the query's device."""
+    contexts = [
+        (keys.cpu().double().numpy(), values.cpu().double().numpy())
+        for keys, values in zip(filled.keys[layer], filled.values[layer], strict=True)
+    ]
+    rows = query.cpu().double().numpy()
+    expected = dense_attention_batch(rows, contexts, counts, causal=causal, sliding_window=window)
+    return torch.tensor(expected, dtype=torch.float64, device=query.device)
 
 
 def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
-# -- equal to dense SDPA (fp32, within 1e-5) ----------------------------------------------
+# -- equal to the dense oracle (fp32, within 1e-5) ----------------------------------------
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -95,7 +83,7 @@ def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
         pytest.param([9, 21, 30], [3, 1, 4], 2, False, id="non-causal"),
     ],
 )
-def test_equals_dense_sdpa_in_fp32(
+def test_equals_dense_oracle_in_fp32(
     device: str, layout: str, lengths: list[int], query_counts: list[int] | None, group: int, causal: bool
 ) -> None:
     manager = make_manager(device=device, kv_layout=layout, num_heads=2, head_dim=16)
@@ -109,12 +97,12 @@ def test_equals_dense_sdpa_in_fp32(
     assert output.shape == query.shape
     assert output.dtype == query.dtype
     assert output.device == query.device
-    expected = dense_sdpa(filled, 1, query, counts, causal)
+    expected = dense_oracle(filled, 1, query, counts, causal)
     assert max_difference(output, expected) <= FP32_ATOL
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_fragmented_block_tables_with_many_runs_equal_dense_sdpa(layout: str) -> None:
+def test_fragmented_block_tables_with_many_runs_equal_dense_oracle(layout: str) -> None:
     # The fifo placement scatters requests growing side by side into many short runs.
     manager = make_manager(kv_layout=layout, placement="fifo", num_blocks=96, block_size=4, head_dim=16)
     filled = fill(manager, [70, 90, 45, 3], seed=13, max_step=3)
@@ -124,12 +112,12 @@ def test_fragmented_block_tables_with_many_runs_equal_dense_sdpa(layout: str) ->
     counts = [1, 6, 45, 2]
     query = random_query(manager, sum(counts), 4, seed=14)
     output = manager.paged_attention(0, query, table, qo_indptr=indptr_of(counts))
-    assert max_difference(output, dense_sdpa(filled, 0, query, counts, True)) <= FP32_ATOL
+    assert max_difference(output, dense_oracle(filled, 0, query, counts, True)) <= FP32_ATOL
 
 
 @pytest.mark.parametrize("placement", ["contiguous", "fifo"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_long_prefill_split_into_query_chunks_equals_dense_sdpa(
+def test_long_prefill_split_into_query_chunks_equals_dense_oracle(
     layout: str, placement: Placement, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A small score budget forces the chunked path (and causal chunks that read fewer keys),
@@ -142,7 +130,7 @@ def test_long_prefill_split_into_query_chunks_equals_dense_sdpa(
     table = manager.page_table(filled.handles)
     for causal in (True, False):
         output = manager.paged_attention(0, query, table, qo_indptr=indptr_of(counts), causal=causal)
-        assert max_difference(output, dense_sdpa(filled, 0, query, counts, causal)) <= FP32_ATOL
+        assert max_difference(output, dense_oracle(filled, 0, query, counts, causal)) <= FP32_ATOL
 
 
 # -- sliding window --------------------------------------------------------------------------
@@ -159,7 +147,7 @@ def test_long_prefill_split_into_query_chunks_equals_dense_sdpa(
         pytest.param([4, 4, 4], True, 64, id="window-past-every-length"),
     ],
 )
-def test_a_sliding_window_equals_dense_sdpa_with_the_window_mask(
+def test_a_sliding_window_equals_dense_oracle_with_the_window_mask(
     layout: str, placement: Placement, query_counts: list[int], causal: bool, window: int
 ) -> None:
     manager = make_manager(kv_layout=layout, placement=placement, num_blocks=64, head_dim=16)
@@ -176,7 +164,7 @@ def test_a_sliding_window_equals_dense_sdpa_with_the_window_mask(
         causal=causal,
         kv_layout=layout,
     )
-    expected = dense_sdpa(filled, 0, query, query_counts, causal, window)
+    expected = dense_oracle(filled, 0, query, query_counts, causal, window)
     assert max_difference(output, expected) <= FP32_ATOL
 
 

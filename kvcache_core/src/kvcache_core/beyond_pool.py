@@ -15,7 +15,8 @@ from kvcache_core import persist
 from kvcache_core.data_path import DataPath
 from kvcache_core.events import EventCallback, EventHub
 from kvcache_core.pool_access import PoolAccess
-from kvcache_core.tiers import TierChain, TierStats
+from kvcache_core.tier_chain import TierChain
+from kvcache_core.tiers import TierStats
 
 __all__ = ["BeyondPool"]
 

@@ -9,18 +9,12 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from kvcache_core import __version__
+from kvcache_core._table import write_table
 from kvcache_core.demo import DemoOptions, run_demo
 from kvcache_core.discovery import KNOWN_BACKENDS, installed_backends
 from kvcache_core.errors import KvCacheError
 
 __all__ = ["main"]
-
-
-def write_table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO) -> None:
-    """Write ``rows`` under ``headers`` as left-aligned columns."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)]
-    for line in (headers, ["-" * width for width in widths], *rows):
-        out.write("  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=False)).rstrip() + "\n")
 
 
 def _backends(out: TextIO) -> int:

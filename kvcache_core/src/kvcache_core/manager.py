@@ -63,7 +63,8 @@ from kvcache_core.prefix import PrefixCache
 from kvcache_core.protocols import KvCacheHandle, KvStorage, SlotArray
 from kvcache_core.sequences import SequenceBlocks
 from kvcache_core.stats import CacheGcStats, CacheManagerStats, MemoryPressure
-from kvcache_core.tiers import OffloadTier, TierChain
+from kvcache_core.tier_chain import TierChain
+from kvcache_core.tiers import OffloadTier
 
 __all__ = ["InvariantError", "PagedKvCacheManager"]
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from kvcache_core.handle import RequestState
     from kvcache_core.prefix import PrefixCache, PrefixEntry
     from kvcache_core.protocols import KvStorage
-    from kvcache_core.tiers import TierChain
+    from kvcache_core.tier_chain import TierChain
 
 __all__ = ["PoolAccess"]
 

@@ -17,8 +17,11 @@ Besides the Protocol members and their signatures, the kit checks what every sto
 method returns (:mod:`kvcache_core.testing.returns`), the data path, attention, the
 policies a backend claims in ``BackendSpec.capabilities`` (the summary lists those it does
 not claim and the tests skipped for that; ``--kvcache-require-all`` fails them), closing,
-bad inputs and threads. Runs are repeatable (``--kvcache-seed``, default 0, no Hypothesis
-example database) and every failure ends with a ``reproduce:`` command to paste.
+bad inputs (:mod:`~kvcache_core.testing.catalogue`, the policies' in
+:mod:`~kvcache_core.testing.policy_catalogue`) and threads. Runs are repeatable
+(``--kvcache-seed``, default 0, no Hypothesis example database) and every failure ends
+with a ``reproduce:`` command to paste. For a backend's own attention tests,
+:func:`kvcache_core.testing.oracle.dense_attention` is textbook dense attention in float64.
 
 The plugin registers itself through the ``pytest11`` entry point of kvcache-core and stays
 inert until a test uses the ``kvcache_backend`` fixture. Importing this package imports
@@ -37,6 +40,9 @@ pytest.register_assert_rewrite(
     "kvcache_core.testing.suite",
     "kvcache_core.testing.machine",
     "kvcache_core.testing.catalogue",
+    "kvcache_core.testing.policy_catalogue",
+    "kvcache_core.testing.policies",
+    "kvcache_core.testing.world",
     "kvcache_core.testing.reliability",
     "kvcache_core.testing.backend",
 )

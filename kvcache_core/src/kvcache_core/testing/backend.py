@@ -9,13 +9,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.config import CacheConfig
+from kvcache_core.config import AllocationRequest, CacheConfig
 from kvcache_core.discovery import create_manager
+from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.hookspecs import CAPABILITIES as CAPABILITY_DESCRIPTIONS
 from kvcache_core.hookspecs import BackendSpec
 from kvcache_core.manager import PagedKvCacheManager
 
-__all__ = ["CAPABILITIES", "TOLERANCES", "BackendUnderTest"]
+__all__ = ["CAPABILITIES", "TOLERANCES", "BackendUnderTest", "grow_side_by_side", "write_random"]
+
+FloatArray = npt.NDArray[np.float64]
 
 #: Capabilities the kit knows; a backend claims them in ``BackendSpec.capabilities``. Their
 #: meanings and the storage methods each relies on: :data:`kvcache_core.hookspecs.CAPABILITIES`.
@@ -116,3 +119,42 @@ class BackendUnderTest:
             bits: npt.NDArray[np.uint32] = values.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
             return bits.view(np.float32).astype(np.float64)
         return values.astype(np.dtype(dtype)).astype(np.float64)
+
+
+# -- populating a manager --------------------------------------------------------------
+
+
+def write_random(
+    manager: PagedKvCacheManager[Any], slots: npt.NDArray[np.int64], rng: np.random.Generator, layer: int
+) -> tuple[FloatArray, FloatArray]:
+    """Write representable random K/V into ``slots`` of ``layer``; return the float64 values."""
+    config = manager.config
+    shape = (len(slots), config.num_heads, config.head_dim)
+    keys = BackendUnderTest.representable(rng.standard_normal(shape), config.dtype)
+    values = BackendUnderTest.representable(rng.standard_normal(shape), config.dtype)
+    manager.write(layer, slots, BackendUnderTest.native(manager, keys), BackendUnderTest.native(manager, values))
+    return keys, values
+
+
+def grow_side_by_side(
+    manager: PagedKvCacheManager[Any], lengths: list[int], rng: np.random.Generator, prefix: str = "r"
+) -> tuple[list[PagedKvCacheHandle[Any]], list[tuple[FloatArray, FloatArray]]]:
+    """Requests ``<prefix>0``, ``<prefix>1``, ... grown a few tokens at a time in turn (so
+    their blocks interleave), K/V written in every layer; returns the handles and each
+    layer 0's float64 K/V."""
+    handles = [manager.allocate(AllocationRequest(f"{prefix}{index}")) for index in range(len(lengths))]
+    written: list[list[tuple[FloatArray, FloatArray]]] = [[] for _ in lengths]
+    done = [0] * len(lengths)
+    while done != lengths:
+        for index, handle in enumerate(handles):
+            step = min(int(rng.integers(1, 7)), lengths[index] - done[index])
+            if step == 0:
+                continue
+            slots = manager.extend(handle, step)
+            for layer in range(manager.config.num_layers):
+                pair = write_random(manager, slots, rng, layer)
+                if layer == 0:
+                    written[index].append(pair)
+            done[index] += step
+    merged = [(np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts])) for parts in written]
+    return handles, merged

@@ -1,27 +1,24 @@
 """The bad-input catalogue: each bad call raises its own exception class and changes nothing.
 
-Every case runs on a small populated pool of the backend under test (two live requests
-holding written K/V, one deallocated request, a handle of another manager). Around the
-failing call the kit snapshots everything observable (stats, every live block table,
-reference counts, free extents, the in-use mask and every layer's K/V pool) and, to
-catch hidden state (placement reservations, the free-list order), replays the same
-follow-up operations on the failed manager and on an untouched twin and compares what
-they do.
+Every case runs on a populated pool of the backend under test (:mod:`kvcache_core.testing.world`):
+:data:`MANAGER_CASES` on the plain one, :data:`~kvcache_core.testing.policy_catalogue.POLICY_CASES`
+on one with the cache policies in play, each case only where the backend claims the
+capabilities it ``requires``. :func:`check_bad_call` checks the error class and message,
+that nothing observable changed, and that the failed manager behaves exactly like an
+untouched twin (hidden state: placement reservations, the free-list order).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
-import numpy.typing as npt
 
-from kvcache_core.config import AllocationRequest, CacheConfig
+from kvcache_core.config import AllocationRequest
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -44,223 +41,56 @@ from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.page_table import PageTable
 from kvcache_core.protocols import SlotArray
 from kvcache_core.testing.backend import BackendUnderTest
+from kvcache_core.testing.world import (
+    CONFIG,
+    NUM_SLOTS,
+    World,
+    assert_same_state,
+    esc,
+    fill_pool,
+    snapshot,
+    untyped,
+)
 
-__all__ = [
-    "MANAGER_CASES",
-    "check_bad_call",
-    "BadCall",
-    "World",
-    "assert_same_state",
-    "make_world",
-    "probe",
-    "snapshot",
-]
-
-NumpyArray = npt.NDArray[Any]
-
-# 2 layers, 2 KV heads of 4 features, 8 blocks of 4 tokens: 32 slots.
-GEOMETRY: dict[str, Any] = {"num_layers": 2, "num_heads": 2, "head_dim": 4, "num_blocks": 8, "block_size": 4}
-CONFIG = CacheConfig(**GEOMETRY)
-NUM_SLOTS = CONFIG.num_blocks * CONFIG.block_size
+__all__ = ["MANAGER_CASES", "BadCall", "check_bad_call"]
 
 Manager = PagedKvCacheManager[Any]
 Handle = PagedKvCacheHandle[Any]
 
 
-def untyped(value: object) -> Any:
-    """Pass a deliberately ill-typed value past the type checker."""
-    return value
+class CaseWorld(Protocol):
+    """What :func:`check_bad_call` needs of a populated pool."""
+
+    @property
+    def manager(self) -> Manager: ...
+
+    @property
+    def dead(self) -> Handle: ...
 
 
-def esc(value: object) -> str:
-    """A ``match=`` pattern for the text of ``value``."""
-    return re.escape(str(value))
-
-
-# -- the populated pool ----------------------------------------------------------------
-
-
-@dataclass
-class World:
-    """A populated manager of the backend under test and the handles the cases poke at."""
-
-    backend: BackendUnderTest
-    manager: Manager
-    a: Handle  # "a": 5 tokens written in 2 blocks, no max_sequence_length
-    b: Handle  # "b": 3 tokens written in 1 block, max_sequence_length=8
-    dead: Handle  # "dead": deallocated after writing 4 tokens
-    dead_slots: SlotArray  # the slots "dead" wrote (its block is free now)
-    stale_page_table: PageTable  # page table of [a, dead], taken before "dead" was freed
-    foreign: Handle  # request "a" of another manager
-
-
-def write_tokens(manager: Manager, handle: Handle, count: int, rng: np.random.Generator) -> None:
-    """Extend ``handle`` by ``count`` tokens and write random K/V into every layer."""
-    slots = manager.extend(handle, count)
-    shape = (count, CONFIG.num_heads, CONFIG.head_dim)
-    for layer in range(CONFIG.num_layers):
-        keys = BackendUnderTest.native(manager, rng.standard_normal(shape))
-        values = BackendUnderTest.native(manager, rng.standard_normal(shape))
-        manager.write(layer, slots, keys, values)
-
-
-def make_world(backend: BackendUnderTest) -> World:
-    """The same populated pool on every call (the data comes from a fixed seed)."""
-    rng = np.random.default_rng(20240601)
-    config = backend.config(**GEOMETRY)
-    manager = backend.manager(config)
-    a = manager.allocate(AllocationRequest("a", initial_tokens=6))
-    dead = manager.allocate(AllocationRequest("dead", initial_tokens=4))
-    b = manager.allocate(AllocationRequest("b", initial_tokens=4, max_sequence_length=8))
-    write_tokens(manager, a, 5, rng)
-    write_tokens(manager, dead, 4, rng)
-    write_tokens(manager, b, 3, rng)
-    stale_page_table = manager.page_table([a, dead])
-    dead_slots = dead.block_table().slots(0, 4)
-    manager.deallocate("dead")
-    other = backend.manager(config)
-    foreign = other.allocate(AllocationRequest("a", initial_tokens=4))
-    write_tokens(other, foreign, 2, rng)
-    return World(backend, manager, a, b, dead, dead_slots, stale_page_table, foreign)
-
-
-def fill_pool(world: World) -> None:
-    """Take every free block with a third request."""
-    free = world.manager.allocator.free_block_count()
-    world.manager.allocate(AllocationRequest("filler", initial_tokens=free * CONFIG.block_size))
-    assert world.manager.allocator.free_block_count() == 0
-
-
-# -- snapshots -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """Everything observable about a manager's state."""
-
-    stats: dict[str, object]
-    tables: list[tuple[str, dict[str, Any]]]
-    handle_figures: list[tuple[str, bool, int, int, int]]
-    ref_counts: list[int]
-    free_extents: list[tuple[int, int]]
-    in_use: list[bool]
-    pools: list[tuple[NumpyArray, NumpyArray]]
-
-
-# Counters that legitimately count refused calls.
-FAILURE_COUNTERS = ("allocation_failures",)
-
-
-def snapshot(manager: Manager) -> Snapshot:
-    """Copy everything observable about ``manager``."""
-    stats = dataclasses.asdict(manager.stats())
-    for name in FAILURE_COUNTERS:
-        del stats[name]
-    handles = manager.list_handles()
-    allocator = manager.allocator
-    return Snapshot(
-        stats=stats,
-        tables=[(rid, handle.block_table().to_dict()) for rid, handle in handles],
-        handle_figures=[
-            (
-                rid,
-                handle.is_valid(),
-                handle.num_tokens(),
-                handle.stats().blocks_allocated,
-                handle.stats().memory_bytes,
-            )
-            for rid, handle in handles
-        ],
-        ref_counts=[allocator.ref_count(block) for block in range(allocator.num_blocks)],
-        free_extents=allocator.free_extents(),
-        in_use=[bool(flag) for flag in allocator.in_use_mask()],
-        pools=[
-            (
-                BackendUnderTest.host(manager, manager.storage.key_cache(layer)),
-                BackendUnderTest.host(manager, manager.storage.value_cache(layer)),
-            )
-            for layer in range(manager.config.num_layers)
-        ],
-    )
-
-
-def assert_same_state(after: Snapshot, before: Snapshot) -> None:
-    """Fail, naming the first difference, unless the two snapshots agree exactly."""
-    assert after.stats == before.stats
-    assert after.tables == before.tables
-    assert after.handle_figures == before.handle_figures
-    assert after.ref_counts == before.ref_counts
-    assert after.free_extents == before.free_extents
-    assert after.in_use == before.in_use
-    assert len(after.pools) == len(before.pools)
-    for layer, ((keys_after, values_after), (keys_before, values_before)) in enumerate(
-        zip(after.pools, before.pools, strict=True)
-    ):
-        assert np.array_equal(keys_after, keys_before), f"layer {layer} key pool changed"
-        assert np.array_equal(values_after, values_before), f"layer {layer} value pool changed"
-
-
-def probe(world: World) -> list[object]:
-    """Run the same follow-up operations on a world; return what each one did.
-
-    Two managers with the same hidden state (reservations, free-list order) give the
-    same outcomes.
-    """
-    manager = world.manager
-    outcomes: list[object] = []
-
-    def attempt(operation: Callable[[], object]) -> None:
-        try:
-            result = operation()
-        except KvCacheError as exc:
-            outcomes.append(type(exc).__name__)
-            return
-        if isinstance(result, np.ndarray):
-            outcomes.append(result.tolist())
-        elif isinstance(result, PagedKvCacheHandle):
-            outcomes.append(result.block_table().to_dict())
-        else:
-            outcomes.append(result)
-
-    def extend(request_id: str, count: int) -> Callable[[], object]:
-        def run() -> object:
-            handle = manager.get_handle(request_id)
-            if handle is None:
-                return f"no request {request_id}"
-            return manager.extend(handle, count)
-
-        return run
-
-    # A one-block request goes where it fits best: it shows whose room is reserved.
-    attempt(lambda: manager.allocate(AllocationRequest("probe-0", initial_tokens=4, max_sequence_length=4)))
-    attempt(lambda: manager.allocate(AllocationRequest("probe-1", initial_tokens=3)))
-    attempt(extend("probe-1", 6))
-    attempt(extend("a", 4))
-    attempt(lambda: manager.allocate(AllocationRequest("probe-2", initial_tokens=4, max_sequence_length=12)))
-    attempt(extend("b", 5))
-    attempt(extend("probe-2", 9))
-    attempt(lambda: manager.deallocate("a"))
-    attempt(lambda: manager.allocate(AllocationRequest("probe-3", initial_tokens=8)))
-    attempt(extend("probe-3", 8))
-    manager.check_invariants()
-    outcomes.append(snapshot(manager).tables)
-    return outcomes
+WorldT = TypeVar("WorldT", bound=CaseWorld)
 
 
 # -- the manager catalogue -------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class BadCall:
-    """One bad call on a populated manager, the error it must raise, and its message."""
+class BadCall(Generic[WorldT]):
+    """One bad call on a populated manager, the error it must raise, and its message.
+
+    Attributes:
+        requires: the capabilities (``BackendSpec.capabilities``) a backend must claim for
+            the case to run; a backend that does not claim one skips it.
+    """
 
     id: str
-    act: Callable[[World], object]
+    act: Callable[[WorldT], object]
     error: type[KvCacheError]
-    match: str | Callable[[World], str] | None = None
-    prepare: Callable[[World], None] | None = None
+    match: str | Callable[[WorldT], str] | None = None
+    prepare: Callable[[WorldT], None] | None = None
+    requires: tuple[str, ...] = ()
 
-    def pattern(self, world: World) -> str | None:
+    def pattern(self, world: WorldT) -> str | None:
         """The ``match=`` pattern for this world (some depend on the pool's dtype)."""
         return self.match(world) if callable(self.match) else self.match
 
@@ -341,7 +171,7 @@ def page_table_with_indices(indices: list[int]) -> PageTable:
     )
 
 
-MANAGER_CASES: list[BadCall] = [
+MANAGER_CASES: list[BadCall[World]] = [
     # write: keys and values
     BadCall(
         "write-keys-wrong-head-dim",
@@ -653,19 +483,21 @@ MANAGER_CASES: list[BadCall] = [
 ]
 
 
-def check_bad_call(case: BadCall, backend: BackendUnderTest) -> None:
-    """Run one case on ``backend``: its error and message, nothing changed, no hidden state.
+def check_bad_call(case: BadCall[WorldT], build: Callable[[], WorldT], probe: Callable[[WorldT], list[object]]) -> None:
+    """Run one case on a world from ``build``: its error and message, nothing changed, and
+    ``probe`` (follow-up operations) does the same on it as on an untouched twin.
 
     Raises:
         AssertionError: naming the first difference.
     """
     import pytest
 
-    world, twin = make_world(backend), make_world(backend)
+    world, twin = build(), build()
     if case.prepare is not None:
         case.prepare(world)
         case.prepare(twin)
     before = snapshot(world.manager)
+    live = [(rid, handle.is_swapped_out()) for rid, handle in world.manager.list_handles()]
 
     with pytest.raises(case.error, match=case.pattern(world)) as caught:
         case.act(world)
@@ -673,8 +505,9 @@ def check_bad_call(case: BadCall, backend: BackendUnderTest) -> None:
     assert type(caught.value) is case.error, f"raised {type(caught.value).__name__}, expected {case.error.__name__}"
     world.manager.check_invariants()
     assert_same_state(snapshot(world.manager), before)
-    assert world.a.is_valid()
-    assert world.b.is_valid()
+    assert [(rid, handle.is_valid(), handle.is_swapped_out()) for rid, handle in world.manager.list_handles()] == [
+        (rid, True, swapped) for rid, swapped in live
+    ]
     assert not world.dead.is_valid()
     # Hidden state too: the failed manager behaves exactly like an untouched twin.
     assert probe(world) == probe(twin)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvcache_core.cli import write_table
+from kvcache_core._table import write_table
 
 __all__ = ["BackendVerdict", "CheckResult", "run_check"]
 

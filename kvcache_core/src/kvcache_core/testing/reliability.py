@@ -29,9 +29,9 @@ from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.protocols import KvCacheHandle
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
-from kvcache_core.testing.catalogue import assert_same_state, snapshot, untyped
 from kvcache_core.testing.faults import run_fault_injection
 from kvcache_core.testing.soak import run_soak
+from kvcache_core.testing.world import assert_same_state, snapshot, untyped
 
 __all__ = ["ReliabilityCases", "decode_like", "kv_pair"]
 

@@ -32,24 +32,16 @@ from kvcache_core.errors import (
     ManagerClosedError,
     OutOfBlocksError,
 )
-from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.protocols import KvCacheHandle, KvStorage
-from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
+from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest, grow_side_by_side, write_random
 from kvcache_core.testing.beyond import BeyondPoolCases
-from kvcache_core.testing.catalogue import (
-    MANAGER_CASES,
-    BadCall,
-    assert_same_state,
-    check_bad_call,
-    decode_query,
-    kv,
-    make_world,
-    snapshot,
-)
-from kvcache_core.testing.machine import POLICIES, run_policy_machine, run_reference_machine
+from kvcache_core.testing.catalogue import MANAGER_CASES, BadCall, check_bad_call, decode_query, kv
+from kvcache_core.testing.machine import run_reference_machine
+from kvcache_core.testing.policies import PolicyCases
 from kvcache_core.testing.reliability import ReliabilityCases
 from kvcache_core.testing.returns import storage_return_problems
+from kvcache_core.testing.world import World, assert_same_state, make_world, probe, snapshot
 
 __all__ = ["KvCacheConformance"]
 
@@ -100,18 +92,6 @@ def _signature_problem(protocol_member: Any, implementation: Any) -> str | None:
     return None
 
 
-def _write_random(
-    manager: Manager, slots: npt.NDArray[np.int64], rng: np.random.Generator, layer: int
-) -> tuple[FloatArray, FloatArray]:
-    """Write representable random K/V into ``slots`` of ``layer``; return the float64 values."""
-    config = manager.config
-    shape = (len(slots), config.num_heads, config.head_dim)
-    keys = BackendUnderTest.representable(rng.standard_normal(shape), config.dtype)
-    values = BackendUnderTest.representable(rng.standard_normal(shape), config.dtype)
-    manager.write(layer, slots, BackendUnderTest.native(manager, keys), BackendUnderTest.native(manager, values))
-    return keys, values
-
-
 def _token_positions(config: CacheConfig, slots: npt.NDArray[np.int64]) -> tuple[Any, ...]:
     """Index of ``slots``' tokens in a host copy of a layer's pool: gives ``[n, heads, dim]``."""
     blocks, offsets = np.divmod(slots, config.block_size)
@@ -129,31 +109,7 @@ def _tokens_from_pool(config: CacheConfig, pool: FloatArray, slots: npt.NDArray[
     return np.asarray(picked)
 
 
-def _grown_side_by_side(
-    manager: Manager, lengths: list[int], rng: np.random.Generator, prefix: str = "r"
-) -> tuple[list[PagedKvCacheHandle[Any]], list[tuple[FloatArray, FloatArray]]]:
-    """Requests ``<prefix>0``, ``<prefix>1``, ... grown a few tokens at a time in turn (so
-    their blocks interleave), K/V written in every layer; returns the handles and each
-    layer 0's float64 K/V."""
-    handles = [manager.allocate(AllocationRequest(f"{prefix}{index}")) for index in range(len(lengths))]
-    written: list[list[tuple[FloatArray, FloatArray]]] = [[] for _ in lengths]
-    done = [0] * len(lengths)
-    while done != lengths:
-        for index, handle in enumerate(handles):
-            step = min(int(rng.integers(1, 7)), lengths[index] - done[index])
-            if step == 0:
-                continue
-            slots = manager.extend(handle, step)
-            for layer in range(manager.config.num_layers):
-                pair = _write_random(manager, slots, rng, layer)
-                if layer == 0:
-                    written[index].append(pair)
-            done[index] += step
-    merged = [(np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts])) for parts in written]
-    return handles, merged
-
-
-class KvCacheConformance(ReliabilityCases, BeyondPoolCases):
+class KvCacheConformance(ReliabilityCases, PolicyCases, BeyondPoolCases):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 
     #: Request lengths of the attention tests (ragged, over several blocks and runs).
@@ -205,7 +161,7 @@ class KvCacheConformance(ReliabilityCases, BeyondPoolCases):
                 calls = [1]
         with manager:
             handle = manager.allocate(AllocationRequest("r"))
-            _write_random(manager, manager.extend(handle, 5), np.random.default_rng(37), 0)
+            write_random(manager, manager.extend(handle, 5), np.random.default_rng(37), 0)
         manager.close()  # a second close does nothing
         assert manager.closed, "the with block did not close the manager"
         if callable(release):
@@ -265,7 +221,7 @@ class KvCacheConformance(ReliabilityCases, BeyondPoolCases):
             handle = manager.allocate(AllocationRequest("r"))
             slots = manager.extend(handle, 6)
             keys_before, values_before = handle.kv_cache(1)
-            keys, values = _write_random(manager, slots, rng, 1)
+            keys, values = write_random(manager, slots, rng, 1)
             if kvcache_backend.claims("immutable_arrays"):
                 # The old arrays stay readable (never deleted by the write) with the old contents...
                 old_keys = BackendUnderTest.host(manager, keys_before)
@@ -292,7 +248,7 @@ class KvCacheConformance(ReliabilityCases, BeyondPoolCases):
         for config in kvcache_backend.configs():
             context = f"dtype {config.dtype}, layout {config.kv_layout}"
             manager = kvcache_backend.manager(config)
-            handles, written = _grown_side_by_side(manager, [9, 14, 3], rng)
+            handles, written = grow_side_by_side(manager, [9, 14, 3], rng)
             for handle, (keys, values) in zip(handles, written, strict=True):
                 gathered_keys, gathered_values = manager.gather(handle, 0)
                 assert manager.storage.array_info(gathered_keys) == (keys.shape, config.dtype), context
@@ -315,7 +271,7 @@ class KvCacheConformance(ReliabilityCases, BeyondPoolCases):
         first = manager.allocate(AllocationRequest("a"))
         second = manager.allocate(AllocationRequest("b"))
         slots = np.concatenate([manager.extend(first, 5), manager.extend(second, 3)])
-        keys, values = _write_random(manager, slots, rng, 0)
+        keys, values = write_random(manager, slots, rng, 0)
         for handle, rows in ((first, slice(0, 5)), (second, slice(5, 8))):
             gathered_keys, gathered_values = manager.gather(handle, 0)
             assert np.array_equal(BackendUnderTest.host(manager, gathered_keys), keys[rows]), (
@@ -330,7 +286,7 @@ class KvCacheConformance(ReliabilityCases, BeyondPoolCases):
         for config in kvcache_backend.configs():
             context = f"dtype {config.dtype}, layout {config.kv_layout}"
             manager = kvcache_backend.manager(config)
-            handles, _ = _grown_side_by_side(manager, [12, 7], rng)
+            handles, _ = grow_side_by_side(manager, [12, 7], rng)
             storage = manager.storage
             blocks = np.asarray(handles[0].block_table().physical_blocks, dtype=np.int64)
             keys, values = storage.blocks_to_host(blocks)
@@ -375,7 +331,7 @@ class KvCacheConformance(ReliabilityCases, BeyondPoolCases):
         for config in kvcache_backend.configs(num_blocks=32):
             context = f"dtype {config.dtype}, layout {config.kv_layout}"
             manager = kvcache_backend.manager(config)
-            handles, _ = _grown_side_by_side(manager, list(self.attention_lengths), rng)
+            handles, _ = grow_side_by_side(manager, list(self.attention_lengths), rng)
             table = manager.page_table(handles)
             lengths = query_lengths or (1,) * len(handles)
             indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -423,171 +379,13 @@ class KvCacheConformance(ReliabilityCases, BeyondPoolCases):
 
         run_reference_machine(kvcache_backend, kit_settings(request.config))
 
-    def test_state_machine_with_the_policies_the_backend_claims(
-        self, kvcache_backend: BackendUnderTest, request: pytest.FixtureRequest
-    ) -> None:
-        from kvcache_core.testing._plugin import kit_settings, skip_unclaimed
-
-        machine_policies = sorted(POLICIES - {"sliding_window"})
-        if not set(kvcache_backend.spec.capabilities) & set(machine_policies):
-            skip_unclaimed(request, kvcache_backend.name, *machine_policies)
-        run_policy_machine(kvcache_backend, kit_settings(request.config), window=False)
-
-    @pytest.mark.kvcache_requires("sliding_window")
-    def test_state_machine_with_a_sliding_window(
-        self, kvcache_backend: BackendUnderTest, request: pytest.FixtureRequest
-    ) -> None:
-        from kvcache_core.testing._plugin import kit_settings
-
-        run_policy_machine(kvcache_backend, kit_settings(request.config), window=True)
-
-    # -- policies --------------------------------------------------------------------------
-
-    @pytest.mark.kvcache_requires("fork")
-    def test_fork_copies_exactly_the_shared_block_that_is_written(self, kvcache_backend: BackendUnderTest) -> None:
-        rng = np.random.default_rng(17)
-        manager = kvcache_backend.manager()
-        parent = manager.allocate(AllocationRequest("parent"))
-        keys, _ = _write_random(manager, manager.extend(parent, 6), rng, 0)  # blocks: 4 + 2 tokens
-        child = manager.fork(parent, "child")
-        assert child.block_table().physical_blocks == parent.block_table().physical_blocks, "fork copied blocks"
-
-        child_slots = manager.extend(child, 1)  # lands in the shared, half-full second block
-        assert manager.stats().copy_on_write_count == 1, "extending into a shared block did not copy it"
-        assert child.block_table().physical_blocks[0] == parent.block_table().physical_blocks[0], "full block copied"
-        assert child.block_table().physical_blocks[1] != parent.block_table().physical_blocks[1], "no copy made"
-        child_keys, _ = _write_random(manager, child_slots, rng, 0)
-        parent_keys, _ = _write_random(manager, manager.extend(parent, 1), rng, 0)  # no longer shared: no copy
-        assert manager.stats().copy_on_write_count == 1, "a block no longer shared was copied again"
-
-        parent_back = BackendUnderTest.host(manager, manager.gather(parent, 0)[0])
-        child_back = BackendUnderTest.host(manager, manager.gather(child, 0)[0])
-        assert np.array_equal(parent_back, np.concatenate([keys, parent_keys])), "the child's write reached the parent"
-        assert np.array_equal(child_back, np.concatenate([keys, child_keys])), "the copy lost the shared tokens"
-        manager.deallocate("parent")
-        manager.deallocate("child")
-        manager.check_invariants()
-        assert manager.stats().used_blocks == 0, (
-            f"{manager.stats().used_blocks} blocks in use after every request ended"
-        )
-
-    @pytest.mark.kvcache_requires("swap")
-    def test_swap_out_and_in_is_bit_identical_every_dtype_and_layout(self, kvcache_backend: BackendUnderTest) -> None:
-        rng = np.random.default_rng(19)
-        for config in kvcache_backend.configs():
-            context = f"dtype {config.dtype}, layout {config.kv_layout}"
-            manager = kvcache_backend.manager(config)
-            handles, _ = _grown_side_by_side(manager, [11, 6], rng)
-            before = [
-                BackendUnderTest.host(manager, a) for layer in range(2) for a in manager.gather(handles[0], layer)
-            ]
-            blocks_before = handles[0].block_table().num_blocks()
-            manager.swap_out("r0")
-            assert handles[0].is_swapped_out(), context
-            assert manager.stats().used_blocks == handles[1].block_table().num_blocks(), context
-            # Another request takes the freed blocks, so swap_in must go elsewhere.
-            _grown_side_by_side(manager, [blocks_before * config.block_size], rng, prefix="filler")
-            manager.swap_in("r0")
-            after = [BackendUnderTest.host(manager, a) for layer in range(2) for a in manager.gather(handles[0], layer)]
-            for index, (got, want) in enumerate(zip(after, before, strict=True)):
-                assert np.array_equal(got, want), f"{context}: array {index} changed through swap_out / swap_in"
-            manager.check_invariants()
-
-    @pytest.mark.kvcache_requires("prefix_caching")
-    def test_a_shared_prompt_is_stored_once_and_hit_by_every_later_request(
-        self, kvcache_backend: BackendUnderTest
-    ) -> None:
-        rng = np.random.default_rng(23)
-        config = kvcache_backend.config(num_blocks=64, enable_prefix_caching=True)
-        manager = kvcache_backend.manager(config)
-        shared = [int(token) for token in rng.integers(0, 1000, 5 * config.block_size + 2)]
-        first_keys: FloatArray | None = None
-        for index in range(4):
-            prompt = (*shared, 1000 + index, 2000 + index)
-            handle = manager.allocate(AllocationRequest(f"r{index}", prompt_token_ids=prompt))
-            cached = handle.num_tokens()
-            assert cached == (0 if index == 0 else 5 * config.block_size), f"request {index}: {cached} cached"
-            slots = manager.extend(handle, len(prompt) - cached, token_ids=prompt[cached:])
-            for layer in range(config.num_layers):
-                _write_random(manager, slots, rng, layer)
-            keys = BackendUnderTest.host(manager, manager.gather(handle, 0)[0])
-            if first_keys is None:
-                first_keys = keys
-            else:
-                shared_tokens = 5 * config.block_size
-                assert np.array_equal(keys[:shared_tokens], first_keys[:shared_tokens]), "a hit maps other K/V"
-        stats = manager.stats()
-        assert stats.prefix_cache_hits == 3 * 5, f"{stats.prefix_cache_hits} prefix-cache hits, expected 15"
-        own_blocks = -(-(len(shared) + 2 - 5 * config.block_size) // config.block_size)
-        assert stats.used_blocks == 5 + 4 * own_blocks  # the shared blocks once, the rest per request
-        manager.check_invariants()
-
-    @pytest.mark.kvcache_requires("eviction")
-    def test_a_full_pool_evicts_cached_blocks_before_failing(self, kvcache_backend: BackendUnderTest) -> None:
-        config = kvcache_backend.config(num_blocks=8, enable_prefix_caching=True)
-        manager = kvcache_backend.manager(config)
-        rng = np.random.default_rng(29)
-        prompt = tuple(range(6 * config.block_size + 1))
-        handle = manager.allocate(AllocationRequest("warm", prompt_token_ids=prompt))
-        slots = manager.extend(handle, len(prompt), token_ids=prompt)
-        for layer in range(config.num_layers):
-            _write_random(manager, slots, rng, layer)
-        manager.deallocate("warm")
-        assert manager.stats().cached_blocks == 6, f"{manager.stats().cached_blocks} blocks cached, expected 6"
-
-        manager.allocate(AllocationRequest("big", initial_tokens=config.num_blocks * config.block_size))
-
-        stats = manager.stats()
-        assert stats.eviction_count == 6, f"{stats.eviction_count} blocks evicted, expected 6"
-        assert (stats.cached_blocks, stats.free_blocks, stats.used_blocks) == (0, 0, config.num_blocks)
-        with pytest.raises(OutOfBlocksError):
-            manager.allocate(AllocationRequest("late", initial_tokens=1))
-        manager.check_invariants()
-
-    @pytest.mark.kvcache_requires("sliding_window")
-    def test_sliding_window_attention_matches_the_reference_and_blocks_are_released(
-        self, kvcache_backend: BackendUnderTest
-    ) -> None:
-        rng = np.random.default_rng(31)
-        window = 9
-        for config in kvcache_backend.configs(num_blocks=32, sliding_window=window):
-            context = f"dtype {config.dtype}, layout {config.kv_layout}"
-            manager = kvcache_backend.manager(config)
-            handles = [manager.allocate(AllocationRequest(f"r{index}")) for index in range(3)]
-            limit = -(-window // config.block_size) + 1
-            for step in range(40):
-                for index, handle in enumerate(handles):
-                    if step < 10 * (index + 1):
-                        slots = manager.extend(handle, 1)
-                        for layer in range(config.num_layers):
-                            _write_random(manager, slots, rng, layer)
-                        assert handle.block_table().num_blocks() <= limit, f"{context}: holds too many blocks"
-            table = manager.page_table(handles)
-            query = BackendUnderTest.representable(
-                rng.standard_normal((3, 2 * config.num_heads, config.head_dim)), config.dtype
-            )
-            output = manager.paged_attention(0, BackendUnderTest.native(manager, query), table)
-            expected = reference_attention(
-                query,
-                BackendUnderTest.host(manager, manager.storage.key_cache(0)),
-                BackendUnderTest.host(manager, manager.storage.value_cache(0)),
-                table,
-                kv_layout=config.layout,
-                sliding_window=window,
-            )
-            rtol, atol = TOLERANCES.get(config.dtype, (1e-2, 1e-2))
-            got = BackendUnderTest.host(manager, output)
-            assert np.allclose(got, expected, rtol=rtol, atol=atol), (
-                f"{context}: windowed attention differs by up to {float(np.max(np.abs(got - expected))):.3g}"
-            )
-
     # -- bad inputs ------------------------------------------------------------------------
 
     @pytest.mark.parametrize("case", MANAGER_CASES, ids=[case.id for case in MANAGER_CASES])
     def test_bad_input_raises_its_error_and_changes_nothing(
-        self, kvcache_backend: BackendUnderTest, case: BadCall
+        self, kvcache_backend: BackendUnderTest, case: BadCall[World]
     ) -> None:
-        check_bad_call(case, kvcache_backend)
+        check_bad_call(case, lambda: make_world(kvcache_backend), probe)
 
     def test_empty_batches_are_not_errors_and_change_nothing(self, kvcache_backend: BackendUnderTest) -> None:
         world = make_world(kvcache_backend)
