@@ -61,6 +61,14 @@ CAPABILITIES: dict[str, str] = {
     "eviction": "a full pool evicts unreferenced cached blocks before failing (copy_blocks, write)",
     "sliding_window": "blocks outside a sliding window are released; attention masks the rest "
     "(paged_attention with page_table.sliding_window)",
+    "attention_window": "paged_attention(window=W) applies a per-call (per-layer) sliding window, combined with "
+    "the page table's (storage.attention_features lists it)",
+    "softcap": "paged_attention(softcap=cap) caps the scaled scores as tanh(s / cap) * cap before the mask "
+    "(storage.attention_features lists it)",
+    "sinks": "paged_attention(sinks=[query_heads]) adds one logit per query head to the softmax denominator "
+    "(storage.attention_features lists it)",
+    "chunked_attention": "paged_attention(chunk=C) lets a query see only the keys of its own chunk of C "
+    "positions (storage.attention_features lists it)",
     "immutable_arrays": "key_cache hands out the current pool array of an immutable array library "
     "(JAX), which later writes replace but never delete, instead of a view",
 }

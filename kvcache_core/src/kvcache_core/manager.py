@@ -39,6 +39,7 @@ import numpy.typing as npt
 
 from kvcache_core.allocator import BlockAllocator, Placement
 from kvcache_core.attention import check_scale, validate_query_indptr
+from kvcache_core.attention_features import check_attention_features, storage_attention_features
 from kvcache_core.block_table import BlockTable
 from kvcache_core.config import AllocationRequest, CacheConfig, check_count, check_token_ids
 from kvcache_core.errors import (
@@ -813,6 +814,10 @@ class PagedKvCacheManager(Generic[ArrayT]):
         qo_indptr: npt.ArrayLike | None = None,
         scale: float | None = None,
         causal: bool = True,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: ArrayT | None = None,
+        chunk: int | None = None,
     ) -> ArrayT:
         """Attention of packed queries over the cached K/V of a batch, read in place.
 
@@ -831,16 +836,22 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 request's first held block, which the last ``extend`` kept for the
                 windows of the tokens it added (an older token's window may start
                 before it: such a query sees only the held keys).
+            window, softcap, sinks, chunk: this call's (layer's) attention features, see
+                :mod:`kvcache_core.attention_features`: a window ``W`` (combined with
+                the pool's), logit softcapping, ``[num_query_heads]`` sinks of the
+                query's dtype, chunked local attention ``C``.
 
         Returns:
             ``[total_q, num_query_heads, head_dim]`` of the query's dtype.
 
         Raises:
             LayerIndexError, ShapeMismatchError, DTypeMismatchError, ArrayTypeError,
-            InvalidArgumentError (bad ``qo_indptr`` or ``scale``, or a page table whose
-            ``sliding_window`` is not the pool's), SlotError (the page table names blocks
-            outside the pool or not in use), SwappedOutError (blocks of a request swapped
-            out since the page table was taken).
+            InvalidArgumentError (bad ``qo_indptr``, ``scale``, ``window``, ``softcap`` or
+            ``chunk``, or a page table whose ``sliding_window`` is not the pool's),
+            UnsupportedConfigError (a feature the storage does not serve: the message
+            names the capability), SlotError (the page table names blocks outside the
+            pool or not in use), SwappedOutError (blocks of a request swapped out since
+            the page table was taken).
         """
         with self._lock:
             self._check_open()
@@ -864,7 +875,18 @@ class PagedKvCacheManager(Generic[ArrayT]):
             checked_scale = check_scale(scale, self._config.head_dim)
             if not isinstance(causal, bool):
                 raise InvalidTypeError(f"causal must be a bool, got {causal!r}")
-            return self._storage.paged_attention(layer, query, page_table, indptr, checked_scale, causal)
+            features = check_attention_features(
+                window=window,
+                softcap=softcap,
+                sinks=sinks,
+                chunk=chunk,
+                served=storage_attention_features(self._storage),
+                backend=self._backend,
+                query_heads=shape[1],
+                table_window=page_table.sliding_window,
+                check_array=self._check_array,
+            )
+            return self._storage.paged_attention(layer, query, page_table, indptr, checked_scale, causal, **features)
 
     # -- figures -----------------------------------------------------------------------
 
@@ -1281,6 +1303,8 @@ class PagedKvCacheManager(Generic[ArrayT]):
             check_query=self._check_query,
             write=self._write_planned,
             attention=self._storage.paged_attention,
+            attention_features=storage_attention_features(self._storage),
+            backend=self._backend,
         )
 
     def _write_planned(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT) -> None:
