@@ -131,7 +131,7 @@ def storage_attention_features(storage: object) -> frozenset[str]:
     Raises:
         InvalidTypeError: ``attention_features`` is not a set of capability names.
     """
-    features: object = getattr(storage, "attention_features", frozenset())
+    features: object = getattr(storage, "attention_features", frozenset[str]())
     if not isinstance(features, (set, frozenset)):
         raise InvalidTypeError(
             f"{type(storage).__name__}.attention_features must be a frozenset of "
