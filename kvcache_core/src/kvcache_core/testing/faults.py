@@ -133,7 +133,7 @@ class FaultyStorage:
         sinks: Any = None,
         chunk: int | None = None,
     ) -> Any:
-        given = {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk}
+        given: dict[str, Any] = {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk}
         features = {name: value for name, value in given.items() if value is not None}
         return self._call(
             "paged_attention",

@@ -62,22 +62,24 @@ def dense_feature_attention(
     num_queries, query_heads, dim = query.shape
     num_keys, kv_heads, _ = keys.shape
     group = query_heads // kv_heads
-    positions = np.arange(num_keys)
     output = np.zeros((num_queries, query_heads, dim))
     for index in range(num_queries):
         position = num_keys - num_queries + index
-        visible = np.ones(num_keys, dtype=bool)
+        # The keys a query sees form one range [low, high): each feature narrows it.
+        low, high = 0, num_keys
         if causal:
-            visible &= positions <= position
+            high = position + 1
         if window is not None:
-            visible &= positions > position - window
+            low = max(low, position - window + 1)
         if chunk is not None:
-            visible &= positions // chunk == position // chunk
+            low = max(low, position // chunk * chunk)
+            high = min(high, (position // chunk + 1) * chunk)
         for head in range(query_heads):
             scores = keys[:, head // group] @ query[index, head] * scale
             if softcap is not None:
                 scores = np.tanh(scores / softcap) * softcap
-            scores = np.where(visible, scores, -np.inf)
+            scores[:low] = -np.inf
+            scores[high:] = -np.inf
             top = float(scores.max()) if sinks is None else max(float(scores.max()), float(sinks[head]))
             weights = np.exp(scores - top)
             denominator = weights.sum() + (0.0 if sinks is None else math.exp(float(sinks[head]) - top))
