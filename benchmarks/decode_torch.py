@@ -679,8 +679,7 @@ def hybrid_request(
         num_hidden_layers=geometry.num_layers,
         num_attention_heads=geometry.num_query_heads,
         num_key_value_heads=geometry.num_kv_heads,
-        head_dim=geometry.head_dim,
-        hidden_size=geometry.num_query_heads * geometry.head_dim,
+        hidden_size=geometry.num_query_heads * geometry.head_dim,  # head_dim = hidden_size / heads
         use_sliding_window=True,
         sliding_window=window,
         layer_types=hybrid_layer_types(geometry.num_layers),
