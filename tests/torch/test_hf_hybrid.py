@@ -1,5 +1,6 @@
 """kvcache_torch.hf on hybrid-attention models: sliding-window layers (some or all),
-logit softcapping (Gemma 2) and attention sinks (gpt-oss) on the paged path.
+chunked local attention (Llama 4), logit softcapping (Gemma 2) and attention sinks (gpt-oss)
+on the paged path.
 
 Every equality test runs a tiny random-weight model twice, once with ``DynamicCache`` and
 the model's own reference attention (``eager`` for Gemma 2 and gpt-oss, ``sdpa`` for the
@@ -63,6 +64,19 @@ HYBRID: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {}, "sdpa"),
     # Layer 0 full, the others sliding.
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 1}, "sdpa"),
+    # Three chunked layers (chunks of WINDOW positions), then one full; mixture of experts.
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        {
+            "head_dim": 16,
+            "intermediate_size_mlp": 96,
+            "attention_chunk_size": WINDOW,
+            "num_local_experts": 2,
+            "num_experts_per_tok": 1,
+        },
+        "sdpa",
+    ),
 }
 
 _MODELS: dict[str, tuple[Model, Model]] = {}
@@ -158,11 +172,12 @@ def test_a_second_generate_on_the_same_cache_gives_the_logits_of_dynamic_cache(a
     assert torch.equal(ours.sequences, expected.sequences)
 
 
-def test_the_window_changes_the_logits() -> None:
-    """The test models' windows matter: attending past them gives other logits."""
-    model, _ = hybrid_pair("mistral")
+@pytest.mark.parametrize(("architecture", "field"), [("mistral", "sliding_window"), ("llama4", "attention_chunk_size")])
+def test_the_window_or_chunk_changes_the_logits(architecture: str, field: str) -> None:
+    """The test models' windows and chunks matter: attending past them gives other logits."""
+    model, _ = hybrid_pair(architecture)
     unwindowed = copy.deepcopy(model)
-    unwindowed.config.sliding_window = None
+    setattr(unwindowed.config, field, 4096 if field == "attention_chunk_size" else None)
     ids, mask = prompts(1, 20)
     with PagedCache(make_manager(model), model.config) as cache:
         windowed_logits = forward(model, ids, mask, 0, cache)
