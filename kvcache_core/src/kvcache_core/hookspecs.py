@@ -97,7 +97,9 @@ class BackendSpec(Generic[ArrayT]):
         description: one line for ``kvcache backends``.
         capabilities: the optional features it claims, names of :data:`CAPABILITIES`
             (``"fork"``, ``"prefix_caching"``, ``"swap"``, ``"eviction"``,
-            ``"sliding_window"``, ``"immutable_arrays"``). The policies are core's, but they
+            ``"sliding_window"``, ``"immutable_arrays"``, and the attention features
+            ``"attention_window"``, ``"softcap"``, ``"sinks"``, ``"chunked_attention"``, which
+            the storage also lists in its ``attention_features``). The policies are core's, but they
             run only over a storage whose methods serve them, so the conformance kit runs a
             policy's tests only where it is claimed and lists the ones not claimed in its
             verdict (``--kvcache-require-all`` fails on them).
