@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, UnsupportedConfigError
 
@@ -132,6 +132,8 @@ def storage_attention_features(storage: object) -> frozenset[str]:
         InvalidTypeError: ``attention_features`` is not a set of capability names.
     """
     features: object = getattr(storage, "attention_features", frozenset[str]())
+    if isinstance(features, frozenset) and features <= ATTENTION_CAPABILITIES:  # the usual case, per call
+        return cast("frozenset[str]", features)
     if not isinstance(features, (set, frozenset)):
         raise InvalidTypeError(
             f"{type(storage).__name__}.attention_features must be a frozenset of "
@@ -178,6 +180,8 @@ def check_attention_features(
         UnsupportedConfigError: a feature whose capability the storage does not serve.
     """
     keywords: dict[str, Any] = {}
+    if window is None and softcap is None and sinks is None and chunk is None:
+        return keywords
     checked_window = check_window(window)
     if checked_window is not None:
         keywords["window"] = checked_window
