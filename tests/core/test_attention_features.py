@@ -21,9 +21,9 @@ from kvcache_core import (
     PagedKvCacheManager,
     UnsupportedConfigError,
     create_manager,
-    paged_attention,
     paged_kernel,
 )
+from kvcache_core.attention import paged_attention
 from kvcache_core.attention_features import (
     ATTENTION_CAPABILITIES,
     FEATURE_CAPABILITIES,

@@ -276,6 +276,9 @@ class JaxStorage:
     attention_features: frozenset[str] = ATTENTION_CAPABILITIES
 
     def __init__(self, config: CacheConfig, *, mesh: object = None, axis: object = None) -> None:
+        from kvcache_jax.plugin import PREFERRED_LAYOUT
+
+        config = config.with_layout(PREFERRED_LAYOUT)  # kv_layout=None: the layout Pallas reads
         if config.dtype not in JAX_DTYPES:
             raise UnsupportedConfigError(
                 f"dtype {config.dtype!r} is not offered by the jax backend (supported: {', '.join(JAX_DTYPES)})"
@@ -314,7 +317,7 @@ class JaxStorage:
 
     def pool_sharding(self) -> jax.sharding.Sharding:
         """The sharding of every pool array (heads split over the mesh axis, if any)."""
-        return self._placement.pool(self._config.kv_layout)
+        return self._placement.pool(self._config.layout)
 
     # -- the pool itself ---------------------------------------------------------------
 

@@ -87,6 +87,9 @@ class TorchStorage:
     attention_features: frozenset[str] = ATTENTION_CAPABILITIES
 
     def __init__(self, config: CacheConfig) -> None:
+        from kvcache_torch.plugin import PREFERRED_LAYOUT
+
+        config = config.with_layout(PREFERRED_LAYOUT)  # kv_layout=None: the fastest here
         self._config = config
         self._dtype = torch_dtype(config.dtype)
         self._device = resolve_device(config)
@@ -266,7 +269,7 @@ class TorchStorage:
             qo_indptr,
             scale,
             causal,
-            self._config.kv_layout,
+            self._config.layout,
             window=window,
             softcap=softcap,
             sinks=sinks,

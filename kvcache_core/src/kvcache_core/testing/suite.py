@@ -36,6 +36,7 @@ from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.protocols import KvCacheHandle, KvStorage
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
+from kvcache_core.testing.beyond import BeyondPoolCases
 from kvcache_core.testing.catalogue import (
     MANAGER_CASES,
     BadCall,
@@ -153,7 +154,7 @@ def _grown_side_by_side(
     return handles, merged
 
 
-class KvCacheConformance(ReliabilityCases, FeatureCases):
+class KvCacheConformance(ReliabilityCases, BeyondPoolCases, FeatureCases):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 
     #: Request lengths of the attention tests (ragged, over several blocks and runs).
@@ -401,7 +402,7 @@ class KvCacheConformance(ReliabilityCases, FeatureCases):
                 qo_indptr=indptr,
                 scale=scale,
                 causal=causal,
-                kv_layout=config.kv_layout,
+                kv_layout=config.layout,
             )
             shape, dtype = manager.storage.array_info(output)
             assert shape == expected.shape, f"{context}: output shape {shape}"
@@ -572,7 +573,7 @@ class KvCacheConformance(ReliabilityCases, FeatureCases):
                 BackendUnderTest.host(manager, manager.storage.key_cache(0)),
                 BackendUnderTest.host(manager, manager.storage.value_cache(0)),
                 table,
-                kv_layout=config.kv_layout,
+                kv_layout=config.layout,
                 sliding_window=window,
             )
             rtol, atol = TOLERANCES.get(config.dtype, (1e-2, 1e-2))
