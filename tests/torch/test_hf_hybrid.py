@@ -195,3 +195,19 @@ def test_layers_that_are_not_attention_are_refused_by_name(layer_type: str) -> N
     manager = create_manager("torch", cache_config_for(transformers.Qwen2Config(**COMMON_CONFIG), num_blocks=8))
     with pytest.raises(UnsupportedConfigError, match=repr(layer_type)):
         PagedCache(manager, config)
+
+
+def test_kvcache_paged_attention_without_a_paged_cache_applies_the_window() -> None:
+    """With a DynamicCache the attention gets contiguous K/V: the window goes into the mask."""
+    model, reference = hybrid_pair("mistral")
+    ids, mask = prompts(2, 20, pads=(0, 3), seed=5)
+    ours = generate(model, ids, mask, max_new_tokens=6)  # DynamicCache, kvcache_paged attention
+    expected = generate(reference, ids, mask, max_new_tokens=6)
+    assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
+
+
+def test_kvcache_paged_attention_without_a_paged_cache_refuses_sinks() -> None:
+    model, _ = hybrid_pair("gpt_oss")
+    ids, mask = prompts(1, 8)
+    with pytest.raises(UnsupportedConfigError, match="sinks"):
+        generate(model, ids, mask, max_new_tokens=2)
