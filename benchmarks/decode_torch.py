@@ -35,6 +35,14 @@ requests of up to 4096 tokens needs 512 MiB per layer, so 32 layers do not fit i
 machine's memory next to ours); every figure of it is per layer times the layer count, so
 its ratios do not depend on it.
 
+Scenario (c), hybrid attention: one request of ``--hybrid-context`` tokens (8192) in a model
+of ``--layers`` layers whose even layers slide with a window of ``--hybrid-window`` (1024) and
+whose odd layers attend to everything (Gemma 2's and gpt-oss's pattern). Ours keeps every
+layer's blocks and passes ``window=W`` to the sliding layers' ``step.attention``, which
+reads only the window's blocks; transformers' ``DynamicCache`` (built from a config with
+those ``layer_types``) keeps only the last ``W - 1`` tokens of a sliding layer and runs the
+model's reference ``sdpa`` function. Printed: both times and DynamicCache / ours.
+
 Every step, the outputs of every approach are compared with ours (``torch.allclose``
 rtol 1e-4, atol 1e-5, outside the timed region); the script exits with status 1 if they
 differ. The first 3 steps are untimed (the first of a new shape pays for allocator growth
@@ -85,7 +93,7 @@ from _bench import (
     ratio,
     relative_spread,
 )
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen2Config
 from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.integrations import sdpa_attention
 
@@ -104,6 +112,8 @@ TARGET_OURS_OVER_DENSE = 0.8
 TARGET_BATCH_OVER_DENSE = 0.7
 TARGET_SPEEDUP = 2.0
 TARGET_MEMORY_OVER_IDEAL = 1.05
+#: (c): ours at least this much faster than DynamicCache on the hybrid model.
+TARGET_HYBRID_SPEEDUP = 1.5
 
 #: Untimed steps before the timed ones (the first verifies and prints): the first steps of a
 #: new shape pay for allocator growth and kernel set-up.
@@ -595,6 +605,119 @@ def run_batch(
 # -- command line -------------------------------------------------------------------------
 
 
+# -- scenario (c): hybrid attention ---------------------------------------------------------
+
+
+def hybrid_layer_types(layers: int) -> list[str]:
+    """Even layers slide, odd layers attend to everything."""
+    return ["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(layers)]
+
+
+@dataclass
+class HybridScenario:
+    """Scenario (c): one request of ``context`` tokens in our pool and in a hybrid DynamicCache."""
+
+    context: int
+    window: int
+    manager: Manager
+    handle: Handle
+    dynamic: DynamicCache
+
+
+def hybrid_request(
+    geometry: Geometry, context: int, window: int, extra_steps: int, generator: torch.Generator
+) -> HybridScenario:
+    """Fill both caches with the same ``context`` random tokens per layer."""
+    blocks = math.ceil((context + extra_steps) / geometry.block_size)
+    manager = make_manager(geometry, blocks, geometry.num_layers)
+    handle = manager.allocate(AllocationRequest("hybrid-0"))
+    slots = manager.extend(handle, context)
+    hf_config = Qwen2Config(
+        num_hidden_layers=geometry.num_layers,
+        num_attention_heads=geometry.num_query_heads,
+        num_key_value_heads=geometry.num_kv_heads,
+        hidden_size=geometry.num_query_heads * geometry.head_dim,  # head_dim = hidden_size / heads
+        use_sliding_window=True,
+        sliding_window=window,
+        layer_types=hybrid_layer_types(geometry.num_layers),
+    )
+    dynamic = DynamicCache(config=hf_config)
+    shape = (context, geometry.num_kv_heads, geometry.head_dim)
+    for layer in range(geometry.num_layers):
+        keys, values = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+        manager.write(layer, slots, keys, values)
+        cache_update(dynamic, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), layer)
+    return HybridScenario(context, window, manager, handle, dynamic)
+
+
+def ours_hybrid_step(scenario: HybridScenario, inputs: StepInputs) -> Outputs:
+    """One decode step through the manager's step; sliding layers pass their window."""
+    step = scenario.manager.begin_step([scenario.handle], 1)
+    types = hybrid_layer_types(scenario.manager.config.num_layers)
+    outputs: Outputs = []
+    for layer, layer_type in enumerate(types):
+        step.write(layer, inputs.keys[layer], inputs.values[layer])
+        window = scenario.window if layer_type == "sliding_attention" else None
+        outputs.append(step.attention(layer, inputs.queries[layer], window=window))
+    return outputs
+
+
+@dataclass(frozen=True)
+class HybridRow:
+    """Scenario (c)'s step times (ms, the chosen statistic)."""
+
+    ours: float
+    dynamic: float
+    spread: float
+
+
+def run_hybrid(scenario: HybridScenario, geometry: Geometry, repeats: int, generator: torch.Generator) -> HybridRow:
+    """Verify, then time ours and DynamicCache on the hybrid model; exit 1 on a mismatch.
+
+    A sliding DynamicCache layer hands the attention exactly the window's keys, so
+    transformers' ``sdpa`` function needs no mask for a decode token (as in the model)."""
+    module = AttentionModule(geometry.group)
+    approaches: list[tuple[str, Callable[[StepInputs], object]]] = [
+        ("ours", lambda inputs: ours_hybrid_step(scenario, inputs)),
+        ("dynamic", lambda inputs: hf_step(scenario.dynamic, module, inputs, None)),
+    ]
+
+    def verify(results: dict[str, object], step: int) -> None:
+        same, worst = outputs_match(as_outputs(results["ours"]), as_outputs(results["dynamic"]))
+        if step == 0:
+            print(
+                f"  verify hybrid 1 x {scenario.context}: ours vs dynamic {'match' if same else 'DIFFER'} "
+                f"(max |diff| {worst:.1e})"
+            )
+        if not same:
+            fail(f"outputs differ at step {step} of the hybrid scenario: ours vs dynamic by {worst:.3e}")
+
+    times = run_turns(approaches, lambda: step_inputs(generator, geometry, 1, geometry.num_layers), repeats, verify)
+    return HybridRow(
+        ours=figure_ms(times["ours"]),
+        dynamic=figure_ms(times["dynamic"]),
+        spread=max(relative_spread(times[name]) for name in ("ours", "dynamic")),
+    )
+
+
+def print_hybrid(row: HybridRow, scenario: HybridScenario, geometry: Geometry) -> None:
+    """The figures of scenario (c) and its target."""
+    speedup = row.dynamic / row.ours
+    print()
+    print(
+        f"(c) one decode step, 1 request of {scenario.context} tokens, {geometry.num_layers} layers, the even ones "
+        f"sliding with window {scenario.window}: {statistic.__name__} ms (write + attention, all layers)"
+    )
+    print(
+        f"  ours {row.ours:.1f}, DynamicCache + sdpa {row.dynamic:.1f}: Dynamic/ours {speedup:.2f}x "
+        f"(IQR/median {row.spread:.0%})"
+    )
+    print(
+        f"  target: at least {TARGET_HYBRID_SPEEDUP}x faster than DynamicCache: {speedup:.2f}x, "
+        f"{verdict(speedup >= TARGET_HYBRID_SPEEDUP)}"
+    )
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line, with the ``--quick`` defaults applied."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
@@ -632,6 +755,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-single", action="store_true", help="skip scenario (a)")
     parser.add_argument("--skip-batch", action="store_true", help="skip scenario (b)")
     parser.add_argument(
+        "--hybrid-context", type=int, default=None, help="scenario (c) context (default 8192; quick 2048)"
+    )
+    parser.add_argument(
+        "--hybrid-window", type=int, default=None, help="scenario (c) sliding window (default 1024; quick 256)"
+    )
+    parser.add_argument("--skip-hybrid", action="store_true", help="skip scenario (c)")
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="a smoke run: 8 layers, contexts 1024,4096, a batch up to 1024 tokens of 2 layers, 3 repeats",
@@ -652,6 +782,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.max_length = 1024 if args.quick else 4096
     if args.repeats is None:
         args.repeats = 3 if args.quick else 9
+    if args.hybrid_context is None:
+        args.hybrid_context = 2048 if args.quick else 8192
+    if args.hybrid_window is None:
+        args.hybrid_window = 256 if args.quick else 1024
+    if min(args.hybrid_context, args.hybrid_window) < 1:
+        parser.error("--hybrid-context and --hybrid-window must be >= 1")
     if min(args.repeats, args.layers, args.batch_layers, args.batch_size) < 1 or not (
         1 <= args.min_length <= args.max_length
     ):
@@ -846,6 +982,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_batch(batch, geometry, args.batch_layers, args.repeats, generator)
         del batch
         print_batch(result, lengths, args.batch_layers, args.seed, args.headroom)
+    if not args.skip_hybrid:
+        hybrid = hybrid_request(geometry, args.hybrid_context, args.hybrid_window, extra_steps, generator)
+        hybrid_row = run_hybrid(hybrid, geometry, args.repeats, generator)
+        print_hybrid(hybrid_row, hybrid, geometry)
+        del hybrid
     if args.quick:
         print("(--quick is a smoke run: few layers and steps; the targets are judged on the default run)")
     print(f"total {time.perf_counter() - started:.1f} s")

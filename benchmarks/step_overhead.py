@@ -50,6 +50,11 @@ class NullKernelStorage(NumpyStorage):
         qo_indptr: npt.NDArray[np.int32],
         scale: float,
         causal: bool,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: npt.NDArray[Any] | None = None,
+        chunk: int | None = None,
     ) -> npt.NDArray[Any]:
         return query
 

@@ -248,9 +248,9 @@ def test_a_storage_factory_of_the_wrong_type_is_named_as_broken(
 
 def test_the_capability_vocabulary_is_one_list() -> None:
     from kvcache_core.hookspecs import CAPABILITIES
-    from kvcache_core.numpy_backend import POLICY_CAPABILITIES
+    from kvcache_core.numpy_backend import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES
     from kvcache_core.testing._plugin import POLICY_CAPABILITIES as KIT_POLICIES
     from kvcache_core.testing.backend import CAPABILITIES as KIT_CAPABILITIES
 
     assert set(KIT_POLICIES) == set(POLICY_CAPABILITIES)
-    assert KIT_CAPABILITIES == set(CAPABILITIES) == POLICY_CAPABILITIES | {"immutable_arrays"}
+    assert KIT_CAPABILITIES == set(CAPABILITIES) == POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {"immutable_arrays"}

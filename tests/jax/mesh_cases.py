@@ -157,6 +157,44 @@ def test_writes_gathers_and_attention_equal_the_single_device_pool_and_stay_spli
         assert np.allclose(np.asarray(outputs[0]), np.asarray(outputs[1]), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_attention_features_on_a_sharded_pool_equal_the_single_device_pool(mesh_name: str) -> None:
+    """Window, softcap, chunk and per-query-head sinks (split over the heads as the queries)."""
+    mesh = MESHES[mesh_name]()
+    twins = Twins(mesh, "heads_first")
+    for request_id in ("a", "b", "c"):
+        twins.allocate(request_id)
+    twins.grow([5, 9, 2])
+    twins.grow([7, 1, 3])
+    rng = np.random.default_rng(2)
+    prefill = rng.standard_normal((9, 16, 4)).astype(np.float32)
+    sinks = rng.standard_normal(16).astype(np.float32)
+    indptr = np.asarray([0, 3, 9, 9], dtype=np.int32)
+    features: list[dict[str, Any]] = [
+        {"window": 4, "softcap": 1.5},
+        {"chunk": 5},
+        {"window": 6, "chunk": 7, "softcap": 2.0, "sinks": sinks},
+    ]
+    for chosen in features:
+        outputs = []
+        for side, manager in enumerate((twins.sharded, twins.single)):
+            storage = storage_of(manager)
+            native: dict[str, Any] = {
+                name: storage.from_numpy(value) if name == "sinks" else value for name, value in chosen.items()
+            }
+            outputs.append(
+                manager.paged_attention(
+                    1,
+                    storage.from_numpy(prefill),
+                    manager.page_table([pair[side] for pair in twins.handles]),
+                    qo_indptr=indptr,
+                    **native,
+                )
+            )
+        assert_split_over_heads(outputs[0], mesh, partition_spec(None, "model", None), 1)
+        assert np.allclose(np.asarray(outputs[0]), np.asarray(outputs[1]), rtol=0, atol=1e-6), chosen
+
+
 def test_sharded_writes_run_in_place_on_every_device_and_spare_held_arrays() -> None:
     kv_layout = "heads_first"
     mesh = line_mesh()
@@ -223,6 +261,9 @@ def test_the_compiled_kernels_communicate_nothing() -> None:
         programs.write.lower(pool, pool, slots, new_tokens, new_tokens),  # type: ignore[attr-defined]
         programs.gather.lower(pool, pool, slots),  # type: ignore[attr-defined]
         programs.attention(1, True, 0.5).lower(query, pool, pool, tables, lens, indptr),  # type: ignore[attr-defined]
+        programs.attention(1, True, 0.5, 3, softcap=2.0, chunk=4, with_sinks=True).lower(  # type: ignore[attr-defined]
+            query, pool, pool, tables, lens, indptr, jax.device_put(np.zeros(16, np.float32), replicated)
+        ),
     ]
     for stage in lowered:
         text = stage.compile().as_text().lower()

@@ -125,9 +125,13 @@ def _attend_item(  # type: ignore[no-untyped-def]
     row_high,
     tile,
     bits,
+    softcap,
+    sinks,
+    chunk,
 ):
     """Attend the rows ``[item[2], item[3])`` of one ``(request, kv_head)`` over its keys
-    ``[item[4], item[5])``; scratch buffers are the thread's."""
+    ``[item[4], item[5])``; scratch buffers are the thread's. Attention features:
+    ``softcap`` (0: none), ``sinks [query_heads]`` (empty: none), ``chunk`` (0: none)."""
     request, head, first_row, last_row, first_key, last_key, partial_row = (
         item[0],
         item[1],
@@ -158,6 +162,10 @@ def _attend_item(  # type: ignore[no-untyped-def]
                 high = min(high, position + 1)
             if window > 0:
                 low = max(low, position - window + 1)
+            if chunk > 0:  # chunked local attention: the query's own chunk only
+                chunk_start = position // chunk * chunk
+                low = max(low, chunk_start)
+                high = min(high, chunk_start + chunk)
             row_low[j] = low
             row_high[j] = high
             low_all = min(low_all, low)
@@ -214,6 +222,10 @@ def _attend_item(  # type: ignore[no-untyped-def]
                     for c in range(keys):
                         scores[j, c] = 0.0
                     continue
+                if softcap > 0.0:  # logit softcapping, before the mask
+                    inverse_cap = np.float32(1.0) / softcap
+                    for c in range(low, high):
+                        scores[j, c] = np.float32(math.tanh(scores[j, c] * inverse_cap)) * softcap
                 new_max = row_max[j]
                 for c in range(low, high):
                     new_max = max(new_max, scores[j, c])
@@ -272,7 +284,10 @@ def _attend_item(  # type: ignore[no-untyped-def]
             if partial_row < 0:
                 q_index = r // group
                 q_head = head * group + (r - q_index * group)
-                inverse = np.float32(1.0) / row_sum[j]
+                total = row_sum[j]
+                if sinks.shape[0] > 0:  # the sink joins the denominator, adds no value
+                    total += np.float32(math.exp(sinks[q_head] - row_max[j]))
+                inverse = np.float32(1.0) / total
                 for d in range(dim):
                     out[query_start + q_index, q_head, d] = acc[j, d] * inverse
             else:
@@ -302,11 +317,16 @@ def attend_share(  # type: ignore[no-untyped-def]
     out,
     partial_acc,
     partial_stats,
+    softcap,
+    sinks,
+    chunk,
 ):
     """Run the items ``items [n, 7]`` int64 (one thread's share) in order, without the GIL.
 
     ``query [tokens, query_heads, dim]`` and ``out`` (same shape) are float32;
-    ``partial_acc [p, dim]`` and ``partial_stats [p, 2]`` (maximum, sum) float32."""
+    ``partial_acc [p, dim]`` and ``partial_stats [p, 2]`` (maximum, sum) float32; the
+    attention features ``softcap`` (float, 0: none), ``sinks [query_heads]`` float32
+    (empty: none) and ``chunk`` (int, 0: none)."""
     dim = query.shape[2]
     queries = np.empty((ROW_TILE, dim), np.float32)
     acc = np.empty((ROW_TILE, dim), np.float32)
@@ -345,14 +365,18 @@ def attend_share(  # type: ignore[no-untyped-def]
             row_high,
             tile,
             bits,
+            softcap,
+            sinks,
+            chunk,
         )
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def merge_splits(qo_indptr, merges, group, out, partial_acc, partial_stats):  # type: ignore[no-untyped-def]
+def merge_splits(qo_indptr, merges, group, out, partial_acc, partial_stats, sinks):  # type: ignore[no-untyped-def]
     """Merge the KV splits with a log-sum-exp: ``merges [m, 5]`` int64 rows ``(request,
     kv_head, rows, first_partial_row, splits)``, split ``s`` of row ``r`` at partial row
-    ``first + s * rows + r``; the normalised rows go into ``out``."""
+    ``first + s * rows + r``; the normalised rows go into ``out``. ``sinks
+    [query_heads]`` (empty: none) join each row's denominator."""
     dim = out.shape[2]
     merged = np.empty(dim, np.float32)
     for merge in range(merges.shape[0]):
@@ -365,11 +389,15 @@ def merge_splits(qo_indptr, merges, group, out, partial_acc, partial_stats):  # 
         )
         query_start = qo_indptr[request]
         for r in range(rows):
+            q_index = r // group
+            q_head = head * group + (r - q_index * group)
             top = -np.inf
             for s in range(splits):
                 at = first + s * rows + r
                 if partial_stats[at, 1] > 0.0:
                     top = max(top, partial_stats[at, 0])
+            if sinks.shape[0] > 0:
+                top = max(top, sinks[q_head])
             total = np.float32(0.0)
             for d in range(dim):
                 merged[d] = 0.0
@@ -380,8 +408,8 @@ def merge_splits(qo_indptr, merges, group, out, partial_acc, partial_stats):  # 
                     total += weight * partial_stats[at, 1]
                     for d in range(dim):
                         merged[d] += weight * partial_acc[at, d]
-            q_index = r // group
-            q_head = head * group + (r - q_index * group)
+            if sinks.shape[0] > 0:  # the sink joins the denominator, adds no value
+                total += np.float32(math.exp(sinks[q_head] - top))
             inverse = np.float32(1.0) / total
             for d in range(dim):
                 out[query_start + q_index, q_head, d] = merged[d] * inverse

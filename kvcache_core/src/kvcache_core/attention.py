@@ -11,6 +11,10 @@ Sliding window ``W``: the query at position ``p`` sees keys at positions ``p - W
 (the last ``W`` tokens, itself included; and, causal, ``k <= p``). Blocks wholly older
 than the window of every query in a chunk are not read at all; the mask is applied only
 when some key that is read is older than some query's window.
+
+Per call (so per layer) it also takes the features of :mod:`kvcache_core.attention_features`:
+a layer's ``window`` (combined with the page table's), logit ``softcap``, attention
+``sinks`` and chunked local attention (``chunk``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from kvcache_core.attention_features import (
+    check_chunk,
+    check_chunk_positions,
+    check_softcap,
+    check_window,
+    combined_window,
+)
 from kvcache_core.config import KV_LAYOUTS
 from kvcache_core.errors import InvalidArgumentError, ShapeMismatchError
 from kvcache_core.page_table import PageTable
@@ -138,6 +149,10 @@ def paged_attention(
     causal: bool = True,
     kv_layout: str = "NHD",
     sliding_window: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: FloatArray | None = None,
+    chunk: int | None = None,
 ) -> FloatArray:
     """Attention of packed queries over the paged K/V of a batch.
 
@@ -154,16 +169,30 @@ def paged_attention(
         sliding_window: ``W``: each query sees only keys at positions ``p - W < k`` (its
             last ``W`` tokens). ``None`` takes the page table's
             :attr:`~PageTable.sliding_window` (``None`` there too: no window).
+        window: this layer's window ``W``, combined with the page table's (the smaller
+            applies).
+        softcap: ``cap``: each scaled score ``s`` becomes ``tanh(s / cap) * cap`` before
+            the mask.
+        sinks: ``[num_query_heads]`` logits joining each query head's softmax
+            denominator, contributing no value.
+        chunk: ``C``: a query at ``p`` sees only keys ``k`` with ``k // C == p // C``
+            (not with a page table that has a sliding window: its positions are relative).
 
     Returns:
         ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype.
 
     Raises:
         ShapeMismatchError: shapes that do not fit together.
-        InvalidArgumentError: bad ``qo_indptr``, ``scale``, ``kv_layout`` or
-            ``sliding_window`` (not an int >= 1, or unlike the page table's).
+        InvalidArgumentError: bad ``qo_indptr``, ``scale``, ``kv_layout``,
+            ``sliding_window`` (not an int >= 1, or unlike the page table's), ``window``
+            or ``chunk`` (not an int >= 1), ``softcap`` (not a finite number > 0), a
+            ``chunk`` with a page table's sliding window, or ``sinks`` that are not a
+            ``[num_query_heads]`` float array.
     """
-    window = _effective_window(sliding_window, page_table)
+    window = combined_window(check_window(window), _effective_window(sliding_window, page_table))
+    cap = check_softcap(softcap)
+    chunk_size = check_chunk(chunk)
+    check_chunk_positions(chunk_size, page_table.sliding_window)
     if kv_layout not in KV_LAYOUTS:
         raise InvalidArgumentError(f"kv_layout {kv_layout!r} is unknown; valid: {', '.join(KV_LAYOUTS)}")
     if key_cache.shape != value_cache.shape or key_cache.ndim != 4:
@@ -184,6 +213,14 @@ def paged_attention(
     indptr = validate_query_indptr(qo_indptr, page_table, query.shape[0])
     group = query.shape[1] // num_heads
     compute = np.float64 if query.dtype == np.float64 else np.float32
+    head_sinks: FloatArray | None = None
+    if sinks is not None:
+        if not isinstance(sinks, np.ndarray) or sinks.shape != (query.shape[1],) or sinks.dtype.kind != "f":
+            raise InvalidArgumentError(
+                f"sinks must be a [{query.shape[1]}] float array (one per query head), got "
+                f"{getattr(sinks, 'dtype', type(sinks).__name__)} {getattr(sinks, 'shape', '')}"
+            )
+        head_sinks = sinks.astype(compute).reshape(num_heads, group)
     output = np.empty(query.shape, dtype=query.dtype)
     for b in range(page_table.batch_size):
         q_start, q_stop = int(indptr[b]), int(indptr[b + 1])
@@ -210,9 +247,9 @@ def paged_attention(
         ]
         row_positions = np.repeat(np.arange(seq_len - num_queries, seq_len), group)
         out = np.empty((num_heads, rows, head_dim), dtype=compute)
-        chunk = max(1, _SCORE_BUDGET // (num_heads * seq_len))  # bounds long prefills' scores
-        for first_row in range(0, rows, chunk):
-            last_row = min(rows, first_row + chunk)
+        row_chunk = max(1, _SCORE_BUDGET // (num_heads * seq_len))  # bounds long prefills' scores
+        for first_row in range(0, rows, row_chunk):
+            last_row = min(rows, first_row + row_chunk)
             out[:, first_row:last_row] = _attend_rows(
                 q[:, first_row:last_row],
                 runs,
@@ -222,6 +259,9 @@ def paged_attention(
                 causal=causal,
                 window=window,
                 block_size=page_table.block_size,
+                softcap=cap,
+                sinks=None if head_sinks is None else head_sinks[:, np.arange(first_row, last_row) % group],
+                chunk=chunk_size,
             )
         output[q_start:q_stop] = (
             out.reshape(num_heads, num_queries, group, head_dim)
@@ -275,23 +315,35 @@ def _attend_rows(
     causal: bool,
     window: int | None,
     block_size: int,
+    softcap: float | None = None,
+    sinks: FloatArray | None = None,
+    chunk: int | None = None,
 ) -> FloatArray:
     """Softmax attention of query rows ``[heads, rows, dim]`` over every run of a request.
 
     Each run's scores land in its slice of one ``[heads, rows, keys]`` buffer, one
     softmax normalises them, and each run adds its weighted values: the runs are read in
-    place and no merge step is needed. ``row_positions [rows]`` are the rows' positions."""
+    place and no merge step is needed. ``row_positions [rows]`` are the rows' positions;
+    ``sinks [heads, rows]`` the rows' sink logits."""
     heads, rows, _ = q.shape
     base = 0  # position of the buffer's first key
+    first_row_position = int(row_positions.min())
+    oldest_visible = 0
     if window is not None:
-        oldest_visible = int(row_positions.min()) - window + 1
-        if oldest_visible > 0:
-            runs = _window_runs(runs, oldest_visible, block_size)
-            base = runs[0].first_token  # the row at the lowest position sees itself
+        oldest_visible = first_row_position - window + 1
+    if chunk is not None:
+        oldest_visible = max(oldest_visible, first_row_position // chunk * chunk)
+    if oldest_visible > 0:
+        runs = _window_runs(runs, oldest_visible, block_size)
+        base = runs[0].first_token  # the row at the lowest position sees itself
     scores = np.empty((heads, rows, seq_len - base), dtype=q.dtype)
     for run in runs:
         _run_scores(q, run, scores[:, :, run.first_token - base : run.first_token - base + run.tokens])
     scores *= scale
+    if softcap is not None:  # before the mask, as Gemma 2 applies it
+        scores /= softcap
+        np.tanh(scores, out=scores)
+        scores *= softcap
     key_positions = np.arange(base, seq_len)[None, :]
     hidden: npt.NDArray[np.bool_] | None = None
     if causal and int(row_positions.min()) < seq_len - 1:
@@ -299,15 +351,25 @@ def _attend_rows(
     if window is not None and int(row_positions.max()) - window + 1 > base:
         too_old = key_positions <= row_positions[:, None] - window
         hidden = too_old if hidden is None else hidden | too_old
+    if chunk is not None:
+        row_chunks = row_positions[:, None] // chunk
+        other_chunk = key_positions // chunk != row_chunks
+        hidden = other_chunk if hidden is None else hidden | other_chunk
     if hidden is not None:
         np.copyto(scores, -np.inf, where=hidden[None])
-    scores -= scores.max(axis=-1, keepdims=True)  # every row sees its own position: the max is finite
+    top = scores.max(axis=-1, keepdims=True)  # every row sees its own position: the max is finite
+    if sinks is not None:
+        top = np.maximum(top, sinks[:, :, None])
+    scores -= top
     np.exp(scores, out=scores)
     result = np.zeros((heads, rows, q.shape[2]), dtype=q.dtype)
     for run in runs:
         start = run.first_token - base
         result += _run_weighted_values(scores[:, :, start : start + run.tokens], run)
-    result /= scores.sum(axis=-1, keepdims=True)
+    denominator = scores.sum(axis=-1, keepdims=True)
+    if sinks is not None:  # the sink joins the denominator and adds no value
+        denominator += np.exp(sinks[:, :, None] - top)
+    result /= denominator
     return result
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.attention import check_scale, validate_query_indptr
+from kvcache_core.attention_features import check_attention_features, storage_attention_features
 from kvcache_core.block_pool import BlockPool, blocks_for
 from kvcache_core.chains import PrefixChains
 from kvcache_core.checks import ArgumentChecks, check_handle_sequence, step_counts, step_token_ids
@@ -136,6 +137,8 @@ class DataPath(Generic[ArrayT]):
                 check_query=self._checks.query,
                 write=self._write_planned,
                 attention=self._storage.paged_attention,
+                attention_features=storage_attention_features(self._storage),
+                backend=self._backend,
             )
             return Step(hooks, request_ids, tuple(counts), slots, table, self._config.num_heads, self._config.head_dim)
 
@@ -214,6 +217,10 @@ class DataPath(Generic[ArrayT]):
         qo_indptr: npt.ArrayLike | None = None,
         scale: float | None = None,
         causal: bool = True,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: ArrayT | None = None,
+        chunk: int | None = None,
     ) -> ArrayT:
         """Attention of packed queries over the cached K/V of a batch, read in place.
 
@@ -232,16 +239,22 @@ class DataPath(Generic[ArrayT]):
                 request's first held block, which the last ``extend`` kept for the
                 windows of the tokens it added (an older token's window may start
                 before it: such a query sees only the held keys).
+            window, softcap, sinks, chunk: this call's (layer's) attention features, see
+                :mod:`kvcache_core.attention_features`: a window ``W`` (combined with
+                the pool's), logit softcapping, ``[num_query_heads]`` sinks of the
+                query's dtype, chunked local attention ``C``.
 
         Returns:
             ``[total_q, num_query_heads, head_dim]`` of the query's dtype.
 
         Raises:
             LayerIndexError, ShapeMismatchError, DTypeMismatchError, ArrayTypeError,
-            InvalidArgumentError (bad ``qo_indptr`` or ``scale``, or a page table whose
-            ``sliding_window`` is not the pool's), SlotError (the page table names blocks
-            outside the pool or not in use), SwappedOutError (blocks of a request swapped
-            out since the page table was taken).
+            InvalidArgumentError (bad ``qo_indptr``, ``scale``, ``window``, ``softcap`` or
+            ``chunk``, or a page table whose ``sliding_window`` is not the pool's),
+            UnsupportedConfigError (a feature the storage does not serve: the message
+            names the capability), SlotError (the page table names blocks outside the
+            pool or not in use), SwappedOutError (blocks of a request swapped out since
+            the page table was taken).
         """
         with self._lock:
             self._check_open()
@@ -252,7 +265,18 @@ class DataPath(Generic[ArrayT]):
             checked_scale = check_scale(scale, self._config.head_dim)
             if not isinstance(causal, bool):
                 raise InvalidTypeError(f"causal must be a bool, got {causal!r}")
-            return self._storage.paged_attention(layer, query, table, indptr, checked_scale, causal)
+            features = check_attention_features(
+                window=window,
+                softcap=softcap,
+                sinks=sinks,
+                chunk=chunk,
+                served=storage_attention_features(self._storage),
+                backend=self._backend,
+                query_heads=shape[1],
+                table_window=table.sliding_window,
+                check_array=self._checks.array,
+            )
+            return self._storage.paged_attention(layer, query, table, indptr, checked_scale, causal, **features)
 
     # -- internals shared with the lifecycle ---------------------------------------------
 

@@ -61,6 +61,14 @@ CAPABILITIES: dict[str, str] = {
     "eviction": "a full pool evicts unreferenced cached blocks before failing (copy_blocks, write)",
     "sliding_window": "blocks outside a sliding window are released; attention masks the rest "
     "(paged_attention with page_table.sliding_window)",
+    "attention_window": "paged_attention(window=W) applies a per-call (per-layer) sliding window, combined with "
+    "the page table's (storage.attention_features lists it)",
+    "softcap": "paged_attention(softcap=cap) caps the scaled scores as tanh(s / cap) * cap before the mask "
+    "(storage.attention_features lists it)",
+    "sinks": "paged_attention(sinks=[query_heads]) adds one logit per query head to the softmax denominator "
+    "(storage.attention_features lists it)",
+    "chunked_attention": "paged_attention(chunk=C) lets a query see only the keys of its own chunk of C "
+    "positions (storage.attention_features lists it)",
     "immutable_arrays": "key_cache hands out the current pool array of an immutable array library "
     "(JAX), which later writes replace but never delete, instead of a view",
 }
@@ -91,7 +99,9 @@ class BackendSpec(Generic[ArrayT]):
         description: one line for ``kvcache backends``.
         capabilities: the optional features it claims, names of :data:`CAPABILITIES`
             (``"fork"``, ``"prefix_caching"``, ``"swap"``, ``"eviction"``,
-            ``"sliding_window"``, ``"immutable_arrays"``). The policies are core's, but they
+            ``"sliding_window"``, ``"immutable_arrays"``, and the attention features
+            ``"attention_window"``, ``"softcap"``, ``"sinks"``, ``"chunked_attention"``, which
+            the storage also lists in its ``attention_features``). The policies are core's, but they
             run only over a storage whose methods serve them, so the conformance kit runs a
             policy's tests only where it is claimed and lists the ones not claimed in its
             verdict (``--kvcache-require-all`` fails on them).

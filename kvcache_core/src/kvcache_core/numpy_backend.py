@@ -14,12 +14,20 @@ import numpy.typing as npt
 
 from kvcache_core import paged_kernel
 from kvcache_core.attention import paged_attention
+from kvcache_core.attention_features import ATTENTION_CAPABILITIES, combined_window
 from kvcache_core.config import KV_LAYOUTS, CacheConfig
 from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from kvcache_core.hookspecs import BackendSpec, hookimpl
 from kvcache_core.page_table import PageTable
 
-__all__ = ["POLICY_CAPABILITIES", "PREFERRED_LAYOUT", "NumpyArray", "NumpyStorage", "kvcache_register_backends"]
+__all__ = [
+    "ATTENTION_CAPABILITIES",
+    "POLICY_CAPABILITIES",
+    "PREFERRED_LAYOUT",
+    "NumpyArray",
+    "NumpyStorage",
+    "kvcache_register_backends",
+]
 
 # The layout ``CacheConfig(kv_layout=None)`` resolves to: each head's keys are one strided
 # run per block, which the compiled kernel reads fastest (16 requests x 1024 tokens, 8 KV
@@ -45,7 +53,13 @@ class NumpyStorage:
 
     ``key_cache(layer)`` and ``value_cache(layer)`` are views of that allocation, so a
     later :meth:`write` shows through a reference taken before it.
+
+    Attributes:
+        attention_features: the attention capabilities :meth:`paged_attention` serves
+            (all of :data:`~kvcache_core.attention_features.ATTENTION_CAPABILITIES`).
     """
+
+    attention_features: frozenset[str] = ATTENTION_CAPABILITIES
 
     def __init__(self, config: CacheConfig, *, pool: NumpyArray | None = None) -> None:
         """Build the pool for ``config``.
@@ -184,10 +198,17 @@ class NumpyStorage:
         qo_indptr: npt.NDArray[np.int32],
         scale: float,
         causal: bool,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: NumpyArray | None = None,
+        chunk: int | None = None,
     ) -> NumpyArray:
         """Attention over this layer's pool, read in place: the compiled kernel
         (:mod:`kvcache_core.paged_kernel`) for float32 and float16 pools when numba is
-        installed, else the NumPy reference."""
+        installed, else the NumPy reference. ``window``, ``softcap``, ``sinks`` and
+        ``chunk``: the attention features (:mod:`kvcache_core.attention_features`),
+        checked by the manager."""
         keys, values = self._pool[layer, 0], self._pool[layer, 1]
         dtype = self._config.dtype
         if dtype == "float16":  # the kernel decodes half floats from their bits
@@ -203,7 +224,10 @@ class NumpyStorage:
                 scale=scale,
                 causal=causal,
                 kv_layout=self._config.layout,
-                sliding_window=page_table.sliding_window,
+                sliding_window=combined_window(window, page_table.sliding_window),
+                softcap=softcap,
+                sinks=sinks,
+                chunk=chunk,
             )
             return output.astype(query.dtype, copy=False)
         return paged_attention(
@@ -215,6 +239,10 @@ class NumpyStorage:
             scale=scale,
             causal=causal,
             kv_layout=self._config.layout,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+            chunk=chunk,
         )
 
     def array_info(self, array: object) -> tuple[tuple[int, ...], str]:
@@ -252,5 +280,5 @@ def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
         kv_layouts=KV_LAYOUTS,
         preferred_layout=PREFERRED_LAYOUT,
         description="NumPy reference backend (host memory), built into kvcache-core",
-        capabilities=POLICY_CAPABILITIES,
+        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES,
     )

@@ -20,7 +20,10 @@ What a call does (FlashDecoding on a CPU):
   others, each in compiled code without the GIL (Python threads rather than numba's
   threading layer: a launch costs ~30 us on a busy machine where libgomp's default wait
   policy measured 30 ms, and nothing process-wide is configured);
-* softmax is online, in float32, whatever the pool's dtype (float32, float16, bfloat16).
+* softmax is online, in float32, whatever the pool's dtype (float32, float16, bfloat16);
+* the attention features of :mod:`kvcache_core.attention_features` (softcap, sinks,
+  chunk; the window is the sliding window) are keyword arguments of
+  :func:`attend_with_kernel`.
 
 The plan of a batch (items, shares, splits) depends only on the page table, the query
 offsets, the geometry and the thread count: it is computed once and reused by every layer
@@ -192,8 +195,10 @@ def _plan(
     causal: bool,
     window: int,
     threads: int,
+    chunk: int = 0,
 ) -> _Plan:
-    """Work items and their shares for ``threads`` threads (see the module docstring)."""
+    """Work items and their shares for ``threads`` threads (see the module docstring);
+    ``window`` and ``chunk`` 0 when unset."""
     seq_lens = page_table.seq_lens.tolist()
     offsets = qo_indptr.tolist()
     # (work, request, head, first_row, last_row, first_key, last_key)
@@ -209,11 +214,11 @@ def _plan(
             last_position = seq_len - num_queries + (last_row - 1) // group
             first_position = seq_len - num_queries + first_row // group
             high = last_position + 1 if causal else seq_len
-            low = max(0, first_position - window + 1) if window > 0 else 0
+            low = _first_visible(first_position, window, chunk)
             work = (high - low) * (_ROW_READ_COST + last_row - first_row)
             chunks.extend((work, request, head, first_row, last_row, 0, seq_len) for head in range(num_heads))
         if rows <= ROW_SPLIT:
-            first_key = max(0, seq_len - num_queries - window + 1) if window > 0 else 0
+            first_key = _first_visible(seq_len - num_queries, window, chunk)
             decode_like.append((request, rows, first_key))
     split_rows: dict[int, int] = {}
     if threads > 1 and len(chunks) < 4 * threads and decode_like:
@@ -232,7 +237,7 @@ def _plan(
             continue
         rows = last_row - first_row
         merges.append([request, head, rows, partial_rows, splits])
-        low = max(0, seq_lens[request] - (offsets[request + 1] - offsets[request]) - window + 1) if window > 0 else 0
+        low = _first_visible(seq_lens[request] - (offsets[request + 1] - offsets[request]), window, chunk)
         bounds = np.linspace(low, last_key, splits + 1).astype(np.int64).tolist()
         for split in range(splits):
             items.append(
@@ -255,6 +260,12 @@ def _plan(
         merges=_read_only(np.asarray(merges, dtype=np.int64).reshape(-1, 5), np.int64),
         partial_rows=partial_rows,
     )
+
+
+def _first_visible(position: int, window: int, chunk: int) -> int:
+    """The oldest key the query at ``position`` may see (``window``/``chunk`` 0: unset)."""
+    low = max(0, position - window + 1) if window > 0 else 0
+    return max(low, position // chunk * chunk) if chunk > 0 else low
 
 
 def _cached_plan(page_table: PageTable, qo_indptr: npt.NDArray[np.int32], *key: Any) -> _Plan:
@@ -286,6 +297,9 @@ def attend_with_kernel(
     kv_layout: str,
     sliding_window: int | None,
     num_threads: int | None = None,
+    softcap: float | None = None,
+    sinks: npt.NDArray[Any] | None = None,
+    chunk: int | None = None,
 ) -> FloatArray:
     """Paged attention of a batch in one compiled call, reading the pools in place.
 
@@ -304,6 +318,9 @@ def attend_with_kernel(
         kv_layout: ``"NHD"``, ``"HND"`` or ``"heads_first"``.
         sliding_window: ``W`` (a query at ``p`` sees keys after ``p - W``) or ``None``.
         num_threads: threads to use, at most :func:`max_threads` (default: that many).
+        softcap: scores become ``tanh(s / softcap) * softcap`` before the mask.
+        sinks: ``[num_query_heads]`` logits joining each head's softmax denominator.
+        chunk: a query at ``p`` sees only keys ``k`` with ``k // chunk == p // chunk``.
 
     Returns:
         ``[total_queries, num_query_heads, head_dim]`` float32.
@@ -328,7 +345,8 @@ def attend_with_kernel(
     limit = max_threads()
     threads = limit if num_threads is None else max(1, min(num_threads, limit))
     window = 0 if sliding_window is None else int(sliding_window)
-    plan = _cached_plan(page_table, qo_indptr, num_heads, group, causal, window, threads)
+    chunk_size = 0 if chunk is None else int(chunk)
+    plan = _cached_plan(page_table, qo_indptr, num_heads, group, causal, window, threads, chunk_size)
     itemsize = key_cache.itemsize
     strides = np.asarray([key_cache.strides[axis] // itemsize for axis in _STRIDE_AXES[kv_layout]], dtype=np.int64)
     partial_acc = np.empty((plan.partial_rows, head_dim), dtype=np.float32)
@@ -346,17 +364,20 @@ def attend_with_kernel(
         _read_only(qo_indptr, np.int32),
     )
     options = (group, page_table.block_size, float(scale), bool(causal), window, out, partial_acc, partial_stats)
+    # The attention features: softcap 0 and chunk 0 mean none, an empty sinks array no sinks.
+    head_sinks = _read_only(np.zeros(0) if sinks is None else np.asarray(sinks), np.float32)
+    features = (0.0 if softcap is None else float(softcap), head_sinks, chunk_size)
     with _launch_lock:
         others: list[Future[None]] = []
         if len(plan.shares) > 1:
             pool = _worker_pool()
-            others = [pool.submit(attend, *arguments, share, *options) for share in plan.shares[1:]]
+            others = [pool.submit(attend, *arguments, share, *options, *features) for share in plan.shares[1:]]
         try:
             if plan.shares:
-                attend(*arguments, plan.shares[0], *options)
+                attend(*arguments, plan.shares[0], *options, *features)
         finally:
             for future in others:
                 future.result()
         if plan.merges.shape[0]:
-            merge(arguments[7], plan.merges, group, out, partial_acc, partial_stats)
+            merge(arguments[7], plan.merges, group, out, partial_acc, partial_stats, head_sinks)
     return out

@@ -236,9 +236,15 @@ class KvCacheManager(Protocol[ArrayT]):
         qo_indptr: npt.ArrayLike | None = None,
         scale: float | None = None,
         causal: bool = True,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: ArrayT | None = None,
+        chunk: int | None = None,
     ) -> ArrayT:
         """Attention of packed queries ``[total_q, num_query_heads, head_dim]`` over the
-        batch's cached K/V, read from the pool in place."""
+        batch's cached K/V, read from the pool in place; ``window``, ``softcap``,
+        ``sinks`` and ``chunk`` are the attention features of
+        :mod:`kvcache_core.attention_features`."""
         ...
 
 
@@ -304,8 +310,20 @@ class KvStorage(Protocol[ArrayT]):
         qo_indptr: npt.NDArray[np.int32],
         scale: float,
         causal: bool,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: ArrayT | None = None,
+        chunk: int | None = None,
     ) -> ArrayT:
-        """Attention over the pool (arguments validated by the manager)."""
+        """Attention over the pool (arguments validated by the manager).
+
+        The keyword arguments are the attention features
+        (:mod:`kvcache_core.attention_features`); the manager passes one only if the
+        storage lists its capability in its optional ``attention_features`` member (a
+        frozenset; none when absent), so a storage serving none is never called with
+        them. ``window`` is the layer's, to be combined with ``page_table.sliding_window``
+        (the smaller applies)."""
         ...
 
     def array_info(self, array: object) -> tuple[tuple[int, ...], str]:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.attention import check_scale
+from kvcache_core.attention_features import check_attention_features
 from kvcache_core.errors import InvalidTypeError, ShapeMismatchError
 from kvcache_core.page_table import PageTable
 from kvcache_core.protocols import SlotArray
@@ -44,7 +45,11 @@ class StepHooks(Generic[ArrayT]):
         check_array: ``(name, array, expected_shape)``: shape and dtype against the pool.
         check_query: the query's shape, after checking it and its dtype.
         write: ``(layer, slots, keys, values)``: the scatter and its bookkeeping.
-        attention: ``(layer, query, page_table, qo_indptr, scale, causal)``: the kernel.
+        attention: ``(layer, query, page_table, qo_indptr, scale, causal, **features)``:
+            the kernel (``features``: the attention features the call sets).
+        attention_features: the attention capabilities the storage serves
+            (:mod:`kvcache_core.attention_features`).
+        backend: the backend's name, for messages.
     """
 
     lock: threading.RLock
@@ -53,7 +58,9 @@ class StepHooks(Generic[ArrayT]):
     check_array: Callable[[str, object, tuple[int, ...]], None]
     check_query: Callable[[object], tuple[int, ...]]
     write: Callable[[int, SlotArray, ArrayT, ArrayT], None]
-    attention: Callable[[int, ArrayT, PageTable, npt.NDArray[np.int32], float, bool], ArrayT]
+    attention: Callable[..., ArrayT]
+    attention_features: frozenset[str] = field(default_factory=frozenset[str])
+    backend: str = "custom"
 
 
 class Step(Generic[ArrayT]):
@@ -127,7 +134,18 @@ class Step(Generic[ArrayT]):
             if self.num_new_tokens:
                 hooks.write(index, self.slots, keys, values)
 
-    def attention(self, layer: int, query: ArrayT, *, scale: float | None = None, causal: bool = True) -> ArrayT:
+    def attention(
+        self,
+        layer: int,
+        query: ArrayT,
+        *,
+        scale: float | None = None,
+        causal: bool = True,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: ArrayT | None = None,
+        chunk: int | None = None,
+    ) -> ArrayT:
         """Attention of the step's new tokens over the batch, reading the pool in place.
 
         Args:
@@ -137,6 +155,10 @@ class Step(Generic[ArrayT]):
             scale: score scale, ``1 / sqrt(head_dim)`` by default.
             causal: each new token sees keys up to its own position (and, with a sliding
                 window, only the window's).
+            window, softcap, sinks, chunk: this layer's attention features (see
+                :mod:`kvcache_core.attention_features`): a window ``W`` (combined with
+                the pool's), logit softcapping, ``[num_query_heads]`` sinks of the
+                query's dtype, chunked local attention ``C``.
 
         Returns:
             ``[num_new_tokens, k * num_heads, head_dim]`` of the query's dtype.
@@ -144,7 +166,9 @@ class Step(Generic[ArrayT]):
         Raises:
             StaleStepError: a request of the step changed since it was planned.
             LayerIndexError, ShapeMismatchError, DTypeMismatchError, ArrayTypeError,
-            InvalidArgumentError (``scale``), InvalidTypeError (``causal``).
+            InvalidArgumentError (``scale``, ``window``, ``softcap``, ``chunk``),
+            InvalidTypeError (``causal``), UnsupportedConfigError (a feature the storage
+            does not serve: the message names the capability).
         """
         hooks = self._hooks
         with hooks.lock:
@@ -159,7 +183,20 @@ class Step(Generic[ArrayT]):
             checked_scale = check_scale(scale, self.head_dim)
             if not isinstance(causal, bool):
                 raise InvalidTypeError(f"causal must be a bool, got {causal!r}")
-            return hooks.attention(index, query, self.page_table, self.qo_indptr, checked_scale, causal)
+            features: dict[str, Any] = {}
+            if window is not None or softcap is not None or sinks is not None or chunk is not None:
+                features = check_attention_features(
+                    window=window,
+                    softcap=softcap,
+                    sinks=sinks,
+                    chunk=chunk,
+                    served=hooks.attention_features,
+                    backend=hooks.backend,
+                    query_heads=shape[1],
+                    table_window=self.page_table.sliding_window,
+                    check_array=hooks.check_array,
+                )
+            return hooks.attention(index, query, self.page_table, self.qo_indptr, checked_scale, causal, **features)
 
     def __repr__(self) -> str:
         return f"Step(requests={list(self.request_ids)}, new_tokens={list(self.new_tokens)})"

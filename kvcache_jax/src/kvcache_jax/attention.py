@@ -1,5 +1,7 @@
 """Paged attention as a pure, jittable JAX function: decode and prefill, causal,
-grouped-query, ragged batches, sliding window, block tables as int32 arrays.
+grouped-query, ragged batches, sliding window, block tables as int32 arrays, and the
+attention features of :mod:`kvcache_core.attention_features` (a layer's window, logit
+softcapping, attention sinks, chunked local attention).
 
 The context is never gathered whole. A loop walks the batch's block tables a few blocks
 at a time (a ``jax.lax.fori_loop`` whose trip count follows the longest live request, not
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kvcache_core.attention_features import check_chunk, check_softcap, check_window, combined_window
 from kvcache_core.errors import InvalidArgumentError, ShapeMismatchError
 from kvcache_jax.buckets import bucket
 from kvcache_jax.scatter import BLOCK_AXIS, pool_geometry
@@ -74,6 +77,10 @@ def paged_attention(
     kv_layout: str = "NHD",
     sliding_window: int | None = None,
     blocks_per_step: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
+    chunk: int | None = None,
 ) -> jax.Array:
     """Attention of packed queries over the paged K/V of a batch; pure and jittable.
 
@@ -110,6 +117,14 @@ def paged_attention(
         blocks_per_step: blocks of every request one loop step reads (static); by default
             the most, as a power of two, whose keys and values stay within 4 MiB (64 MiB
             on accelerators) and whose scores within 16 MiB.
+        window: this layer's window ``W`` (static), combined with ``sliding_window``
+            (the smaller applies).
+        softcap: ``cap`` (static): scaled scores become ``tanh(s / cap) * cap`` before
+            the mask.
+        sinks: ``[num_query_heads]`` logits joining each query head's softmax
+            denominator, contributing no value.
+        chunk: ``C`` (static): a row at ``p`` sees only keys ``k`` with ``k // C == p // C``
+            (positions as above: absolute only without a sliding window).
 
     Returns:
         ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype; softmax in
@@ -118,7 +133,7 @@ def paged_attention(
     Raises:
         ShapeMismatchError: shapes that do not fit together (at trace time).
         InvalidArgumentError: bad ``scale``, ``max_query_len``, ``sliding_window``,
-            ``blocks_per_step`` or layout.
+            ``blocks_per_step``, layout, ``window``, ``softcap`` or ``chunk``.
     """
     _, block_size, num_heads, head_dim = pool_geometry(key_cache, kv_layout)
     if key_cache.shape != value_cache.shape:
@@ -154,6 +169,10 @@ def paged_attention(
         isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
     ):
         raise InvalidArgumentError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    sliding_window = combined_window(check_window(window), sliding_window)
+    cap, chunk = check_softcap(softcap), check_chunk(chunk)
+    if sinks is not None and sinks.shape != (query_heads,):
+        raise ShapeMismatchError(f"sinks must be [{query_heads}] (one per query head), got {tuple(sinks.shape)}")
     if blocks_per_step is not None and (
         isinstance(blocks_per_step, bool) or not isinstance(blocks_per_step, int) or blocks_per_step < 1
     ):
@@ -177,9 +196,11 @@ def paged_attention(
     rows = jnp.clip(qo_indptr[:-1, None] + slot[None, :], 0, total_queries - 1)
     row_valid = slot[None, :] < query_lens[:, None]
     last = seq_lens[:, None] - 1
-    positions = (seq_lens - query_lens)[:, None] + slot[None, :] if causal else jnp.broadcast_to(last, rows.shape)
+    own = (seq_lens - query_lens)[:, None] + slot[None, :]  # each row's own position
+    positions = own if causal else jnp.broadcast_to(last, rows.shape)
     positions = jnp.where(row_valid, positions, -1)  # a padding row sees no key
-    row_positions = jnp.repeat(positions, group, axis=1)  # [B, R]: row q * group + g
+    row_positions = jnp.repeat(positions, group, axis=1)  # [B, R]: row q * group + g, the last key it sees
+    row_own = jnp.repeat(jnp.where(row_valid, own, -1), group, axis=1)  # [B, R]: its position
     padded = jnp.take(query, rows, axis=0).astype(compute) * jnp.asarray(scale, compute)  # [B, Q, QH, D]
     q = (
         padded.reshape(batch, max_query_len, num_heads, group, head_dim)
@@ -205,7 +226,11 @@ def paged_attention(
         scores = jnp.einsum("hbrd,hbsd->hbrs", q, keys, precision=lax.Precision.HIGHEST)
         visible = key_positions[None, None, :] <= row_positions[:, :, None]  # [B, R, S]
         if sliding_window is not None:
-            visible &= key_positions[None, None, :] > row_positions[:, :, None] - sliding_window
+            visible &= key_positions[None, None, :] > row_own[:, :, None] - sliding_window
+        if chunk is not None:
+            visible &= key_positions[None, None, :] // chunk == row_own[:, :, None] // chunk
+        if cap is not None:  # before the mask, as Gemma 2 applies it
+            scores = jnp.tanh(scores / cap) * cap
         scores = jnp.where(visible[None], scores, -jnp.inf)
         new_max = jnp.maximum(running_max, scores.max(axis=-1))
         shift = jnp.where(jnp.isneginf(new_max), 0, new_max)  # rows that saw no key yet
@@ -218,11 +243,19 @@ def paged_attention(
         return new_max, normaliser, weighted
 
     shape = (num_heads, batch, rows_per_request)
-    start = (
-        jnp.full(shape, -jnp.inf, compute),
-        jnp.zeros(shape, compute),
-        jnp.zeros((*shape, head_dim), compute),
-    )
+    if sinks is None:
+        start = (
+            jnp.full(shape, -jnp.inf, compute),
+            jnp.zeros(shape, compute),
+            jnp.zeros((*shape, head_dim), compute),
+        )
+    else:  # each row starts from its head's sink: in the denominator (exp 0 = 1), no value
+        row_sinks = jnp.tile(sinks.astype(compute).reshape(num_heads, group), (1, max_query_len))  # [H, R]
+        start = (
+            jnp.broadcast_to(row_sinks[:, None, :], shape),
+            jnp.ones(shape, compute),
+            jnp.zeros((*shape, head_dim), compute),
+        )
     _, normaliser, weighted = lax.fori_loop(0, steps, fold, start)
     safe = jnp.where(normaliser > 0, normaliser, 1)[..., None]
     attended = jnp.where(normaliser[..., None] > 0, weighted / safe, 0)  # [H, B, R, D]

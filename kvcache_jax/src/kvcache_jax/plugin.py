@@ -42,7 +42,10 @@ DTYPES = ("float32", "float16", "bfloat16")
 #: What the conformance kit may check: the pool arrays are immutable (``key_cache`` hands
 #: out the current array, never deleted under its holder), and the core policies run
 #: through this storage's block copies and host transfers.
-CAPABILITIES = frozenset({"immutable_arrays", "fork", "prefix_caching", "swap", "eviction", "sliding_window"})
+CAPABILITIES = frozenset(
+    {"immutable_arrays", "fork", "prefix_caching", "swap", "eviction", "sliding_window"}
+    | {"attention_window", "softcap", "sinks", "chunked_attention"}
+)
 
 
 def make_storage(config: CacheConfig, *, mesh: object = None, axis: object = None) -> JaxStorage:

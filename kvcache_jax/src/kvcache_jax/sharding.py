@@ -78,6 +78,11 @@ class Placement:
         return _heads_spec(3, 1, self.axis)
 
     @property
+    def heads_spec(self) -> PartitionSpec:
+        """``PartitionSpec`` of a ``[query_heads]`` array (attention sinks), split as the queries' heads."""
+        return _heads_spec(1, 0, self.axis)
+
+    @property
     def tokens(self) -> Sharding:
         """Sharding of ``[n, heads, dim]`` tokens (keys, values, queries, outputs)."""
         return self._sharding(self.tokens_spec)

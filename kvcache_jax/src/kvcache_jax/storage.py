@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 from jax.core import Tracer
 
+from kvcache_core.attention_features import ATTENTION_CAPABILITIES, combined_window
 from kvcache_core.config import CacheConfig
 from kvcache_core.errors import (
     ArrayTypeError,
@@ -87,8 +88,8 @@ class _Programs:
 
     kv_layout: str
     placement: Placement
-    _attention: dict[tuple[int, bool, float, int | None], Callable[..., jax.Array]] = field(
-        default_factory=dict[tuple[int, bool, float, int | None], Callable[..., jax.Array]], compare=False, hash=False
+    _attention: dict[tuple[Any, ...], Callable[..., jax.Array]] = field(
+        default_factory=dict[tuple[Any, ...], Callable[..., jax.Array]], compare=False, hash=False
     )
     _padders: dict[int, Callable[[jax.Array], jax.Array]] = field(
         default_factory=dict[int, Callable[[jax.Array], jax.Array]], compare=False, hash=False
@@ -159,10 +160,20 @@ class _Programs:
         return self._jit(program, (pool, pool, REPLICATED, host, host), (pool, pool), donate=(0, 1))
 
     def attention(
-        self, max_query_len: int, causal: bool, scale: float, sliding_window: int | None = None
+        self,
+        max_query_len: int,
+        causal: bool,
+        scale: float,
+        sliding_window: int | None = None,
+        *,
+        softcap: float | None = None,
+        chunk: int | None = None,
+        with_sinks: bool = False,
     ) -> Callable[..., jax.Array]:
-        """``(query, keys_pool, values_pool, block_tables, seq_lens, qo_indptr) -> output``."""
-        key = (max_query_len, causal, scale, sliding_window)
+        """``(query, keys_pool, values_pool, block_tables, seq_lens, qo_indptr[, sinks]) ->
+        output``; ``sinks [query_heads]`` only ``with_sinks``, split over the heads as the
+        queries are."""
+        key = (max_query_len, causal, scale, sliding_window, softcap, chunk, with_sinks)
         program = self._attention.get(key)
         if program is None:
             layout, pool, tokens = self.kv_layout, self.placement.pool_spec(self.kv_layout), self.placement.tokens_spec
@@ -174,6 +185,7 @@ class _Programs:
                 block_tables: jax.Array,
                 seq_lens: jax.Array,
                 qo_indptr: jax.Array,
+                sinks: jax.Array | None = None,
             ) -> jax.Array:
                 return paged_attention(
                     query,
@@ -187,10 +199,16 @@ class _Programs:
                     causal=causal,
                     kv_layout=layout,
                     sliding_window=sliding_window,
+                    softcap=softcap,
+                    sinks=sinks,
+                    chunk=chunk,
                 )
 
             replicated = REPLICATED
-            program = self._jit(attend, (tokens, pool, pool, replicated, replicated, replicated), tokens)
+            specs: tuple[Any, ...] = (tokens, pool, pool, replicated, replicated, replicated)
+            if with_sinks:
+                specs = (*specs, self.placement.heads_spec)
+            program = self._jit(attend, specs, tokens)
             self._attention[key] = program
         return program
 
@@ -253,6 +271,9 @@ class JaxStorage:
             size, or a pool of more than about 2**31 slots.
         InvalidTypeError, InvalidArgumentError: a bad ``mesh`` or ``axis``.
     """
+
+    #: The attention capabilities :meth:`paged_attention` serves (all of them).
+    attention_features: frozenset[str] = ATTENTION_CAPABILITIES
 
     def __init__(self, config: CacheConfig, *, mesh: object = None, axis: object = None) -> None:
         from kvcache_jax.plugin import PREFERRED_LAYOUT
@@ -490,15 +511,30 @@ class JaxStorage:
         qo_indptr: npt.NDArray[np.int32],
         scale: float,
         causal: bool,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: jax.Array | None = None,
+        chunk: int | None = None,
     ) -> jax.Array:
         """Jitted paged attention over this layer's pool (see :func:`kvcache_jax.paged_attention`),
-        with the page table's sliding window; arguments validated by the manager. Output
+        with the page table's sliding window and the attention features of
+        :mod:`kvcache_core.attention_features`; arguments validated by the manager. Output
         ``[total_q, query_heads, dim]``, heads split as the pool's."""
         batch, (block_tables, seq_lens, indptr) = self._batch(page_table, qo_indptr)
-        program = self._programs.attention(batch.max_query_len, causal, float(scale), page_table.sliding_window)
+        program = self._programs.attention(
+            batch.max_query_len,
+            causal,
+            float(scale),
+            combined_window(window, page_table.sliding_window),
+            softcap=softcap,
+            chunk=chunk,
+            with_sinks=sinks is not None,
+        )
         query_in = self._tokens(query, batch.query_rows)
         key_pool, value_pool = self._live(self._keys, layer), self._live(self._values, layer)
-        output = program(query_in, key_pool, value_pool, block_tables, seq_lens, indptr)
+        extra = () if sinks is None else (sinks,)
+        output = program(query_in, key_pool, value_pool, block_tables, seq_lens, indptr, *extra)
         return output if batch.query_rows == batch.total_queries else output[: batch.total_queries]
 
     # -- arrays ------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """Paged attention in torch: decode and prefill, causal, grouped-query, ragged batch,
-optionally over a sliding window.
+optionally over a sliding window, with the attention features of
+:mod:`kvcache_core.attention_features` (a layer's window, logit softcapping, attention
+sinks, chunked local attention) given per call.
 
 On CPU, for float32, float16 and bfloat16 pools, it is one call of the compiled kernel of
 :mod:`kvcache_core.paged_kernel` per layer for the whole batch: the pool and the page
@@ -50,6 +52,13 @@ import torch
 
 from kvcache_core import paged_kernel
 from kvcache_core.attention import validate_query_indptr
+from kvcache_core.attention_features import (
+    check_chunk,
+    check_chunk_positions,
+    check_softcap,
+    check_window,
+    combined_window,
+)
 from kvcache_core.config import KV_LAYOUTS
 from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from kvcache_core.page_table import PageTable
@@ -87,6 +96,9 @@ def _kernel_attention(
     causal: bool,
     kv_layout: str,
     window: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor | None:
     """The compiled CPU kernel over the pool read in place (zero-copy NumPy views), with
     ``torch.get_num_threads()`` threads; ``None`` where it does not apply (another device,
@@ -110,6 +122,9 @@ def _kernel_attention(
         kv_layout=kv_layout,
         sliding_window=window,
         num_threads=torch.get_num_threads(),
+        softcap=softcap,
+        sinks=None if sinks is None else sinks.detach().to(torch.float32).numpy(),
+        chunk=chunk,
     )
     return torch.from_numpy(output).to(query.dtype)  # pyright: ignore[reportUnknownMemberType]
 
@@ -214,12 +229,21 @@ def _piece_values(weights: torch.Tensor, piece: _Piece) -> torch.Tensor:
     return torch.matmul(per_block, piece.values).sum(0)
 
 
-def _attend_rows(rows: torch.Tensor, pieces: list[_Piece], hidden: torch.Tensor | None) -> torch.Tensor:
+def _attend_rows(
+    rows: torch.Tensor,
+    pieces: list[_Piece],
+    hidden: torch.Tensor | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Softmax attention of scaled query rows ``[H, R, D]`` over the pieces of a context.
 
-    ``hidden`` (``[R, keys]``, true where a row may not see a key) masks the pieces' keys.
-    Returns ``[H, R, D]`` in the rows' dtype.
+    ``hidden`` (``[R, keys]``, true where a row may not see a key) masks the pieces' keys;
+    ``softcap`` caps the scores before it; ``sinks`` (``[H, R]``) join each row's softmax
+    denominator. Returns ``[H, R, D]`` in the rows' dtype.
     """
+    if softcap is not None or sinks is not None:
+        return _attend_rows_with_features(rows, pieces, hidden, softcap, sinks)
     if len(pieces) == 1 and not pieces[0].blocked:
         # One [H, tokens, D] view: the fused kernel reads it in place (measured 3% faster than
         # the products in decode, 2x in prefill, where it never forms the scores).
@@ -251,6 +275,43 @@ def _attend_rows(rows: torch.Tensor, pieces: list[_Piece], hidden: torch.Tensor 
     return result.to(rows.dtype)
 
 
+def _attend_rows_with_features(
+    rows: torch.Tensor,
+    pieces: list[_Piece],
+    hidden: torch.Tensor | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`_attend_rows` with logit softcapping and/or sinks: the scores of every piece,
+    capped, masked, normalised with the sinks in the denominator (float32 for 16-bit rows)."""
+    scores = torch.cat([_piece_scores(rows, piece) for piece in pieces], dim=-1)
+    low_precision = rows.dtype in _LOW_PRECISION
+    if low_precision:
+        scores = scores.float()
+    if softcap is not None:  # before the mask, as Gemma 2 applies it
+        scores = torch.tanh(scores / softcap) * softcap
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, -math.inf)
+    top = scores.amax(dim=-1)  # every row sees its own position: finite
+    if sinks is not None:
+        top = torch.maximum(top, sinks.to(scores.dtype))
+    weights = torch.exp(scores - top[..., None])
+    denominator = weights.sum(dim=-1)
+    if sinks is not None:  # the sink joins the denominator and adds no value
+        denominator = denominator + torch.exp(sinks.to(scores.dtype) - top)
+    weights = (weights / denominator[..., None]).to(rows.dtype)
+    result: torch.Tensor | None = None
+    offset = 0
+    for piece in pieces:
+        part = _piece_values(weights.narrow(-1, offset, piece.tokens), piece)
+        offset += piece.tokens
+        if low_precision:
+            part = part.float()
+        result = part if result is None else result.add_(part)
+    assert result is not None
+    return result.to(rows.dtype)
+
+
 def attend_pool(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -261,6 +322,11 @@ def attend_pool(
     causal: bool,
     kv_layout: str,
     sliding_window: int | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """The kernel of :func:`paged_attention`, on arguments already validated (the storage
     calls it after the manager's checks). Runs without autograd. On CPU it is the compiled
@@ -276,13 +342,30 @@ def attend_pool(
         kv_layout: ``"NHD"``, ``"HND"`` or ``"heads_first"``.
         sliding_window: ``W``: a query at position ``p`` sees only keys after ``p - W``;
             ``None`` takes the page table's (``None`` there too: no window).
+        window: this layer's window, combined with the one above (the smaller applies).
+        softcap: scaled scores become ``tanh(s / softcap) * softcap`` before the mask.
+        sinks: ``[num_query_heads]`` logits joining each query head's softmax denominator.
+        chunk: a query at ``p`` sees only keys ``k`` with ``k // chunk == p // chunk``.
 
     Returns:
         ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype and device.
     """
-    window = page_table.sliding_window if sliding_window is None else sliding_window
+    window = combined_window(window, page_table.sliding_window if sliding_window is None else sliding_window)
     if query.shape[0]:
-        fast = _kernel_attention(query, key_cache, value_cache, page_table, qo_indptr, scale, causal, kv_layout, window)
+        fast = _kernel_attention(
+            query,
+            key_cache,
+            value_cache,
+            page_table,
+            qo_indptr,
+            scale,
+            causal,
+            kv_layout,
+            window,
+            softcap=softcap,
+            sinks=sinks,
+            chunk=chunk,
+        )
         if fast is not None:
             return fast
     num_heads, head_dim = key_cache.shape[_HEADS_AXIS[kv_layout]], key_cache.shape[3]
@@ -312,15 +395,25 @@ def attend_pool(
             scaled = scaled_query[q_start:q_stop].view(num_queries, num_heads, group, head_dim)
             rows = scaled.transpose(0, 1).reshape(num_heads, num_queries * group, head_dim)  # a view in decode
             target = output[q_start:q_stop].view(num_queries, num_heads, group, head_dim).transpose(0, 1)
-            chunk = max(1, _SCORE_BUDGET // (num_heads * group * seq_len))  # queries per score buffer
-            for first in range(0, num_queries, chunk):
-                last = min(num_queries, first + chunk)
+            # [H, rows]: the sink of each row (row q * group + g reads query head h * group + g).
+            row_sinks = None if sinks is None else sinks.view(num_heads, 1, group).expand(-1, num_queries, -1)
+            row_sinks = None if row_sinks is None else row_sinks.reshape(num_heads, num_queries * group)
+            per_buffer = max(1, _SCORE_BUDGET // (num_heads * group * seq_len))  # queries per score buffer
+            for first in range(0, num_queries, per_buffer):
+                last = min(num_queries, first + per_buffer)
                 first_position = seq_len - num_queries + first  # of the chunk's first query
                 last_position = seq_len - num_queries + last - 1
                 high = last_position + 1 if causal else seq_len  # keys past it are seen by no row
                 low = max(0, first_position - window + 1) if window is not None else 0  # ... before it
+                if chunk is not None:  # no row sees a key before its first row's chunk or past its last's
+                    low = max(low, first_position // chunk * chunk)
+                    high = min(high, (last_position // chunk + 1) * chunk)
                 hidden = None
-                if (causal and last - first > 1) or (window is not None and low <= last_position - window):
+                if (
+                    (causal and last - first > 1)
+                    or (window is not None and low <= last_position - window)
+                    or (chunk is not None and (first_position // chunk != last_position // chunk or not causal))
+                ):
                     keys_at = torch.arange(low, high, device=query.device)[None, :]
                     rows_at = first_position + torch.arange((last - first) * group, device=query.device) // group
                     hidden = torch.zeros((rows_at.shape[0], high - low), dtype=torch.bool, device=query.device)
@@ -328,7 +421,15 @@ def attend_pool(
                         hidden |= keys_at > rows_at[:, None]
                     if window is not None:
                         hidden |= keys_at <= rows_at[:, None] - window
-                part = _attend_rows(rows[:, first * group : last * group], reader.pieces(spans, low, high), hidden)
+                    if chunk is not None:
+                        hidden |= keys_at // chunk != rows_at[:, None] // chunk
+                part = _attend_rows(
+                    rows[:, first * group : last * group],
+                    reader.pieces(spans, low, high),
+                    hidden,
+                    softcap,
+                    None if row_sinks is None else row_sinks[:, first * group : last * group],
+                )
                 target[:, first:last] = part.reshape(num_heads, last - first, group, head_dim)
         return output
 
@@ -344,6 +445,10 @@ def paged_attention(
     causal: bool = True,
     kv_layout: str = "NHD",
     sliding_window: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the paged K/V of a batch, read from the pool in place.
 
@@ -363,6 +468,9 @@ def paged_attention(
         sliding_window: ``W``: each query sees only keys at positions ``p - W < k`` (its
             last ``W`` tokens). ``None`` takes the page table's
             :attr:`~kvcache_core.PageTable.sliding_window` (``None`` there too: no window).
+        window, softcap, sinks, chunk: the attention features of
+            :mod:`kvcache_core.attention_features` (``sinks`` a ``[num_query_heads]``
+            tensor of the query's dtype and device).
 
     Returns:
         ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype.
@@ -415,6 +523,18 @@ def paged_attention(
         raise InvalidArgumentError(
             f"sliding_window={sliding_window} contradicts the page table's sliding_window={page_table.sliding_window}"
         )
+    layer_window, cap, chunk_size = check_window(window), check_softcap(softcap), check_chunk(chunk)
+    check_chunk_positions(chunk_size, page_table.sliding_window)
+    if sinks is not None and (
+        not isinstance(sinks, torch.Tensor)
+        or tuple(sinks.shape) != (query.shape[1],)
+        or sinks.dtype != query.dtype
+        or sinks.device != query.device
+    ):
+        raise InvalidArgumentError(
+            f"sinks must be a [{query.shape[1]}] tensor of dtype {query.dtype} on {query.device} (one per query "
+            f"head), got {sinks!r}"
+        )
     indptr = validate_query_indptr(qo_indptr, page_table, query.shape[0])
     num_blocks = key_cache.shape[1 if kv_layout == "heads_first" else 0]
     block_size = key_cache.shape[2 if kv_layout != "NHD" else 1]
@@ -428,5 +548,17 @@ def paged_attention(
             f"the pool has blocks 0 to {num_blocks - 1}"
         )
     return attend_pool(
-        query, key_cache, value_cache, page_table, indptr, float(scale), causal, kv_layout, sliding_window
+        query,
+        key_cache,
+        value_cache,
+        page_table,
+        indptr,
+        float(scale),
+        causal,
+        kv_layout,
+        sliding_window,
+        window=layer_window,
+        softcap=cap,
+        sinks=sinks,
+        chunk=chunk_size,
     )

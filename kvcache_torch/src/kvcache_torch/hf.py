@@ -177,6 +177,52 @@ def _geometry(config: PretrainedConfig) -> tuple[int, int, int]:
     return layers, _kv_heads(text), int(text.hidden_size) // query_heads if head_dim is None else head_dim
 
 
+@dataclass(frozen=True)
+class _LayerAttention:
+    """What one decoder layer's attention applies beyond causal attention: a sliding
+    window ``W`` or a chunk ``C`` (from ``config.layer_types``)."""
+
+    window: int | None = None
+    chunk: int | None = None
+
+
+def _layer_attention(config: PretrainedConfig) -> tuple[_LayerAttention, ...]:
+    """Each layer's window or chunk, from ``layer_types``, ``sliding_window`` and
+    ``attention_chunk_size`` (a model without ``layer_types`` and with a ``sliding_window``,
+    as Mistral, slides in every layer).
+
+    Raises:
+        UnsupportedConfigError: a layer type other than full, sliding or chunked attention
+            (linear attention, state-space layers, ...), named in the message.
+    """
+    text = _text_config(config)
+    layers = int(text.num_hidden_layers)
+    window = _positive_or_none(getattr(text, "sliding_window", None))
+    chunk = _positive_or_none(getattr(text, "attention_chunk_size", None))
+    types: Sequence[str] | None = getattr(text, "layer_types", None)
+    if types is None:
+        types = ["sliding_attention" if window is not None else "full_attention"] * layers
+    other = sorted(set(types) - _ATTENTION_LAYER_TYPES)
+    if other:
+        raise UnsupportedConfigError(
+            f"the model has layers of type {', '.join(repr(name) for name in other)}, which keep no paged K/V; "
+            f"kvcache serves {sorted(_ATTENTION_LAYER_TYPES)} layers"
+        )
+    specs: list[_LayerAttention] = []
+    for layer_type in types:
+        if layer_type == "sliding_attention" and window is not None:
+            specs.append(_LayerAttention(window=window))
+        elif layer_type == "chunked_attention" and chunk is not None:
+            specs.append(_LayerAttention(chunk=chunk))
+        else:
+            specs.append(_LayerAttention())
+    return tuple(specs)
+
+
+def _positive_or_none(value: object) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def cache_config_for(
     model: torch.nn.Module | PretrainedConfig,
     *,
@@ -209,8 +255,13 @@ def cache_config_for(
         InvalidArgumentError: neither or both of ``num_blocks`` and ``max_tokens``, or a
             ``max_tokens`` or ``block_size`` below 1.
         InvalidTypeError: ``model`` is neither a model with a ``config`` nor a config.
-        UnsupportedConfigError: a dtype kvcache has no name for.
+        UnsupportedConfigError: a dtype kvcache has no name for, or layers that are not
+            full, sliding or chunked attention (the message names their type).
         InvalidConfigError: any field out of range (from ``CacheConfig``).
+
+    Sliding and chunked layers need no pool setting: the pool keeps every layer's blocks
+    and the ``"kvcache_paged"`` attention applies each layer's window or chunk, softcap
+    and sinks.
     """
     if isinstance(model, PretrainedConfig):
         config = model
@@ -244,6 +295,7 @@ def cache_config_for(
             )
         dtype = name
     layers, kv_heads, head_dim = _geometry(config)
+    _layer_attention(config)  # refuses layers that are not attention layers
     assert num_blocks is not None  # exactly one of the two was given, checked above
     return CacheConfig(
         num_layers=layers,
@@ -434,13 +486,10 @@ class PagedCache(Cache):
                 "with cache_config_for(model, ...)"
             )
         text = _text_config(config)
-        layer_types: Sequence[str] | None = getattr(text, "layer_types", None)
-        other = sorted(set(layer_types or ()) - _ATTENTION_LAYER_TYPES)
+        self._layer_attention = _layer_attention(config)  # refuses linear-attention, state-space layers
         shared_kv_layers: object = getattr(text, "num_kv_shared_layers", None)
-        if other or shared_kv_layers:
-            raise UnsupportedConfigError(
-                f"PagedCache holds attention layers only; this model also has {other or ['shared-KV layers']}"
-            )
+        if shared_kv_layers:
+            raise UnsupportedConfigError("PagedCache holds attention layers only; this model also has shared-KV layers")
         super().__init__(layers=[PagedCacheLayer(self, index) for index in range(layers)])
         self._manager = manager
         self._text = text
@@ -712,9 +761,11 @@ class PagedCache(Cache):
         query: torch.Tensor,
         attention_mask: torch.Tensor | None,
         scaling: float | None,
+        features: dict[str, Any],
     ) -> torch.Tensor:
         """Write the layer's real new tokens into the pool (one write for the batch) and
-        attend over the pool in place.
+        attend over the pool in place, with the layer's attention features (``window``,
+        ``softcap``, ``sinks``; its ``chunk`` comes from the config).
 
         A first forward without padding is the one case where the whole context is the new
         K/V themselves, contiguous already: it goes to transformers' ``sdpa`` on them
@@ -736,12 +787,18 @@ class PagedCache(Cache):
         valid = step.valid
         if step.stored:  # the step was checked when planned: per layer only the arrays are
             planned.write(layer, _token_major(pending.key, valid), _token_major(pending.value, valid))
-        if step.start == 0 and valid is None and query_length > 1:
+        layer_features = {name: value for name, value in features.items() if value is not None}
+        chunk = self._layer_attention[layer].chunk
+        if chunk is not None:
+            layer_features["chunk"] = chunk
+        if step.start == 0 and valid is None and query_length > 1 and not layer_features:
             output, _ = _sdpa_attention_forward(module, query, pending.key, pending.value, None, 0.0, scaling)
         elif not step.stored:
             output = query.new_zeros((batch, query_length, query_heads, head_dim))
         else:
-            attended = planned.attention(layer, _token_major(query, valid), scale=scaling, causal=True)
+            attended = planned.attention(
+                layer, _token_major(query, valid), scale=scaling, causal=True, **layer_features
+            )
             if valid is None:
                 output = attended.view(batch, query_length, query_heads, head_dim)
             else:
@@ -1042,15 +1099,16 @@ def paged_attention_mask(
     """The mask function of ``"kvcache_paged"``: the 2-D padding mask ``[batch, kv_length]``
     (bool), or ``None`` when nothing is padded.
 
-    The paged kernel is causal by construction; a sliding window or attention chunk is
-    accepted while the context fits inside it (then it changes nothing).
+    The paged kernel is causal by construction; a sliding window or attention chunk
+    (``local_size``) is applied by the attention itself, per layer, from the window the
+    model passes it and the chunk of its config.
 
     ``q_length`` is unused (transformers 4 passes ``cache_position`` instead); ``kv_length``
     is required.
 
     Raises:
-        UnsupportedConfigError: a mask pattern other than causal (bidirectional, image
-            tokens, packed sequences), or a context longer than the sliding window.
+        UnsupportedConfigError: a mask pattern other than causal, sliding or chunked
+            (bidirectional, image tokens, packed sequences).
         ShapeMismatchError: a mask shorter than the positions cached plus new.
         InvalidArgumentError: no ``kv_length``.
     """
@@ -1061,11 +1119,6 @@ def paged_attention_mask(
             "kvcache_paged attention is causal over each request; this model asks for another mask pattern "
             f"({getattr(mask_function, '__name__', mask_function)!r}): load it with attn_implementation='sdpa' "
             "(PagedCache still works, on its contiguous path)"
-        )
-    if local_size is not None and kv_offset + kv_length > local_size:
-        raise UnsupportedConfigError(
-            f"the context ({kv_offset + kv_length} positions) outgrew the model's attention window of "
-            f"{local_size}, which kvcache_paged does not apply; use attn_implementation='sdpa'"
         )
     if attention_mask is None:
         return None
@@ -1107,14 +1160,25 @@ def paged_attention_forward(
         ``([batch, new_tokens, query_heads, head_dim], None)``.
 
     Raises:
-        UnsupportedConfigError: dropout, soft-capping, attention sinks, a non-causal
-            module, or a 4-D mask with a PagedCache.
+        UnsupportedConfigError: dropout, a non-causal module, a 4-D mask with a
+            PagedCache; without a PagedCache, soft-capping, attention sinks or a chunked
+            layer whose context outgrew its chunk.
         ShapeMismatchError: the keys differ from those ``update`` returned.
+
+    The layer's attention features reach the paged kernel: ``sliding_window`` (Mistral,
+    Qwen2, Gemma 2, Cohere 2, gpt-oss), ``softcap`` (Gemma 2) and ``s_aux``, the sinks
+    (gpt-oss), as the model passes them; a chunked layer's chunk comes from the config.
     """
     pending = _PENDING.entry
     _PENDING.entry = None
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise UnsupportedConfigError("kvcache_paged attention has no logit soft-capping or attention sinks")
+    window: object = kwargs.get("sliding_window")
+    softcap: object = kwargs.get("softcap")
+    sinks: object = kwargs.get("s_aux")
+    if pending is None and (softcap is not None or sinks is not None):
+        raise UnsupportedConfigError(
+            "kvcache_paged attention without a PagedCache has no logit soft-capping or attention sinks; "
+            "pass a PagedCache or load the model with its reference attention"
+        )
     if dropout:
         raise UnsupportedConfigError(f"kvcache_paged attention is for inference: dropout must be 0, got {dropout}")
     if attention_mask is not None and attention_mask.dim() != 2:
@@ -1124,8 +1188,15 @@ def paged_attention_forward(
             )
         return _sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if pending is None:
+        chunk = _module_chunk(module)
+        if chunk is not None and key.shape[2] > chunk:
+            raise UnsupportedConfigError(
+                f"kvcache_paged attention without a PagedCache does not apply attention chunks: the context "
+                f"({key.shape[2]} positions) outgrew the chunk of {chunk}; pass a PagedCache"
+            )
+        dense_window = window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
         return _sdpa_attention_forward(
-            module, query, key, value, _dense_mask(attention_mask, query, key), dropout, scaling, **kwargs
+            module, query, key, value, _dense_mask(attention_mask, query, key, dense_window), dropout, scaling, **kwargs
         )
     if pending.key is not key or pending.value is not value:
         raise ShapeMismatchError(
@@ -1134,17 +1205,37 @@ def paged_attention_forward(
         )
     if not getattr(module, "is_causal", True):
         raise UnsupportedConfigError("kvcache_paged attention with a PagedCache is causal; this module is not")
-    return pending.cache._attend(pending, module, query, attention_mask, scaling), None  # pyright: ignore[reportPrivateUsage]
+    features = {"window": window, "softcap": softcap, "sinks": sinks}
+    if isinstance(sinks, torch.Tensor):
+        features["sinks"] = sinks.detach()
+    return pending.cache._attend(pending, module, query, attention_mask, scaling, features), None  # pyright: ignore[reportPrivateUsage]
 
 
-def _dense_mask(attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+def _module_chunk(module: torch.nn.Module) -> int | None:
+    """The attention chunk of a module's layer, from its ``config`` and ``layer_idx`` (Llama 4)."""
+    config: object = getattr(module, "config", None)
+    layer: object = getattr(module, "layer_idx", None)
+    if not isinstance(config, PretrainedConfig) or not isinstance(layer, int):
+        return None
+    specs = _layer_attention(config)
+    return specs[layer].chunk if 0 <= layer < len(specs) else None
+
+
+def _dense_mask(
+    attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, window: int | None = None
+) -> torch.Tensor | None:
     """The 4-D bool sdpa mask ``[batch, 1, new, kv]`` for contiguous K/V: causal (queries are
-    the last positions) and padding; ``None`` when sdpa's own causal flag is exact."""
+    the last positions), the sliding ``window`` and padding; ``None`` when sdpa's own causal
+    flag is exact."""
     query_length, kv_length = query.shape[2], key.shape[2]
-    if attention_mask is None and query_length in (1, kv_length):
+    outgrown = window is not None and kv_length > window
+    if attention_mask is None and query_length in (1, kv_length) and not outgrown:
         return None
     positions = torch.arange(kv_length, device=query.device)
     causal = positions[None, :] <= positions[kv_length - query_length :, None]
+    if outgrown:
+        assert window is not None
+        causal = causal & (positions[None, :] > positions[kv_length - query_length :, None] - window)
     mask = causal[None, None]
     if attention_mask is not None:
         mask = mask & attention_mask[:, None, None, -kv_length:].to(device=query.device, dtype=torch.bool)

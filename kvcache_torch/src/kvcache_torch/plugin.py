@@ -30,7 +30,11 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 #: Optional features of the conformance kit the backend claims: the policies are core's,
 #: over this storage's block copies (fork), host transfers (swap) and windowed attention.
-CAPABILITIES = frozenset({"fork", "prefix_caching", "swap", "eviction", "sliding_window"})
+#: The attention features (window, softcap, sinks, chunk) are served by ``attend_pool``.
+CAPABILITIES = frozenset(
+    {"fork", "prefix_caching", "swap", "eviction", "sliding_window"}
+    | {"attention_window", "softcap", "sinks", "chunked_attention"}
+)
 
 
 def make_storage(config: CacheConfig) -> TorchStorage:

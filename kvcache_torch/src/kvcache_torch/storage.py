@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvcache_core.attention_features import ATTENTION_CAPABILITIES
 from kvcache_core.config import CacheConfig
 from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, ShapeMismatchError, UnsupportedConfigError
 from kvcache_core.page_table import PageTable
@@ -75,9 +76,15 @@ class TorchStorage:
     arrays (NumPy has no bfloat16; float32 holds every bfloat16 value exactly, so a round
     trip is bit-identical). On CUDA they are staged through pinned host memory.
 
+    Attributes:
+        attention_features: the attention capabilities :meth:`paged_attention` serves
+            (all of :data:`~kvcache_core.attention_features.ATTENTION_CAPABILITIES`).
+
     Raises:
         UnsupportedConfigError: a dtype the backend does not hold, or a device not present.
     """
+
+    attention_features: frozenset[str] = ATTENTION_CAPABILITIES
 
     def __init__(self, config: CacheConfig) -> None:
         from kvcache_torch.plugin import PREFERRED_LAYOUT
@@ -246,8 +253,14 @@ class TorchStorage:
         qo_indptr: npt.NDArray[np.int32],
         scale: float,
         causal: bool,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
-        """Attention over the layer's pool, read in place (arguments validated by the manager)."""
+        """Attention over the layer's pool, read in place (arguments validated by the
+        manager), with the attention features of :mod:`kvcache_core.attention_features`."""
         return attend_pool(
             query,
             self._pool[layer, 0],
@@ -257,6 +270,10 @@ class TorchStorage:
             scale,
             causal,
             self._config.layout,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+            chunk=chunk,
         )
 
     # -- arrays ---------------------------------------------------------------------------

@@ -16,7 +16,13 @@ import numpy as np
 
 from kvcache_core import BackendSpec, CacheConfig, hookimpl
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError
-from kvcache_core.numpy_backend import POLICY_CAPABILITIES, PREFERRED_LAYOUT, NumpyArray, NumpyStorage
+from kvcache_core.numpy_backend import (
+    ATTENTION_CAPABILITIES,
+    POLICY_CAPABILITIES,
+    PREFERRED_LAYOUT,
+    NumpyArray,
+    NumpyStorage,
+)
 from kvcache_memmap._lock import PoolLock, acquire_lock
 from kvcache_memmap._paths import PoolPaths, check_file, create_file, path_error, read_small_file, resolve_paths
 from kvcache_memmap.errors import PoolPathNotFoundError
@@ -267,5 +273,6 @@ def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
         kv_layouts=("NHD", "HND", "heads_first"),
         preferred_layout=PREFERRED_LAYOUT,
         description="pool in a memory-mapped file (example third-party backend)",
-        capabilities=POLICY_CAPABILITIES,  # the policies live in core; the NumPy kernels serve them
+        # The policies live in core; the NumPy kernels serve them and every attention feature.
+        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES,
     )

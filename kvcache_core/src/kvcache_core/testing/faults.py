@@ -28,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from kvcache_core.attention_features import storage_attention_features
 from kvcache_core.config import AllocationRequest, CacheConfig
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
@@ -126,10 +127,23 @@ class FaultyStorage:
         qo_indptr: npt.NDArray[np.int32],
         scale: float,
         causal: bool,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: Any = None,
+        chunk: int | None = None,
     ) -> Any:
+        given: dict[str, Any] = {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk}
+        features = {name: value for name, value in given.items() if value is not None}
         return self._call(
-            "paged_attention", lambda: self._inner.paged_attention(layer, query, page_table, qo_indptr, scale, causal)
+            "paged_attention",
+            lambda: self._inner.paged_attention(layer, query, page_table, qo_indptr, scale, causal, **features),
         )
+
+    @property
+    def attention_features(self) -> frozenset[str]:
+        """The wrapped storage's attention capabilities."""
+        return storage_attention_features(self._inner)
 
     def array_info(self, array: object) -> tuple[tuple[int, ...], str]:
         return self._inner.array_info(array)

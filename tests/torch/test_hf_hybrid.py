@@ -1,0 +1,213 @@
+"""kvcache_torch.hf on hybrid-attention models: sliding-window layers (some or all),
+chunked local attention (Llama 4), logit softcapping (Gemma 2) and attention sinks (gpt-oss)
+on the paged path.
+
+Every equality test runs a tiny random-weight model twice, once with ``DynamicCache`` and
+the model's own reference attention (``eager`` for Gemma 2 and gpt-oss, ``sdpa`` for the
+others) and once with :class:`PagedCache` and ``"kvcache_paged"``, with prompts longer
+than the window, and compares the logits (fp32, max abs difference <= 1e-4).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import pytest
+
+from kvcache_core import PagedKvCacheManager, UnsupportedConfigError, create_manager
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kvcache_torch.hf import (  # noqa: E402  # after the skips: it imports torch and transformers
+    ATTN_IMPLEMENTATION,
+    PagedCache,
+    cache_config_for,
+)
+from tests.torch.test_hf import (  # noqa: E402
+    COMMON_CONFIG,
+    TOLERANCE,
+    forward,
+    generate,
+    max_logit_difference,
+    prompts,
+)
+
+Model = Any
+Tensor = Any
+
+#: The sliding window of every model: prompts of 20 tokens outgrow it.
+WINDOW = 6
+
+#: ``(config class, model class, config fields, reference attention)``.
+HYBRID: dict[str, tuple[str, str, dict[str, Any], str]] = {
+    # Alternating sliding / full layers; softcap 1.0 so that capping changes the scores.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"head_dim": 16, "attn_logit_softcapping": 1.0, "final_logit_softcapping": None},
+        "eager",
+    ),
+    # Alternating sliding / full layers, a sink per query head, mixture of experts.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+        "eager",
+    ),
+    # Three sliding layers, then one full.
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {}, "sdpa"),
+    # Every layer slides (no layer_types).
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}, "sdpa"),
+    # Layer 0 full, the others sliding.
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 1}, "sdpa"),
+    # Three chunked layers (chunks of WINDOW positions), then one full; mixture of experts.
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        {
+            "head_dim": 16,
+            "intermediate_size_mlp": 96,
+            "attention_chunk_size": WINDOW,
+            "num_local_experts": 2,
+            "num_experts_per_tok": 1,
+        },
+        "sdpa",
+    ),
+}
+
+_MODELS: dict[str, tuple[Model, Model]] = {}
+
+
+def hybrid_pair(architecture: str) -> tuple[Model, Model]:
+    """``(paged model, reference model)`` with the same weights."""
+    if architecture not in _MODELS:
+        config_name, model_name, extra, reference_attention = HYBRID[architecture]
+        torch.manual_seed(0)
+        fields = {**COMMON_CONFIG, "num_hidden_layers": 4, "sliding_window": WINDOW, **extra}
+        config = getattr(transformers, config_name)(**fields)
+        reference = getattr(transformers, model_name)(config).eval()
+        with torch.no_grad():  # the sinks start at zero: make them matter
+            for module in reference.modules():
+                sinks: Any = getattr(module, "sinks", None)
+                if isinstance(sinks, torch.nn.Parameter):
+                    sinks.normal_(0.0, 1.0)
+        reference.set_attn_implementation(reference_attention)
+        tested = copy.deepcopy(reference)
+        tested.set_attn_implementation(ATTN_IMPLEMENTATION)
+        _MODELS[architecture] = (tested, reference)
+    return _MODELS[architecture]
+
+
+def make_manager(model: Model, num_blocks: int = 160, block_size: int = 4) -> PagedKvCacheManager[Tensor]:
+    manager: PagedKvCacheManager[Tensor] = create_manager(
+        "torch", cache_config_for(model, num_blocks=num_blocks, block_size=block_size)
+    )
+    return manager
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Any:
+    """These models are tiny: one thread is faster than two fighting over a busy CI core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+ARCHITECTURES = sorted(HYBRID)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_prefill_and_chunked_prefill_past_the_window_give_the_logits_of_dynamic_cache(architecture: str) -> None:
+    model, reference = hybrid_pair(architecture)
+    ids, mask = prompts(2, 20, pads=(0, 3))
+    real = mask.bool()
+    for chunks in ([(0, 20)], [(0, 7), (7, 15), (15, 16), (16, 20)]):
+        with PagedCache(make_manager(model), model.config) as cache:
+            dynamic = transformers.DynamicCache(config=reference.config)
+            for start, stop in chunks:
+                ours = forward(model, ids[:, start:stop], mask, start, cache)
+                expected = forward(reference, ids[:, start:stop], mask, start, dynamic)
+                rows = real[:, start:stop]  # logits at padding positions are meaningless in both
+                difference = float((ours[rows] - expected[rows]).abs().max())
+                assert difference <= TOLERANCE, f"chunks {chunks}, at {start}:{stop}: {difference}"
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_greedy_generate_of_a_left_padded_batch_gives_the_tokens_and_scores_of_dynamic_cache(
+    architecture: str,
+) -> None:
+    model, reference = hybrid_pair(architecture)
+    ids, mask = prompts(3, 14, pads=(0, 4, 1), seed=2)
+    options: dict[str, Any] = {"max_new_tokens": 24, "output_scores": True}
+    with PagedCache(make_manager(model), model.config) as cache:
+        ours = generate(model, ids, mask, cache, **options)
+        assert cache.request_lengths() == [14 + 23, 10 + 23, 13 + 23]  # padding is never stored
+    expected = generate(reference, ids, mask, **options)
+    assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
+    assert max_logit_difference(ours.scores, expected.scores) <= TOLERANCE
+    assert torch.equal(ours.sequences, expected.sequences)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_second_generate_on_the_same_cache_gives_the_logits_of_dynamic_cache(architecture: str) -> None:
+    model, reference = hybrid_pair(architecture)
+    ids, mask = prompts(2, 12, pads=(2, 0), seed=3)
+    dynamic = transformers.DynamicCache(config=reference.config)
+    with PagedCache(make_manager(model), model.config) as cache:
+        first = generate(model, ids, mask, cache, max_new_tokens=8)
+        expected_first = generate(reference, ids, mask, past_key_values=dynamic, max_new_tokens=8)
+        assert torch.equal(first.sequences, expected_first.sequences)
+        more, _ = prompts(2, 5, seed=4)
+        next_ids = torch.cat([first.sequences, more], dim=1)
+        next_mask = torch.cat([mask, torch.ones((2, next_ids.shape[1] - mask.shape[1]), dtype=mask.dtype)], dim=1)
+        ours = generate(model, next_ids, next_mask, cache, max_new_tokens=8)
+        expected = generate(reference, next_ids, next_mask, past_key_values=dynamic, max_new_tokens=8)
+    assert max_logit_difference(first.logits, expected_first.logits) <= TOLERANCE
+    assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
+    assert torch.equal(ours.sequences, expected.sequences)
+
+
+@pytest.mark.parametrize(("architecture", "field"), [("mistral", "sliding_window"), ("llama4", "attention_chunk_size")])
+def test_the_window_or_chunk_changes_the_logits(architecture: str, field: str) -> None:
+    """The test models' windows and chunks matter: attending past them gives other logits."""
+    model, _ = hybrid_pair(architecture)
+    unwindowed = copy.deepcopy(model)
+    setattr(unwindowed.config, field, 4096 if field == "attention_chunk_size" else None)
+    ids, mask = prompts(1, 20)
+    with PagedCache(make_manager(model), model.config) as cache:
+        windowed_logits = forward(model, ids, mask, 0, cache)
+    with PagedCache(make_manager(unwindowed), unwindowed.config) as cache:
+        full_logits = forward(unwindowed, ids, mask, 0, cache)
+    assert float((windowed_logits - full_logits).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("layer_type", ["linear_attention", "mamba"])
+def test_layers_that_are_not_attention_are_refused_by_name(layer_type: str) -> None:
+    config = transformers.Qwen2Config(**{**COMMON_CONFIG, "layer_types": ["full_attention", "full_attention"]})
+    config.layer_types = ["full_attention", layer_type]
+    with pytest.raises(UnsupportedConfigError, match=repr(layer_type)):
+        cache_config_for(config, num_blocks=8)
+    manager = create_manager("torch", cache_config_for(transformers.Qwen2Config(**COMMON_CONFIG), num_blocks=8))
+    with pytest.raises(UnsupportedConfigError, match=repr(layer_type)):
+        PagedCache(manager, config)
+
+
+def test_kvcache_paged_attention_without_a_paged_cache_applies_the_window() -> None:
+    """With a DynamicCache the attention gets contiguous K/V: the window goes into the mask."""
+    model, reference = hybrid_pair("mistral")
+    ids, mask = prompts(2, 20, pads=(0, 3), seed=5)
+    ours = generate(model, ids, mask, max_new_tokens=6)  # DynamicCache, kvcache_paged attention
+    expected = generate(reference, ids, mask, max_new_tokens=6)
+    assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
+
+
+def test_kvcache_paged_attention_without_a_paged_cache_refuses_sinks() -> None:
+    model, _ = hybrid_pair("gpt_oss")
+    ids, mask = prompts(1, 8)
+    with pytest.raises(UnsupportedConfigError, match="sinks"):
+        generate(model, ids, mask, max_new_tokens=2)
