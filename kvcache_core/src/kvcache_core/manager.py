@@ -1113,16 +1113,16 @@ class PagedKvCacheManager(Generic[ArrayT]):
             raise ShapeMismatchError(
                 f"query must be [tokens, k * {heads}, {dim}] (k >= 1 query heads per KV head), got {shape}"
             )
-        if dtype != self._config.dtype:
-            raise DTypeMismatchError(f"query has dtype {dtype}, the pool holds {self._config.dtype}")
+        if dtype != self._config.io_dtype:  # issue 14: a quantized pool computes in its io_dtype
+            raise DTypeMismatchError(f"query has dtype {dtype}, the pool computes in {self._config.io_dtype}")
         return shape
 
     def _check_array(self, name: str, array: object, expected: tuple[int, ...]) -> None:
         shape, dtype = self._array_info(name, array)
         if shape != expected:
             raise ShapeMismatchError(f"{name} must have shape {expected} ([n, num_heads, head_dim]), got {shape}")
-        if dtype != self._config.dtype:
-            raise DTypeMismatchError(f"{name} has dtype {dtype}, the pool holds {self._config.dtype}")
+        if dtype != self._config.io_dtype:  # issue 14: a quantized pool computes in its io_dtype
+            raise DTypeMismatchError(f"{name} has dtype {dtype}, the pool computes in {self._config.io_dtype}")
 
     # -- internals: blocks -------------------------------------------------------------
 
