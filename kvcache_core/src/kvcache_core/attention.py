@@ -196,7 +196,8 @@ def paged_attention(
     indptr = validate_query_indptr(qo_indptr, page_table, query.shape[0])
     scale_shape = (num_heads, key_cache.shape[{"NHD": 0, "HND": 0, "heads_first": 1}[kv_layout]], page_table.block_size)
     if (key_scales is None) != (value_scales is None) or (
-        key_scales is not None and (key_scales.shape != scale_shape or value_scales is None or value_scales.shape != scale_shape)
+        key_scales is not None
+        and (key_scales.shape != scale_shape or value_scales is None or value_scales.shape != scale_shape)
     ):
         raise ShapeMismatchError(
             f"key_scales and value_scales must both be None or both {scale_shape} ([heads, blocks, block_size]), got "

@@ -67,7 +67,8 @@ def raw_numpy_dtype(dtype: str) -> np.dtype[Any]:
     if dtype == "float8_e4m3fn":
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.float8_e4m3fn)
+        fp8: np.dtype[Any] = np.dtype(ml_dtypes.float8_e4m3fn)
+        return fp8
     raise InvalidArgumentError(f"{dtype!r} is not a quantized dtype; valid: {', '.join(QUANTIZED_DTYPES)}")
 
 
@@ -115,7 +116,9 @@ def quantize(
     data = np.asarray(values, dtype=np.float32)
     limit = np.float32(QUANTIZED_RANGE[dtype])
     if dtype == "int8":
-        scales = (np.abs(data).max(axis=2) / limit).astype(np.float32) if data.size else np.zeros(data.shape[:2], np.float32)
+        scales = (
+            (np.abs(data).max(axis=2) / limit).astype(np.float32) if data.size else np.zeros(data.shape[:2], np.float32)
+        )
     else:
         if head_scales is None:
             raise InvalidArgumentError("float8 quantization needs one scale per KV head")

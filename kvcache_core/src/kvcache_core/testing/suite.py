@@ -47,6 +47,7 @@ from kvcache_core.testing.catalogue import (
     snapshot,
 )
 from kvcache_core.testing.machine import POLICIES, run_policy_machine, run_reference_machine
+from kvcache_core.testing.quantized import QuantizedCases
 from kvcache_core.testing.reliability import ReliabilityCases
 from kvcache_core.testing.returns import storage_return_problems
 
@@ -152,7 +153,7 @@ def _grown_side_by_side(
     return handles, merged
 
 
-class KvCacheConformance(ReliabilityCases):
+class KvCacheConformance(ReliabilityCases, QuantizedCases):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 
     #: Request lengths of the attention tests (ragged, over several blocks and runs).
