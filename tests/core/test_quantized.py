@@ -5,6 +5,7 @@ every backend)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -27,19 +28,23 @@ from kvcache_core.quantization import (
     unpack_host,
 )
 
-GEOMETRY = {"num_layers": 2, "num_heads": 2, "head_dim": 128, "num_blocks": 8, "block_size": 4}
+
+def pool(**fields: Any) -> CacheConfig:
+    """2 layers, 2 KV heads of 128 features, 8 blocks of 4 tokens, with ``fields`` changed."""
+    base: dict[str, Any] = {"num_layers": 2, "num_heads": 2, "head_dim": 128, "num_blocks": 8, "block_size": 4}
+    return CacheConfig(**{**base, **fields})
 
 
 # -- config -------------------------------------------------------------------------------
 
 
 def test_a_quantized_pool_computes_in_float32_by_default_and_a_plain_pool_in_its_dtype() -> None:
-    assert CacheConfig(**GEOMETRY, dtype="int8").io_dtype == "float32"
-    assert CacheConfig(**GEOMETRY, dtype="float8_e4m3fn", compute_dtype="float16").io_dtype == "float16"
-    assert CacheConfig(**GEOMETRY, dtype="float16").io_dtype == "float16"
-    assert CacheConfig(**GEOMETRY, dtype="float16", compute_dtype="float16").io_dtype == "float16"
-    assert CacheConfig(**GEOMETRY, dtype="int8").quantized
-    assert not CacheConfig(**GEOMETRY).quantized
+    assert pool(dtype="int8").io_dtype == "float32"
+    assert pool(dtype="float8_e4m3fn", compute_dtype="float16").io_dtype == "float16"
+    assert pool(dtype="float16").io_dtype == "float16"
+    assert pool(dtype="float16", compute_dtype="float16").io_dtype == "float16"
+    assert pool(dtype="int8").quantized
+    assert not pool().quantized
 
 
 @pytest.mark.parametrize(
@@ -57,32 +62,32 @@ def test_a_quantized_pool_computes_in_float32_by_default_and_a_plain_pool_in_its
 )
 def test_bad_compute_dtypes_and_scales_are_refused_naming_the_value(fields: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidConfigError, match=message):
-        CacheConfig(**GEOMETRY, **fields)  # type: ignore[arg-type]
+        pool(**fields)
 
 
 def test_calibrated_scales_are_stored_as_nested_tuples_and_replace_keeps_them() -> None:
-    config = CacheConfig(**GEOMETRY, dtype="float8_e4m3fn", kv_scales=np.full((2, 2, 2), 0.5))
+    config = pool(dtype="float8_e4m3fn", kv_scales=np.full((2, 2, 2), 0.5))
     assert config.kv_scales == (((0.5, 0.5), (0.5, 0.5)),) * 2
     assert dataclasses.replace(config, num_blocks=4).kv_scales == config.kv_scales
     assert hash(config) == hash(dataclasses.replace(config))
 
 
 def test_a_plain_config_still_changes_dtype_through_replace() -> None:
-    assert dataclasses.replace(CacheConfig(**GEOMETRY), dtype="float16").io_dtype == "float16"
+    assert dataclasses.replace(pool(), dtype="float16").io_dtype == "float16"
 
 
 def test_memory_of_int8_and_fp8_pools_with_scales_at_head_dim_128() -> None:
-    float32 = CacheConfig(**GEOMETRY).bytes_per_block
-    float16 = CacheConfig(**GEOMETRY, dtype="float16").bytes_per_block
+    float32 = pool().bytes_per_block
+    float16 = pool(dtype="float16").bytes_per_block
     for dtype in ("int8", "float8_e4m3fn"):
-        quantized = CacheConfig(**GEOMETRY, dtype=dtype).bytes_per_block
+        quantized = pool(dtype=dtype).bytes_per_block
         assert quantized == float32 * (128 + 4) // 512  # one float32 scale per token per head
         assert quantized / float32 <= 0.26
         assert quantized / float16 <= 0.53
 
 
 def test_the_manager_reports_the_quantized_pool_with_its_scales() -> None:
-    config = CacheConfig(**GEOMETRY, dtype="int8")
+    config = pool(dtype="int8")
     manager = create_manager("numpy", config)
     storage = manager.storage
     assert isinstance(storage, NumpyStorage)
@@ -93,7 +98,7 @@ def test_the_manager_reports_the_quantized_pool_with_its_scales() -> None:
 
 def test_a_numpy_pool_refuses_a_bfloat16_compute_dtype() -> None:
     with pytest.raises(UnsupportedConfigError, match="bfloat16"):
-        create_manager("numpy", CacheConfig(**GEOMETRY, dtype="int8", compute_dtype="bfloat16"))
+        create_manager("numpy", pool(dtype="int8", compute_dtype="bfloat16"))
 
 
 # -- encodings ----------------------------------------------------------------------------
@@ -102,7 +107,7 @@ def test_a_numpy_pool_refuses_a_bfloat16_compute_dtype() -> None:
 def test_int8_scales_each_token_head_by_its_maximum_and_rounds_to_nearest() -> None:
     values = np.array([[[1.0, -0.5, 0.25], [0.0, 0.0, 0.0]], [[-254.0, 127.0, 1.0], [2.0, 1.0, 0.5]]])
     raw, scales = quantize("int8", values)
-    np.testing.assert_array_equal(scales, np.float32([[1 / 127, 0.0], [2.0, 2 / 127]]))
+    np.testing.assert_array_equal(scales, np.array([[1 / 127, 0.0], [2.0, 2 / 127]], dtype=np.float32))
     np.testing.assert_array_equal(raw[1, 0], [-127, 64, 0])  # 63.5 rounds to even (64), 0.5 to 0
     np.testing.assert_array_equal(raw[0, 1], [0, 0, 0])  # a zero head stays zero, scale 0
     assert np.abs(dequantize(raw, scales) - values).max() <= 1.0 + 1e-6  # half the largest step
@@ -111,23 +116,23 @@ def test_int8_scales_each_token_head_by_its_maximum_and_rounds_to_nearest() -> N
 def test_fp8_running_maximum_only_grows_and_older_tokens_keep_their_scale() -> None:
     first = np.full((1, 2, 4), 2.0)
     scales = grow_running_scales(np.zeros(2, np.float32), first)
-    np.testing.assert_array_equal(scales, np.float32([2 / 448, 2 / 448]))
+    np.testing.assert_array_equal(scales, np.array([2 / 448, 2 / 448], dtype=np.float32))
     assert np.array_equal(grow_running_scales(scales, first / 4), scales)  # smaller values: unchanged
     bigger = np.full((1, 2, 4), 8.0)
     grown = grow_running_scales(scales, bigger)
-    np.testing.assert_array_equal(grown, np.float32([8 / 448, 8 / 448]))
+    np.testing.assert_array_equal(grown, np.array([8 / 448, 8 / 448], dtype=np.float32))
     raw, token_scales = quantize("float8_e4m3fn", first, scales)
     assert raw.dtype == ml_dtypes.float8_e4m3fn
     np.testing.assert_array_equal(dequantize(raw, token_scales), first.astype(np.float32))
 
 
 def test_fp8_calibrated_scales_saturate_beyond_their_range() -> None:
-    raw, _ = quantize("float8_e4m3fn", np.array([[[1.0, 10.0, -10.0]]]), np.float32([1 / 448]))
+    raw, _ = quantize("float8_e4m3fn", np.array([[[1.0, 10.0, -10.0]]]), np.array([1 / 448], dtype=np.float32))
     np.testing.assert_array_equal(raw.astype(np.float32), [[[448.0, 448.0, -448.0]]])
 
 
 def test_the_host_form_packs_raw_bytes_and_scales_losslessly() -> None:
-    config = CacheConfig(**GEOMETRY, dtype="int8")
+    config = pool(dtype="int8")
     values = np.random.default_rng(0).standard_normal((3, 2, 128))
     raw, scales = quantize("int8", values)
     packed = pack_host(raw, scales)
@@ -140,7 +145,7 @@ def test_the_host_form_packs_raw_bytes_and_scales_losslessly() -> None:
 
 
 def test_a_host_form_of_the_wrong_dtype_or_width_is_refused() -> None:
-    config = CacheConfig(**GEOMETRY, dtype="int8")
+    config = pool(dtype="int8")
     with pytest.raises(DTypeMismatchError, match="uint8"):
         unpack_host(config, np.zeros((2, 132), np.float32))
     with pytest.raises(ShapeMismatchError, match="132 bytes"):
@@ -148,7 +153,7 @@ def test_a_host_form_of_the_wrong_dtype_or_width_is_refused() -> None:
 
 
 def test_swap_out_keeps_the_packed_form_and_swap_in_restores_it_bit_exact() -> None:
-    config = CacheConfig(**GEOMETRY, dtype="float8_e4m3fn")
+    config = pool(dtype="float8_e4m3fn")
     manager = create_manager("numpy", config)
     handle = manager.allocate(AllocationRequest("a"))
     slots = manager.extend(handle, 7)
