@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvcache_core import AllocationRequest, CacheConfig, create_manager
+from kvcache_core import AllocationRequest, CacheConfig, create_manager, paged_kernel
 from kvcache_core.errors import (
     DTypeMismatchError,
     InvalidConfigError,
@@ -166,3 +166,24 @@ def test_swap_out_keeps_the_packed_form_and_swap_in_restores_it_bit_exact() -> N
     after = manager.gather(handle, 0)
     for got, expected in zip(after, before, strict=True):
         assert got.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND", "heads_first"])
+def test_the_compiled_kernel_dequantizes_like_the_reference(
+    dtype: str, kv_layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not paged_kernel.kernel_available():
+        pytest.skip("numba is not installed")
+    config = pool(dtype=dtype, kv_layout=kv_layout, num_blocks=64, head_dim=32, sliding_window=None)
+    manager = create_manager("numpy", config)
+    rng = np.random.default_rng(5)
+    handles = [manager.allocate(AllocationRequest(rid)) for rid in ("a", "b")]
+    slots = np.concatenate([manager.extend(handles[0], 37), manager.extend(handles[1], 90)])
+    manager.write(1, slots, *(rng.standard_normal((127, 2, 32)).astype(np.float32) for _ in range(2)))
+    query = rng.standard_normal((2, 4, 32)).astype(np.float32)
+    table = manager.page_table(handles)
+    compiled = manager.paged_attention(1, query, table)
+    monkeypatch.setenv(paged_kernel.DISABLE_ENV, "1")
+    reference = manager.paged_attention(1, query, table)
+    np.testing.assert_allclose(compiled, reference, rtol=1e-5, atol=1e-5)

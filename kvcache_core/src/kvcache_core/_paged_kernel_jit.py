@@ -22,7 +22,10 @@ Pools are flat 1-D views of one layer's K or V and element strides of (block, to
 block, head); the feature axis is contiguous. Each key tile's rows are copied (float32)
 or decoded (``POOL_FLOAT16`` and ``POOL_BFLOAT16``, handed over as ``uint16`` bits) into
 one float32 tile that stays in L1 while every query row reads it; the pool itself is
-only read, never copied as a whole. ``cache=True``: the compiled code
+only read, never copied as a whole. A quantized pool (``POOL_BYTES``: int8 or float8
+e4m3, handed over as ``uint8``) is decoded into the tile the same way: a 256-entry table
+gives each byte's value and the token head's scale multiplies it, so the dequantized
+values exist only in that tile. ``cache=True``: the compiled code
 is kept on disk, so each machine compiles once (per pool element type).
 """
 
@@ -37,12 +40,23 @@ import math
 import numpy as np
 from numba import njit
 
-__all__ = ["KEY_TILE", "POOL_BFLOAT16", "POOL_FLOAT16", "POOL_FLOAT32", "ROW_TILE", "attend_share", "merge_splits"]
+__all__ = [
+    "KEY_TILE",
+    "POOL_BFLOAT16",
+    "POOL_BYTES",
+    "POOL_FLOAT16",
+    "POOL_FLOAT32",
+    "ROW_TILE",
+    "attend_share",
+    "merge_splits",
+]
 
 #: Element kinds of a pool, as the kernel reads it.
 POOL_FLOAT32 = 0
 POOL_FLOAT16 = 1
 POOL_BFLOAT16 = 2
+#: A quantized pool's bytes: ``value = table[byte] * scale`` (int8, float8 e4m3).
+POOL_BYTES = 3
 
 #: Query rows attended together (their K/V rows are read once for all of them).
 ROW_TILE = 16
@@ -62,11 +76,26 @@ _F16_OVERFLOW = np.float32(65536.0)  # ... and at least this for an infinity or 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
 def _load_tile(  # type: ignore[no-untyped-def]
-    pool, kind, block_row, request, first_key, keys, block_size, block_stride, token_stride, head_offset, tile, bits
+    pool,
+    kind,
+    block_row,
+    request,
+    first_key,
+    keys,
+    block_size,
+    block_stride,
+    token_stride,
+    head_offset,
+    tile,
+    bits,
+    scales,
+    scale_strides,
+    scale_head_offset,
+    lut,
 ):
-    """Copy (float32) or decode (16-bit) the rows of keys ``[first_key, first_key + keys)``
-    of one head into ``tile [KEY_TILE, dim]`` float32 (``bits`` is its uint32 view),
-    following the block table row ``block_row``."""
+    """Copy (float32) or decode (16-bit, quantized bytes) the rows of keys ``[first_key,
+    first_key + keys)`` of one head into ``tile [KEY_TILE, dim]`` float32 (``bits`` is its
+    uint32 view), following the block table row ``block_row``."""
     dim = tile.shape[1]
     block_index = first_key // block_size
     offset = first_key - block_index * block_size
@@ -78,6 +107,12 @@ def _load_tile(  # type: ignore[no-untyped-def]
         if kind == POOL_FLOAT32:
             for d in range(dim):
                 target[d] = source[d]
+        elif kind == POOL_BYTES:
+            row_scale = scales[
+                block_row[block_index] * scale_strides[0] + offset * scale_strides[1] + scale_head_offset
+            ]
+            for d in range(dim):
+                target[d] = lut[np.int64(source[d]) & 255] * row_scale  # typed for every pool kind
         elif kind == POOL_BFLOAT16:
             for d in range(dim):
                 target_bits[d] = np.uint32(source[d]) << np.uint32(16)
@@ -125,6 +160,10 @@ def _attend_item(  # type: ignore[no-untyped-def]
     row_high,
     tile,
     bits,
+    key_scales,
+    value_scales,
+    scale_strides,
+    lut,
 ):
     """Attend the rows ``[item[2], item[3])`` of one ``(request, kv_head)`` over its keys
     ``[item[4], item[5])``; scratch buffers are the thread's."""
@@ -143,6 +182,7 @@ def _attend_item(  # type: ignore[no-untyped-def]
     seq_len = seq_lens[request]
     block_stride, token_stride, head_stride = strides[0], strides[1], strides[2]
     head_offset = head * head_stride
+    scale_head_offset = head * scale_strides[2]
     block_row = block_tables[request]
     for tile_row in range(first_row, last_row, ROW_TILE):
         rows = min(ROW_TILE, last_row - tile_row)
@@ -182,6 +222,10 @@ def _attend_item(  # type: ignore[no-untyped-def]
                 head_offset,
                 tile,
                 bits,
+                key_scales,
+                scale_strides,
+                scale_head_offset,
+                lut,
             )
             for c in range(keys):
                 key_row = tile[c]
@@ -246,6 +290,10 @@ def _attend_item(  # type: ignore[no-untyped-def]
                 head_offset,
                 tile,
                 bits,
+                value_scales,
+                scale_strides,
+                scale_head_offset,
+                lut,
             )
             for c in range(keys):
                 value_row = tile[c]
@@ -302,11 +350,18 @@ def attend_share(  # type: ignore[no-untyped-def]
     out,
     partial_acc,
     partial_stats,
+    key_scales,
+    value_scales,
+    scale_strides,
+    lut,
 ):
     """Run the items ``items [n, 7]`` int64 (one thread's share) in order, without the GIL.
 
     ``query [tokens, query_heads, dim]`` and ``out`` (same shape) are float32;
-    ``partial_acc [p, dim]`` and ``partial_stats [p, 2]`` (maximum, sum) float32."""
+    ``partial_acc [p, dim]`` and ``partial_stats [p, 2]`` (maximum, sum) float32. For
+    ``POOL_BYTES``: ``key_scales``/``value_scales`` flat float32 scales with element strides
+    ``scale_strides`` (block, token, head) and ``lut [256]`` float32 byte values; other
+    kinds ignore them."""
     dim = query.shape[2]
     queries = np.empty((ROW_TILE, dim), np.float32)
     acc = np.empty((ROW_TILE, dim), np.float32)
@@ -345,6 +400,10 @@ def attend_share(  # type: ignore[no-untyped-def]
             row_high,
             tile,
             bits,
+            key_scales,
+            value_scales,
+            scale_strides,
+            lut,
         )
 
 

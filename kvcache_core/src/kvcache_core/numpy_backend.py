@@ -271,9 +271,27 @@ class NumpyStorage:
     ) -> NumpyArray:
         """Attention over this layer's pool, read in place: the compiled kernel
         (:mod:`kvcache_core.paged_kernel`) for float32 and float16 pools when numba is
-        installed, else the NumPy reference (always for quantized pools: it dequantizes
-        while reading each run, folding the scales into scores and weights)."""
+        installed, else the NumPy reference. A quantized pool is dequantized while it is
+        read: the kernel decodes each tile of keys with their scales, the reference folds
+        the scales into each run's scores and weights."""
         if self._scales is not None:
+            raw_keys, raw_values = self._pool[layer, 0].view(np.uint8), self._pool[layer, 1].view(np.uint8)
+            if paged_kernel.kernel_available() and paged_kernel.kernel_reads(self._config.dtype, raw_keys, raw_values):
+                output = paged_kernel.attend_with_kernel(
+                    query,
+                    raw_keys,
+                    raw_values,
+                    page_table,
+                    qo_indptr,
+                    dtype=self._config.dtype,
+                    scale=scale,
+                    causal=causal,
+                    kv_layout=self._config.kv_layout,
+                    sliding_window=page_table.sliding_window,
+                    key_scales=self._scales[layer, 0],
+                    value_scales=self._scales[layer, 1],
+                )
+                return output.astype(query.dtype, copy=False)
             return paged_attention(
                 query,
                 self._pool[layer, 0],
