@@ -39,10 +39,12 @@ from kvcache_core.errors import DTypeMismatchError, InvalidArgumentError, ShapeM
 
 __all__ = [
     "QUANTIZED_RANGE",
+    "SCALE_BYTES",
     "check_finite",
     "dequantize",
     "dequantize_host",
     "grow_running_scales",
+    "non_finite_message",
     "pack_host",
     "quantize",
     "raw_numpy_dtype",
@@ -81,10 +83,15 @@ def check_finite(name: str, values: npt.NDArray[Any]) -> None:
     finite = np.isfinite(values)
     if not finite.all():
         index = tuple(int(i) for i in np.unravel_index(int(np.argmin(finite)), values.shape))
-        raise InvalidArgumentError(
-            f"{name}{list(index)} = {float(values[index])!r}: a quantized pool holds finite values only "
-            "(its scale would poison the whole token head); nothing was written"
-        )
+        raise InvalidArgumentError(non_finite_message(name, index, float(values[index])))
+
+
+def non_finite_message(name: str, index: tuple[int, ...], value: float) -> str:
+    """The message of a refused non-finite write (shared by every backend)."""
+    return (
+        f"{name}{list(index)} = {value!r}: a quantized pool holds finite values only "
+        "(its scale would poison the whole token head); nothing was written"
+    )
 
 
 def grow_running_scales(scales: npt.NDArray[np.float32], values: FloatArray) -> npt.NDArray[np.float32]:

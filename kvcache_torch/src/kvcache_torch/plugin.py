@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["CAPABILITIES", "DTYPES", "kvcache_register_backends", "make_storage"]
 
 #: Pool dtypes the backend claims (keep in step with ``kvcache_torch.dtypes.TORCH_DTYPES``).
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn")
 
 #: Optional features of the conformance kit the backend claims: the policies are core's,
 #: over this storage's block copies (fork), host transfers (swap) and windowed attention.
