@@ -81,7 +81,7 @@ MIN_SPLIT_KEYS: Final = 512
 #: Rough cost of reading one K/V row from memory, in units of one query row's products with it.
 _ROW_READ_COST = 8
 
-_POOL_KINDS: Final = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "float8_e4m3fn": 3}
+_POOL_KINDS: Final = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "float8_e4m3fn": 4}
 _POOL_ELEMENTS: Final = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.uint16),
@@ -94,19 +94,6 @@ _NO_SCALES: Final = np.zeros(1, dtype=np.float32)
 _NO_SCALES.flags.writeable = False
 _NO_STRIDES: Final = np.zeros(3, dtype=np.int64)
 _NO_STRIDES.flags.writeable = False
-_byte_tables: dict[str, npt.NDArray[np.float32]] = {}
-
-
-def _byte_table(dtype: str) -> npt.NDArray[np.float32]:
-    """The float32 value of each of the 256 bytes of a quantized dtype (read-only)."""
-    table = _byte_tables.get(dtype)
-    if table is None:
-        from kvcache_core.quantization import raw_numpy_dtype
-
-        table = np.arange(256, dtype=np.uint8).view(raw_numpy_dtype(dtype)).astype(np.float32)
-        table.flags.writeable = False
-        _byte_tables[dtype] = table
-    return table
 
 
 _HEADS_AXIS: Final = {"NHD": 2, "HND": 1, "heads_first": 0}
@@ -350,7 +337,7 @@ def attend_with_kernel(
         raise UnsupportedConfigError(
             f"the kernel cannot read {dtype} pools of dtype {key_cache.dtype}, strides {key_cache.strides} in place"
         )
-    quantized = _POOL_KINDS[dtype] == 3
+    quantized = dtype in QUANTIZED_KERNEL_DTYPES
     if quantized and (key_scales is None or value_scales is None):
         raise UnsupportedConfigError(f"a {dtype} pool is read with its key_scales and value_scales")
     total_queries, query_heads, head_dim = query.shape
@@ -384,10 +371,9 @@ def attend_with_kernel(
             _read_only(key_scales, np.float32).reshape(-1),
             _read_only(value_scales, np.float32).reshape(-1),
             _read_only(np.asarray([key_scales.shape[2], 1, key_scales.shape[1] * key_scales.shape[2]]), np.int64),
-            _byte_table(dtype),
         )
     else:
-        scale_options = (_NO_SCALES, _NO_SCALES, _NO_STRIDES, _byte_table("int8"))
+        scale_options = (_NO_SCALES, _NO_SCALES, _NO_STRIDES)
     options = (
         group,
         page_table.block_size,
