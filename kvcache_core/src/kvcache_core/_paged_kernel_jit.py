@@ -108,7 +108,7 @@ def _load_tile(  # type: ignore[no-untyped-def]
         if kind == POOL_FLOAT32:
             for d in range(dim):
                 target[d] = source[d]
-        elif kind == POOL_INT8 or kind == POOL_FLOAT8:
+        elif kind >= POOL_INT8:  # POOL_INT8, POOL_FLOAT8
             row_scale = scales[
                 block_row[block_index] * scale_strides[0] + offset * scale_strides[1] + scale_head_offset
             ]
