@@ -22,6 +22,16 @@ Three parts, in one process, on the torch backend (CPU):
    the float32 pool, medians of interleaved rounds. On CPU all three run the compiled kernel
    of ``kvcache_core.paged_kernel``, which decodes int8/fp8 per tile of 32 keys.
 
+4. **generate** -- ``model.generate`` of ``--new-tokens`` greedy tokens on three random-weight
+   architectures (Llama, Qwen2, Qwen3) through ``PagedCache`` over int8 and fp8 pools
+   (``cache_config_for(model, dtype=...)``), against the float32 ``DynamicCache`` run: the
+   first step whose token differs (``-`` if none), the largest logit difference up to and
+   including that step, and the K/V bytes held (``manager.stats().used_memory_bytes``, whole
+   blocks) against float32 K/V of the same tokens. Beside them, where ``optimum-quanto`` or
+   ``hqq`` are installed, transformers' ``QuantizedCache`` (4-bit quanto and hqq, group 64,
+   the last 16 tokens kept in full precision; and its per-tensor ``fp8`` backend) on the same
+   model: the same figures, its bytes counted from the tensors it holds.
+
 The script exits 1 when a memory or accuracy bound is broken; times are printed, never
 asserted (shared machines are noisy).
 
@@ -39,7 +49,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -71,6 +81,8 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds (each dtype once per round)")
     parser.add_argument("--repeats", type=int, default=5, help="calls per timed sample")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens of the generate comparison")
+    parser.add_argument("--new-tokens", type=int, default=24, help="greedy tokens of the generate comparison")
     parser.add_argument("--quick", action="store_true", help="a smoke run: small sizes, few rounds")
     args = parser.parse_args()
     if args.quick:
@@ -319,11 +331,132 @@ def speed(args: argparse.Namespace) -> None:
         manager.close()
 
 
+# -- 4. generate ------------------------------------------------------------------------------
+
+GENERATE_ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # q/k norms
+}
+
+
+def tensor_bytes(value: object, seen: set[int], depth: int = 0) -> int:
+    """Bytes of the tensors ``value`` holds (tensor subclasses through their inner tensors,
+    containers and plain objects a few levels deep), each storage counted once."""
+    if isinstance(value, torch.Tensor):
+        flatten = getattr(value, "__tensor_flatten__", None)
+        if type(value) is not torch.Tensor and flatten is not None:
+            names, _ = flatten()
+            return sum(tensor_bytes(getattr(value, name), seen, depth + 1) for name in names)
+        storage = value.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return int(storage.nbytes())
+    if depth > 4:
+        return 0
+    if isinstance(value, (list, tuple)):
+        items: list[object] = list(cast("list[object] | tuple[object, ...]", value))
+        return sum(tensor_bytes(item, seen, depth + 1) for item in items)
+    if isinstance(value, dict):
+        entries: list[object] = list(cast("dict[object, object]", value).values())
+        return sum(tensor_bytes(item, seen, depth + 1) for item in entries)
+    attributes: dict[str, object] | None = getattr(value, "__dict__", None)
+    if attributes is None or isinstance(value, type):
+        return 0
+    return sum(tensor_bytes(item, seen, depth + 1) for item in attributes.values())
+
+
+def generate_row(label: str, result: Any, expected: Any, prompt: int, held_bytes: int, float32_bytes: int) -> str:
+    ours, theirs = result.sequences[0, prompt:], expected.sequences[0, prompt:]
+    differing = (ours != theirs).nonzero()
+    first = int(differing[0]) if len(differing) else None
+    steps = len(expected.logits) if first is None else first + 1
+    largest = max(
+        float((a - b).abs().max()) for a, b in zip(result.logits[:steps], expected.logits[:steps], strict=True)
+    )
+    shown_first = "-" if first is None else str(first)
+    return (
+        f"    {label:<28} first divergent step {shown_first:>3}  max logit diff {largest:8.4f}  "
+        f"K/V {held_bytes / 1024:7.1f} KiB = {held_bytes / float32_bytes:.3f}x float32"
+    )
+
+
+def generate_comparison(args: argparse.Namespace) -> None:
+    import transformers
+
+    from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for
+
+    quantized_cache: Any = getattr(importlib.import_module("transformers.cache_utils"), "QuantizedCache")  # noqa: B009
+    options: dict[str, Any] = {
+        "max_new_tokens": args.new_tokens,
+        "do_sample": False,
+        "output_logits": True,
+        "return_dict_in_generate": True,
+        "pad_token_id": 0,
+    }
+    print(
+        f"generate: {args.new_tokens} greedy tokens after a {args.prompt}-token prompt, random-weight models "
+        "(2 layers, hidden 256, 4 query / 2 KV heads of 64, vocab 1000, initializer_range 0.05), against float32 "
+        "DynamicCache; logit differences up to and including the first divergent step"
+    )
+    for architecture, (config_name, model_name) in GENERATE_ARCHITECTURES.items():
+        config = getattr(transformers, config_name)(
+            vocab_size=1000,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=256,
+            initializer_range=0.05,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=None,
+        )
+        torch.random.manual_seed(args.seed)  # pyright: ignore[reportUnknownMemberType]  # seed untyped in torch
+        model: Any = getattr(transformers, model_name)(config).eval()
+        ids = torch.randint(3, 1000, (1, args.prompt), generator=torch.Generator().manual_seed(args.seed + 1))
+        mask = torch.ones_like(ids)
+        model.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            expected = model.generate(ids, attention_mask=mask, **options)
+        tokens = args.prompt + args.new_tokens - 1  # the last token's K/V is never written
+        float32_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * tokens * config.head_dim * 4
+        print(f"  {architecture}:")
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        for dtype in ("float32", *QUANTIZED):
+            pool = cache_config_for(model, dtype=dtype, max_tokens=args.prompt + args.new_tokens)
+            with create_manager("torch", pool) as manager, PagedCache(manager, model.config) as cache:
+                with torch.no_grad():
+                    result = model.generate(ids, attention_mask=mask, cache=cache, **options)
+                held = manager.stats().used_memory_bytes
+            print(generate_row(f"ours {dtype} pool", result, expected, args.prompt, held, float32_bytes))
+        model.set_attn_implementation("sdpa")
+        for backend, settings in (
+            ("quanto", {"nbits": 4, "q_group_size": 64, "residual_length": 16}),
+            ("hqq", {"nbits": 4, "q_group_size": 64, "residual_length": 16}),
+            ("fp8", {}),
+        ):
+            label = f"QuantizedCache {backend}" + (" int4" if settings else "")
+            try:
+                cache = quantized_cache(backend, config, **settings)
+                with torch.no_grad():
+                    result = model.generate(ids, attention_mask=mask, past_key_values=cache, **options)
+            except Exception as exc:  # an optional comparison: say why it is missing
+                print(f"    {label:<28} unavailable: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            held = tensor_bytes(cache.layers, set())
+            print(generate_row(label, result, expected, args.prompt, held, float32_bytes))
+
+
 def main() -> int:
     args = parse_arguments()
     broken = memory(args)
     broken += accuracy(args)
     speed(args)
+    generate_comparison(args)
     if broken:
         print("BROKEN: " + "; ".join(broken))
         return 1
