@@ -7,12 +7,12 @@ in one byte and, beside every token of every KV head, the float32 scale that dec
 moves them with their blocks without the manager knowing.
 
 - **int8**: symmetric, one scale per token per KV head, computed at write time:
-  ``scale = max(|x|) / 127`` over the head's features, ``raw = round(x / scale)``. A token
+  ``scale = max(|x|) * float32(1 / 127)`` over the head's features, ``raw = round(x / scale)``. A token
   head of zeros has scale 0.
 - **float8_e4m3fn**: one scale per KV head per layer (K and V apart). Either calibrated
   (``CacheConfig.kv_scales``, fixed; values beyond ``448 * scale`` saturate to ``+-448``, as
   vLLM does), or tracked by the *running-maximum rule*: before each write, the scale of
-  every (layer, K/V, head) becomes ``max(previous scale, max(|x|) / 448)`` over the tokens
+  every (layer, K/V, head) becomes ``max(previous scale, max(|x|) * float32(1 / 448))`` over the tokens
   written, so nothing written ever saturates. Each token records the scale in effect
   when it was written (4 bytes per token per head, 3% of a 128-feature head), so a scale
   that grows later never changes the meaning of older tokens.
@@ -55,6 +55,13 @@ FloatArray = npt.NDArray[np.floating[Any]]
 
 #: The largest magnitude each quantized dtype holds: ``raw`` spans ``[-range, range]``.
 QUANTIZED_RANGE: Final[dict[str, float]] = {"int8": 127.0, "float8_e4m3fn": 448.0}
+
+
+def _reciprocal(dtype: str) -> np.float32:
+    """``1 / range`` in float32: a scale is ``max(|x|)`` times it (one rounding, as every
+    backend computes it, so the encodings agree bit for bit)."""
+    reciprocal: np.float32 = np.float32(1.0 / QUANTIZED_RANGE[dtype])
+    return reciprocal
 
 
 def raw_numpy_dtype(dtype: str) -> np.dtype[Any]:
@@ -103,7 +110,7 @@ def grow_running_scales(scales: npt.NDArray[np.float32], values: FloatArray) -> 
     """
     if values.shape[0] == 0:
         return scales
-    peak = np.abs(values).max(axis=(0, 2)).astype(np.float32) / np.float32(QUANTIZED_RANGE["float8_e4m3fn"])
+    peak = np.abs(values).max(axis=(0, 2)).astype(np.float32) * _reciprocal("float8_e4m3fn")
     grown: npt.NDArray[np.float32] = np.maximum(scales, peak)
     return grown
 
@@ -124,7 +131,9 @@ def quantize(
     limit = np.float32(QUANTIZED_RANGE[dtype])
     if dtype == "int8":
         scales = (
-            (np.abs(data).max(axis=2) / limit).astype(np.float32) if data.size else np.zeros(data.shape[:2], np.float32)
+            (np.abs(data).max(axis=2) * _reciprocal(dtype)).astype(np.float32)
+            if data.size
+            else np.zeros(data.shape[:2], np.float32)
         )
     else:
         if head_scales is None:

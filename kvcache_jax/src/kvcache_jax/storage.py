@@ -19,7 +19,7 @@ import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -254,10 +254,13 @@ class JaxStorage:
         InvalidTypeError, InvalidArgumentError: a bad ``mesh`` or ``axis``.
     """
 
+    #: The pool dtypes this class holds (:class:`kvcache_jax.QuantizedJaxStorage`: int8, float8).
+    POOL_DTYPES: ClassVar[tuple[str, ...]] = JAX_DTYPES
+
     def __init__(self, config: CacheConfig, *, mesh: object = None, axis: object = None) -> None:
-        if config.dtype not in JAX_DTYPES:
+        if config.dtype not in self.POOL_DTYPES:
             raise UnsupportedConfigError(
-                f"dtype {config.dtype!r} is not offered by the jax backend (supported: {', '.join(JAX_DTYPES)})"
+                f"dtype {config.dtype!r} is not offered by the jax backend (supported: {', '.join(self.POOL_DTYPES)})"
             )
         if config.total_tokens > _MAX_SLOTS:
             raise UnsupportedConfigError(

@@ -25,6 +25,11 @@ __all__ = ["attend_quantized", "check_finite", "grow_running_scales", "quantize"
 _HEADS_FIRST_RUN = {"NHD": (2, 0, 1, 3), "HND": (1, 0, 2, 3)}
 
 
+def _reciprocal(dtype: str) -> torch.Tensor:
+    """``float32(1 / range)``, as core computes scales (one rounding: encodings agree bit for bit)."""
+    return torch.tensor(1.0 / QUANTIZED_RANGE[dtype], dtype=torch.float32)
+
+
 def check_finite(name: str, values: torch.Tensor) -> None:
     """Refuse NaN and infinities bound for a quantized pool.
 
@@ -43,7 +48,7 @@ def grow_running_scales(scales: torch.Tensor, values: torch.Tensor) -> torch.Ten
     (``scales [num_heads]``, ``values [n, num_heads, head_dim]``)."""
     if values.shape[0] == 0:
         return scales
-    peak = values.detach().to(torch.float32).abs().amax(dim=(0, 2)) / QUANTIZED_RANGE["float8_e4m3fn"]
+    peak = values.detach().to(torch.float32).abs().amax(dim=(0, 2)) * _reciprocal("float8_e4m3fn")
     return torch.maximum(scales, peak)
 
 
@@ -55,7 +60,7 @@ def quantize(
     data = values.detach().to(torch.float32)
     limit = QUANTIZED_RANGE[dtype]
     if dtype == "int8":
-        scales = data.abs().amax(dim=2) / limit if data.numel() else data.new_zeros(data.shape[:2])
+        scales = data.abs().amax(dim=2) * _reciprocal(dtype) if data.numel() else data.new_zeros(data.shape[:2])
     else:
         if head_scales is None:
             raise InvalidArgumentError("float8 quantization needs one scale per KV head")
