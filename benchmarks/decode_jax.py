@@ -128,6 +128,7 @@ def write_setup(geometry: Geometry, size_mib: int, batch: int) -> WriteSetup:
         head_dim=geometry.head_dim,
         num_blocks=size_mib * MIB // geometry.bytes_per_block,
         block_size=geometry.block_size,
+        kv_layout="NHD",  # the layout the copying contender (kvcache_jax.write's default) writes
     )
     storage = JaxStorage(config)
     manager: Manager = PagedKvCacheManager(storage, backend="jax")

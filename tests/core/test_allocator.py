@@ -9,14 +9,13 @@ from hypothesis import strategies as st
 
 from kvcache_core import (
     AllocationRequest,
-    BlockAllocator,
     CacheConfig,
-    FreeBlockQueue,
     OutOfBlocksError,
     PagedKvCacheHandle,
     PagedKvCacheManager,
     create_manager,
 )
+from kvcache_core.allocator import BlockAllocator, FreeBlockQueue
 from kvcache_core.numpy_backend import NumpyArray, NumpyStorage
 
 

@@ -17,8 +17,8 @@ from kvcache_core import (
     PagedKvCacheManager,
     PageTable,
     create_manager,
-    paged_attention,
 )
+from kvcache_core.attention import paged_attention
 from kvcache_core.numpy_backend import NumpyStorage
 
 Array = npt.NDArray[Any]

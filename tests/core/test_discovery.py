@@ -22,12 +22,11 @@ from kvcache_core import (
     available_backends,
     create_manager,
     get_backend,
-    get_plugin_manager,
     installed_backends,
     refresh_backends,
 )
 from kvcache_core.cli import main
-from kvcache_core.discovery import KNOWN_BACKENDS
+from kvcache_core.discovery import KNOWN_BACKENDS, get_plugin_manager
 
 AddDistribution = Callable[[Path, str, str, str, str, str], None]
 

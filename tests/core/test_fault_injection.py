@@ -10,7 +10,7 @@ import pytest
 
 from kvcache_core.discovery import get_backend
 from kvcache_core.handle import RequestState
-from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.sequences import SequenceBlocks
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.faults import STORAGE_CALLS, run_fault_injection
 
@@ -39,18 +39,17 @@ def test_an_interrupt_inside_any_storage_call_leaks_nothing_either() -> None:
 def test_the_run_finds_a_copy_on_write_that_keeps_its_copy_when_the_storage_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def leaky_copy_on_write(self: PagedKvCacheManager[Any], state: RequestState[Any], logicals: list[int]) -> None:
+    def leaky_copy_on_write(self: SequenceBlocks, state: RequestState[Any], logicals: list[int]) -> None:
+        pool = self.pool
         for logical in logicals:  # the pre-fix order: take, call, no give-back on failure
             source = state.table.physical_block(logical)
-            (copy,) = self._take_blocks(1, None, None, "copy")  # pyright: ignore[reportPrivateUsage]
-            self.storage.copy_blocks(np.array([source]), np.array([copy]))
-            size = self.config.block_size
-            issued = self._issued  # pyright: ignore[reportPrivateUsage]
-            issued[copy * size : (copy + 1) * size] = issued[source * size : (source + 1) * size]
+            (copy,) = pool.take(1, None, None, "copy")
+            pool.storage.copy_blocks(np.array([source]), np.array([copy]))
+            pool.carry_slots(source, copy, self.block_size)
             state.table.replace_block(logical, copy)
-            self.allocator.release([source], None)
+            pool.release([source], None)
 
-    monkeypatch.setattr(PagedKvCacheManager, "_copy_on_write", leaky_copy_on_write)
+    monkeypatch.setattr(SequenceBlocks, "copy_on_write", leaky_copy_on_write)
     report = run_fault_injection(numpy_backend())
     assert any("before storage call" in line and "copy_blocks" in line for line in report.failures), report.failures
     assert any("reference count 1 but 0 owners" in line for line in report.failures), report.failures

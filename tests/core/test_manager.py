@@ -78,7 +78,7 @@ def test_written_tokens_read_back_bit_exact_for_every_dtype_and_layout() -> None
 
 
 def test_key_cache_is_a_view_that_later_writes_show_through() -> None:
-    manager = make_manager()
+    manager = make_manager(kv_layout="NHD")
     handle = manager.allocate(AllocationRequest("a"))
     key_pool, value_pool = handle.kv_cache(0)
     assert key_pool is not None

@@ -21,9 +21,9 @@ from kvcache_core import (
     PageTable,
     UnsupportedConfigError,
     create_manager,
-    paged_attention,
     paged_kernel,
 )
+from kvcache_core.attention import paged_attention
 
 Array = npt.NDArray[Any]
 
@@ -196,7 +196,9 @@ def test_the_numpy_backend_uses_the_kernel(dtype: str) -> None:
         got = manager.paged_attention(0, query, table)
     assert calls == [dtype]
     assert got.dtype == np.dtype(dtype)
-    expected = paged_attention(query, manager.storage.key_cache(0), manager.storage.value_cache(0), table)
+    expected = paged_attention(
+        query, manager.storage.key_cache(0), manager.storage.value_cache(0), table, kv_layout=manager.config.layout
+    )
     tolerance = 1e-5 if dtype == "float32" else 1e-2
     np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance)
 
@@ -211,7 +213,9 @@ def test_the_environment_switch_falls_back_to_the_reference(monkeypatch: pytest.
 
     monkeypatch.setattr(paged_kernel, "attend_with_kernel", refuse)
     got = manager.paged_attention(0, query, table)
-    expected = paged_attention(query, manager.storage.key_cache(0), manager.storage.value_cache(0), table)
+    expected = paged_attention(
+        query, manager.storage.key_cache(0), manager.storage.value_cache(0), table, kv_layout=manager.config.layout
+    )
     np.testing.assert_array_equal(got, expected)  # the reference itself
 
 
@@ -225,7 +229,9 @@ def test_without_numba_the_kernel_is_unavailable_and_the_reference_runs(monkeypa
     assert not paged_kernel.kernel_available()
     manager, query, table = numpy_manager()
     got = manager.paged_attention(0, query, table)
-    expected = paged_attention(query, manager.storage.key_cache(0), manager.storage.value_cache(0), table)
+    expected = paged_attention(
+        query, manager.storage.key_cache(0), manager.storage.value_cache(0), table, kv_layout=manager.config.layout
+    )
     np.testing.assert_array_equal(got, expected)
     with pytest.raises(UnsupportedConfigError, match="pip install numba"):
         paged_kernel.attend_with_kernel(

@@ -30,8 +30,8 @@ from kvcache_core import (
     PagedKvCacheManager,
     PageTable,
     create_manager,
-    paged_attention,
 )
+from kvcache_core.attention import paged_attention
 from kvcache_core.errors import (
     DuplicateRequestError,
     ForeignHandleError,

@@ -13,15 +13,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvcache_core import (
-    AllocationRequest,
-    CacheConfig,
-    PagedKvCacheHandle,
-    PagedKvCacheManager,
-    create_manager,
-    hash_block,
-)
-from kvcache_core.prefix import PrefixCache
+from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheHandle, PagedKvCacheManager, create_manager
+from kvcache_core.prefix import PrefixCache, hash_block
 
 Array = npt.NDArray[Any]
 Manager = PagedKvCacheManager[Array]
@@ -231,7 +224,7 @@ def test_hash_is_sha256_over_a_fixed_encoding_and_the_same_in_every_process() ->
     assert len(digest) == 32
     assert hash_block(digest, [5, 6, 7, 8], None) != hash_block(None, [5, 6, 7, 8], None)
     assert hash_block(None, [1, 2, 3, 4], None) != hash_block(None, [1, 2, 3, 4], b"")
-    script = "from kvcache_core import hash_block; print(hash_block(None, [1, 2, 3, 4], b'salt').hex())"
+    script = "from kvcache_core.prefix import hash_block; print(hash_block(None, [1, 2, 3, 4], b'salt').hex())"
     for seed in ("1", "2"):
         result = subprocess.run(
             [sys.executable, "-c", script],

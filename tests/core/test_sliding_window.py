@@ -18,8 +18,8 @@ from kvcache_core import (
     PagedKvCacheHandle,
     PagedKvCacheManager,
     create_manager,
-    paged_attention,
 )
+from kvcache_core.attention import paged_attention
 
 Array = npt.NDArray[Any]
 Manager = PagedKvCacheManager[Array]

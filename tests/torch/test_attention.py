@@ -23,8 +23,8 @@ from kvcache_core import (
     ShapeMismatchError,
     create_manager,
 )
-from kvcache_core import paged_attention as numpy_reference
 from kvcache_core.allocator import Placement
+from kvcache_core.attention import paged_attention as numpy_reference
 from kvcache_torch import TorchStorage, paged_attention
 from kvcache_torch import attention as attention_module
 from tests.torch.conftest import DTYPES, LAYOUTS, TOLERANCES, TORCH_DTYPES, Filled, Manager, fill, make_manager

@@ -1,7 +1,13 @@
 """kvcache-core: the paged key/value cache of transformer inference.
 
-The contract (:class:`KvCacheHandle`, :class:`KvCacheManager`, :class:`BlockTable`), the
-paged manager and allocator, the NumPy reference backend, and backend discovery::
+The public names a user needs: the contract (:class:`KvCacheHandle`, :class:`KvCacheManager`,
+:class:`KvStorage`, :class:`BlockTable`), the values (:class:`CacheConfig`,
+:class:`AllocationRequest`, :class:`PageTable`, the stats), the manager and its
+:class:`Step`, discovery (:func:`create_manager`, :class:`BackendSpec`) and the errors.
+Internals stay importable from their modules: the allocator (``kvcache_core.allocator``), the
+prefix cache and its hash (``kvcache_core.prefix``), the NumPy reference attention
+(``kvcache_core.attention``), pluggy plumbing (``kvcache_core.discovery``,
+``kvcache_core.hookspecs``)::
 
     from kvcache_core import AllocationRequest, CacheConfig, create_manager
 
@@ -14,8 +20,6 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from kvcache_core.allocator import BlockAllocator, FreeBlockQueue
-from kvcache_core.attention import decode_indptr, paged_attention
 from kvcache_core.block_table import BlockRun, BlockTable
 from kvcache_core.config import DTYPE_SIZES, KV_LAYOUTS, MAX_TOKEN_ID, QUANTIZED_DTYPES, AllocationRequest, CacheConfig
 from kvcache_core.device import Device
@@ -25,7 +29,6 @@ from kvcache_core.discovery import (
     available_backends,
     create_manager,
     get_backend,
-    get_plugin_manager,
     installed_backends,
     refresh_backends,
 )
@@ -60,10 +63,9 @@ from kvcache_core.errors import (
     UnsupportedConfigError,
 )
 from kvcache_core.handle import PagedKvCacheHandle
-from kvcache_core.hookspecs import BackendSpec, hookimpl, hookspec
+from kvcache_core.hookspecs import CAPABILITIES, BackendSpec, hookimpl
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.page_table import PageTable
-from kvcache_core.prefix import BlockEvictor, PrefixCache, hash_block
 from kvcache_core.protocols import KvCacheHandle, KvCacheManager, KvStorage
 from kvcache_core.stats import CacheGcStats, CacheHandleStats, CacheManagerStats, MemoryPressure
 from kvcache_core.step import Step
@@ -86,8 +88,7 @@ __all__ = [
     "BackendNotFoundError",
     "BackendSpec",
     "BackendUnavailableError",
-    "BlockAllocator",
-    "BlockEvictor",
+    "CAPABILITIES",
     "BlockRun",
     "BlockTable",
     "CacheConfig",
@@ -98,7 +99,6 @@ __all__ = [
     "Device",
     "DuplicateRequestError",
     "ForeignHandleError",
-    "FreeBlockQueue",
     "InsufficientBlocksError",
     "InvalidArgumentError",
     "InvalidConfigError",
@@ -118,7 +118,6 @@ __all__ = [
     "PageTable",
     "PagedKvCacheHandle",
     "PagedKvCacheManager",
-    "PrefixCache",
     "SequenceTooLongError",
     "ShapeMismatchError",
     "SharedBlockWriteError",
@@ -132,13 +131,8 @@ __all__ = [
     "__version__",
     "available_backends",
     "create_manager",
-    "decode_indptr",
     "get_backend",
-    "get_plugin_manager",
-    "hash_block",
     "hookimpl",
-    "hookspec",
     "installed_backends",
-    "paged_attention",
     "refresh_backends",
 ]

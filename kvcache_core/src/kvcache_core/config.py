@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -126,7 +127,9 @@ class CacheConfig:
         dtype: element type of the pool, a key of :data:`DTYPE_SIZES`; one of
             :data:`QUANTIZED_DTYPES` for a quantized pool (its scales live beside its blocks).
         device: where the pool lives; a :class:`Device` or its text (``"cuda:0"``).
-        kv_layout: pool layout, one of :data:`KV_LAYOUTS`.
+        kv_layout: pool layout, one of :data:`KV_LAYOUTS`, or ``None`` (the default): the
+            layout the backend runs fastest, which :func:`~kvcache_core.create_manager` (or
+            the backend's storage) resolves; the manager's ``config`` shows the result.
         enable_prefix_caching: share full prompt blocks between requests: ``allocate`` maps
             the cached full blocks of ``AllocationRequest.prompt_token_ids``; blocks whose
             K/V are written stay cached after their requests end, until evicted.
@@ -156,7 +159,7 @@ class CacheConfig:
     block_size: int = 16
     dtype: str = "float32"
     device: Device = field(default_factory=Device)
-    kv_layout: str = "NHD"
+    kv_layout: str | None = None
     enable_prefix_caching: bool = False
     sliding_window: int | None = None
     medium_pressure_threshold: float = 0.6
@@ -174,7 +177,7 @@ class CacheConfig:
         block_size: int = 16,
         dtype: str = "float32",
         device: Device | str = "cpu",
-        kv_layout: str = "NHD",
+        kv_layout: str | None = None,
         enable_prefix_caching: bool = False,
         sliding_window: int | None = None,
         medium_pressure_threshold: float = 0.6,
@@ -206,9 +209,10 @@ class CacheConfig:
             object.__setattr__(self, "device", Device.parse(self.device))
         except InvalidArgumentError as exc:
             raise InvalidConfigError(f"CacheConfig.device: {exc}") from exc
-        if not isinstance(self.kv_layout, str) or self.kv_layout not in KV_LAYOUTS:
+        if self.kv_layout is not None and (not isinstance(self.kv_layout, str) or self.kv_layout not in KV_LAYOUTS):
             raise InvalidConfigError(
-                f"CacheConfig.kv_layout {self.kv_layout!r} is unknown; valid: {', '.join(KV_LAYOUTS)}"
+                f"CacheConfig.kv_layout {self.kv_layout!r} is unknown; valid: {', '.join(KV_LAYOUTS)} "
+                "or None (the backend's preferred layout)"
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidConfigError(
@@ -295,6 +299,33 @@ class CacheConfig:
         return index
 
     @property
+    def layout(self) -> str:
+        """The resolved :attr:`kv_layout`.
+
+        Raises:
+            InvalidConfigError: ``kv_layout`` is ``None`` (not resolved by a backend yet).
+        """
+        if self.kv_layout is None:
+            raise InvalidConfigError(
+                "CacheConfig.kv_layout is None (the backend's preferred layout), not resolved yet: "
+                "create_manager resolves it, or call config.with_layout(layout)"
+            )
+        return self.kv_layout
+
+    def with_layout(self, preferred: str) -> CacheConfig:
+        """This config with ``kv_layout`` resolved: itself when a layout is set, else a
+        copy with ``preferred`` (a backend's fastest layout).
+
+        Raises:
+            InvalidConfigError: ``preferred`` is not one of :data:`KV_LAYOUTS`.
+        """
+        if self.kv_layout is not None:
+            return self
+        if preferred not in KV_LAYOUTS:
+            raise InvalidConfigError(f"preferred layout {preferred!r} is unknown; valid: {', '.join(KV_LAYOUTS)}")
+        return dataclasses.replace(self, kv_layout=preferred)
+
+    @property
     def dtype_size(self) -> int:
         """Bytes per element of :attr:`dtype`."""
         return DTYPE_SIZES[self.dtype]
@@ -319,11 +350,16 @@ class CacheConfig:
     def block_shape(self) -> tuple[int, ...]:
         """Shape of one layer's key (or value) pool in :attr:`kv_layout`: ``"NHD"``
         ``[num_blocks, block_size, num_heads, head_dim]``, ``"HND"`` ``[num_blocks, num_heads,
-        block_size, head_dim]``, ``"heads_first"`` ``[num_heads, num_blocks, block_size, head_dim]``."""
+        block_size, head_dim]``, ``"heads_first"`` ``[num_heads, num_blocks, block_size, head_dim]``.
+
+        Raises:
+            InvalidConfigError: ``kv_layout`` is ``None`` (not resolved by a backend yet).
+        """
+        layout = self.layout
         blocks, tokens, heads, dim = self.num_blocks, self.block_size, self.num_heads, self.head_dim
-        if self.kv_layout == "NHD":
+        if layout == "NHD":
             return (blocks, tokens, heads, dim)
-        if self.kv_layout == "HND":
+        if layout == "HND":
             return (blocks, heads, tokens, dim)
         return (heads, blocks, tokens, dim)
 

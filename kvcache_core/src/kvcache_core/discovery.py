@@ -279,6 +279,7 @@ def create_manager(
     spec = get_backend(backend)
     if not isinstance(config, CacheConfig):
         raise InvalidTypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+    config = spec.resolve(config)  # kv_layout=None: the backend's fastest layout
     problems = spec.check_config(config)
     if problems:
         raise UnsupportedConfigError(f"backend {backend!r} does not support {'; '.join(problems)}")

@@ -86,6 +86,8 @@ class BackendSpec(Generic[ArrayT]):
         devices: device kinds it supports (``"cpu"``, ``"cuda"``, ...).
         dtypes: dtype names it supports.
         kv_layouts: pool layouts it supports (``"NHD"`` first if supported).
+        preferred_layout: the layout it runs fastest, which ``CacheConfig(kv_layout=None)``
+            (the default) resolves to; ``None`` means ``kv_layouts[0]``.
         description: one line for ``kvcache backends``.
         capabilities: the optional features it claims, names of :data:`CAPABILITIES`
             (``"fork"``, ``"prefix_caching"``, ``"swap"``, ``"eviction"``,
@@ -108,6 +110,7 @@ class BackendSpec(Generic[ArrayT]):
     devices: tuple[str, ...] = ("cpu",)
     dtypes: tuple[str, ...] = ("float32",)
     kv_layouts: tuple[str, ...] = ("NHD",)
+    preferred_layout: str | None = None
     description: str = ""
     capabilities: frozenset[str] = field(default_factory=frozenset[str])
     manager_factory: Callable[..., PagedKvCacheManager[ArrayT]] | None = None
@@ -118,6 +121,20 @@ class BackendSpec(Generic[ArrayT]):
         for attribute in ("devices", "dtypes", "kv_layouts"):
             if not getattr(self, attribute):
                 raise InvalidArgumentError(f"BackendSpec.{attribute} of {self.name!r} must not be empty")
+        if self.preferred_layout is not None and self.preferred_layout not in self.kv_layouts:
+            raise InvalidArgumentError(
+                f"BackendSpec.preferred_layout {self.preferred_layout!r} of {self.name!r} is not one of its "
+                f"kv_layouts {self.kv_layouts}"
+            )
+
+    @property
+    def default_layout(self) -> str:
+        """The layout ``kv_layout=None`` resolves to on this backend."""
+        return self.preferred_layout if self.preferred_layout is not None else self.kv_layouts[0]
+
+    def resolve(self, config: CacheConfig) -> CacheConfig:
+        """``config`` with ``kv_layout=None`` resolved to :attr:`default_layout`."""
+        return config if config.kv_layout is not None else config.with_layout(self.default_layout)
 
     def availability(self) -> tuple[bool, str]:
         """``(available, reason)``; an ``is_available`` that raises counts as unavailable."""
@@ -141,7 +158,7 @@ class BackendSpec(Generic[ArrayT]):
             problems.append(f"dtype {config.dtype!r} (supported: {', '.join(self.dtypes)})")
         if config.device.kind not in self.devices:
             problems.append(f"device {str(config.device)!r} (supported kinds: {', '.join(self.devices)})")
-        if config.kv_layout not in self.kv_layouts:
+        if config.kv_layout is not None and config.kv_layout not in self.kv_layouts:
             problems.append(f"kv_layout {config.kv_layout!r} (supported: {', '.join(self.kv_layouts)})")
         return problems
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kvcache_jax.storage import JaxStorage
 
 __all__ = [
+    "PREFERRED_LAYOUT",
     "CAPABILITIES",
     "DEVICES",
     "DTYPES",
@@ -29,6 +30,10 @@ __all__ = [
     "make_storage",
     "unavailable_reason",
 ]
+
+#: The layout ``CacheConfig(kv_layout=None)`` resolves to on JAX: ``[heads, blocks,
+#: block_size, head_dim]``, what JAX's Pallas paged attention reads.
+PREFERRED_LAYOUT = "heads_first"
 
 #: Device kinds a JAX pool can live on (when JAX has such a device here).
 DEVICES = ("cpu", "cuda", "gpu", "rocm", "tpu")
@@ -78,6 +83,7 @@ def kvcache_register_backends() -> Iterator[BackendSpec[jax.Array]]:
         devices=DEVICES,
         dtypes=DTYPES,
         kv_layouts=KV_LAYOUTS,
+        preferred_layout=PREFERRED_LAYOUT,
         description="JAX pool updated in place (donated), jitted paged attention, KV heads sharded over a mesh",
         capabilities=CAPABILITIES,
     )

@@ -230,7 +230,7 @@ class QuantizedJaxStorage(JaxStorage):
         key = (max_query_len, causal, scale, window)
         program = self._attention_programs.get(key)
         if program is None:
-            layout = self.config.kv_layout
+            layout = self.config.layout
 
             def attend(
                 query: jax.Array,

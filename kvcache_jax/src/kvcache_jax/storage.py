@@ -258,6 +258,9 @@ class JaxStorage:
     POOL_DTYPES: ClassVar[tuple[str, ...]] = JAX_DTYPES
 
     def __init__(self, config: CacheConfig, *, mesh: object = None, axis: object = None) -> None:
+        from kvcache_jax.plugin import PREFERRED_LAYOUT
+
+        config = config.with_layout(PREFERRED_LAYOUT)  # kv_layout=None: the layout Pallas reads
         if config.dtype not in self.POOL_DTYPES:
             raise UnsupportedConfigError(
                 f"dtype {config.dtype!r} is not offered by the jax backend (supported: {', '.join(self.POOL_DTYPES)})"
@@ -296,7 +299,7 @@ class JaxStorage:
 
     def pool_sharding(self) -> jax.sharding.Sharding:
         """The sharding of every pool array (heads split over the mesh axis, if any)."""
-        return self._placement.pool(self._config.kv_layout)
+        return self._placement.pool(self._config.layout)
 
     # -- the pool itself ---------------------------------------------------------------
 

@@ -18,7 +18,12 @@ if TYPE_CHECKING:
 
     from kvcache_torch.storage import TorchStorage
 
-__all__ = ["CAPABILITIES", "DTYPES", "kvcache_register_backends", "make_storage"]
+__all__ = ["CAPABILITIES", "DTYPES", "PREFERRED_LAYOUT", "kvcache_register_backends", "make_storage"]
+
+#: The layout ``CacheConfig(kv_layout=None)`` resolves to: a head's keys are one strided
+#: run per block, read zero-copy by the compiled kernel and by SDPA (a decode step at 4096
+#: tokens measured 1.33x the dense floor with NHD, 1.25x with heads_first).
+PREFERRED_LAYOUT = "heads_first"
 
 #: Pool dtypes the backend claims (keep in step with ``kvcache_torch.dtypes.TORCH_DTYPES``).
 DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn")
@@ -59,6 +64,7 @@ def kvcache_register_backends() -> Iterator[BackendSpec[torch.Tensor]]:
         devices=("cpu", "cuda"),
         dtypes=DTYPES,
         kv_layouts=KV_LAYOUTS,
+        preferred_layout=PREFERRED_LAYOUT,
         capabilities=CAPABILITIES,
         description="PyTorch backend: pool on any torch device, paged attention over zero-copy block runs",
     )

@@ -88,6 +88,9 @@ class TorchStorage:
     """
 
     def __init__(self, config: CacheConfig) -> None:
+        from kvcache_torch.plugin import PREFERRED_LAYOUT
+
+        config = config.with_layout(PREFERRED_LAYOUT)  # kv_layout=None: the fastest here
         self._config = config
         self._dtype = torch_dtype(config.dtype)
         self._device = resolve_device(config)
@@ -368,7 +371,7 @@ class TorchStorage:
             qo_indptr,
             scale,
             causal,
-            self._config.kv_layout,
+            self._config.layout,
         )
 
     def _quantized_attention(
@@ -396,7 +399,7 @@ class TorchStorage:
                     dtype=config.dtype,
                     scale=scale,
                     causal=causal,
-                    kv_layout=config.kv_layout,
+                    kv_layout=config.layout,
                     sliding_window=page_table.sliding_window,
                     num_threads=torch.get_num_threads(),
                     key_scales=self._scales[layer, 0].numpy(),
@@ -413,7 +416,7 @@ class TorchStorage:
             qo_indptr,
             scale,
             causal,
-            config.kv_layout,
+            config.layout,
         )
 
     # -- arrays ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvcache_core import BackendSpec, CacheConfig, hookimpl
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError
-from kvcache_core.numpy_backend import POLICY_CAPABILITIES, NumpyArray, NumpyStorage
+from kvcache_core.numpy_backend import POLICY_CAPABILITIES, PREFERRED_LAYOUT, NumpyArray, NumpyStorage
 from kvcache_memmap._lock import PoolLock, acquire_lock
 from kvcache_memmap._paths import PoolPaths, check_file, create_file, path_error, read_small_file, resolve_paths
 from kvcache_memmap.errors import PoolPathNotFoundError
@@ -79,6 +79,7 @@ class MemmapStorage(NumpyStorage):
         mode: Mode = "w+",
         follow_symlinks: bool = False,
     ) -> None:
+        config = config.with_layout(PREFERRED_LAYOUT)  # kv_layout=None: NumPy's fastest
         if mode not in ("w+", "r+"):
             raise InvalidArgumentError(f"mode must be 'w+' (create) or 'r+' (reopen), got {mode!r}")
         if path is not None and not isinstance(path, (str, os.PathLike)):
@@ -264,6 +265,7 @@ def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
         devices=("cpu",),
         dtypes=("float16", "float32"),
         kv_layouts=("NHD", "HND", "heads_first"),
+        preferred_layout=PREFERRED_LAYOUT,
         description="pool in a memory-mapped file (example third-party backend)",
         capabilities=POLICY_CAPABILITIES,  # the policies live in core; the NumPy kernels serve them
     )

@@ -84,6 +84,32 @@ class ReliabilityCases:
         assert report.leaked_blocks == 0
         assert report.operations.get("verify", 0) > 0
 
+    def test_the_default_layout_resolves_to_the_backends_preferred_one(self, kvcache_backend: BackendUnderTest) -> None:
+        spec = kvcache_backend.spec
+        assert spec.default_layout in spec.kv_layouts
+        config = kvcache_backend.config(kv_layout=None)
+        with kvcache_backend.manager(config) as manager:
+            resolved = manager.config
+            assert resolved.kv_layout == spec.default_layout, (
+                f"kv_layout=None resolved to {resolved.kv_layout!r}, the backend declares {spec.default_layout!r}"
+            )
+            assert resolved == config.with_layout(spec.default_layout), "resolving changed more than the layout"
+            for layer in range(resolved.num_layers):
+                shape, _ = manager.storage.array_info(manager.storage.key_cache(layer))
+                assert tuple(shape) == resolved.block_shape(), f"layer {layer}: pool shape {tuple(shape)}"
+            handle = manager.allocate(AllocationRequest("a"))
+            keys, values = kv_pair(manager, 19, 1.0)
+            slots = manager.extend(handle, 19)
+            for layer in range(resolved.num_layers):
+                manager.write(layer, slots, keys, values)
+                got_keys, got_values = manager.gather(handle, layer)
+                np.testing.assert_array_equal(
+                    kvcache_backend.host(manager, got_keys), kvcache_backend.host(manager, keys)
+                )
+                np.testing.assert_array_equal(
+                    kvcache_backend.host(manager, got_values), kvcache_backend.host(manager, values)
+                )
+
     def test_page_tables_are_read_only_and_range_checked(self, kvcache_backend: BackendUnderTest) -> None:
         manager = kvcache_backend.manager()
         handle = manager.allocate(AllocationRequest("a"))

@@ -401,7 +401,7 @@ class KvCacheConformance(ReliabilityCases, QuantizedCases):
                 qo_indptr=indptr,
                 scale=scale,
                 causal=causal,
-                kv_layout=config.kv_layout,
+                kv_layout=config.layout,
             )
             shape, dtype = manager.storage.array_info(output)
             assert shape == expected.shape, f"{context}: output shape {shape}"
@@ -572,7 +572,7 @@ class KvCacheConformance(ReliabilityCases, QuantizedCases):
                 BackendUnderTest.host(manager, manager.storage.key_cache(0)),
                 BackendUnderTest.host(manager, manager.storage.value_cache(0)),
                 table,
-                kv_layout=config.kv_layout,
+                kv_layout=config.layout,
                 sliding_window=window,
             )
             rtol, atol = TOLERANCES.get(config.dtype, (1e-2, 1e-2))

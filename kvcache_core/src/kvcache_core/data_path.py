@@ -1,0 +1,343 @@
+"""The manager's data path: the step, the raw write, gather, page tables, attention.
+
+:class:`DataPath` is a base of :class:`~kvcache_core.PagedKvCacheManager` (not used
+alone): the per-step hot path, separate from the request lifecycle and the policies.
+Every method takes the manager's lock and checks its arguments before it changes state.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeGuard, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.attention import check_scale, validate_query_indptr
+from kvcache_core.block_pool import BlockPool, blocks_for
+from kvcache_core.chains import PrefixChains
+from kvcache_core.checks import ArgumentChecks, check_handle_sequence, step_counts, step_token_ids
+from kvcache_core.config import CacheConfig
+from kvcache_core.errors import (
+    ForeignHandleError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    ManagerClosedError,
+    StaleStepError,
+)
+from kvcache_core.handle import PagedKvCacheHandle, RequestState
+from kvcache_core.page_table import PageTable
+from kvcache_core.protocols import KvCacheHandle, KvStorage, SlotArray, SlotsLike
+from kvcache_core.sequences import SequenceBlocks
+from kvcache_core.stats import MemoryPressure
+from kvcache_core.step import Step, StepHooks
+
+__all__ = ["DataPath"]
+
+ArrayT = TypeVar("ArrayT")
+
+
+def _is_paged_handle(value: object) -> TypeGuard[PagedKvCacheHandle[Any]]:
+    return isinstance(value, PagedKvCacheHandle)
+
+
+class DataPath(Generic[ArrayT]):
+    """The data path of a paged manager, and the internals it shares with the lifecycle."""
+
+    _lock: threading.RLock
+    _config: CacheConfig
+    _storage: KvStorage[ArrayT]
+    _backend: str
+    _requests: dict[str, RequestState[ArrayT]]
+    _pool: BlockPool
+    _chains: PrefixChains
+    _sequences: SequenceBlocks
+    _checks: ArgumentChecks
+    _pressure: MemoryPressure
+    _pressure_callback: Callable[[MemoryPressure], object] | None
+    _closed = False
+
+    # -- data path ---------------------------------------------------------------------
+
+    def begin_step(
+        self,
+        handles: Sequence[KvCacheHandle[ArrayT]],
+        new_tokens: Sequence[int] | int,
+        *,
+        token_ids: Sequence[Sequence[int] | None] | None = None,
+    ) -> Step[ArrayT]:
+        """Plan one forward pass: grow every request of the batch, once, with every check.
+
+        Each request grows by its count of new tokens exactly as :meth:`extend` does
+        (copy-on-write of shared blocks, sliding-window release, reserved blocks); the
+        step then holds the new tokens' slots, the batch's page table after the growth
+        and the query offsets. Its per-layer :meth:`Step.write` and
+        :meth:`Step.attention` check only the layer's arrays.
+
+        Args:
+            handles: the batch's requests, each once.
+            new_tokens: tokens each request adds (``[B]``), or one count for all; 0 is
+                allowed (a request that only attends).
+            token_ids: for prefix caching, each request's new token ids (or ``None``),
+                as :meth:`extend` takes them.
+
+        Returns:
+            The step. It is refused (:class:`~kvcache_core.errors.StaleStepError`) once
+            one of its requests is released, swapped out, truncated, forked, extended or
+            planned into another step.
+
+        Raises:
+            InvalidTypeError: ``handles`` is not a sequence of handles.
+            InvalidArgumentError: a request listed twice, counts that are not one int
+                >= 0 per request, or bad ``token_ids``.
+            SequenceTooLongError: a request would pass its ``max_sequence_length``.
+            OutOfBlocksError: the batch's growth needs more free and evictable blocks
+                than there are (checked for the whole batch before anything changes).
+            InvalidHandleError, SwappedOutError, ForeignHandleError: a bad handle.
+        """
+        check_handle_sequence(handles, "begin_step")
+        batch = len(handles)
+        counts = step_counts(new_tokens, batch)
+        ids = step_token_ids(token_ids, counts)
+        with self._lock:
+            states = [self._state_of(handle) for handle in handles]
+            request_ids = tuple(state.request_id for state in states)
+            if len(set(request_ids)) != batch:
+                twice = next(rid for rid in request_ids if request_ids.count(rid) > 1)
+                raise InvalidArgumentError(f"request {twice!r} is listed twice in one step")
+            plans = [
+                self._sequences.plan_growth(state, count, state_ids)
+                for state, count, state_ids in zip(states, counts, ids, strict=True)
+            ]
+            needed = sum(plan.needed for plan in plans)
+            if needed > self._pool.available() + sum(plan.freed for plan in plans):
+                raise self._pool.shortage(
+                    f"cannot plan a step of {batch} requests adding {sum(counts)} tokens: {needed} more blocks needed"
+                )
+            lengths = [state.table.sequence_length for state in states]
+            grown: list[SlotArray] = []
+            try:
+                for state, plan in zip(states, plans, strict=True):
+                    grown.append(self._sequences.grow(state, plan))
+            except BaseException:  # a storage failure in a copy: the requests grown so far shrink back
+                for state, length in zip(states[: len(grown)], lengths, strict=False):
+                    self._sequences.truncate(state, length)
+                raise
+            table = self._issue_page_table(states)
+            self._update_pressure()
+            slots = np.concatenate(grown) if grown else np.zeros(0, dtype=np.int64)
+            hooks = StepHooks(
+                lock=self._lock,
+                check_current=self._step_check(states),
+                check_layer=self._config.check_layer,
+                check_array=self._checks.array,
+                check_query=self._checks.query,
+                write=self._write_planned,
+                attention=self._storage.paged_attention,
+            )
+            return Step(hooks, request_ids, tuple(counts), slots, table, self._config.num_heads, self._config.head_dim)
+
+    def write(self, layer: int, slots: SlotsLike, keys: ArrayT, values: ArrayT) -> None:
+        """Scatter one layer's new K/V into the pool, for any mix of requests.
+
+        Args:
+            layer: ``0 <= layer < num_layers``.
+            slots: ``[n]`` distinct slots from :meth:`extend` or :meth:`writable_slots`
+                (concatenate several requests' slots to write them in one call).
+            keys, values: ``[n, num_heads, head_dim]`` native arrays of the pool's dtype.
+
+        With prefix caching, the writes are what makes a full block cacheable (see the
+        class docstring); a block registered in the prefix cache is immutable: rewrite it
+        through :meth:`writable_slots`, which takes it out of the cache first.
+
+        Raises:
+            LayerIndexError, SlotError (outside the pool, in a free block, repeated, or at
+            a position ``extend`` has not handed out yet), SharedBlockWriteError (in a
+            block several requests share, or one the prefix cache serves),
+            SwappedOutError (a slot of a request swapped out since), ShapeMismatchError,
+            DTypeMismatchError, ArrayTypeError.
+        """
+        with self._lock:
+            self._check_open()
+            layer = self._config.check_layer(layer)
+            slot_array = self._checks.slots(slots)
+            expected = (int(slot_array.shape[0]), self._config.num_heads, self._config.head_dim)
+            self._checks.array("keys", keys, expected)
+            self._checks.array("values", values, expected)
+            if slot_array.shape[0]:
+                self._checks.writable(slot_array)
+                self._write_planned(layer, slot_array, keys, values)
+
+    def gather(self, handle: KvCacheHandle[ArrayT], layer: int) -> tuple[ArrayT, ArrayT]:
+        """The request's keys and values as contiguous ``[num_tokens, num_heads, head_dim]``
+        copies, in token order. With a sliding window that released leading blocks, the
+        tokens still held: positions ``first_logical * block_size`` onwards.
+
+        Raises:
+            LayerIndexError, InvalidHandleError, SwappedOutError, ForeignHandleError.
+        """
+        with self._lock:
+            state = self._state_of(handle)
+            layer = self._config.check_layer(layer)
+            table = state.table
+            tokens = table.held_tokens()
+            used = blocks_for(tokens, self._config.block_size)
+            blocks = np.asarray(table.physical_blocks[:used], dtype=np.int64)
+            state.touch()
+            return self._storage.gather(layer, blocks, tokens)
+
+    def page_table(self, handles: Sequence[KvCacheHandle[ArrayT]]) -> PageTable:
+        """The page table of a batch, in the order of ``handles``; with a sliding window it
+        lists each request from its first held block and carries the window.
+
+        The table's arrays are read-only and it carries each request's ownership
+        generation: :meth:`paged_attention` refuses it once one of its requests was
+        released, swapped or had a block replaced (copy-on-write, window release).
+
+        Raises:
+            InvalidTypeError: ``handles`` is not a sequence (list, tuple) of handles.
+            InvalidHandleError, SwappedOutError, ForeignHandleError: for any handle of the
+            batch.
+        """
+        check_handle_sequence(handles, "page_table")
+        with self._lock:
+            return self._issue_page_table([self._state_of(handle) for handle in handles])
+
+    def paged_attention(
+        self,
+        layer: int,
+        query: ArrayT,
+        page_table: PageTable,
+        *,
+        qo_indptr: npt.ArrayLike | None = None,
+        scale: float | None = None,
+        causal: bool = True,
+    ) -> ArrayT:
+        """Attention of packed queries over the cached K/V of a batch, read in place.
+
+        Args:
+            layer: the layer whose pool to read.
+            query: ``[total_q, num_query_heads, head_dim]``, requests packed in the page
+                table's order; ``num_query_heads`` a multiple of ``num_heads``.
+            page_table: from :meth:`page_table`, taken after the step's writes.
+            qo_indptr: ``[B + 1]`` query offsets (prefill, chunked prefill, mixed
+                batches); ``None`` for decode, one query per request.
+            scale: score scale, ``1 / sqrt(head_dim)`` by default.
+            causal: each request's queries are its last tokens and see keys up to their
+                own position; ``False`` lets every query see the whole sequence. With a
+                sliding window ``W`` (carried by the page table) a query never sees keys
+                ``W`` or more positions before its own; the page table starts at the
+                request's first held block, which the last ``extend`` kept for the
+                windows of the tokens it added (an older token's window may start
+                before it: such a query sees only the held keys).
+
+        Returns:
+            ``[total_q, num_query_heads, head_dim]`` of the query's dtype.
+
+        Raises:
+            LayerIndexError, ShapeMismatchError, DTypeMismatchError, ArrayTypeError,
+            InvalidArgumentError (bad ``qo_indptr`` or ``scale``, or a page table whose
+            ``sliding_window`` is not the pool's), SlotError (the page table names blocks
+            outside the pool or not in use), SwappedOutError (blocks of a request swapped
+            out since the page table was taken).
+        """
+        with self._lock:
+            self._check_open()
+            layer = self._config.check_layer(layer)
+            shape = self._checks.query(query)
+            table = self._checks.page_table(page_table)
+            indptr = validate_query_indptr(qo_indptr, table, shape[0])
+            checked_scale = check_scale(scale, self._config.head_dim)
+            if not isinstance(causal, bool):
+                raise InvalidTypeError(f"causal must be a bool, got {causal!r}")
+            return self._storage.paged_attention(layer, query, table, indptr, checked_scale, causal)
+
+    # -- internals shared with the lifecycle ---------------------------------------------
+
+    def _state_of(self, handle: object) -> RequestState[ArrayT]:
+        """The state of a resident request's handle of this manager."""
+        self._check_open()
+        as_any = getattr(handle, "as_any", None)  # downcast, as the seed crate does
+        concrete: object = as_any() if callable(as_any) else None
+        if not _is_paged_handle(concrete):
+            raise ForeignHandleError(f"expected a handle from this manager, got {type(handle).__name__}")
+        state: RequestState[Any] = concrete.request_state
+        if state.owner is not self:
+            raise ForeignHandleError(f"the handle of request {state.request_id!r} belongs to another manager")
+        state.check_resident()
+        return state
+
+    def _issue_page_table(self, states: list[RequestState[ArrayT]]) -> PageTable:
+        return self._checks.issue(
+            PageTable.from_block_tables(
+                [state.table for state in states],
+                [state.request_id for state in states],
+                self._config.block_size,
+                sliding_window=self._config.sliding_window,
+                generations=[state.generation for state in states],
+            )
+        )
+
+    def _step_check(self, states: list[RequestState[ArrayT]]) -> Callable[[], None]:
+        """A step's staleness check, stamped with its requests' generation and plan now."""
+        stamps = [(state, state.generation, state.plan) for state in states]
+        pool = self._pool
+        epoch = pool.epoch
+
+        def check_current() -> None:
+            self._check_open()
+            if pool.epoch == epoch:
+                return  # nothing changed anywhere since the step was planned
+            for state, generation, plan in stamps:
+                if not state.valid or state.swap is not None or state.generation != generation or state.plan != plan:
+                    why = (
+                        "was released"
+                        if not state.valid
+                        else "is swapped out"
+                        if state.swap is not None
+                        else "changed (truncated, forked, extended, copied or planned again)"
+                    )
+                    raise StaleStepError(
+                        f"the step's request {state.request_id!r} {why} since begin_step: plan a new step"
+                    )
+
+        return check_current
+
+    def _write_planned(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT) -> None:
+        """The scatter and its bookkeeping; the slots were checked (private, handed out)."""
+        self._storage.write(layer, slots, keys, values)
+        written = self._pool.written
+        if written is not None:
+            written[layer, slots] = True
+            self._chains.after_write(slots // self._config.block_size)
+
+    def _update_pressure(self) -> None:
+        config = self._config
+        level = MemoryPressure.from_usage(
+            self._pool.allocator.used_block_count() / config.num_blocks,
+            config.medium_pressure_threshold,
+            config.high_pressure_threshold,
+            config.critical_pressure_threshold,
+        )
+        if level == self._pressure:
+            return
+        self._pressure = level
+        callback = self._pressure_callback
+        if callback is None:
+            return
+        try:
+            callback(level)
+        except Exception as exc:  # the operation succeeded; do not report it as failed
+            warnings.warn(
+                f"memory pressure callback {callback!r} raised {exc!r} on level {level.name}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ManagerClosedError(
+                f"the {self._backend!r} manager is closed: its pool was released; create a new manager"
+            )
