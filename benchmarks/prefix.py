@@ -22,6 +22,17 @@ they take, the tokens computed, the prefix-cache hit rate, and the median time t
 all requests over ``--repeats`` runs (a fresh manager each, the two configurations
 alternating), with ratios. Nothing here asserts a time.
 
+Then a multi-turn chat of several tenants (``--tenants`` 4, each with its own
+``cache_salt`` and system prompt, ``--conversations`` 6 each, ``--turns`` 5 turns that
+grow each conversation by its answer and a new question), every turn admitted in
+round-robin order into a pool a tenth of the working set (the distinct blocks of every
+conversation's final prompt), once without offload tiers and once with a host tier (a
+third of the working set) and a disk tier (all of it) behind the pool. Printed: the
+prefix-cache hit rate (full prompt blocks served from the cache), the tokens computed and
+each tier's hits, with the ratio of the hit rates; every turn gathers its request's K/V
+from the pool and compares it bit for bit with what was written (exit status 1 on a
+difference, or a ratio under 2x).
+
 Run, from the repository root::
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 OPENBLAS_NUM_THREADS=1 \\
@@ -35,6 +46,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +56,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, create_manager
+from kvcache_core.tiers import DiskTier, HostTier, OffloadTier
 
 Array = npt.NDArray[Any]
 
@@ -140,6 +153,135 @@ def outputs_agree(first: Admission, second: Admission, suffix: int) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class Chat:
+    """One conversation: its tenant and the K/V of every position of its final prompt."""
+
+    tenant: int
+    turn_lengths: tuple[int, ...]  # the prompt length at each turn
+    tokens: tuple[int, ...]  # its final prompt
+    keys: Array  # [layers, length, kv_heads, head_dim]
+    values: Array
+
+
+@dataclass(frozen=True)
+class ChatRun:
+    """What serving every turn measured."""
+
+    queries: int
+    hits: int
+    computed_tokens: int
+    tier_hits: dict[str, int]
+    mismatches: int
+
+
+def make_chats(args: argparse.Namespace) -> list[Chat]:
+    """Tenants with their own system prompt; conversations that grow turn by turn."""
+    rng = np.random.default_rng(args.seed + 1)
+    chats: list[Chat] = []
+    for tenant in range(args.tenants):
+        system: list[int] = rng.integers(0, 32_000, 4 * int(args.block_size)).tolist()
+        system_kv = rng.standard_normal((2, args.layers, len(system), args.kv_heads, args.head_dim)).astype(np.float32)
+        for _ in range(args.conversations):
+            tokens = list(system)
+            lengths: list[int] = []
+            for _ in range(args.turns):
+                answer_and_question: list[int] = rng.integers(
+                    0, 32_000, int(rng.integers(2, 5)) * int(args.block_size)
+                ).tolist()
+                tokens += answer_and_question
+                lengths.append(len(tokens))
+            own = (2, args.layers, len(tokens) - len(system), args.kv_heads, args.head_dim)
+            kv = np.concatenate([system_kv, rng.standard_normal(own).astype(np.float32)], axis=2)
+            chats.append(Chat(tenant, tuple(lengths), tuple(tokens), kv[0], kv[1]))
+    return chats
+
+
+def serve_chats(args: argparse.Namespace, chats: list[Chat], num_blocks: int, tiers: list[OffloadTier]) -> ChatRun:
+    """Serve every turn of every conversation, round robin, checking each request's K/V."""
+    config = CacheConfig(
+        num_layers=args.layers,
+        num_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        enable_prefix_caching=True,
+        model_id="benchmark-model@1",
+    )
+    manager: PagedKvCacheManager[Array] = create_manager("numpy", config, tiers=tiers)
+    computed = mismatches = 0
+    for turn in range(args.turns):
+        for index, chat in enumerate(chats):
+            length = chat.turn_lengths[turn]
+            prompt = chat.tokens[:length]
+            request = AllocationRequest(
+                f"c{index}t{turn}", initial_tokens=length, prompt_token_ids=prompt, cache_salt=f"tenant-{chat.tenant}"
+            )
+            handle = manager.allocate(request)
+            start = handle.num_tokens()
+            slots = manager.extend(handle, length - start)
+            computed += length - start
+            for layer in range(args.layers):
+                manager.write(layer, slots, chat.keys[layer, start:length], chat.values[layer, start:length])
+            for layer in range(args.layers):
+                keys, values = manager.gather(handle, layer)
+                exact = np.array_equal(keys, chat.keys[layer, :length]) and np.array_equal(
+                    values, chat.values[layer, :length]
+                )
+                mismatches += not exact
+            manager.deallocate(request.request_id)
+    stats = manager.stats()
+    tier_hits = {tier.name: tier.hits for tier in manager.tier_stats()}
+    manager.close()
+    return ChatRun(stats.prefix_cache_queries, stats.prefix_cache_hits, computed, tier_hits, mismatches)
+
+
+def compare_tiers(args: argparse.Namespace) -> int:
+    """The multi-turn chat without and with offload tiers; 1 on a K/V mismatch or under 2x."""
+    chats = make_chats(args)
+    block_size = args.block_size
+    blocks: set[tuple[int, ...]] = set()
+    for chat in chats:  # the working set: distinct (salt, prefix) full blocks, and each partial one
+        for end in range(block_size, len(chat.tokens) + block_size, block_size):
+            blocks.add((chat.tenant, *chat.tokens[: min(end, len(chat.tokens))]))
+    working_set = len(blocks)
+    longest = max(-(-len(chat.tokens) // block_size) for chat in chats)
+    pool = max(working_set // 10, longest)
+    block_bytes = 2 * args.layers * args.kv_heads * args.head_dim * 4 * block_size
+    print(
+        f"\nmulti-turn chat: {args.tenants} tenants x {args.conversations} conversations x {args.turns} turns; "
+        f"working set {working_set} blocks, pool {pool} blocks ({pool / working_set:.0%}); "
+        f"host tier {working_set // 3} blocks, disk tier {working_set} blocks"
+    )
+    plain = serve_chats(args, chats, pool, [])
+    with tempfile.TemporaryDirectory(prefix="kvcache-disk-tier-") as directory:
+        tiers: list[OffloadTier] = [
+            HostTier(working_set // 3 * block_bytes),
+            DiskTier(directory, working_set * (block_bytes + 4096)),
+        ]
+        tiered = serve_chats(args, chats, pool, tiers)
+    header = f"{'':<20}{'hit rate':>10}{'tokens computed':>17}{'host hits':>11}{'disk hits':>11}{'K/V exact':>11}"
+    print(header)
+    print("-" * len(header))
+    for name, run in (("no tiers", plain), ("host + disk tiers", tiered)):
+        print(
+            f"{name:<20}{run.hits / run.queries:>10.3f}{run.computed_tokens:>17}{run.tier_hits.get('host', 0):>11}"
+            f"{run.tier_hits.get('disk', 0):>11}{'yes' if not run.mismatches else 'NO':>11}"
+        )
+    ratio = (tiered.hits / tiered.queries) / max(plain.hits / plain.queries, 1e-9)
+    print(
+        f"ratios (tiers / no tiers): hit rate {ratio:.1f}x, "
+        f"tokens computed {tiered.computed_tokens / plain.computed_tokens:.2f}x"
+    )
+    if plain.mismatches or tiered.mismatches:
+        print("FAIL: a gathered K/V differs from what was written", file=sys.stderr)
+        return 1
+    if ratio < 2:
+        print(f"FAIL: the tiers raise the hit rate {ratio:.2f}x, under 2x", file=sys.stderr)
+        return 1
+    return 0
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=64)
@@ -154,10 +296,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-attention", dest="attention", action="store_false", help="skip the prefill attention")
+    parser.add_argument("--tenants", type=int, default=4, help="multi-turn chat: tenants (salts)")
+    parser.add_argument("--conversations", type=int, default=6, help="multi-turn chat: conversations per tenant")
+    parser.add_argument("--turns", type=int, default=5, help="multi-turn chat: turns per conversation")
     parser.add_argument("--quick", action="store_true", help="16 requests, a 512-token prompt, 2 repeats")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.prompt_length, args.repeats = 16, 512, 2
+        args.tenants, args.conversations, args.turns = 3, 4, 4
     if not (1 <= args.min_suffix <= args.max_suffix) or args.requests < 1 or args.repeats < 1:
         parser.error("need 1 <= --min-suffix <= --max-suffix, --requests >= 1 and --repeats >= 1")
     return args
@@ -203,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"tokens computed {plain.computed_tokens / cached.computed_tokens:.1f}x, "
         f"time {medians['no prefix caching'] / medians['prefix caching']:.1f}x"
     )
-    return 0
+    return compare_tiers(args)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,12 @@ from kvcache_core.errors import (
     BackendConflictError,
     BackendNotFoundError,
     BackendUnavailableError,
+    CacheFileError,
+    CorruptCacheFileError,
     DTypeMismatchError,
     DuplicateRequestError,
     ForeignHandleError,
+    IncompatibleCacheFileError,
     InsufficientBlocksError,
     InvalidArgumentError,
     InvalidConfigError,
@@ -59,9 +62,11 @@ from kvcache_core.errors import (
     StalePageTableError,
     StaleStepError,
     SwappedOutError,
+    TierError,
     UnknownRequestError,
     UnsupportedConfigError,
 )
+from kvcache_core.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.hookspecs import CAPABILITIES, BackendSpec, hookimpl
 from kvcache_core.manager import PagedKvCacheManager
@@ -69,6 +74,7 @@ from kvcache_core.page_table import PageTable
 from kvcache_core.protocols import KvCacheHandle, KvCacheManager, KvStorage
 from kvcache_core.stats import CacheGcStats, CacheHandleStats, CacheManagerStats, MemoryPressure
 from kvcache_core.step import Step
+from kvcache_core.tiers import DiskTier, HostTier, OffloadTier, TierStats
 
 try:
     __version__ = version("kvcache-core")
@@ -135,4 +141,17 @@ __all__ = [
     "hookimpl",
     "installed_backends",
     "refresh_backends",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheEvent",
+    "CachedBlockIndex",
+    "CacheFileError",
+    "CorruptCacheFileError",
+    "IncompatibleCacheFileError",
+    "TierError",
+    "DiskTier",
+    "HostTier",
+    "OffloadTier",
+    "TierStats",
 ]

@@ -10,6 +10,7 @@ what it changed, and none of them knows about requests beyond the block lists it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,7 @@ class BlockPool:
         self.storage = storage
         self.allocator = BlockAllocator(config.num_blocks, placement)
         slots = config.num_blocks * config.block_size
-        self.prefix: PrefixCache | None = PrefixCache() if config.enable_prefix_caching else None
+        self.prefix: PrefixCache | None = PrefixCache(config.model_id) if config.enable_prefix_caching else None
         self.written: npt.NDArray[np.bool_] | None = (
             np.zeros((config.num_layers, slots), dtype=np.bool_) if config.enable_prefix_caching else None
         )
@@ -60,6 +61,8 @@ class BlockPool:
         self.eviction_count = 0
         self.allocation_failures = 0
         self.copy_on_write_count = 0
+        # Called with the count before cached blocks are evicted (offload tiers demote them).
+        self.before_evict: Callable[[int], None] | None = None
 
     # -- counts and messages -----------------------------------------------------------
 
@@ -103,6 +106,8 @@ class BlockPool:
         if not count:
             return
         assert self.prefix is not None, "cached blocks without a prefix cache"
+        if self.before_evict is not None:
+            self.before_evict(count)  # the tiers take copies of the blocks about to leave
         for block in self.allocator.evict(count):
             self.unregister(block)
         self.eviction_count += count

@@ -139,6 +139,10 @@ class CacheConfig:
         medium_pressure_threshold, high_pressure_threshold, critical_pressure_threshold:
             fractions of the pool in use at which :class:`MemoryPressure` rises;
             ``0 < medium < high < critical <= 1``.
+        model_id: the namespace of this pool's K/V (the model's name and revision, or a
+            fingerprint of its config, dtype and layer specs), or ``None`` for none. It
+            enters the root of every prefix-cache hash chain, so blocks cached, saved or
+            published under one namespace never map into a pool of another.
         compute_dtype: dtype of the K/V ``write`` takes, of queries and of attention
             outputs, one of :data:`COMPUTE_DTYPES`; only a quantized pool may differ from
             :attr:`dtype`. ``None`` (the default): the pool's own dtype, or float32 for a
@@ -165,6 +169,7 @@ class CacheConfig:
     medium_pressure_threshold: float = 0.6
     high_pressure_threshold: float = 0.8
     critical_pressure_threshold: float = 0.95
+    model_id: str | None = None
     compute_dtype: str | None = None
     kv_scales: tuple[tuple[tuple[float, ...], ...], ...] | None = None
 
@@ -183,6 +188,7 @@ class CacheConfig:
         medium_pressure_threshold: float = 0.6,
         high_pressure_threshold: float = 0.8,
         critical_pressure_threshold: float = 0.95,
+        model_id: str | None = None,
         compute_dtype: str | None = None,
         kv_scales: object = None,
     ) -> None:
@@ -220,6 +226,8 @@ class CacheConfig:
             )
         if self.sliding_window is not None:
             _require_int("CacheConfig", "sliding_window", self.sliding_window, 1)
+        if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
+            raise InvalidConfigError(f"CacheConfig.model_id must be a non-empty str or None, got {self.model_id!r}")
         thresholds = (
             self.medium_pressure_threshold,
             self.high_pressure_threshold,

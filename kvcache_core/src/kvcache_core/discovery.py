@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -35,6 +35,7 @@ from kvcache_core.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.numpy_backend import NumpyArray
 from kvcache_core.protocols import KvStorage
+from kvcache_core.tiers import OffloadTier
 
 if TYPE_CHECKING:  # the array types of the built-in backends, for create_manager's overloads only
     import jax
@@ -235,22 +236,47 @@ def get_backend(name: str) -> BackendSpec[Any]:
 
 @overload
 def create_manager(
-    backend: Literal["numpy"], config: CacheConfig, *, placement: Placement = "contiguous", **options: Any
+    backend: Literal["numpy"],
+    config: CacheConfig,
+    *,
+    placement: Placement = "contiguous",
+    tiers: Sequence[OffloadTier] = (),
+    **options: Any,
 ) -> PagedKvCacheManager[NumpyArray]: ...
 @overload
 def create_manager(
-    backend: Literal["torch"], config: CacheConfig, *, placement: Placement = "contiguous", **options: Any
+    backend: Literal["torch"],
+    config: CacheConfig,
+    *,
+    placement: Placement = "contiguous",
+    tiers: Sequence[OffloadTier] = (),
+    **options: Any,
 ) -> PagedKvCacheManager[torch.Tensor]: ...
 @overload
 def create_manager(
-    backend: Literal["jax"], config: CacheConfig, *, placement: Placement = "contiguous", **options: Any
+    backend: Literal["jax"],
+    config: CacheConfig,
+    *,
+    placement: Placement = "contiguous",
+    tiers: Sequence[OffloadTier] = (),
+    **options: Any,
 ) -> PagedKvCacheManager[jax.Array]: ...
 @overload
 def create_manager(
-    backend: str, config: CacheConfig, *, placement: Placement = "contiguous", **options: Any
+    backend: str,
+    config: CacheConfig,
+    *,
+    placement: Placement = "contiguous",
+    tiers: Sequence[OffloadTier] = (),
+    **options: Any,
 ) -> PagedKvCacheManager[Any]: ...
 def create_manager(
-    backend: str, config: CacheConfig, *, placement: Placement = "contiguous", **options: Any
+    backend: str,
+    config: CacheConfig,
+    *,
+    placement: Placement = "contiguous",
+    tiers: Sequence[OffloadTier] = (),
+    **options: Any,
 ) -> PagedKvCacheManager[Any]:
     """A paged cache manager over a new pool of the named backend.
 
@@ -264,6 +290,8 @@ def create_manager(
         backend: an installed backend's name (``"numpy"``, ``"torch"``, ``"jax"``, ...).
         config: the pool's configuration.
         placement: the allocator's placement policy (see :class:`BlockAllocator`).
+        tiers: offload tiers behind the pool, fastest first (:class:`~kvcache_core.tiers.HostTier`,
+            :class:`~kvcache_core.tiers.DiskTier`, ...; see :mod:`kvcache_core.tiers`).
         **options: passed to the backend's storage factory (backend-specific).
 
     Raises:
@@ -305,7 +333,10 @@ def create_manager(
             f"backend {backend!r} is broken: its storage_factory returned {type(storage).__name__}, "
             f"which lacks the KvStorage members {missing}"
         )
+    extra: dict[str, Any] = {"tiers": tiers} if tiers else {}  # a custom manager factory may predate tiers
     if spec.manager_factory is not None:
-        manager: PagedKvCacheManager[Any] = spec.manager_factory(storage, backend=spec.name, placement=placement)
+        manager: PagedKvCacheManager[Any] = spec.manager_factory(
+            storage, backend=spec.name, placement=placement, **extra
+        )
         return manager
-    return PagedKvCacheManager(storage, backend=spec.name, placement=placement)
+    return PagedKvCacheManager(storage, backend=spec.name, placement=placement, **extra)

@@ -16,9 +16,12 @@ __all__ = [
     "BackendConflictError",
     "BackendNotFoundError",
     "BackendUnavailableError",
+    "CacheFileError",
+    "CorruptCacheFileError",
     "DTypeMismatchError",
     "DuplicateRequestError",
     "ForeignHandleError",
+    "IncompatibleCacheFileError",
     "InsufficientBlocksError",
     "InvalidArgumentError",
     "InvalidConfigError",
@@ -38,6 +41,7 @@ __all__ = [
     "StalePageTableError",
     "StaleStepError",
     "SwappedOutError",
+    "TierError",
     "UnknownRequestError",
     "UnsupportedConfigError",
 ]
@@ -162,3 +166,26 @@ class InvariantError(KvCacheError, AssertionError):
 
 class KvCachePluginWarning(UserWarning):
     """A backend plugin failed to load; the other backends are unaffected."""
+
+
+# -- beyond the pool (issue 15): saved prefix caches and offload tiers ---------------------
+
+
+class CacheFileError(KvCacheError, OSError):
+    """A prefix-cache file or tier directory cannot be written or read (no permission, no
+    such file, disk full). Nothing was loaded; a write left no partial file behind."""
+
+
+class CorruptCacheFileError(KvCacheError, ValueError):
+    """A prefix-cache file is truncated or corrupted (a header that does not parse, a block
+    whose checksum or hash does not match). Nothing was loaded."""
+
+
+class IncompatibleCacheFileError(KvCacheError, ValueError):
+    """A prefix-cache file is intact but cannot go into this pool: another namespace
+    (``model_id``), geometry, block size or dtype, or an unknown format version."""
+
+
+class TierError(KvCacheError, ValueError):
+    """An offload tier cannot be used as configured (a capacity below one block, a name
+    taken twice, a directory it cannot write)."""

@@ -42,11 +42,11 @@ from typing import Any, TypeVar
 
 from kvcache_core.allocator import BlockAllocator, Placement
 from kvcache_core.audit import audit
+from kvcache_core.beyond_pool import BeyondPool
 from kvcache_core.block_pool import BlockPool
 from kvcache_core.chains import PrefixChains
 from kvcache_core.checks import ArgumentChecks
 from kvcache_core.config import AllocationRequest, CacheConfig, check_count, check_token_ids
-from kvcache_core.data_path import DataPath
 from kvcache_core.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
@@ -56,11 +56,14 @@ from kvcache_core.errors import (
     SwappedOutError,
     UnknownRequestError,
 )
+from kvcache_core.events import AllBlocksCleared, EventHub
 from kvcache_core.handle import PagedKvCacheHandle, RequestState
+from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import PrefixCache
 from kvcache_core.protocols import KvCacheHandle, KvStorage, SlotArray
 from kvcache_core.sequences import SequenceBlocks
 from kvcache_core.stats import CacheGcStats, CacheManagerStats, MemoryPressure
+from kvcache_core.tiers import OffloadTier, TierChain
 
 __all__ = ["InvariantError", "PagedKvCacheManager"]
 
@@ -68,7 +71,7 @@ ArrayT = TypeVar("ArrayT")
 _ManagerT = TypeVar("_ManagerT", bound="PagedKvCacheManager[Any]")
 
 
-class PagedKvCacheManager(DataPath[ArrayT]):
+class PagedKvCacheManager(BeyondPool[ArrayT]):
     """Allocates request caches in one paged pool, runs the write/read path and the cache
     policies (prefix caching, fork with copy-on-write, eviction, swapping, sliding window).
 
@@ -87,10 +90,17 @@ class PagedKvCacheManager(DataPath[ArrayT]):
         backend: the backend's name, for messages and ``kvcache backends``.
         placement: ``"contiguous"`` (default: requests keep their blocks in long runs) or
             ``"fifo"`` (least recently freed block first, for comparison).
+        tiers: offload tiers behind the pool, fastest first (see :mod:`kvcache_core.tiers`):
+            evicted cached blocks are demoted to them, prompt hits promote them back.
     """
 
     def __init__(
-        self, storage: KvStorage[ArrayT], *, backend: str = "custom", placement: Placement = "contiguous"
+        self,
+        storage: KvStorage[ArrayT],
+        *,
+        backend: str = "custom",
+        placement: Placement = "contiguous",
+        tiers: Sequence[OffloadTier] = (),
     ) -> None:
         config = storage.config
         self._storage = storage
@@ -102,6 +112,14 @@ class PagedKvCacheManager(DataPath[ArrayT]):
         self._chains = PrefixChains(self._pool, self._requests)
         self._sequences = SequenceBlocks(self._pool, self._chains)
         self._checks = ArgumentChecks(self._pool, storage, self._requests)
+        # Cache events: the prefix cache reports hashes entering and leaving it.
+        self._events = EventHub(config.block_size)
+        if self._pool.prefix is not None:
+            self._pool.prefix.listener = self._events
+        self._tiers = TierChain(tiers, config, self._events)
+        self._access = PoolAccess(self._pool, self._chains, self._tiers)
+        if self._tiers:
+            self._pool.before_evict = self._demote
         self._pressure = MemoryPressure.LOW
         self._pressure_callback: Callable[[MemoryPressure], object] | None = None
         self._allocation_count = 0
@@ -167,6 +185,11 @@ class PagedKvCacheManager(DataPath[ArrayT]):
                 )
             state = self._new_state(request.request_id, request.max_sequence_length, request.priority)
             self._sequences.open(state, request, plan)
+            promoted = self._tiers.promote(self._access, state)  # tier blocks continuing the cached prefix
+            if self._chains.enabled:
+                self._chains.queries += plan.queries
+                self._chains.hits += len(plan.hits) + promoted
+                self._chains.collisions += plan.collisions
             self._requests[request.request_id] = state
             self._allocation_count += 1
             self._update_pressure()
@@ -567,6 +590,8 @@ class PagedKvCacheManager(DataPath[ArrayT]):
             self._pool.epoch += 1  # page tables and steps taken before are refused
             for state in self._requests.values():
                 state.valid = False
+            self._tiers.clear()
+            self._events.emit(AllBlocksCleared())
             release = getattr(self._storage, "close", None)
             if callable(release):
                 release()

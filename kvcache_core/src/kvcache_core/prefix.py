@@ -8,6 +8,8 @@ A full block's hash chains its parent's hash, its token ids and the request's sa
 over a fixed byte encoding (little-endian 64-bit token ids, length-prefixed salt), so a
 hash is the same in every process and on every machine; Python's salted ``hash()`` is
 never used. Two prompts share block ``i``'s hash only if they share blocks ``0 .. i``.
+With a namespace (``CacheConfig.model_id``) the first block's parent is the namespace's
+root hash (:func:`namespace_root`) instead of none, so chains of two namespaces never meet.
 
 Trust does not rest on the hash alone. Every entry keeps the token ids, the salt and its
 parent *entry* (the object, not only the parent's hash), and a lookup compares all three
@@ -23,13 +25,33 @@ import hashlib
 import struct
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from typing import Protocol
 
-__all__ = ["BlockEvictor", "BlockHash", "PrefixCache", "PrefixEntry", "hash_block", "same_prefix"]
+__all__ = [
+    "BlockEvictor",
+    "BlockHash",
+    "PrefixCache",
+    "PrefixEntry",
+    "PrefixListener",
+    "hash_block",
+    "namespace_root",
+    "same_prefix",
+]
 
 #: A block hash: a SHA-256 digest (32 bytes).
 BlockHash = bytes
 
 _TAG = b"kvcache-core/block-hash/v1"
+_NAMESPACE_TAG = b"kvcache-core/namespace/v1"
+
+
+def namespace_root(namespace: str | None) -> BlockHash | None:
+    """The hash every chain of ``namespace`` starts from (the first block's parent):
+    SHA-256 over a tag and the namespace's UTF-8 bytes; ``None`` for no namespace."""
+    if namespace is None:
+        return None
+    encoded = namespace.encode()
+    return hashlib.sha256(_NAMESPACE_TAG + struct.pack("<Q", len(encoded)) + encoded).digest()
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: bytes | None) -> BlockHash:
@@ -89,17 +111,41 @@ def same_prefix(first: PrefixEntry | None, second: PrefixEntry | None) -> bool:
     return True
 
 
+class PrefixListener(Protocol):
+    """Told when a hash enters the cache (its first block registers) and when it leaves
+    (its last block unregisters): the moments :mod:`kvcache_core.events` reports."""
+
+    def entry_stored(self, entry: PrefixEntry) -> None: ...
+
+    def entry_removed(self, entry: PrefixEntry) -> None: ...
+
+
 class PrefixCache:
     """The map from block hashes to the blocks holding those tokens.
 
     Not thread-safe by itself: the manager serialises calls. Which blocks are cached
     (unreferenced but kept) is the allocator's business; this map only says which blocks
     hold which prefix.
+
+    Args:
+        namespace: ``CacheConfig.model_id``; it enters the root of every hash chain.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, namespace: str | None = None) -> None:
         self._entries: dict[BlockHash, PrefixEntry] = {}
         self._entry_of: dict[int, PrefixEntry] = {}
+        self._namespace = namespace
+        self._root = namespace_root(namespace)
+        self.listener: PrefixListener | None = None
+
+    @property
+    def namespace(self) -> str | None:
+        """The namespace whose root every chain starts from."""
+        return self._namespace
+
+    def parent_hash(self, parent: PrefixEntry | None) -> BlockHash | None:
+        """The hash a block after ``parent`` chains: ``parent``'s, or the namespace root."""
+        return self._root if parent is None else parent.block_hash
 
     def __len__(self) -> int:
         """Blocks registered."""
@@ -115,7 +161,7 @@ class PrefixCache:
 
     def rehash(self, entry: PrefixEntry) -> BlockHash:
         """``entry``'s hash recomputed from its parent, tokens and salt (for checks)."""
-        return hash_block(None if entry.parent is None else entry.parent.block_hash, entry.token_ids, entry.salt)
+        return hash_block(self.parent_hash(entry.parent), entry.token_ids, entry.salt)
 
     def is_registered(self, block: int) -> bool:
         """Whether ``block`` holds a hashed prefix (and can be found by a lookup)."""
@@ -136,7 +182,7 @@ class PrefixCache:
         """
         if parent is not None and not parent.alive:
             return None, False
-        entry = self._entries.get(hash_block(None if parent is None else parent.block_hash, token_ids, salt))
+        entry = self._entries.get(hash_block(self.parent_hash(parent), token_ids, salt))
         if entry is None:
             return None, False
         if not entry.matches(parent, token_ids, salt):
@@ -157,7 +203,7 @@ class PrefixCache:
         """
         if parent is not None and not parent.alive:
             return None, False
-        block_hash = hash_block(None if parent is None else parent.block_hash, token_ids, salt)
+        block_hash = hash_block(self.parent_hash(parent), token_ids, salt)
         entry = self._entries.get(block_hash)
         if entry is None:
             entry = PrefixEntry(block_hash, parent, token_ids, salt)
@@ -177,6 +223,8 @@ class PrefixCache:
         assert current is None, f"block {block} is registered under another hash"
         entry.blocks[block] = None
         self._entry_of[block] = entry
+        if len(entry.blocks) == 1 and self.listener is not None:
+            self.listener.entry_stored(entry)
 
     def unregister(self, block: int) -> None:
         """Forget ``block`` (evicted or overwritten); drop its entry with its last block."""
@@ -185,6 +233,8 @@ class PrefixCache:
         if not entry.blocks:
             del self._entries[entry.block_hash]
             entry.alive = False
+            if self.listener is not None:
+                self.listener.entry_removed(entry)
 
 
 class BlockEvictor:

@@ -265,9 +265,6 @@ class SequenceBlocks:
             state.token_ids = list(request.prompt_token_ids or ())
             state.salt = request.salt_bytes()
             state.chain = [entry for entry, _ in plan.hits]
-            self.chains.queries += plan.queries
-            self.chains.hits += len(plan.hits)
-            self.chains.collisions += plan.collisions
 
     def fork(self, parent: RequestState[Any], child: RequestState[Any]) -> None:
         """Give ``child`` the parent's tokens: every block holding them is shared."""

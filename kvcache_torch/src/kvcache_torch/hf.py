@@ -48,7 +48,9 @@ Passing the same cache to a second ``generate`` *continues* its sequences, as wi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import json
 import threading
 import uuid
 import weakref
@@ -86,6 +88,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "PagedCache",
     "cache_config_for",
+    "model_fingerprint",
     "paged_attention_forward",
     "paged_attention_mask",
     "register_attention",
@@ -183,6 +186,7 @@ def cache_config_for(
     block_size: int = 16,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
+    model_id: str | None = None,
 ) -> CacheConfig:
     """The :class:`~kvcache_core.CacheConfig` of a pool for this model.
 
@@ -200,6 +204,9 @@ def cache_config_for(
             quarter of float32's bytes) that computes in the model's dtype.
         device: where the pool lives (``"cpu"``, ``"cuda:0"``); by default the model's
             device (for a config, the CPU).
+        model_id: the namespace of the pool's prefix-cache hashes; by default
+            :func:`model_fingerprint` of the config and the pool's dtype, so blocks cached,
+            saved or published for one model never map into another's pool.
 
     Raises:
         InvalidArgumentError: neither or both of ``num_blocks`` and ``max_tokens``, or a
@@ -248,6 +255,7 @@ def cache_config_for(
         block_size=block_size,
         dtype=dtype,
         device="cpu" if device is None else str(device),
+        model_id=model_fingerprint(config, str(dtype)) if model_id is None else model_id,
         compute_dtype=compute_dtype,
     )
 
@@ -266,6 +274,16 @@ def _dtype_name(dtype: object) -> str:
             )
         return name
     return str(dtype)
+
+
+def model_fingerprint(config: PretrainedConfig, dtype: str) -> str:
+    """``"<name or path>@sha256:<16 hex digits>"``: a hash of every field of the model's
+    config (the transformers version aside) and the pool's dtype, the default ``model_id``
+    of :func:`cache_config_for`. Two models share it only if their K/V can be shared."""
+    fields = {key: value for key, value in config.to_dict().items() if key != "transformers_version"}
+    text = json.dumps({"config": fields, "dtype": dtype}, sort_keys=True, default=str)
+    name = str(getattr(config, "name_or_path", "") or getattr(config, "model_type", "") or "model")
+    return f"{name}@sha256:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 # -- the step of one forward pass ------------------------------------------------------

@@ -36,6 +36,7 @@ from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.protocols import KvCacheHandle, KvStorage
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
+from kvcache_core.testing.beyond import BeyondPoolCases
 from kvcache_core.testing.catalogue import (
     MANAGER_CASES,
     BadCall,
@@ -153,7 +154,7 @@ def _grown_side_by_side(
     return handles, merged
 
 
-class KvCacheConformance(ReliabilityCases, QuantizedCases):
+class KvCacheConformance(ReliabilityCases, BeyondPoolCases, QuantizedCases):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 
     #: Request lengths of the attention tests (ragged, over several blocks and runs).

@@ -1,0 +1,92 @@
+"""What a manager offers beyond its pool: cache events, the portable prefix-cache file and
+offload tiers (the logic lives in :mod:`kvcache_core.events`, :mod:`kvcache_core.persist`
+and :mod:`kvcache_core.tiers`).
+
+:class:`BeyondPool` is a base of :class:`~kvcache_core.PagedKvCacheManager` (not used
+alone); every method takes the manager's lock.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TypeVar
+
+from kvcache_core import persist
+from kvcache_core.data_path import DataPath
+from kvcache_core.events import EventCallback, EventHub
+from kvcache_core.pool_access import PoolAccess
+from kvcache_core.tiers import TierChain, TierStats
+
+__all__ = ["BeyondPool"]
+
+ArrayT = TypeVar("ArrayT")
+
+
+class BeyondPool(DataPath[ArrayT]):
+    """Events, save/load and tiers of a paged manager."""
+
+    _events: EventHub
+    _tiers: TierChain
+    _access: PoolAccess
+
+    # -- events, save/load, offload tiers (logic in events.py, persist.py, tiers.py) ----------
+
+    def subscribe(self, callback: EventCallback) -> None:
+        """Call ``callback(event)`` on every :class:`~kvcache_core.events.BlockStored`,
+        :class:`~kvcache_core.events.BlockRemoved` and
+        :class:`~kvcache_core.events.AllBlocksCleared` from now on (see :mod:`kvcache_core.events`).
+
+        Raises:
+            InvalidTypeError: ``callback`` is not callable.
+            InvalidArgumentError: ``callback`` is already subscribed.
+        """
+        with self._lock:
+            self._events.subscribe(callback)
+
+    def unsubscribe(self, callback: EventCallback) -> None:
+        """Stop calling ``callback``.
+
+        Raises:
+            InvalidArgumentError: ``callback`` is not subscribed.
+        """
+        with self._lock:
+            self._events.unsubscribe(callback)
+
+    def save_prefix_cache(self, path: str | os.PathLike[str]) -> int:
+        """Write every cached prefix block to ``path`` in the portable format of
+        :mod:`kvcache_core.persist` (safetensors data, JSON header, checksums; no pickle).
+
+        Returns:
+            The blocks written.
+
+        Raises:
+            UnsupportedConfigError: no prefix caching. CacheFileError: the file cannot be
+                written (no partial file is left).
+        """
+        with self._lock:
+            self._check_open()
+            return persist.save_prefix_cache(self._access, path)
+
+    def load_prefix_cache(self, path: str | os.PathLike[str]) -> int:
+        """Map the blocks of a file :meth:`save_prefix_cache` wrote (by any backend, in any
+        layout) into the prefix cache as cached blocks; those already cached are skipped.
+
+        Returns:
+            The blocks loaded.
+
+        Raises:
+            CorruptCacheFileError, IncompatibleCacheFileError, CacheFileError,
+                OutOfBlocksError, UnsupportedConfigError: nothing is loaded.
+        """
+        with self._lock:
+            self._check_open()
+            return persist.load_prefix_cache(self._access, path)
+
+    def tier_stats(self) -> list[TierStats]:
+        """Each offload tier's figures (blocks, bytes, hits, demotions, evictions), first
+        to last; empty without tiers (see :mod:`kvcache_core.tiers`)."""
+        with self._lock:
+            return self._tiers.stats()
+
+    def _demote(self, count: int) -> None:
+        self._tiers.demote(self._access, count)

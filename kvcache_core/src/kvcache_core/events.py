@@ -1,0 +1,223 @@
+"""Cache events: what a KV-aware router needs to know about which blocks a server holds.
+
+``manager.subscribe(callback)`` calls ``callback(event)`` for every change of the set of
+block hashes each medium holds, with the fields vLLM's KV events carry:
+
+* :class:`BlockStored` — a hash became cached in ``medium`` (the pool, ``"pool"``, or an
+  offload tier, by its name): ``block_hashes``, ``parent_block_hash`` (``None`` for a
+  prompt's first block), ``token_ids``, ``block_size``, ``lora_id``, ``medium``;
+* :class:`BlockRemoved` — hashes left ``medium`` (evicted, demoted, overwritten);
+* :class:`AllBlocksCleared` — every medium is empty (the manager was closed).
+
+A hash is reported once per medium however many pool blocks hold its tokens: stored when
+its first block registers, removed when its last one goes. So :class:`CachedBlockIndex`,
+fed every event, holds exactly the hashes each medium holds.
+
+Callbacks run on the thread that made the change, with the manager's lock held; an
+exception one raises becomes a :class:`RuntimeWarning` (the operation already succeeded).
+:mod:`kvcache_core.event_publisher` sends the events over ZMQ, encoded as vLLM does.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
+
+from kvcache_core.errors import InvalidArgumentError, InvalidTypeError
+
+if TYPE_CHECKING:
+    from kvcache_core.prefix import PrefixEntry
+
+__all__ = [
+    "POOL_MEDIUM",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheEvent",
+    "CachedBlockIndex",
+    "EventCallback",
+    "EventHub",
+]
+
+#: The medium of blocks in the manager's own pool.
+POOL_MEDIUM = "pool"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Hashes that became cached in ``medium`` (vLLM's ``BlockStored``).
+
+    Attributes:
+        block_hashes: 32-byte SHA-256 hashes, in chain order.
+        parent_block_hash: the hash of the block before the first, ``None`` for a prompt's
+            first block.
+        token_ids: the token ids of the blocks, ``len(block_hashes) * block_size`` of them.
+        block_size: tokens per block.
+        lora_id: the LoRA adapter (always ``None``: kvcache has none).
+        medium: ``"pool"`` or the name of an offload tier.
+    """
+
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str = POOL_MEDIUM
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Hashes that ``medium`` no longer holds (vLLM's ``BlockRemoved``)."""
+
+    block_hashes: tuple[bytes, ...]
+    medium: str = POOL_MEDIUM
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every medium of the manager is empty (vLLM's ``AllBlocksCleared``)."""
+
+
+#: One cache event.
+CacheEvent: TypeAlias = "BlockStored | BlockRemoved | AllBlocksCleared"
+
+#: What ``manager.subscribe`` takes.
+EventCallback: TypeAlias = "Callable[[CacheEvent], object]"
+
+
+class EventHub:
+    """The manager's subscribers, and the prefix cache's listener that turns a hash entering
+    or leaving the pool into an event.
+
+    Not thread-safe by itself: the manager calls it with its lock held.
+
+    Args:
+        block_size: tokens per block, carried by every :class:`BlockStored`.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self._block_size = block_size
+        self._callbacks: list[EventCallback] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether anyone listens (events are built only then)."""
+        return bool(self._callbacks)
+
+    def subscribe(self, callback: EventCallback) -> None:
+        """Add ``callback``; it receives every later event.
+
+        Raises:
+            InvalidTypeError: ``callback`` is not callable.
+            InvalidArgumentError: ``callback`` is already subscribed.
+        """
+        if not callable(callback):
+            raise InvalidTypeError(f"subscribe takes a callable, got {callback!r}")
+        if any(existing == callback for existing in self._callbacks):
+            raise InvalidArgumentError(f"{callback!r} is already subscribed")
+        self._callbacks.append(callback)
+
+    def unsubscribe(self, callback: EventCallback) -> None:
+        """Remove ``callback``.
+
+        Raises:
+            InvalidArgumentError: ``callback`` is not subscribed (the message counts those that are).
+        """
+        for index, existing in enumerate(self._callbacks):
+            if existing == callback:
+                del self._callbacks[index]
+                return
+        raise InvalidArgumentError(f"{callback!r} is not subscribed ({len(self._callbacks)} callbacks are subscribed)")
+
+    def emit(self, event: CacheEvent) -> None:
+        """Hand ``event`` to every subscriber, in the order they subscribed."""
+        for callback in list(self._callbacks):
+            try:
+                callback(event)
+            except Exception as exc:  # the change is made; a broken subscriber must not undo it
+                warnings.warn(
+                    f"cache event callback {callback!r} raised {exc!r} on {event!r}", RuntimeWarning, stacklevel=2
+                )
+
+    def stored(self, entries: Iterable[PrefixEntry], medium: str) -> None:
+        """Report ``entries`` (a chain, parents first, or unrelated ones) stored in ``medium``:
+        one :class:`BlockStored` per run of entries that chain one to the next."""
+        if not self._callbacks:
+            return
+        run: list[PrefixEntry] = []
+        for entry in entries:
+            if run and entry.parent is not run[-1]:
+                self._stored_run(run, medium)
+                run = []
+            run.append(entry)
+        if run:
+            self._stored_run(run, medium)
+
+    def removed(self, block_hashes: Iterable[bytes], medium: str) -> None:
+        """Report ``block_hashes`` gone from ``medium`` (one :class:`BlockRemoved`)."""
+        if not self._callbacks:
+            return
+        hashes = tuple(block_hashes)
+        if hashes:
+            self.emit(BlockRemoved(hashes, medium))
+
+    # The prefix cache's listener (kvcache_core.prefix.PrefixListener): the pool's medium.
+
+    def entry_stored(self, entry: PrefixEntry) -> None:
+        self.stored((entry,), POOL_MEDIUM)
+
+    def entry_removed(self, entry: PrefixEntry) -> None:
+        self.removed((entry.block_hash,), POOL_MEDIUM)
+
+    def _stored_run(self, run: list[PrefixEntry], medium: str) -> None:
+        first = run[0].parent
+        self.emit(
+            BlockStored(
+                block_hashes=tuple(entry.block_hash for entry in run),
+                parent_block_hash=None if first is None else first.block_hash,
+                token_ids=tuple(token for entry in run for token in entry.token_ids),
+                block_size=self._block_size,
+                medium=medium,
+            )
+        )
+
+
+class CachedBlockIndex:
+    """What a router keeps: the hashes each medium holds, rebuilt from events alone.
+
+    Call it (or :meth:`apply`) with every event, in order; it can be passed to
+    ``manager.subscribe`` directly.
+    """
+
+    def __init__(self) -> None:
+        self._hashes: dict[str, set[bytes]] = {}
+        self.parents: dict[bytes, bytes | None] = {}
+        self.tokens: dict[bytes, tuple[int, ...]] = {}
+
+    def __call__(self, event: CacheEvent) -> None:
+        self.apply(event)
+
+    def apply(self, event: CacheEvent) -> None:
+        """Fold one event in."""
+        if isinstance(event, BlockStored):
+            held = self._hashes.setdefault(event.medium, set())
+            parent = event.parent_block_hash
+            for index, block_hash in enumerate(event.block_hashes):
+                held.add(block_hash)
+                self.parents[block_hash] = parent
+                self.tokens[block_hash] = event.token_ids[index * event.block_size : (index + 1) * event.block_size]
+                parent = block_hash
+        elif isinstance(event, BlockRemoved):
+            self._hashes.get(event.medium, set()).difference_update(event.block_hashes)
+        else:
+            self._hashes.clear()
+
+    def hashes(self, medium: str = POOL_MEDIUM) -> frozenset[bytes]:
+        """The hashes ``medium`` holds."""
+        return frozenset(self._hashes.get(medium, ()))
+
+    def media(self) -> list[str]:
+        """The media holding at least one hash."""
+        return sorted(name for name, held in self._hashes.items() if held)

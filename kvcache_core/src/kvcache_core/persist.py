@@ -1,0 +1,500 @@
+"""A portable on-disk format for prefix-cached blocks: ``manager.save_prefix_cache(path)``
+and ``manager.load_prefix_cache(path)``.
+
+Requires the ``tiers`` extra (``pip install "kvcache-core[tiers]"``: safetensors).
+
+One file, in the safetensors format (no pickle anywhere): two tensors, ``keys`` and
+``values``, ``[num_layers, n, block_size, num_heads, head_dim]`` whatever the pool's layout
+(what ``KvStorage.blocks_to_host`` gives), and a JSON header in the safetensors metadata
+under ``"kvcache"``::
+
+    {"format": "kvcache-prefix-cache", "version": 1, "namespace": model_id or null,
+     "geometry": {"num_layers", "num_heads", "head_dim", "block_size"}, "dtype": pool dtype,
+     "layout": the saving pool's layout (for information: data is layout-free),
+     "hash_algorithm": "sha256:kvcache-core/block-hash/v1",
+     "blocks": [{"hash", "parent" (hex or null), "salt" (hex or null), "token_ids",
+                 "checksum": sha256 of the block's keys then values bytes}, ...]}
+
+Blocks come parents first. So a file saved by one backend and layout loads into any other
+with the same namespace, geometry and dtype. Loading checks everything before it touches
+the pool (format, version, namespace, geometry, dtype, shapes, every checksum, every hash
+recomputed from its parent, salt and tokens) and refuses with a specific
+:class:`~kvcache_core.errors.KvCacheError`, loading nothing. Writing goes to a temporary
+name in the same directory, flushed to disk, then renamed: a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.errors import (
+    CacheFileError,
+    CorruptCacheFileError,
+    IncompatibleCacheFileError,
+    InvalidTypeError,
+    OutOfBlocksError,
+    UnsupportedConfigError,
+)
+from kvcache_core.pool_access import PoolAccess
+from kvcache_core.prefix import PrefixEntry, hash_block, namespace_root
+
+if TYPE_CHECKING:
+    from kvcache_core.config import CacheConfig
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "HASH_ALGORITHM",
+    "BlockRecord",
+    "install_cached_blocks",
+    "load_prefix_cache",
+    "read_blocks",
+    "save_prefix_cache",
+    "write_blocks",
+]
+
+FORMAT_NAME = "kvcache-prefix-cache"
+FORMAT_VERSION = 1
+HASH_ALGORITHM = "sha256:kvcache-core/block-hash/v1"
+_METADATA_KEY = "kvcache"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord:
+    """One cached block off the pool: its place in a hash chain and its K/V.
+
+    Attributes:
+        block_hash: its 32-byte hash.
+        parent_hash: the previous block's hash, ``None`` for a prompt's first block.
+        salt: the salt hashed with it.
+        token_ids: its ``block_size`` token ids.
+        keys, values: ``[num_layers, block_size, num_heads, head_dim]`` host arrays.
+    """
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    salt: bytes | None
+    token_ids: tuple[int, ...]
+    keys: npt.NDArray[Any]
+    values: npt.NDArray[Any]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V it holds."""
+        return int(self.keys.nbytes + self.values.nbytes)
+
+
+def block_checksum(keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> str:
+    """SHA-256 (hex) of one block's key bytes then value bytes."""
+    digest = hashlib.sha256(np.ascontiguousarray(keys).tobytes())
+    digest.update(np.ascontiguousarray(values).tobytes())
+    return digest.hexdigest()
+
+
+def _hex(value: bytes | None) -> str | None:
+    return None if value is None else value.hex()
+
+
+def _geometry(config: CacheConfig) -> dict[str, int]:
+    return {
+        "num_layers": config.num_layers,
+        "num_heads": config.num_heads,
+        "head_dim": config.head_dim,
+        "block_size": config.block_size,
+    }
+
+
+# -- the file -----------------------------------------------------------------------------
+
+
+def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: list[BlockRecord]) -> int:
+    """Write ``records`` (parents before children) to ``path`` in the portable format,
+    through a temporary name renamed when complete.
+
+    Returns:
+        The bytes written.
+
+    Raises:
+        CacheFileError: the file cannot be written (no permission, no such directory, disk
+            full); no file is left at ``path`` or beside it.
+    """
+    from safetensors.numpy import save  # the [tiers] extra
+
+    target = Path(path)
+    shape = (config.num_layers, 0, config.block_size, config.num_heads, config.head_dim)
+    keys = np.stack([record.keys for record in records], axis=1) if records else np.zeros(shape, np.float32)
+    values = np.stack([record.values for record in records], axis=1) if records else np.zeros(shape, np.float32)
+    header = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "namespace": config.model_id,
+        "geometry": _geometry(config),
+        "dtype": config.dtype,
+        "layout": config.kv_layout,
+        "hash_algorithm": HASH_ALGORITHM,
+        "blocks": [
+            {
+                "hash": record.block_hash.hex(),
+                "parent": _hex(record.parent_hash),
+                "salt": _hex(record.salt),
+                "token_ids": list(record.token_ids),
+                "checksum": block_checksum(record.keys, record.values),
+            }
+            for record in records
+        ],
+    }
+    data = save(
+        {"keys": np.ascontiguousarray(keys), "values": np.ascontiguousarray(values)},
+        metadata={_METADATA_KEY: json.dumps(header, separators=(",", ":"))},
+    )
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise CacheFileError(
+            exc.errno, f"cannot write the prefix cache to {str(target)!r}: {exc.strerror or exc}"
+        ) from exc
+    return len(data)
+
+
+def read_blocks(path: str | os.PathLike[str], config: CacheConfig, *, chained: bool = True) -> list[BlockRecord]:
+    """Read and check a file :func:`write_blocks` wrote, for a pool of ``config``.
+
+    With ``chained`` (a saved prefix cache), every parent must be an earlier block of the
+    file; without it (one block of a disk tier), parents may be anywhere.
+
+    Every block is checked (checksum, and its hash recomputed from its parent hash, salt
+    and tokens under ``config.model_id``'s namespace) before anything is returned.
+
+    Raises:
+        CacheFileError: the file cannot be read.
+        CorruptCacheFileError: truncated, a header that does not parse, a checksum or hash
+            that does not match (the message names the block).
+        IncompatibleCacheFileError: another format, an unknown version, another namespace,
+            geometry or dtype.
+    """
+    source = Path(path)
+    try:
+        data = source.read_bytes()
+    except OSError as exc:
+        raise CacheFileError(exc.errno, f"cannot read the prefix cache {str(source)!r}: {exc.strerror or exc}") from exc
+    header = _parse_header(data, source)
+    _check_compatible(header, config, source)
+    keys, values = _load_tensors(data, source)
+    listed = header.get("blocks")
+    if not isinstance(listed, list):
+        raise CorruptCacheFileError(f"{str(source)!r}: the header's 'blocks' is not a list")
+    blocks = cast("list[object]", listed)
+    expected = (config.num_layers, len(blocks), config.block_size, config.num_heads, config.head_dim)
+    if keys.shape != expected or values.shape != expected:
+        raise CorruptCacheFileError(
+            f"{str(source)!r}: keys {keys.shape} and values {values.shape} do not match the header's "
+            f"{len(blocks)} blocks, expected {expected}"
+        )
+    root = namespace_root(config.model_id)
+    seen: set[bytes] = set()
+    records: list[BlockRecord] = []
+    for index, fields in enumerate(blocks):
+        record = _record(fields, index, keys[:, index], values[:, index], config.block_size, source)
+        if chained and record.parent_hash is not None and record.parent_hash not in seen:
+            raise CorruptCacheFileError(
+                f"{str(source)!r}: block {index}'s parent {record.parent_hash.hex()[:16]}... is not an earlier block"
+            )
+        parent = root if record.parent_hash is None else record.parent_hash
+        if hash_block(parent, record.token_ids, record.salt) != record.block_hash:
+            raise CorruptCacheFileError(
+                f"{str(source)!r}: block {index}'s hash does not match its parent, salt and token ids"
+            )
+        seen.add(record.block_hash)
+        records.append(record)
+    return records
+
+
+def _parse_header(data: bytes, source: Path) -> Mapping[str, Any]:
+    if len(data) < 8:
+        raise CorruptCacheFileError(f"{str(source)!r} is truncated: {len(data)} bytes, a header needs at least 8")
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > len(data) - 8:
+        raise CorruptCacheFileError(
+            f"{str(source)!r} is truncated: its header claims {length} bytes, {len(data) - 8} follow"
+        )
+    try:
+        table = json.loads(data[8 : 8 + length])
+        header = json.loads(table["__metadata__"][_METADATA_KEY])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCacheFileError(
+            f"{str(source)!r}: the header does not parse as a kvcache prefix cache ({exc!r})"
+        ) from exc
+    if not isinstance(header, dict):
+        raise CorruptCacheFileError(f"{str(source)!r}: the kvcache header is not a JSON object")
+    return cast("dict[str, Any]", header)
+
+
+def _check_compatible(header: Mapping[str, Any], config: CacheConfig, source: Path) -> None:
+    name = f"{str(source)!r}"
+    if header.get("format") != FORMAT_NAME:
+        raise IncompatibleCacheFileError(f"{name} is not a {FORMAT_NAME} file (format {header.get('format')!r})")
+    if header.get("version") != FORMAT_VERSION:
+        raise IncompatibleCacheFileError(
+            f"{name} has format version {header.get('version')!r}; this kvcache reads version {FORMAT_VERSION}"
+        )
+    if header.get("hash_algorithm") != HASH_ALGORITHM:
+        raise IncompatibleCacheFileError(
+            f"{name} hashes with {header.get('hash_algorithm')!r}; this kvcache uses {HASH_ALGORITHM!r}"
+        )
+    if header.get("namespace") != config.model_id:
+        raise IncompatibleCacheFileError(
+            f"{name} holds blocks of namespace {header.get('namespace')!r}; this pool's model_id is {config.model_id!r}"
+        )
+    if header.get("geometry") != _geometry(config):
+        raise IncompatibleCacheFileError(
+            f"{name} has geometry {header.get('geometry')!r}; this pool's is {_geometry(config)!r}"
+        )
+    if header.get("dtype") != config.dtype:
+        raise IncompatibleCacheFileError(f"{name} holds {header.get('dtype')!r} blocks; this pool is {config.dtype!r}")
+
+
+def _load_tensors(data: bytes, source: Path) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    from safetensors.numpy import load  # the [tiers] extra
+
+    try:
+        tensors = load(data)
+        return tensors["keys"], tensors["values"]
+    except Exception as exc:  # safetensors raises its own SafetensorError (and KeyError for a missing tensor)
+        raise CorruptCacheFileError(f"{str(source)!r}: the block data does not load ({exc!r})") from exc
+
+
+def _record(
+    fields: object,
+    index: int,
+    keys: npt.NDArray[Any],
+    values: npt.NDArray[Any],
+    block_size: int,
+    source: Path,
+) -> BlockRecord:
+    try:
+        assert isinstance(fields, dict)
+        entry = cast("dict[str, Any]", fields)
+        block_hash = bytes.fromhex(entry["hash"])
+        parent = None if entry["parent"] is None else bytes.fromhex(entry["parent"])
+        salt = None if entry["salt"] is None else bytes.fromhex(entry["salt"])
+        tokens = tuple(int(token) for token in entry["token_ids"])
+        checksum = str(entry["checksum"])
+    except (AssertionError, KeyError, TypeError, ValueError) as exc:
+        raise CorruptCacheFileError(f"{str(source)!r}: block {index}'s header entry is malformed ({exc!r})") from exc
+    if len(tokens) != block_size or len(block_hash) != 32:
+        raise CorruptCacheFileError(
+            f"{str(source)!r}: block {index} has {len(tokens)} token ids (expected {block_size}) and a "
+            f"{len(block_hash)}-byte hash (expected 32)"
+        )
+    if block_checksum(keys, values) != checksum:
+        raise CorruptCacheFileError(f"{str(source)!r}: block {index}'s data does not match its checksum")
+    return BlockRecord(block_hash, parent, salt, tokens, keys, values)
+
+
+# -- the manager's side -------------------------------------------------------------------
+
+
+def cached_records(pool: PoolAccess) -> list[BlockRecord]:
+    """Every block hash the pool holds, parents first, with its K/V copied to the host in
+    one ``blocks_to_host`` call (:func:`chain_order` then keeps those whose whole chain is
+    held). Call with the manager's lock held."""
+    prefix = pool.prefix
+    if prefix is None:
+        return []
+    entries = list(prefix.entries())
+    depth: dict[int, int] = {}
+
+    def depth_of(entry: PrefixEntry) -> int:
+        known = depth.get(id(entry))
+        if known is None:
+            known = 0 if entry.parent is None else depth_of(entry.parent) + 1
+            depth[id(entry)] = known
+        return known
+
+    entries.sort(key=depth_of)
+    if not entries:
+        return []
+    blocks = np.asarray([next(iter(entry.blocks)) for entry in entries], dtype=np.int64)
+    keys, values = pool.storage.blocks_to_host(blocks)
+    return [
+        BlockRecord(
+            entry.block_hash,
+            None if entry.parent is None else entry.parent.block_hash,
+            entry.salt,
+            entry.token_ids,
+            keys[:, index],
+            values[:, index],
+        )
+        for index, entry in enumerate(entries)
+    ]
+
+
+def install_cached_blocks(pool: PoolAccess, records: list[BlockRecord]) -> int:
+    """Put ``records`` (parents first) into the pool as cached blocks, findable by later
+    requests: one ``blocks_from_host`` call. Call with the manager's lock held.
+
+    Records already cached, and records whose parent is neither cached nor among the
+    records, are skipped. Only free blocks are used (nothing cached is evicted for them);
+    with offload tiers, the records past them go to the first tier.
+
+    Transactional: whatever the storage raises, the blocks taken go back and nothing is
+    registered.
+
+    Returns:
+        The blocks installed.
+
+    Raises:
+        OutOfBlocksError: without tiers, fewer free blocks than the records need (nothing
+            installed).
+    """
+    prefix = pool.prefix
+    assert prefix is not None
+    known: dict[bytes, PrefixEntry | None] = {}  # hash -> its live entry (None: to be installed)
+    todo: list[BlockRecord] = []
+    for record in records:
+        if record.block_hash in known:
+            continue
+        existing = prefix.get(record.block_hash)
+        if existing is not None:
+            known[record.block_hash] = existing
+            continue
+        if record.parent_hash is not None and record.parent_hash not in known:
+            parent_entry = prefix.get(record.parent_hash)
+            if parent_entry is None:
+                continue  # an orphan: nothing could reach it
+            known[record.parent_hash] = parent_entry
+        known[record.block_hash] = None
+        todo.append(record)
+    free = pool.allocator.free_block_count()
+    overflow: list[BlockRecord] = []
+    if len(todo) > free and pool.tiers:  # the chains' tails go to the offload tiers
+        todo, overflow = todo[:free], todo[free:]
+    if len(todo) > free:
+        raise OutOfBlocksError(
+            f"cannot install {len(todo)} cached blocks: {max(free, 0)} of {pool.config.num_blocks} blocks are "
+            f"free (cached blocks are not evicted for them); free some with gc() or deallocate"
+        )
+    if not todo:
+        return pool.tiers.store(overflow)
+    allocator = pool.allocator
+    blocks = allocator.allocate(len(todo))
+    try:
+        pool.storage.blocks_from_host(
+            np.asarray(blocks, dtype=np.int64),
+            np.stack([record.keys for record in todo], axis=1),
+            np.stack([record.values for record in todo], axis=1),
+        )
+    except BaseException:
+        allocator.release(blocks[::-1], blocks[-1])
+        raise
+    block_size = pool.config.block_size
+    installed: list[int] = []
+    for block, record in zip(blocks, todo, strict=True):
+        parent = None if record.parent_hash is None else known[record.parent_hash]
+        if record.parent_hash is not None and parent is None:
+            allocator.release([block], block)  # its parent was skipped: nothing could reach it
+            continue
+        entry, _ = prefix.find_or_create(parent, record.token_ids, record.salt)
+        if entry is None:  # a collision: the hash is taken by other tokens
+            allocator.release([block], block)
+            continue
+        slots = slice(block * block_size, (block + 1) * block_size)
+        pool.issued[slots] = True
+        if pool.written is not None:
+            pool.written[:, slots] = True
+        pool.swapped_blocks.pop(block, None)
+        pool.register(block, entry)
+        known[record.block_hash] = entry
+        installed.append(block)
+    # Children first into the evictor, so a chain is evicted from its tail.
+    if installed:
+        allocator.release(installed[::-1], installed[-1], pool.keep_cached)
+    return len(installed) + pool.tiers.store(overflow)
+
+
+def chain_order(records: list[BlockRecord]) -> list[BlockRecord]:
+    """``records`` without duplicates, parents before children, keeping only those whose
+    whole chain (up to a first block) is among them."""
+    by_hash = {record.block_hash: record for record in records}
+    depth: dict[bytes, int | None] = {}
+
+    def depth_of(block_hash: bytes) -> int | None:
+        if block_hash in depth:
+            return depth[block_hash]
+        depth[block_hash] = None  # guards a (forged) cycle
+        parent = by_hash[block_hash].parent_hash
+        if parent is None:
+            found: int | None = 0
+        else:
+            above = depth_of(parent) if parent in by_hash else None
+            found = None if above is None else above + 1
+        depth[block_hash] = found
+        return found
+
+    ranked = [(rank, record) for record in by_hash.values() if (rank := depth_of(record.block_hash)) is not None]
+    ranked.sort(key=lambda item: item[0])
+    return [record for _, record in ranked]
+
+
+def save_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
+    """Write every cached prefix block of ``manager``, in its pool and in its offload tiers,
+    to ``path`` (see the module docstring).
+
+    Returns:
+        The blocks written.
+
+    Raises:
+        InvalidTypeError: ``path`` is not a ``str`` or ``os.PathLike``.
+        UnsupportedConfigError: the pool has no prefix caching.
+        CacheFileError: the file cannot be written (nothing is left behind).
+    """
+    _check_path(path)
+    if pool.prefix is None:
+        raise UnsupportedConfigError("save_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
+    records = chain_order(cached_records(pool) + pool.tiers.records())
+    write_blocks(path, pool.config, records)
+    return len(records)
+
+
+def load_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
+    """Map the blocks of a file :func:`save_prefix_cache` wrote into ``manager``'s prefix
+    cache (as cached blocks: later prompts hit them). Blocks already cached are skipped.
+
+    Returns:
+        The blocks loaded.
+
+    Raises:
+        InvalidTypeError: ``path`` is not a ``str`` or ``os.PathLike``.
+        UnsupportedConfigError: the pool has no prefix caching.
+        CacheFileError, CorruptCacheFileError, IncompatibleCacheFileError: see
+            :func:`read_blocks`; nothing is loaded.
+        OutOfBlocksError: without offload tiers, fewer free blocks than the file's new
+            blocks; nothing is loaded. (With tiers, the blocks past the free ones go to them.)
+    """
+    _check_path(path)
+    if pool.prefix is None:
+        raise UnsupportedConfigError("load_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
+    return install_cached_blocks(pool, read_blocks(path, pool.config))
+
+
+def _check_path(path: object) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidTypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
