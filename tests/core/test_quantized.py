@@ -5,6 +5,7 @@ every backend)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -187,3 +188,27 @@ def test_the_compiled_kernel_dequantizes_like_the_reference(
     monkeypatch.setenv(paged_kernel.DISABLE_ENV, "1")
     reference = manager.paged_attention(1, query, table)
     np.testing.assert_allclose(compiled, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_a_saved_prefix_cache_loads_back_with_its_raw_bytes_and_scales(dtype: str, tmp_path: Path) -> None:
+    config = pool(dtype=dtype, head_dim=8, num_blocks=16, enable_prefix_caching=True, model_id="m")
+    prompt = tuple(range(10, 22))
+    saved = create_manager("numpy", config)
+    handle = saved.allocate(AllocationRequest("a", prompt_token_ids=prompt))
+    slots = saved.extend(handle, len(prompt), token_ids=prompt)
+    rng = np.random.default_rng(4)
+    for layer in range(2):
+        keys = rng.standard_normal((12, 2, 8)).astype(np.float32)
+        saved.write(layer, slots, keys, -keys)
+    blocks = np.asarray(handle.block_table().physical_blocks, dtype=np.int64)
+    expected = saved.storage.blocks_to_host(blocks)
+    saved.deallocate("a")
+    saved.save_prefix_cache(tmp_path / "prefix.kvc")
+    loaded = create_manager("numpy", config)
+    loaded.load_prefix_cache(tmp_path / "prefix.kvc")
+    hit = loaded.allocate(AllocationRequest("b", prompt_token_ids=prompt))
+    assert hit.num_tokens() == 8  # the full blocks before the prompt's last token
+    got = loaded.storage.blocks_to_host(np.asarray(hit.block_table().physical_blocks[:2], dtype=np.int64))
+    for got_array, expected_array in zip(got, expected, strict=True):
+        assert got_array.tobytes() == np.ascontiguousarray(expected_array[:, :2]).tobytes()
