@@ -28,6 +28,7 @@ from kvcache_core.quantization import (
     quantize,
     unpack_host,
 )
+from kvcache_core.tiers import HostTier
 
 
 def pool(**fields: Any) -> CacheConfig:
@@ -212,3 +213,24 @@ def test_a_saved_prefix_cache_loads_back_with_its_raw_bytes_and_scales(dtype: st
     got = loaded.storage.blocks_to_host(np.asarray(hit.block_table().physical_blocks[:2], dtype=np.int64))
     for got_array, expected_array in zip(got, expected, strict=True):
         assert got_array.tobytes() == np.ascontiguousarray(expected_array[:, :2]).tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_an_offload_tier_gives_back_evicted_blocks_with_their_scales(dtype: str) -> None:
+    config = pool(dtype=dtype, head_dim=8, num_blocks=6, enable_prefix_caching=True, model_id="m")
+    manager = create_manager("numpy", config, tiers=[HostTier(1 << 20)])
+    prompt = tuple(range(10, 19))
+    handle = manager.allocate(AllocationRequest("a", prompt_token_ids=prompt))
+    slots = manager.extend(handle, len(prompt), token_ids=prompt)
+    rng = np.random.default_rng(6)
+    for layer in range(2):
+        keys = rng.standard_normal((9, 2, 8)).astype(np.float32)
+        manager.write(layer, slots, keys, -keys)
+    before = [array.copy() for array in manager.gather(handle, 1)]
+    manager.deallocate("a")
+    manager.allocate(AllocationRequest("fill", initial_tokens=24))  # the whole pool: evicts the cached blocks
+    manager.deallocate("fill")
+    hit = manager.allocate(AllocationRequest("b", prompt_token_ids=prompt))
+    assert hit.num_tokens() == 8
+    for got, expected in zip(manager.gather(hit, 1), before, strict=True):
+        assert got.tobytes() == expected[:8].tobytes()
