@@ -38,6 +38,7 @@ def test_every_benchmark_is_listed_here() -> None:
         "decode_torch.py",
         "generate_torch.py",
         "prefix.py",
+        "quantized.py",
         "step_overhead.py",
     ]
 

@@ -57,6 +57,15 @@ class NoCopyStorage(NumpyStorage):
         pass
 
 
+class ScalelessCopyStorage(NumpyStorage):
+    # Claims int8 and fork, but its block copies leave a quantized block's scales behind.
+    def copy_blocks(self, source, destination):
+        kept = None if self.scales is None else self.scales.copy()
+        super().copy_blocks(source, destination)
+        if kept is not None:
+            self.scales[...] = kept
+
+
 class ListGatherStorage(NumpyStorage):
     # Returns a list from gather: it unpacks like the tuple the contract says.
     def gather(self, layer, blocks, num_tokens):
@@ -94,6 +103,8 @@ def kvcache_register_backends():
                       description="leaks blocks")
     yield BackendSpec(name="nocopy", storage_factory=NoCopyStorage, capabilities=frozenset({"fork"}),
                       description="claims fork, copies nothing")
+    yield BackendSpec(name="scaleless", storage_factory=ScalelessCopyStorage, dtypes=("float32", "int8"),
+                      capabilities=frozenset({"fork"}), description="copies blocks without their scales")
     yield BackendSpec(name="listy", storage_factory=ListGatherStorage, description="gather returns a list")
     yield BackendSpec(name="hoarding", storage_factory=HoardingStorage, description="keeps closed pools")
     yield BackendSpec(name="bare", storage_factory=NumpyStorage, description="claims no policy")
@@ -131,6 +142,11 @@ def test_the_kit_passes_the_numpy_backend(pytester: pytest.Pytester, faulty: Pat
         ("copying", "test_key_and_value_cache_are_references_to_the_pool_not_copies", "a copy, not a reference"),
         ("leaky", "test_exhausting_the_pool_fails_atomically_and_frees_everything", "has reference count 1 but 0"),
         ("nocopy", "test_fork_copies_exactly_the_shared_block_that_is_written", "the copy lost the shared tokens"),
+        (
+            "scaleless",
+            "test_quantized_blocks_round_trip_bit_exact_through_copy_fork_swap_and_prefix_hits",
+            "raw bytes or scales differ",
+        ),
     ],
 )
 def test_a_broken_backend_fails_with_its_name_the_case_and_how_to_reproduce(

@@ -168,7 +168,7 @@ BAD_CONFIG_FIELDS: list[tuple[str, dict[str, object], str]] = [
     ("num_blocks-float", {"num_blocks": 8.5}, "num_blocks.*8.5"),
     ("block_size-zero", {"block_size": 0}, "block_size.*got 0"),
     ("block_size-bool", {"block_size": True}, "block_size.*True"),
-    ("dtype-unknown", {"dtype": "int8"}, "'int8'.*float32"),
+    ("dtype-unknown", {"dtype": "int4"}, "'int4'.*float32"),
     ("dtype-numpy-type", {"dtype": np.float32}, "dtype"),
     ("dtype-list", {"dtype": ["float32"]}, esc(["float32"])),
     ("kv_layout-unknown", {"kv_layout": "NDH"}, "'NDH'.*NHD, HND, heads_first"),

@@ -164,7 +164,7 @@ def test_a_config_the_backend_does_not_support_is_refused_with_what_it_supports(
     config = CacheConfig(num_layers=1, num_heads=1, head_dim=2, num_blocks=4, dtype="bfloat16", device="cuda:0")
     with pytest.raises(
         UnsupportedConfigError,
-        match=r"dtype 'bfloat16' \(supported: float16, float32, float64\).*"
+        match=r"dtype 'bfloat16' \(supported: float16, float32, float64, int8, float8_e4m3fn\).*"
         r"device 'cuda:0'",
     ):
         create_manager("numpy", config)

@@ -61,7 +61,7 @@ def test_torch_storage_is_a_kv_storage_without_inheriting() -> None:
 def test_create_manager_builds_a_torch_manager_and_the_backend_is_listed() -> None:
     assert "torch" in available_backends()
     spec = get_backend("torch")
-    assert set(spec.dtypes) == set(DTYPES)
+    assert set(spec.dtypes) == {*DTYPES, "int8", "float8_e4m3fn"}  # quantized pools: tests/torch/test_quantized.py
     assert set(spec.kv_layouts) == set(LAYOUTS)
     assert spec.devices == ("cpu", "cuda")
     manager = create_manager("torch", CONFIG)

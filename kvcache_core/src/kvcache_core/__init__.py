@@ -21,7 +21,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from kvcache_core.block_table import BlockRun, BlockTable
-from kvcache_core.config import DTYPE_SIZES, KV_LAYOUTS, MAX_TOKEN_ID, AllocationRequest, CacheConfig
+from kvcache_core.config import DTYPE_SIZES, KV_LAYOUTS, MAX_TOKEN_ID, QUANTIZED_DTYPES, AllocationRequest, CacheConfig
 from kvcache_core.device import Device
 from kvcache_core.discovery import (
     ENTRY_POINT_GROUP,
@@ -83,6 +83,7 @@ except PackageNotFoundError:  # running from an uninstalled tree
 
 __all__ = [
     "DTYPE_SIZES",
+    "QUANTIZED_DTYPES",
     "ENTRY_POINT_GROUP",
     "KV_LAYOUTS",
     "MAX_TOKEN_ID",

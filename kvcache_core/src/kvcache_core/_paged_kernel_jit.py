@@ -22,7 +22,9 @@ Pools are flat 1-D views of one layer's K or V and element strides of (block, to
 block, head); the feature axis is contiguous. Each key tile's rows are copied (float32)
 or decoded (``POOL_FLOAT16`` and ``POOL_BFLOAT16``, handed over as ``uint16`` bits) into
 one float32 tile that stays in L1 while every query row reads it; the pool itself is
-only read, never copied as a whole. ``cache=True``: the compiled code
+only read, never copied as a whole. A quantized pool (``POOL_INT8``, ``POOL_FLOAT8``:
+int8 or float8 e4m3, handed over as ``uint8``) is decoded into the tile the same way, each
+row times its token head's scale, so the dequantized values exist only in that tile. ``cache=True``: the compiled code
 is kept on disk, so each machine compiles once (per pool element type).
 """
 
@@ -37,12 +39,25 @@ import math
 import numpy as np
 from numba import njit
 
-__all__ = ["KEY_TILE", "POOL_BFLOAT16", "POOL_FLOAT16", "POOL_FLOAT32", "ROW_TILE", "attend_share", "merge_splits"]
+__all__ = [
+    "KEY_TILE",
+    "POOL_BFLOAT16",
+    "POOL_FLOAT8",
+    "POOL_FLOAT16",
+    "POOL_FLOAT32",
+    "POOL_INT8",
+    "ROW_TILE",
+    "attend_share",
+    "merge_splits",
+]
 
 #: Element kinds of a pool, as the kernel reads it.
 POOL_FLOAT32 = 0
 POOL_FLOAT16 = 1
 POOL_BFLOAT16 = 2
+#: Quantized pools, as their bytes: ``value = decoded byte * scale`` of the token head.
+POOL_INT8 = 3
+POOL_FLOAT8 = 4
 
 #: Query rows attended together (their K/V rows are read once for all of them).
 ROW_TILE = 16
@@ -58,15 +73,30 @@ _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 _F16_TO_F32 = np.float32(2.0**112)  # a half's bits shifted into a float32, times this, is its value
 _F16_OVERFLOW = np.float32(65536.0)  # ... and at least this for an infinity or NaN
+_F8_TO_F32 = np.float32(2.0**120)  # an e4m3 byte's bits shifted into a float32, times this, is its value
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
 def _load_tile(  # type: ignore[no-untyped-def]
-    pool, kind, block_row, request, first_key, keys, block_size, block_stride, token_stride, head_offset, tile, bits
+    pool,
+    kind,
+    block_row,
+    request,
+    first_key,
+    keys,
+    block_size,
+    block_stride,
+    token_stride,
+    head_offset,
+    tile,
+    bits,
+    scales,
+    scale_strides,
+    scale_head_offset,
 ):
-    """Copy (float32) or decode (16-bit) the rows of keys ``[first_key, first_key + keys)``
-    of one head into ``tile [KEY_TILE, dim]`` float32 (``bits`` is its uint32 view),
-    following the block table row ``block_row``."""
+    """Copy (float32) or decode (16-bit, quantized bytes) the rows of keys ``[first_key,
+    first_key + keys)`` of one head into ``tile [KEY_TILE, dim]`` float32 (``bits`` is its
+    uint32 view), following the block table row ``block_row``."""
     dim = tile.shape[1]
     block_index = first_key // block_size
     offset = first_key - block_index * block_size
@@ -78,6 +108,23 @@ def _load_tile(  # type: ignore[no-untyped-def]
         if kind == POOL_FLOAT32:
             for d in range(dim):
                 target[d] = source[d]
+        elif kind >= POOL_INT8:  # POOL_INT8, POOL_FLOAT8
+            row_scale = scales[
+                block_row[block_index] * scale_strides[0] + offset * scale_strides[1] + scale_head_offset
+            ]
+            if kind == POOL_INT8:
+                for d in range(dim):  # the byte read as a signed int8
+                    target[d] = np.float32(np.int32(np.uint32(source[d]) ^ np.uint32(128)) - np.int32(128))
+            else:  # e4m3 without NaN (never written): exponent and mantissa shifted under float32's
+                for d in range(dim):
+                    byte = np.uint32(source[d])
+                    target_bits[d] = ((byte & np.uint32(0x7F)) << np.uint32(20)) | (
+                        (byte & np.uint32(0x80)) << np.uint32(24)
+                    )
+                for d in range(dim):
+                    target[d] *= _F8_TO_F32
+            for d in range(dim):
+                target[d] *= row_scale
         elif kind == POOL_BFLOAT16:
             for d in range(dim):
                 target_bits[d] = np.uint32(source[d]) << np.uint32(16)
@@ -125,13 +172,17 @@ def _attend_item(  # type: ignore[no-untyped-def]
     row_high,
     tile,
     bits,
-    softcap,
-    sinks,
-    chunk,
+    features,
+    scaling,
 ):
     """Attend the rows ``[item[2], item[3])`` of one ``(request, kv_head)`` over its keys
     ``[item[4], item[5])``; scratch buffers are the thread's. Attention features:
-    ``softcap`` (0: none), ``sinks [query_heads]`` (empty: none), ``chunk`` (0: none)."""
+    ``features = (softcap, sinks, chunk)``: ``softcap`` (0: none), ``sinks [query_heads]``
+    (empty: none), ``chunk`` (0: none); ``scaling = (key_scales, value_scales,
+    scale_strides)`` of a quantized pool. (Packed in tuples: CPython compiles a call of
+    more than 30 arguments as a ``*args`` call, which numba cannot inline.)"""
+    softcap, sinks, chunk = features
+    key_scales, value_scales, scale_strides = scaling
     request, head, first_row, last_row, first_key, last_key, partial_row = (
         item[0],
         item[1],
@@ -147,6 +198,7 @@ def _attend_item(  # type: ignore[no-untyped-def]
     seq_len = seq_lens[request]
     block_stride, token_stride, head_stride = strides[0], strides[1], strides[2]
     head_offset = head * head_stride
+    scale_head_offset = head * scale_strides[2]
     block_row = block_tables[request]
     for tile_row in range(first_row, last_row, ROW_TILE):
         rows = min(ROW_TILE, last_row - tile_row)
@@ -190,6 +242,9 @@ def _attend_item(  # type: ignore[no-untyped-def]
                 head_offset,
                 tile,
                 bits,
+                key_scales,
+                scale_strides,
+                scale_head_offset,
             )
             for c in range(keys):
                 key_row = tile[c]
@@ -258,6 +313,9 @@ def _attend_item(  # type: ignore[no-untyped-def]
                 head_offset,
                 tile,
                 bits,
+                value_scales,
+                scale_strides,
+                scale_head_offset,
             )
             for c in range(keys):
                 value_row = tile[c]
@@ -320,13 +378,18 @@ def attend_share(  # type: ignore[no-untyped-def]
     softcap,
     sinks,
     chunk,
+    key_scales,
+    value_scales,
+    scale_strides,
 ):
     """Run the items ``items [n, 7]`` int64 (one thread's share) in order, without the GIL.
 
     ``query [tokens, query_heads, dim]`` and ``out`` (same shape) are float32;
     ``partial_acc [p, dim]`` and ``partial_stats [p, 2]`` (maximum, sum) float32; the
     attention features ``softcap`` (float, 0: none), ``sinks [query_heads]`` float32
-    (empty: none) and ``chunk`` (int, 0: none)."""
+    (empty: none) and ``chunk`` (int, 0: none). For
+    ``POOL_INT8`` and ``POOL_FLOAT8``: ``key_scales``/``value_scales`` flat float32 scales with
+    element strides ``scale_strides`` (block, token, head); other kinds ignore them."""
     dim = query.shape[2]
     queries = np.empty((ROW_TILE, dim), np.float32)
     acc = np.empty((ROW_TILE, dim), np.float32)
@@ -365,9 +428,8 @@ def attend_share(  # type: ignore[no-untyped-def]
             row_high,
             tile,
             bits,
-            softcap,
-            sinks,
-            chunk,
+            (softcap, sinks, chunk),
+            (key_scales, value_scales, scale_strides),
         )
 
 

@@ -48,12 +48,15 @@ _SCORE_BUDGET = 1 << 22
 
 
 class _Run(NamedTuple):
-    """One run of consecutive blocks: its first token, live tokens and pool views."""
+    """One run of consecutive blocks: its first token, live tokens and pool views; for a
+    quantized pool also its scale views ``[heads, blocks, block_size]``."""
 
     first_token: int
     tokens: int
     keys: FloatArray
     values: FloatArray
+    key_scales: FloatArray | None = None
+    value_scales: FloatArray | None = None
 
     def skip_blocks(self, count: int, block_size: int) -> _Run:
         """The run without its first ``count`` blocks (views, no copy)."""
@@ -62,6 +65,8 @@ class _Run(NamedTuple):
             self.tokens - count * block_size,
             self.keys[:, count:],
             self.values[:, count:],
+            None if self.key_scales is None else self.key_scales[:, count:],
+            None if self.value_scales is None else self.value_scales[:, count:],
         )
 
 
@@ -153,6 +158,8 @@ def paged_attention(
     softcap: float | None = None,
     sinks: FloatArray | None = None,
     chunk: int | None = None,
+    key_scales: FloatArray | None = None,
+    value_scales: FloatArray | None = None,
 ) -> FloatArray:
     """Attention of packed queries over the paged K/V of a batch.
 
@@ -177,6 +184,11 @@ def paged_attention(
             denominator, contributing no value.
         chunk: ``C``: a query at ``p`` sees only keys ``k`` with ``k // C == p // C``
             (not with a page table that has a sliding window: its positions are relative).
+        key_scales, value_scales: a quantized pool's scales of this layer, ``[num_heads,
+            num_blocks, block_size]`` (:mod:`kvcache_core.quantization`): the caches hold raw
+            values and ``raw * scale`` is the value. They are applied while reading each
+            run, folded into its scores and its softmax weights; no dequantized copy of
+            the context is made. Both or neither.
 
     Returns:
         ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype.
@@ -211,6 +223,15 @@ def paged_attention(
     elif isinstance(scale, bool) or not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
         raise InvalidArgumentError(f"scale must be a finite number > 0, got {scale!r}")
     indptr = validate_query_indptr(qo_indptr, page_table, query.shape[0])
+    scale_shape = (num_heads, key_cache.shape[{"NHD": 0, "HND": 0, "heads_first": 1}[kv_layout]], page_table.block_size)
+    if (key_scales is None) != (value_scales is None) or (
+        key_scales is not None
+        and (key_scales.shape != scale_shape or value_scales is None or value_scales.shape != scale_shape)
+    ):
+        raise ShapeMismatchError(
+            f"key_scales and value_scales must both be None or both {scale_shape} ([heads, blocks, block_size]), got "
+            f"{None if key_scales is None else key_scales.shape} and {None if value_scales is None else value_scales.shape}"
+        )
     group = query.shape[1] // num_heads
     compute = np.float64 if query.dtype == np.float64 else np.float32
     head_sinks: FloatArray | None = None
@@ -242,6 +263,8 @@ def paged_attention(
                 tokens=min(run.length * page_table.block_size, seq_len - run.first_logical * page_table.block_size),
                 keys=_run_view(key_cache, run.start, run.length, kv_layout),
                 values=_run_view(value_cache, run.start, run.length, kv_layout),
+                key_scales=None if key_scales is None else key_scales[:, run.start : run.start + run.length],
+                value_scales=None if value_scales is None else value_scales[:, run.start : run.start + run.length],
             )
             for run in page_table.runs(b)
         ]
@@ -374,7 +397,15 @@ def _attend_rows(
 
 
 def _run_scores(q: FloatArray, run: _Run, out: FloatArray) -> None:
-    """``q [heads, rows, dim]`` against the run's keys, into ``out [heads, rows, tokens]``."""
+    """``q [heads, rows, dim]`` against the run's keys, into ``out [heads, rows, tokens]``
+    (times the keys' scales for a quantized pool: ``q . (raw * s) = (q . raw) * s``)."""
+    _run_raw_scores(q, run, out)
+    if run.key_scales is not None:
+        heads = run.key_scales.shape[0]
+        out *= run.key_scales.reshape(heads, -1)[:, None, : run.tokens].astype(out.dtype, copy=False)
+
+
+def _run_raw_scores(q: FloatArray, run: _Run, out: FloatArray) -> None:
     dtype = q.dtype
     flat = _as_tokens(run.keys)
     if flat is not None:
@@ -387,7 +418,11 @@ def _run_scores(q: FloatArray, run: _Run, out: FloatArray) -> None:
 
 
 def _run_weighted_values(weights: FloatArray, run: _Run) -> FloatArray:
-    """``weights [heads, rows, tokens]`` times the run's values -> ``[heads, rows, dim]``."""
+    """``weights [heads, rows, tokens]`` times the run's values -> ``[heads, rows, dim]``
+    (a quantized pool's value scales multiply the weights: ``w . (raw * s) = (w * s) . raw``)."""
+    if run.value_scales is not None:
+        heads = run.value_scales.shape[0]
+        weights = weights * run.value_scales.reshape(heads, -1)[:, None, : run.tokens].astype(weights.dtype, copy=False)
     dtype = weights.dtype
     flat = _as_tokens(run.values)
     result: FloatArray

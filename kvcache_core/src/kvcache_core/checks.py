@@ -180,16 +180,16 @@ class ArgumentChecks:
             raise ShapeMismatchError(
                 f"query must be [tokens, k * {heads}, {dim}] (k >= 1 query heads per KV head), got {shape}"
             )
-        if dtype != self.config.dtype:
-            raise DTypeMismatchError(f"query has dtype {dtype}, the pool holds {self.config.dtype}")
+        if dtype != self.config.io_dtype:  # issue 14: a quantized pool computes in its io_dtype
+            raise DTypeMismatchError(f"query has dtype {dtype}, the pool computes in {self.config.io_dtype}")
         return shape
 
     def array(self, name: str, array: object, expected: tuple[int, ...]) -> None:
         shape, dtype = self.array_info(name, array)
         if shape != expected:
             raise ShapeMismatchError(f"{name} must have shape {expected} ([n, num_heads, head_dim]), got {shape}")
-        if dtype != self.config.dtype:
-            raise DTypeMismatchError(f"{name} has dtype {dtype}, the pool holds {self.config.dtype}")
+        if dtype != self.config.io_dtype:  # issue 14: a quantized pool computes in its io_dtype
+            raise DTypeMismatchError(f"{name} has dtype {dtype}, the pool computes in {self.config.io_dtype}")
 
     # -- page tables -------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ __all__ = [
     "KV_LAYOUTS",
     "MAX_POOL_SLOTS",
     "MAX_TOKEN_ID",
+    "QUANTIZED_DTYPES",
     "AllocationRequest",
     "CacheConfig",
     "check_count",
@@ -34,7 +35,20 @@ DTYPE_SIZES: Final[dict[str, int]] = {
     "bfloat16": 2,
     "float32": 4,
     "float64": 8,
+    "int8": 1,
+    "float8_e4m3fn": 1,
 }
+
+#: Pool dtypes that hold K/V quantized, with scales beside their blocks
+#: (:mod:`kvcache_core.quantization`): ``"int8"`` (symmetric, one scale per token per KV
+#: head) and ``"float8_e4m3fn"`` (one scale per KV head per layer).
+QUANTIZED_DTYPES: Final[tuple[str, ...]] = ("int8", "float8_e4m3fn")
+
+#: The compute dtypes a quantized pool may take: what ``write`` takes and attention returns.
+COMPUTE_DTYPES: Final[tuple[str, ...]] = ("float32", "float16", "bfloat16")
+
+#: Bytes of the scale kept per token per KV head (K and V each) in a quantized pool: float32.
+SCALE_BYTES: Final = 4
 
 #: Pool layouts. ``"NHD"`` is ``[num_blocks, block_size, num_heads, head_dim]`` (vLLM,
 #: FlashInfer); ``"HND"`` is ``[num_blocks, num_heads, block_size, head_dim]``;
@@ -110,7 +124,8 @@ class CacheConfig:
         head_dim: features per head (>= 1).
         num_blocks: blocks in the pool (>= 1).
         block_size: tokens per block (>= 1), 16 by default.
-        dtype: element type of the pool, a key of :data:`DTYPE_SIZES`.
+        dtype: element type of the pool, a key of :data:`DTYPE_SIZES`; one of
+            :data:`QUANTIZED_DTYPES` for a quantized pool (its scales live beside its blocks).
         device: where the pool lives; a :class:`Device` or its text (``"cuda:0"``).
         kv_layout: pool layout, one of :data:`KV_LAYOUTS`, or ``None`` (the default): the
             layout the backend runs fastest, which :func:`~kvcache_core.create_manager` (or
@@ -128,6 +143,14 @@ class CacheConfig:
             fingerprint of its config, dtype and layer specs), or ``None`` for none. It
             enters the root of every prefix-cache hash chain, so blocks cached, saved or
             published under one namespace never map into a pool of another.
+        compute_dtype: dtype of the K/V ``write`` takes, of queries and of attention
+            outputs, one of :data:`COMPUTE_DTYPES`; only a quantized pool may differ from
+            :attr:`dtype`. ``None`` (the default): the pool's own dtype, or float32 for a
+            quantized pool. :attr:`io_dtype` is the resolved name.
+        kv_scales: calibrated float8 scales, ``[num_layers][2][num_heads]`` (K then V, one
+            per KV head), finite and > 0, as vLLM's checkpoints carry; only for
+            ``dtype="float8_e4m3fn"``. ``None``: each scale tracks the running maximum (see
+            :mod:`kvcache_core.quantization`). Stored as nested tuples.
 
     Raises:
         InvalidConfigError: any field out of its range; the message names it.
@@ -147,6 +170,8 @@ class CacheConfig:
     high_pressure_threshold: float = 0.8
     critical_pressure_threshold: float = 0.95
     model_id: str | None = None
+    compute_dtype: str | None = None
+    kv_scales: tuple[tuple[tuple[float, ...], ...], ...] | None = None
 
     def __init__(
         self,
@@ -164,6 +189,8 @@ class CacheConfig:
         high_pressure_threshold: float = 0.8,
         critical_pressure_threshold: float = 0.95,
         model_id: str | None = None,
+        compute_dtype: str | None = None,
+        kv_scales: object = None,
     ) -> None:
         # Written out so that ``device`` accepts its text form ("cuda:0") and is stored as
         # a Device; the dataclass still provides eq, repr, hash and replace().
@@ -183,6 +210,7 @@ class CacheConfig:
             )
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise InvalidConfigError(f"CacheConfig.dtype {self.dtype!r} is unknown; valid: {', '.join(DTYPE_SIZES)}")
+        self._check_quantization()
         try:
             object.__setattr__(self, "device", Device.parse(self.device))
         except InvalidArgumentError as exc:
@@ -212,6 +240,60 @@ class CacheConfig:
                 "pressure thresholds must satisfy 0 < medium < high < critical <= 1, got "
                 f"medium={thresholds[0]!r}, high={thresholds[1]!r}, critical={thresholds[2]!r}"
             )
+
+    def _check_quantization(self) -> None:
+        """Validate ``compute_dtype`` and ``kv_scales`` against ``dtype``."""
+        compute = self.compute_dtype
+        if self.dtype in QUANTIZED_DTYPES:
+            if compute is not None and (not isinstance(compute, str) or compute not in COMPUTE_DTYPES):
+                raise InvalidConfigError(
+                    f"CacheConfig.compute_dtype {compute!r} is not a compute dtype of a {self.dtype} pool; "
+                    f"valid: {', '.join(COMPUTE_DTYPES)} (or None for float32)"
+                )
+        elif compute is not None and compute != self.dtype:
+            raise InvalidConfigError(
+                f"CacheConfig.compute_dtype {compute!r} differs from dtype {self.dtype!r}: only a quantized pool "
+                f"({', '.join(QUANTIZED_DTYPES)}) computes in another dtype; pass None or {self.dtype!r}"
+            )
+        if self.kv_scales is None:
+            return
+        if self.dtype != "float8_e4m3fn":
+            raise InvalidConfigError(
+                f"CacheConfig.kv_scales are calibrated float8 scales: only for dtype 'float8_e4m3fn', "
+                f"got dtype {self.dtype!r}"
+            )
+        expected = (self.num_layers, 2, self.num_heads)
+        try:
+            scales = np.asarray(self.kv_scales, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise InvalidConfigError(
+                f"CacheConfig.kv_scales must be numbers of shape {expected} ([layers][K, V][kv heads]): {exc}"
+            ) from exc
+        if scales.shape != expected:
+            raise InvalidConfigError(
+                f"CacheConfig.kv_scales must have shape {expected} ([layers][K, V][kv heads]), got {scales.shape}"
+            )
+        bad = np.flatnonzero(~(np.isfinite(scales) & (scales > 0)))
+        if bad.size:
+            index = tuple(int(i) for i in np.unravel_index(int(bad[0]), expected))
+            raise InvalidConfigError(
+                f"CacheConfig.kv_scales{list(index)} = {float(scales[index])!r}: scales must be finite and > 0"
+            )
+        nested = tuple(tuple(tuple(float(x) for x in kv) for kv in layer) for layer in scales.tolist())
+        object.__setattr__(self, "kv_scales", nested)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pool holds K/V quantized (:data:`QUANTIZED_DTYPES`), with scales."""
+        return self.dtype in QUANTIZED_DTYPES
+
+    @property
+    def io_dtype(self) -> str:
+        """The dtype ``write`` takes, queries have and attention returns: :attr:`compute_dtype`,
+        else the pool's dtype (float32 for a quantized pool)."""
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return "float32" if self.dtype in QUANTIZED_DTYPES else self.dtype
 
     def check_layer(self, layer: object) -> int:
         """``layer`` as an int, if ``0 <= layer < num_layers`` (NumPy integers accepted).
@@ -258,8 +340,10 @@ class CacheConfig:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token takes in the pool: keys and values of every layer."""
-        return 2 * self.num_layers * self.num_heads * self.head_dim * self.dtype_size
+        """Bytes one token takes in the pool: keys and values of every layer (with their
+        scales in a quantized pool)."""
+        scale_bytes = SCALE_BYTES if self.dtype in QUANTIZED_DTYPES else 0
+        return 2 * self.num_layers * self.num_heads * (self.head_dim * self.dtype_size + scale_bytes)
 
     @property
     def bytes_per_block(self) -> int:

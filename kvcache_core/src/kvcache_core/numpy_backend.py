@@ -6,17 +6,24 @@ point named ``numpy`` that points at this module.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core import paged_kernel
+from kvcache_core import paged_kernel, quantization
 from kvcache_core.attention import paged_attention
 from kvcache_core.attention_features import ATTENTION_CAPABILITIES, combined_window
 from kvcache_core.config import KV_LAYOUTS, CacheConfig
-from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
+from kvcache_core.errors import (
+    ArrayTypeError,
+    DTypeMismatchError,
+    InvalidArgumentError,
+    ShapeMismatchError,
+    UnsupportedConfigError,
+)
 from kvcache_core.hookspecs import BackendSpec, hookimpl
 from kvcache_core.page_table import PageTable
 
@@ -44,8 +51,14 @@ POLICY_CAPABILITIES = frozenset({"fork", "prefix_caching", "swap", "eviction", "
 # dtype -> its name, filled on first use.
 _DTYPE_NAMES: dict[np.dtype[Any], str] = {}
 
-#: The dtypes NumPy holds natively (no bfloat16).
-NUMPY_DTYPES = ("float16", "float32", "float64")
+#: The dtypes NumPy holds natively (no bfloat16), and the quantized ones: int8, and float8
+#: (e4m3) where ``ml_dtypes`` is installed (``pip install ml_dtypes``; JAX depends on it).
+NUMPY_DTYPES = ("float16", "float32", "float64", "int8") + (
+    ("float8_e4m3fn",) if importlib.util.find_spec("ml_dtypes") is not None else ()
+)
+
+#: The compute dtypes of a quantized NumPy pool (what ``write`` takes, attention returns).
+NUMPY_COMPUTE_DTYPES = ("float32", "float16")
 
 
 class NumpyStorage:
@@ -53,6 +66,10 @@ class NumpyStorage:
 
     ``key_cache(layer)`` and ``value_cache(layer)`` are views of that allocation, so a
     later :meth:`write` shows through a reference taken before it.
+
+    A quantized pool (``int8``, ``float8_e4m3fn``: :mod:`kvcache_core.quantization`) holds the
+    raw bytes in that allocation and its scales in a second one, :attr:`scales`
+    ``[num_layers, 2, num_heads, num_blocks, block_size]`` float32, moved with their blocks.
 
     Attributes:
         attention_features: the attention capabilities :meth:`paged_attention` serves
@@ -75,18 +92,36 @@ class NumpyStorage:
             ShapeMismatchError, DTypeMismatchError: ``pool`` has the wrong shape or dtype.
             InvalidArgumentError: ``pool`` is read-only, not C-contiguous, or has a zero
                 or negative stride.
+            UnsupportedConfigError: a quantized pool whose compute dtype NumPy does not hold.
         """
         config = config.with_layout(PREFERRED_LAYOUT)
         self._config = config
         shape = self.pool_shape(config)
+        element = np.dtype(config.dtype) if not config.quantized else quantization.raw_numpy_dtype(config.dtype)
+        self._scales: npt.NDArray[np.float32] | None = None
+        if config.quantized:
+            if config.io_dtype not in NUMPY_COMPUTE_DTYPES:
+                raise UnsupportedConfigError(
+                    f"a quantized NumPy pool computes in {', '.join(NUMPY_COMPUTE_DTYPES)}; got compute_dtype "
+                    f"{config.io_dtype!r} (NumPy has no bfloat16)"
+                )
+            self._scales = np.zeros(
+                (config.num_layers, 2, config.num_heads, config.num_blocks, config.block_size), dtype=np.float32
+            )
+            # float8: the per-(layer, K/V, head) scale, calibrated or grown by the running maximum.
+            calibrated = config.kv_scales is not None
+            self._head_scales = np.asarray(config.kv_scales if calibrated else 0.0, dtype=np.float32) * np.ones(
+                (config.num_layers, 2, config.num_heads), dtype=np.float32
+            )
+            self._track_scales = not calibrated
         if pool is None:
             # [layer, K/V, *layout]: one block copy moves every layer at once.
-            pool = np.zeros(shape, dtype=np.dtype(config.dtype))
+            pool = np.zeros(shape, dtype=element)
         elif not isinstance(pool, np.ndarray):
             raise ArrayTypeError(f"pool must be a numpy.ndarray, got {type(pool).__name__}")
         elif tuple(pool.shape) != shape:
             raise ShapeMismatchError(f"pool has shape {tuple(pool.shape)}, expected {shape}")
-        elif pool.dtype != np.dtype(config.dtype):
+        elif pool.dtype != element:
             raise DTypeMismatchError(f"pool has dtype {pool.dtype.name}, expected {config.dtype}")
         elif not pool.flags.writeable:
             raise InvalidArgumentError("pool must be writeable, got a read-only array")
@@ -119,6 +154,17 @@ class NumpyStorage:
         """The pool's configuration."""
         return self._config
 
+    @property
+    def scales(self) -> npt.NDArray[np.float32] | None:
+        """A quantized pool's scales ``[num_layers, 2, num_heads, num_blocks, block_size]``
+        (``raw * scale`` is the value), ``None`` for an unquantized pool."""
+        return self._scales
+
+    def head_scales(self, layer: int) -> npt.NDArray[np.float32]:
+        """A float8 pool's current per-head scales of ``layer``: ``[2, num_heads]`` (K, V)."""
+        current: npt.NDArray[np.float32] = self._head_scales[layer].copy()
+        return current
+
     def key_cache(self, layer: int) -> NumpyArray:
         """View of the layer's key pool."""
         view: NumpyArray = self._pool[layer, 0]
@@ -130,7 +176,10 @@ class NumpyStorage:
         return view
 
     def write(self, layer: int, slots: IntArray, keys: NumpyArray, values: NumpyArray) -> None:
-        """Scatter ``[n, heads, dim]`` keys and values into ``slots``."""
+        """Scatter ``[n, heads, dim]`` keys and values into ``slots`` (quantized pools:
+        encoded in one pass, NaN and infinities refused with InvalidArgumentError first)."""
+        if self._scales is not None:
+            keys, values = self._quantize(layer, slots, keys, values)
         for kv, data in ((0, keys), (1, values)):
             cache = self._pool[layer, kv]
             if self._config.kv_layout == "NHD":
@@ -142,8 +191,37 @@ class NumpyStorage:
                 else:  # heads_first: the indexed axes stay in place -> [heads, n, dim]
                     cache[:, blocks, offsets, :] = data.transpose(1, 0, 2)
 
+    def _quantize(
+        self, layer: int, slots: IntArray, keys: NumpyArray, values: NumpyArray
+    ) -> tuple[NumpyArray, NumpyArray]:
+        """Raw K/V for ``slots``; their scales written (after every check passed)."""
+        assert self._scales is not None
+        quantization.check_finite("keys", keys)
+        quantization.check_finite("values", values)
+        dtype = self._config.dtype
+        head_scales = self._head_scales[layer]
+        if dtype == "float8_e4m3fn" and self._track_scales:
+            head_scales = np.stack(
+                [quantization.grow_running_scales(head_scales[kv], data) for kv, data in ((0, keys), (1, values))]
+            )
+        raw_keys, key_scales = quantization.quantize(dtype, keys, head_scales[0])
+        raw_values, value_scales = quantization.quantize(dtype, values, head_scales[1])
+        self._head_scales[layer] = head_scales
+        blocks, offsets = np.divmod(slots, self._config.block_size)
+        self._scales[layer, 0][:, blocks, offsets] = key_scales.T
+        self._scales[layer, 1][:, blocks, offsets] = value_scales.T
+        return raw_keys, raw_values
+
     def gather(self, layer: int, blocks: IntArray, num_tokens: int) -> tuple[NumpyArray, NumpyArray]:
-        """Contiguous ``[num_tokens, heads, dim]`` copies of the tokens in ``blocks``."""
+        """Contiguous ``[num_tokens, heads, dim]`` copies of the tokens in ``blocks``
+        (dequantized to the compute dtype for a quantized pool)."""
+        if self._scales is not None:
+            decoded: list[NumpyArray] = []
+            for kv in (0, 1):
+                raw = self._tokens(self._pool[layer, kv], blocks, num_tokens)
+                scales = self._scales[layer, kv][:, blocks].transpose(1, 2, 0).reshape(-1, self._config.num_heads)
+                decoded.append(quantization.dequantize(raw, scales[:num_tokens]).astype(self._config.io_dtype))
+            return decoded[0], decoded[1]
         return self._tokens(self._pool[layer, 0], blocks, num_tokens), self._tokens(
             self._pool[layer, 1], blocks, num_tokens
         )
@@ -164,15 +242,28 @@ class NumpyStorage:
         src, dst = list(index), list(index)
         src[self._block_axis], dst[self._block_axis] = source, destination
         self._pool[tuple(dst)] = self._pool[tuple(src)]
+        if self._scales is not None:  # [L, 2, H, blocks, bs]
+            self._scales[:, :, :, destination] = self._scales[:, :, :, source]
 
     def blocks_to_host(self, blocks: IntArray) -> tuple[NumpyArray, NumpyArray]:
-        """Copies ``[layers, n, block_size, heads, dim]`` of keys and values."""
+        """Copies ``[layers, n, block_size, heads, dim]`` of keys and values; for a quantized
+        pool their raw bytes and scales, ``uint8 [layers, n, block_size, heads, dim + 4]``
+        (:func:`kvcache_core.quantization.unpack_host`)."""
         picked = np.take(self._pool, blocks, axis=self._block_axis)
         canonical = self._to_nhd(picked)
+        if self._scales is not None:
+            scales = self._scales[:, :, :, blocks].transpose(0, 1, 3, 4, 2)  # [L, 2, n, bs, H]
+            packed = quantization.pack_host(canonical, scales)
+            return np.ascontiguousarray(packed[:, 0]), np.ascontiguousarray(packed[:, 1])
         return np.ascontiguousarray(canonical[:, 0]), np.ascontiguousarray(canonical[:, 1])
 
     def blocks_from_host(self, blocks: IntArray, keys: NumpyArray, values: NumpyArray) -> None:
         """Write copies made by :meth:`blocks_to_host` back into ``blocks``."""
+        if self._scales is not None:
+            raw_keys, key_scales = quantization.unpack_host(self._config, keys, "keys")
+            raw_values, value_scales = quantization.unpack_host(self._config, values, "values")
+            keys, values = raw_keys, raw_values
+            self._scales[:, :, :, blocks] = np.stack([key_scales, value_scales], axis=1).transpose(0, 1, 4, 2, 3)
         stacked = np.stack([keys, values], axis=1)  # [layers, 2, n, bs, heads, dim]
         if self._config.kv_layout == "HND":
             stacked = stacked.transpose(0, 1, 2, 4, 3, 5)
@@ -208,7 +299,45 @@ class NumpyStorage:
         (:mod:`kvcache_core.paged_kernel`) for float32 and float16 pools when numba is
         installed, else the NumPy reference. ``window``, ``softcap``, ``sinks`` and
         ``chunk``: the attention features (:mod:`kvcache_core.attention_features`),
-        checked by the manager."""
+        checked by the manager. A quantized pool is dequantized while it is read: the kernel decodes each tile of keys with their scales, the reference folds
+        the scales into each run's scores and weights."""
+        if self._scales is not None:
+            raw_keys, raw_values = self._pool[layer, 0].view(np.uint8), self._pool[layer, 1].view(np.uint8)
+            if paged_kernel.kernel_available() and paged_kernel.kernel_reads(self._config.dtype, raw_keys, raw_values):
+                output = paged_kernel.attend_with_kernel(
+                    query,
+                    raw_keys,
+                    raw_values,
+                    page_table,
+                    qo_indptr,
+                    dtype=self._config.dtype,
+                    scale=scale,
+                    causal=causal,
+                    kv_layout=self._config.layout,
+                    sliding_window=combined_window(window, page_table.sliding_window),
+                    softcap=softcap,
+                    sinks=sinks,
+                    chunk=chunk,
+                    key_scales=self._scales[layer, 0],
+                    value_scales=self._scales[layer, 1],
+                )
+                return output.astype(query.dtype, copy=False)
+            return paged_attention(
+                query,
+                self._pool[layer, 0],
+                self._pool[layer, 1],
+                page_table,
+                qo_indptr=qo_indptr,
+                scale=scale,
+                causal=causal,
+                kv_layout=self._config.layout,
+                key_scales=self._scales[layer, 0],
+                value_scales=self._scales[layer, 1],
+                window=window,
+                softcap=softcap,
+                sinks=sinks,
+                chunk=chunk,
+            )
         keys, values = self._pool[layer, 0], self._pool[layer, 1]
         dtype = self._config.dtype
         if dtype == "float16":  # the kernel decodes half floats from their bits

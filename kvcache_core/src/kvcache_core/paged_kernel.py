@@ -59,6 +59,7 @@ __all__ = [
     "DISABLE_ENV",
     "KERNEL_DTYPES",
     "MIN_SPLIT_KEYS",
+    "QUANTIZED_KERNEL_DTYPES",
     "ROW_SPLIT",
     "attend_with_kernel",
     "kernel_available",
@@ -72,6 +73,8 @@ DISABLE_ENV: Final = "KVCACHE_DISABLE_NUMBA"
 
 #: Pool dtypes the kernel reads (``bfloat16`` handed over as its ``uint16`` bits).
 KERNEL_DTYPES: Final = ("float32", "float16", "bfloat16")
+#: Quantized pool dtypes the kernel reads too, handed over as ``uint8`` bytes with their scales.
+QUANTIZED_KERNEL_DTYPES: Final = ("int8", "float8_e4m3fn")
 
 #: Rows (queries x group) per work item of a long prefill.
 ROW_SPLIT: Final = 64
@@ -81,12 +84,21 @@ MIN_SPLIT_KEYS: Final = 512
 #: Rough cost of reading one K/V row from memory, in units of one query row's products with it.
 _ROW_READ_COST = 8
 
-_POOL_KINDS: Final = {"float32": 0, "float16": 1, "bfloat16": 2}
+_POOL_KINDS: Final = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "float8_e4m3fn": 4}
 _POOL_ELEMENTS: Final = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.uint16),
     "bfloat16": np.dtype(np.uint16),
+    "int8": np.dtype(np.uint8),
+    "float8_e4m3fn": np.dtype(np.uint8),
 }
+#: What the float kernels get for the scale arguments they never read (one compiled signature).
+_NO_SCALES: Final = np.zeros(1, dtype=np.float32)
+_NO_SCALES.flags.writeable = False
+_NO_STRIDES: Final = np.zeros(3, dtype=np.int64)
+_NO_STRIDES.flags.writeable = False
+
+
 _HEADS_AXIS: Final = {"NHD": 2, "HND": 1, "heads_first": 0}
 #: Axes of (block, token in block, head) in each layout.
 _STRIDE_AXES: Final = {"NHD": (0, 1, 2), "HND": (0, 2, 1), "heads_first": (1, 2, 0)}
@@ -142,8 +154,9 @@ def _worker_pool() -> ThreadPoolExecutor:
 
 
 def kernel_reads(dtype: str, key_cache: npt.NDArray[Any], value_cache: npt.NDArray[Any]) -> bool:
-    """Whether the kernel can read these pools in place: a dtype of :data:`KERNEL_DTYPES`,
-    arrays of its element type (``uint16`` for 16-bit pools), the feature axis contiguous
+    """Whether the kernel can read these pools in place: a dtype of :data:`KERNEL_DTYPES` or
+    :data:`QUANTIZED_KERNEL_DTYPES`, arrays of its element type (``uint16`` for 16-bit pools,
+    ``uint8`` for quantized ones), the feature axis contiguous
     and no negative stride."""
     element = _POOL_ELEMENTS.get(dtype)
     if element is None:
@@ -300,6 +313,8 @@ def attend_with_kernel(
     softcap: float | None = None,
     sinks: npt.NDArray[Any] | None = None,
     chunk: int | None = None,
+    key_scales: npt.NDArray[np.float32] | None = None,
+    value_scales: npt.NDArray[np.float32] | None = None,
 ) -> FloatArray:
     """Paged attention of a batch in one compiled call, reading the pools in place.
 
@@ -312,7 +327,7 @@ def attend_with_kernel(
             :func:`kernel_reads` for ``dtype`` (a bfloat16 pool as its ``uint16`` bits).
         page_table: the batch's pages.
         qo_indptr: ``[B + 1]`` int32 query offsets.
-        dtype: the pool's dtype name, one of :data:`KERNEL_DTYPES`.
+        dtype: the pool's dtype name, one of :data:`KERNEL_DTYPES` or :data:`QUANTIZED_KERNEL_DTYPES`.
         scale: score scale.
         causal: each request's queries are its last tokens and see keys up to their own.
         kv_layout: ``"NHD"``, ``"HND"`` or ``"heads_first"``.
@@ -321,6 +336,9 @@ def attend_with_kernel(
         softcap: scores become ``tanh(s / softcap) * softcap`` before the mask.
         sinks: ``[num_query_heads]`` logits joining each head's softmax denominator.
         chunk: a query at ``p`` sees only keys ``k`` with ``k // chunk == p // chunk``.
+        key_scales, value_scales: for a quantized pool (``int8``, ``float8_e4m3fn``, its
+            caches handed over as ``uint8``), the layer's scales ``[num_heads, num_blocks,
+            block_size]`` float32, C-contiguous; each tile of keys is decoded with them.
 
     Returns:
         ``[total_queries, num_query_heads, head_dim]`` float32.
@@ -336,6 +354,9 @@ def attend_with_kernel(
         raise UnsupportedConfigError(
             f"the kernel cannot read {dtype} pools of dtype {key_cache.dtype}, strides {key_cache.strides} in place"
         )
+    quantized = dtype in QUANTIZED_KERNEL_DTYPES
+    if quantized and (key_scales is None or value_scales is None):
+        raise UnsupportedConfigError(f"a {dtype} pool is read with its key_scales and value_scales")
     total_queries, query_heads, head_dim = query.shape
     out: FloatArray = np.empty((total_queries, query_heads, head_dim), dtype=np.float32)
     if total_queries == 0:
@@ -366,7 +387,17 @@ def attend_with_kernel(
     options = (group, page_table.block_size, float(scale), bool(causal), window, out, partial_acc, partial_stats)
     # The attention features: softcap 0 and chunk 0 mean none, an empty sinks array no sinks.
     head_sinks = _read_only(np.zeros(0) if sinks is None else np.asarray(sinks), np.float32)
-    features = (0.0 if softcap is None else float(softcap), head_sinks, chunk_size)
+    features: tuple[Any, ...] = (0.0 if softcap is None else float(softcap), head_sinks, chunk_size)
+    # A quantized pool's scales (flat, with element strides block, token, head); empty otherwise.
+    if quantized and key_scales is not None and value_scales is not None:
+        scale_options = (
+            _read_only(key_scales, np.float32).reshape(-1),
+            _read_only(value_scales, np.float32).reshape(-1),
+            _read_only(np.asarray([key_scales.shape[2], 1, key_scales.shape[1] * key_scales.shape[2]]), np.int64),
+        )
+    else:
+        scale_options = (_NO_SCALES, _NO_SCALES, _NO_STRIDES)
+    features = (*features, *scale_options)
     with _launch_lock:
         others: list[Future[None]] = []
         if len(plan.shares) > 1:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from kvcache_core.config import SCALE_BYTES
 from kvcache_core.errors import (
     CacheFileError,
     CorruptCacheFileError,
@@ -202,7 +203,9 @@ def read_blocks(path: str | os.PathLike[str], config: CacheConfig, *, chained: b
     if not isinstance(listed, list):
         raise CorruptCacheFileError(f"{str(source)!r}: the header's 'blocks' is not a list")
     blocks = cast("list[object]", listed)
-    expected = (config.num_layers, len(blocks), config.block_size, config.num_heads, config.head_dim)
+    # issue 14: a quantized pool's host blocks are packed uint8, raw bytes + a float32 scale
+    width = config.head_dim + (SCALE_BYTES if config.quantized else 0)
+    expected = (config.num_layers, len(blocks), config.block_size, config.num_heads, width)
     if keys.shape != expected or values.shape != expected:
         raise CorruptCacheFileError(
             f"{str(source)!r}: keys {keys.shape} and values {values.shape} do not match the header's "

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvcache_jax.attention import paged_attention
     from kvcache_jax.buckets import PaddedBatch, bucket, pad_batch
+    from kvcache_jax.quantized import QuantizedJaxStorage
     from kvcache_jax.scatter import copy_blocks, gather, read_blocks, write, write_blocks
     from kvcache_jax.sharding import Placement
     from kvcache_jax.storage import JAX_DTYPES, DeletedPoolError, JaxStorage
@@ -38,6 +39,7 @@ _LAZY: dict[str, str] = {
     "JaxStorage": "kvcache_jax.storage",
     "PaddedBatch": "kvcache_jax.buckets",
     "Placement": "kvcache_jax.sharding",
+    "QuantizedJaxStorage": "kvcache_jax.quantized",
     "bucket": "kvcache_jax.buckets",
     "copy_blocks": "kvcache_jax.scatter",
     "gather": "kvcache_jax.scatter",
@@ -54,6 +56,7 @@ __all__ = [
     "JaxStorage",
     "PaddedBatch",
     "Placement",
+    "QuantizedJaxStorage",
     "__version__",
     "bucket",
     "copy_blocks",

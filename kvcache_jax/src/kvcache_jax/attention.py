@@ -63,6 +63,14 @@ def _take_heads_first(cache: jax.Array, blocks: jax.Array, kv_layout: str, dtype
     return picked.reshape(heads, batch, count * block_size, dim).astype(dtype)
 
 
+def _take_scales(scales: jax.Array, blocks: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Scales ``[heads, num_blocks, block_size]`` of blocks ``[B, c]`` as ``[heads, B, c *
+    block_size, 1]`` in ``dtype``."""
+    picked = jnp.take(scales, blocks, axis=1, mode="clip")  # [H, B, c, bs]
+    heads, batch, count, block_size = picked.shape
+    return picked.reshape(heads, batch, count * block_size, 1).astype(dtype)
+
+
 def paged_attention(
     query: jax.Array,
     key_cache: jax.Array,
@@ -81,6 +89,8 @@ def paged_attention(
     softcap: float | None = None,
     sinks: jax.Array | None = None,
     chunk: int | None = None,
+    key_scales: jax.Array | None = None,
+    value_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of packed queries over the paged K/V of a batch; pure and jittable.
 
@@ -125,6 +135,10 @@ def paged_attention(
             denominator, contributing no value.
         chunk: ``C`` (static): a row at ``p`` sees only keys ``k`` with ``k // C == p // C``
             (positions as above: absolute only without a sliding window).
+        key_scales, value_scales: a quantized pool's scales of this layer, ``[num_heads,
+            num_blocks, block_size]`` float32 (:mod:`kvcache_core.quantization`): the pools
+            hold raw int8 / float8 values and ``raw * scale`` is the value; each loop step
+            decodes only the blocks it reads. Both or neither.
 
     Returns:
         ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype; softmax in
@@ -144,6 +158,12 @@ def paged_attention(
         raise ShapeMismatchError(
             f"query must be [tokens, k * {num_heads}, {head_dim}] (k >= 1), got {tuple(query.shape)}"
         )
+    scale_shape = (num_heads, int(key_cache.shape[BLOCK_AXIS[kv_layout]]), block_size)
+    for scales in (key_scales, value_scales):
+        if (key_scales is None) != (value_scales is None) or (scales is not None and scales.shape != scale_shape):
+            raise ShapeMismatchError(
+                f"key_scales and value_scales must both be None or both {scale_shape} ([heads, blocks, block_size])"
+            )
     if block_tables.ndim != 2 or seq_lens.shape != (block_tables.shape[0],):
         raise ShapeMismatchError(
             f"block_tables must be [B, max_blocks] and seq_lens [B], got {tuple(block_tables.shape)} "
@@ -220,6 +240,9 @@ def paged_attention(
         blocks = lax.dynamic_slice_in_dim(tables, step * step_blocks, step_blocks, axis=1)  # [B, c]
         keys = _take_heads_first(key_cache, blocks, kv_layout, compute)  # [H, B, S, D]
         values = _take_heads_first(value_cache, blocks, kv_layout, compute)
+        if key_scales is not None and value_scales is not None:  # decode this step's blocks only
+            keys = keys * _take_scales(key_scales, blocks, compute)
+            values = values * _take_scales(value_scales, blocks, compute)
         key_positions = step * step_tokens + key_offsets  # [S]
         # Padding tokens may hold anything (even NaN): zero their values, hide their scores.
         values = jnp.where((key_positions[None, :] < seq_lens[:, None])[None, :, :, None], values, 0)

@@ -37,8 +37,8 @@ PREFERRED_LAYOUT = "heads_first"
 
 #: Device kinds a JAX pool can live on (when JAX has such a device here).
 DEVICES = ("cpu", "cuda", "gpu", "rocm", "tpu")
-#: dtypes of a JAX pool (kept equal to ``kvcache_jax.storage.JAX_DTYPES``).
-DTYPES = ("float32", "float16", "bfloat16")
+#: dtypes of a JAX pool (``kvcache_jax.storage.JAX_DTYPES`` and the quantized ones).
+DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn")  # quantized: QuantizedJaxStorage
 #: What the conformance kit may check: the pool arrays are immutable (``key_cache`` hands
 #: out the current array, never deleted under its holder), and the core policies run
 #: through this storage's block copies and host transfers.
@@ -58,6 +58,10 @@ def make_storage(config: CacheConfig, *, mesh: object = None, axis: object = Non
         from kvcache_jax.storage import JaxStorage
     except ImportError as exc:  # jax or jaxlib installed but broken (mismatched versions, ...)
         raise BackendUnavailableError(f"the jax backend cannot import JAX: {exc}; {unavailable_reason()}") from exc
+    if config.quantized:
+        from kvcache_jax.quantized import QuantizedJaxStorage
+
+        return QuantizedJaxStorage(config, mesh=mesh, axis=axis)
     return JaxStorage(config, mesh=mesh, axis=axis)
 
 

@@ -19,7 +19,7 @@ import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -274,14 +274,16 @@ class JaxStorage:
 
     #: The attention capabilities :meth:`paged_attention` serves (all of them).
     attention_features: frozenset[str] = ATTENTION_CAPABILITIES
+    #: The pool dtypes this class holds (:class:`kvcache_jax.QuantizedJaxStorage`: int8, float8).
+    POOL_DTYPES: ClassVar[tuple[str, ...]] = JAX_DTYPES
 
     def __init__(self, config: CacheConfig, *, mesh: object = None, axis: object = None) -> None:
         from kvcache_jax.plugin import PREFERRED_LAYOUT
 
         config = config.with_layout(PREFERRED_LAYOUT)  # kv_layout=None: the layout Pallas reads
-        if config.dtype not in JAX_DTYPES:
+        if config.dtype not in self.POOL_DTYPES:
             raise UnsupportedConfigError(
-                f"dtype {config.dtype!r} is not offered by the jax backend (supported: {', '.join(JAX_DTYPES)})"
+                f"dtype {config.dtype!r} is not offered by the jax backend (supported: {', '.join(self.POOL_DTYPES)})"
             )
         if config.total_tokens > _MAX_SLOTS:
             raise UnsupportedConfigError(

@@ -13,6 +13,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
 #: How each pool dtype is held on the host, in NumPy (``blocks_to_host``, ``to_numpy``).

@@ -69,6 +69,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.modeling_utils import AttentionInterface
 
 from kvcache_core import (
+    QUANTIZED_DTYPES,
     AllocationRequest,
     CacheConfig,
     DTypeMismatchError,
@@ -244,7 +245,9 @@ def cache_config_for(
         num_blocks, max_tokens: the pool's size.
         block_size: tokens per block.
         dtype: ``"float32"``, ``torch.bfloat16``, ...; by default the model's weights' dtype
-            (for a config, its ``dtype``; float32 when it has none).
+            (for a config, its ``dtype``; float32 when it has none). ``"int8"`` or
+            ``"float8_e4m3fn"`` give a quantized pool (:mod:`kvcache_core.quantization`, about a
+            quarter of float32's bytes) that computes in the model's dtype.
         device: where the pool lives (``"cpu"``, ``"cuda:0"``); by default the model's
             device (for a config, the CPU).
         model_id: the namespace of the pool's prefix-cache hashes; by default
@@ -263,6 +266,7 @@ def cache_config_for(
     and the ``"kvcache_paged"`` attention applies each layer's window or chunk, softcap
     and sinks.
     """
+    model_dtype: str | torch.dtype | None = None
     if isinstance(model, PretrainedConfig):
         config = model
     else:
@@ -272,6 +276,7 @@ def cache_config_for(
         config = found
         weight = next(model.parameters(), None)
         if weight is not None:
+            model_dtype = weight.dtype
             dtype = weight.dtype if dtype is None else dtype
             device = weight.device if device is None else device
     if (num_blocks is None) == (max_tokens is None):
@@ -285,15 +290,12 @@ def cache_config_for(
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise InvalidArgumentError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         num_blocks = _blocks_for(max_tokens, block_size)
+    configured = getattr(_text_config(config), "dtype", None) or getattr(config, "dtype", None) or "float32"
     if dtype is None:
-        dtype = getattr(_text_config(config), "dtype", None) or getattr(config, "dtype", None) or "float32"
-    if isinstance(dtype, torch.dtype):
-        name = _TORCH_DTYPE_NAMES.get(dtype)
-        if name is None:
-            raise UnsupportedConfigError(
-                f"dtype {dtype} has no kvcache pool; use one of {sorted(_TORCH_DTYPE_NAMES.values())}"
-            )
-        dtype = name
+        dtype = configured
+    dtype = _dtype_name(dtype)
+    # issue 14: a quantized pool computes in the model's dtype
+    compute_dtype = _dtype_name(model_dtype or configured) if dtype in QUANTIZED_DTYPES else None
     layers, kv_heads, head_dim = _geometry(config)
     _layer_attention(config)  # refuses layers that are not attention layers
     assert num_blocks is not None  # exactly one of the two was given, checked above
@@ -303,10 +305,27 @@ def cache_config_for(
         head_dim=head_dim,
         num_blocks=num_blocks,
         block_size=block_size,
-        dtype=str(dtype),
+        dtype=dtype,
         device="cpu" if device is None else str(device),
         model_id=model_fingerprint(config, str(dtype)) if model_id is None else model_id,
+        compute_dtype=compute_dtype,
     )
+
+
+def _dtype_name(dtype: object) -> str:
+    """A torch dtype's pool name (``torch.bfloat16`` -> ``"bfloat16"``); a name as it is.
+
+    Raises:
+        UnsupportedConfigError: a torch dtype kvcache has no pool of.
+    """
+    if isinstance(dtype, torch.dtype):
+        name = _TORCH_DTYPE_NAMES.get(dtype)
+        if name is None:
+            raise UnsupportedConfigError(
+                f"dtype {dtype} has no kvcache pool; use one of {sorted(_TORCH_DTYPE_NAMES.values())}"
+            )
+        return name
+    return str(dtype)
 
 
 def model_fingerprint(config: PretrainedConfig, dtype: str) -> str:
@@ -901,9 +920,9 @@ class PagedCache(Cache):
                 f"{tuple(keys.shape)} and {tuple(values.shape)}"
             )
         dtype = _TORCH_DTYPE_NAMES.get(keys.dtype, str(keys.dtype))
-        if dtype != pool.dtype or values.dtype != keys.dtype:
+        if dtype != pool.io_dtype or values.dtype != keys.dtype:
             raise DTypeMismatchError(
-                f"keys and values are {keys.dtype} and {values.dtype}, the pool holds {pool.dtype}: build it with "
+                f"keys and values are {keys.dtype} and {values.dtype}, the pool computes in {pool.io_dtype}: build it with "
                 "cache_config_for(model, ...), which takes the model's dtype"
             )
         if self._handles and keys.shape[0] != len(self._handles):

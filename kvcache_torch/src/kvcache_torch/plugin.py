@@ -26,7 +26,7 @@ __all__ = ["CAPABILITIES", "DTYPES", "PREFERRED_LAYOUT", "kvcache_register_backe
 PREFERRED_LAYOUT = "heads_first"
 
 #: Pool dtypes the backend claims (keep in step with ``kvcache_torch.dtypes.TORCH_DTYPES``).
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn")
 
 #: Optional features of the conformance kit the backend claims: the policies are core's,
 #: over this storage's block copies (fork), host transfers (swap) and windowed attention.

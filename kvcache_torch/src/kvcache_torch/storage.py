@@ -16,10 +16,12 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcache_core.attention_features import ATTENTION_CAPABILITIES
+from kvcache_core import paged_kernel, quantization
+from kvcache_core.attention_features import ATTENTION_CAPABILITIES, combined_window
 from kvcache_core.config import CacheConfig
 from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, ShapeMismatchError, UnsupportedConfigError
 from kvcache_core.page_table import PageTable
+from kvcache_torch import quantized
 from kvcache_torch.attention import attend_pool
 from kvcache_torch.dtypes import HOST_DTYPES, dtype_name, torch_dtype
 
@@ -76,6 +78,12 @@ class TorchStorage:
     arrays (NumPy has no bfloat16; float32 holds every bfloat16 value exactly, so a round
     trip is bit-identical). On CUDA they are staged through pinned host memory.
 
+    A quantized pool (``int8``, ``float8_e4m3fn``: :mod:`kvcache_core.quantization`) holds raw
+    values in the pool and their scales in :attr:`scales` ``[num_layers, 2, num_heads,
+    num_blocks, block_size]`` float32 on the same device, moved with their blocks; ``write``
+    takes and ``gather`` and attention return the config's compute dtype; host copies are
+    core's packed ``uint8`` form (raw bytes + scale per token head).
+
     Attributes:
         attention_features: the attention capabilities :meth:`paged_attention` serves
             (all of :data:`~kvcache_core.attention_features.ATTENTION_CAPABILITIES`).
@@ -97,6 +105,23 @@ class TorchStorage:
         self._pool = torch.zeros((config.num_layers, 2, *config.block_shape()), dtype=self._dtype, device=self._device)
         self._block_axis = 3 if config.kv_layout == "heads_first" else 2
         self._host_dtype = HOST_DTYPES.get(self._dtype, self._dtype)
+        self._scales: torch.Tensor | None = None
+        # What the byte-moving kernels index: a quantized pool as its bytes (torch has no
+        # index_copy_ / index_select for float8 on every device), any other pool itself.
+        self._moved = self._pool.view(torch.uint8) if config.quantized else self._pool
+        if config.quantized:
+            self._io_dtype = torch_dtype(config.io_dtype)
+            self._scales = torch.zeros(
+                (config.num_layers, 2, config.num_heads, config.num_blocks, config.block_size),
+                dtype=torch.float32,
+                device=self._device,
+            )
+            calibrated = config.kv_scales is not None
+            head_scales = np.asarray(config.kv_scales if calibrated else 0.0, dtype=np.float32) * np.ones(
+                (config.num_layers, 2, config.num_heads), dtype=np.float32
+            )
+            self._head_scales = _tensor_of(head_scales).to(self._device)
+            self._track_scales = not calibrated
 
     # -- the pool -------------------------------------------------------------------------
 
@@ -125,6 +150,15 @@ class TorchStorage:
         caller still holds refers to it (on CUDA, to the caching allocator, for reuse).
         ``manager.close()`` calls this; the storage is not used afterwards."""
         self._pool = torch.empty((0,), dtype=self._dtype, device=self._device)
+        self._moved = self._pool
+        if self._scales is not None:
+            self._scales = torch.empty((0,), dtype=torch.float32, device=self._device)
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        """A quantized pool's scales ``[num_layers, 2, num_heads, num_blocks, block_size]``
+        (``raw * scale`` is the value); ``None`` for an unquantized pool."""
+        return self._scales
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """View of the layer's key pool, in the configured layout."""
@@ -146,9 +180,12 @@ class TorchStorage:
         indexed copy per pool (K, V) for the whole batch."""
         config = self._config
         slot_index = self._index(slots)
+        if self._scales is not None:
+            raw_keys, raw_values = self._quantize(layer, slot_index, keys, values)
+            keys, values = raw_keys.view(torch.uint8), raw_values.view(torch.uint8)
         with torch.no_grad():
             for kv, data in ((0, keys), (1, values)):
-                cache = self._pool[layer, kv]
+                cache = self._moved[layer, kv]
                 if config.kv_layout == "NHD":  # [blocks * bs, H, D]: a slot is a row
                     cache.flatten(0, 1).index_copy_(0, slot_index, data)
                 elif config.kv_layout == "heads_first":  # [H, blocks * bs, D]
@@ -158,9 +195,45 @@ class TorchStorage:
                     offsets = slot_index - blocks * config.block_size
                     cache.transpose(1, 2).index_put_((blocks, offsets), data)
 
+    def _quantize(
+        self, layer: int, slot_index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw K/V for the slots; their scales written once every check passed.
+
+        Raises:
+            InvalidArgumentError: NaN or an infinity in ``keys`` or ``values`` (nothing changed).
+        """
+        assert self._scales is not None
+        quantized.check_finite("keys", keys)
+        quantized.check_finite("values", values)
+        config = self._config
+        head_scales = self._head_scales[layer]
+        if config.dtype == "float8_e4m3fn" and self._track_scales:
+            head_scales = torch.stack(
+                [quantized.grow_running_scales(head_scales[kv], data) for kv, data in ((0, keys), (1, values))]
+            )
+        raw_keys, key_scales = quantized.quantize(config.dtype, self._dtype, keys, head_scales[0])
+        raw_values, value_scales = quantized.quantize(config.dtype, self._dtype, values, head_scales[1])
+        with torch.no_grad():
+            self._head_scales[layer] = head_scales
+            blocks = torch.div(slot_index, config.block_size, rounding_mode="floor")
+            offsets = slot_index - blocks * config.block_size
+            for kv, scales in ((0, key_scales), (1, value_scales)):
+                self._scales[layer, kv].permute(1, 2, 0).index_put_((blocks, offsets), scales)
+        return raw_keys, raw_values
+
     def gather(self, layer: int, blocks: IntArray, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous ``[num_tokens, num_heads, head_dim]`` copies of the tokens in ``blocks``."""
+        """Contiguous ``[num_tokens, num_heads, head_dim]`` copies of the tokens in ``blocks``
+        (dequantized to the compute dtype for a quantized pool)."""
         index = self._index(blocks)
+        if self._scales is not None:
+            decoded: list[torch.Tensor] = []
+            for kv in (0, 1):
+                raw = self._tokens(self._moved[layer, kv], index, num_tokens).view(self._dtype)
+                scales = self._scales[layer, kv].index_select(1, index).permute(1, 2, 0)
+                scales = scales.reshape(-1, self._config.num_heads)[:num_tokens]
+                decoded.append((raw.to(torch.float32) * scales[:, :, None]).to(self._io_dtype))
+            return decoded[0], decoded[1]
         return self._tokens(self._pool[layer, 0], index, num_tokens), self._tokens(
             self._pool[layer, 1], index, num_tokens
         )
@@ -179,13 +252,21 @@ class TorchStorage:
     def copy_blocks(self, source: IntArray, destination: IntArray) -> None:
         """Copy every layer's K and V of ``source[i]`` into ``destination[i]`` (the sources
         are read before any destination is written)."""
-        picked = self._pool.index_select(self._block_axis, self._index(source))
-        self._pool.index_copy_(self._block_axis, self._index(destination), picked)
+        picked = self._moved.index_select(self._block_axis, self._index(source))
+        self._moved.index_copy_(self._block_axis, self._index(destination), picked)
+        if self._scales is not None:  # [L, 2, H, blocks, bs]
+            scales = self._scales.index_select(3, self._index(source))
+            self._scales.index_copy_(3, self._index(destination), scales)
 
     def blocks_to_host(self, blocks: IntArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """Host copies ``[num_layers, n, block_size, num_heads, head_dim]`` of keys and values
         (float32 for a bfloat16 pool; through pinned memory on CUDA)."""
-        picked = self._to_canonical(self._pool.index_select(self._block_axis, self._index(blocks)))
+        picked = self._to_canonical(self._moved.index_select(self._block_axis, self._index(blocks)))
+        if self._scales is not None:  # packed: raw bytes + scale per token head
+            raw = picked.contiguous().cpu().numpy()
+            scales = self._scales.index_select(3, self._index(blocks)).permute(0, 1, 3, 4, 2).cpu().numpy()
+            packed = quantization.pack_host(raw, scales)
+            return np.ascontiguousarray(packed[:, 0]), np.ascontiguousarray(packed[:, 1])
         return self._host_copy(picked[:, 0]), self._host_copy(picked[:, 1])
 
     def blocks_from_host(self, blocks: IntArray, keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> None:
@@ -197,6 +278,9 @@ class TorchStorage:
         """
         config = self._config
         expected = (config.num_layers, len(blocks), config.block_size, config.num_heads, config.head_dim)
+        if self._scales is not None:
+            self._quantized_from_host(blocks, keys, values, expected[:-1])
+            return
         host_name = dtype_name(self._host_dtype)
         for name, array in (("keys", keys), ("values", values)):
             if not isinstance(array, np.ndarray):
@@ -216,6 +300,33 @@ class TorchStorage:
         elif config.kv_layout == "heads_first":
             stacked = stacked.permute(0, 1, 4, 2, 3, 5)
         self._pool.index_copy_(self._block_axis, self._index(blocks), stacked)
+
+    def _quantized_from_host(
+        self, blocks: IntArray, keys: npt.NDArray[Any], values: npt.NDArray[Any], leading: tuple[int, ...]
+    ) -> None:
+        """Write packed host copies (raw bytes + scales) of a quantized pool into ``blocks``."""
+        assert self._scales is not None
+        raws: list[torch.Tensor] = []
+        scales: list[torch.Tensor] = []
+        for name, array in (("keys", keys), ("values", values)):
+            if not isinstance(array, np.ndarray):
+                raise ArrayTypeError(f"{name} must be a numpy.ndarray, got {type(array).__name__}")
+            raw, scale = quantization.unpack_host(self._config, array, name)
+            if tuple(scale.shape) != leading:
+                raise ShapeMismatchError(
+                    f"{name} must have shape {(*leading, self._config.head_dim + quantization.SCALE_BYTES)} "
+                    f"([layers, blocks, block_size, heads, dim + scale bytes]), got {tuple(array.shape)}"
+                )
+            raws.append(_tensor_of(raw.view(np.uint8)).to(self._device))
+            scales.append(_tensor_of(scale).to(self._device))
+        stacked = torch.stack(raws, dim=1)  # [L, 2, n, bs, H, D]
+        if self._config.kv_layout == "HND":
+            stacked = stacked.transpose(3, 4)
+        elif self._config.kv_layout == "heads_first":
+            stacked = stacked.permute(0, 1, 4, 2, 3, 5)
+        index = self._index(blocks)
+        self._moved.index_copy_(self._block_axis, index, stacked)
+        self._scales.index_copy_(3, index, torch.stack(scales, dim=1).permute(0, 1, 4, 2, 3))
 
     def _to_canonical(self, picked: torch.Tensor) -> torch.Tensor:
         """``[L, 2, *layout over n blocks]`` -> ``[L, 2, n, block_size, heads, dim]`` (a view)."""
@@ -260,7 +371,12 @@ class TorchStorage:
         chunk: int | None = None,
     ) -> torch.Tensor:
         """Attention over the layer's pool, read in place (arguments validated by the
-        manager), with the attention features of :mod:`kvcache_core.attention_features`."""
+        manager), with the attention features of :mod:`kvcache_core.attention_features`.
+        A quantized pool is dequantized while read: on CPU by the compiled kernel, tile by
+        tile, elsewhere by :func:`kvcache_torch.quantized.attend_quantized`, run by run."""
+        if self._scales is not None:
+            features = {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk}
+            return self._quantized_attention(layer, query, page_table, qo_indptr, scale, causal, features)
         return attend_pool(
             query,
             self._pool[layer, 0],
@@ -274,6 +390,63 @@ class TorchStorage:
             softcap=softcap,
             sinks=sinks,
             chunk=chunk,
+        )
+
+    def _quantized_attention(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        page_table: PageTable,
+        qo_indptr: npt.NDArray[np.int32],
+        scale: float,
+        causal: bool,
+        features: dict[str, Any],
+    ) -> torch.Tensor:
+        assert self._scales is not None
+        config = self._config
+        keys, values = self._pool[layer, 0], self._pool[layer, 1]
+        window, softcap, chunk = features["window"], features["softcap"], features["chunk"]
+        sinks: torch.Tensor | None = features["sinks"]
+        wanted = sorted(name for name, value in features.items() if value is not None)
+        if self._device.type == "cpu" and query.shape[0] and paged_kernel.kernel_available():
+            raw_keys = keys.detach().view(torch.uint8).numpy()
+            raw_values = values.detach().view(torch.uint8).numpy()
+            if paged_kernel.kernel_reads(config.dtype, raw_keys, raw_values):
+                output = paged_kernel.attend_with_kernel(
+                    query.detach().to(torch.float32).numpy(),
+                    raw_keys,
+                    raw_values,
+                    page_table,
+                    qo_indptr,
+                    dtype=config.dtype,
+                    scale=scale,
+                    causal=causal,
+                    kv_layout=config.layout,
+                    sliding_window=combined_window(window, page_table.sliding_window),
+                    num_threads=torch.get_num_threads(),
+                    softcap=softcap,
+                    sinks=None if sinks is None else sinks.detach().to(torch.float32).numpy(),
+                    chunk=chunk,
+                    key_scales=self._scales[layer, 0].numpy(),
+                    value_scales=self._scales[layer, 1].numpy(),
+                )
+                return _tensor_of(output).to(query.dtype)
+        if wanted:
+            raise UnsupportedConfigError(
+                f"the attention features {wanted} on a quantized {config.dtype} pool are served by the compiled "
+                f"CPU kernel only (numba on a CPU pool); this pool is on {self._device}"
+            )
+        return quantized.attend_quantized(
+            query,
+            keys,
+            values,
+            self._scales[layer, 0],
+            self._scales[layer, 1],
+            page_table,
+            qo_indptr,
+            scale,
+            causal,
+            config.layout,
         )
 
     # -- arrays ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.config import AllocationRequest, CacheConfig
+from kvcache_core.config import QUANTIZED_DTYPES, AllocationRequest, CacheConfig
 from kvcache_core.discovery import create_manager
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.hookspecs import CAPABILITIES as CAPABILITY_DESCRIPTIONS
@@ -58,13 +58,23 @@ class BackendUnderTest:
         return self.spec.dtypes
 
     @property
+    def unquantized_dtypes(self) -> tuple[str, ...]:
+        """The claimed dtypes that hold values exactly (not :data:`~kvcache_core.QUANTIZED_DTYPES`)."""
+        return tuple(dtype for dtype in self.spec.dtypes if dtype not in QUANTIZED_DTYPES)
+
+    @property
+    def quantized_dtypes(self) -> tuple[str, ...]:
+        """The claimed quantized dtypes."""
+        return tuple(dtype for dtype in self.spec.dtypes if dtype in QUANTIZED_DTYPES)
+
+    @property
     def kv_layouts(self) -> tuple[str, ...]:
         return self.spec.kv_layouts
 
     @property
     def default_dtype(self) -> str:
         """float32 where claimed (lossless comparisons), else the first dtype claimed."""
-        return "float32" if "float32" in self.spec.dtypes else self.spec.dtypes[0]
+        return "float32" if "float32" in self.spec.dtypes else self.unquantized_dtypes[0]
 
     def claims(self, capability: str) -> bool:
         return capability in self.spec.capabilities
@@ -80,8 +90,9 @@ class BackendUnderTest:
         return CacheConfig(**{**base, **fields})
 
     def configs(self, **fields: Any) -> Iterator[CacheConfig]:
-        """:meth:`config` for every dtype x layout the backend claims."""
-        for dtype in self.spec.dtypes:
+        """:meth:`config` for every unquantized dtype x layout the backend claims (quantized
+        pools are not bit-exact: :mod:`kvcache_core.testing.quantized` runs their cases)."""
+        for dtype in self.unquantized_dtypes:
             for layout in self.spec.kv_layouts:
                 yield self.config(**{"dtype": dtype, "kv_layout": layout, **fields})
 

@@ -40,6 +40,7 @@ from kvcache_core.testing.catalogue import MANAGER_CASES, BadCall, check_bad_cal
 from kvcache_core.testing.features import FeatureCases
 from kvcache_core.testing.machine import run_reference_machine
 from kvcache_core.testing.policies import PolicyCases
+from kvcache_core.testing.quantized import QuantizedCases
 from kvcache_core.testing.reliability import ReliabilityCases
 from kvcache_core.testing.returns import storage_return_problems
 from kvcache_core.testing.world import World, assert_same_state, make_world, probe, snapshot
@@ -110,7 +111,7 @@ def _tokens_from_pool(config: CacheConfig, pool: FloatArray, slots: npt.NDArray[
     return np.asarray(picked)
 
 
-class KvCacheConformance(ReliabilityCases, PolicyCases, BeyondPoolCases, FeatureCases):
+class KvCacheConformance(ReliabilityCases, PolicyCases, BeyondPoolCases, FeatureCases, QuantizedCases):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 
     #: Request lengths of the attention tests (ragged, over several blocks and runs).

@@ -1,0 +1,96 @@
+"""transformers with a quantized pool: ``cache_config_for(model, dtype="int8" | "float8_e4m3fn")``
+gives a pool that computes in the model's dtype, and ``generate`` through :class:`PagedCache`
+stays close to the float32 ``DynamicCache`` run (benchmarks/quantized.py prints the first
+divergent step and the logit differences over 24 tokens)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import pytest
+
+from kvcache_core import create_manager
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for  # noqa: E402
+
+Model = Any  # a transformers PreTrainedModel
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+COMMON_CONFIG: dict[str, Any] = {
+    "vocab_size": 101,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.2,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": None,
+}
+#: The first step's logits may move by this fraction of their largest magnitude.
+FIRST_STEP_BOUNDS = {"int8": 0.05, "float8_e4m3fn": 0.15}
+
+
+def build(architecture: str) -> Model:
+    config_name, model_name = ARCHITECTURES[architecture]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**COMMON_CONFIG)).eval()
+    return model
+
+
+def generate(model: Model, ids: Any, cache: PagedCache | None = None) -> Any:
+    options: dict[str, Any] = {
+        "max_new_tokens": 24,
+        "do_sample": False,
+        "output_logits": True,
+        "return_dict_in_generate": True,
+        "pad_token_id": 0,
+    }
+    if cache is not None:
+        options["cache"] = cache
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_cache_config_for_a_quantized_dtype_computes_in_the_models_dtype(dtype: str) -> None:
+    model = build("llama")
+    config = cache_config_for(model, dtype=dtype, max_tokens=64)
+    assert (config.dtype, config.io_dtype) == (dtype, "float32")
+    half = cache_config_for(model.to(torch.bfloat16), dtype=dtype, max_tokens=64)
+    assert (half.dtype, half.io_dtype) == (dtype, "bfloat16")
+    assert cache_config_for(model.config, dtype=dtype, max_tokens=64).io_dtype == "float32"
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("implementation", [ATTN_IMPLEMENTATION, "sdpa"])
+def test_generate_on_a_quantized_pool_starts_like_the_float32_dynamic_cache(
+    architecture: str, dtype: str, implementation: str
+) -> None:
+    reference = build(architecture)
+    reference.set_attn_implementation("sdpa")
+    model = copy.deepcopy(reference)
+    model.set_attn_implementation(implementation)
+    ids = torch.randint(3, 101, (1, 16), generator=torch.Generator().manual_seed(1))
+    expected = generate(reference, ids)
+    manager = create_manager("torch", cache_config_for(model, dtype=dtype, max_tokens=64, block_size=4))
+    with PagedCache(manager, model.config) as cache:
+        got = generate(model, ids, cache)
+    assert got.sequences.shape == expected.sequences.shape
+    first_got, first_expected = got.logits[0], expected.logits[0]
+    largest = float(first_expected.abs().max())
+    assert float((first_got - first_expected).abs().max()) <= FIRST_STEP_BOUNDS[dtype] * largest
+    assert int(got.sequences[0, 16]) == int(expected.sequences[0, 16])
+    assert manager.stats().used_blocks == 0  # released at the end of the with block
