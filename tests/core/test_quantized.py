@@ -208,11 +208,10 @@ def test_attention_features_on_a_quantized_pool_match_the_reference(
     query = rng.standard_normal((2, 4, 32)).astype(np.float32)
     sinks = rng.standard_normal(4).astype(np.float32)
     table = manager.page_table(handles)
-    features = {"window": 19, "softcap": 2.5, "sinks": sinks}
-    compiled = manager.paged_attention(0, query, table, **features)
+    compiled = manager.paged_attention(0, query, table, window=19, softcap=2.5, sinks=sinks)
     plain = manager.paged_attention(0, query, table)
     monkeypatch.setenv(paged_kernel.DISABLE_ENV, "1")
-    reference = manager.paged_attention(0, query, table, **features)
+    reference = manager.paged_attention(0, query, table, window=19, softcap=2.5, sinks=sinks)
     np.testing.assert_allclose(compiled, reference, rtol=1e-5, atol=1e-5)
     assert not np.allclose(compiled, plain, atol=1e-3), "the features changed nothing"
 
