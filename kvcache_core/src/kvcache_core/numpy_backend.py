@@ -299,54 +299,25 @@ class NumpyStorage:
         (:mod:`kvcache_core.paged_kernel`) for float32 and float16 pools when numba is
         installed, else the NumPy reference. ``window``, ``softcap``, ``sinks`` and
         ``chunk``: the attention features (:mod:`kvcache_core.attention_features`),
-        checked by the manager. A quantized pool is dequantized while it is read: the kernel decodes each tile of keys with their scales, the reference folds
-        the scales into each run's scores and weights."""
-        if self._scales is not None:
-            raw_keys, raw_values = self._pool[layer, 0].view(np.uint8), self._pool[layer, 1].view(np.uint8)
-            if paged_kernel.kernel_available() and paged_kernel.kernel_reads(self._config.dtype, raw_keys, raw_values):
-                output = paged_kernel.attend_with_kernel(
-                    query,
-                    raw_keys,
-                    raw_values,
-                    page_table,
-                    qo_indptr,
-                    dtype=self._config.dtype,
-                    scale=scale,
-                    causal=causal,
-                    kv_layout=self._config.layout,
-                    sliding_window=combined_window(window, page_table.sliding_window),
-                    softcap=softcap,
-                    sinks=sinks,
-                    chunk=chunk,
-                    key_scales=self._scales[layer, 0],
-                    value_scales=self._scales[layer, 1],
-                )
-                return output.astype(query.dtype, copy=False)
-            return paged_attention(
-                query,
-                self._pool[layer, 0],
-                self._pool[layer, 1],
-                page_table,
-                qo_indptr=qo_indptr,
-                scale=scale,
-                causal=causal,
-                kv_layout=self._config.layout,
-                key_scales=self._scales[layer, 0],
-                value_scales=self._scales[layer, 1],
-                window=window,
-                softcap=softcap,
-                sinks=sinks,
-                chunk=chunk,
-            )
-        keys, values = self._pool[layer, 0], self._pool[layer, 1]
+        checked by the manager. A quantized pool is dequantized while it is read: the
+        kernel decodes each tile of keys with their scales, the reference folds the scales
+        into each run's scores and weights."""
         dtype = self._config.dtype
-        if dtype == "float16":  # the kernel decodes half floats from their bits
-            keys, values = keys.view(np.uint16), values.view(np.uint16)
-        if paged_kernel.kernel_available() and paged_kernel.kernel_reads(dtype, keys, values):
+        keys, values = self._pool[layer, 0], self._pool[layer, 1]
+        key_scales = value_scales = None
+        if self._scales is not None:
+            key_scales, value_scales = self._scales[layer, 0], self._scales[layer, 1]
+        # The kernel reads raw bytes: half floats and quantized values from their bits.
+        raw_keys, raw_values = keys, values
+        if self._scales is not None:
+            raw_keys, raw_values = keys.view(np.uint8), values.view(np.uint8)
+        elif dtype == "float16":
+            raw_keys, raw_values = keys.view(np.uint16), values.view(np.uint16)
+        if paged_kernel.kernel_available() and paged_kernel.kernel_reads(dtype, raw_keys, raw_values):
             output = paged_kernel.attend_with_kernel(
                 query,
-                keys,
-                values,
+                raw_keys,
+                raw_values,
                 page_table,
                 qo_indptr,
                 dtype=dtype,
@@ -357,12 +328,14 @@ class NumpyStorage:
                 softcap=softcap,
                 sinks=sinks,
                 chunk=chunk,
+                key_scales=key_scales,
+                value_scales=value_scales,
             )
             return output.astype(query.dtype, copy=False)
         return paged_attention(
             query,
-            self._pool[layer, 0],
-            self._pool[layer, 1],
+            keys,
+            values,
             page_table,
             qo_indptr=qo_indptr,
             scale=scale,
@@ -372,6 +345,8 @@ class NumpyStorage:
             softcap=softcap,
             sinks=sinks,
             chunk=chunk,
+            key_scales=key_scales,
+            value_scales=value_scales,
         )
 
     def array_info(self, array: object) -> tuple[tuple[int, ...], str]:
