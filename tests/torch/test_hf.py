@@ -470,10 +470,9 @@ def test_paged_decode_attends_over_the_pool_without_gathering_it(
         assert cache.request_lengths() == [9 + 3 - pad for pad in pads]
     layers = model.config.num_hidden_layers
     decode = [(2, 4, 16)] * (3 * layers)  # each decode step: one query per request, every layer
-    if any(pads):
-        assert queries == [(9 + 5, 4, 16)] * layers + decode  # the prefill: real tokens only, packed
-    else:  # a first forward without padding attends over its own contiguous K/V (sdpa), writing the pool
-        assert queries == decode
+    # A first forward attends over its own contiguous K/V (sdpa; with left padding one call
+    # per row on its real tokens), writing the pool; only the decode steps read it.
+    assert queries == decode
 
 
 def test_kvcache_paged_attention_without_a_paged_cache_matches_sdpa() -> None:
@@ -734,3 +733,36 @@ def test_map_cached_prefix_refuses_a_filled_cache_and_right_padding() -> None:
         cache.map_cached_prefix(ids, mask)
         with pytest.raises(InvalidArgumentError, match="release"):
             cache.map_cached_prefix(ids, mask)
+
+
+def test_a_left_padded_first_forward_attends_each_row_over_its_real_tokens_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvcache_torch.hf as hf
+
+    model, reference = model_pair("llama", "paged")
+    manager = make_manager(model)
+    lengths: list[tuple[int, int]] = []
+    sdpa = hf._sdpa_attention_forward  # pyright: ignore[reportPrivateUsage]
+
+    def spy(module: Any, query: Tensor, key: Tensor, *arguments: Any) -> Any:
+        lengths.append((int(query.shape[0]), int(key.shape[2])))
+        return sdpa(module, query, key, *arguments)
+
+    monkeypatch.setattr(hf, "_sdpa_attention_forward", spy)
+    ids, mask = prompts(3, 9, pads=(0, 4, 9 - 1))
+    with PagedCache(manager, model.config) as cache:
+        ours = forward(model, ids, mask, 0, cache)
+    assert lengths == [(1, 9), (1, 5), (1, 1)] * model.config.num_hidden_layers  # no padding position
+    expected = forward(reference, ids, mask, 0, transformers.DynamicCache(config=reference.config))
+    real = mask.bool()
+    assert max_logit_difference([ours[real]], [expected[real]]) <= TOLERANCE
+
+
+def test_only_left_padding_counts_as_rows_of_real_suffixes() -> None:
+    from kvcache_torch.hf import _left_padded_lengths  # pyright: ignore[reportPrivateUsage]
+
+    left = torch.tensor([[False, False, True, True], [True, True, True, True], [False, False, False, False]])
+    assert _left_padded_lengths(left) == [2, 4, 0]
+    assert _left_padded_lengths(torch.tensor([[True, True, False, False]])) is None  # right padding
+    assert _left_padded_lengths(torch.tensor([[False, True, False, True]])) is None  # a hole

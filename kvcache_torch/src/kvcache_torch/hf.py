@@ -786,9 +786,10 @@ class PagedCache(Cache):
         attend over the pool in place, with the layer's attention features (``window``,
         ``softcap``, ``sinks``; its ``chunk`` comes from the config).
 
-        A first forward without padding is the one case where the whole context is the new
-        K/V themselves, contiguous already: it goes to transformers' ``sdpa`` on them
-        (faster than any read of the pool, and nothing is rebuilt).
+        A first forward is the one case where the whole context is the new K/V themselves,
+        contiguous already: it goes to transformers' ``sdpa`` on them (faster than any read
+        of the pool, and nothing is rebuilt); with left padding, one call per row on its real
+        tokens, so padding costs no attention.
 
         Returns ``[batch, new_tokens, query_heads, head_dim]``; rows of padding tokens are 0.
         """
@@ -810,8 +811,26 @@ class PagedCache(Cache):
         chunk = self._layer_attention[layer].chunk
         if chunk is not None:
             layer_features["chunk"] = chunk
-        if step.start == 0 and valid is None and query_length > 1 and not layer_features:
+        first_prefill = step.start == 0 and query_length > 1 and not layer_features
+        real_lengths = None if not first_prefill or valid is None else _left_padded_lengths(valid)
+        if first_prefill and valid is None:
             output, _ = _sdpa_attention_forward(module, query, pending.key, pending.value, None, 0.0, scaling)
+        elif real_lengths is not None:
+            # A left-padded first forward: each row's context is its own real new K/V, the
+            # last ``n`` positions; sdpa per row reads them as they are, padding never enters.
+            output = query.new_zeros((batch, query_length, query_heads, head_dim))
+            for row, length in enumerate(real_lengths):
+                if length:
+                    rows = slice(query_length - length, query_length)
+                    output[row, rows], _ = _sdpa_attention_forward(
+                        module,
+                        query[row : row + 1, :, rows],
+                        pending.key[row : row + 1, :, rows],
+                        pending.value[row : row + 1, :, rows],
+                        None,
+                        0.0,
+                        scaling,
+                    )
         elif not step.stored:
             output = query.new_zeros((batch, query_length, query_heads, head_dim))
         else:
@@ -1083,6 +1102,16 @@ def _token_major(states: torch.Tensor, valid: torch.Tensor | None = None) -> tor
     if valid is None:
         return token_major.reshape(-1, states.shape[1], states.shape[3]).contiguous()
     return token_major[valid].contiguous()
+
+
+def _left_padded_lengths(valid: torch.Tensor) -> list[int] | None:
+    """Each row's count of real tokens when every row of ``valid [batch, tokens]`` is
+    padding then real tokens (left padding), else ``None``."""
+    counts = valid.sum(dim=1)
+    positions = torch.arange(valid.shape[1], device=valid.device)
+    if not torch.equal(positions[None, :] >= (valid.shape[1] - counts)[:, None], valid):
+        return None
+    return [int(count) for count in counts]
 
 
 def _real_tokens(
