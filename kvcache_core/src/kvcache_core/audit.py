@@ -24,6 +24,14 @@ __all__ = ["audit"]
 def audit(sequences: SequenceBlocks, requests: Mapping[str, RequestState[Any]]) -> None:
     """Verify the records of the manager whose pool, chains and requests these are.
 
+    Every block is free, in use or cached, and ``free + used + cached == total``;
+    reference counts equal the number of resident requests holding each block (none
+    listed twice in one table); the in-use and shared masks and the free extents agree;
+    every cached block holds a registered prefix and every registered block is in use or
+    cached, fully written and hashed from its entry's parent and tokens; swapped-out
+    requests hold no block and their host copies have the right shape; the blocks awaited
+    by hash chains are held by the requests awaiting them.
+
     Raises:
         InvariantError: naming the first inconsistency found.
     """

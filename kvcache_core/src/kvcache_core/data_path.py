@@ -3,6 +3,12 @@
 :class:`DataPath` is a base of :class:`~kvcache_core.PagedKvCacheManager` (not used
 alone): the per-step hot path, separate from the request lifecycle and the policies.
 Every method takes the manager's lock and checks its arguments before it changes state.
+
+Top to bottom (raw calls; :meth:`DataPath.begin_step` plans them once per forward)::
+
+    extend(handle, n) -> slots [n]          the sequence grows; new blocks when needed
+    write(layer, slots, keys, values)       one scatter per layer, batched across requests
+    paged_attention(layer, q, page_table)   reads the pool in place
 """
 
 from __future__ import annotations

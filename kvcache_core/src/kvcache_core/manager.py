@@ -1,12 +1,5 @@
 """The paged cache manager: policy in core, over any backend's :class:`KvStorage`.
 
-Data path, top to bottom::
-
-    allocate(request) -> handle             blocks reserved for initial_tokens (prefix hits mapped)
-    extend(handle, n) -> slots [n]          the sequence grows; new blocks when needed
-    write(layer, slots, keys, values)       one scatter per layer, batched across requests
-    paged_attention(layer, q, page_table)   reads the pool in place
-
 Policies, the same for every backend (they move bytes only through ``KvStorage``):
 
 * **prefix caching** (``CacheConfig(enable_prefix_caching=True)``): a full block whose K/V
@@ -529,15 +522,8 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         return self._pressure
 
     def check_invariants(self) -> None:
-        """Verify the pool's records.
-
-        Every block is free, in use or cached, and ``free + used + cached == total``;
-        reference counts equal the number of resident requests holding each block (none
-        listed twice in one table); the in-use and shared masks and the free extents
-        agree; every cached block holds a registered prefix and every registered block is
-        in use or cached, fully written and hashed from its entry's parent and tokens;
-        swapped-out requests hold no block and their host copies have the right shape;
-        the blocks awaited by hash chains are held by the requests awaiting them.
+        """Verify the pool's records against each other (what is checked:
+        :func:`kvcache_core.audit.audit`).
 
         Raises:
             InvariantError: naming the first inconsistency found.
