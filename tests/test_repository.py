@@ -93,7 +93,7 @@ def test_the_internals_check_finds_what_it_looks_for() -> None:
 
 
 #: Modules of kvcache_core may not grow past this many lines: split along a seam instead.
-MODULE_LINE_LIMIT = 620
+MODULE_LINE_LIMIT = 600
 
 
 def test_no_core_module_outgrows_the_limit() -> None:

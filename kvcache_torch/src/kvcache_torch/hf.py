@@ -356,6 +356,8 @@ class _Step:
     planned: Step[torch.Tensor] | None = None
     valid: torch.Tensor | None = None  # [batch, query_length] bool on the model's device; None: all real
     stored: int = 0  # tokens the step stores over all rows
+    # A left-padded first forward: each row's real tokens (computed once, for every layer).
+    real_lengths: list[int] | None = None
 
 
 @dataclass
@@ -812,10 +814,12 @@ class PagedCache(Cache):
         if chunk is not None:
             layer_features["chunk"] = chunk
         first_prefill = step.start == 0 and query_length > 1 and not layer_features
-        real_lengths = None if not first_prefill or valid is None else _left_padded_lengths(valid)
+        if first_prefill and valid is not None and step.real_lengths is None:
+            step.real_lengths = _left_padded_lengths(valid) or []  # []: not left padding
+        real_lengths = step.real_lengths if first_prefill and valid is not None else None
         if first_prefill and valid is None:
             output, _ = _sdpa_attention_forward(module, query, pending.key, pending.value, None, 0.0, scaling)
-        elif real_lengths is not None:
+        elif real_lengths:
             # A left-padded first forward: each row's context is its own real new K/V, the
             # last ``n`` positions; sdpa per row reads them as they are, padding never enters.
             output = query.new_zeros((batch, query_length, query_heads, head_dim))
