@@ -39,9 +39,9 @@ def test_an_interrupt_inside_any_storage_call_leaks_nothing_either() -> None:
 def test_the_run_finds_a_copy_on_write_that_keeps_its_copy_when_the_storage_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def leaky_copy_on_write(self: SequenceBlocks, state: RequestState[Any], logicals: list[int]) -> None:
+    def leaky_copy_on_write(self: SequenceBlocks, state: RequestState[Any], logicals: list[list[int]]) -> None:
         pool = self.pool
-        for logical in logicals:  # the pre-fix order: take, call, no give-back on failure
+        for logical in logicals[0]:  # the pre-fix order: take, call, no give-back on failure
             source = state.table.physical_block(logical)
             (copy,) = pool.take(1, None, None, "copy")
             pool.storage.copy_blocks(np.array([source]), np.array([copy]))

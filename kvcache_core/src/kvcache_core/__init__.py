@@ -67,6 +67,7 @@ from kvcache_core.errors import (
     UnsupportedConfigError,
 )
 from kvcache_core.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
+from kvcache_core.groups import KvGroup, LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.hookspecs import CAPABILITIES, BackendSpec, hookimpl
 from kvcache_core.manager import PagedKvCacheManager
@@ -98,6 +99,8 @@ __all__ = [
     "BlockRun",
     "BlockTable",
     "CacheConfig",
+    "KvGroup",
+    "LayerSpec",
     "CacheGcStats",
     "CacheHandleStats",
     "CacheManagerStats",

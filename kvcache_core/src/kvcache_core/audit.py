@@ -30,7 +30,9 @@ def audit(sequences: SequenceBlocks, requests: Mapping[str, RequestState[Any]]) 
     every cached block holds a registered prefix and every registered block is in use or
     cached, fully written and hashed from its entry's parent and tokens; swapped-out
     requests hold no block and their host copies have the right shape; the blocks awaited
-    by hash chains are held by the requests awaiting them.
+    by hash chains are held by the requests awaiting them. With KV-cache groups, every
+    request's tables are of one length, each block is of the group whose table holds it,
+    and a sliding group keeps no block its window left behind nor drops one it sees.
 
     Raises:
         InvariantError: naming the first inconsistency found.
@@ -46,13 +48,20 @@ def _check_blocks(pool: BlockPool, requests: Mapping[str, RequestState[Any]]) ->
     num_blocks = config.num_blocks
     owners = np.zeros(num_blocks, dtype=np.int64)
     for state in requests.values():
-        table = state.table
-        blocks = table.physical_blocks
-        if len(set(blocks)) != len(blocks):
-            raise InvariantError(f"request {state.request_id!r} lists a block twice: {blocks}")
-        if table.sequence_length > table.capacity():
-            raise InvariantError(f"request {state.request_id!r} holds more tokens than its blocks")
-        np.add.at(owners, np.asarray(blocks, dtype=np.int64), 1)
+        if len(state.tables) != config.num_groups:
+            raise InvariantError(f"request {state.request_id!r} has {len(state.tables)} tables, not one per group")
+        for group, table in enumerate(state.tables):
+            blocks = table.physical_blocks
+            if len(set(blocks)) != len(blocks):
+                raise InvariantError(f"request {state.request_id!r} lists a block twice: {blocks}")
+            if table.sequence_length > table.capacity():
+                raise InvariantError(f"request {state.request_id!r} holds more tokens than its blocks")
+            if table.sequence_length != state.table.sequence_length:
+                raise InvariantError(f"request {state.request_id!r}: group {group} holds another length")
+            array = np.asarray(blocks, dtype=np.int64)
+            if np.any(pool.group_of[array] != group):
+                raise InvariantError(f"request {state.request_id!r}: group {group} holds a block of another group")
+            np.add.at(owners, array, 1)
     counts = np.asarray([allocator.ref_count(b) for b in range(num_blocks)])
     wrong = np.flatnonzero(owners != counts)
     if wrong.size:
@@ -123,7 +132,11 @@ def _check_prefix(pool: BlockPool, chains: PrefixChains, requests: Mapping[str, 
             raise InvariantError(f"block {block} is awaited by nobody or unmarked")
         for request_id in waiting:
             state = requests.get(request_id)
-            if state is None or state.awaiting_block != block or block not in state.table.physical_blocks:
+            if (
+                state is None
+                or state.awaiting_block != block
+                or not any(block in table.physical_blocks for table in state.tables)
+            ):
                 raise InvariantError(f"request {request_id!r} awaits block {block} it does not hold")
     if int(np.count_nonzero(chains.awaiting_mask)) != len(chains.awaiting):
         raise InvariantError("the awaited-block mask disagrees with the awaited blocks")
@@ -133,23 +146,23 @@ def _check_requests(sequences: SequenceBlocks, requests: Mapping[str, RequestSta
     pool = sequences.pool
     config = pool.config
     block_size = config.block_size
-    window = config.sliding_window
     for state in requests.values():
         table = state.table
         if not state.valid:
             raise InvariantError(f"request {state.request_id!r} is live but invalid")
         record = state.swap
         if record is not None:
-            expected = (config.num_layers, record.num_blocks, block_size, config.num_heads, config.head_dim)
-            if table.num_blocks() or table.sequence_length or state.awaiting_block is not None:
+            expected = (config.pool_layers, record.num_blocks, block_size, config.num_heads, config.head_dim)
+            if any(t.num_blocks() or t.sequence_length for t in state.tables) or state.awaiting_block is not None:
                 raise InvariantError(f"swapped-out request {state.request_id!r} holds blocks")
             if tuple(record.keys.shape) != expected or tuple(record.values.shape) != expected:
                 raise InvariantError(f"swapped-out request {state.request_id!r} has host copies of the wrong shape")
-            if record.num_blocks != blocks_for(record.sequence_length, block_size) - record.first_logical:
+            firsts = record.first_logicals or (record.first_logical,)
+            needed = sum(blocks_for(record.sequence_length, block_size) - first for first in firsts)
+            if record.num_blocks != needed or sum(record.group_blocks or (needed,)) != needed:
                 raise InvariantError(f"swapped-out request {state.request_id!r} keeps the wrong number of blocks")
             continue
-        if window is not None and table.first_logical > sequences.window_start(table.sequence_length):
-            raise InvariantError(f"request {state.request_id!r} released blocks inside its window")
+        _check_windows(sequences, state)
         if pool.prefix is None:
             continue
         if len(state.chain) * block_size > min(table.sequence_length, len(state.token_ids)):
@@ -159,9 +172,23 @@ def _check_requests(sequences: SequenceBlocks, requests: Mapping[str, RequestSta
             parent = state.chain[logical - 1] if logical else None
             if entry.token_ids != tokens or entry.salt != state.salt or not same_prefix(entry.parent, parent):
                 raise InvariantError(f"request {state.request_id!r}: chain entry {logical} is not its prefix")
-            if logical >= table.first_logical:
-                block = table.physical_block(logical)
+            for group in state.tables:
+                if logical < group.first_logical:
+                    continue
+                block = group.physical_block(logical)
                 if not entry.alive or pool.prefix.entry_of(block) is not entry:
                     raise InvariantError(
                         f"request {state.request_id!r}: hashed block {block} is not registered under its entry"
                     )
+
+
+def _check_windows(sequences: SequenceBlocks, state: RequestState[Any]) -> None:
+    """A full group released nothing; a sliding group released no block its window
+    still sees."""
+    for group, (table, window) in enumerate(zip(state.tables, sequences.windows, strict=True)):
+        if window is None:
+            if table.first_logical:
+                raise InvariantError(f"request {state.request_id!r}: full group {group} released blocks")
+            continue
+        if table.first_logical > sequences.window_start(table.sequence_length, group):
+            raise InvariantError(f"request {state.request_id!r} released blocks inside its window (group {group})")

@@ -37,7 +37,9 @@ class BlockPool:
     Attributes:
         allocator: free list, reference counts and cached blocks.
         prefix: the prefix cache's hash map (``None`` without prefix caching).
-        written: ``[layers, slots]`` which slots hold written K/V (prefix caching only).
+        written: ``[pool_layers, slots]`` which slots hold written K/V (prefix caching only).
+        group_of: ``[blocks]`` the KV-cache group each block was last taken for (what its
+            storage layers hold); -1 for a block never taken.
         issued: ``[slots]`` positions handed out by extend, a prefix hit, a copy or swap_in.
         registered: ``[blocks]`` blocks the prefix cache serves (immutable).
         swapped_blocks: blocks a swap-out released (and nobody took since) -> its request.
@@ -52,8 +54,9 @@ class BlockPool:
         slots = config.num_blocks * config.block_size
         self.prefix: PrefixCache | None = PrefixCache(config.model_id) if config.enable_prefix_caching else None
         self.written: npt.NDArray[np.bool_] | None = (
-            np.zeros((config.num_layers, slots), dtype=np.bool_) if config.enable_prefix_caching else None
+            np.zeros((config.pool_layers, slots), dtype=np.bool_) if config.enable_prefix_caching else None
         )
+        self.group_of = np.full(config.num_blocks, -1, dtype=np.int16)
         self.issued = np.zeros(slots, dtype=np.bool_)
         self.registered = np.zeros(config.num_blocks, dtype=np.bool_)
         self.swapped_blocks: dict[int, str] = {}
@@ -82,9 +85,10 @@ class BlockPool:
 
     # -- taking and releasing ----------------------------------------------------------
 
-    def take(self, count: int, after: int | None, expected: int | None, failure: str) -> list[int]:
-        """Blocks from the allocator, evicting cached blocks (oldest first) when the free
-        ones do not suffice; their slots start unissued and unwritten."""
+    def take(self, count: int, after: int | None, expected: int | None, failure: str, group: int = 0) -> list[int]:
+        """Blocks from the allocator for KV-cache group ``group``, evicting cached blocks
+        (oldest first) when the free ones do not suffice; their slots start unissued and
+        unwritten."""
         free = self.allocator.free_block_count()
         if count > free:
             if count > self.available():
@@ -92,6 +96,7 @@ class BlockPool:
             self.evict(count - free)
         blocks = self.allocator.allocate(count, after=after, expected=expected)
         if blocks:
+            self.group_of[blocks] = group
             block_slots = self.block_slots(np.asarray(blocks, dtype=np.int64))
             self.issued[block_slots] = False
             if self.written is not None:
@@ -130,7 +135,14 @@ class BlockPool:
         """``block`` if exactly one request holds it (a placement hint), else ``None``."""
         return block if block is not None and self.allocator.ref_count(block) == 1 else None
 
-    def copies_of(self, sources: list[int], hints: list[int | None], follows: list[bool], what: str) -> list[int]:
+    def copies_of(
+        self,
+        sources: list[int],
+        hints: list[int | None],
+        follows: list[bool],
+        what: str,
+        groups: list[int] | None = None,
+    ) -> list[int]:
         """Transactional copy: take one block per source, copy all in one
         ``storage.copy_blocks`` call. Whatever the storage raises (``KeyboardInterrupt``
         included), the copies go back to the free list and nothing changed.
@@ -142,7 +154,8 @@ class BlockPool:
         try:
             for index, source in enumerate(sources):
                 hint = copies[-1] if copies and follows[index] else hints[index]
-                (copy,) = self.take(1, self.sole_holder(hint), None, f"cannot copy block {source} of {what}")
+                group = 0 if groups is None else groups[index]
+                (copy,) = self.take(1, self.sole_holder(hint), None, f"cannot copy block {source} of {what}", group)
                 copies.append(copy)
             self.storage.copy_blocks(np.asarray(sources, dtype=np.int64), np.asarray(copies, dtype=np.int64))
         except BaseException:
@@ -186,12 +199,17 @@ class BlockPool:
         self.prefix.unregister(block)
         self.registered[block] = False
 
-    def pick_block(self, entry: PrefixEntry) -> int:
-        """A block of ``entry`` to map: one already in use if any (keeps the cache whole)."""
+    def pick_block(self, entry: PrefixEntry, group: int = 0) -> int | None:
+        """A block of ``entry`` in KV-cache group ``group`` to map: one already in use if
+        any (keeps the cache whole); ``None`` if the group holds none."""
+        found = None
         for block in entry.blocks:
-            if self.allocator.ref_count(block):
-                return block
-        return next(iter(entry.blocks))
+            if self.group_of[block] == group:
+                if self.allocator.ref_count(block):
+                    return block
+                if found is None:
+                    found = block
+        return found
 
     def fully_written(self, block: int) -> bool:
         assert self.written is not None

@@ -2,8 +2,8 @@
 
 A request's hash chain lists the prefix-cache entries of its first full blocks. A block
 joins the chain (and is registered, findable by later requests) once it is full, the
-token ids of all its positions are known, every slot was written in every layer and the
-block before it is hashed. :class:`PrefixChains` advances chains as writes land, cuts
+token ids of all its positions are known, every slot was written in every layer (of every
+KV-cache group still holding it) and the block before it is hashed. :class:`PrefixChains` advances chains as writes land, cuts
 them when blocks are rewritten, truncated or released, and rebuilds them after a swap-in.
 """
 
@@ -46,14 +46,15 @@ class PrefixChains:
     def enabled(self) -> bool:
         return self.pool.prefix is not None
 
-    def lookup(self, request: AllocationRequest) -> tuple[list[tuple[PrefixEntry, int]], int, int]:
-        """The prompt's cached full blocks: ``(hits, queries, collisions)``, each hit its
-        entry and the block to map. The last prompt token is always left to compute."""
+    def lookup(self, request: AllocationRequest) -> tuple[list[PrefixEntry], int, int]:
+        """The entries of the prompt's cached full blocks, in order: ``(entries, queries,
+        collisions)``. The last prompt token is always left to compute. Which blocks of
+        each KV-cache group serve them is the caller's choice (:meth:`BlockPool.pick_block`)."""
         prefix = self.pool.prefix
         prompt = request.prompt_token_ids
-        hits: list[tuple[PrefixEntry, int]] = []
+        entries: list[PrefixEntry] = []
         if prefix is None or not prompt:
-            return hits, 0, 0
+            return entries, 0, 0
         block_size = self.block_size
         queries = (len(prompt) - 1) // block_size
         collisions = 0
@@ -64,9 +65,9 @@ class PrefixChains:
             collisions += collided
             if entry is None:
                 break
-            hits.append((entry, self.pool.pick_block(entry)))
+            entries.append(entry)
             parent = entry
-        return hits, queries, collisions
+        return entries, queries, collisions
 
     def new_token_ids(self, state: RequestState[Any], ids: tuple[int, ...], start: int) -> tuple[int, ...]:
         """The ids of ``ids`` (for positions ``start ..``) not known yet, after checking
@@ -124,19 +125,22 @@ class PrefixChains:
         prefix = self.pool.prefix
         if prefix is None or not state.chain_open or state.swap is not None:
             return
-        table = state.table
+        length = state.table.sequence_length
         block_size = self.block_size
         while True:
             logical = len(state.chain)
             end = (logical + 1) * block_size
-            if end > table.sequence_length or end > len(state.token_ids):
+            if end > length or end > len(state.token_ids):
                 break  # not full yet, or its token ids are not known yet
-            if logical < table.first_logical:
-                state.chain_open = False  # released before it was hashed
+            # The block of every KV-cache group that still holds it (a sliding group may
+            # have released it); with none left, it was released before it was hashed.
+            held = [table.physical_block(logical) for table in state.tables if logical >= table.first_logical]
+            if not held:
+                state.chain_open = False
                 break
-            block = table.physical_block(logical)
-            if not self.pool.fully_written(block):
-                self.set_awaiting(state, block)
+            unwritten = next((block for block in held if not self.pool.fully_written(block)), None)
+            if unwritten is not None:
+                self.set_awaiting(state, unwritten)
                 return
             parent = state.chain[-1] if state.chain else None
             entry, collided = prefix.find_or_create(
@@ -146,7 +150,8 @@ class PrefixChains:
                 self.collisions += collided
                 state.chain_open = False
                 break
-            self.pool.register(block, entry)
+            for block in held:
+                self.pool.register(block, entry)
             state.chain.append(entry)
         self.set_awaiting(state, None)
 
@@ -156,18 +161,19 @@ class PrefixChains:
         prefix = self.pool.prefix
         if prefix is None:
             return
-        table = state.table
         block_size = self.block_size
         chain: list[PrefixEntry] = []
         for logical in range(len(state.chain)):
             parent = chain[-1] if chain else None
             tokens = tuple(state.token_ids[logical * block_size : (logical + 1) * block_size])
-            if logical < table.first_logical:
+            held = [table.physical_block(logical) for table in state.tables if logical >= table.first_logical]
+            if not held:
                 entry, collided = prefix.find(parent, tokens, state.salt)
             else:
                 entry, collided = prefix.find_or_create(parent, tokens, state.salt)
                 if entry is not None:
-                    self.pool.register(table.physical_block(logical), entry)
+                    for block in held:
+                        self.pool.register(block, entry)
             self.collisions += collided
             if entry is None:
                 state.chain_open = False
@@ -181,15 +187,15 @@ class PrefixChains:
         prefix = self.pool.prefix
         if prefix is None or stop <= start:
             return
-        table = state.table
         block_size = self.block_size
-        first = max(start // block_size, table.first_logical)
-        last = min(blocks_for(stop, block_size), table.first_logical + table.num_blocks())
-        for logical in range(first, last):
-            block = table.physical_block(logical)
-            if prefix.is_registered(block):
-                self.pool.unregister(block)
-        self.cut(state, first)
+        for table in state.tables:
+            first = max(start // block_size, table.first_logical)
+            last = min(blocks_for(stop, block_size), table.first_logical + table.num_blocks())
+            for logical in range(first, last):
+                block = table.physical_block(logical)
+                if prefix.is_registered(block):
+                    self.pool.unregister(block)
+        self.cut(state, start // block_size)
 
     def cut(self, state: RequestState[Any], logical: int) -> None:
         """Stop the request's chain before logical block ``logical`` for good."""

@@ -89,11 +89,16 @@ class ArgumentChecks:
 
     # -- slots and blocks --------------------------------------------------------------
 
-    def slots(self, slots: SlotsLike) -> SlotArray:
-        """Distinct slots of blocks in use, at positions already handed out."""
+    def slots(self, slots: SlotsLike, group: int = 0) -> SlotArray:
+        """Distinct slots of blocks in use of KV-cache group ``group``, at positions
+        already handed out; with groups, the group's row of ``[num_groups, n]`` slots."""
         array = np.asarray(slots)
+        groups = self.config.num_groups
+        if groups > 1 and array.ndim == 2 and array.shape[0] == groups:
+            array = array[group]
         if array.ndim != 1:
-            raise ShapeMismatchError(f"slots must be 1-D, got shape {array.shape}")
+            shapes = "[n]" if groups == 1 else f"[n] or [{groups}, n] (one row per KV-cache group)"
+            raise ShapeMismatchError(f"slots must be {shapes}, got shape {array.shape}")
         if array.size and array.dtype.kind not in "iu":
             raise InvalidTypeError(f"slots must be integers, got dtype {array.dtype}")
         block_size = self.config.block_size
@@ -116,6 +121,15 @@ class ArgumentChecks:
             if np.unique(array).size != array.size:
                 values, counts = np.unique(array, return_counts=True)
                 raise SlotError(f"slot {int(values[counts > 1][0])} appears more than once in one write")
+            if groups > 1:
+                other = self.pool.group_of[array // block_size] != group
+                if other.any():
+                    slot = int(array[np.argmax(other)])
+                    raise SlotError(
+                        f"slot {slot} is in block {slot // block_size} of KV-cache group "
+                        f"{int(self.pool.group_of[slot // block_size])}; this layer is in group {group}: "
+                        f"write row {group} of the slots extend() returned"
+                    )
         return array
 
     def blocks_in_use(self, blocks: npt.NDArray[np.int64], what: str) -> None:
@@ -147,7 +161,11 @@ class ArgumentChecks:
             if shared.any():
                 slot = int(slots[np.argmax(shared)])
                 block = slot // block_size
-                sharers = [rid for rid, state in self.requests.items() if block in state.table.physical_blocks]
+                sharers = [
+                    rid
+                    for rid, state in self.requests.items()
+                    if any(block in table.physical_blocks for table in state.tables)
+                ]
                 raise SharedBlockWriteError(
                     f"slot {slot} is in block {block}, shared by {pool.allocator.ref_count(block)} requests "
                     f"{sharers}: a write there would change all of them; take private slots from extend() or "
@@ -208,10 +226,16 @@ class ArgumentChecks:
             raise InvalidArgumentError(
                 f"page table block_size {page_table.block_size} != pool block_size {config.block_size}"
             )
-        if page_table.sliding_window != config.sliding_window:
+        if not page_table.group < config.num_groups:
             raise InvalidArgumentError(
-                f"page table sliding_window {page_table.sliding_window} != the pool's sliding_window "
-                f"{config.sliding_window}; take the page table from manager.page_table"
+                f"page table of KV-cache group {page_table.group}: the pool has groups 0 to {config.num_groups - 1}"
+            )
+        window = config.kv_groups[page_table.group].window
+        if page_table.sliding_window != window:
+            whose = "the pool's" if config.num_groups == 1 else f"KV-cache group {page_table.group}'s"
+            raise InvalidArgumentError(
+                f"page table sliding_window {page_table.sliding_window} != {whose} sliding_window {window}; "
+                "take the page table from manager.page_table"
             )
         if self._checked != (page_table, self.pool.epoch):
             self._current(page_table)
@@ -227,7 +251,15 @@ class ArgumentChecks:
         by hand) must name blocks in use.
         """
         if not page_table.generations:
-            self.blocks_in_use(page_table.kv_indices.astype(np.int64), "page table")
+            blocks = page_table.kv_indices.astype(np.int64)
+            self.blocks_in_use(blocks, "page table")
+            other = self.pool.group_of[blocks] != page_table.group
+            if self.config.num_groups > 1 and other.any():
+                block = int(blocks[np.argmax(other)])
+                raise SlotError(
+                    f"the page table of KV-cache group {page_table.group} names block {block} of group "
+                    f"{int(self.pool.group_of[block])}"
+                )
             return
         issued = page_table in self.issued_tables
         for index, (request_id, generation) in enumerate(
@@ -246,7 +278,7 @@ class ArgumentChecks:
                     "its blocks may belong to another request now; take a new page table from manager.page_table"
                 )
             if not issued:
-                table = state.table
+                table = state.tables[page_table.group]
                 held = table.physical_blocks[: blocks_for(table.held_tokens(), self.config.block_size)]
                 if page_table.blocks(index).tolist() != list(held):
                     raise StalePageTableError(

@@ -13,6 +13,7 @@ import numpy.typing as npt
 
 from kvcache_core.device import Device
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerIndexError
+from kvcache_core.groups import KvGroup, LayerSpec, layer_slot, plan_groups
 
 __all__ = [
     "DTYPE_SIZES",
@@ -147,6 +148,11 @@ class CacheConfig:
             outputs, one of :data:`COMPUTE_DTYPES`; only a quantized pool may differ from
             :attr:`dtype`. ``None`` (the default): the pool's own dtype, or float32 for a
             quantized pool. :attr:`io_dtype` is the resolved name.
+        layer_specs: the attention of every layer (``[num_layers]`` :class:`LayerSpec`:
+            full, sliding window ``W`` or chunked ``C``), or ``None``: every layer full, or
+            sliding with :attr:`sliding_window`. Layers that keep the same blocks form
+            KV-cache groups (:attr:`kv_groups`, see :mod:`kvcache_core.groups`), each with
+            its own block table per request over the one pool. Stored as a tuple.
         kv_scales: calibrated float8 scales, ``[num_layers][2][num_heads]`` (K then V, one
             per KV head), finite and > 0, as vLLM's checkpoints carry; only for
             ``dtype="float8_e4m3fn"``. ``None``: each scale tracks the running maximum (see
@@ -172,6 +178,9 @@ class CacheConfig:
     model_id: str | None = None
     compute_dtype: str | None = None
     kv_scales: tuple[tuple[tuple[float, ...], ...], ...] | None = None
+    layer_specs: tuple[LayerSpec, ...] | None = None
+    _groups: tuple[KvGroup, ...] = field(default=(), init=False, repr=False, compare=False)
+    _slots: tuple[tuple[int, int], ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -191,6 +200,7 @@ class CacheConfig:
         model_id: str | None = None,
         compute_dtype: str | None = None,
         kv_scales: object = None,
+        layer_specs: object = None,
     ) -> None:
         # Written out so that ``device`` accepts its text form ("cuda:0") and is stored as
         # a Device; the dataclass still provides eq, repr, hash and replace().
@@ -211,6 +221,7 @@ class CacheConfig:
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise InvalidConfigError(f"CacheConfig.dtype {self.dtype!r} is unknown; valid: {', '.join(DTYPE_SIZES)}")
         self._check_quantization()
+        self._check_layer_specs()
         try:
             object.__setattr__(self, "device", Device.parse(self.device))
         except InvalidArgumentError as exc:
@@ -240,6 +251,72 @@ class CacheConfig:
                 "pressure thresholds must satisfy 0 < medium < high < critical <= 1, got "
                 f"medium={thresholds[0]!r}, high={thresholds[1]!r}, critical={thresholds[2]!r}"
             )
+
+    def _check_layer_specs(self) -> None:
+        """Validate ``layer_specs`` and work out the KV-cache groups."""
+        specs = self.layer_specs
+        if specs is not None:
+            if isinstance(specs, (str, bytes)) or not isinstance(specs, Iterable):
+                raise InvalidConfigError(
+                    f"CacheConfig.layer_specs must be a sequence of LayerSpec (one per layer) or None, got {specs!r}"
+                )
+            items = tuple(cast("Iterable[object]", specs))
+            for layer, spec in enumerate(items):
+                if not isinstance(spec, LayerSpec):
+                    raise InvalidConfigError(f"CacheConfig.layer_specs[{layer}] must be a LayerSpec, got {spec!r}")
+            if self.sliding_window is not None:
+                raise InvalidConfigError(
+                    f"CacheConfig has sliding_window={self.sliding_window} and layer_specs: give each sliding "
+                    "layer its window in layer_specs (sliding_window means every layer)"
+                )
+            specs = cast("tuple[LayerSpec, ...]", items)
+            object.__setattr__(self, "layer_specs", specs)
+        groups = plan_groups(self.num_layers, specs, self.sliding_window)
+        object.__setattr__(self, "_groups", groups)
+        object.__setattr__(self, "_slots", layer_slot(groups, self.num_layers))
+
+    @property
+    def kv_groups(self) -> tuple[KvGroup, ...]:
+        """The KV-cache groups: one group of every layer without :attr:`layer_specs`."""
+        return self._groups
+
+    @property
+    def num_groups(self) -> int:
+        """How many KV-cache groups (block tables per request) the pool keeps."""
+        return len(self._groups)
+
+    @property
+    def pool_layers(self) -> int:
+        """Layers the storage holds per block: every layer, or a group's layers."""
+        return len(self._groups[0].layers)
+
+    def layer_spec(self, layer: int) -> LayerSpec:
+        """The attention spec of a (checked) layer."""
+        if self.layer_specs is not None:
+            return self.layer_specs[layer]
+        return LayerSpec(window=self.sliding_window)
+
+    def layer_place(self, layer: object) -> tuple[int, int]:
+        """``(group, storage layer)`` of ``layer``.
+
+        Raises:
+            LayerIndexError: ``layer`` outside ``0 .. num_layers - 1``.
+        """
+        return self._slots[self.check_layer(layer)]
+
+    def storage_config(self) -> CacheConfig:
+        """The config the storage is built from: this one, or with KV-cache groups one of
+        :attr:`pool_layers` layers and no specs (the manager maps layers and windows)."""
+        if self.layer_specs is None:
+            return self
+        scales = None
+        if self.kv_scales is not None:  # a storage layer serves a layer of every group: the largest scale
+            stacked = np.asarray(self.kv_scales)
+            per_slot = [
+                stacked[[group.layers[slot] for group in self._groups]].max(axis=0) for slot in range(self.pool_layers)
+            ]
+            scales = tuple(tuple(tuple(float(x) for x in kv) for kv in layer.tolist()) for layer in per_slot)
+        return dataclasses.replace(self, num_layers=self.pool_layers, layer_specs=None, kv_scales=scales)
 
     def _check_quantization(self) -> None:
         """Validate ``compute_dtype`` and ``kv_scales`` against ``dtype``."""
@@ -347,8 +424,9 @@ class CacheConfig:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block takes in the pool: ``block_size`` tokens of every layer, K and V."""
-        return self.block_size * self.bytes_per_token
+        """Bytes one block takes in the pool: ``block_size`` tokens of every layer (of a
+        group's layers with KV-cache groups), K and V."""
+        return self.block_size * self.bytes_per_token * self.pool_layers // self.num_layers
 
     @property
     def total_tokens(self) -> int:

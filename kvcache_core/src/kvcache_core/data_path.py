@@ -34,6 +34,7 @@ from kvcache_core.errors import (
     ManagerClosedError,
     StaleStepError,
 )
+from kvcache_core.groups import check_group
 from kvcache_core.handle import PagedKvCacheHandle, RequestState
 from kvcache_core.page_table import PageTable
 from kvcache_core.protocols import KvCacheHandle, KvStorage, SlotArray, SlotsLike
@@ -132,13 +133,15 @@ class DataPath(Generic[ArrayT]):
                 for state, length in zip(states[: len(grown)], lengths, strict=False):
                     self._sequences.truncate(state, length)
                 raise
-            table = self._issue_page_table(states)
+            tables = tuple(self._issue_page_table(states, group) for group in range(self._config.num_groups))
             self._update_pressure()
-            slots = np.concatenate(grown) if grown else np.zeros(0, dtype=np.int64)
+            empty = np.zeros((0,) if self._config.num_groups == 1 else (self._config.num_groups, 0), dtype=np.int64)
+            slots = np.concatenate(grown, axis=-1) if grown else empty
             hooks = StepHooks(
                 lock=self._lock,
                 check_current=self._step_check(states),
-                check_layer=self._config.check_layer,
+                place=self._config.layer_place,
+                layer_chunk=self._layer_chunk,
                 check_array=self._checks.array,
                 check_query=self._checks.query,
                 write=self._write_planned,
@@ -146,7 +149,7 @@ class DataPath(Generic[ArrayT]):
                 attention_features=storage_attention_features(self._storage),
                 backend=self._backend,
             )
-            return Step(hooks, request_ids, tuple(counts), slots, table, self._config.num_heads, self._config.head_dim)
+            return Step(hooks, request_ids, tuple(counts), slots, tables, self._config.num_heads, self._config.head_dim)
 
     def write(self, layer: int, slots: SlotsLike, keys: ArrayT, values: ArrayT) -> None:
         """Scatter one layer's new K/V into the pool, for any mix of requests.
@@ -154,7 +157,9 @@ class DataPath(Generic[ArrayT]):
         Args:
             layer: ``0 <= layer < num_layers``.
             slots: ``[n]`` distinct slots from :meth:`extend` or :meth:`writable_slots`
-                (concatenate several requests' slots to write them in one call).
+                (concatenate several requests' slots to write them in one call). With
+                KV-cache groups, the ``[num_groups, n]`` slots they return, or the layer's
+                group's row of them.
             keys, values: ``[n, num_heads, head_dim]`` native arrays of the pool's dtype.
 
         With prefix caching, the writes are what makes a full block cacheable (see the
@@ -170,14 +175,14 @@ class DataPath(Generic[ArrayT]):
         """
         with self._lock:
             self._check_open()
-            layer = self._config.check_layer(layer)
-            slot_array = self._checks.slots(slots)
+            group, index = self._config.layer_place(layer)
+            slot_array = self._checks.slots(slots, group)
             expected = (int(slot_array.shape[0]), self._config.num_heads, self._config.head_dim)
             self._checks.array("keys", keys, expected)
             self._checks.array("values", values, expected)
             if slot_array.shape[0]:
                 self._checks.writable(slot_array)
-                self._write_planned(layer, slot_array, keys, values)
+                self._write_planned(index, slot_array, keys, values)
 
     def gather(self, handle: KvCacheHandle[ArrayT], layer: int) -> tuple[ArrayT, ArrayT]:
         """The request's keys and values as contiguous ``[num_tokens, num_heads, head_dim]``
@@ -189,17 +194,19 @@ class DataPath(Generic[ArrayT]):
         """
         with self._lock:
             state = self._state_of(handle)
-            layer = self._config.check_layer(layer)
-            table = state.table
+            group, index = self._config.layer_place(layer)
+            table = state.tables[group]
             tokens = table.held_tokens()
             used = blocks_for(tokens, self._config.block_size)
             blocks = np.asarray(table.physical_blocks[:used], dtype=np.int64)
             state.touch()
-            return self._storage.gather(layer, blocks, tokens)
+            return self._storage.gather(index, blocks, tokens)
 
-    def page_table(self, handles: Sequence[KvCacheHandle[ArrayT]]) -> PageTable:
+    def page_table(self, handles: Sequence[KvCacheHandle[ArrayT]], *, group: int = 0) -> PageTable:
         """The page table of a batch, in the order of ``handles``; with a sliding window it
-        lists each request from its first held block and carries the window.
+        lists each request from its first held block and carries the window. With
+        KV-cache groups, the table of ``group`` (``CacheConfig.kv_groups``; a layer's is
+        ``config.layer_place(layer)[0]``), for the attention of that group's layers.
 
         The table's arrays are read-only and it carries each request's ownership
         generation: :meth:`paged_attention` refuses it once one of its requests was
@@ -209,10 +216,12 @@ class DataPath(Generic[ArrayT]):
             InvalidTypeError: ``handles`` is not a sequence (list, tuple) of handles.
             InvalidHandleError, SwappedOutError, ForeignHandleError: for any handle of the
             batch.
+            LayerIndexError: ``group`` outside ``0 .. num_groups - 1``.
         """
         check_handle_sequence(handles, "page_table")
+        index = check_group(group, self._config.num_groups)
         with self._lock:
-            return self._issue_page_table([self._state_of(handle) for handle in handles])
+            return self._issue_page_table([self._state_of(handle) for handle in handles], index)
 
     def paged_attention(
         self,
@@ -256,7 +265,8 @@ class DataPath(Generic[ArrayT]):
         Raises:
             LayerIndexError, ShapeMismatchError, DTypeMismatchError, ArrayTypeError,
             InvalidArgumentError (bad ``qo_indptr``, ``scale``, ``window``, ``softcap`` or
-            ``chunk``, or a page table whose ``sliding_window`` is not the pool's),
+            ``chunk``, or a page table whose ``sliding_window`` is not the pool's, or of
+            another KV-cache group than the layer's),
             UnsupportedConfigError (a feature the storage does not serve: the message
             names the capability), SlotError (the page table names blocks outside the
             pool or not in use), SwappedOutError (blocks of a request swapped out since
@@ -264,9 +274,16 @@ class DataPath(Generic[ArrayT]):
         """
         with self._lock:
             self._check_open()
-            layer = self._config.check_layer(layer)
+            group, index = self._config.layer_place(layer)
             shape = self._checks.query(query)
             table = self._checks.page_table(page_table)
+            if table.group != group:
+                raise InvalidArgumentError(
+                    f"the page table lists KV-cache group {table.group}, but layer {layer} is in group {group}: "
+                    f"take it with manager.page_table(handles, group={group})"
+                )
+            if chunk is None:
+                chunk = self._layer_chunk(int(layer))
             indptr = validate_query_indptr(qo_indptr, table, shape[0])
             checked_scale = check_scale(scale, self._config.head_dim)
             if not isinstance(causal, bool):
@@ -282,7 +299,7 @@ class DataPath(Generic[ArrayT]):
                 table_window=table.sliding_window,
                 check_array=self._checks.array,
             )
-            return self._storage.paged_attention(layer, query, table, indptr, checked_scale, causal, **features)
+            return self._storage.paged_attention(index, query, table, indptr, checked_scale, causal, **features)
 
     # -- internals shared with the lifecycle ---------------------------------------------
 
@@ -299,16 +316,21 @@ class DataPath(Generic[ArrayT]):
         state.check_resident()
         return state
 
-    def _issue_page_table(self, states: list[RequestState[ArrayT]]) -> PageTable:
+    def _issue_page_table(self, states: list[RequestState[ArrayT]], group: int = 0) -> PageTable:
         return self._checks.issue(
             PageTable.from_block_tables(
-                [state.table for state in states],
+                [state.tables[group] for state in states],
                 [state.request_id for state in states],
                 self._config.block_size,
-                sliding_window=self._config.sliding_window,
+                sliding_window=self._config.kv_groups[group].window,
                 generations=[state.generation for state in states],
+                group=group,
             )
         )
+
+    def _layer_chunk(self, layer: int) -> int | None:
+        """A (checked) layer's chunk from the config's ``layer_specs``."""
+        return self._config.layer_spec(layer).chunk
 
     def _step_check(self, states: list[RequestState[ArrayT]]) -> Callable[[], None]:
         """A step's staleness check, stamped with its requests' generation and plan now."""
@@ -336,7 +358,8 @@ class DataPath(Generic[ArrayT]):
         return check_current
 
     def _write_planned(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT) -> None:
-        """The scatter and its bookkeeping; the slots were checked (private, handed out)."""
+        """The scatter and its bookkeeping into the storage's ``layer``; the slots were
+        checked (private, handed out, of the layer's group)."""
         self._storage.write(layer, slots, keys, values)
         written = self._pool.written
         if written is not None:

@@ -308,7 +308,8 @@ def create_manager(
     if not isinstance(config, CacheConfig):
         raise InvalidTypeError(f"config must be a CacheConfig, got {type(config).__name__}")
     config = spec.resolve(config)  # kv_layout=None: the backend's fastest layout
-    problems = spec.check_config(config)
+    storage_config = config.storage_config()  # with KV-cache groups: one group's layers
+    problems = spec.check_config(storage_config)
     if problems:
         raise UnsupportedConfigError(f"backend {backend!r} does not support {'; '.join(problems)}")
     if not callable(spec.storage_factory):
@@ -321,12 +322,12 @@ def create_manager(
         signature = None  # a callable without a signature (a builtin): let the call decide
     if signature is not None:
         try:
-            signature.bind(config, **options)
+            signature.bind(storage_config, **options)
         except TypeError as exc:
             raise UnsupportedConfigError(
                 f"backend {backend!r} does not take the options {sorted(options)}: {exc}"
             ) from exc
-    storage = spec.storage_factory(config, **options)
+    storage = spec.storage_factory(storage_config, **options)
     missing = [name for name in _STORAGE_MEMBERS if not hasattr(storage, name)]
     if missing:
         raise BackendUnavailableError(
@@ -334,6 +335,8 @@ def create_manager(
             f"which lacks the KvStorage members {missing}"
         )
     extra: dict[str, Any] = {"tiers": tiers} if tiers else {}  # a custom manager factory may predate tiers
+    if storage_config is not config:
+        extra["config"] = config  # the manager maps the model's layers onto the storage's
     if spec.manager_factory is not None:
         manager: PagedKvCacheManager[Any] = spec.manager_factory(
             storage, backend=spec.name, placement=placement, **extra

@@ -39,13 +39,16 @@ class SwapRecord:
     """A swapped-out request's blocks in host memory, and what restores its table.
 
     Attributes:
-        keys, values: ``[num_layers, n, block_size, num_heads, head_dim]`` host copies of
-            the ``n`` blocks that held its tokens, in logical order.
+        keys, values: ``[pool_layers, n, block_size, num_heads, head_dim]`` host copies
+            of the ``n`` blocks that held its tokens, group after group, each in logical
+            order.
         sequence_length: the request's length.
-        first_logical: leading blocks a sliding window had released.
-        written: ``[num_layers, n * block_size]`` which slots had been written (kept only
+        first_logical: leading blocks a sliding window had released (first group).
+        written: ``[pool_layers, n * block_size]`` which slots had been written (kept only
             with prefix caching, which caches only written blocks), or ``None``.
         released_blocks: the pool blocks it gave up, to name it when a stale slot is used.
+        first_logicals, group_blocks: per KV-cache group, its released leading blocks and
+            how many of the ``n`` blocks are its (``()``: one group, all of them).
     """
 
     keys: npt.NDArray[Any]
@@ -54,6 +57,8 @@ class SwapRecord:
     first_logical: int
     written: npt.NDArray[np.bool_] | None
     released_blocks: tuple[int, ...]
+    first_logicals: tuple[int, ...] = ()
+    group_blocks: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -90,7 +95,7 @@ class RequestState(Generic[ArrayT]):
         "salt",
         "storage",
         "swap",
-        "table",
+        "tables",
         "token_ids",
         "valid",
     )
@@ -104,14 +109,18 @@ class RequestState(Generic[ArrayT]):
         lock: threading.RLock,
         max_sequence_length: int | None,
         priority: int,
+        config: CacheConfig | None = None,
     ) -> None:
         self.request_id = request_id
         self.owner = owner
         self.storage = storage
-        self.config: CacheConfig = storage.config
+        # The manager's config: with KV-cache groups it names every model layer, while the
+        # storage's holds one group's layers.
+        self.config: CacheConfig = storage.config if config is None else config
         self.lock = lock
         self.cache_id = uuid.uuid4().hex
-        self.table = BlockTable(self.config.block_size)
+        # One block table per KV-cache group (see kvcache_core.groups); all of one length.
+        self.tables = [BlockTable(self.config.block_size) for _ in range(self.config.num_groups)]
         self.valid = True
         self.max_sequence_length = max_sequence_length
         self.priority = priority
@@ -132,6 +141,15 @@ class RequestState(Generic[ArrayT]):
         # Counts changes of length and sharing (extend, truncate, fork): a step planned
         # before one is refused.
         self.plan = 0
+
+    @property
+    def table(self) -> BlockTable:
+        """The block table of the first KV-cache group (the only one without groups)."""
+        return self.tables[0]
+
+    def empty_tables(self) -> list[BlockTable]:
+        """One empty table per group."""
+        return [BlockTable(self.config.block_size) for _ in self.tables]
 
     def touch(self) -> None:
         """Record an access now."""
@@ -166,10 +184,11 @@ class RequestState(Generic[ArrayT]):
         when a sliding window has released every block the request held."""
         with self.lock:
             self.check_valid()
-            index = self.config.check_layer(layer)
+            group, index = self.config.layer_place(layer)
             self.check_resident()
             self.touch()
-            if not self.table.num_blocks() and self.table.first_logical:
+            table = self.tables[group]
+            if not table.num_blocks() and table.first_logical:
                 return None
             return self.storage.value_cache(index) if values else self.storage.key_cache(index)
 
@@ -208,9 +227,16 @@ class PagedKvCacheHandle(Generic[ArrayT]):
         return self._state.max_sequence_length
 
     def block_table(self) -> BlockTable:
-        """A snapshot of the block table; empty once deallocated."""
+        """A snapshot of the block table (of the first KV-cache group: see
+        :meth:`block_tables`); empty once deallocated."""
         with self._state.lock:
             return self._state.table.copy()
+
+    def block_tables(self) -> list[BlockTable]:
+        """Snapshots of the block table of every KV-cache group (one without groups), in
+        group order (``CacheConfig.kv_groups``)."""
+        with self._state.lock:
+            return [table.copy() for table in self._state.tables]
 
     def block_table_mut(self) -> BlockTable:
         """The live block table. The manager extends it; a caller changing it directly
@@ -265,8 +291,8 @@ class PagedKvCacheHandle(Generic[ArrayT]):
         """Figures of this request in the pool (zeros once deallocated or while swapped out)."""
         state = self._state
         with state.lock:
-            blocks = state.table.num_blocks()
-            tokens = state.table.held_tokens()
+            blocks = sum(table.num_blocks() for table in state.tables)
+            tokens = sum(table.held_tokens() for table in state.tables)
             capacity = blocks * state.config.block_size
             return CacheHandleStats(
                 memory_bytes=blocks * state.config.bytes_per_block,

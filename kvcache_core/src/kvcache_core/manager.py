@@ -13,6 +13,10 @@ Policies, the same for every backend (they move bytes only through ``KvStorage``
   ``swap_in`` brings them back, bit-identical, into any free blocks.
 * **sliding window** (``CacheConfig(sliding_window=W)``): blocks wholly older than the
   window of the next token are released as a request grows; attention masks the rest.
+* **hybrid models** (``CacheConfig(layer_specs=...)``): layers that keep the same blocks
+  form KV-cache groups (:mod:`kvcache_core.groups`); a request has a block table per
+  group over the one pool, every policy above runs over all of them, and a prefix hit
+  maps blocks in every group or in none.
 
 Every public method takes the manager's lock, validates everything first and only then
 changes state, so a call that raises leaves every table and count as it was.
@@ -33,6 +37,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+
 from kvcache_core.allocator import BlockAllocator, Placement
 from kvcache_core.audit import audit
 from kvcache_core.beyond_pool import BeyondPool
@@ -43,6 +49,7 @@ from kvcache_core.config import AllocationRequest, CacheConfig, check_count, che
 from kvcache_core.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
+    InvalidConfigError,
     InvalidTypeError,
     InvariantError,
     NotSwappedOutError,
@@ -86,6 +93,12 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             ``"fifo"`` (least recently freed block first, for comparison).
         tiers: offload tiers behind the pool, fastest first (see :mod:`kvcache_core.tiers`):
             evicted cached blocks are demoted to them, prompt hits promote them back.
+        config: the pool's config when it has KV-cache groups (``layer_specs``): the
+            storage is then built from ``config.storage_config()``; ``None``: the
+            storage's own config.
+
+    Raises:
+        InvalidConfigError: ``config`` is not the one ``storage`` was built from.
     """
 
     def __init__(
@@ -95,8 +108,15 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         backend: str = "custom",
         placement: Placement = "contiguous",
         tiers: Sequence[OffloadTier] = (),
+        config: CacheConfig | None = None,
     ) -> None:
-        config = storage.config
+        if config is None:
+            config = storage.config
+        elif not isinstance(config, CacheConfig) or config.storage_config() != storage.config:
+            raise InvalidConfigError(
+                f"config {config!r} is not the config of the storage ({storage.config!r}): build the storage "
+                "from config.storage_config()"
+            )
         self._storage = storage
         self._config = config
         self._backend = backend
@@ -172,7 +192,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
                 raise DuplicateRequestError(f"request {request.request_id!r} is already allocated")
             plan = self._sequences.plan_allocation(request)
             if plan.new_blocks > self._pool.available() - plan.revived:
-                cached = f" beyond {len(plan.hits)} cached ones" if plan.hits else ""
+                cached = f" beyond {plan.hits} cached ones" if plan.hits else ""
                 raise self._pool.shortage(
                     f"cannot allocate request {request.request_id!r}: {request.initial_tokens} initial tokens "
                     f"need {plan.new_blocks} blocks{cached}"
@@ -182,7 +202,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             promoted = self._tiers.promote(self._access, state)  # tier blocks continuing the cached prefix
             if self._chains.enabled:
                 self._chains.queries += plan.queries
-                self._chains.hits += len(plan.hits) + promoted
+                self._chains.hits += plan.hits + promoted
                 self._chains.collisions += plan.collisions
             self._requests[request.request_id] = state
             self._allocation_count += 1
@@ -248,7 +268,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             state = self._state_of(handle)
             plan = self._sequences.plan_growth(state, additional_tokens, ids)
             if plan.needed > self._pool.available() + plan.freed:
-                copied = f" ({len(plan.copies)} to copy shared blocks)" if plan.copies else ""
+                copied = f" ({plan.copy_count} to copy shared blocks)" if plan.copy_count else ""
                 raise self._pool.shortage(
                     f"cannot extend request {state.request_id!r} by {additional_tokens} tokens: "
                     f"{plan.needed} more blocks needed{copied}"
@@ -268,16 +288,21 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         chain stops before the first of its hashed blocks in the range, so it never
         registers K/V a rewrite may have changed.
 
+        Returns:
+            The slots, ``[stop - start]``; ``[num_groups, stop - start]`` with KV-cache
+            groups (row ``g`` for the layers of group ``g``).
+
         Raises:
             InvalidArgumentError: not ``first_held <= start <= stop <= num_tokens()``
-                (``first_held`` is 0 unless a sliding window released leading blocks).
+                (``first_held`` is 0 unless a sliding window released leading blocks; with
+                KV-cache groups, the first position every group holds).
             OutOfBlocksError: fewer free and evictable blocks than the copies need.
             InvalidHandleError, SwappedOutError, ForeignHandleError: as :meth:`extend`.
         """
         with self._lock:
             state = self._state_of(handle)
             table = state.table
-            low = table.first_logical * self._config.block_size
+            low = self._sequences.held_from(state)
             try:
                 first, last = check_count(start, "start"), check_count(stop, "stop")
             except InvalidArgumentError:
@@ -287,15 +312,18 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
                     f"positions [{start!r}, {stop!r}) are outside the held positions [{low}, "
                     f"{table.sequence_length}) of request {state.request_id!r}"
                 )
-            copies = self._sequences.shared_blocks(table, first, last)
-            if len(copies) > self._pool.available():
-                raise self._pool.shortage(f"cannot copy {len(copies)} shared blocks of request {state.request_id!r}")
+            copies = [self._sequences.shared_blocks(group, first, last) for group in state.tables]
+            count = sum(len(group) for group in copies)
+            if count > self._pool.available():
+                raise self._pool.shortage(f"cannot copy {count} shared blocks of request {state.request_id!r}")
             self._sequences.copy_on_write(state, copies)
             self._chains.unregister_rewritten(state, first, last)
-            if copies:
+            if count:
                 self._update_pressure()
             state.touch()
-            return table.slots(first, last)
+            if len(state.tables) == 1:
+                return table.slots(first, last)
+            return np.stack([group.slots(first, last) for group in state.tables])
 
     def truncate(self, handle: KvCacheHandle[ArrayT], num_tokens: int) -> None:
         """Shorten the request to its first ``num_tokens`` tokens (speculative-decoding
@@ -318,10 +346,14 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         with self._lock:
             state = self._state_of(handle)
             table = state.table
-            low = table.first_logical * self._config.block_size
-            window = self._config.sliding_window
-            if window is not None and table.first_logical:
-                low += window - 1  # the last token's window must not reach a released block
+            block_size = self._config.block_size
+            # The last token's window must not reach a block a sliding group released.
+            windowed = [
+                group.first_logical * block_size + window - 1
+                for group, window in zip(state.tables, self._sequences.windows, strict=True)
+                if window is not None and group.first_logical
+            ]
+            low = max([self._sequences.held_from(state), *windowed])
             try:
                 length = check_count(num_tokens, "num_tokens")
             except InvalidArgumentError:
@@ -330,7 +362,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
                 raise InvalidArgumentError(
                     f"num_tokens {num_tokens!r} is outside [{low}, {table.sequence_length}] for request "
                     f"{state.request_id!r} (shorter, its last token's window would reach released blocks)"
-                    if window is not None and table.first_logical
+                    if windowed
                     else f"num_tokens {num_tokens!r} is outside the held positions [{low}, {table.sequence_length}] "
                     f"of request {state.request_id!r}"
                 )
@@ -451,7 +483,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         with self._lock:
             pool, chains, config = self._pool, self._chains, self._config
             used = pool.allocator.used_block_count()
-            tokens = sum(state.table.held_tokens() for state in self._requests.values())
+            tokens = sum(table.held_tokens() for state in self._requests.values() for table in state.tables)
             capacity = used * config.block_size
             swapped = [state.swap for state in self._requests.values() if state.swap is not None]
             return CacheManagerStats(
@@ -541,6 +573,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             lock=self._lock,
             max_sequence_length=max_sequence_length,
             priority=priority,
+            config=self._config,
         )
 
     def _unknown(self, request_id: object) -> UnknownRequestError:

@@ -76,6 +76,8 @@ class PageTable:
         generations: the ownership generation of each request when the table was taken
             (set by the manager, empty otherwise): a manager refuses a table once one of
             its requests was released, swapped or had a block replaced since.
+        group: the KV-cache group whose blocks it lists (0 without groups): a manager
+            refuses it for a layer of another group.
 
     Raises:
         InvalidArgumentError: arrays that do not describe a consistent batch.
@@ -90,6 +92,7 @@ class PageTable:
     request_ids: tuple[str, ...] = ()
     sliding_window: int | None = None
     generations: tuple[int, ...] = ()
+    group: int = 0
     _runs: tuple[tuple[BlockRun, ...], ...] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -133,6 +136,8 @@ class PageTable:
         window = self.sliding_window
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise InvalidArgumentError(f"PageTable.sliding_window must be None or an int >= 1, got {window!r}")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 0:
+            raise InvalidArgumentError(f"PageTable.group must be an int >= 0, got {self.group!r}")
         if self.request_ids and len(self.request_ids) != batch:
             raise InvalidArgumentError(
                 f"PageTable.request_ids names {len(self.request_ids)} requests for a batch of {batch}"
@@ -155,6 +160,7 @@ class PageTable:
         block_size: int | None = None,
         sliding_window: int | None = None,
         generations: Sequence[int] = (),
+        group: int = 0,
     ) -> PageTable:
         """Build the page table of requests with these block tables (only the held blocks
         their tokens occupy are listed, from the first held one). ``block_size`` is needed
@@ -197,6 +203,7 @@ class PageTable:
             tuple(request_ids),
             sliding_window,
             tuple(generations),
+            group,
         )
 
     @property

@@ -399,6 +399,7 @@ def install_cached_blocks(pool: PoolAccess, records: list[BlockRecord]) -> int:
         return pool.tiers.store(overflow)
     allocator = pool.allocator
     blocks = allocator.allocate(len(todo))
+    pool.group_of[blocks] = 0
     try:
         pool.storage.blocks_from_host(
             np.asarray(blocks, dtype=np.int64),

@@ -41,6 +41,8 @@ class PoolAccess:
         issued: ``[slots]`` positions handed out (a write elsewhere is refused).
         written: ``[layers, slots]`` slots holding written K/V (prefix caching only).
         swapped_blocks: blocks a swap-out released (and nobody took since) -> its request.
+        group_of: ``[blocks]`` the KV-cache group of each block (0: tiers and saved
+            files serve pools of one group only).
         tiers: the manager's offload tiers.
     """
 
@@ -54,6 +56,7 @@ class PoolAccess:
         self.issued: npt.NDArray[np.bool_] = pool.issued
         self.written: npt.NDArray[np.bool_] | None = pool.written
         self.swapped_blocks: dict[int, str] = pool.swapped_blocks
+        self.group_of: npt.NDArray[np.int16] = pool.group_of
         self.tiers: TierChain = tiers
 
     def take(self, count: int, after: int | None, expected: int | None, failure: str) -> list[int]:

@@ -41,11 +41,12 @@ class StepHooks(Generic[ArrayT]):
         lock: the manager's lock (held around each call).
         check_current: raises :class:`~kvcache_core.errors.StaleStepError` if one of the
             step's requests changed since it was planned.
-        check_layer: the layer index, or ``LayerIndexError``.
+        place: a layer's ``(KV-cache group, storage layer)``, or ``LayerIndexError``.
+        layer_chunk: a (checked) layer's chunk from its ``LayerSpec``, or ``None``.
         check_array: ``(name, array, expected_shape)``: shape and dtype against the pool.
         check_query: the query's shape, after checking it and its dtype.
-        write: ``(layer, slots, keys, values)``: the scatter and its bookkeeping.
-        attention: ``(layer, query, page_table, qo_indptr, scale, causal, **features)``:
+        write: ``(storage layer, slots, keys, values)``: the scatter and its bookkeeping.
+        attention: ``(storage layer, query, page_table, qo_indptr, scale, causal, **features)``:
             the kernel (``features``: the attention features the call sets).
         attention_features: the attention capabilities the storage serves
             (:mod:`kvcache_core.attention_features`).
@@ -54,7 +55,8 @@ class StepHooks(Generic[ArrayT]):
 
     lock: threading.RLock
     check_current: Callable[[], None]
-    check_layer: Callable[[object], int]
+    place: Callable[[object], tuple[int, int]]
+    layer_chunk: Callable[[int], int | None]
     check_array: Callable[[str, object, tuple[int, ...]], None]
     check_query: Callable[[object], tuple[int, ...]]
     write: Callable[[int, SlotArray, ArrayT, ArrayT], None]
@@ -71,14 +73,27 @@ class Step(Generic[ArrayT]):
         request_ids: the batch's requests, in order.
         new_tokens: ``[B]`` tokens each request added in this step.
         slots: ``[sum(new_tokens)]`` int64 slots of the new tokens, requests packed in
-            order (read-only).
-        page_table: the batch after the step's growth (read-only, generation-stamped).
+            order (read-only); with KV-cache groups ``[num_groups, sum(new_tokens)]``,
+            row ``g`` for the layers of group ``g``.
+        page_table: the batch after the step's growth (read-only, generation-stamped), of
+            the first KV-cache group.
+        page_tables: the page table of every KV-cache group, in group order.
         qo_indptr: ``[B + 1]`` int32 offsets of each request's new tokens in ``slots``
             and in the query (read-only).
         num_heads, head_dim: the pool's KV heads and features.
     """
 
-    __slots__ = ("_hooks", "head_dim", "new_tokens", "num_heads", "page_table", "qo_indptr", "request_ids", "slots")
+    __slots__ = (
+        "_hooks",
+        "head_dim",
+        "new_tokens",
+        "num_heads",
+        "page_table",
+        "page_tables",
+        "qo_indptr",
+        "request_ids",
+        "slots",
+    )
 
     def __init__(
         self,
@@ -86,7 +101,7 @@ class Step(Generic[ArrayT]):
         request_ids: tuple[str, ...],
         new_tokens: tuple[int, ...],
         slots: SlotArray,
-        page_table: PageTable,
+        page_tables: tuple[PageTable, ...],
         num_heads: int,
         head_dim: int,
     ) -> None:
@@ -96,7 +111,8 @@ class Step(Generic[ArrayT]):
         slots = np.array(slots, dtype=np.int64)
         slots.flags.writeable = False
         self.slots: SlotArray = slots
-        self.page_table = page_table
+        self.page_tables = page_tables
+        self.page_table = page_tables[0]
         indptr = np.zeros(len(new_tokens) + 1, dtype=np.int32)
         indptr[1:] = np.cumsum(np.asarray(new_tokens, dtype=np.int64))
         indptr.flags.writeable = False
@@ -107,7 +123,7 @@ class Step(Generic[ArrayT]):
     @property
     def num_new_tokens(self) -> int:
         """Tokens the step adds over the whole batch."""
-        return int(self.slots.shape[0])
+        return int(self.slots.shape[-1])
 
     def write(self, layer: int, keys: ArrayT, values: ArrayT) -> None:
         """Scatter one layer's K/V of the step's new tokens into the pool.
@@ -127,12 +143,12 @@ class Step(Generic[ArrayT]):
         hooks = self._hooks
         with hooks.lock:
             hooks.check_current()
-            index = hooks.check_layer(layer)
+            group, index = hooks.place(layer)
             expected = (self.num_new_tokens, self.num_heads, self.head_dim)
             hooks.check_array("keys", keys, expected)
             hooks.check_array("values", values, expected)
             if self.num_new_tokens:
-                hooks.write(index, self.slots, keys, values)
+                hooks.write(index, self.slots if self.slots.ndim == 1 else self.slots[group], keys, values)
 
     def attention(
         self,
@@ -157,8 +173,9 @@ class Step(Generic[ArrayT]):
                 window, only the window's).
             window, softcap, sinks, chunk: this layer's attention features (see
                 :mod:`kvcache_core.attention_features`): a window ``W`` (combined with
-                the pool's), logit softcapping, ``[num_query_heads]`` sinks of the
-                query's dtype, chunked local attention ``C``.
+                the pool's or the layer's group's), logit softcapping,
+                ``[num_query_heads]`` sinks of the query's dtype, chunked local attention
+                ``C`` (by default the layer's ``LayerSpec.chunk``).
 
         Returns:
             ``[num_new_tokens, k * num_heads, head_dim]`` of the query's dtype.
@@ -173,7 +190,10 @@ class Step(Generic[ArrayT]):
         hooks = self._hooks
         with hooks.lock:
             hooks.check_current()
-            index = hooks.check_layer(layer)
+            group, index = hooks.place(layer)
+            table = self.page_tables[group]
+            if chunk is None:
+                chunk = hooks.layer_chunk(int(layer))  # a chunked layer of the config's layer_specs
             shape = hooks.check_query(query)
             if shape[0] != self.num_new_tokens:
                 raise ShapeMismatchError(
@@ -193,10 +213,10 @@ class Step(Generic[ArrayT]):
                     served=hooks.attention_features,
                     backend=hooks.backend,
                     query_heads=shape[1],
-                    table_window=self.page_table.sliding_window,
+                    table_window=table.sliding_window,
                     check_array=hooks.check_array,
                 )
-            return hooks.attention(index, query, self.page_table, self.qo_indptr, checked_scale, causal, **features)
+            return hooks.attention(index, query, table, self.qo_indptr, checked_scale, causal, **features)
 
     def __repr__(self) -> str:
         return f"Step(requests={list(self.request_ids)}, new_tokens={list(self.new_tokens)})"

@@ -51,10 +51,9 @@ class TierChain:
             return
         if not config.enable_prefix_caching:
             raise UnsupportedConfigError("offload tiers need CacheConfig(enable_prefix_caching=True)")
-        if config.sliding_window is not None:
-            raise UnsupportedConfigError(
-                f"offload tiers do not serve a sliding window (sliding_window={config.sliding_window})"
-            )
+        windows = sorted({group.window for group in config.kv_groups if group.window is not None})
+        if windows:
+            raise UnsupportedConfigError(f"offload tiers do not serve a sliding window (sliding_window {windows[0]})")
         names = [tier.name for tier in self._tiers]
         if len(set(names)) != len(names):
             raise TierError(f"tier names must be unique, got {names}")
