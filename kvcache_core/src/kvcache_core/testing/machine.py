@@ -10,7 +10,8 @@ The policies run where the backend claims them (``BackendSpec.capabilities``): `
 (copy-on-write; rewrites go through ``writable_slots``), ``prefix_caching`` (requests
 with prompts drawn from a few shared prefixes, token ids on every ``extend``),
 ``swap`` (``swap_out`` / ``swap_in``), ``eviction`` (exhausting a pool that holds cached
-blocks) and ``sliding_window`` (a run with a window).
+blocks) and ``sliding_window`` (a run with a window, and a hybrid run: one full and one
+sliding layer, two KV-cache groups, every other claimed policy on).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvcache_core.config import AllocationRequest, CacheConfig
 from kvcache_core.device import Device
 from kvcache_core.discovery import create_manager
 from kvcache_core.errors import KvCacheError, OutOfBlocksError
+from kvcache_core.groups import LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing._plugin import KitSettings
@@ -174,8 +176,9 @@ class ReferenceMachine(RuleBasedStateMachine):
             subject, reference = self.handles[chosen]
             if subject.is_swapped_out():
                 continue
-            table = subject.block_table()
-            low, tokens = table.first_logical * self.config.block_size, table.sequence_length
+            tables = subject.block_tables()
+            low = max(table.first_logical for table in tables) * self.config.block_size
+            tokens = tables[0].sequence_length
             if tokens <= low:
                 continue
             start = int(rng.integers(low, tokens))
@@ -191,8 +194,8 @@ class ReferenceMachine(RuleBasedStateMachine):
             slots.append(got)
         if not slots:
             return
-        slot_array = np.concatenate(slots)
-        shape = (len(slot_array), self.config.num_heads, self.config.head_dim)
+        slot_array = np.concatenate(slots, axis=-1)  # [n], or [groups, n] with KV-cache groups
+        shape = (slot_array.shape[-1], self.config.num_heads, self.config.head_dim)
         keys = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
         values = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
         layer %= self.config.num_layers
@@ -375,11 +378,16 @@ class ReferenceMachine(RuleBasedStateMachine):
         shape = (len(live), self.config.num_heads * group, self.config.head_dim)
         query = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
         layer = int(rng.integers(0, self.config.num_layers))
+        kv_group = self.config.layer_place(layer)[0]
         got = self.subject.paged_attention(
-            layer, BackendUnderTest.native(self.subject, query), self.subject.page_table([s for s, _ in live])
+            layer,
+            BackendUnderTest.native(self.subject, query),
+            self.subject.page_table([s for s, _ in live], group=kv_group),
         )
         want = self.reference.paged_attention(
-            layer, BackendUnderTest.native(self.reference, query), self.reference.page_table([r for _, r in live])
+            layer,
+            BackendUnderTest.native(self.reference, query),
+            self.reference.page_table([r for _, r in live], group=kv_group),
         )
         rtol, atol = TOLERANCES.get(self.config.dtype, (1e-2, 1e-2))
         got_host, want_host = BackendUnderTest.host(self.subject, got), BackendUnderTest.host(self.reference, want)
@@ -402,7 +410,7 @@ class ReferenceMachine(RuleBasedStateMachine):
         assert subject_stats == reference_stats, f"stats differ: {subject_stats} vs {reference_stats}"
         assert [rid for rid, _ in self.subject.list_handles()] == [rid for rid, _ in self.reference.list_handles()]
         for request_id, (subject, reference) in self.handles.items():
-            assert subject.block_table() == reference.block_table(), f"{request_id!r}: tables differ"
+            assert subject.block_tables() == reference.block_tables(), f"{request_id!r}: tables differ"
             assert subject.is_swapped_out() == reference.is_swapped_out(), f"{request_id!r}: swap state differs"
             if subject.is_swapped_out():
                 continue
@@ -448,10 +456,19 @@ def run_reference_machine(backend: BackendUnderTest, settings: KitSettings) -> N
         _run(backend, backend.config(kv_layout=layout, num_blocks=12), frozenset(), layout, settings)
 
 
-def run_policy_machine(backend: BackendUnderTest, settings: KitSettings, *, window: bool) -> None:
+def run_policy_machine(backend: BackendUnderTest, settings: KitSettings, *, window: bool, hybrid: bool = False) -> None:
     """Run :class:`ReferenceMachine` with every policy ``backend`` claims (prefix caching on
-    where claimed), or, with ``window``, with a sliding window of 7 tokens."""
+    where claimed), or, with ``window``, with a sliding window of 7 tokens, or, with
+    ``hybrid``, with a full and a sliding layer (window 7: two KV-cache groups) and every
+    claimed policy."""
     claimed = frozenset(backend.spec.capabilities) & POLICIES
+    if hybrid:
+        specs = (LayerSpec(), LayerSpec(window=7))
+        config = backend.config(
+            num_blocks=16, num_layers=2, layer_specs=specs, enable_prefix_caching="prefix_caching" in claimed
+        )
+        _run(backend, config, claimed, "hybrid", settings)
+        return
     if window:
         config = backend.config(num_blocks=12, sliding_window=7)
         _run(backend, config, claimed - {"prefix_caching"}, "window", settings)

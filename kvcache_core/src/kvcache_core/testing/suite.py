@@ -38,6 +38,7 @@ from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest, grow_side
 from kvcache_core.testing.beyond import BeyondPoolCases
 from kvcache_core.testing.catalogue import MANAGER_CASES, BadCall, check_bad_call, decode_query, kv
 from kvcache_core.testing.features import FeatureCases
+from kvcache_core.testing.hybrid import HybridCases
 from kvcache_core.testing.machine import run_reference_machine
 from kvcache_core.testing.policies import PolicyCases
 from kvcache_core.testing.quantized import QuantizedCases
@@ -111,7 +112,7 @@ def _tokens_from_pool(config: CacheConfig, pool: FloatArray, slots: npt.NDArray[
     return np.asarray(picked)
 
 
-class KvCacheConformance(ReliabilityCases, PolicyCases, BeyondPoolCases, FeatureCases, QuantizedCases):
+class KvCacheConformance(ReliabilityCases, PolicyCases, BeyondPoolCases, FeatureCases, QuantizedCases, HybridCases):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 
     #: Request lengths of the attention tests (ragged, over several blocks and runs).

@@ -136,7 +136,7 @@ class Snapshot:
     """Everything observable about a manager's state."""
 
     stats: dict[str, object]
-    tables: list[tuple[str, dict[str, Any]]]
+    tables: list[tuple[str, list[dict[str, Any]]]]
     handle_figures: list[tuple[str, bool, bool, int, int, int, int]]
     ref_counts: list[int]
     free_extents: list[tuple[int, int]]
@@ -165,7 +165,7 @@ def snapshot(manager: Manager) -> Snapshot:
     swapped = [(rid, handle.request_state.swap) for rid, handle in handles]
     return Snapshot(
         stats=stats,
-        tables=[(rid, handle.block_table().to_dict()) for rid, handle in handles],
+        tables=[(rid, [table.to_dict() for table in handle.block_tables()]) for rid, handle in handles],
         handle_figures=[
             (
                 rid,
@@ -195,7 +195,7 @@ def snapshot(manager: Manager) -> Snapshot:
                 BackendUnderTest.host(manager, manager.storage.key_cache(layer)),
                 BackendUnderTest.host(manager, manager.storage.value_cache(layer)),
             )
-            for layer in range(manager.config.num_layers)
+            for layer in range(manager.storage.config.num_layers)
         ],
     )
 
