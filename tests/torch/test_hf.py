@@ -101,8 +101,10 @@ def model_pair(architecture: str, implementation: str) -> tuple[Model, Model]:
 
 
 def make_manager(model: Model, num_blocks: int = 96, block_size: int = 4) -> PagedKvCacheManager[Tensor]:
+    # The contiguous path reads every position back: its pool keeps every layer's blocks.
+    paged = model.config._attn_implementation == ATTN_IMPLEMENTATION  # pyright: ignore[reportPrivateUsage]
     manager: PagedKvCacheManager[Tensor] = create_manager(
-        "torch", cache_config_for(model, num_blocks=num_blocks, block_size=block_size)
+        "torch", cache_config_for(model, num_blocks=num_blocks, block_size=block_size, hybrid=paged)
     )
     return manager
 

@@ -11,6 +11,7 @@ than the window, and compares the logits (fp32, max abs difference <= 1e-4).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from typing import Any
 
@@ -211,3 +212,72 @@ def test_kvcache_paged_attention_without_a_paged_cache_refuses_sinks() -> None:
     ids, mask = prompts(1, 8)
     with pytest.raises(UnsupportedConfigError, match="sinks"):
         generate(model, ids, mask, max_new_tokens=2)
+
+
+# -- memory: KV-cache groups --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "gpt_oss", "cohere2", "qwen2"])
+def test_a_long_request_holds_a_window_of_blocks_per_sliding_group_and_all_in_full_ones(architecture: str) -> None:
+    model, reference = hybrid_pair(architecture)
+    block_size = 4
+    manager = make_manager(model, block_size=block_size)
+    config = manager.config
+    assert {group.window for group in config.kv_groups} == {None, WINDOW}, f"{architecture}: {config.kv_groups}"
+    assert manager.storage.config.num_layers == len(config.kv_groups[0].layers) < config.num_layers
+    ids, mask = prompts(1, 40, seed=5)
+    with PagedCache(manager, model.config) as cache:
+        ours = generate(model, ids, mask, cache, max_new_tokens=24)
+        (handle,) = cache.handles
+        tokens = handle.num_tokens()
+        assert tokens == 40 + 23
+        for group, table in zip(config.kv_groups, handle.block_tables(), strict=True):
+            if group.window is None:
+                assert table.num_blocks() == -(-tokens // block_size), f"full group {group.index}: {table}"
+            else:
+                # At most ceil(W / bs) + 1 blocks, and every position the next token's window sees.
+                assert table.num_blocks() <= -(-group.window // block_size) + 1, f"sliding group {group.index}: {table}"
+                assert table.first_logical * block_size <= tokens - group.window + 1, f"group {group.index}: {table}"
+        hybrid_blocks = manager.stats().used_blocks
+    expected = generate(reference, ids, mask, max_new_tokens=24)
+    assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
+    every_block = create_manager("torch", cache_config_for(model, num_blocks=160, block_size=block_size, hybrid=False))
+    with PagedCache(every_block, model.config) as cache:
+        generate(model, ids, mask, cache, max_new_tokens=24)
+        # Bytes: a block of a grouped pool holds one group's layers.
+        grouped_bytes = hybrid_blocks * config.bytes_per_block
+        plain_bytes = every_block.stats().used_blocks * every_block.config.bytes_per_block
+    assert grouped_bytes < plain_bytes, f"{architecture}: {grouped_bytes} bytes with groups, {plain_bytes} without"
+
+
+def test_cache_config_for_names_each_layers_spec() -> None:
+    model, _ = hybrid_pair("gemma2")
+    config = cache_config_for(model, num_blocks=8)
+    assert config.layer_specs is not None
+    assert [spec.window for spec in config.layer_specs] == [WINDOW, None, WINDOW, None]
+    assert cache_config_for(model, num_blocks=8, hybrid=False).layer_specs is None
+    llama4, _ = hybrid_pair("llama4")
+    chunked = cache_config_for(llama4, num_blocks=8)
+    assert chunked.layer_specs is not None
+    assert [spec.chunk for spec in chunked.layer_specs] == [WINDOW, WINDOW, WINDOW, None]
+    assert chunked.num_groups == 1  # chunked layers keep every block, as full ones do
+
+
+def test_a_pool_that_keeps_less_than_a_layer_needs_is_refused() -> None:
+    model, _ = hybrid_pair("gemma2")
+    narrow = cache_config_for(model, num_blocks=64, hybrid=False)
+    windowed = create_manager("torch", dataclasses.replace(narrow, sliding_window=WINDOW))
+    with pytest.raises(UnsupportedConfigError, match="keeps only the last 6 positions of layer 1"):
+        PagedCache(windowed, model.config)
+
+
+def test_the_contiguous_path_on_a_pool_of_sliding_groups_is_refused() -> None:
+    _, reference = hybrid_pair("mistral")  # sdpa: the contiguous path
+    manager = make_manager(reference)
+    ids, mask = prompts(1, 8)
+    with (
+        PagedCache(manager, reference.config) as cache,
+        pytest.raises(UnsupportedConfigError, match="hybrid=False"),
+    ):
+        forward(reference, ids, mask, 0, cache)
+    assert manager.stats().used_blocks == 0

@@ -26,8 +26,9 @@ written and handed-out slots, ownership epoch) in :mod:`kvcache_core.block_pool`
 tracking in :mod:`kvcache_core.chains`; allocation, growth, copy-on-write, window release,
 truncation, fork and swap of a request's table in :mod:`kvcache_core.sequences`; argument
 checks in :mod:`kvcache_core.checks`; the invariant audit in :mod:`kvcache_core.audit`; the
-step, write, gather and attention in :mod:`kvcache_core.data_path`. This module keeps the
-public API and the request lifecycle.
+figures in :mod:`kvcache_core.figures`; per-layer specs and KV-cache groups in
+:mod:`kvcache_core.groups`; the step, write, gather and attention in
+:mod:`kvcache_core.data_path`. This module keeps the public API and the request lifecycle.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from kvcache_core.errors import (
     UnknownRequestError,
 )
 from kvcache_core.events import AllBlocksCleared, EventHub
+from kvcache_core.figures import manager_stats
 from kvcache_core.handle import PagedKvCacheHandle, RequestState
 from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import PrefixCache
@@ -346,14 +348,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         with self._lock:
             state = self._state_of(handle)
             table = state.table
-            block_size = self._config.block_size
-            # The last token's window must not reach a block a sliding group released.
-            windowed = [
-                group.first_logical * block_size + window - 1
-                for group, window in zip(state.tables, self._sequences.windows, strict=True)
-                if window is not None and group.first_logical
-            ]
-            low = max([self._sequences.held_from(state), *windowed])
+            low, windowed = self._sequences.shortest(state)
             try:
                 length = check_count(num_tokens, "num_tokens")
             except InvalidArgumentError:
@@ -481,34 +476,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
     def stats(self) -> CacheManagerStats:
         """Figures of the whole pool."""
         with self._lock:
-            pool, chains, config = self._pool, self._chains, self._config
-            used = pool.allocator.used_block_count()
-            tokens = sum(table.held_tokens() for state in self._requests.values() for table in state.tables)
-            capacity = used * config.block_size
-            swapped = [state.swap for state in self._requests.values() if state.swap is not None]
-            return CacheManagerStats(
-                total_memory_bytes=config.num_blocks * config.bytes_per_block,
-                used_memory_bytes=used * config.bytes_per_block,
-                active_caches=len(self._requests),
-                total_blocks=config.num_blocks,
-                free_blocks=pool.allocator.free_block_count(),
-                used_blocks=used,
-                tokens_stored=tokens,
-                utilization=tokens / capacity if capacity else 0.0,
-                cache_hit_rate=chains.hits / chains.queries if chains.queries else 0.0,
-                eviction_count=pool.eviction_count,
-                allocation_count=self._allocation_count,
-                allocation_failures=pool.allocation_failures,
-                pressure=self._pressure,
-                cached_blocks=pool.allocator.cached_block_count(),
-                prefix_cache_queries=chains.queries,
-                prefix_cache_hits=chains.hits,
-                hash_collisions=chains.collisions,
-                copy_on_write_count=pool.copy_on_write_count,
-                swapped_out_requests=len(swapped),
-                swapped_out_blocks=sum(record.num_blocks for record in swapped),
-                swapped_out_memory_bytes=sum(record.memory_bytes for record in swapped),
-            )
+            return manager_stats(self._pool, self._chains, self._requests, self._pressure, self._allocation_count)
 
     def gc(self) -> CacheGcStats:
         """Reclaim what is reclaimable: evict every cached block (prefix-cache contents

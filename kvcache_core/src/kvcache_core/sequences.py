@@ -106,6 +106,16 @@ class SequenceBlocks:
         """The first position every group of the request still holds."""
         return max(table.first_logical for table in state.tables) * self.block_size
 
+    def shortest(self, state: RequestState[Any]) -> tuple[int, bool]:
+        """The shortest length the request may be truncated to, and whether a sliding
+        window sets it (its last token's window must not reach a released block)."""
+        windowed = [
+            table.first_logical * self.block_size + window - 1
+            for table, window in zip(state.tables, self.windows, strict=True)
+            if window is not None and table.first_logical
+        ]
+        return max([self.held_from(state), *windowed]), bool(windowed)
+
     def shared_blocks(self, table: BlockTable, start: int, stop: int) -> list[int]:
         """Held logical blocks that positions ``start .. stop - 1`` fall in and that other
         requests share (they need a copy before a write)."""

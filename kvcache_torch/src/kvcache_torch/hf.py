@@ -76,6 +76,7 @@ from kvcache_core import (
     InvalidArgumentError,
     InvalidTypeError,
     LayerIndexError,
+    LayerSpec,
     PagedKvCacheHandle,
     PagedKvCacheManager,
     ShapeMismatchError,
@@ -233,6 +234,7 @@ def cache_config_for(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     model_id: str | None = None,
+    hybrid: bool = True,
 ) -> CacheConfig:
     """The :class:`~kvcache_core.CacheConfig` of a pool for this model.
 
@@ -253,6 +255,12 @@ def cache_config_for(
         model_id: the namespace of the pool's prefix-cache hashes; by default
             :func:`model_fingerprint` of the config and the pool's dtype, so blocks cached,
             saved or published for one model never map into another's pool.
+        hybrid: give the pool each layer's spec (``CacheConfig.layer_specs``) when the
+            model has sliding or chunked layers: sliding layers then form KV-cache groups
+            that keep only their window's blocks (a long request takes a fraction of the
+            memory). ``False``: one group keeping every block of every layer, which the
+            contiguous path (``attn_implementation`` other than ``"kvcache_paged"``,
+            reading whole K/V back) needs.
 
     Raises:
         InvalidArgumentError: neither or both of ``num_blocks`` and ``max_tokens``, or a
@@ -262,9 +270,8 @@ def cache_config_for(
             full, sliding or chunked attention (the message names their type).
         InvalidConfigError: any field out of range (from ``CacheConfig``).
 
-    Sliding and chunked layers need no pool setting: the pool keeps every layer's blocks
-    and the ``"kvcache_paged"`` attention applies each layer's window or chunk, softcap
-    and sinks.
+    The ``"kvcache_paged"`` attention applies each layer's window or chunk, softcap and
+    sinks.
     """
     model_dtype: str | torch.dtype | None = None
     if isinstance(model, PretrainedConfig):
@@ -297,7 +304,12 @@ def cache_config_for(
     # issue 14: a quantized pool computes in the model's dtype
     compute_dtype = _dtype_name(model_dtype or configured) if dtype in QUANTIZED_DTYPES else None
     layers, kv_heads, head_dim = _geometry(config)
-    _layer_attention(config)  # refuses layers that are not attention layers
+    attention = _layer_attention(config)  # refuses layers that are not attention layers
+    if not isinstance(hybrid, bool):
+        raise InvalidArgumentError(f"hybrid must be a bool, got {hybrid!r}")
+    specs = None
+    if hybrid and any(layer.window is not None or layer.chunk is not None for layer in attention):
+        specs = tuple(LayerSpec(window=layer.window, chunk=layer.chunk) for layer in attention)
     assert num_blocks is not None  # exactly one of the two was given, checked above
     return CacheConfig(
         num_layers=layers,
@@ -309,6 +321,7 @@ def cache_config_for(
         device="cpu" if device is None else str(device),
         model_id=model_fingerprint(config, str(dtype)) if model_id is None else model_id,
         compute_dtype=compute_dtype,
+        layer_specs=specs,
     )
 
 
@@ -494,11 +507,6 @@ class PagedCache(Cache):
         ):
             raise InvalidArgumentError(f"max_sequence_length must be an int >= 1 or None, got {max_sequence_length!r}")
         pool = manager.config
-        if pool.sliding_window is not None:
-            raise UnsupportedConfigError(
-                f"the pool drops tokens older than its sliding_window={pool.sliding_window}, which the model does not "
-                "expect; build it with cache_config_for(model, ...)"
-            )
         layers, kv_heads, head_dim = _geometry(config)
         if (layers, kv_heads, head_dim) != (pool.num_layers, pool.num_heads, pool.head_dim):
             raise UnsupportedConfigError(
@@ -508,6 +516,15 @@ class PagedCache(Cache):
             )
         text = _text_config(config)
         self._layer_attention = _layer_attention(config)  # refuses linear-attention, state-space layers
+        for layer, attention in enumerate(self._layer_attention):
+            kept = pool.kv_groups[pool.layer_place(layer)[0]].window
+            if kept is not None and (attention.window is None or attention.window > kept):
+                raise UnsupportedConfigError(
+                    f"the pool keeps only the last {kept} positions of layer {layer}, whose attention "
+                    f"({'window ' + str(attention.window) if attention.window else 'full'}) needs more; build the "
+                    "pool with cache_config_for(model, ...)"
+                )
+        self._windowed = any(group.window is not None for group in pool.kv_groups)
         shared_kv_layers: object = getattr(text, "num_kv_shared_layers", None)
         if shared_kv_layers:
             raise UnsupportedConfigError("PagedCache holds attention layers only; this model also has shared-KV layers")
@@ -763,6 +780,12 @@ class PagedCache(Cache):
             raise UnsupportedConfigError(
                 f"the cache was filled with the {self._mode} path and the model now runs the {mode} path "
                 f"(attn_implementation {implementation!r}); release() the cache before switching"
+            )
+        if mode == "contiguous" and self._windowed:
+            raise UnsupportedConfigError(
+                f"attn_implementation {implementation!r} reads every position of every layer back, but this pool's "
+                "sliding layers keep only their window's blocks; run attn_implementation='kvcache_paged', or build "
+                "the pool with cache_config_for(model, ..., hybrid=False)"
             )
         step = self._join_step(layer, int(key_states.shape[0]), int(key_states.shape[2]))
         if mode == "paged":

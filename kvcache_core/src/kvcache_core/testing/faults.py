@@ -30,6 +30,7 @@ import numpy.typing as npt
 
 from kvcache_core.attention_features import storage_attention_features
 from kvcache_core.config import AllocationRequest, CacheConfig
+from kvcache_core.groups import LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.page_table import PageTable
@@ -222,7 +223,7 @@ class _Script:
                 ("fork a into c", lambda: self.fork("a", "c")),
                 ("a decode step over a and c (copy-on-write)", lambda: self.decode_step(["a", "c"])),
                 ("extend c into a shared block (copy-on-write)", lambda: self.extend_and_write("c", 3, None)),
-                ("rewrite a's first block (shared or cached)", lambda: self.rewrite("a", 0, 4)),
+                ("rewrite a's first held block (shared or cached)", lambda: self.rewrite("a", 0, 4)),
             ]
         if self.claims("swap"):
             steps.append(("swap b out", lambda: self.manager.swap_out("b")))
@@ -274,7 +275,7 @@ class _Script:
 
     def write(self, request_id: str, slots: SlotArray, start: int, prompt: tuple[int, ...] | None) -> None:
         heads, dim = self.config.num_heads, self.config.head_dim
-        count = int(slots.shape[0])
+        count = int(slots.shape[-1])  # [n], or [groups, n] with KV-cache groups
         self.versions += 1
         for layer in range(self.config.num_layers):
             pairs = [
@@ -323,7 +324,11 @@ class _Script:
         self.expected[child] = _Expected(list(source.tokens), [dict(rows) for rows in source.rows])
 
     def rewrite(self, request_id: str, start: int, stop: int) -> None:
-        slots = self.manager.writable_slots(self.handles[request_id], start, stop)
+        """Rewrite positions ``start .. stop - 1``, moved past blocks a window released."""
+        handle = self.handles[request_id]
+        held = max(table.first_logical for table in handle.block_tables()) * self.config.block_size
+        start, stop = start + held, min(stop + held, handle.num_tokens())
+        slots = self.manager.writable_slots(handle, start, stop)
         self.write(request_id, slots, start, None)  # new K/V: a cached copy must not change
 
     def attend(self) -> None:
@@ -334,7 +339,7 @@ class _Script:
 
     def fill_pool(self) -> None:
         stats = self.manager.stats()
-        blocks = stats.free_blocks + stats.cached_blocks
+        blocks = (stats.free_blocks + stats.cached_blocks) // self.config.num_groups  # a block per group
         self.handles["d"] = self.manager.allocate(
             AllocationRequest("d", initial_tokens=blocks * self.config.block_size)
         )
@@ -359,8 +364,9 @@ class _Script:
         for request_id, handle in self.handles.items():
             if handle.is_swapped_out():
                 continue
-            low = handle.block_table().first_logical * self.config.block_size
+            tables = handle.block_tables()
             for layer in range(self.config.num_layers):
+                low = tables[self.config.layer_place(layer)[0]].first_logical * self.config.block_size
                 keys, values = self.manager.gather(handle, layer)
                 host_keys = BackendUnderTest.host(self.manager, keys)
                 host_values = BackendUnderTest.host(self.manager, values)
@@ -404,10 +410,11 @@ def _faulty_manager(
     inner = backend.manager(config).storage
     storage = FaultyStorage(inner, fail_at, when, fault)
     factory = backend.spec.manager_factory
+    grouped: dict[str, Any] = {"config": config} if config.num_groups > 1 else {}
     if factory is not None:
-        manager: Manager = factory(storage, backend=backend.name, placement="contiguous")
+        manager: Manager = factory(storage, backend=backend.name, placement="contiguous", **grouped)
         return manager
-    return PagedKvCacheManager(storage, backend=backend.name)
+    return PagedKvCacheManager(storage, backend=backend.name, **grouped)
 
 
 def _check_run(script: _Script, label: str, failures: list[str]) -> None:
@@ -433,9 +440,12 @@ def _check_run(script: _Script, label: str, failures: list[str]) -> None:
         failures.append(f"{label}: invariants broken after cleanup: {exc}")
 
 
-def run_fault_injection(backend: BackendUnderTest, fault: type[BaseException] = InjectedFaultError) -> FaultReport:
+def run_fault_injection(
+    backend: BackendUnderTest, fault: type[BaseException] = InjectedFaultError, *, hybrid: bool = False
+) -> FaultReport:
     """Run the script once per storage call and per side (before/after), failing that call
-    with ``fault`` (any exception class, ``KeyboardInterrupt`` subclasses included).
+    with ``fault`` (any exception class, ``KeyboardInterrupt`` subclasses included). With
+    ``hybrid``, on a pool of a full and a sliding layer (window 5: two KV-cache groups).
 
     Returns:
         The calls covered and every failure found (see the module docstring).
@@ -443,6 +453,8 @@ def run_fault_injection(backend: BackendUnderTest, fault: type[BaseException] = 
     fields: dict[str, Any] = {"num_blocks": 14, "block_size": 4}
     if backend.claims("prefix_caching"):
         fields["enable_prefix_caching"] = True
+    if hybrid:
+        fields.update(num_blocks=28, num_layers=2, layer_specs=(LayerSpec(), LayerSpec(window=5)))
     config = backend.config(**fields)
     failures: list[str] = []
 

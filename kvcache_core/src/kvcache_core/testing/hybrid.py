@@ -35,7 +35,7 @@ from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 from kvcache_core.testing.catalogue import BadCall, check_bad_call
 from kvcache_core.testing.oracle import dense_attention
-from kvcache_core.testing.world import esc
+from kvcache_core.testing.world import esc, untyped
 
 __all__ = ["HYBRID_CASES", "HybridCases", "HybridWorld", "hybrid_config"]
 
@@ -170,7 +170,11 @@ def _bad_spec_cases() -> list[tuple[str, Any, str]]:
     """Bad :class:`LayerSpec` fields: ``(id, build, message)``."""
     return [
         ("window-below-1", lambda: LayerSpec(window=0), esc("LayerSpec.window must be None or an int >= 1, got 0")),
-        ("chunk-not-an-int", lambda: LayerSpec(chunk=2.5), esc("LayerSpec.chunk must be None or an int >= 1, got 2.5")),
+        (
+            "chunk-not-an-int",
+            lambda: LayerSpec(chunk=untyped(2.5)),
+            esc("LayerSpec.chunk must be None or an int >= 1, got 2.5"),
+        ),
         ("window-and-chunk", lambda: LayerSpec(window=4, chunk=8), "a layer is full, sliding or chunked"),
     ]
 
@@ -219,7 +223,9 @@ class HybridCases:
         manager = kvcache_backend.manager(hybrid_config(kvcache_backend))
         config = manager.config
         handles = [manager.allocate(AllocationRequest(name)) for name in ("x", "y", "z")]
-        history: list[list[tuple[Any, Any]]] = [[([], []) for _ in handles] for _ in range(config.num_layers)]  # type: ignore[misc]
+        history: list[list[tuple[list[Any], list[Any]]]] = [
+            [([], []) for _ in handles] for _ in range(config.num_layers)
+        ]
         rtol, atol = TOLERANCES.get(config.dtype, (1e-2, 1e-2))
         for round_, counts in enumerate(([7, 13, 3], [1, 1, 1], [5, 0, 9], [1, 1, 1], [1, 1, 1])):
             results = run_step(manager, handles, counts, seed=10 + round_)
@@ -249,7 +255,7 @@ class HybridCases:
     def test_a_prefix_hit_maps_every_group_or_none(self, kvcache_backend: BackendUnderTest) -> None:
         manager = kvcache_backend.manager(hybrid_config(kvcache_backend, enable_prefix_caching=True))
         prompt = list(range(32))
-        first = manager.allocate(AllocationRequest("first", prompt_token_ids=prompt))
+        first = manager.allocate(AllocationRequest("first", prompt_token_ids=tuple(prompt)))
         step = manager.begin_step([first], [32], token_ids=[prompt])
         rng = np.random.default_rng(0)
         config = manager.config
@@ -266,7 +272,7 @@ class HybridCases:
 
         # Every group serves the 8 prompt blocks: the full one from "first", the sliding one
         # from its cached blocks (the two its window needs from the first uncached token).
-        second = manager.allocate(AllocationRequest("second", prompt_token_ids=[*prompt, 7]))
+        second = manager.allocate(AllocationRequest("second", prompt_token_ids=(*prompt, 7)))
         assert second.num_cached_tokens() == 32
         second_full, second_sliding = second.block_tables()
         assert second_full.physical_blocks == full.physical_blocks[:8]
@@ -276,7 +282,7 @@ class HybridCases:
 
         # Without the sliding group's cached blocks, the full group's alone must not serve it.
         manager.gc()
-        third = manager.allocate(AllocationRequest("third", prompt_token_ids=[*prompt, 7]))
+        third = manager.allocate(AllocationRequest("third", prompt_token_ids=(*prompt, 7)))
         assert third.num_cached_tokens() == 0, "a prefix hit mapped the full group without the sliding one"
         assert [table.first_logical for table in third.block_tables()] == [0, 0]
         manager.check_invariants()
@@ -308,11 +314,24 @@ class HybridCases:
             manager.deallocate(request_id)
         assert manager.stats().used_blocks == 0
 
-    @pytest.mark.parametrize("case", HYBRID_CASES, ids=[case.id for case in HYBRID_CASES])
     @pytest.mark.kvcache_requires("sliding_window")
-    def test_bad_hybrid_input_raises_its_error_and_changes_nothing(
-        self, kvcache_backend: BackendUnderTest, case: BadCall[HybridWorld]
+    def test_a_storage_failure_anywhere_in_a_hybrid_pool_changes_nothing(
+        self, kvcache_backend: BackendUnderTest
     ) -> None:
+        from kvcache_core.testing.faults import run_fault_injection
+
+        report = run_fault_injection(kvcache_backend, hybrid=True)
+        assert report.failures == (), "\n".join(report.failures)
+        assert report.injections == 2 * len(report.storage_calls) > 0
+
+    @pytest.mark.parametrize("case", HYBRID_CASES, ids=[case.id for case in HYBRID_CASES])
+    def test_bad_hybrid_input_raises_its_error_and_changes_nothing(
+        self, kvcache_backend: BackendUnderTest, case: BadCall[HybridWorld], request: pytest.FixtureRequest
+    ) -> None:
+        from kvcache_core.testing._plugin import skip_unclaimed
+
+        if not kvcache_backend.claims("sliding_window"):
+            skip_unclaimed(request, kvcache_backend.name, "sliding_window")
         check_bad_call(case, lambda: make_hybrid_world(kvcache_backend), probe_hybrid)
 
     @pytest.mark.parametrize("case", _bad_spec_cases(), ids=[case[0] for case in _bad_spec_cases()])
