@@ -10,7 +10,7 @@ window applied by attention only). What is counted is the pool's own figure,
 fits any machine, and the bytes are scaled to the model's head size (blocks, not bytes,
 are what the manager decides).
 
-    .venv/bin/python benchmarks/hybrid_memory.py [--lengths 8192,32768,131072]
+    .venv/bin/python benchmarks/hybrid_memory.py [--lengths 8192,32768,131072] [--batch 4]
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int_list, default=[8192, 32768, 131072], help="prompt lengths")
     parser.add_argument("--batch", type=int, default=4, help="requests")
+    parser.add_argument("--quick", action="store_true", help="one short length, one request (for tests)")
     args = parser.parse_args()
+    if args.quick:
+        args.lengths, args.batch = [8192], 1
     print(f"Gemma 2 9B-shaped: {LAYERS} layers (half sliding W={WINDOW}), {KV_HEADS}x{HEAD_DIM} KV, 16-bit")
     print(f"{'tokens':>8} {'groups':>12} {'one table':>12} {'ratio':>7}")
     for length in args.lengths:

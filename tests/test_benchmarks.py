@@ -37,6 +37,7 @@ def test_every_benchmark_is_listed_here() -> None:
         "decode_numpy.py",
         "decode_torch.py",
         "generate_torch.py",
+        "hybrid_memory.py",
         "prefix.py",
         "quantized.py",
         "step_overhead.py",

@@ -13,7 +13,6 @@ from typing import TypeVar
 
 from kvcache_core import persist
 from kvcache_core.data_path import DataPath
-from kvcache_core.errors import UnsupportedConfigError
 from kvcache_core.events import EventCallback, EventHub
 from kvcache_core.pool_access import PoolAccess
 from kvcache_core.tier_chain import TierChain
@@ -62,12 +61,11 @@ class BeyondPool(DataPath[ArrayT]):
             The blocks written.
 
         Raises:
-            UnsupportedConfigError: no prefix caching, or KV-cache groups. CacheFileError: the file cannot be
+            UnsupportedConfigError: no prefix caching. CacheFileError: the file cannot be
                 written (no partial file is left).
         """
         with self._lock:
             self._check_open()
-            self._one_group("save_prefix_cache")
             return persist.save_prefix_cache(self._access, path)
 
     def load_prefix_cache(self, path: str | os.PathLike[str]) -> int:
@@ -79,12 +77,11 @@ class BeyondPool(DataPath[ArrayT]):
 
         Raises:
             CorruptCacheFileError, IncompatibleCacheFileError, CacheFileError,
-                OutOfBlocksError, UnsupportedConfigError (no prefix caching, or KV-cache
-                groups): nothing is loaded.
+                OutOfBlocksError, UnsupportedConfigError (no prefix caching): nothing is
+                loaded.
         """
         with self._lock:
             self._check_open()
-            self._one_group("load_prefix_cache")
             return persist.load_prefix_cache(self._access, path)
 
     def tier_stats(self) -> list[TierStats]:
@@ -92,13 +89,6 @@ class BeyondPool(DataPath[ArrayT]):
         to last; empty without tiers (see :mod:`kvcache_core.tiers`)."""
         with self._lock:
             return self._tiers.stats()
-
-    def _one_group(self, what: str) -> None:
-        groups = self._config.num_groups
-        if groups > 1:  # the file format holds one block per hash; a hybrid pool keeps one per group
-            raise UnsupportedConfigError(
-                f"{what} does not serve a pool with {groups} KV-cache groups (hybrid layer_specs) yet"
-            )
 
     def _demote(self, count: int) -> None:
         self._tiers.demote(self._access, count)

@@ -4,7 +4,7 @@ and ``manager.load_prefix_cache(path)``.
 Requires the ``tiers`` extra (``pip install "kvcache-core[tiers]"``: safetensors).
 
 One file, in the safetensors format (no pickle anywhere): two tensors, ``keys`` and
-``values``, ``[num_layers, n, block_size, num_heads, head_dim]`` whatever the pool's layout
+``values``, ``[pool_layers, n, block_size, num_heads, head_dim]`` whatever the pool's layout
 (what ``KvStorage.blocks_to_host`` gives), and a JSON header in the safetensors metadata
 under ``"kvcache"``::
 
@@ -13,9 +13,13 @@ under ``"kvcache"``::
      "layout": the saving pool's layout (for information: data is layout-free),
      "hash_algorithm": "sha256:kvcache-core/block-hash/v1",
      "blocks": [{"hash", "parent" (hex or null), "salt" (hex or null), "token_ids",
-                 "checksum": sha256 of the block's keys then values bytes}, ...]}
+                 "checksum": sha256 of the block's keys then values bytes,
+                 "group": its KV-cache group}, ...]}
 
-Blocks come parents first. So a file saved by one backend and layout loads into any other
+A pool with KV-cache groups (``CacheConfig.layer_specs``) saves one block per hash and
+group (a block holds one group's layers), and its geometry names the groups
+(``"kv_groups"``: ``[window, layers]`` each), so it loads only into a pool of the same
+groups. Blocks come parents first. So a file saved by one backend and layout loads into any other
 with the same namespace, geometry and dtype. Loading checks everything before it touches
 the pool (format, version, namespace, geometry, dtype, shapes, every checksum, every hash
 recomputed from its parent, salt and tokens) and refuses with a specific
@@ -80,7 +84,8 @@ class BlockRecord:
         parent_hash: the previous block's hash, ``None`` for a prompt's first block.
         salt: the salt hashed with it.
         token_ids: its ``block_size`` token ids.
-        keys, values: ``[num_layers, block_size, num_heads, head_dim]`` host arrays.
+        keys, values: ``[pool_layers, block_size, num_heads, head_dim]`` host arrays.
+        group: the KV-cache group whose layers it holds (0 without groups).
     """
 
     block_hash: bytes
@@ -89,6 +94,7 @@ class BlockRecord:
     token_ids: tuple[int, ...]
     keys: npt.NDArray[Any]
     values: npt.NDArray[Any]
+    group: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -107,13 +113,16 @@ def _hex(value: bytes | None) -> str | None:
     return None if value is None else value.hex()
 
 
-def _geometry(config: CacheConfig) -> dict[str, int]:
-    return {
+def _geometry(config: CacheConfig) -> dict[str, Any]:
+    geometry: dict[str, Any] = {
         "num_layers": config.num_layers,
         "num_heads": config.num_heads,
         "head_dim": config.head_dim,
         "block_size": config.block_size,
     }
+    if config.num_groups > 1:
+        geometry["kv_groups"] = [[group.window, list(group.layers)] for group in config.kv_groups]
+    return geometry
 
 
 # -- the file -----------------------------------------------------------------------------
@@ -133,7 +142,7 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
     from safetensors.numpy import save  # the [tiers] extra
 
     target = Path(path)
-    shape = (config.num_layers, 0, config.block_size, config.num_heads, config.head_dim)
+    shape = (config.pool_layers, 0, config.block_size, config.num_heads, config.head_dim)
     keys = np.stack([record.keys for record in records], axis=1) if records else np.zeros(shape, np.float32)
     values = np.stack([record.values for record in records], axis=1) if records else np.zeros(shape, np.float32)
     header = {
@@ -151,6 +160,7 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
                 "salt": _hex(record.salt),
                 "token_ids": list(record.token_ids),
                 "checksum": block_checksum(record.keys, record.values),
+                "group": record.group,
             }
             for record in records
         ],
@@ -205,7 +215,7 @@ def read_blocks(path: str | os.PathLike[str], config: CacheConfig, *, chained: b
     blocks = cast("list[object]", listed)
     # issue 14: a quantized pool's host blocks are packed uint8, raw bytes + a float32 scale
     width = config.head_dim + (SCALE_BYTES if config.quantized else 0)
-    expected = (config.num_layers, len(blocks), config.block_size, config.num_heads, width)
+    expected = (config.pool_layers, len(blocks), config.block_size, config.num_heads, width)
     if keys.shape != expected or values.shape != expected:
         raise CorruptCacheFileError(
             f"{str(source)!r}: keys {keys.shape} and values {values.shape} do not match the header's "
@@ -215,7 +225,7 @@ def read_blocks(path: str | os.PathLike[str], config: CacheConfig, *, chained: b
     seen: set[bytes] = set()
     records: list[BlockRecord] = []
     for index, fields in enumerate(blocks):
-        record = _record(fields, index, keys[:, index], values[:, index], config.block_size, source)
+        record = _record(fields, index, keys[:, index], values[:, index], config, source)
         if chained and record.parent_hash is not None and record.parent_hash not in seen:
             raise CorruptCacheFileError(
                 f"{str(source)!r}: block {index}'s parent {record.parent_hash.hex()[:16]}... is not an earlier block"
@@ -289,7 +299,7 @@ def _record(
     index: int,
     keys: npt.NDArray[Any],
     values: npt.NDArray[Any],
-    block_size: int,
+    config: CacheConfig,
     source: Path,
 ) -> BlockRecord:
     try:
@@ -300,16 +310,24 @@ def _record(
         salt = None if entry["salt"] is None else bytes.fromhex(entry["salt"])
         tokens = tuple(int(token) for token in entry["token_ids"])
         checksum = str(entry["checksum"])
+        group = entry.get("group", 0)
+        assert isinstance(group, int)
+        assert not isinstance(group, bool)
     except (AssertionError, KeyError, TypeError, ValueError) as exc:
         raise CorruptCacheFileError(f"{str(source)!r}: block {index}'s header entry is malformed ({exc!r})") from exc
+    block_size = config.block_size
     if len(tokens) != block_size or len(block_hash) != 32:
         raise CorruptCacheFileError(
             f"{str(source)!r}: block {index} has {len(tokens)} token ids (expected {block_size}) and a "
             f"{len(block_hash)}-byte hash (expected 32)"
         )
+    if not 0 <= group < config.num_groups:
+        raise CorruptCacheFileError(
+            f"{str(source)!r}: block {index} is of KV-cache group {group}; the groups are 0 to {config.num_groups - 1}"
+        )
     if block_checksum(keys, values) != checksum:
         raise CorruptCacheFileError(f"{str(source)!r}: block {index}'s data does not match its checksum")
-    return BlockRecord(block_hash, parent, salt, tokens, keys, values)
+    return BlockRecord(block_hash, parent, salt, tokens, keys, values, group)
 
 
 # -- the manager's side -------------------------------------------------------------------
@@ -333,10 +351,15 @@ def cached_records(pool: PoolAccess) -> list[BlockRecord]:
         return known
 
     entries.sort(key=depth_of)
-    if not entries:
+    picked: list[tuple[PrefixEntry, int]] = []  # one block per entry and KV-cache group
+    for entry in entries:
+        by_group: dict[int, int] = {}
+        for block in entry.blocks:
+            by_group.setdefault(int(pool.group_of[block]), block)
+        picked.extend((entry, block) for _, block in sorted(by_group.items()))
+    if not picked:
         return []
-    blocks = np.asarray([next(iter(entry.blocks)) for entry in entries], dtype=np.int64)
-    keys, values = pool.storage.blocks_to_host(blocks)
+    keys, values = pool.storage.blocks_to_host(np.asarray([block for _, block in picked], dtype=np.int64))
     return [
         BlockRecord(
             entry.block_hash,
@@ -345,8 +368,9 @@ def cached_records(pool: PoolAccess) -> list[BlockRecord]:
             entry.token_ids,
             keys[:, index],
             values[:, index],
+            int(pool.group_of[block]),
         )
-        for index, entry in enumerate(entries)
+        for index, (entry, block) in enumerate(picked)
     ]
 
 
@@ -354,8 +378,8 @@ def install_cached_blocks(pool: PoolAccess, records: list[BlockRecord]) -> int:
     """Put ``records`` (parents first) into the pool as cached blocks, findable by later
     requests: one ``blocks_from_host`` call. Call with the manager's lock held.
 
-    Records already cached, and records whose parent is neither cached nor among the
-    records, are skipped. Only free blocks are used (nothing cached is evicted for them);
+    Records already cached (their hash in their KV-cache group), and records whose parent
+    is neither cached nor among the records, are skipped. Only free blocks are used (nothing cached is evicted for them);
     with offload tiers, the records past them go to the first tier.
 
     Transactional: whatever the storage raises, the blocks taken go back and nothing is
@@ -372,19 +396,22 @@ def install_cached_blocks(pool: PoolAccess, records: list[BlockRecord]) -> int:
     assert prefix is not None
     known: dict[bytes, PrefixEntry | None] = {}  # hash -> its live entry (None: to be installed)
     todo: list[BlockRecord] = []
+    seen: set[tuple[bytes, int]] = set()
     for record in records:
-        if record.block_hash in known:
+        if (record.block_hash, record.group) in seen:
             continue
-        existing = prefix.get(record.block_hash)
+        seen.add((record.block_hash, record.group))
+        existing = known.get(record.block_hash) or prefix.get(record.block_hash)
         if existing is not None:
             known[record.block_hash] = existing
-            continue
-        if record.parent_hash is not None and record.parent_hash not in known:
+            if any(pool.group_of[block] == record.group for block in existing.blocks):
+                continue  # cached in its group already
+        elif record.parent_hash is not None and record.parent_hash not in known:
             parent_entry = prefix.get(record.parent_hash)
             if parent_entry is None:
                 continue  # an orphan: nothing could reach it
             known[record.parent_hash] = parent_entry
-        known[record.block_hash] = None
+        known.setdefault(record.block_hash, None)
         todo.append(record)
     free = pool.allocator.free_block_count()
     overflow: list[BlockRecord] = []
@@ -399,7 +426,7 @@ def install_cached_blocks(pool: PoolAccess, records: list[BlockRecord]) -> int:
         return pool.tiers.store(overflow)
     allocator = pool.allocator
     blocks = allocator.allocate(len(todo))
-    pool.group_of[blocks] = 0
+    pool.group_of[blocks] = [record.group for record in todo]
     try:
         pool.storage.blocks_from_host(
             np.asarray(blocks, dtype=np.int64),
@@ -412,11 +439,13 @@ def install_cached_blocks(pool: PoolAccess, records: list[BlockRecord]) -> int:
     block_size = pool.config.block_size
     installed: list[int] = []
     for block, record in zip(blocks, todo, strict=True):
-        parent = None if record.parent_hash is None else known[record.parent_hash]
-        if record.parent_hash is not None and parent is None:
-            allocator.release([block], block)  # its parent was skipped: nothing could reach it
-            continue
-        entry, _ = prefix.find_or_create(parent, record.token_ids, record.salt)
+        entry = known[record.block_hash]  # live already: another group's block holds it
+        if entry is None:
+            parent = None if record.parent_hash is None else known[record.parent_hash]
+            if record.parent_hash is not None and parent is None:
+                allocator.release([block], block)  # its parent was skipped: nothing could reach it
+                continue
+            entry, _ = prefix.find_or_create(parent, record.token_ids, record.salt)
         if entry is None:  # a collision: the hash is taken by other tokens
             allocator.release([block], block)
             continue
@@ -435,9 +464,10 @@ def install_cached_blocks(pool: PoolAccess, records: list[BlockRecord]) -> int:
 
 
 def chain_order(records: list[BlockRecord]) -> list[BlockRecord]:
-    """``records`` without duplicates, parents before children, keeping only those whose
-    whole chain (up to a first block) is among them."""
+    """``records`` without duplicates (one per hash and KV-cache group), parents before
+    children, keeping only those whose whole chain (up to a first block) is among them."""
     by_hash = {record.block_hash: record for record in records}
+    unique = {(record.block_hash, record.group): record for record in records}  # one per hash and group
     depth: dict[bytes, int | None] = {}
 
     def depth_of(block_hash: bytes) -> int | None:
@@ -453,7 +483,7 @@ def chain_order(records: list[BlockRecord]) -> list[BlockRecord]:
         depth[block_hash] = found
         return found
 
-    ranked = [(rank, record) for record in by_hash.values() if (rank := depth_of(record.block_hash)) is not None]
+    ranked = [(rank, record) for record in unique.values() if (rank := depth_of(record.block_hash)) is not None]
     ranked.sort(key=lambda item: item[0])
     return [record for _, record in ranked]
 

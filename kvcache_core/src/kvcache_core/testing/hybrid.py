@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ import pytest
 from kvcache_core.block_pool import blocks_for
 from kvcache_core.config import AllocationRequest, CacheConfig
 from kvcache_core.errors import (
+    IncompatibleCacheFileError,
     InvalidArgumentError,
     InvalidConfigError,
     KvCacheError,
@@ -71,6 +73,25 @@ def run_step(manager: Manager, handles: list[Handle], counts: list[int], seed: i
         output = step.attention(layer, BackendUnderTest.native(manager, query)) if total else None
         results.append((keys, values, query, None if output is None else BackendUnderTest.host(manager, output)))
     return results
+
+
+def run_step_with_ids(manager: Manager, handle: Handle, ids: tuple[int, ...]) -> None:
+    """Extend ``handle`` by ``ids`` (token ids given: prefix caching) and write each layer's
+    K/V, drawn from the ids and positions so that two pools fed alike hold the same."""
+    config = manager.config
+    start = handle.num_tokens()
+    step = manager.begin_step([handle], [len(ids)], token_ids=[list(ids)])
+    for layer in range(config.num_layers):
+        rng = np.random.default_rng([layer, start, *ids])
+        kv = rng.standard_normal((len(ids), config.num_heads, config.head_dim))
+        kv = BackendUnderTest.native(manager, BackendUnderTest.representable(kv, config.dtype))
+        step.write(layer, kv, kv)
+
+
+def source_handle(manager: Manager) -> Handle:
+    handle = manager.get_handle("again")
+    assert handle is not None
+    return handle
 
 
 @dataclass
@@ -286,6 +307,38 @@ class HybridCases:
         assert third.num_cached_tokens() == 0, "a prefix hit mapped the full group without the sliding one"
         assert [table.first_logical for table in third.block_tables()] == [0, 0]
         manager.check_invariants()
+
+    @pytest.mark.kvcache_requires("sliding_window", "prefix_caching", "eviction")
+    def test_a_saved_hybrid_prefix_cache_loads_and_serves_every_group_bit_exact(
+        self, kvcache_backend: BackendUnderTest, tmp_path: Path
+    ) -> None:
+        pytest.importorskip("safetensors")
+        config = hybrid_config(kvcache_backend, enable_prefix_caching=True)
+        source = kvcache_backend.manager(config)
+        prompt = tuple(range(32))
+        first = source.allocate(AllocationRequest("first", prompt_token_ids=prompt))
+        run_step_with_ids(source, first, prompt)
+        for token in range(8):  # the sliding group releases (and caches) its old blocks
+            run_step_with_ids(source, first, (100 + token,))
+        source.deallocate("first")
+        saved = source.save_prefix_cache(tmp_path / "hybrid.safetensors")
+        assert saved == source.stats().cached_blocks, "a cached block of some group was not saved"
+
+        target = kvcache_backend.manager(config)
+        assert target.load_prefix_cache(tmp_path / "hybrid.safetensors") == saved
+        target.check_invariants()
+        for manager in (source, target):
+            handle = manager.allocate(AllocationRequest("again", prompt_token_ids=(*prompt, 7)))
+            assert handle.num_cached_tokens() == 32, "the loaded cache does not serve every group"
+        for layer in range(config.num_layers):
+            want = [BackendUnderTest.host(source, array) for array in source.gather(source_handle(source), layer)]
+            got = [BackendUnderTest.host(target, array) for array in target.gather(source_handle(target), layer)]
+            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True)), f"layer {layer} differs"
+        target.check_invariants()
+        plain = kvcache_backend.manager(kvcache_backend.config(num_layers=4, enable_prefix_caching=True))
+        with pytest.raises(IncompatibleCacheFileError, match="kv_groups"):
+            plain.load_prefix_cache(tmp_path / "hybrid.safetensors")
+        assert plain.stats().cached_blocks == 0
 
     @pytest.mark.kvcache_requires("sliding_window", "fork", "swap")
     def test_fork_swap_and_truncate_carry_every_group(self, kvcache_backend: BackendUnderTest) -> None:
