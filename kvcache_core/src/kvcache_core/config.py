@@ -181,6 +181,7 @@ class CacheConfig:
     layer_specs: tuple[LayerSpec, ...] | None = None
     _groups: tuple[KvGroup, ...] = field(default=(), init=False, repr=False, compare=False)
     _slots: tuple[tuple[int, int], ...] = field(default=(), init=False, repr=False, compare=False)
+    _specs: tuple[LayerSpec, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -274,6 +275,7 @@ class CacheConfig:
         groups = plan_groups(self.num_layers, specs, self.sliding_window)
         object.__setattr__(self, "_groups", groups)
         object.__setattr__(self, "_slots", layer_slot(groups, self.num_layers))
+        object.__setattr__(self, "_specs", specs or (LayerSpec(window=self.sliding_window),) * self.num_layers)
 
     @property
     def kv_groups(self) -> tuple[KvGroup, ...]:
@@ -292,9 +294,7 @@ class CacheConfig:
 
     def layer_spec(self, layer: int) -> LayerSpec:
         """The attention spec of a (checked) layer."""
-        if self.layer_specs is not None:
-            return self.layer_specs[layer]
-        return LayerSpec(window=self.sliding_window)
+        return self._specs[layer]
 
     def layer_place(self, layer: object) -> tuple[int, int]:
         """``(group, storage layer)`` of ``layer``.
