@@ -34,7 +34,7 @@ SPECS = tuple(LayerSpec(window=WINDOW) if layer % 2 == 0 else LayerSpec() for la
 def used_bytes(length: int, batch: int, hybrid: bool) -> int:
     """The pool's used bytes (scaled to the model's head size) after ``batch`` requests of
     ``length`` prompt tokens and 64 decoded ones."""
-    blocks = batch * LAYERS * -(-(length + 64) // BLOCK) + 64
+    blocks = batch * 2 * -(-(length + 64) // BLOCK) + 64  # a block per group (two groups) per position
     config = CacheConfig(
         num_layers=LAYERS,
         num_heads=KV_HEADS,

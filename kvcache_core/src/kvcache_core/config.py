@@ -222,7 +222,6 @@ class CacheConfig:
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise InvalidConfigError(f"CacheConfig.dtype {self.dtype!r} is unknown; valid: {', '.join(DTYPE_SIZES)}")
         self._check_quantization()
-        self._check_layer_specs()
         try:
             object.__setattr__(self, "device", Device.parse(self.device))
         except InvalidArgumentError as exc:
@@ -238,6 +237,7 @@ class CacheConfig:
             )
         if self.sliding_window is not None:
             _require_int("CacheConfig", "sliding_window", self.sliding_window, 1)
+        self._check_layer_specs()
         if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
             raise InvalidConfigError(f"CacheConfig.model_id must be a non-empty str or None, got {self.model_id!r}")
         thresholds = (
