@@ -333,14 +333,16 @@ class SequenceBlocks:
         allocator = pool.allocator
         cached_tokens = plan.hits * self.block_size
         new_per_group = plan.new_blocks // len(self.windows)
+        # Every group's hits are held before any group takes new blocks: taking may evict
+        # cached blocks, and a later group's hit must not be among them.
+        for block in (block for mapped in plan.mapped for block in mapped):
+            if allocator.is_cached(block):
+                allocator.revive(block)
+                pool.swapped_blocks.pop(block, None)
+            else:
+                allocator.retain(block)
         tables: list[BlockTable] = []
         for group, (mapped, released) in enumerate(zip(plan.mapped, plan.released, strict=True)):
-            for block in mapped:
-                if allocator.is_cached(block):
-                    allocator.revive(block)
-                    pool.swapped_blocks.pop(block, None)
-                else:
-                    allocator.retain(block)
             new_blocks = pool.take(
                 new_per_group,
                 pool.sole_holder(mapped[-1] if mapped else None),
