@@ -8,7 +8,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcache_core import AllocationRequest, CacheConfig, InvalidConfigError, LayerSpec, create_manager
+from kvcache_core import (
+    AllocationRequest,
+    CacheConfig,
+    InvalidConfigError,
+    LayerSpec,
+    PagedKvCacheManager,
+    create_manager,
+)
 from kvcache_core.discovery import get_backend
 from kvcache_core.groups import plan_groups
 from kvcache_core.testing.backend import BackendUnderTest
@@ -108,7 +115,5 @@ def test_calibrated_fp8_scales_of_a_grouped_pool_take_the_largest_of_a_storage_l
 def test_a_manager_refuses_a_config_its_storage_was_not_built_from() -> None:
     config = CacheConfig(num_layers=2, num_heads=1, head_dim=4, num_blocks=8, layer_specs=(FULL, SLIDING))
     storage = create_manager("numpy", CacheConfig(num_layers=2, num_heads=1, head_dim=4, num_blocks=8)).storage
-    from kvcache_core import PagedKvCacheManager
-
-    with pytest.raises(InvalidConfigError, match="build the storage from config.storage_config"):
+    with pytest.raises(InvalidConfigError, match=r"build the storage from config\.storage_config"):
         PagedKvCacheManager(storage, config=config)
