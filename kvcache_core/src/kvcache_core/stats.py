@@ -38,9 +38,11 @@ class CacheHandleStats:
     Attributes:
         memory_bytes: bytes its blocks take in the pool (all layers, K and V, pool dtype);
             a block shared with other requests counts in full for each.
-        blocks_allocated: blocks held in its table (0 while swapped out).
+        blocks_allocated: blocks held in its table, in every KV-cache group's table (0
+            while swapped out).
         tokens_stored: tokens of its sequence held in the pool: ``num_tokens()`` less the
-            positions a sliding window released (0 while swapped out).
+            positions a sliding window released, summed over its KV-cache groups (each
+            group holds its own copy of a position: its layers') (0 while swapped out).
         utilization: ``tokens_stored / (blocks_allocated * block_size)``; 0 with no blocks.
         last_access: ``time.monotonic()`` of the last allocate, extend, write or read.
     """
@@ -65,7 +67,8 @@ class CacheManagerStats:
             reference; cached blocks have none but keep a prefix for later hits and are
             evicted (least recently used first) when free blocks run out.
         tokens_stored: tokens held in the pool by all live requests (a shared block's
-            tokens count once per request sharing it).
+            tokens count once per request sharing it; a position once per KV-cache group
+            holding it).
         utilization: ``tokens_stored / (used_blocks * block_size)``; 0 with no blocks used.
             Above 1 when requests share blocks.
         cache_hit_rate: ``prefix_cache_hits / prefix_cache_queries``; 0 before any query.
