@@ -36,6 +36,7 @@ def test_every_benchmark_is_listed_here() -> None:
         "decode_jax.py",
         "decode_numpy.py",
         "decode_torch.py",
+        "generate_hybrid.py",
         "generate_torch.py",
         "hybrid_memory.py",
         "prefix.py",
