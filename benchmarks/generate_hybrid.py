@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,8 @@ def build(args: argparse.Namespace) -> tuple[Model, Model]:
         pad_token_id=0,
     )
     torch.random.manual_seed(args.seed)  # pyright: ignore[reportUnknownMemberType]  # seed untyped in torch
-    reference: Model = transformers.Qwen2ForCausalLM(config).eval()
+    reference: Model = transformers.Qwen2ForCausalLM(config)
+    reference.eval()
     ours: Model = copy.deepcopy(reference)
     reference.set_attn_implementation("sdpa")
     ours.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -148,7 +150,10 @@ def main() -> int:
 
     samples: dict[str, list[float]] = {"ours": [], "dynamic": []}
     for repeat in range(args.repeats):
-        turns = [("ours", lambda: ours("groups")), ("dynamic", lambda: generate(reference, ids, mask, args.new_tokens))]
+        turns: list[tuple[str, Callable[[], object]]] = [
+            ("ours", lambda: ours("groups")),
+            ("dynamic", lambda: generate(reference, ids, mask, args.new_tokens)),
+        ]
         for name, run in turns[repeat % 2 :] + turns[: repeat % 2]:
             started = time.perf_counter()
             run()
