@@ -281,3 +281,36 @@ def test_the_contiguous_path_on_a_pool_of_sliding_groups_is_refused() -> None:
     ):
         forward(reference, ids, mask, 0, cache)
     assert manager.stats().used_blocks == 0
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "gpt_oss"])
+def test_beam_search_past_the_window_reorders_every_group_to_the_logits_of_dynamic_cache(architecture: str) -> None:
+    model, reference = hybrid_pair(architecture)
+    manager = make_manager(model)
+    ids, mask = prompts(2, 14, pads=(0, 3), seed=8)
+    options: dict[str, Any] = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 8, "output_scores": True}
+    with PagedCache(manager, model.config) as cache:
+        ours = generate(model, ids, mask, cache, **options)
+        assert cache.batch_size == 6
+        for handle in cache.handles:
+            assert any(table.first_logical for table in handle.block_tables()), "no sliding group released a block"
+        manager.check_invariants()
+    expected = generate(reference, ids, mask, **options)
+    assert torch.equal(ours.sequences, expected.sequences)
+    assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
+    assert manager.stats().used_blocks == 0
+
+
+def test_crop_after_the_window_passed_keeps_the_logits_of_dynamic_cache() -> None:
+    model, reference = hybrid_pair("cohere2")
+    ids, mask = prompts(1, 20, seed=9)
+    with PagedCache(make_manager(model), model.config) as cache:
+        dynamic = transformers.DynamicCache(config=reference.config)
+        forward(model, ids[:, :18], mask, 0, cache)
+        forward(reference, ids[:, :18], mask, 0, dynamic)
+        forward(model, ids[:, 18:20], mask, 18, cache)  # two tokens, then taken back (a rejected draft)
+        cache.crop(18)
+        assert cache.request_lengths() == [18]
+        ours = forward(model, ids[:, 18:20], mask, 18, cache)
+        expected = forward(reference, ids[:, 18:20], mask, 18, dynamic)
+    assert float((ours - expected).abs().max()) <= TOLERANCE
