@@ -112,6 +112,19 @@ class Twins:
                 storage = storage_of(manager)
                 manager.write(layer, slots[0], storage.from_numpy(keys), storage.from_numpy(-keys))
 
+    def attend(self, query: HostArray, qo_indptr: HostArray, **features: Any) -> list[jax.Array]:
+        """Layer 1's attention of every request on each side (sharded first), with ``features``
+        (``sinks`` as a host array)."""
+        outputs = []
+        for side, manager in enumerate((self.sharded, self.single)):
+            storage = storage_of(manager)
+            native: dict[str, Any] = {
+                name: storage.from_numpy(value) if name == "sinks" else value for name, value in features.items()
+            }
+            table = manager.page_table([pair[side] for pair in self.handles])
+            outputs.append(manager.paged_attention(1, storage.from_numpy(query), table, qo_indptr=qo_indptr, **native))
+        return outputs
+
 
 # Every layout on the 2-D mesh (heads split over "model", replicated over "data"); the
 # 8-device line mesh with the layout the other cases use, whose programs they reuse.
@@ -179,21 +192,7 @@ def test_attention_features_on_a_sharded_pool_equal_the_single_device_pool(mesh_
         {"window": 6, "chunk": 7, "softcap": 2.0, "sinks": sinks},
     ]
     for chosen in features:
-        outputs = []
-        for side, manager in enumerate((twins.sharded, twins.single)):
-            storage = storage_of(manager)
-            native: dict[str, Any] = {
-                name: storage.from_numpy(value) if name == "sinks" else value for name, value in chosen.items()
-            }
-            outputs.append(
-                manager.paged_attention(
-                    1,
-                    storage.from_numpy(prefill),
-                    manager.page_table([pair[side] for pair in twins.handles]),
-                    qo_indptr=indptr,
-                    **native,
-                )
-            )
+        outputs = twins.attend(prefill, indptr, **chosen)
         assert_split_over_heads(outputs[0], mesh, partition_spec(None, "model", None), 1)
         assert np.allclose(np.asarray(outputs[0]), np.asarray(outputs[1]), rtol=0, atol=1e-6), chosen
 
@@ -223,8 +222,10 @@ def test_sharded_writes_run_in_place_on_every_device_and_spare_held_arrays() -> 
     assert_split_over_heads(storage.key_cache(0), mesh, pool_spec(kv_layout), HEADS_AXIS[kv_layout])
 
 
-def test_block_copies_and_host_transfers_equal_the_single_device_pool() -> None:
-    twins = Twins(grid_mesh(), "NHD")
+@pytest.mark.parametrize("dtype", ["float32", "int8", "float8_e4m3fn"])
+def test_block_copies_and_host_transfers_equal_the_single_device_pool(dtype: str) -> None:
+    """Quantized pools: raw bytes and scales (host copies are core's packed uint8 form)."""
+    twins = Twins(grid_mesh(), "NHD", dtype=dtype)
     twins.allocate("a")
     twins.allocate("b")
     twins.grow([9, 4])
@@ -241,6 +242,8 @@ def test_block_copies_and_host_transfers_equal_the_single_device_pool() -> None:
     for layer in range(CONFIG.num_layers):
         assert np.array_equal(sharded.to_numpy(sharded.key_cache(layer)), single.to_numpy(single.key_cache(layer)))
         assert np.array_equal(sharded.to_numpy(sharded.value_cache(layer)), single.to_numpy(single.value_cache(layer)))
+    if dtype != "float32":
+        assert_same_bytes_and_scales(quantized_storage(twins.sharded), quantized_storage(twins.single))
 
 
 def test_the_compiled_kernels_communicate_nothing() -> None:
@@ -374,38 +377,9 @@ def test_a_quantized_pool_on_a_mesh_equals_the_single_device_pool_and_stays_spli
     indptr = np.asarray([0, 3, 9, 9], dtype=np.int32)
     cases: list[dict[str, Any]] = [{}, {"window": 4, "softcap": 1.5, "sinks": sinks}]
     for features in cases:
-        outputs = []
-        for side, manager in enumerate((twins.sharded, twins.single)):
-            storage = storage_of(manager)
-            native: dict[str, Any] = {
-                name: storage.from_numpy(value) if name == "sinks" else value for name, value in features.items()
-            }
-            table = manager.page_table([pair[side] for pair in twins.handles])
-            outputs.append(manager.paged_attention(1, storage.from_numpy(prefill), table, qo_indptr=indptr, **native))
+        outputs = twins.attend(prefill, indptr, **features)
         assert_split_over_heads(outputs[0], mesh, partition_spec(None, "model", None), 1)
         assert np.allclose(np.asarray(outputs[0]), np.asarray(outputs[1]), rtol=0, atol=1e-6), features
-
-
-@pytest.mark.parametrize("dtype", QUANTIZED)
-def test_quantized_block_copies_and_host_transfers_on_a_mesh_are_bit_exact(dtype: str) -> None:
-    twins = Twins(grid_mesh(), "HND", dtype=dtype)
-    twins.allocate("a")
-    twins.allocate("b")
-    twins.grow([9, 4])
-    sharded, single = quantized_storage(twins.sharded), quantized_storage(twins.single)
-    source = np.asarray(twins.handles[0][0].block_table().physical_blocks, dtype=np.int64)
-    target = np.asarray([12, 13, 14], dtype=np.int64)
-    before = sharded.blocks_to_host(source)
-    for storage in (sharded, single):
-        storage.copy_blocks(source[:2], target[:2])
-    for got, expected in zip(sharded.blocks_to_host(target[:2]), before, strict=True):
-        assert got.tobytes() == expected[:, :2].tobytes()
-    for storage in (sharded, single):  # as swap-in writes them: the layers' blocks reversed
-        storage.blocks_from_host(target, before[0][:, ::-1].copy(), before[1])
-    got_keys, got_values = sharded.blocks_to_host(target)
-    assert got_keys.tobytes() == before[0][:, ::-1].tobytes()
-    assert got_values.tobytes() == before[1].tobytes()
-    assert_same_bytes_and_scales(sharded, single)
 
 
 def test_bad_mesh_options_for_a_quantized_pool_are_refused_naming_the_value() -> None:
