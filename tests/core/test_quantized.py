@@ -14,7 +14,9 @@ import pytest
 
 from kvcache_core import AllocationRequest, CacheConfig, create_manager, paged_kernel
 from kvcache_core.errors import (
+    ArrayTypeError,
     DTypeMismatchError,
+    InvalidArgumentError,
     InvalidConfigError,
     ShapeMismatchError,
     UnsupportedConfigError,
@@ -259,3 +261,39 @@ def test_an_offload_tier_gives_back_evicted_blocks_with_their_scales(dtype: str)
     assert hit.num_tokens() == 8
     for got, expected in zip(manager.gather(hit, 1), before, strict=True):
         assert got.tobytes() == expected[:8].tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_a_quantized_pool_over_given_memory_keeps_its_scales_there(dtype: str) -> None:
+    config = pool(dtype=dtype)
+    raw = np.zeros(NumpyStorage.pool_shape(config), dtype=NumpyStorage.element_dtype(config))
+    shape = NumpyStorage.scales_shape(config)
+    assert shape is not None
+    assert shape == (2, 2, 2, config.num_blocks, config.block_size)
+    scales = np.zeros(shape, dtype=np.float32)
+    storage = NumpyStorage(config, pool=raw, scales=scales)
+    storage.write(1, np.arange(5, dtype=np.int64), np.ones((5, 2, 128), np.float32), np.ones((5, 2, 128), np.float32))
+    assert storage.scales is scales
+    assert np.count_nonzero(scales[1]) == 2 * 2 * 5  # K and V of 2 heads of 5 tokens
+    if dtype == "float8_e4m3fn":  # a new storage over them resumes the running maximum
+        assert np.array_equal(NumpyStorage(config, pool=raw, scales=scales).head_scales(1), storage.head_scales(1))
+
+
+@pytest.mark.parametrize(
+    ("scales", "error", "message"),
+    [
+        ([0.0], ArrayTypeError, "scales must be a numpy.ndarray, got list"),
+        (np.zeros((2, 2, 2, 8, 5), np.float32), ShapeMismatchError, r"\(2, 2, 2, 8, 5\), expected \(2, 2, 2, 8, 4\)"),
+        (np.zeros((2, 2, 2, 8, 4), np.float64), DTypeMismatchError, "float64, expected float32"),
+        (np.zeros((2, 2, 2, 8, 4), np.float32, order="F"), InvalidArgumentError, "C-contiguous: False"),
+    ],
+)
+def test_bad_memory_for_the_scales_is_refused_naming_it(scales: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        NumpyStorage(pool(dtype="int8"), scales=scales)
+
+
+def test_scales_for_an_unquantized_pool_are_refused() -> None:
+    assert NumpyStorage.scales_shape(pool(dtype="float32")) is None
+    with pytest.raises(InvalidArgumentError, match="a float32 pool has none"):
+        NumpyStorage(pool(dtype="float32"), scales=np.zeros((2, 2, 2, 8, 4), np.float32))

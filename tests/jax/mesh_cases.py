@@ -35,7 +35,10 @@ from kvcache_core import (
     UnsupportedConfigError,
     create_manager,
 )
-from kvcache_jax import JaxStorage
+from kvcache_core.discovery import get_backend
+from kvcache_core.testing.backend import BackendUnderTest
+from kvcache_core.testing.quantized import QuantizedCases
+from kvcache_jax import JaxStorage, QuantizedJaxStorage
 from kvcache_jax.sharding import partition_spec
 
 if jax.device_count() < 8:
@@ -84,8 +87,8 @@ def assert_split_over_heads(array: jax.Array, mesh: Mesh, spec: PartitionSpec, h
 class Twins:
     """A manager over a pool sharded on ``mesh`` and one over a single device."""
 
-    def __init__(self, mesh: Mesh, kv_layout: str) -> None:
-        config = dataclasses.replace(CONFIG, kv_layout=kv_layout)
+    def __init__(self, mesh: Mesh, kv_layout: str, **fields: Any) -> None:
+        config = dataclasses.replace(CONFIG, kv_layout=kv_layout, **fields)
         self.sharded: Manager = create_manager("jax", config, mesh=mesh, axis="model")
         self.single: Manager = create_manager("jax", config)
         self.handles: list[tuple[Handle, Handle]] = []
@@ -108,6 +111,19 @@ class Twins:
             for manager in (self.sharded, self.single):
                 storage = storage_of(manager)
                 manager.write(layer, slots[0], storage.from_numpy(keys), storage.from_numpy(-keys))
+
+    def attend(self, query: HostArray, qo_indptr: HostArray, **features: Any) -> list[jax.Array]:
+        """Layer 1's attention of every request on each side (sharded first), with ``features``
+        (``sinks`` as a host array)."""
+        outputs = []
+        for side, manager in enumerate((self.sharded, self.single)):
+            storage = storage_of(manager)
+            native: dict[str, Any] = {
+                name: storage.from_numpy(value) if name == "sinks" else value for name, value in features.items()
+            }
+            table = manager.page_table([pair[side] for pair in self.handles])
+            outputs.append(manager.paged_attention(1, storage.from_numpy(query), table, qo_indptr=qo_indptr, **native))
+        return outputs
 
 
 # Every layout on the 2-D mesh (heads split over "model", replicated over "data"); the
@@ -176,21 +192,7 @@ def test_attention_features_on_a_sharded_pool_equal_the_single_device_pool(mesh_
         {"window": 6, "chunk": 7, "softcap": 2.0, "sinks": sinks},
     ]
     for chosen in features:
-        outputs = []
-        for side, manager in enumerate((twins.sharded, twins.single)):
-            storage = storage_of(manager)
-            native: dict[str, Any] = {
-                name: storage.from_numpy(value) if name == "sinks" else value for name, value in chosen.items()
-            }
-            outputs.append(
-                manager.paged_attention(
-                    1,
-                    storage.from_numpy(prefill),
-                    manager.page_table([pair[side] for pair in twins.handles]),
-                    qo_indptr=indptr,
-                    **native,
-                )
-            )
+        outputs = twins.attend(prefill, indptr, **chosen)
         assert_split_over_heads(outputs[0], mesh, partition_spec(None, "model", None), 1)
         assert np.allclose(np.asarray(outputs[0]), np.asarray(outputs[1]), rtol=0, atol=1e-6), chosen
 
@@ -220,8 +222,10 @@ def test_sharded_writes_run_in_place_on_every_device_and_spare_held_arrays() -> 
     assert_split_over_heads(storage.key_cache(0), mesh, pool_spec(kv_layout), HEADS_AXIS[kv_layout])
 
 
-def test_block_copies_and_host_transfers_equal_the_single_device_pool() -> None:
-    twins = Twins(grid_mesh(), "NHD")
+@pytest.mark.parametrize("dtype", ["float32", "int8", "float8_e4m3fn"])
+def test_block_copies_and_host_transfers_equal_the_single_device_pool(dtype: str) -> None:
+    """Quantized pools: raw bytes and scales (host copies are core's packed uint8 form)."""
+    twins = Twins(grid_mesh(), "NHD", dtype=dtype)
     twins.allocate("a")
     twins.allocate("b")
     twins.grow([9, 4])
@@ -238,6 +242,8 @@ def test_block_copies_and_host_transfers_equal_the_single_device_pool() -> None:
     for layer in range(CONFIG.num_layers):
         assert np.array_equal(sharded.to_numpy(sharded.key_cache(layer)), single.to_numpy(single.key_cache(layer)))
         assert np.array_equal(sharded.to_numpy(sharded.value_cache(layer)), single.to_numpy(single.value_cache(layer)))
+    if dtype != "float32":
+        assert_same_bytes_and_scales(quantized_storage(twins.sharded), quantized_storage(twins.single))
 
 
 def test_the_compiled_kernels_communicate_nothing() -> None:
@@ -315,3 +321,142 @@ def test_heads_that_do_not_split_evenly_and_an_unnamed_axis_are_refused() -> Non
         create_manager("jax", dataclasses.replace(CONFIG, num_heads=6), mesh=line_mesh(), axis="model")
     with pytest.raises(InvalidArgumentError, match=r"\('data', 'model'\)"):
         create_manager("jax", CONFIG, mesh=grid_mesh())
+
+
+# -- quantized pools ----------------------------------------------------------------------
+
+QUANTIZED = ("int8", "float8_e4m3fn")
+
+
+def quantized_storage(manager: Manager) -> QuantizedJaxStorage:
+    storage = manager.storage
+    assert isinstance(storage, QuantizedJaxStorage)
+    return storage
+
+
+def assert_same_bytes_and_scales(sharded: QuantizedJaxStorage, single: QuantizedJaxStorage) -> None:
+    """Every block's raw bytes and scales, and every layer's scales, equal to the bit."""
+    blocks = np.arange(CONFIG.num_blocks, dtype=np.int64)
+    for got, expected in zip(sharded.blocks_to_host(blocks), single.blocks_to_host(blocks), strict=True):
+        assert got.dtype == expected.dtype == np.uint8
+        assert got.tobytes() == expected.tobytes()
+    for layer in range(CONFIG.num_layers):
+        for got_scales, expected_scales in zip(sharded.scales(layer), single.scales(layer), strict=True):
+            assert np.asarray(got_scales).tobytes() == np.asarray(expected_scales).tobytes()
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize(("kv_layout", "mesh_name"), [("NHD", "2x4-devices"), ("heads_first", "8-devices")])
+def test_a_quantized_pool_on_a_mesh_equals_the_single_device_pool_and_stays_split(
+    dtype: str, kv_layout: str, mesh_name: str
+) -> None:
+    mesh = MESHES[mesh_name]()
+    twins = Twins(mesh, kv_layout, dtype=dtype)
+    for request_id in ("a", "b", "c"):
+        twins.allocate(request_id)
+    twins.grow([5, 9, 2])
+    twins.grow([1, 3, 1])  # float8: the running maximum grows between writes
+    sharded, single = quantized_storage(twins.sharded), quantized_storage(twins.single)
+    assert_same_bytes_and_scales(sharded, single)
+    scales_spec = partition_spec("model", None, None)
+    for layer in range(CONFIG.num_layers):
+        assert sharded.key_cache(layer).dtype == jnp.dtype(dtype)
+        assert_split_over_heads(sharded.key_cache(layer), mesh, pool_spec(kv_layout), HEADS_AXIS[kv_layout])
+        for scales in sharded.scales(layer):
+            assert_split_over_heads(scales, mesh, scales_spec, 0)
+        for sharded_handle, single_handle in twins.handles:
+            for got, expected in zip(
+                twins.sharded.gather(sharded_handle, layer), twins.single.gather(single_handle, layer), strict=True
+            ):
+                assert_split_over_heads(got, mesh, partition_spec(None, "model", None), 1)
+                assert np.array_equal(np.asarray(got), np.asarray(expected))
+
+    rng = np.random.default_rng(4)
+    prefill = rng.standard_normal((9, 16, 4)).astype(np.float32)
+    sinks = rng.standard_normal(16).astype(np.float32)
+    indptr = np.asarray([0, 3, 9, 9], dtype=np.int32)
+    cases: list[dict[str, Any]] = [{}, {"window": 4, "softcap": 1.5, "sinks": sinks}]
+    for features in cases:
+        outputs = twins.attend(prefill, indptr, **features)
+        assert_split_over_heads(outputs[0], mesh, partition_spec(None, "model", None), 1)
+        assert np.allclose(np.asarray(outputs[0]), np.asarray(outputs[1]), rtol=0, atol=1e-6), features
+
+
+def test_bad_mesh_options_for_a_quantized_pool_are_refused_naming_the_value() -> None:
+    with pytest.raises(UnsupportedConfigError, match=r"num_heads=6.*'model' of size 8.*divisible by 8"):
+        create_manager("jax", dataclasses.replace(CONFIG, dtype="int8", num_heads=6), mesh=line_mesh(), axis="model")
+    with pytest.raises(
+        InvalidArgumentError, match=r"axis 'heads' is not an axis of the mesh; its axes are \('model',\)"
+    ):
+        create_manager("jax", dataclasses.replace(CONFIG, dtype="float8_e4m3fn"), mesh=line_mesh(), axis="heads")
+
+
+def test_the_compiled_quantized_programs_communicate_nothing() -> None:
+    """White-box: encoding, scale moves, decoding and attention with the scales hold no
+    collective on a mesh."""
+    twins = Twins(line_mesh(), "heads_first", dtype="float8_e4m3fn")
+    twins.allocate("a")
+    twins.grow([6])
+    storage = quantized_storage(twins.sharded)
+    placement = storage.placement
+    scale_programs = storage._scale_programs  # pyright: ignore[reportPrivateUsage]
+    programs = storage._programs  # pyright: ignore[reportPrivateUsage]
+    replicated, tokens = placement.replicated, placement.tokens
+    columns = placement.sharding(placement.heads_at(2, 1))
+    keys, values = storage.scales(0)
+    pool = storage.key_cache(0)
+    index = jax.device_put(np.arange(4, dtype=np.int32), replicated)
+    new_tokens = jax.device_put(np.zeros((4, 8, 4), np.float32), tokens)
+    raw_blocks = jax.device_put(np.zeros((16, 8, 4), np.float32), tokens)  # 4 blocks of 4 tokens
+    token_scales = jax.device_put(np.zeros((4, 8), np.float32), columns)
+    head_scales = jax.device_put(np.zeros((2, 8), np.float32), columns)
+    query = jax.device_put(np.zeros((4, 16, 4), np.float32), tokens)
+    tables = jax.device_put(np.zeros((4, 16), np.int32), replicated)
+    lens = jax.device_put(np.ones(4, np.int32), replicated)
+    indptr = jax.device_put(np.arange(5, dtype=np.int32), replicated)
+    lowered = [
+        scale_programs.encode.lower(head_scales, new_tokens, new_tokens),  # type: ignore[attr-defined]
+        scale_programs.set_tokens.lower(keys, values, index, index, token_scales, token_scales),  # type: ignore[attr-defined]
+        scale_programs.copy_blocks.lower((keys, values), index, index),  # type: ignore[attr-defined]
+        scale_programs.decode.lower(raw_blocks, keys, index),  # type: ignore[attr-defined]
+        programs.attention(1, True, 0.5, with_scales=True).lower(  # type: ignore[attr-defined]
+            query, pool, pool, tables, lens, indptr, keys, values
+        ),
+    ]
+    for stage in lowered:
+        text = stage.compile().as_text().lower()
+        assert not [name for name in COLLECTIVES if name in text]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshBackend(BackendUnderTest):
+    """The jax backend as the kit sees it, with every manager's KV heads split over ``mesh``."""
+
+    mesh: Any = None
+
+    def manager(self, config: CacheConfig | None = None, **options: Any) -> Manager:
+        return super().manager(config, mesh=self.mesh, axis="model", **options)
+
+
+@pytest.fixture
+def kvcache_backend(request: pytest.FixtureRequest) -> MeshBackend:
+    """The kit's backend fixture, overridden here: jax on a mesh of 2 devices (the kit's
+    pools have 2 KV heads)."""
+    name = str(request.param)
+    return MeshBackend(name, get_backend(name), mesh=Mesh(np.array(jax.devices()[:2]), ("model",)))
+
+
+@pytest.mark.kvcache_backends("jax")
+class TestTheKitsQuantizedCasesOnAMesh(QuantizedCases):
+    """The kit's quantized cases (tolerance contract, bit-exact copy, fork, swap and prefix
+    hits, refused bad K/V) against quantized pools split over 2 devices."""
+
+    # jax claims every quantized dtype: the kit has no unclaimed one to see refused (it
+    # would skip, and the runner in test_sharding.py accepts no skip).
+    test_an_unclaimed_quantized_dtype_is_refused_with_the_claimed_list = None  # type: ignore[assignment]  # pyright: ignore[reportAssignmentType]
+
+    def test_the_pools_are_split(self, kvcache_backend: MeshBackend) -> None:
+        storage = kvcache_backend.manager(kvcache_backend.config(dtype="int8", head_dim=32)).storage
+        assert isinstance(storage, QuantizedJaxStorage)
+        assert storage.placement.shards == 2
+        assert_split_over_heads(storage.scales(0)[0], kvcache_backend.mesh, partition_spec("model", None, None), 0)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvcache_core import AllocationRequest, CacheConfig, UnsupportedConfigError, create_manager
+from kvcache_core import AllocationRequest, CacheConfig, create_manager
 from kvcache_core.errors import ShapeMismatchError
 from kvcache_jax import QuantizedJaxStorage, paged_attention
 
@@ -65,12 +64,6 @@ def test_jax_encodes_and_attends_like_the_numpy_backend(dtype: str, kv_layout: s
         1, jax_manager.storage.from_numpy(query), jax_manager.page_table(jax_handles), qo_indptr=indptr
     )
     np.testing.assert_allclose(np.asarray(output), expected_output, rtol=2e-5, atol=2e-5)
-
-
-def test_a_quantized_pool_is_not_sharded_over_a_mesh() -> None:
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
-    with pytest.raises(UnsupportedConfigError, match="one device"):
-        create_manager("jax", pool(dtype="int8"), mesh=mesh, axis="model")
 
 
 def test_paged_attention_takes_both_scales_of_the_pool_shape_or_neither() -> None:

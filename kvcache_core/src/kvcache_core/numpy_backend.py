@@ -78,65 +78,79 @@ class NumpyStorage:
 
     attention_features: frozenset[str] = ATTENTION_CAPABILITIES
 
-    def __init__(self, config: CacheConfig, *, pool: NumpyArray | None = None) -> None:
+    def __init__(
+        self, config: CacheConfig, *, pool: NumpyArray | None = None, scales: NumpyArray | None = None
+    ) -> None:
         """Build the pool for ``config``.
 
         Args:
             config: the pool's configuration.
             pool: memory to use instead of a new zeroed allocation (a memory-mapped file,
-                shared memory, ...): shape :meth:`pool_shape` of ``config``, its dtype,
-                writeable. Its contents are kept.
+                shared memory, ...): shape :meth:`pool_shape` of ``config``, dtype
+                :meth:`element_dtype`, writeable. Its contents are kept.
+            scales: for a quantized pool, memory to hold its scales instead of a new zeroed
+                allocation: shape :meth:`scales_shape`, float32, writeable. Its contents
+                are kept (a float8 pool tracking its scales resumes its running maximum
+                from them).
 
         Raises:
-            ArrayTypeError: ``pool`` is not a NumPy array.
-            ShapeMismatchError, DTypeMismatchError: ``pool`` has the wrong shape or dtype.
-            InvalidArgumentError: ``pool`` is read-only, not C-contiguous, or has a zero
-                or negative stride.
+            ArrayTypeError: ``pool`` or ``scales`` is not a NumPy array.
+            ShapeMismatchError, DTypeMismatchError: ``pool`` or ``scales`` has the wrong
+                shape or dtype.
+            InvalidArgumentError: ``pool`` or ``scales`` is read-only, not C-contiguous, or
+                has a zero or negative stride; ``scales`` for an unquantized pool.
             UnsupportedConfigError: a quantized pool whose compute dtype NumPy does not hold.
         """
         config = config.with_layout(PREFERRED_LAYOUT)
         self._config = config
-        shape = self.pool_shape(config)
-        element = np.dtype(config.dtype) if not config.quantized else quantization.raw_numpy_dtype(config.dtype)
+        scales_shape = self.scales_shape(config)
         self._scales: npt.NDArray[np.float32] | None = None
-        if config.quantized:
+        if scales_shape is None:
+            if scales is not None:
+                raise InvalidArgumentError(f"scales are for a quantized pool; a {config.dtype} pool has none")
+        else:
             if config.io_dtype not in NUMPY_COMPUTE_DTYPES:
                 raise UnsupportedConfigError(
                     f"a quantized NumPy pool computes in {', '.join(NUMPY_COMPUTE_DTYPES)}; got compute_dtype "
                     f"{config.io_dtype!r} (NumPy has no bfloat16)"
                 )
-            self._scales = np.zeros(
-                (config.num_layers, 2, config.num_heads, config.num_blocks, config.block_size), dtype=np.float32
-            )
-            # float8: the per-(layer, K/V, head) scale, calibrated or grown by the running maximum.
+            if scales is None:
+                scales = np.zeros(scales_shape, dtype=np.float32)
+            else:
+                _check_memory("scales", scales, scales_shape, np.dtype(np.float32))
+            self._scales = scales
+            # float8: the per-(layer, K/V, head) scale, calibrated or grown by the running maximum
+            # (from the largest scale a token holds: 0 for a new pool).
             calibrated = config.kv_scales is not None
-            self._head_scales = np.asarray(config.kv_scales if calibrated else 0.0, dtype=np.float32) * np.ones(
-                (config.num_layers, 2, config.num_heads), dtype=np.float32
+            self._head_scales = (
+                np.asarray(config.kv_scales, dtype=np.float32) * np.ones(scales_shape[:3], dtype=np.float32)
+                if calibrated
+                else scales.max(axis=(3, 4), initial=np.float32(0)).astype(np.float32)
             )
             self._track_scales = not calibrated
         if pool is None:
             # [layer, K/V, *layout]: one block copy moves every layer at once.
-            pool = np.zeros(shape, dtype=element)
-        elif not isinstance(pool, np.ndarray):
-            raise ArrayTypeError(f"pool must be a numpy.ndarray, got {type(pool).__name__}")
-        elif tuple(pool.shape) != shape:
-            raise ShapeMismatchError(f"pool has shape {tuple(pool.shape)}, expected {shape}")
-        elif pool.dtype != element:
-            raise DTypeMismatchError(f"pool has dtype {pool.dtype.name}, expected {config.dtype}")
-        elif not pool.flags.writeable:
-            raise InvalidArgumentError("pool must be writeable, got a read-only array")
-        elif not pool.flags.c_contiguous or any(
-            stride <= 0 for stride, extent in zip(pool.strides, pool.shape, strict=True) if extent > 1
-        ):
-            # Writes go through reshaped views: on any other memory order they would land
-            # in a temporary copy and vanish; a zero stride aliases many elements in one.
-            raise InvalidArgumentError(
-                f"pool must be C-contiguous with positive strides, got strides {pool.strides} "
-                f"(C-contiguous: {pool.flags.c_contiguous}); pass numpy.ascontiguousarray(pool) "
-                "or allocate it in C order"
-            )
+            pool = np.zeros(self.pool_shape(config), dtype=self.element_dtype(config))
+        else:
+            _check_memory("pool", pool, self.pool_shape(config), self.element_dtype(config))
         self._pool = pool
         self._block_axis = 3 if config.kv_layout == "heads_first" else 2
+
+    @staticmethod
+    def element_dtype(config: CacheConfig) -> np.dtype[Any]:
+        """The NumPy dtype of the pool's elements: ``config.dtype``, or a quantized pool's
+        raw dtype (:func:`kvcache_core.quantization.raw_numpy_dtype`)."""
+        if config.quantized:
+            return quantization.raw_numpy_dtype(config.dtype)
+        return np.dtype(config.dtype)
+
+    @staticmethod
+    def scales_shape(config: CacheConfig) -> tuple[int, int, int, int, int] | None:
+        """Shape of a quantized pool's float32 scales, ``[num_layers, 2, num_heads,
+        num_blocks, block_size]``; ``None`` for an unquantized pool."""
+        if not config.quantized:
+            return None
+        return (config.num_layers, 2, config.num_heads, config.num_blocks, config.block_size)
 
     @staticmethod
     def pool_shape(config: CacheConfig) -> tuple[int, ...]:
@@ -371,6 +385,29 @@ class NumpyStorage:
     def array_namespace(self) -> Any:
         """``numpy``, which implements the Array API standard since 2.0."""
         return np
+
+
+def _check_memory(name: str, array: object, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    """Refuse memory handed to :class:`NumpyStorage` that writes could not go through."""
+    if not isinstance(array, np.ndarray):
+        raise ArrayTypeError(f"{name} must be a numpy.ndarray, got {type(array).__name__}")
+    checked = cast("NumpyArray", array)
+    if tuple(checked.shape) != shape:
+        raise ShapeMismatchError(f"{name} has shape {tuple(checked.shape)}, expected {shape}")
+    if checked.dtype != dtype:
+        raise DTypeMismatchError(f"{name} has dtype {checked.dtype.name}, expected {dtype.name}")
+    if not checked.flags.writeable:
+        raise InvalidArgumentError(f"{name} must be writeable, got a read-only array")
+    if not checked.flags.c_contiguous or any(
+        stride <= 0 for stride, extent in zip(checked.strides, checked.shape, strict=True) if extent > 1
+    ):
+        # Writes go through reshaped views: on any other memory order they would land
+        # in a temporary copy and vanish; a zero stride aliases many elements in one.
+        raise InvalidArgumentError(
+            f"{name} must be C-contiguous with positive strides, got strides {checked.strides} "
+            f"(C-contiguous: {checked.flags.c_contiguous}); pass numpy.ascontiguousarray({name}) "
+            "or allocate it in C order"
+        )
 
 
 @hookimpl

@@ -5,8 +5,12 @@ scale per token per KV head from its maximum, float8 e4m3 with one scale per KV 
 layer (calibrated, or grown by the running maximum), each token recording its scale. The
 pools hold the raw values and are moved by :class:`~kvcache_jax.JaxStorage`'s programs; the
 scales, ``[num_heads, num_blocks, block_size]`` float32 per layer and K/V, are moved beside
-them. Attention decodes each loop step's blocks only (:func:`kvcache_jax.paged_attention`
-with ``key_scales``/``value_scales``).
+them by the programs here. Attention is :class:`~kvcache_jax.JaxStorage`'s program, given
+the scales: each loop step decodes only the blocks it reads.
+
+Every encoding and scale is per KV head, so on a mesh the scales are split over the heads
+as the pool is and every program here runs on each device's own heads, communicating
+nothing, exactly as the plain pool's do (:mod:`kvcache_jax.sharding`).
 """
 
 # jaxlib ships no type stubs for its extension module, so pyright sees every JAX signature that
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import jax
@@ -24,24 +29,28 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core import quantization
-from kvcache_core.attention_features import combined_window
 from kvcache_core.config import QUANTIZED_DTYPES, CacheConfig
 from kvcache_core.errors import UnsupportedConfigError
-from kvcache_core.page_table import PageTable
-from kvcache_jax.attention import paged_attention
+from kvcache_jax.sharding import REPLICATED, Placement, shard_over_heads
 from kvcache_jax.storage import JaxStorage
 
 __all__ = ["QuantizedJaxStorage"]
 
 HostArray = npt.NDArray[Any]
 IndexArray = npt.NDArray[np.int64]
+Scales = tuple[jax.Array, ...]
 
 #: Compute dtypes of a quantized JAX pool.
 _COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
 
+#: ``(rank, heads axis)`` of the scales ``[heads, num_blocks, block_size]`` of a layer's K or V.
+_SCALES = (3, 0)
+#: ``(rank, heads axis)`` of ``[rows, heads]`` arrays: each token head's scale, the per-head
+#: scales of K and V.
+_COLUMNS = (2, 1)
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _quantize(values: jax.Array, head_scales: jax.Array, *, dtype: str) -> tuple[jax.Array, jax.Array]:
+
+def _quantize(values: jax.Array, head_scales: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
     """``values [n, heads, dim]`` -> ``(raw, scales [n, heads] float32)`` (see core's rules)."""
     data = values.astype(jnp.float32)
     limit = quantization.QUANTIZED_RANGE[dtype]
@@ -56,68 +65,133 @@ def _quantize(values: jax.Array, head_scales: jax.Array, *, dtype: str) -> tuple
     return scaled.astype(jnp.dtype(dtype)), scales
 
 
-@jax.jit
 def _grow(scales: jax.Array, values: jax.Array) -> jax.Array:
     """The float8 running-maximum rule: ``max(scales, max(|values|) / 448)`` per head."""
-    peak = jnp.abs(values.astype(jnp.float32)).max(axis=(0, 2)) * jnp.float32(
+    peak = jnp.abs(values.astype(jnp.float32)).max(axis=(0, 2), initial=0.0) * jnp.float32(
         1.0 / quantization.QUANTIZED_RANGE["float8_e4m3fn"]
     )
     return jnp.maximum(scales, peak)
 
 
-@jax.jit
-def _set_scales(scales: jax.Array, blocks: jax.Array, offsets: jax.Array, new: jax.Array) -> jax.Array:
-    """``scales [heads, num_blocks, block_size]`` with the tokens at ``(blocks, offsets)`` set to ``new [n, heads]``."""
-    return scales.at[:, blocks, offsets].set(new.T)
+@dataclass(frozen=True)
+class _ScalePrograms:
+    """The jitted programs of one quantized encoding and placement, each run per device on
+    its own heads (shared by every pool of them)."""
+
+    placement: Placement
+    dtype: str
+    io_dtype: str
+    track_scales: bool
+
+    def _jit(self, function: Callable[..., Any], in_specs: tuple[Any, ...], out_specs: Any) -> Callable[..., Any]:
+        return jax.jit(shard_over_heads(function, self.placement, in_specs, out_specs))
+
+    @functools.cached_property
+    def encode(self) -> Callable[..., tuple[jax.Array, ...]]:
+        """``(head_scales [2, heads], keys, values) -> (raw_keys, raw_values, key_scales [n,
+        heads], value_scales [n, heads], head_scales [2, heads])``; float8 head scales grown
+        by the running maximum when tracked."""
+        dtype, grow = self.dtype, self.dtype == "float8_e4m3fn" and self.track_scales
+        tokens, columns = self.placement.tokens_spec, self.placement.heads_at(*_COLUMNS)
+
+        def encode(heads: jax.Array, keys: jax.Array, values: jax.Array) -> tuple[jax.Array, ...]:
+            if grow:
+                heads = jnp.stack([_grow(heads[0], keys), _grow(heads[1], values)])
+            raw_keys, key_scales = _quantize(keys, heads[0], dtype)
+            raw_values, value_scales = _quantize(values, heads[1], dtype)
+            return raw_keys, raw_values, key_scales, value_scales, heads
+
+        return self._jit(encode, (columns, tokens, tokens), (tokens, tokens, columns, columns, columns))
+
+    @functools.cached_property
+    def set_tokens(self) -> Callable[..., tuple[jax.Array, jax.Array]]:
+        """``(key_scales, value_scales, blocks [n], offsets [n], new_keys [n, heads],
+        new_values [n, heads]) -> scales`` with the tokens at ``(blocks, offsets)`` set."""
+        scales, columns = self.placement.heads_at(*_SCALES), self.placement.heads_at(*_COLUMNS)
+
+        def set_tokens(
+            k: jax.Array, v: jax.Array, blocks: jax.Array, offsets: jax.Array, x: jax.Array, y: jax.Array
+        ) -> tuple[jax.Array, jax.Array]:
+            return k.at[:, blocks, offsets].set(x.T), v.at[:, blocks, offsets].set(y.T)
+
+        return self._jit(set_tokens, (scales, scales, REPLICATED, REPLICATED, columns, columns), (scales, scales))
+
+    @functools.cached_property
+    def copy_blocks(self) -> Callable[..., Scales]:
+        """``(every layer's scales, source, destination) -> scales`` with ``source[i]``'s
+        copied into ``destination[i]``."""
+        scales = self.placement.heads_at(*_SCALES)
+
+        def copy(every: Scales, source: jax.Array, destination: jax.Array) -> Scales:
+            return tuple(part.at[:, destination].set(part[:, source]) for part in every)
+
+        return self._jit(copy, (scales, REPLICATED, REPLICATED), scales)
+
+    @functools.cached_property
+    def set_blocks(self) -> Callable[..., jax.Array]:
+        """``(scales, blocks [n], new [heads, n, block_size]) -> scales`` with ``blocks`` set."""
+        scales = self.placement.heads_at(*_SCALES)
+
+        def set_blocks(part: jax.Array, blocks: jax.Array, new: jax.Array) -> jax.Array:
+            return part.at[:, blocks].set(new)
+
+        return self._jit(set_blocks, (scales, REPLICATED, scales), scales)
+
+    @functools.cached_property
+    def decode(self) -> Callable[..., jax.Array]:
+        """``(raw [m * block_size, heads, dim], scales, blocks [m]) -> values`` in the compute dtype."""
+        io_dtype, tokens, scales = self.io_dtype, self.placement.tokens_spec, self.placement.heads_at(*_SCALES)
+
+        def decode(raw: jax.Array, part: jax.Array, blocks: jax.Array) -> jax.Array:
+            picked = jnp.take(part, blocks, axis=1)  # [H, m, bs]
+            per_token = picked.reshape(picked.shape[0], -1).T  # [m * bs, H]
+            return (raw.astype(jnp.float32) * per_token[:, :, None]).astype(jnp.dtype(io_dtype))
+
+        return self._jit(decode, (tokens, scales, REPLICATED), tokens)
 
 
-@jax.jit
-def _copy_scales(scales: jax.Array, source: jax.Array, destination: jax.Array) -> jax.Array:
-    return scales.at[:, destination].set(scales[:, source])
-
-
-@functools.partial(jax.jit, static_argnames=("io_dtype",))
-def _decode(raw: jax.Array, scales: jax.Array, blocks: jax.Array, *, io_dtype: str) -> jax.Array:
-    """Tokens ``raw [m * block_size, heads, dim]`` of ``blocks`` times their scales, in ``io_dtype``."""
-    picked = jnp.take(scales, blocks, axis=1)  # [H, m, bs]
-    per_token = picked.reshape(picked.shape[0], -1).T  # [m * bs, H]
-    return (raw.astype(jnp.float32) * per_token[:, :, None]).astype(jnp.dtype(io_dtype))
+@functools.cache
+def _scale_programs(placement: Placement, dtype: str, io_dtype: str, track_scales: bool) -> _ScalePrograms:
+    return _ScalePrograms(placement, dtype, io_dtype, track_scales)
 
 
 class QuantizedJaxStorage(JaxStorage):
-    """A quantized JAX pool on one device: raw int8 / float8 pools (moved by
-    :class:`~kvcache_jax.JaxStorage`) and their scales. ``write`` takes and ``gather`` and
-    attention return ``config.io_dtype``; host copies are core's packed ``uint8`` form.
+    """A quantized JAX pool, on one device or with its KV heads split over a mesh axis: raw
+    int8 / float8 pools (moved by :class:`~kvcache_jax.JaxStorage`) and their scales, split
+    over the heads as the pools are. ``write`` takes and ``gather`` and attention return
+    ``config.io_dtype``; host copies are core's packed ``uint8`` form.
 
     Raises:
-        UnsupportedConfigError: a mesh (quantized pools are not sharded yet), a compute
-            dtype JAX pools do not take, or what :class:`~kvcache_jax.JaxStorage` refuses.
+        UnsupportedConfigError: a compute dtype JAX pools do not take, or what
+            :class:`~kvcache_jax.JaxStorage` refuses (heads not divisible by the mesh
+            axis's size, ...).
+        InvalidTypeError, InvalidArgumentError: a bad ``mesh`` or ``axis``.
     """
 
     POOL_DTYPES: ClassVar[tuple[str, ...]] = QUANTIZED_DTYPES
 
     def __init__(self, config: CacheConfig, *, mesh: object = None, axis: object = None) -> None:
-        if mesh is not None:
-            raise UnsupportedConfigError(f"a {config.dtype} pool of the jax backend lives on one device: pass no mesh")
         if config.io_dtype not in _COMPUTE_DTYPES:
             raise UnsupportedConfigError(
                 f"compute_dtype {config.io_dtype!r} is not one of the jax backend's {', '.join(_COMPUTE_DTYPES)}"
             )
-        super().__init__(config, mesh=None, axis=axis)
+        super().__init__(config, mesh=mesh, axis=axis)
+        config, placement = self.config, self.placement
+        self._scale_programs = _scale_programs(placement, config.dtype, config.io_dtype, config.kv_scales is None)
+        self._scales_sharding = placement.sharding(placement.heads_at(*_SCALES))
         shape = (config.num_heads, config.num_blocks, config.block_size)
-        device = self.placement.replicated
         self._scales: list[list[jax.Array]] = [
-            [jax.device_put(jnp.zeros(shape, jnp.float32), device) for _ in range(config.num_layers)] for _ in range(2)
+            [jax.device_put(np.zeros(shape, np.float32), self._scales_sharding) for _ in range(config.num_layers)]
+            for _ in range(2)
         ]
         initial = np.asarray(config.kv_scales if config.kv_scales is not None else 0.0, dtype=np.float32)
-        self._head_scales = jax.device_put(
-            jnp.asarray(initial * np.ones((config.num_layers, 2, config.num_heads), np.float32)), device
-        )
-        self._track_scales = config.kv_scales is None
-        self._attention_programs: dict[tuple[object, ...], Callable[..., jax.Array]] = {}
+        per_layer = initial * np.ones((config.num_layers, 2, config.num_heads), np.float32)
+        columns = placement.sharding(placement.heads_at(*_COLUMNS))
+        self._head_scales: list[jax.Array] = [jax.device_put(heads, columns) for heads in per_layer]
 
     def scales(self, layer: int) -> tuple[jax.Array, jax.Array]:
-        """The layer's key and value scales, ``[num_heads, num_blocks, block_size]`` float32 each."""
+        """The layer's key and value scales, ``[num_heads, num_blocks, block_size]`` float32
+        each, split over the heads as the pool is."""
         index = self.config.check_layer(layer)
         return self._scales[0][index], self._scales[1][index]
 
@@ -131,28 +205,33 @@ class QuantizedJaxStorage(JaxStorage):
         for name, data in (("keys", keys), ("values", values)):
             if not bool(jnp.isfinite(data).all()):
                 quantization.check_finite(name, np.asarray(data.astype(jnp.float32)))
-        head_scales = self._head_scales[layer]
-        if config.dtype == "float8_e4m3fn" and self._track_scales:
-            head_scales = jnp.stack([_grow(head_scales[0], keys), _grow(head_scales[1], values)])
-        raw_keys, key_scales = _quantize(keys, head_scales[0], dtype=config.dtype)
-        raw_values, value_scales = _quantize(values, head_scales[1], dtype=config.dtype)
+        rows = int(keys.shape[0])
+        raw_keys, raw_values, key_scales, value_scales, head_scales = self._scale_programs.encode(
+            self._head_scales[layer], self._tokens(keys, rows), self._tokens(values, rows)
+        )
         super().write(layer, slots, raw_keys, raw_values)
-        self._head_scales = self._head_scales.at[layer].set(head_scales)
+        self._head_scales[layer] = head_scales
         blocks, offsets = np.divmod(np.asarray(slots, dtype=np.int64), config.block_size)
-        block_index, offset_index = jnp.asarray(blocks, jnp.int32), jnp.asarray(offsets, jnp.int32)
-        for kv, new in ((0, key_scales), (1, value_scales)):
-            self._scales[kv][layer] = _set_scales(self._scales[kv][layer], block_index, offset_index, new)
+        self._scales[0][layer], self._scales[1][layer] = self._scale_programs.set_tokens(
+            self._scales[0][layer],
+            self._scales[1][layer],
+            self._replicated(blocks.astype(np.int32)),
+            self._replicated(offsets.astype(np.int32)),
+            key_scales,
+            value_scales,
+        )
 
     def gather(self, layer: int, blocks: IndexArray, num_tokens: int) -> tuple[jax.Array, jax.Array]:
         """Dequantized ``[num_tokens, heads, dim]`` copies of the first tokens of ``blocks``."""
         config = self.config
         if num_tokens == 0:
             empty = jnp.zeros((0, config.num_heads, config.head_dim), dtype=jnp.dtype(config.io_dtype))
-            return empty, empty
+            placed: jax.Array = jax.device_put(empty, self.placement.tokens)
+            return placed, placed
         raw_keys, raw_values = super().gather(layer, blocks, len(blocks) * config.block_size)
-        block_index = jnp.asarray(np.asarray(blocks, dtype=np.int64), jnp.int32)
-        keys = _decode(raw_keys, self._scales[0][layer], block_index, io_dtype=config.io_dtype)
-        values = _decode(raw_values, self._scales[1][layer], block_index, io_dtype=config.io_dtype)
+        block_index = self._replicated(np.asarray(blocks, dtype=np.int32))
+        keys = self._scale_programs.decode(raw_keys, self._scales[0][layer], block_index)
+        values = self._scale_programs.decode(raw_values, self._scales[1][layer], block_index)
         return keys[:num_tokens], values[:num_tokens]
 
     def copy_blocks(self, source: IndexArray, destination: IndexArray) -> None:
@@ -160,16 +239,18 @@ class QuantizedJaxStorage(JaxStorage):
         super().copy_blocks(source, destination)
         if len(source) == 0:
             return
-        source_in = jnp.asarray(np.asarray(source, dtype=np.int64), jnp.int32)
-        destination_in = jnp.asarray(np.asarray(destination, dtype=np.int64), jnp.int32)
-        for per_kv in self._scales:
-            for layer, scales in enumerate(per_kv):
-                per_kv[layer] = _copy_scales(scales, source_in, destination_in)
+        layers = self.config.num_layers
+        copied = self._scale_programs.copy_blocks(
+            (*self._scales[0], *self._scales[1]),
+            self._replicated(np.asarray(source, dtype=np.int32)),
+            self._replicated(np.asarray(destination, dtype=np.int32)),
+        )
+        self._scales = [list(copied[:layers]), list(copied[layers:])]
 
     def _host_scales(self, kv: int, blocks: IndexArray) -> npt.NDArray[np.float32]:
         """``[layers, n, block_size, heads]`` host copies of the scales of ``blocks``."""
         index = np.asarray(blocks, dtype=np.int64)
-        stacked = np.stack([np.asarray(scales)[:, index] for scales in self._scales[kv]])  # [L, H, n, bs]
+        stacked = np.stack([self.to_numpy(scales)[:, index] for scales in self._scales[kv]])  # [L, H, n, bs]
         host: npt.NDArray[np.float32] = stacked.transpose(0, 2, 3, 1).astype(np.float32)
         return host
 
@@ -194,98 +275,13 @@ class QuantizedJaxStorage(JaxStorage):
         super().blocks_from_host(blocks, raw_keys, raw_values)
         if len(blocks) == 0:
             return
-        index = jnp.asarray(np.asarray(blocks, dtype=np.int64), jnp.int32)
+        index = self._replicated(np.asarray(blocks, dtype=np.int32))
         for kv, host in ((0, key_scales), (1, value_scales)):
             for layer in range(self.config.num_layers):
-                per_layer = jnp.asarray(np.ascontiguousarray(host[layer].transpose(2, 0, 1)))  # [H, n, bs]
-                self._scales[kv][layer] = self._scales[kv][layer].at[:, index].set(per_layer)
+                per_layer = np.ascontiguousarray(host[layer].transpose(2, 0, 1))  # [H, n, bs]
+                new = jax.device_put(per_layer, self._scales_sharding)
+                self._scales[kv][layer] = self._scale_programs.set_blocks(self._scales[kv][layer], index, new)
 
-    def paged_attention(
-        self,
-        layer: int,
-        query: jax.Array,
-        page_table: PageTable,
-        qo_indptr: npt.NDArray[np.int32],
-        scale: float,
-        causal: bool,
-        *,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: jax.Array | None = None,
-        chunk: int | None = None,
-    ) -> jax.Array:
-        """Jitted paged attention that decodes each loop step's blocks with their scales,
-        with the attention features of :mod:`kvcache_core.attention_features`."""
-        batch, (block_tables, seq_lens, indptr) = self._batch(page_table, qo_indptr)
-        program = self._quantized_program(
-            batch.max_query_len,
-            causal,
-            float(scale),
-            combined_window(window, page_table.sliding_window),
-            softcap,
-            chunk,
-            sinks is not None,
-        )
-        query_in = self._tokens(query, batch.query_rows)
-        extra = () if sinks is None else (sinks,)
-        output = program(
-            query_in,
-            self.key_cache(layer),
-            self.value_cache(layer),
-            self._scales[0][layer],
-            self._scales[1][layer],
-            block_tables,
-            seq_lens,
-            indptr,
-            *extra,
-        )
-        return output if batch.query_rows == batch.total_queries else output[: batch.total_queries]
-
-    def _quantized_program(
-        self,
-        max_query_len: int,
-        causal: bool,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-        chunk: int | None,
-        with_sinks: bool,
-    ) -> Callable[..., jax.Array]:
-        key = (max_query_len, causal, scale, window, softcap, chunk, with_sinks)
-        program = self._attention_programs.get(key)
-        if program is None:
-            layout = self.config.layout
-
-            def attend(
-                query: jax.Array,
-                k: jax.Array,
-                v: jax.Array,
-                key_scales: jax.Array,
-                value_scales: jax.Array,
-                block_tables: jax.Array,
-                seq_lens: jax.Array,
-                qo_indptr: jax.Array,
-                sinks: jax.Array | None = None,
-            ) -> jax.Array:
-                return paged_attention(
-                    query,
-                    k,
-                    v,
-                    block_tables,
-                    seq_lens,
-                    qo_indptr,
-                    max_query_len=max_query_len,
-                    scale=scale,
-                    causal=causal,
-                    kv_layout=layout,
-                    sliding_window=window,
-                    softcap=softcap,
-                    sinks=sinks,
-                    chunk=chunk,
-                    key_scales=key_scales,
-                    value_scales=value_scales,
-                )
-
-            program = jax.jit(attend)
-            self._attention_programs[key] = program
-        return program
+    def _attention_scales(self, layer: int) -> tuple[jax.Array, ...]:
+        """The layer's key and value scales: attention decodes each block it reads."""
+        return self._scales[0][layer], self._scales[1][layer]

@@ -87,6 +87,15 @@ class Placement:
         """Sharding of ``[n, heads, dim]`` tokens (keys, values, queries, outputs)."""
         return self._sharding(self.tokens_spec)
 
+    def heads_at(self, rank: int, heads_axis: int) -> PartitionSpec:
+        """``PartitionSpec`` of any rank-``rank`` array whose axis ``heads_axis`` holds the KV
+        heads (a quantized pool's scales, ``[heads, num_blocks, block_size]``: ``(3, 0)``)."""
+        return _heads_spec(rank, heads_axis, self.axis)
+
+    def sharding(self, spec: PartitionSpec) -> Sharding:
+        """The sharding of ``spec`` here (on one device: that device)."""
+        return self._sharding(spec)
+
     @property
     def host_blocks_spec(self) -> PartitionSpec:
         """``PartitionSpec`` of ``[layers, n, block_size, heads, dim]`` block copies."""

@@ -169,11 +169,14 @@ class _Programs:
         softcap: float | None = None,
         chunk: int | None = None,
         with_sinks: bool = False,
+        with_scales: bool = False,
     ) -> Callable[..., jax.Array]:
-        """``(query, keys_pool, values_pool, block_tables, seq_lens, qo_indptr[, sinks]) ->
-        output``; ``sinks [query_heads]`` only ``with_sinks``, split over the heads as the
-        queries are."""
-        key = (max_query_len, causal, scale, sliding_window, softcap, chunk, with_sinks)
+        """``(query, keys_pool, values_pool, block_tables, seq_lens, qo_indptr[, key_scales,
+        value_scales][, sinks]) -> output``: the scales ``[heads, num_blocks, block_size]`` of
+        a quantized pool only ``with_scales`` (each loop step decodes the blocks it reads),
+        split over the heads as the pool is; ``sinks [query_heads]`` only ``with_sinks``,
+        split over the heads as the queries are."""
+        key = (max_query_len, causal, scale, sliding_window, softcap, chunk, with_sinks, with_scales)
         program = self._attention.get(key)
         if program is None:
             layout, pool, tokens = self.kv_layout, self.placement.pool_spec(self.kv_layout), self.placement.tokens_spec
@@ -185,8 +188,10 @@ class _Programs:
                 block_tables: jax.Array,
                 seq_lens: jax.Array,
                 qo_indptr: jax.Array,
-                sinks: jax.Array | None = None,
+                *extra: jax.Array,
             ) -> jax.Array:
+                key_scales, value_scales = extra[:2] if with_scales else (None, None)
+                sinks = extra[-1] if with_sinks else None
                 return paged_attention(
                     query,
                     k,
@@ -202,10 +207,15 @@ class _Programs:
                     softcap=softcap,
                     sinks=sinks,
                     chunk=chunk,
+                    key_scales=key_scales,
+                    value_scales=value_scales,
                 )
 
             replicated = REPLICATED
             specs: tuple[Any, ...] = (tokens, pool, pool, replicated, replicated, replicated)
+            if with_scales:
+                scales_spec = self.placement.heads_at(3, 0)  # [heads, num_blocks, block_size]
+                specs = (*specs, scales_spec, scales_spec)
             if with_sinks:
                 specs = (*specs, self.placement.heads_spec)
             program = self._jit(attend, specs, tokens)
@@ -524,6 +534,7 @@ class JaxStorage:
         :mod:`kvcache_core.attention_features`; arguments validated by the manager. Output
         ``[total_q, query_heads, dim]``, heads split as the pool's."""
         batch, (block_tables, seq_lens, indptr) = self._batch(page_table, qo_indptr)
+        scales = self._attention_scales(layer)
         program = self._programs.attention(
             batch.max_query_len,
             causal,
@@ -532,12 +543,19 @@ class JaxStorage:
             softcap=softcap,
             chunk=chunk,
             with_sinks=sinks is not None,
+            with_scales=bool(scales),
         )
         query_in = self._tokens(query, batch.query_rows)
         key_pool, value_pool = self._live(self._keys, layer), self._live(self._values, layer)
-        extra = () if sinks is None else (sinks,)
+        extra = (*scales, *(() if sinks is None else (sinks,)))
         output = program(query_in, key_pool, value_pool, block_tables, seq_lens, indptr, *extra)
         return output if batch.query_rows == batch.total_queries else output[: batch.total_queries]
+
+    def _attention_scales(self, layer: int) -> tuple[jax.Array, ...]:
+        """What attention decodes the layer's pool with: nothing here; a quantized pool's
+        key and value scales (:class:`kvcache_jax.QuantizedJaxStorage`)."""
+        del layer
+        return ()
 
     # -- arrays ------------------------------------------------------------------------
 

@@ -9,15 +9,19 @@ import os
 import tempfile
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from kvcache_core import BackendSpec, CacheConfig, hookimpl
-from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError
+from kvcache_core.config import QUANTIZED_DTYPES
+from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError, UnsupportedConfigError
 from kvcache_core.numpy_backend import (
     ATTENTION_CAPABILITIES,
+    NUMPY_COMPUTE_DTYPES,
+    NUMPY_DTYPES,
     POLICY_CAPABILITIES,
     PREFERRED_LAYOUT,
     NumpyArray,
@@ -27,9 +31,11 @@ from kvcache_memmap._lock import PoolLock, acquire_lock
 from kvcache_memmap._paths import PoolPaths, check_file, create_file, path_error, read_small_file, resolve_paths
 from kvcache_memmap.errors import PoolPathNotFoundError
 
-__all__ = ["MemmapStorage", "kvcache_register_backends"]
+__all__ = ["MEMMAP_DTYPES", "MemmapStorage", "kvcache_register_backends"]
 
 Mode = Literal["w+", "r+"]
+#: The mapped arrays of a pool file: the blocks, and a quantized pool's scales.
+Mapped = tuple[NumpyArray, "NumpyArray | None"]
 
 #: Geometry a reopened file must match (the sidecar ``<path>.json`` records it).
 _GEOMETRY_FIELDS = ("num_layers", "num_heads", "head_dim", "num_blocks", "block_size", "dtype", "kv_layout")
@@ -37,13 +43,48 @@ _GEOMETRY_FIELDS = ("num_layers", "num_heads", "head_dim", "num_blocks", "block_
 #: A sidecar records seven short fields; anything much larger is not one.
 _SIDECAR_LIMIT_BYTES = 64 * 1024
 
+#: The dtypes of a memmap pool: float16, float32 and the quantized ones NumPy holds here
+#: (float8 needs ``ml_dtypes``).
+MEMMAP_DTYPES = ("float16", "float32", *(dtype for dtype in QUANTIZED_DTYPES if dtype in NUMPY_DTYPES))
+
+#: Where a quantized pool's scales start in its file: past the raw blocks, at this alignment.
+_SCALES_ALIGNMENT_BYTES = 64
+
 
 def _geometry(config: CacheConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in _GEOMETRY_FIELDS}
 
 
+@dataclass(frozen=True)
+class _FileLayout:
+    """Where the arrays of a pool lie in its file: the blocks from byte 0, then (quantized
+    pools) their float32 scales ``[num_layers, 2, num_heads, num_blocks, block_size]``."""
+
+    pool_shape: tuple[int, ...]
+    element: np.dtype[Any]
+    scales_shape: tuple[int, ...] | None
+    scales_offset: int
+    size_bytes: int
+
+    @classmethod
+    def of(cls, config: CacheConfig) -> _FileLayout:
+        pool_shape = MemmapStorage.pool_shape(config)
+        element = MemmapStorage.element_dtype(config)
+        pool_bytes = math.prod(pool_shape) * element.itemsize
+        scales_shape = MemmapStorage.scales_shape(config)
+        if scales_shape is None:
+            return cls(pool_shape, element, None, pool_bytes, pool_bytes)
+        offset = -(-pool_bytes // _SCALES_ALIGNMENT_BYTES) * _SCALES_ALIGNMENT_BYTES
+        scale_bytes = math.prod(scales_shape) * np.dtype(np.float32).itemsize
+        return cls(pool_shape, element, scales_shape, offset, offset + scale_bytes)
+
+
 class MemmapStorage(NumpyStorage):
     """A kvcache pool in a memory-mapped file.
+
+    A quantized pool (``int8``, ``float8_e4m3fn``: :mod:`kvcache_core.quantization`) keeps its
+    raw blocks and, after them in the same file, their float32 scales, so a reopened pool
+    decodes what was written.
 
     While the storage is live it holds an exclusive lock on ``<path>.lock``
     (``fcntl.flock``, recording its pid there): a second storage on the same path, in this
@@ -55,7 +96,7 @@ class MemmapStorage(NumpyStorage):
     or zeroed by an open that fails, and a process still mapping the old file keeps it.
 
     Args:
-        config: the pool's configuration (device ``cpu``).
+        config: the pool's configuration (device ``cpu``; dtype one of :data:`MEMMAP_DTYPES`).
         path: the pool file; ``None`` makes a temporary file, deleted when the storage is
             closed or garbage-collected. A ``<path>.json`` sidecar records the geometry.
         mode: ``"w+"`` creates the pool (replacing one already at ``path``, zeroed);
@@ -75,6 +116,8 @@ class MemmapStorage(NumpyStorage):
             a regular file, or another operating-system error on one of the pool's files.
         InvalidConfigError: ``"r+"`` of a pool built for another geometry, of a pool file
             of the wrong size, or of a sidecar that is not a small JSON object.
+        UnsupportedConfigError: a dtype not in :data:`MEMMAP_DTYPES`, or a quantized pool
+            whose compute dtype NumPy does not hold (nothing is created).
     """
 
     def __init__(
@@ -86,6 +129,15 @@ class MemmapStorage(NumpyStorage):
         follow_symlinks: bool = False,
     ) -> None:
         config = config.with_layout(PREFERRED_LAYOUT)  # kv_layout=None: NumPy's fastest
+        if config.dtype not in MEMMAP_DTYPES:
+            raise UnsupportedConfigError(
+                f"dtype {config.dtype!r} is not offered by the memmap backend (supported: {', '.join(MEMMAP_DTYPES)})"
+            )
+        if config.quantized and config.io_dtype not in NUMPY_COMPUTE_DTYPES:
+            raise UnsupportedConfigError(
+                f"a quantized memmap pool computes in {', '.join(NUMPY_COMPUTE_DTYPES)}; got compute_dtype "
+                f"{config.io_dtype!r}"
+            )
         if mode not in ("w+", "r+"):
             raise InvalidArgumentError(f"mode must be 'w+' (create) or 'r+' (reopen), got {mode!r}")
         if path is not None and not isinstance(path, (str, os.PathLike)):
@@ -112,10 +164,10 @@ class MemmapStorage(NumpyStorage):
         owned = (paths.pool, paths.sidecar) if temporary else ()
         try:
             if mode == "w+":
-                pool = _create_pool(paths, config, follow_symlinks=follow_symlinks)
+                pool, scales = _create_pool(paths, config, follow_symlinks=follow_symlinks)
             else:
-                pool = _reopen_pool(paths, config, follow_symlinks=follow_symlinks)
-            super().__init__(config, pool=pool)
+                pool, scales = _reopen_pool(paths, config, follow_symlinks=follow_symlinks)
+            super().__init__(config, pool=pool, scales=scales)
         except BaseException:
             _release(lock, owned)
             raise
@@ -135,10 +187,10 @@ class MemmapStorage(NumpyStorage):
         return not self._finalizer.alive
 
     def flush(self) -> None:
-        """Write dirty pages of the pool to the file."""
-        pool = self.pool
-        if isinstance(pool, np.memmap):
-            pool.flush()
+        """Write dirty pages of the pool (and of a quantized pool's scales) to the file."""
+        for mapped in (self.pool, self.scales):
+            if isinstance(mapped, np.memmap):
+                mapped.flush()
 
     def close(self) -> None:
         """Flush the pool and release its lock, so its path can be opened again.
@@ -154,19 +206,18 @@ class MemmapStorage(NumpyStorage):
         self._finalizer()
 
 
-def _create_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool) -> NumpyArray:
+def _create_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool) -> Mapped:
     """A zeroed pool file and its sidecar, moved into place once both are complete."""
     pool_status = check_file(paths.pool, what="the pool file", follow_symlinks=follow_symlinks)
     sidecar_status = check_file(paths.sidecar, what="the sidecar of the pool", follow_symlinks=follow_symlinks)
-    shape = MemmapStorage.pool_shape(config)
-    size_bytes = math.prod(shape) * np.dtype(config.dtype).itemsize
+    layout = _FileLayout.of(config)
     created: list[str] = []
     try:
         pool_fd, pool_temporary = create_file(paths.directory, os.path.basename(paths.pool), mode_of=pool_status)
         created.append(pool_temporary)
         try:
-            os.ftruncate(pool_fd, size_bytes)  # sparse: the zeros cost no disk until written
-            pool = _map(pool_fd, config, shape)
+            os.ftruncate(pool_fd, layout.size_bytes)  # sparse: the zeros cost no disk until written
+            mapped = _map(pool_fd, layout)
         except OSError as exc:
             raise path_error(exc, pool_temporary, what="the new pool file") from exc
         finally:
@@ -191,10 +242,10 @@ def _create_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool
     except BaseException:
         _remove_files(os.getpid(), created)
         raise
-    return pool
+    return mapped
 
 
-def _reopen_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool) -> NumpyArray:
+def _reopen_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool) -> Mapped:
     """The existing pool at ``paths``, after its sidecar and size match ``config``."""
     pool_status = check_file(paths.pool, what="the pool file", follow_symlinks=follow_symlinks)
     sidecar_status = check_file(paths.sidecar, what="the sidecar of the pool", follow_symlinks=follow_symlinks)
@@ -219,8 +270,7 @@ def _reopen_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool
         raise InvalidConfigError(f"the sidecar {paths.sidecar!r} of the pool is not valid JSON: {exc}") from exc
     if recorded != _geometry(config):
         raise InvalidConfigError(f"the pool at {paths.pool!r} was built for {recorded}, not {_geometry(config)}")
-    shape = MemmapStorage.pool_shape(config)
-    expected_bytes = math.prod(shape) * np.dtype(config.dtype).itemsize
+    layout = _FileLayout.of(config)
     flags = os.O_RDWR | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
         pool_fd = os.open(paths.pool, flags)
@@ -228,22 +278,28 @@ def _reopen_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool
         raise path_error(exc, paths.pool, what="the pool file") from exc
     try:
         size_bytes = os.fstat(pool_fd).st_size
-        if size_bytes != expected_bytes:
+        if size_bytes != layout.size_bytes:
             raise InvalidConfigError(
-                f"the pool at {paths.pool!r} holds {size_bytes} bytes, its geometry needs {expected_bytes}"
+                f"the pool at {paths.pool!r} holds {size_bytes} bytes, its geometry needs {layout.size_bytes}"
             )
-        return _map(pool_fd, config, shape)
+        return _map(pool_fd, layout)
     except OSError as exc:
         raise path_error(exc, paths.pool, what="the pool file") from exc
     finally:
         os.close(pool_fd)
 
 
-def _map(fd: int, config: CacheConfig, shape: tuple[int, ...]) -> NumpyArray:
-    """Map the whole of the open file ``fd`` (already of the pool's size) read-write."""
+def _map(fd: int, layout: _FileLayout) -> Mapped:
+    """Map the open file ``fd`` (already of the layout's size) read-write: the blocks, and
+    a quantized pool's scales."""
     with os.fdopen(fd, "r+b", closefd=False) as file:
-        pool: NumpyArray = np.memmap(file, dtype=np.dtype(config.dtype), mode="r+", shape=shape)
-    return pool
+        pool: NumpyArray = np.memmap(file, dtype=layout.element, mode="r+", shape=layout.pool_shape)
+        scales: NumpyArray | None = None
+        if layout.scales_shape is not None:
+            scales = np.memmap(
+                file, dtype=np.float32, mode="r+", shape=layout.scales_shape, offset=layout.scales_offset
+            )
+    return pool, scales
 
 
 def _release(lock: PoolLock, owned: tuple[str, ...]) -> None:
@@ -269,7 +325,7 @@ def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
         is_available=lambda: os.name == "posix",
         unavailable_reason=lambda: "the memmap backend locks its files with fcntl.flock, which needs a POSIX system",
         devices=("cpu",),
-        dtypes=("float16", "float32"),
+        dtypes=MEMMAP_DTYPES,
         kv_layouts=("NHD", "HND", "heads_first"),
         preferred_layout=PREFERRED_LAYOUT,
         description="pool in a memory-mapped file (example third-party backend)",
