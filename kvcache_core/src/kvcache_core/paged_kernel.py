@@ -156,8 +156,8 @@ def _worker_pool() -> ThreadPoolExecutor:
 def kernel_reads(dtype: str, key_cache: npt.NDArray[Any], value_cache: npt.NDArray[Any]) -> bool:
     """Whether the kernel can read these pools in place: a dtype of :data:`KERNEL_DTYPES` or
     :data:`QUANTIZED_KERNEL_DTYPES`, arrays of its element type (``uint16`` for 16-bit pools,
-    ``uint8`` for quantized ones), the feature axis contiguous
-    and no negative stride."""
+    ``uint8`` for quantized ones), the feature axis contiguous, the other strides whole
+    multiples of a feature row (the kernel reads rows of ``head_dim``) and none negative."""
     element = _POOL_ELEMENTS.get(dtype)
     if element is None:
         return False
@@ -166,14 +166,19 @@ def kernel_reads(dtype: str, key_cache: npt.NDArray[Any], value_cache: npt.NDArr
             return False
         if cache.strides[3] != cache.itemsize or min(cache.strides) < 0:
             return False
+        row_bytes = cache.shape[3] * cache.itemsize
+        if any(stride % row_bytes for stride, extent in zip(cache.strides[:3], cache.shape[:3]) if extent > 1):
+            return False  # rows that do not start at whole multiples of head_dim
     return key_cache.shape == value_cache.shape
 
 
-def _flat(cache: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """A read-only 1-D view from the array's first element to its last (no copy)."""
+def _pool_rows(cache: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """A read-only ``[rows, head_dim]`` view from the array's first row to its last (no copy):
+    one row per (block, token, head), the kernel's unit of reading."""
+    row_bytes = cache.shape[3] * cache.itemsize
     last = sum((extent - 1) * stride for extent, stride in zip(cache.shape, cache.strides, strict=True))
     return np.lib.stride_tricks.as_strided(
-        cache, shape=(last // cache.itemsize + 1,), strides=(cache.itemsize,), writeable=False
+        cache, shape=(last // row_bytes + 1, cache.shape[3]), strides=(row_bytes, cache.itemsize), writeable=False
     )
 
 
@@ -368,16 +373,16 @@ def attend_with_kernel(
     window = 0 if sliding_window is None else int(sliding_window)
     chunk_size = 0 if chunk is None else int(chunk)
     plan = _cached_plan(page_table, qo_indptr, num_heads, group, causal, window, threads, chunk_size)
-    itemsize = key_cache.itemsize
-    strides = np.asarray([key_cache.strides[axis] // itemsize for axis in _STRIDE_AXES[kv_layout]], dtype=np.int64)
+    row_bytes = head_dim * key_cache.itemsize
+    strides = np.asarray([key_cache.strides[axis] // row_bytes for axis in _STRIDE_AXES[kv_layout]], dtype=np.int64)
     partial_acc = np.empty((plan.partial_rows, head_dim), dtype=np.float32)
     partial_stats = np.empty((plan.partial_rows, 2), dtype=np.float32)
     attend: Callable[..., None] = module.attend_share
     merge: Callable[..., None] = module.merge_splits
     arguments = (
         _read_only(query, np.float32),
-        _flat(key_cache),
-        _flat(value_cache),
+        _pool_rows(key_cache),
+        _pool_rows(value_cache),
         _POOL_KINDS[dtype],
         _read_only(strides, np.int64),
         _read_only(page_table.block_tables, np.int32),
