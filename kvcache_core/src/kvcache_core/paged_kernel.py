@@ -167,7 +167,9 @@ def kernel_reads(dtype: str, key_cache: npt.NDArray[Any], value_cache: npt.NDArr
         if cache.strides[3] != cache.itemsize or min(cache.strides) < 0:
             return False
         row_bytes = cache.shape[3] * cache.itemsize
-        if any(stride % row_bytes for stride, extent in zip(cache.strides[:3], cache.shape[:3]) if extent > 1):
+        if any(
+            stride % row_bytes for stride, extent in zip(cache.strides[:3], cache.shape[:3], strict=True) if extent > 1
+        ):
             return False  # rows that do not start at whole multiples of head_dim
     return key_cache.shape == value_cache.shape
 
