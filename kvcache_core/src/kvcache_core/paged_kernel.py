@@ -37,6 +37,7 @@ processes import numba and the module in 0.3 s and load the compiled code in 0.4
 
 from __future__ import annotations
 
+import functools
 import heapq
 import importlib
 import math
@@ -83,6 +84,9 @@ MIN_SPLIT_KEYS: Final = 512
 
 #: Rough cost of reading one K/V row from memory, in units of one query row's products with it.
 _ROW_READ_COST = 8
+#: Least work (in those units, about 3 ns each) worth a thread of its own: handing a share to
+#: a worker and waiting for it costs some 30-50 us, so a small batch runs on the calling thread.
+_MIN_SHARE_WORK = 16384
 
 _POOL_KINDS: Final = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "float8_e4m3fn": 4}
 _POOL_ELEMENTS: Final = {
@@ -97,6 +101,8 @@ _NO_SCALES: Final = np.zeros(1, dtype=np.float32)
 _NO_SCALES.flags.writeable = False
 _NO_STRIDES: Final = np.zeros(3, dtype=np.int64)
 _NO_STRIDES.flags.writeable = False
+_NO_SINKS: Final = np.zeros(0, dtype=np.float32)
+_NO_SINKS.flags.writeable = False
 
 
 _HEADS_AXIS: Final = {"NHD": 2, "HND": 1, "heads_first": 0}
@@ -177,6 +183,10 @@ def kernel_reads(dtype: str, key_cache: npt.NDArray[Any], value_cache: npt.NDArr
 def _pool_rows(cache: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """A read-only ``[rows, head_dim]`` view from the array's first row to its last (no copy):
     one row per (block, token, head), the kernel's unit of reading."""
+    if cache.flags.c_contiguous:
+        rows: npt.NDArray[Any] = cache.reshape(-1, cache.shape[3])  # a view (and quicker than as_strided)
+        rows.flags.writeable = False
+        return rows
     row_bytes = cache.shape[3] * cache.itemsize
     last = sum((extent - 1) * stride for extent, stride in zip(cache.shape, cache.strides, strict=True))
     return np.lib.stride_tricks.as_strided(
@@ -187,9 +197,20 @@ def _pool_rows(cache: npt.NDArray[Any]) -> npt.NDArray[Any]:
 def _read_only(array: npt.NDArray[Any], dtype: type[np.generic]) -> npt.NDArray[Any]:
     """A C-contiguous read-only array of ``dtype`` (a view when it already is one): every
     call hands numba the same types, so the kernel compiles once."""
+    if array.dtype == dtype and not array.flags.writeable and array.flags.c_contiguous:
+        return array  # a page table's arrays, a plan's: read-only already
     view: npt.NDArray[Any] = np.ascontiguousarray(array, dtype=dtype).view()
     view.flags.writeable = False
     return view
+
+
+@functools.lru_cache(maxsize=64)
+def _row_strides(strides: tuple[int, ...], kv_layout: str, row_bytes: int) -> IndexArray:
+    """Read-only int64 strides in rows of (block, token in block, head) of a pool with byte
+    ``strides`` in ``kv_layout`` (the same few for every call of a run)."""
+    rows = np.asarray([strides[axis] // row_bytes for axis in _STRIDE_AXES[kv_layout]], dtype=np.int64)
+    rows.flags.writeable = False
+    return rows
 
 
 @dataclass(frozen=True)
@@ -240,6 +261,7 @@ def _plan(
         if rows <= ROW_SPLIT:
             first_key = _first_visible(seq_len - num_queries, window, chunk)
             decode_like.append((request, rows, first_key))
+    threads = max(1, min(threads, sum(chunk[0] for chunk in chunks) // _MIN_SHARE_WORK))
     split_rows: dict[int, int] = {}
     if threads > 1 and len(chunks) < 4 * threads and decode_like:
         wanted = math.ceil(4 * threads / len(chunks))
@@ -375,8 +397,7 @@ def attend_with_kernel(
     window = 0 if sliding_window is None else int(sliding_window)
     chunk_size = 0 if chunk is None else int(chunk)
     plan = _cached_plan(page_table, qo_indptr, num_heads, group, causal, window, threads, chunk_size)
-    row_bytes = head_dim * key_cache.itemsize
-    strides = np.asarray([key_cache.strides[axis] // row_bytes for axis in _STRIDE_AXES[kv_layout]], dtype=np.int64)
+    strides = _row_strides(key_cache.strides, kv_layout, head_dim * key_cache.itemsize)
     partial_acc = np.empty((plan.partial_rows, head_dim), dtype=np.float32)
     partial_stats = np.empty((plan.partial_rows, 2), dtype=np.float32)
     attend: Callable[..., None] = module.attend_share
@@ -386,14 +407,14 @@ def attend_with_kernel(
         _pool_rows(key_cache),
         _pool_rows(value_cache),
         _POOL_KINDS[dtype],
-        _read_only(strides, np.int64),
+        strides,
         _read_only(page_table.block_tables, np.int32),
         _read_only(page_table.seq_lens, np.int32),
         _read_only(qo_indptr, np.int32),
     )
     options = (group, page_table.block_size, float(scale), bool(causal), window, out, partial_acc, partial_stats)
     # The attention features: softcap 0 and chunk 0 mean none, an empty sinks array no sinks.
-    head_sinks = _read_only(np.zeros(0) if sinks is None else np.asarray(sinks), np.float32)
+    head_sinks = _NO_SINKS if sinks is None else _read_only(np.asarray(sinks), np.float32)
     features: tuple[Any, ...] = (0.0 if softcap is None else float(softcap), head_sinks, chunk_size)
     # A quantized pool's scales (flat, with element strides block, token, head); empty otherwise.
     if quantized and key_scales is not None and value_scales is not None:
