@@ -178,16 +178,21 @@ def _decode_tile(pool, kind, rows_at, scales_at, first, keys, tile, bits, scales
 def _key_scores(queries, rows, key_rows, rows_at, first, keys, scores, ahead):  # type: ignore[no-untyped-def]
     """``scores[j, c]`` = query row ``j`` times key row ``key_rows[rows_at[first + c]]``,
     four query rows times two keys per pass (each element loaded once for all of them, the
-    products stay in registers); ``ahead = (key_pool, value_pool, pool_rows, next, end)``:
-    each pass prefetches the pool rows ``pool_rows[next + c]`` below ``end``."""
-    key_pool, value_pool, pool_rows, upcoming, end = ahead
+    products stay in registers); ``ahead = (in_place, pools, raw_pools, pool_rows, next,
+    end)``: each pass prefetches the rows ``pool_rows[next + c]`` below ``end`` of the pools
+    (float32, read in place) or of the raw ones."""
+    in_place, pools, raw_pools, pool_rows, upcoming, end = ahead
     dim = queries.shape[1]
     c = 0
     while c < keys:
         pair = c + 1 < keys
         for later in range(upcoming + c, min(upcoming + c + 2, end)):
-            _prefetch_row(key_pool, pool_rows[later])
-            _prefetch_row(value_pool, pool_rows[later])
+            if in_place:
+                _prefetch_row(pools[0], pool_rows[later])
+                _prefetch_row(pools[1], pool_rows[later])
+            else:
+                _prefetch_row(raw_pools[0], pool_rows[later])
+                _prefetch_row(raw_pools[1], pool_rows[later])
         a0 = rows_at[first + c]
         a1 = rows_at[first + c + 1] if pair else a0
         j = 0
@@ -303,8 +308,8 @@ def _add_values(rows, value_rows, rows_at, first, keys, scores, acc):  # type: i
 def _attend_item(  # type: ignore[no-untyped-def]
     item,
     query,
-    key_pool,
-    value_pool,
+    pools,
+    raw_pools,
     pool_kind,
     strides,
     block_tables,
@@ -324,7 +329,8 @@ def _attend_item(  # type: ignore[no-untyped-def]
     scaling,
 ):
     """Attend the rows ``[item[2], item[3])`` of one ``(request, kv_head)`` over its keys
-    ``[item[4], item[5])``; ``queries``, ``work`` (see :func:`_softmax_step`) and ``tiles =
+    ``[item[4], item[5])``, from ``pools = (key_rows, value_rows)`` (float32) or ``raw_pools``
+    (their bits) as ``pool_kind`` says; ``queries``, ``work`` (see :func:`_softmax_step`) and ``tiles =
     (rows_at, scales_at, tile_rows, key_tile, key_bits, value_tile, value_bits)`` are the
     thread's buffers; ``partials = (partial_acc, partial_stats)``. Attention features:
     ``features = (softcap, sinks, chunk)``: ``softcap`` (0: none), ``sinks [query_heads]``
@@ -332,6 +338,7 @@ def _attend_item(  # type: ignore[no-untyped-def]
     scale_strides)`` of a quantized pool. (Packed in tuples: CPython compiles a call of more
     than 30 arguments as a ``*args`` call, which numba cannot inline.)"""
     softcap, sinks, chunk = features
+    in_place = pool_kind == POOL_FLOAT32
     key_scales, value_scales, scale_strides = scaling
     partial_acc, partial_stats = partials
     rows_at, scales_at, tile_rows, key_tile, key_bits, value_tile, value_bits = tiles
@@ -396,19 +403,18 @@ def _attend_item(  # type: ignore[no-untyped-def]
         for tile_key in range(low_all, high_all, KEY_TILE):
             keys = min(KEY_TILE, high_all - tile_key)
             first = tile_key - item_low
-            ahead = (key_pool, value_pool, rows_at, first + PREFETCH_KEYS, item_keys)
-            if pool_kind == POOL_FLOAT32:  # the rows read in place
-                _key_scores(queries, rows, key_pool, rows_at, first, keys, scores, ahead)
-                _softmax_step(rows, keys, tile_key, work, softcap)
-                _add_values(rows, value_pool, rows_at, first, keys, scores, acc)
+            ahead = (in_place, pools, raw_pools, rows_at, first + PREFETCH_KEYS, item_keys)
+            if in_place:  # float32: the rows read where they are
+                key_source, value_source, source_rows, source_first = pools[0], pools[1], rows_at, first
             else:
-                _decode_tile(key_pool, pool_kind, rows_at, scales_at, first, keys, key_tile, key_bits, key_scales)
-                _key_scores(queries, rows, key_tile, tile_rows, 0, keys, scores, ahead)
-                _softmax_step(rows, keys, tile_key, work, softcap)
+                _decode_tile(raw_pools[0], pool_kind, rows_at, scales_at, first, keys, key_tile, key_bits, key_scales)
                 _decode_tile(
-                    value_pool, pool_kind, rows_at, scales_at, first, keys, value_tile, value_bits, value_scales
+                    raw_pools[1], pool_kind, rows_at, scales_at, first, keys, value_tile, value_bits, value_scales
                 )
-                _add_values(rows, value_tile, tile_rows, 0, keys, scores, acc)
+                key_source, value_source, source_rows, source_first = key_tile, value_tile, tile_rows, 0
+            _key_scores(queries, rows, key_source, source_rows, source_first, keys, scores, ahead)
+            _softmax_step(rows, keys, tile_key, work, softcap)
+            _add_values(rows, value_source, source_rows, source_first, keys, scores, acc)
         for j in range(rows):
             r = tile_row + j
             if partial_row < 0:
@@ -431,8 +437,10 @@ def _attend_item(  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def attend_share(  # type: ignore[no-untyped-def]
     query,
-    key_pool,
-    value_pool,
+    key_rows,
+    value_rows,
+    key_raw,
+    value_raw,
     pool_kind,
     strides,
     block_tables,
@@ -456,8 +464,11 @@ def attend_share(  # type: ignore[no-untyped-def]
 ):
     """Run the items ``items [n, 7]`` int64 (one thread's share) in order, without the GIL.
 
-    ``key_pool``/``value_pool`` are ``[pool rows, dim]`` (one row per token head) with the
-    row strides ``strides`` of (block, token in block, head); ``query [tokens,
+    The pools are ``[pool rows, dim]`` (one row per token head) with the row strides
+    ``strides`` of (block, token in block, head): ``key_rows``/``value_rows`` float32 for
+    ``POOL_FLOAT32``, ``key_raw``/``value_raw`` the bits of the other kinds (``uint16`` or
+    ``uint8``); the pair not used is any array of its type (so one compiled version serves
+    float32, float16 and bfloat16 pools, one the quantized ones); ``query [tokens,
     query_heads, dim]`` and ``out`` (same shape) are float32; ``partial_acc [p, dim]`` and
     ``partial_stats [p, 2]`` (maximum, sum) float32; the attention features ``softcap``
     (float, 0: none), ``sinks [query_heads]`` float32 (empty: none) and ``chunk`` (int, 0:
@@ -495,8 +506,8 @@ def attend_share(  # type: ignore[no-untyped-def]
         _attend_item(
             items[position],
             query,
-            key_pool,
-            value_pool,
+            (key_rows, value_rows),
+            (key_raw, value_raw),
             pool_kind,
             strides,
             block_tables,

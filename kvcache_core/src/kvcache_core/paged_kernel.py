@@ -103,6 +103,12 @@ _NO_STRIDES: Final = np.zeros(3, dtype=np.int64)
 _NO_STRIDES.flags.writeable = False
 _NO_SINKS: Final = np.zeros(0, dtype=np.float32)
 _NO_SINKS.flags.writeable = False
+#: What the kernel gets for the pools it does not read: float32 rows beside a 16-bit pool's
+#: bits, 16-bit bits beside a float32 pool.
+_NO_ROWS: Final = np.zeros((1, 1), dtype=np.float32)
+_NO_ROWS.flags.writeable = False
+_NO_BITS: Final = np.zeros((1, 1), dtype=np.uint16)
+_NO_BITS.flags.writeable = False
 
 
 _HEADS_AXIS: Final = {"NHD": 2, "HND": 1, "heads_first": 0}
@@ -402,10 +408,15 @@ def attend_with_kernel(
     partial_stats = np.empty((plan.partial_rows, 2), dtype=np.float32)
     attend: Callable[..., None] = module.attend_share
     merge: Callable[..., None] = module.merge_splits
+    # float32 pools are read in place as float32 rows, the others as their bits; the pair not
+    # used is a stand-in, so one compiled version serves every float pool (one every quantized).
+    if dtype == "float32":
+        pools = (_pool_rows(key_cache), _pool_rows(value_cache), _NO_BITS, _NO_BITS)
+    else:
+        pools = (_NO_ROWS, _NO_ROWS, _pool_rows(key_cache), _pool_rows(value_cache))
     arguments = (
         _read_only(query, np.float32),
-        _pool_rows(key_cache),
-        _pool_rows(value_cache),
+        *pools,
         _POOL_KINDS[dtype],
         strides,
         _read_only(page_table.block_tables, np.int32),
@@ -438,5 +449,5 @@ def attend_with_kernel(
             for future in others:
                 future.result()
         if plan.merges.shape[0]:
-            merge(arguments[7], plan.merges, group, out, partial_acc, partial_stats, head_sinks)
+            merge(arguments[9], plan.merges, group, out, partial_acc, partial_stats, head_sinks)
     return out
