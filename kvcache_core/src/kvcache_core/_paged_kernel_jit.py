@@ -35,9 +35,10 @@ from __future__ import annotations
 # pyright: reportUnknownArgumentType=false, reportUnknownMemberType=false
 # pyright: reportMissingParameterType=false, reportUnknownParameterType=false
 import math
+from typing import Any
 
 import numpy as np
-from llvmlite import ir
+from llvmlite import ir  # type: ignore[import-untyped]
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -90,8 +91,7 @@ _C3, _C4, _C5 = np.float32(1.0 / 6.0), np.float32(1.0 / 24.0), np.float32(1.0 / 
 _C6, _C7 = np.float32(1.0 / 720.0), np.float32(1.0 / 5040.0)
 
 
-@intrinsic
-def _prefetch_row(typingctx, array, row):  # type: ignore[no-untyped-def]
+def _prefetch_row_typer(typingctx, array, row):  # type: ignore[no-untyped-def]
     """Ask the CPU to bring row ``row`` of a 2-D C array (its first 1 KiB) into the L2 cache
     (``prefetcht1``): the hardware prefetcher stops at every 4 KiB page, a paged pool's
     keys cross one every few rows."""
@@ -103,11 +103,13 @@ def _prefetch_row(typingctx, array, row):  # type: ignore[no-untyped-def]
         rows = context.make_array(array_type)(context, builder, arguments[0])
         index = context.cast(builder, arguments[1], signature.args[1], types.intp)
         zero = context.get_constant(types.intp, 0)
-        first = cgutils.get_item_pointer(context, builder, array_type, rows, [index, zero], wraparound=False)
+        first = cgutils.get_item_pointer(  # type: ignore[no-untyped-call]
+            context, builder, array_type, rows, [index, zero], wraparound=False
+        )
         start = builder.bitcast(first, ir.IntType(8).as_pointer())
         row_bytes = builder.extract_value(rows.strides, 0)
         int32 = ir.IntType(32)
-        prefetch = cgutils.get_or_insert_function(
+        prefetch = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
             builder.module, ir.FunctionType(ir.VoidType(), [start.type, int32, int32, int32]), "llvm.prefetch.p0"
         )
         for line in range(16):  # (address, read, locality 2: L2, data cache) per 64-byte line
@@ -117,6 +119,11 @@ def _prefetch_row(typingctx, array, row):  # type: ignore[no-untyped-def]
         return context.get_dummy_value()
 
     return types.void(array, row), codegen
+
+
+#: ``_prefetch_row(array, row)`` in compiled code (typed ``Any``: numba's intrinsic wrapper
+#: declares the typing context as a parameter).
+_prefetch_row: Any = intrinsic(_prefetch_row_typer)
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
