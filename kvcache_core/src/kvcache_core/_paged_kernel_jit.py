@@ -6,9 +6,9 @@ plans and converts every argument. Nothing here validates anything: an index out
 range reads the wrong memory (bounds checks are off, as in any compiled kernel).
 
 The wrapper attends every query of a batch for one layer in one call. Its work is a list
-of items ``(request, kv_head, first_row, last_row, first_key, last_key, partial_row)``,
-shared out among the threads; each thread runs :func:`attend_share` on its share
-without the GIL. The rows of a ``(request, kv_head)`` pair
+of items ``(request, kv_head, first_row, last_row, first_key, last_key, partial_row)``;
+each thread runs :func:`attend_share`, which claims items one by one from a shared atomic
+counter, without the GIL. The rows of a ``(request, kv_head)`` pair
 are its queries times the query heads of that KV head (``row = query * group + g``), so
 each key and value row is read once for the whole group. An item walks its keys in
 tiles of ``KEY_TILE`` following the block table, with an online softmax in float32: the
@@ -18,14 +18,19 @@ it is one KV split of a long context (FlashDecoding) and writes its unnormalised
 accumulator, maximum and sum into the partial buffers, which :func:`merge_splits`
 merges with a log-sum-exp.
 
-Pools are flat 1-D views of one layer's K or V and element strides of (block, token in
-block, head); the feature axis is contiguous. Each key tile's rows are copied (float32)
-or decoded (``POOL_FLOAT16`` and ``POOL_BFLOAT16``, handed over as ``uint16`` bits) into
-one float32 tile that stays in L1 while every query row reads it; the pool itself is
-only read, never copied as a whole. A quantized pool (``POOL_INT8``, ``POOL_FLOAT8``:
-int8 or float8 e4m3, handed over as ``uint8``) is decoded into the tile the same way, each
-row times its token head's scale, so the dequantized values exist only in that tile. ``cache=True``: the compiled code
-is kept on disk, so each machine compiles once (per pool element type).
+Pools are ``[rows, head_dim]`` views of one layer's K or V, one row per (block, token in
+block, head), with the strides of those three in rows. A float32 pool is read in place:
+the products read its rows where they are (four query rows times two keys, or four keys
+times two rows, per pass, so most loads serve several products). Other pools' rows are
+decoded tile by tile (``POOL_FLOAT16`` and ``POOL_BFLOAT16``, handed over as ``uint16``
+bits; the quantized ``POOL_INT8`` and ``POOL_FLOAT8``, int8 or float8 e4m3 as ``uint8``,
+each row times its token head's scale) into float32 tiles that stay in L1, so the
+decoded values exist only there. The pool rows ``PREFETCH_KEYS`` keys ahead are
+prefetched into L2 as the scores are computed: the hardware prefetchers stop at every
+4 KiB page, which a head's keys cross every eight rows of 128 floats. The softmax
+weights' exponentials are computed in vectorised passes (no call per key).
+``cache=True``: the compiled code is kept on disk, so each machine compiles once (once
+for float pools, once for quantized ones).
 """
 
 from __future__ import annotations
@@ -121,6 +126,20 @@ def _prefetch_row_typer(typingctx, array, row):  # type: ignore[no-untyped-def]
     return types.void(array, row), codegen
 
 
+def _claim_typer(typingctx, counter):  # type: ignore[no-untyped-def]
+    """``counter[0]``, incremented atomically: the next item a thread takes."""
+    if not (isinstance(counter, types.Array) and counter.ndim == 1 and counter.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, arguments):  # type: ignore[no-untyped-def]
+        array = context.make_array(signature.args[0])(context, builder, arguments[0])
+        return builder.atomic_rmw("add", array.data, context.get_constant(types.int64, 1), "monotonic")
+
+    return types.int64(counter), codegen
+
+
+#: ``_claim(counter)`` in compiled code.
+_claim: Any = intrinsic(_claim_typer)
 #: ``_prefetch_row(array, row)`` in compiled code (typed ``Any``: numba's intrinsic wrapper
 #: declares the typing context as a parameter).
 _prefetch_row: Any = intrinsic(_prefetch_row_typer)
@@ -454,6 +473,7 @@ def attend_share(  # type: ignore[no-untyped-def]
     seq_lens,
     qo_indptr,
     items,
+    claimed,
     group,
     block_size,
     scale,
@@ -469,7 +489,8 @@ def attend_share(  # type: ignore[no-untyped-def]
     value_scales,
     scale_strides,
 ):
-    """Run the items ``items [n, 7]`` int64 (one thread's share) in order, without the GIL.
+    """Run items of ``items [n, 7]`` int64 without the GIL until none is left: each thread
+    of a call claims the next one from ``claimed [1]`` int64 (0 at the start, shared).
 
     The pools are ``[pool rows, dim]`` (one row per token head) with the row strides
     ``strides`` of (block, token in block, head): ``key_rows``/``value_rows`` float32 for
@@ -509,7 +530,10 @@ def attend_share(  # type: ignore[no-untyped-def]
         value_bits.view(np.float32),
         value_bits,
     )
-    for position in range(items.shape[0]):
+    while True:
+        position = _claim(claimed)
+        if position >= items.shape[0]:
+            break
         _attend_item(
             items[position],
             query,

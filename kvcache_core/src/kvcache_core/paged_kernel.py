@@ -1,7 +1,7 @@
 """The compiled CPU paged-attention kernel: one call per layer for a whole batch.
 
-The NumPy and torch backends hand their pools here on CPU (zero-copy: a flat view of
-one layer's K or V and its strides); the kernel itself, numba code, lives in
+The NumPy and torch backends hand their pools here on CPU (zero-copy: a ``[rows,
+head_dim]`` view of one layer's K or V and its strides in rows); the kernel itself, numba code, lives in
 :mod:`kvcache_core._paged_kernel_jit` and this module is its typed face. It is used
 only when numba imports and the environment variable ``KVCACHE_DISABLE_NUMBA`` is
 unset (or ``0``); otherwise the backends run their Python/NumPy paths, which stay the
@@ -15,22 +15,24 @@ What a call does (FlashDecoding on a CPU):
   there are fewer than ``4 x threads`` of them, decode-like pairs of long contexts are
   split along their keys (at least ``MIN_SPLIT_KEYS`` each) and the splits are merged
   with a log-sum-exp;
-* the items are shared out among the threads longest first (each to the least loaded
-  thread); the calling thread runs the first share and a small pool of worker threads the
-  others, each in compiled code without the GIL (Python threads rather than numba's
-  threading layer: a launch costs ~30 us on a busy machine where libgomp's default wait
-  policy measured 30 ms, and nothing process-wide is configured);
+* the threads claim the items longest first from one atomic counter: the calling thread
+  and a small pool of worker threads, each in compiled code without the GIL (Python
+  threads rather than numba's threading layer: a launch costs ~30 us on a busy machine
+  where libgomp's default wait policy measured 30 ms, and nothing process-wide is
+  configured). A worker the OS keeps waiting delays a call by one item at most, and a
+  batch of less than ``MIN_THREAD_WORK`` runs on the calling thread alone;
 * softmax is online, in float32, whatever the pool's dtype (float32, float16, bfloat16);
 * the attention features of :mod:`kvcache_core.attention_features` (softcap, sinks,
   chunk; the window is the sliding window) are keyword arguments of
   :func:`attend_with_kernel`.
 
-The plan of a batch (items, shares, splits) depends only on the page table, the query
+The plan of a batch (items, threads, splits) depends only on the page table, the query
 offsets, the geometry and the thread count: it is computed once and reused by every layer
 of the step (cached per :class:`PageTable`, which is immutable).
 
-The first call on a machine compiles the kernel (measured 6.4 s for float32 pools and
-5.0 s for 16-bit ones on a busy 2-core machine) and caches it on disk (numba
+The first call on a machine compiles the kernel (measured 8 s on a busy 2-core machine,
+once for float32, float16 and bfloat16 pools, once more for quantized ones) and caches it on
+disk (numba
 ``cache=True``, in ``__pycache__`` next to the module, or ``NUMBA_CACHE_DIR``); later
 processes import numba and the module in 0.3 s and load the compiled code in 0.4 s.
 """
@@ -38,7 +40,6 @@ processes import numba and the module in 0.3 s and load the compiled code in 0.4
 from __future__ import annotations
 
 import functools
-import heapq
 import importlib
 import math
 import os
@@ -60,6 +61,7 @@ __all__ = [
     "DISABLE_ENV",
     "KERNEL_DTYPES",
     "MIN_SPLIT_KEYS",
+    "MIN_THREAD_WORK",
     "QUANTIZED_KERNEL_DTYPES",
     "ROW_SPLIT",
     "attend_with_kernel",
@@ -84,9 +86,9 @@ MIN_SPLIT_KEYS: Final = 512
 
 #: Rough cost of reading one K/V row from memory, in units of one query row's products with it.
 _ROW_READ_COST = 8
-#: Least work (in those units, about 3 ns each) worth a thread of its own: handing a share to
-#: a worker and waiting for it costs some 30-50 us, so a small batch runs on the calling thread.
-_MIN_SHARE_WORK = 16384
+#: Least work (in those units, about 3 ns each) worth a thread of its own: waking a worker and
+#: waiting for it costs some 30-50 us, so a small batch runs on the calling thread alone.
+MIN_THREAD_WORK = 16384
 
 _POOL_KINDS: Final = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "float8_e4m3fn": 4}
 _POOL_ELEMENTS: Final = {
@@ -221,11 +223,12 @@ def _row_strides(strides: tuple[int, ...], kv_layout: str, row_bytes: int) -> In
 
 @dataclass(frozen=True)
 class _Plan:
-    """The work of one batch: one share of items ``[n, 7]`` (request, kv_head, first_row,
-    last_row, first_key, last_key, partial_row) per thread (empty shares left out), merges
-    ``[m, 5]`` (request, kv_head, rows, first_partial_row, splits), partial rows."""
+    """The work of one batch: items ``[n, 7]`` (request, kv_head, first_row, last_row,
+    first_key, last_key, partial_row), longest first, for ``threads`` threads; merges ``[m,
+    5]`` (request, kv_head, rows, first_partial_row, splits), partial rows."""
 
-    shares: tuple[IndexArray, ...]
+    items: IndexArray
+    threads: int
     merges: IndexArray
     partial_rows: int
 
@@ -267,7 +270,7 @@ def _plan(
         if rows <= ROW_SPLIT:
             first_key = _first_visible(seq_len - num_queries, window, chunk)
             decode_like.append((request, rows, first_key))
-    threads = max(1, min(threads, sum(chunk[0] for chunk in chunks) // _MIN_SHARE_WORK))
+    threads = max(1, min(threads, sum(chunk[0] for chunk in chunks) // MIN_THREAD_WORK))
     split_rows: dict[int, int] = {}
     if threads > 1 and len(chunks) < 4 * threads and decode_like:
         wanted = math.ceil(4 * threads / len(chunks))
@@ -295,16 +298,10 @@ def _plan(
                 )
             )
         partial_rows += splits * rows
-    # Longest first, each to the least loaded thread.
-    items.sort(key=lambda entry: -entry[0])
-    loads = [(0, share) for share in range(threads)]
-    shares: list[list[list[int]]] = [[] for _ in range(threads)]
-    for work, item in items:
-        load, share = heapq.heappop(loads)
-        shares[share].append(item)
-        heapq.heappush(loads, (load + work, share))
+    items.sort(key=lambda entry: -entry[0])  # longest first: the threads claim them in this order
     return _Plan(
-        shares=tuple(_read_only(np.asarray(share, dtype=np.int64), np.int64) for share in shares if share),
+        items=_read_only(np.asarray([item for _, item in items], dtype=np.int64).reshape(-1, 7), np.int64),
+        threads=min(threads, len(items)),
         merges=_read_only(np.asarray(merges, dtype=np.int64).reshape(-1, 5), np.int64),
         partial_rows=partial_rows,
     )
@@ -437,17 +434,23 @@ def attend_with_kernel(
     else:
         scale_options = (_NO_SCALES, _NO_SCALES, _NO_STRIDES)
     features = (*features, *scale_options)
+    # The threads claim items from one counter: a worker the OS leaves waiting (a busy
+    # machine) delays the call by the item it holds at most, not by a share of its own.
+    claimed = np.zeros(1, dtype=np.int64)
     with _launch_lock:
         others: list[Future[None]] = []
-        if len(plan.shares) > 1:
+        if plan.threads > 1:
             pool = _worker_pool()
-            others = [pool.submit(attend, *arguments, share, *options, *features) for share in plan.shares[1:]]
+            others = [
+                pool.submit(attend, *arguments, plan.items, claimed, *options, *features)
+                for _ in range(plan.threads - 1)
+            ]
         try:
-            if plan.shares:
-                attend(*arguments, plan.shares[0], *options, *features)
+            attend(*arguments, plan.items, claimed, *options, *features)
         finally:
             for future in others:
-                future.result()
+                if not future.cancel():  # a worker that never started has nothing left to do
+                    future.result()
         if plan.merges.shape[0]:
             merge(arguments[9], plan.merges, group, out, partial_acc, partial_stats, head_sinks)
     return out
