@@ -331,6 +331,21 @@ def _add_values(rows, value_rows, rows_at, first, keys, scores, acc):  # type: i
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+def _visible(position, first_key, last_key, causal, window, chunk):  # type: ignore[no-untyped-def]
+    """The keys ``[low, high)`` of ``[first_key, last_key)`` the query at ``position`` sees."""
+    low, high = first_key, last_key
+    if causal:
+        high = min(high, position + 1)
+    if window > 0:
+        low = max(low, position - window + 1)
+    if chunk > 0:  # chunked local attention: the query's own chunk only
+        chunk_start = position // chunk * chunk
+        low = max(low, chunk_start)
+        high = min(high, chunk_start + chunk)
+    return low, high
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
 def _attend_item(  # type: ignore[no-untyped-def]
     item,
     query,
@@ -369,15 +384,8 @@ def _attend_item(  # type: ignore[no-untyped-def]
     partial_acc, partial_stats = partials
     rows_at, scales_at, tile_rows, key_tile, key_bits, value_tile, value_bits = tiles
     scores, acc, row_max, row_sum, row_low, row_high = work[0], work[1], work[2], work[3], work[4], work[5]
-    request, head, first_row, last_row, first_key, last_key, partial_row = (
-        item[0],
-        item[1],
-        item[2],
-        item[3],
-        item[4],
-        item[5],
-        item[6],
-    )
+    request, head, first_row, last_row = item[0], item[1], item[2], item[3]
+    first_key, last_key, partial_row = item[4], item[5], item[6]
     dim = query.shape[2]
     query_start = qo_indptr[request]
     num_queries = qo_indptr[request + 1] - query_start
@@ -386,16 +394,7 @@ def _attend_item(  # type: ignore[no-untyped-def]
     # The keys any row of the item sees, and their pool rows, once for all its row tiles.
     item_low, item_high = last_key, first_key
     for r in range(first_row, last_row):
-        position = seq_len - num_queries + r // group
-        low, high = first_key, last_key
-        if causal:
-            high = min(high, position + 1)
-        if window > 0:
-            low = max(low, position - window + 1)
-        if chunk > 0:  # chunked local attention: the query's own chunk only
-            chunk_start = position // chunk * chunk
-            low = max(low, chunk_start)
-            high = min(high, chunk_start + chunk)
+        low, high = _visible(seq_len - num_queries + r // group, first_key, last_key, causal, window, chunk)
         item_low, item_high = min(item_low, low), max(item_high, high)
     item_keys = max(0, item_high - item_low)
     _pool_rows(block_row, item_low, item_keys, block_size, strides, scale_strides, head, rows_at, scales_at)
@@ -407,16 +406,7 @@ def _attend_item(  # type: ignore[no-untyped-def]
             r = tile_row + j
             q_index = r // group
             q_head = head * group + (r - q_index * group)
-            position = seq_len - num_queries + q_index
-            low, high = first_key, last_key
-            if causal:
-                high = min(high, position + 1)
-            if window > 0:
-                low = max(low, position - window + 1)
-            if chunk > 0:
-                chunk_start = position // chunk * chunk
-                low = max(low, chunk_start)
-                high = min(high, chunk_start + chunk)
+            low, high = _visible(seq_len - num_queries + q_index, first_key, last_key, causal, window, chunk)
             row_low[j] = low
             row_high[j] = high
             low_all = min(low_all, low)
