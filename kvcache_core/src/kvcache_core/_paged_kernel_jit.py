@@ -208,17 +208,21 @@ def _key_scores(queries, rows, key_rows, rows_at, first, keys, scores, ahead):  
     end)``: each pass prefetches the rows ``pool_rows[next + c]`` below ``end`` of the pools
     (float32, read in place) or of the raw ones."""
     in_place, pools, raw_pools, pool_rows, upcoming, end = ahead
+    # Unpacked once: taking an array out of a tuple inside the loop costs two atomic
+    # reference-count updates per key.
+    key_pool, value_pool = pools
+    key_raw, value_raw = raw_pools
     dim = queries.shape[1]
     c = 0
     while c < keys:
         pair = c + 1 < keys
         for later in range(upcoming + c, min(upcoming + c + 2, end)):
             if in_place:
-                _prefetch_row(pools[0], pool_rows[later])
-                _prefetch_row(pools[1], pool_rows[later])
+                _prefetch_row(key_pool, pool_rows[later])
+                _prefetch_row(value_pool, pool_rows[later])
             else:
-                _prefetch_row(raw_pools[0], pool_rows[later])
-                _prefetch_row(raw_pools[1], pool_rows[later])
+                _prefetch_row(key_raw, pool_rows[later])
+                _prefetch_row(value_raw, pool_rows[later])
         a0 = rows_at[first + c]
         a1 = rows_at[first + c + 1] if pair else a0
         j = 0
@@ -277,22 +281,20 @@ def _softmax_step(rows, keys, tile_key, work, softcap):  # type: ignore[no-untyp
             for d in range(dim):
                 acc[j, d] *= shrink
             row_max[j] = new_max
-        for c in range(low):
-            scores[j, c] = 0.0
-        for c in range(high, keys):
-            scores[j, c] = 0.0
         # exp(s - max) in two vectorised passes: 2**n through its float32 bits, exp(r) of the
         # rest (|r| <= ln 2 / 2) by its Taylor series to r**7 (relative error under 1e-8).
-        for c in range(low, high):
-            x = max(scores[j, c] - new_max, _EXP_LOWEST)
+        # The passes run over the whole tile (an index from 0 is known non-negative, which
+        # LLVM needs to vectorise) and a select keeps the keys the row sees.
+        for c in range(keys):
+            x = min(max(scores[j, c] - new_max, _EXP_LOWEST), np.float32(0.0))
             n = np.floor(x * _LOG2E + np.float32(0.5))
             r = x - n * _LN2_HIGH - n * _LN2_LOW
             p = r * (_C4 + r * (_C5 + r * (_C6 + r * _C7)))
             scores[j, c] = np.float32(1.0) + r * (np.float32(1.0) + r * (np.float32(0.5) + r * (_C3 + p)))
             powers[c] = np.int32((n + np.float32(127.0)) * np.float32(8388608.0))
         total = np.float32(0.0)
-        for c in range(low, high):
-            weight = scores[j, c] * power_values[c]
+        for c in range(keys):
+            weight = scores[j, c] * power_values[c] if low <= c < high else np.float32(0.0)
             scores[j, c] = weight
             total += weight
         row_sum[j] += total
