@@ -113,6 +113,7 @@ def test_the_kernel_equals_the_reference_on_any_batch(data: st.DataObject) -> No
     with (
         mock.patch.object(paged_kernel, "MIN_SPLIT_KEYS", min_split),
         mock.patch.object(paged_kernel, "ROW_SPLIT", row_split),
+        mock.patch.object(paged_kernel, "MIN_THREAD_WORK", 1),  # these small batches use every thread
     ):
         got = paged_kernel.attend_with_kernel(
             query, keys, values, table, indptr, dtype=dtype, scale=scale, causal=causal, kv_layout=layout,
@@ -135,13 +136,14 @@ def test_a_long_context_on_few_heads_is_split_and_merged() -> None:
     values = rng.standard_normal((num_blocks, 16, 1, 32)).astype(np.float32)
     query = rng.standard_normal((1, 4, 32)).astype(np.float32)
     indptr = np.array([0, 1], dtype=np.int32)
-    plan = paged_kernel._cached_plan(table, indptr, 1, 4, True, 0, 4)  # pyright: ignore[reportPrivateUsage]
-    assert plan.merges.shape[0] == 1, plan.merges
-    assert plan.merges[0, 4] > 1, plan.merges
-    got = paged_kernel.attend_with_kernel(
-        query, keys, values, table, indptr, dtype="float32", scale=0.2, causal=True, kv_layout="NHD",
-        sliding_window=None, num_threads=4,
-    )  # fmt: skip
+    with mock.patch.object(paged_kernel, "MIN_THREAD_WORK", 1):
+        plan = paged_kernel._cached_plan(table, indptr, 1, 4, True, 0, 4)  # pyright: ignore[reportPrivateUsage]
+        assert plan.merges.shape[0] == 1, plan.merges
+        assert plan.merges[0, 4] > 1, plan.merges
+        got = paged_kernel.attend_with_kernel(
+            query, keys, values, table, indptr, dtype="float32", scale=0.2, causal=True, kv_layout="NHD",
+            sliding_window=None, num_threads=4,
+        )  # fmt: skip
     expected = paged_attention(query.astype(np.float64), keys, values, table, scale=0.2)
     np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
 

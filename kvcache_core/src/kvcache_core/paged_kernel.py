@@ -1,7 +1,7 @@
 """The compiled CPU paged-attention kernel: one call per layer for a whole batch.
 
-The NumPy and torch backends hand their pools here on CPU (zero-copy: a flat view of
-one layer's K or V and its strides); the kernel itself, numba code, lives in
+The NumPy and torch backends hand their pools here on CPU (zero-copy: a ``[rows,
+head_dim]`` view of one layer's K or V and its strides in rows); the kernel itself, numba code, lives in
 :mod:`kvcache_core._paged_kernel_jit` and this module is its typed face. It is used
 only when numba imports and the environment variable ``KVCACHE_DISABLE_NUMBA`` is
 unset (or ``0``); otherwise the backends run their Python/NumPy paths, which stay the
@@ -15,29 +15,31 @@ What a call does (FlashDecoding on a CPU):
   there are fewer than ``4 x threads`` of them, decode-like pairs of long contexts are
   split along their keys (at least ``MIN_SPLIT_KEYS`` each) and the splits are merged
   with a log-sum-exp;
-* the items are shared out among the threads longest first (each to the least loaded
-  thread); the calling thread runs the first share and a small pool of worker threads the
-  others, each in compiled code without the GIL (Python threads rather than numba's
-  threading layer: a launch costs ~30 us on a busy machine where libgomp's default wait
-  policy measured 30 ms, and nothing process-wide is configured);
+* the threads claim the items longest first from one atomic counter: the calling thread
+  and a small pool of worker threads, each in compiled code without the GIL (Python
+  threads rather than numba's threading layer: a launch costs ~30 us on a busy machine
+  where libgomp's default wait policy measured 30 ms, and nothing process-wide is
+  configured). A worker the OS keeps waiting delays a call by one item at most, and a
+  batch of less than ``MIN_THREAD_WORK`` runs on the calling thread alone;
 * softmax is online, in float32, whatever the pool's dtype (float32, float16, bfloat16);
 * the attention features of :mod:`kvcache_core.attention_features` (softcap, sinks,
   chunk; the window is the sliding window) are keyword arguments of
   :func:`attend_with_kernel`.
 
-The plan of a batch (items, shares, splits) depends only on the page table, the query
+The plan of a batch (items, threads, splits) depends only on the page table, the query
 offsets, the geometry and the thread count: it is computed once and reused by every layer
 of the step (cached per :class:`PageTable`, which is immutable).
 
-The first call on a machine compiles the kernel (measured 6.4 s for float32 pools and
-5.0 s for 16-bit ones on a busy 2-core machine) and caches it on disk (numba
+The first call on a machine compiles the kernel (measured 8 s on a busy 2-core machine,
+once for float32, float16 and bfloat16 pools, once more for quantized ones) and caches it on
+disk (numba
 ``cache=True``, in ``__pycache__`` next to the module, or ``NUMBA_CACHE_DIR``); later
 processes import numba and the module in 0.3 s and load the compiled code in 0.4 s.
 """
 
 from __future__ import annotations
 
-import heapq
+import functools
 import importlib
 import math
 import os
@@ -59,6 +61,7 @@ __all__ = [
     "DISABLE_ENV",
     "KERNEL_DTYPES",
     "MIN_SPLIT_KEYS",
+    "MIN_THREAD_WORK",
     "QUANTIZED_KERNEL_DTYPES",
     "ROW_SPLIT",
     "attend_with_kernel",
@@ -83,6 +86,9 @@ MIN_SPLIT_KEYS: Final = 512
 
 #: Rough cost of reading one K/V row from memory, in units of one query row's products with it.
 _ROW_READ_COST = 8
+#: Least work (in those units, about 3 ns each) worth a thread of its own: waking a worker and
+#: waiting for it costs some 30-50 us, so a small batch runs on the calling thread alone.
+MIN_THREAD_WORK = 16384
 
 _POOL_KINDS: Final = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "float8_e4m3fn": 4}
 _POOL_ELEMENTS: Final = {
@@ -97,6 +103,14 @@ _NO_SCALES: Final = np.zeros(1, dtype=np.float32)
 _NO_SCALES.flags.writeable = False
 _NO_STRIDES: Final = np.zeros(3, dtype=np.int64)
 _NO_STRIDES.flags.writeable = False
+_NO_SINKS: Final = np.zeros(0, dtype=np.float32)
+_NO_SINKS.flags.writeable = False
+#: What the kernel gets for the pools it does not read: float32 rows beside a 16-bit pool's
+#: bits, 16-bit bits beside a float32 pool.
+_NO_ROWS: Final = np.zeros((1, 1), dtype=np.float32)
+_NO_ROWS.flags.writeable = False
+_NO_BITS: Final = np.zeros((1, 1), dtype=np.uint16)
+_NO_BITS.flags.writeable = False
 
 
 _HEADS_AXIS: Final = {"NHD": 2, "HND": 1, "heads_first": 0}
@@ -156,8 +170,8 @@ def _worker_pool() -> ThreadPoolExecutor:
 def kernel_reads(dtype: str, key_cache: npt.NDArray[Any], value_cache: npt.NDArray[Any]) -> bool:
     """Whether the kernel can read these pools in place: a dtype of :data:`KERNEL_DTYPES` or
     :data:`QUANTIZED_KERNEL_DTYPES`, arrays of its element type (``uint16`` for 16-bit pools,
-    ``uint8`` for quantized ones), the feature axis contiguous
-    and no negative stride."""
+    ``uint8`` for quantized ones), the feature axis contiguous, the other strides whole
+    multiples of a feature row (the kernel reads rows of ``head_dim``) and none negative."""
     element = _POOL_ELEMENTS.get(dtype)
     if element is None:
         return False
@@ -166,32 +180,55 @@ def kernel_reads(dtype: str, key_cache: npt.NDArray[Any], value_cache: npt.NDArr
             return False
         if cache.strides[3] != cache.itemsize or min(cache.strides) < 0:
             return False
+        row_bytes = cache.shape[3] * cache.itemsize
+        if any(
+            stride % row_bytes for stride, extent in zip(cache.strides[:3], cache.shape[:3], strict=True) if extent > 1
+        ):
+            return False  # rows that do not start at whole multiples of head_dim
     return key_cache.shape == value_cache.shape
 
 
-def _flat(cache: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """A read-only 1-D view from the array's first element to its last (no copy)."""
+def _pool_rows(cache: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """A read-only ``[rows, head_dim]`` view from the array's first row to its last (no copy):
+    one row per (block, token, head), the kernel's unit of reading."""
+    if cache.flags.c_contiguous:
+        rows: npt.NDArray[Any] = cache.reshape(-1, cache.shape[3])  # a view (and quicker than as_strided)
+        rows.flags.writeable = False
+        return rows
+    row_bytes = cache.shape[3] * cache.itemsize
     last = sum((extent - 1) * stride for extent, stride in zip(cache.shape, cache.strides, strict=True))
     return np.lib.stride_tricks.as_strided(
-        cache, shape=(last // cache.itemsize + 1,), strides=(cache.itemsize,), writeable=False
+        cache, shape=(last // row_bytes + 1, cache.shape[3]), strides=(row_bytes, cache.itemsize), writeable=False
     )
 
 
 def _read_only(array: npt.NDArray[Any], dtype: type[np.generic]) -> npt.NDArray[Any]:
     """A C-contiguous read-only array of ``dtype`` (a view when it already is one): every
     call hands numba the same types, so the kernel compiles once."""
+    if array.dtype == dtype and not array.flags.writeable and array.flags.c_contiguous:
+        return array  # a page table's arrays, a plan's: read-only already
     view: npt.NDArray[Any] = np.ascontiguousarray(array, dtype=dtype).view()
     view.flags.writeable = False
     return view
 
 
+@functools.lru_cache(maxsize=64)
+def _row_strides(strides: tuple[int, ...], kv_layout: str, row_bytes: int) -> IndexArray:
+    """Read-only int64 strides in rows of (block, token in block, head) of a pool with byte
+    ``strides`` in ``kv_layout`` (the same few for every call of a run)."""
+    rows = np.asarray([strides[axis] // row_bytes for axis in _STRIDE_AXES[kv_layout]], dtype=np.int64)
+    rows.flags.writeable = False
+    return rows
+
+
 @dataclass(frozen=True)
 class _Plan:
-    """The work of one batch: one share of items ``[n, 7]`` (request, kv_head, first_row,
-    last_row, first_key, last_key, partial_row) per thread (empty shares left out), merges
-    ``[m, 5]`` (request, kv_head, rows, first_partial_row, splits), partial rows."""
+    """The work of one batch: items ``[n, 7]`` (request, kv_head, first_row, last_row,
+    first_key, last_key, partial_row), longest first, for ``threads`` threads; merges ``[m,
+    5]`` (request, kv_head, rows, first_partial_row, splits), partial rows."""
 
-    shares: tuple[IndexArray, ...]
+    items: IndexArray
+    threads: int
     merges: IndexArray
     partial_rows: int
 
@@ -233,6 +270,7 @@ def _plan(
         if rows <= ROW_SPLIT:
             first_key = _first_visible(seq_len - num_queries, window, chunk)
             decode_like.append((request, rows, first_key))
+    threads = max(1, min(threads, sum(chunk[0] for chunk in chunks) // MIN_THREAD_WORK))
     split_rows: dict[int, int] = {}
     if threads > 1 and len(chunks) < 4 * threads and decode_like:
         wanted = math.ceil(4 * threads / len(chunks))
@@ -260,16 +298,10 @@ def _plan(
                 )
             )
         partial_rows += splits * rows
-    # Longest first, each to the least loaded thread.
-    items.sort(key=lambda entry: -entry[0])
-    loads = [(0, share) for share in range(threads)]
-    shares: list[list[list[int]]] = [[] for _ in range(threads)]
-    for work, item in items:
-        load, share = heapq.heappop(loads)
-        shares[share].append(item)
-        heapq.heappush(loads, (load + work, share))
+    items.sort(key=lambda entry: -entry[0])  # longest first: the threads claim them in this order
     return _Plan(
-        shares=tuple(_read_only(np.asarray(share, dtype=np.int64), np.int64) for share in shares if share),
+        items=_read_only(np.asarray([item for _, item in items], dtype=np.int64).reshape(-1, 7), np.int64),
+        threads=min(threads, len(items)),
         merges=_read_only(np.asarray(merges, dtype=np.int64).reshape(-1, 5), np.int64),
         partial_rows=partial_rows,
     )
@@ -368,25 +400,29 @@ def attend_with_kernel(
     window = 0 if sliding_window is None else int(sliding_window)
     chunk_size = 0 if chunk is None else int(chunk)
     plan = _cached_plan(page_table, qo_indptr, num_heads, group, causal, window, threads, chunk_size)
-    itemsize = key_cache.itemsize
-    strides = np.asarray([key_cache.strides[axis] // itemsize for axis in _STRIDE_AXES[kv_layout]], dtype=np.int64)
+    strides = _row_strides(key_cache.strides, kv_layout, head_dim * key_cache.itemsize)
     partial_acc = np.empty((plan.partial_rows, head_dim), dtype=np.float32)
     partial_stats = np.empty((plan.partial_rows, 2), dtype=np.float32)
     attend: Callable[..., None] = module.attend_share
     merge: Callable[..., None] = module.merge_splits
+    # float32 pools are read in place as float32 rows, the others as their bits; the pair not
+    # used is a stand-in, so one compiled version serves every float pool (one every quantized).
+    if dtype == "float32":
+        pools = (_pool_rows(key_cache), _pool_rows(value_cache), _NO_BITS, _NO_BITS)
+    else:
+        pools = (_NO_ROWS, _NO_ROWS, _pool_rows(key_cache), _pool_rows(value_cache))
     arguments = (
         _read_only(query, np.float32),
-        _flat(key_cache),
-        _flat(value_cache),
+        *pools,
         _POOL_KINDS[dtype],
-        _read_only(strides, np.int64),
+        strides,
         _read_only(page_table.block_tables, np.int32),
         _read_only(page_table.seq_lens, np.int32),
         _read_only(qo_indptr, np.int32),
     )
     options = (group, page_table.block_size, float(scale), bool(causal), window, out, partial_acc, partial_stats)
     # The attention features: softcap 0 and chunk 0 mean none, an empty sinks array no sinks.
-    head_sinks = _read_only(np.zeros(0) if sinks is None else np.asarray(sinks), np.float32)
+    head_sinks = _NO_SINKS if sinks is None else _read_only(np.asarray(sinks), np.float32)
     features: tuple[Any, ...] = (0.0 if softcap is None else float(softcap), head_sinks, chunk_size)
     # A quantized pool's scales (flat, with element strides block, token, head); empty otherwise.
     if quantized and key_scales is not None and value_scales is not None:
@@ -398,17 +434,23 @@ def attend_with_kernel(
     else:
         scale_options = (_NO_SCALES, _NO_SCALES, _NO_STRIDES)
     features = (*features, *scale_options)
+    # The threads claim items from one counter: a worker the OS leaves waiting (a busy
+    # machine) delays the call by the item it holds at most, not by a share of its own.
+    claimed = np.zeros(1, dtype=np.int64)
     with _launch_lock:
         others: list[Future[None]] = []
-        if len(plan.shares) > 1:
+        if plan.threads > 1:
             pool = _worker_pool()
-            others = [pool.submit(attend, *arguments, share, *options, *features) for share in plan.shares[1:]]
+            others = [
+                pool.submit(attend, *arguments, plan.items, claimed, *options, *features)
+                for _ in range(plan.threads - 1)
+            ]
         try:
-            if plan.shares:
-                attend(*arguments, plan.shares[0], *options, *features)
+            attend(*arguments, plan.items, claimed, *options, *features)
         finally:
             for future in others:
-                future.result()
+                if not future.cancel():  # a worker that never started has nothing left to do
+                    future.result()
         if plan.merges.shape[0]:
-            merge(arguments[7], plan.merges, group, out, partial_acc, partial_stats, head_sinks)
+            merge(arguments[9], plan.merges, group, out, partial_acc, partial_stats, head_sinks)
     return out

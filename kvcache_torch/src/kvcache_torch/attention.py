@@ -60,7 +60,13 @@ from kvcache_core.attention_features import (
     combined_window,
 )
 from kvcache_core.config import KV_LAYOUTS
-from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
+from kvcache_core.errors import (
+    ArrayTypeError,
+    DTypeMismatchError,
+    InvalidArgumentError,
+    ShapeMismatchError,
+    UnsupportedConfigError,
+)
 from kvcache_core.page_table import PageTable
 
 __all__ = ["attend_pool", "paged_attention"]
@@ -106,26 +112,25 @@ def _kernel_attention(
     dtype = _KERNEL_DTYPES.get(key_cache.dtype)
     if dtype is None or key_cache.device.type != "cpu" or not paged_kernel.kernel_available():
         return None
-    keys, values = _host_view(key_cache), _host_view(value_cache)
-    if not paged_kernel.kernel_reads(dtype, keys, values):
+    try:  # attend_with_kernel refuses pools it cannot read in place (kernel_reads): no second check here
+        output = paged_kernel.attend_with_kernel(
+            query.detach().to(torch.float32).numpy(),
+            _host_view(key_cache),
+            _host_view(value_cache),
+            page_table,
+            qo_indptr,
+            dtype=dtype,
+            scale=scale,
+            causal=causal,
+            kv_layout=kv_layout,
+            sliding_window=window,
+            num_threads=torch.get_num_threads(),
+            softcap=softcap,
+            sinks=None if sinks is None else sinks.detach().to(torch.float32).numpy(),
+            chunk=chunk,
+        )
+    except UnsupportedConfigError:
         return None
-    host_query = query.detach().to(torch.float32).numpy()
-    output = paged_kernel.attend_with_kernel(
-        host_query,
-        keys,
-        values,
-        page_table,
-        qo_indptr,
-        dtype=dtype,
-        scale=scale,
-        causal=causal,
-        kv_layout=kv_layout,
-        sliding_window=window,
-        num_threads=torch.get_num_threads(),
-        softcap=softcap,
-        sinks=None if sinks is None else sinks.detach().to(torch.float32).numpy(),
-        chunk=chunk,
-    )
     return torch.from_numpy(output).to(query.dtype)  # pyright: ignore[reportUnknownMemberType]
 
 
