@@ -12,6 +12,7 @@ from kvcache_core import (
     AllocationRequest,
     CacheConfig,
     InvalidConfigError,
+    InvalidTypeError,
     LayerSpec,
     PagedKvCacheManager,
     create_manager,
@@ -20,6 +21,7 @@ from kvcache_core.discovery import get_backend
 from kvcache_core.groups import plan_groups
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.machine import POLICIES, ReferenceMachine
+from kvcache_core.testing.world import untyped
 
 FULL, SLIDING = LayerSpec(), LayerSpec(window=7)
 
@@ -117,3 +119,9 @@ def test_a_manager_refuses_a_config_its_storage_was_not_built_from() -> None:
     storage = create_manager("numpy", CacheConfig(num_layers=2, num_heads=1, head_dim=4, num_blocks=8)).storage
     with pytest.raises(InvalidConfigError, match=r"build the storage from config\.storage_config"):
         PagedKvCacheManager(storage, config=config)
+
+
+def test_a_manager_refuses_a_config_that_is_not_one() -> None:
+    storage = create_manager("numpy", CacheConfig(num_layers=2, num_heads=1, head_dim=4, num_blocks=8)).storage
+    with pytest.raises(InvalidTypeError, match="config must be a CacheConfig or None, got dict"):
+        PagedKvCacheManager(storage, config=untyped({}))

@@ -100,6 +100,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             storage's own config.
 
     Raises:
+        InvalidTypeError: ``config`` is not a ``CacheConfig``.
         InvalidConfigError: ``config`` is not the one ``storage`` was built from.
     """
 
@@ -114,7 +115,9 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
     ) -> None:
         if config is None:
             config = storage.config
-        elif not isinstance(config, CacheConfig) or config.storage_config() != storage.config:
+        elif not isinstance(config, CacheConfig):
+            raise InvalidTypeError(f"config must be a CacheConfig or None, got {type(config).__name__}")
+        elif config.storage_config() != storage.config:
             raise InvalidConfigError(
                 f"config {config!r} is not the config of the storage ({storage.config!r}): build the storage "
                 "from config.storage_config()"

@@ -96,6 +96,15 @@ class BlockRecord:
     values: npt.NDArray[Any]
     group: int = 0
 
+    @classmethod
+    def of_entry(
+        cls, entry: PrefixEntry, keys: npt.NDArray[Any], values: npt.NDArray[Any], group: int = 0
+    ) -> BlockRecord:
+        """The record of a cached block of the prefix-cache entry ``entry``, whose K/V were
+        copied to the host."""
+        parent = None if entry.parent is None else entry.parent.block_hash
+        return cls(entry.block_hash, parent, entry.salt, entry.token_ids, keys, values, group)
+
     @property
     def nbytes(self) -> int:
         """Bytes of K/V it holds."""
@@ -361,15 +370,7 @@ def cached_records(pool: PoolAccess) -> list[BlockRecord]:
         return []
     keys, values = pool.storage.blocks_to_host(np.asarray([block for _, block in picked], dtype=np.int64))
     return [
-        BlockRecord(
-            entry.block_hash,
-            None if entry.parent is None else entry.parent.block_hash,
-            entry.salt,
-            entry.token_ids,
-            keys[:, index],
-            values[:, index],
-            int(pool.group_of[block]),
-        )
+        BlockRecord.of_entry(entry, keys[:, index], values[:, index], int(pool.group_of[block]))
         for index, (entry, block) in enumerate(picked)
     ]
 

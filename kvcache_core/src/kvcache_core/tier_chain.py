@@ -110,16 +110,7 @@ class TierChain:
         for index, block in enumerate(picked):
             entry = prefix.entry_of(block)
             assert entry is not None
-            records.append(
-                BlockRecord(
-                    entry.block_hash,
-                    None if entry.parent is None else entry.parent.block_hash,
-                    entry.salt,
-                    entry.token_ids,
-                    keys[:, index],
-                    values[:, index],
-                )
-            )
+            records.append(BlockRecord.of_entry(entry, keys[:, index], values[:, index]))
         self._push(0, records)
 
     def _push(self, level: int, records: list[BlockRecord]) -> None:

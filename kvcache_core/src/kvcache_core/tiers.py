@@ -41,6 +41,7 @@ A promotion's copy is transactional: whatever it raises, the request's blocks go
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 from collections import OrderedDict
@@ -172,21 +173,12 @@ def _check_name(name: object) -> str:
     return name
 
 
-class HostTier:
-    """Blocks in host memory (NumPy arrays), least recently used first out.
+class _BoundedTier:
+    """What the built-in tiers share: a name, a byte budget and the bytes held."""
 
-    Args:
-        max_bytes: the K/V bytes it may hold (>= one block's, checked when bound).
-        name: its name (``"host"``).
-
-    Raises:
-        InvalidArgumentError: ``max_bytes`` below 1, or a bad name.
-    """
-
-    def __init__(self, max_bytes: int, *, name: str = "host") -> None:
+    def __init__(self, max_bytes: object, name: object) -> None:
         self._max_bytes = _check_max_bytes(max_bytes)
         self._name = _check_name(name)
-        self._blocks: OrderedDict[bytes, BlockRecord] = OrderedDict()
         self._used_bytes = 0
 
     @property
@@ -207,19 +199,28 @@ class HostTier:
                 f"tier {self._name!r} holds {self._max_bytes} bytes, less than one block of {config.bytes_per_block}"
             )
 
+
+class HostTier(_BoundedTier):
+    """Blocks in host memory (NumPy arrays), least recently used first out.
+
+    Args:
+        max_bytes: the K/V bytes it may hold (>= one block's, checked when bound).
+        name: its name (``"host"``).
+
+    Raises:
+        InvalidArgumentError: ``max_bytes`` below 1, or a bad name.
+    """
+
+    def __init__(self, max_bytes: int, *, name: str = "host") -> None:
+        super().__init__(max_bytes, name)
+        self._blocks: OrderedDict[bytes, BlockRecord] = OrderedDict()
+
     def put(self, record: BlockRecord) -> list[BlockRecord | bytes]:
         if record.nbytes > self._max_bytes:
             return [record]
         self.discard(record.block_hash)
         # Own copies: the pool's host views must not pin (or alias) anything.
-        stored = BlockRecord(
-            record.block_hash,
-            record.parent_hash,
-            record.salt,
-            record.token_ids,
-            record.keys.copy(),
-            record.values.copy(),
-        )
+        stored = dataclasses.replace(record, keys=record.keys.copy(), values=record.values.copy())
         self._blocks[record.block_hash] = stored
         self._used_bytes += stored.nbytes
         let_go: list[BlockRecord | bytes] = []
@@ -251,7 +252,7 @@ class HostTier:
         self._used_bytes = 0
 
 
-class DiskTier:
+class DiskTier(_BoundedTier):
     """Blocks in files of a directory, one per block in the portable format of
     :mod:`kvcache_core.persist` (checksummed, no pickle), least recently used first out.
 
@@ -273,24 +274,10 @@ class DiskTier:
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int, *, name: str = "disk") -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise InvalidTypeError(f"directory must be a str or os.PathLike, got {directory!r}")
+        super().__init__(max_bytes, name)
         self._directory = Path(directory)
-        self._max_bytes = _check_max_bytes(max_bytes)
-        self._name = _check_name(name)
         self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes
-        self._used_bytes = 0
         self._config: CacheConfig | None = None
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def max_bytes(self) -> int:
-        return self._max_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used_bytes
 
     @property
     def directory(self) -> Path:
@@ -302,10 +289,7 @@ class DiskTier:
         return self._directory / f"{block_hash.hex()}.safetensors"
 
     def bind(self, config: CacheConfig) -> None:
-        if config.bytes_per_block > self._max_bytes:
-            raise TierError(
-                f"tier {self._name!r} holds {self._max_bytes} bytes, less than one block of {config.bytes_per_block}"
-            )
+        super().bind(config)
         try:
             self._directory.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=self._directory):

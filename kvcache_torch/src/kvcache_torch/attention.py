@@ -268,16 +268,22 @@ def _attend_rows(
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32 if low_precision else None).to(rows.dtype)
     if len(pieces) == 1:
         return _piece_values(weights, pieces[0])
+    return _weighted_values(weights, pieces, rows.dtype)
+
+
+def _weighted_values(weights: torch.Tensor, pieces: list[_Piece], dtype: torch.dtype) -> torch.Tensor:
+    """Each piece's values weighted by its columns of ``weights``, summed over the pieces
+    (in float32 for 16-bit rows), as ``dtype``."""
     result: torch.Tensor | None = None
     offset = 0
     for piece in pieces:
         part = _piece_values(weights.narrow(-1, offset, piece.tokens), piece)
         offset += piece.tokens
-        if low_precision:
+        if dtype in _LOW_PRECISION:
             part = part.float()  # accumulate the runs in float32
         result = part if result is None else result.add_(part)
     assert result is not None
-    return result.to(rows.dtype)
+    return result.to(dtype)
 
 
 def _attend_rows_with_features(
@@ -305,16 +311,7 @@ def _attend_rows_with_features(
     if sinks is not None:  # the sink joins the denominator and adds no value
         denominator = denominator + torch.exp(sinks.to(scores.dtype) - top)
     weights = (weights / denominator[..., None]).to(rows.dtype)
-    result: torch.Tensor | None = None
-    offset = 0
-    for piece in pieces:
-        part = _piece_values(weights.narrow(-1, offset, piece.tokens), piece)
-        offset += piece.tokens
-        if low_precision:
-            part = part.float()
-        result = part if result is None else result.add_(part)
-    assert result is not None
-    return result.to(rows.dtype)
+    return _weighted_values(weights, pieces, rows.dtype)
 
 
 def attend_pool(
