@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.attention_features import (
+    check_attention_features,
     check_chunk,
     check_chunk_positions,
     check_softcap,
@@ -34,10 +36,10 @@ from kvcache_core.attention_features import (
     combined_window,
 )
 from kvcache_core.config import KV_LAYOUTS
-from kvcache_core.errors import InvalidArgumentError, ShapeMismatchError
+from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, ShapeMismatchError
 from kvcache_core.page_table import PageTable
 
-__all__ = ["check_scale", "decode_indptr", "paged_attention", "validate_query_indptr"]
+__all__ = ["check_attention_call", "check_scale", "decode_indptr", "paged_attention", "validate_query_indptr"]
 
 FloatArray = npt.NDArray[np.floating[Any]]
 IntArray = npt.NDArray[np.int64]
@@ -90,6 +92,44 @@ def check_scale(scale: object, head_dim: int) -> float:
     if not (math.isfinite(value) and value > 0):
         raise InvalidArgumentError(f"scale must be a finite number > 0, got {scale!r}")
     return value
+
+
+def check_attention_call(
+    scale: object,
+    causal: object,
+    head_dim: int,
+    features: dict[str, Any],
+    *,
+    served: frozenset[str],
+    backend: str,
+    query_heads: int,
+    table_window: int | None,
+    check_array: Callable[[str, object, tuple[int, ...]], None],
+) -> tuple[float, dict[str, Any]]:
+    """What a manager's or a step's attention call checks beyond its arrays: the scale,
+    ``causal`` and the attention features ``features`` (``window``, ``softcap``, ``sinks``,
+    ``chunk``; see :func:`check_attention_features`).
+
+    Returns:
+        The scale and the keyword arguments to hand the storage (the features set).
+
+    Raises:
+        InvalidArgumentError, InvalidTypeError (``causal``), and what
+        :func:`check_attention_features` raises.
+    """
+    checked_scale = check_scale(scale, head_dim)
+    if not isinstance(causal, bool):
+        raise InvalidTypeError(f"causal must be a bool, got {causal!r}")
+    if all(value is None for value in features.values()):
+        return checked_scale, {}
+    return checked_scale, check_attention_features(
+        **features,
+        served=served,
+        backend=backend,
+        query_heads=query_heads,
+        table_window=table_window,
+        check_array=check_array,
+    )
 
 
 def validate_query_indptr(qo_indptr: object, page_table: PageTable, total_queries: int) -> npt.NDArray[np.int32]:

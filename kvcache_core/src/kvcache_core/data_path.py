@@ -21,8 +21,8 @@ from typing import Any, Generic, TypeGuard, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.attention import check_scale, validate_query_indptr
-from kvcache_core.attention_features import check_attention_features, storage_attention_features
+from kvcache_core.attention import check_attention_call, validate_query_indptr
+from kvcache_core.attention_features import storage_attention_features
 from kvcache_core.block_pool import BlockPool, blocks_for
 from kvcache_core.chains import PrefixChains
 from kvcache_core.checks import ArgumentChecks, check_handle_sequence, step_counts, step_token_ids
@@ -30,7 +30,6 @@ from kvcache_core.config import CacheConfig
 from kvcache_core.errors import (
     ForeignHandleError,
     InvalidArgumentError,
-    InvalidTypeError,
     ManagerClosedError,
     StaleStepError,
 )
@@ -289,14 +288,11 @@ class DataPath(Generic[ArrayT]):
             if chunk is None:
                 chunk = self._layer_chunk(int(layer))
             indptr = validate_query_indptr(qo_indptr, table, shape[0])
-            checked_scale = check_scale(scale, self._config.head_dim)
-            if not isinstance(causal, bool):
-                raise InvalidTypeError(f"causal must be a bool, got {causal!r}")
-            features = check_attention_features(
-                window=window,
-                softcap=softcap,
-                sinks=sinks,
-                chunk=chunk,
+            checked_scale, features = check_attention_call(
+                scale,
+                causal,
+                self._config.head_dim,
+                {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk},
                 served=storage_attention_features(self._storage),
                 backend=self._backend,
                 query_heads=shape[1],

@@ -17,14 +17,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.attention import check_scale
-from kvcache_core.attention_features import check_attention_features
-from kvcache_core.errors import InvalidTypeError, ShapeMismatchError
+from kvcache_core.attention import check_attention_call
+from kvcache_core.errors import ShapeMismatchError
 from kvcache_core.page_table import PageTable
 from kvcache_core.protocols import SlotArray
 
@@ -200,22 +199,17 @@ class Step(Generic[ArrayT]):
                     f"query has {shape[0]} tokens; the step added {self.num_new_tokens} "
                     f"(new tokens per request: {list(self.new_tokens)})"
                 )
-            checked_scale = check_scale(scale, self.head_dim)
-            if not isinstance(causal, bool):
-                raise InvalidTypeError(f"causal must be a bool, got {causal!r}")
-            features: dict[str, Any] = {}
-            if window is not None or softcap is not None or sinks is not None or chunk is not None:
-                features = check_attention_features(
-                    window=window,
-                    softcap=softcap,
-                    sinks=sinks,
-                    chunk=chunk,
-                    served=hooks.attention_features,
-                    backend=hooks.backend,
-                    query_heads=shape[1],
-                    table_window=table.sliding_window,
-                    check_array=hooks.check_array,
-                )
+            checked_scale, features = check_attention_call(
+                scale,
+                causal,
+                self.head_dim,
+                {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk},
+                served=hooks.attention_features,
+                backend=hooks.backend,
+                query_heads=shape[1],
+                table_window=table.sliding_window,
+                check_array=hooks.check_array,
+            )
             return hooks.attention(index, query, table, self.qo_indptr, checked_scale, causal, **features)
 
     def __repr__(self) -> str:
