@@ -259,3 +259,67 @@ def test_float64_pools_keep_the_reference_path() -> None:
     single = pool.astype(np.float32)
     assert paged_kernel.kernel_reads("float32", single[0], single[1])
     assert not paged_kernel.kernel_reads("float32", single[0][..., ::2], single[1][..., ::2])  # strided features
+
+
+def split_batch() -> tuple[PageTable, Array, Array, Array, Array]:
+    """A batch of long requests worth two threads: ``(table, query, keys, values, indptr)``."""
+    rng = np.random.default_rng(3)
+    lengths = [1500, 900, 2000]
+    blocks = sum(-(-length // 16) for length in lengths)
+    table, num_blocks = hand_built_table(list(range(blocks))[::-1], lengths, 16, None)
+    keys = rng.standard_normal((num_blocks, 16, 2, 32)).astype(np.float32)
+    values = rng.standard_normal((num_blocks, 16, 2, 32)).astype(np.float32)
+    query = rng.standard_normal((3, 8, 32)).astype(np.float32)
+    return table, query, keys, values, np.arange(4, dtype=np.int32)
+
+
+@needs_numba
+def test_a_team_runs_the_shares_of_a_call() -> None:
+    """A caller's team runs every share it is given; the result is the default team's."""
+    table, query, keys, values, indptr = split_batch()
+    options: dict[str, Any] = {
+        "dtype": "float32", "scale": 0.2, "causal": True, "kv_layout": "NHD", "sliding_window": None,
+        "num_threads": 2,
+    }  # fmt: skip
+    launched: list[int] = []
+
+    def in_turn(share: Any, threads: int) -> None:  # one thread after the other: still every item
+        launched.append(threads)
+        for _ in range(threads):
+            share()
+
+    with mock.patch.object(paged_kernel, "MIN_THREAD_WORK", 1):
+        expected = paged_kernel.attend_with_kernel(query, keys, values, table, indptr, **options)
+        got = paged_kernel.attend_with_kernel(query, keys, values, table, indptr, team=in_turn, **options)
+    assert launched == [2]
+    np.testing.assert_array_equal(got, expected)
+    reference = paged_attention(query.astype(np.float64), keys, values, table, scale=0.2)
+    np.testing.assert_allclose(got, reference, rtol=RTOL, atol=ATOL)
+
+
+@needs_numba
+def test_a_team_that_fails_fails_the_call() -> None:
+    """An error raised in a team reaches the caller, and the default team raises a share's
+    (a share not yet started when another failed is cancelled: it has nothing left to do)."""
+    table, query, keys, values, indptr = split_batch()
+
+    def broken(share: Any, threads: int) -> None:
+        raise RuntimeError("team lost")
+
+    with mock.patch.object(paged_kernel, "MIN_THREAD_WORK", 1), pytest.raises(RuntimeError, match="team lost"):
+        paged_kernel.attend_with_kernel(
+            query, keys, values, table, indptr, dtype="float32", scale=0.2, causal=True, kv_layout="NHD",
+            sliding_window=None, num_threads=2, team=broken,
+        )  # fmt: skip
+    calls: list[int] = []
+
+    def share() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("share failed")
+
+    with pytest.raises(ValueError, match="share failed"):
+        paged_kernel.python_team(share, 2)
+    calls.clear()
+    paged_kernel.python_team(lambda: calls.append(1), 2)  # the pool still works
+    assert 1 <= len(calls) <= 2  # a worker not started once the caller's share returned is skipped

@@ -20,7 +20,11 @@ What a call does (FlashDecoding on a CPU):
   threads rather than numba's threading layer: a launch costs ~30 us on a busy machine
   where libgomp's default wait policy measured 30 ms, and nothing process-wide is
   configured). A worker the OS keeps waiting delays a call by one item at most, and a
-  batch of less than ``MIN_THREAD_WORK`` runs on the calling thread alone;
+  batch of less than ``MIN_THREAD_WORK`` runs on the calling thread alone. A framework
+  with a thread pool of its own hands it over as the call's ``team``
+  (:data:`ThreadTeam`): the torch backend runs the shares on torch's OpenMP threads,
+  which after torch's own operators are awake and spinning on the cores a second set of
+  threads would have to share;
 * softmax is online, in float32, whatever the pool's dtype (float32, float16, bfloat16);
 * the attention features of :mod:`kvcache_core.attention_features` (softcap, sinks,
   chunk; the window is the sliding window) are keyword arguments of
@@ -46,7 +50,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Final
@@ -64,10 +68,12 @@ __all__ = [
     "MIN_THREAD_WORK",
     "QUANTIZED_KERNEL_DTYPES",
     "ROW_SPLIT",
+    "ThreadTeam",
     "attend_with_kernel",
     "kernel_available",
     "kernel_reads",
     "max_threads",
+    "python_team",
 ]
 
 #: Set to anything but ``""`` or ``"0"`` to switch the kernel off (the backends then run
@@ -155,6 +161,27 @@ def max_threads() -> int:
     affinity: Callable[[int], set[int]] | None = getattr(os, "sched_getaffinity", None)
     count = len(affinity(0)) if affinity is not None else os.cpu_count()
     return max(1, count or 1)
+
+
+#: Runs ``share`` on up to ``threads`` threads, the calling thread among them, and returns
+#: once every share it started has returned; the first exception any of them raised is
+#: raised again. Each share claims the call's work items from one counter until none is
+#: left, so a team may start its threads in any order, and a share it has not started
+#: when the calling thread's share returns has nothing left to do (it may be skipped).
+ThreadTeam = Callable[[Callable[[], None], int], None]
+
+
+def python_team(share: Callable[[], None], threads: int) -> None:
+    """The default :data:`ThreadTeam`: the calling thread and ``threads - 1`` threads of a
+    pool of Python threads, each running compiled code without the GIL."""
+    pool = _worker_pool()
+    others = [pool.submit(share) for _ in range(threads - 1)]
+    try:
+        share()
+    finally:
+        for future in others:
+            if not future.cancel():  # a worker that never started has nothing left to do
+                future.result()
 
 
 def _worker_pool() -> ThreadPoolExecutor:
@@ -347,6 +374,7 @@ def attend_with_kernel(
     chunk: int | None = None,
     key_scales: npt.NDArray[np.float32] | None = None,
     value_scales: npt.NDArray[np.float32] | None = None,
+    team: ThreadTeam | None = None,
 ) -> FloatArray:
     """Paged attention of a batch in one compiled call, reading the pools in place.
 
@@ -371,6 +399,10 @@ def attend_with_kernel(
         key_scales, value_scales: for a quantized pool (``int8``, ``float8_e4m3fn``, its
             caches handed over as ``uint8``), the layer's scales ``[num_heads, num_blocks,
             block_size]`` float32, C-contiguous; each tile of keys is decoded with them.
+        team: what runs a call's shares on its threads (default :func:`python_team`); a
+            framework with a thread pool of its own hands its pool here (the torch backend
+            hands torch's OpenMP team), so the kernel's threads are the ones that pool keeps
+            awake rather than a second set competing with them for the cores.
 
     Returns:
         ``[total_queries, num_query_heads, head_dim]`` float32.
@@ -437,20 +469,15 @@ def attend_with_kernel(
     # The threads claim items from one counter: a worker the OS leaves waiting (a busy
     # machine) delays the call by the item it holds at most, not by a share of its own.
     claimed = np.zeros(1, dtype=np.int64)
+
+    def share() -> None:
+        attend(*arguments, plan.items, claimed, *options, *features)
+
     with _launch_lock:
-        others: list[Future[None]] = []
         if plan.threads > 1:
-            pool = _worker_pool()
-            others = [
-                pool.submit(attend, *arguments, plan.items, claimed, *options, *features)
-                for _ in range(plan.threads - 1)
-            ]
-        try:
-            attend(*arguments, plan.items, claimed, *options, *features)
-        finally:
-            for future in others:
-                if not future.cancel():  # a worker that never started has nothing left to do
-                    future.result()
+            (team or python_team)(share, plan.threads)
+        else:
+            share()
         if plan.merges.shape[0]:
             merge(arguments[9], plan.merges, group, out, partial_acc, partial_stats, head_sinks)
     return out

@@ -6,7 +6,7 @@ sinks, chunked local attention) given per call.
 On CPU, for float32, float16 and bfloat16 pools, it is one call of the compiled kernel of
 :mod:`kvcache_core.paged_kernel` per layer for the whole batch: the pool and the page
 table are handed over as zero-copy NumPy views, the kernel uses ``torch.get_num_threads()``
-threads. What follows is the torch path, used on other devices, for other dtypes, and on
+threads of torch's own OpenMP team (:mod:`kvcache_torch.threads`). What follows is the torch path, used on other devices, for other dtypes, and on
 CPU when numba is missing or ``KVCACHE_DISABLE_NUMBA`` is set.
 
 It reads K/V from the pool in place. Each run of physically consecutive blocks of a
@@ -68,6 +68,7 @@ from kvcache_core.errors import (
     UnsupportedConfigError,
 )
 from kvcache_core.page_table import PageTable
+from kvcache_torch.threads import torch_team
 
 __all__ = ["attend_pool", "paged_attention"]
 
@@ -107,7 +108,7 @@ def _kernel_attention(
     chunk: int | None = None,
 ) -> torch.Tensor | None:
     """The compiled CPU kernel over the pool read in place (zero-copy NumPy views), with
-    ``torch.get_num_threads()`` threads; ``None`` where it does not apply (another device,
+    ``torch.get_num_threads()`` threads of torch's team; ``None`` where it does not apply (another device,
     another dtype, numba missing or switched off)."""
     dtype = _KERNEL_DTYPES.get(key_cache.dtype)
     if dtype is None or key_cache.device.type != "cpu" or not paged_kernel.kernel_available():
@@ -125,6 +126,7 @@ def _kernel_attention(
             kv_layout=kv_layout,
             sliding_window=window,
             num_threads=torch.get_num_threads(),
+            team=torch_team(),
             softcap=softcap,
             sinks=None if sinks is None else sinks.detach().to(torch.float32).numpy(),
             chunk=chunk,

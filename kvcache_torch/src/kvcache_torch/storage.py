@@ -24,6 +24,7 @@ from kvcache_core.page_table import PageTable
 from kvcache_torch import quantized
 from kvcache_torch.attention import attend_pool
 from kvcache_torch.dtypes import HOST_DTYPES, dtype_name, torch_dtype
+from kvcache_torch.threads import torch_team
 
 __all__ = ["TorchStorage", "resolve_device"]
 
@@ -424,6 +425,7 @@ class TorchStorage:
                     kv_layout=config.layout,
                     sliding_window=combined_window(window, page_table.sliding_window),
                     num_threads=torch.get_num_threads(),
+                    team=torch_team(),
                     softcap=softcap,
                     sinks=None if sinks is None else sinks.detach().to(torch.float32).numpy(),
                     chunk=chunk,
