@@ -179,19 +179,21 @@ class PageTable:
             raise InvalidArgumentError("an empty batch needs its block_size")
         block_size = sizes.pop()
         held = [table.held_tokens() for table in tables]
-        used = [
-            table.physical_blocks[: -(-tokens // block_size)] if tokens else ()
-            for table, tokens in zip(tables, held, strict=True)
+        counts = np.asarray([-(-tokens // block_size) for tokens in held], dtype=np.int64).reshape(len(held))
+        # Each table's used blocks as one array (a C loop), then one concatenation and one
+        # masked fill: no Python loop over the blocks themselves.
+        rows = [
+            np.asarray(table.physical_blocks[:count], dtype=np.int64)
+            for table, count in zip(tables, counts.tolist(), strict=True)
         ]
-        counts = np.fromiter((len(blocks) for blocks in used), dtype=np.int64, count=len(used))
-        indptr = np.zeros(len(used) + 1, dtype=np.int64)
+        indptr = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=indptr[1:])
-        indices = np.fromiter((block for blocks in used for block in blocks), dtype=np.int64, count=int(indptr[-1]))
-        seq_lens = np.asarray(held, dtype=np.int64).reshape(len(used))
+        indices = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        seq_lens = np.asarray(held, dtype=np.int64).reshape(len(rows))
         last = np.where(seq_lens > 0, seq_lens - (counts - 1) * block_size, 0).astype(np.int64)
-        padded = np.zeros((len(used), int(counts.max(initial=0))), dtype=np.int64)
-        for row, blocks in enumerate(used):
-            padded[row, : len(blocks)] = blocks
+        width = int(counts.max(initial=0))
+        padded = np.zeros((len(rows), width), dtype=np.int64)
+        padded[np.arange(width) < counts[:, None]] = indices  # row-major: the CSR order
         # int64 here; __post_init__ range-checks and stores read-only int32 copies.
         return cls(
             cast("IndexArray", indptr),
