@@ -36,7 +36,13 @@ def _check_block_ids(blocks: Iterable[object]) -> list[int]:
     return checked
 
 
+#: Ranges of at most this many positions get their slots computed one by one (quicker than arrays).
+_FEW_SLOTS = 8
+
+
 def _is_count(value: object) -> bool:
+    if type(value) is int:  # the common case, without the ABC check
+        return value >= 0
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
 
 
@@ -303,9 +309,15 @@ class BlockTable:
             raise InvalidArgumentError(
                 f"token range [{start}, {stop}) is outside [{low}, {self.capacity()}] of this table"
             )
+        size, held = self._block_size, self._first_logical
+        if stop - start <= _FEW_SLOTS:  # a decode step: a few scalars, no array arithmetic
+            blocks_of = self._physical_blocks
+            return np.array(
+                [blocks_of[position // size - held] * size + position % size for position in range(start, stop)],
+                dtype=np.int64,
+            )
         positions = np.arange(start, stop, dtype=np.int64)
         first, last = start // self._block_size, (stop - 1) // self._block_size + 1
-        held = self._first_logical
         blocks = np.asarray(self._physical_blocks[first - held : last - held], dtype=np.int64)
         local = positions // self._block_size - first
         return blocks[local] * self._block_size + positions % self._block_size

@@ -119,13 +119,16 @@ class DataPath(Generic[ArrayT]):
                 for state, count, state_ids in zip(states, counts, ids, strict=True)
             ]
             needed = sum(plan.needed for plan in plans)
-            if needed > self._pool.available() + sum(plan.freed for plan in plans):
+            freed = sum(plan.freed for plan in plans)
+            if needed > self._pool.available() + freed:
                 raise self._pool.shortage(
                     f"cannot plan a step of {batch} requests adding {sum(counts)} tokens: {needed} more blocks needed"
                 )
             # Requests whose window gives back at least what they take grow first: then each
             # later one finds the blocks the total above counted on.
-            order = sorted(range(batch), key=lambda index: plans[index].freed < plans[index].needed)
+            order: Sequence[int] = range(batch)
+            if freed:
+                order = sorted(order, key=lambda index: plans[index].freed < plans[index].needed)
             lengths = [state.table.sequence_length for state in states]
             slots_of: dict[int, SlotArray] = {}
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, cast
@@ -180,15 +181,12 @@ class PageTable:
         block_size = sizes.pop()
         held = [table.held_tokens() for table in tables]
         counts = np.asarray([-(-tokens // block_size) for tokens in held], dtype=np.int64).reshape(len(held))
-        # Each table's used blocks as one array (a C loop), then one concatenation and one
-        # masked fill: no Python loop over the blocks themselves.
-        rows = [
-            np.asarray(table.physical_blocks[:count], dtype=np.int64)
-            for table, count in zip(tables, counts.tolist(), strict=True)
-        ]
+        # The used blocks of every table read in one C loop, then one masked fill of the
+        # padded form: no Python loop over the blocks themselves.
+        rows = [table.physical_blocks[:count] for table, count in zip(tables, counts.tolist(), strict=True)]
         indptr = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=indptr[1:])
-        indices = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        indices = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(indptr[-1]))
         seq_lens = np.asarray(held, dtype=np.int64).reshape(len(rows))
         last = np.where(seq_lens > 0, seq_lens - (counts - 1) * block_size, 0).astype(np.int64)
         width = int(counts.max(initial=0))

@@ -199,7 +199,6 @@ class SequenceBlocks:
         pool = self.pool
         tables = state.tables
         old_length = state.table.sequence_length
-        spare = pool.available()
         # The copies are the only storage call: made first (one call for every group), so
         # that a storage failure leaves the request as it was. Only when they need the
         # blocks the window frees does the window release (which the request's tokens no
@@ -209,8 +208,9 @@ class SequenceBlocks:
             [logical for logical in growth.copies if ref_count(table.physical_block(logical)) > 1]
             for table, growth in zip(tables, plan.groups, strict=True)
         ]
-        copy_first = sum(len(group) for group in copies) <= spare
-        if copy_first:
+        wanted = sum(len(group) for group in copies)
+        copy_first = not wanted or wanted <= pool.available()
+        if copy_first and wanted:
             self.copy_on_write(state, copies)
         if any(growth.released for growth in plan.groups):
             self.chains.advance(state)  # hash what is ready before the window releases it
