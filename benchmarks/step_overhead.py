@@ -13,6 +13,10 @@ the real kernel):
 It prints the overhead of each over bare, in microseconds per layer, and their ratio.
 The step and the raw calls must return what the bare calls return (exit 1 otherwise).
 
+Then the planning a step costs once for all layers, per request, at batch sizes 16, 64 and
+256 (``--batches``): ``begin_step(handles, 1)`` against what it replaces, ``extend`` of each
+request and the batch's ``page_table`` (the two must give the same slots and table).
+
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \\
         .venv/bin/python benchmarks/step_overhead.py
 """
@@ -32,7 +36,7 @@ import numpy.typing as npt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import relative_spread
+from _bench import int_list, relative_spread
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, PageTable, Step
 from kvcache_core.numpy_backend import NumpyStorage
@@ -72,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16, help="requests in the decode batch")
     parser.add_argument("--context", type=int, default=64, help="tokens each request holds")
     parser.add_argument("--rounds", type=int, default=30, help="interleaved samples per way")
+    parser.add_argument("--batches", type=int_list, default=[16, 64, 256], help="batch sizes of the planning costs")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     args = parser.parse_args(argv)
     rounds, repeats = (5, 20) if args.quick else (args.rounds, 200)
@@ -160,6 +165,45 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  write checks: step {write_step:.1f} us, raw {write_raw:.1f} us ({write_raw / max(write_step, 1e-3):.1f}x)"
     )
+    return plan_costs(args.batches, args.context, rounds, max(2, repeats // 20))
+
+
+def plan_costs(batches: list[int], context: int, rounds: int, repeats: int) -> int:
+    """Print what planning a decode step costs per request: ``begin_step`` against
+    ``extend`` of each request plus ``page_table``, on managers of equal state."""
+    print(f"planning a decode step (requests of {context} tokens, one new token each), per request, medians:")
+    print(f"  {'batch':>7}{'begin_step':>14}{'extend + page_table':>23}{'ratio':>9}")
+    for batch in batches:
+        config = CacheConfig(num_layers=2, num_heads=2, head_dim=16, num_blocks=batch * (context // 16 + 64))
+        managers = [PagedKvCacheManager(NumpyStorage(config), backend="numpy") for _ in range(2)]
+        handles = [[manager.allocate(AllocationRequest(f"r{index}")) for index in range(batch)] for manager in managers]
+        for manager, batch_handles in zip(managers, handles, strict=True):
+            manager.begin_step(batch_handles, context)
+        step = managers[0].begin_step(handles[0], 1)
+        slots = np.concatenate([managers[1].extend(handle, 1) for handle in handles[1]])
+        table = managers[1].page_table(handles[1])
+        same_table = all(
+            np.array_equal(getattr(step.page_table, name), getattr(table, name))
+            for name in ("kv_indptr", "kv_indices", "kv_last_page_len", "seq_lens")
+        )
+        if not (np.array_equal(step.slots, slots) and same_table):
+            print("begin_step and extend + page_table disagree", file=sys.stderr)
+            return 1
+
+        def planned(manager: PagedKvCacheManager[Any] = managers[0], group: list[Any] = handles[0]) -> None:
+            manager.begin_step(group, 1)
+
+        def one_by_one(manager: PagedKvCacheManager[Any] = managers[1], group: list[Any] = handles[1]) -> None:
+            for handle in group:
+                manager.extend(handle, 1)
+            manager.page_table(group)
+
+        samples: tuple[list[float], list[float]] = ([], [])
+        for _ in range(rounds):
+            samples[0].append(timed(planned, repeats))
+            samples[1].append(timed(one_by_one, repeats))
+        step_us, extend_us = (statistics.median(values) * 1e6 / batch for values in samples)
+        print(f"  {batch:>7}{step_us:>11.1f} us{extend_us:>20.1f} us{extend_us / step_us:>8.2f}x")
     return 0
 
 
