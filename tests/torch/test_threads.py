@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -94,3 +98,40 @@ def test_cpu_attention_hands_the_kernel_torch_team(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv(paged_kernel.DISABLE_ENV, "1")
     expected = manager.paged_attention(1, query, table)
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+FORKED_CHILD = """
+import os, sys
+import torch
+from kvcache_core import paged_kernel
+from tests.torch.conftest import fill, make_manager
+
+paged_kernel.MIN_THREAD_WORK = 1  # two threads even for this small batch
+manager = make_manager(kv_layout="heads_first", num_blocks=320)
+filled = fill(manager, [300, 200, 500], max_step=64)
+table = manager.page_table(filled.handles)
+query = torch.randn((3, 4, 8), generator=torch.Generator().manual_seed(3))
+expected = manager.paged_attention(1, query, table)  # the team ran in the parent
+pid = os.fork()
+if pid == 0:
+    got = manager.paged_attention(1, query, table)
+    os._exit(0 if torch.equal(got, expected) else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@needs_numba
+@needs_openmp
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_attends_without_the_parents_openmp_threads() -> None:
+    """GNU OpenMP's threads do not survive a fork: the child's calls take the default team."""
+    result = subprocess.run(
+        [sys.executable, "-c", FORKED_CHILD],
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=240,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr

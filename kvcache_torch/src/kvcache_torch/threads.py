@@ -15,6 +15,8 @@ loaded (libgomp's entry point, also exported by LLVM's and Intel's runtimes), th
 callable that enters compiled code without the GIL). Nothing process-wide is configured.
 Where torch's parallel backend is not OpenMP, or its runtime is not found among the
 libraries this process has loaded, it is ``None`` and the kernel keeps its default team.
+In a process forked after the team ran (GNU OpenMP's threads do not survive a fork: a
+parallel region there never ends), the team hands the call to the default team instead.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Final
 
 import torch
 
-from kvcache_core.paged_kernel import ThreadTeam
+from kvcache_core.paged_kernel import ThreadTeam, python_team
 
 __all__ = ["OPENMP_ENTRY", "openmp_runtime", "torch_team"]
 
@@ -78,6 +80,7 @@ class _OpenMPTeam:
         self._share: Callable[[], None] | None = None
         self._errors: list[BaseException] = []
         self._pinned: set[int] = set()  # threads whose Python thread state is kept
+        self._pid = os.getpid()
         self._body = _Body(self._run)  # kept alive as long as the team
 
     def _run(self, _data: int | None) -> None:
@@ -97,6 +100,9 @@ class _OpenMPTeam:
             self._errors.append(error)
 
     def __call__(self, share: Callable[[], None], threads: int) -> None:
+        if os.getpid() != self._pid:  # a forked child: GNU OpenMP's threads did not come along
+            python_team(share, threads)
+            return
         with self._lock:
             self._share, self._errors = share, []
             try:
