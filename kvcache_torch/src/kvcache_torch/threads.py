@@ -46,9 +46,10 @@ def _loaded_libraries() -> set[str] | None:
     ``/proc/self/maps`` cannot be read)."""
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            return {os.path.realpath(line.split(None, 5)[5].strip()) for line in maps if len(line.split(None, 5)) == 6}
+            fields = [line.split(None, 5) for line in maps]
     except OSError:
         return None
+    return {os.path.realpath(parts[5].strip()) for parts in fields if len(parts) == 6}
 
 
 def openmp_runtime() -> str | None:
@@ -81,14 +82,15 @@ class _OpenMPTeam:
         self._errors: list[BaseException] = []
         self._pinned: set[int] = set()  # threads whose Python thread state is kept
         self._pid = os.getpid()
+        self._caller = 0  # the thread that started the current region (it has a thread state)
         self._body = _Body(self._run)  # kept alive as long as the team
 
     def _run(self, _data: int | None) -> None:
         ident = threading.get_ident()
-        if ident not in self._pinned:
-            # ctypes gives a thread Python never started a thread state for the length of
-            # each callback (made and freed every call: 30 us of the 35 a region cost).
-            # One more hold, never let go, keeps it for the thread's life: one per thread.
+        if ident != self._caller and ident not in self._pinned:
+            # ctypes gives one of the team's threads (Python never started them) a thread
+            # state for the length of each callback, made and freed every call: 30 us of the
+            # 35 a region cost. One more hold, never let go, keeps it for the thread's life.
             self._pinned.add(ident)
             ctypes.pythonapi.PyGILState_Ensure()
         share = self._share
@@ -104,7 +106,7 @@ class _OpenMPTeam:
             python_team(share, threads)
             return
         with self._lock:
-            self._share, self._errors = share, []
+            self._share, self._errors, self._caller = share, [], threading.get_ident()
             try:
                 self._entry(self._body, None, max(1, threads), 0)
             finally:
