@@ -65,7 +65,9 @@ __all__ = [
     "install_cached_blocks",
     "load_prefix_cache",
     "read_blocks",
+    "record_key",
     "save_prefix_cache",
+    "split_key",
     "write_blocks",
 ]
 
@@ -109,6 +111,24 @@ class BlockRecord:
     def nbytes(self) -> int:
         """Bytes of K/V it holds."""
         return int(self.keys.nbytes + self.values.nbytes)
+
+    @property
+    def key(self) -> bytes:
+        """What an offload tier files it under: :func:`record_key` of its hash and group
+        (the bare hash in group 0, so a pool without groups keys blocks by hash)."""
+        return record_key(self.block_hash, self.group)
+
+
+def record_key(block_hash: bytes, group: int) -> bytes:
+    """The key of the record of ``block_hash`` in KV-cache group ``group``: the 32-byte hash
+    itself for group 0, the hash followed by the group as two big-endian bytes for the
+    others. Two groups' records of one hash never share a key."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "big")
+
+
+def split_key(key: bytes) -> tuple[bytes, int]:
+    """``(block_hash, group)`` of a key :func:`record_key` made."""
+    return (key[:32], int.from_bytes(key[32:], "big")) if len(key) > 32 else (key, 0)
 
 
 def block_checksum(keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> str:
