@@ -98,10 +98,11 @@ class TierStats:
 
     Attributes:
         name: the tier's name (the ``medium`` of its events).
-        blocks: blocks it holds.
+        blocks: blocks it holds: records, one per hash and KV-cache group (each one pool
+            block's K/V), so a hash of a pool with two groups may count twice.
         used_bytes, max_bytes: bytes it holds and may hold.
-        hits: blocks promoted from it into the pool.
-        demotions: blocks it took (from the pool or the tier before it).
+        hits: blocks (records) promoted from it into the pool.
+        demotions: blocks (records) it took (from the pool or the tier before it).
         evictions: blocks it let go to make room (to the next tier, or dropped).
         failures: blocks it could not take or give back (dropped, with a warning).
     """
@@ -229,7 +230,8 @@ class _BoundedTier:
 
 
 class HostTier(_BoundedTier):
-    """Blocks in host memory (NumPy arrays), least recently used first out.
+    """Blocks in host memory (NumPy arrays) by :attr:`BlockRecord.key
+    <kvcache_core.persist.BlockRecord.key>`, least recently used first out.
 
     Args:
         max_bytes: the K/V bytes it may hold (>= one block's, checked when bound).
@@ -281,8 +283,9 @@ class HostTier(_BoundedTier):
 
 
 class DiskTier(_BoundedTier):
-    """Blocks in files of a directory, one per block in the portable format of
-    :mod:`kvcache_core.persist` (checksummed, no pickle), least recently used first out.
+    """Blocks in files of a directory, one per block (per hash and KV-cache group: see
+    :meth:`path_of`) in the portable format of :mod:`kvcache_core.persist` (checksummed,
+    no pickle, the record's group in the header), least recently used first out.
 
     Files are written to a temporary name and renamed when complete; the tier's own files
     are removed when it lets them go or is cleared. Give each manager its own directory:
