@@ -5,6 +5,7 @@ served, bit-exact in every layer."""
 from __future__ import annotations
 
 import random
+import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,12 +18,19 @@ from hypothesis import strategies as st
 
 pytest.importorskip("safetensors")
 
-from kvcache_core import AllocationRequest, CacheConfig, LayerSpec, PagedKvCacheManager, create_manager
+from kvcache_core import (
+    AllocationRequest,
+    CacheConfig,
+    InvalidArgumentError,
+    LayerSpec,
+    PagedKvCacheManager,
+    create_manager,
+)
 from kvcache_core.events import CachedBlockIndex
 from kvcache_core.persist import BlockRecord, record_key, split_key
 from kvcache_core.prefix import hash_block
 from kvcache_core.testing.faults import FaultyStorage, InjectedFaultError
-from kvcache_core.testing.world import assert_same_state, snapshot
+from kvcache_core.testing.world import assert_same_state, snapshot, untyped
 from kvcache_core.tiers import DiskTier, HostTier, OffloadTier
 from tests.core.test_events import pool_hashes
 from tests.core.test_prefix_caching import DIM, HEADS, Handle, Manager, token_kv
@@ -126,6 +134,21 @@ def counting(manager: Manager) -> list[str]:
 
 def tier_of(kind: str, tmp_path: Path) -> OffloadTier:
     return HostTier(1 << 20) if kind == "host" else DiskTier(tmp_path / "disk", 1 << 22)
+
+
+def test_record_keys_keep_the_groups_of_one_hash_apart_and_refuse_bad_input() -> None:
+    block_hash = bytes(range(32))
+    assert record_key(block_hash, 0) == block_hash  # a pool without groups keys blocks by hash
+    assert len({record_key(block_hash, group) for group in range(4)}) == 4
+    for group in (0, 1, 65535):
+        assert split_key(record_key(block_hash, group)) == (block_hash, group)
+    with pytest.raises(InvalidArgumentError, match="a block hash is 32 bytes, got b'ab'"):
+        record_key(b"ab", 0)
+    for bad in (-1, 1 << 16, True, 1.0):
+        with pytest.raises(InvalidArgumentError, match=re.escape(f"int in [0, 65535], got {bad!r}")):
+            record_key(block_hash, untyped(bad))
+    with pytest.raises(InvalidArgumentError, match=re.escape("32 bytes (group 0) or 34 (other groups), got b'xxx")):
+        split_key(b"x" * 33)
 
 
 @pytest.mark.parametrize("kind", ["host", "disk"])
@@ -483,7 +506,7 @@ def test_a_tier_keyed_by_hash_serves_a_plain_pool_and_never_gives_another_groups
     admit(manager, "a", prompt)
     manager.deallocate("a")
     manager.gc()  # group 1's record of each hash overwrote group 0's under the bare hash
-    with pytest.warns(RuntimeWarning, match="gave back group 1"):
+    with pytest.warns(RuntimeWarning, match="record of KV-cache group 1"):
         assert manager.save_prefix_cache(tmp_path / "saved.safetensors") == 0  # none passes as group 0's
     assert manager.tier_stats()[0].failures == 3
     assert legacy.hashes() == []  # dropped as unreadable

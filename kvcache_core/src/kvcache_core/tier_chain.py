@@ -25,7 +25,7 @@ import numpy as np
 from kvcache_core.block_table import BlockTable
 from kvcache_core.errors import InvalidTypeError, KvCacheError, TierError, UnsupportedConfigError
 from kvcache_core.events import BlockStored, EventHub
-from kvcache_core.persist import BlockRecord, record_key, split_key
+from kvcache_core.persist import BlockRecord, record_key
 from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import PrefixEntry, hash_block
 from kvcache_core.tiers import OffloadTier, TierStats
@@ -155,7 +155,7 @@ class TierChain:
             self._report(tier, record, held)
             others: dict[bytes, None] = {}  # hashes let go, each held before the put
             for item in overflow:
-                item_hash = split_key(item if isinstance(item, bytes) else item.key)[0]
+                item_hash = _hash_of(item if isinstance(item, bytes) else item.key)
                 if item_hash != record.block_hash:
                     others[item_hash] = None
                 if not isinstance(item, bytes):
@@ -187,7 +187,7 @@ class TierChain:
     def _discard(self, tier: OffloadTier, key: bytes) -> None:
         """Drop ``key`` (held) from ``tier``; the hash leaves its medium with its last record."""
         tier.discard(key)
-        block_hash = split_key(key)[0]
+        block_hash = _hash_of(key)
         if not self._holds(tier, block_hash):
             self._events.removed((block_hash,), tier.name)
 
@@ -395,9 +395,8 @@ class TierChain:
             try:
                 record = tier.peek(key)
                 if record is not None and record.key != key:
-                    block_hash, group = split_key(key)
                     raise TierError(
-                        f"asked for block {block_hash.hex()[:16]}... of KV-cache group {group}, it gave back "
+                        f"asked for key {key.hex()[:16]}... ({len(key)} bytes), it gave back the record of KV-cache "
                         f"group {record.group} of {record.block_hash.hex()[:16]}... (does it file records under "
                         "BlockRecord.key?)"
                     )
@@ -434,6 +433,12 @@ class TierChain:
         """Empty every tier (the manager closes)."""
         for tier in self._tiers:
             tier.clear()
+
+
+def _hash_of(key: bytes) -> bytes:
+    """The block hash a tier's key starts with (:func:`~kvcache_core.persist.record_key`);
+    read leniently: a key a tier mangled must not break an eviction."""
+    return key[:32]
 
 
 def _give_back(pool: PoolAccess, taken: list[list[int]]) -> None:
