@@ -198,6 +198,70 @@ def test_each_groups_block_is_demoted_when_the_last_pool_block_of_its_group_leav
     manager.check_invariants()
 
 
+def half_demoted(host: HostTier) -> tuple[Manager, list[int]]:
+    """A hybrid pool whose prompt's blocks 1 and 2 are in ``host`` for group 0 and still in
+    the pool (cached) for group 1; block 0 is in the pool in both groups."""
+    manager = hybrid(14, host)
+    prompt = prompt_of(1, 3)
+    hashes = chain_hashes(prompt, 3)
+    admit(manager, "a", prompt)
+    manager.deallocate("a")
+    admit(manager, "b", prompt_of(2, 4))  # evicts group 0's blocks 2 and 1 of a's prompt
+    manager.deallocate("b")
+    assert tier_keys(host) == {(hashes[1], 0), (hashes[2], 0)}
+    return manager, prompt
+
+
+def test_a_group_whose_blocks_are_still_in_the_pool_maps_them_beside_the_other_groups_records() -> None:
+    host = HostTier(1 << 20)
+    manager, prompt = half_demoted(host)
+    cached_before = manager.stats().cached_blocks
+    calls = counting(manager)
+    again = manager.allocate(AllocationRequest("again", prompt_token_ids=tuple(prompt)))  # reserves nothing more
+    # Block 0 is a prefix hit; blocks 1 and 2 come from the tier in group 0 and from the pool in group 1.
+    assert again.num_cached_tokens() == 12
+    assert calls == ["from_host 2"]
+    assert tier_keys(host) == set()
+    # Mapped from the pool: group 0's block 0, group 1's blocks 1 and 2 (its block 0 is past the window).
+    assert manager.stats().cached_blocks == cached_before - 3
+    assert [(table.first_logical, table.num_blocks()) for table in again.block_tables()] == [(0, 3), (1, 2)]
+    compute(manager, again, prompt, 1)
+    assert_holds(manager, again, prompt)
+    manager.check_invariants()
+
+
+@pytest.mark.parametrize("failure", [RuntimeError, KeyboardInterrupt])
+def test_a_failed_promotion_gives_back_the_pool_blocks_it_mapped(
+    monkeypatch: pytest.MonkeyPatch, failure: type[BaseException]
+) -> None:
+    host = HostTier(1 << 20)
+    manager, prompt = half_demoted(host)
+    cached_before = manager.stats().cached_blocks
+
+    def failing(*args: object) -> None:
+        raise failure("device lost")
+
+    monkeypatch.setattr(manager.storage, "blocks_from_host", failing)
+    request = AllocationRequest("again", prompt_token_ids=tuple(prompt))
+    if failure is KeyboardInterrupt:
+        with pytest.raises(KeyboardInterrupt):
+            manager.allocate(request)
+        assert manager.stats().cached_blocks == cached_before  # the hit and the pool blocks are cached again
+    else:
+        with pytest.warns(RuntimeWarning, match="device lost"):
+            handle = manager.allocate(request)
+        assert handle.num_cached_tokens() == 4  # served by the prefix hit alone
+        assert [table.num_blocks() for table in handle.block_tables()] == [1, 1]
+        assert manager.stats().cached_blocks == cached_before - 2  # only the hit's blocks are mapped
+        manager.deallocate("again")
+    assert len(tier_keys(host)) == 2
+    manager.check_invariants()
+    monkeypatch.undo()
+    again = manager.allocate(request)
+    assert again.num_cached_tokens() == 12
+    manager.check_invariants()
+
+
 @pytest.mark.parametrize(
     ("group", "logical", "cached"),
     [

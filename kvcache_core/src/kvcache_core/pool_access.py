@@ -73,6 +73,11 @@ class PoolAccess:
         """Whether ``block`` stays cached when its last reference goes."""
         return self._pool.keep_cached(block)
 
+    def pick_block(self, entry: PrefixEntry, group: int) -> int | None:
+        """A block of ``entry`` in KV-cache group ``group`` to map (one in use if any), or
+        ``None`` if the group holds none."""
+        return self._pool.pick_block(entry, group)
+
     def register(self, block: int, entry: PrefixEntry) -> None:
         """Record that ``block`` holds ``entry``'s tokens (it becomes immutable)."""
         self._pool.register(block, entry)

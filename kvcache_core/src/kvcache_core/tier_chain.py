@@ -196,7 +196,8 @@ class TierChain:
     def promote(self, pool: PoolAccess, state: RequestState[Any]) -> int:
         """Bring the tiers' blocks that continue a new request's cached prefix into its
         blocks, in every KV-cache group (one ``blocks_from_host`` call), register them and
-        start the request after them; called by ``allocate`` before it commits.
+        start the request after them; called by ``allocate`` before it commits. A group
+        whose block of a hash is still in the pool maps that block, as a prefix hit does.
 
         Returns:
             The logical blocks promoted.
@@ -210,19 +211,22 @@ class TierChain:
         start = len(state.chain)
         if start * self._config.block_size != state.table.sequence_length:
             return 0
-        hashes = self._continuation(pool, state, start)
+        hashes, pooled = self._continuation(pool, state, start)
         have = [
-            [any(record_key(block_hash, group) in tier for tier in self._tiers) for block_hash in hashes]
+            [
+                pooled[group][index] is not None or any(record_key(block_hash, group) in tier for tier in self._tiers)
+                for index, block_hash in enumerate(hashes)
+            ]
             for group in range(len(self._windows))
         ]
         found: dict[tuple[int, int], tuple[OffloadTier, BlockRecord]] = {}  # (group, index) -> its record
         while True:
-            count = self._servable(pool, state, start, have)
+            count = self._servable(pool, state, start, have, pooled)
             if not count:
                 return 0
             missing = False
             for group, index in self._needed(start, count):
-                if (group, index) in found:
+                if pooled[group][index] is not None or (group, index) in found:
                     continue
                 hit = self._find(record_key(hashes[index], group))
                 tokens = self._tokens(state, start + index)
@@ -233,30 +237,46 @@ class TierChain:
                     found[(group, index)] = hit
             if not missing:
                 break
-        needed = self._needed(start, count)
-        return self._write(
-            pool, state, start, count, [(group, index, found[(group, index)]) for group, index in needed]
-        )
+        records = [
+            (group, index, found[(group, index)])
+            for group, index in self._needed(start, count)
+            if pooled[group][index] is None
+        ]
+        return self._write(pool, state, start, count, self._layout(state, start, count, pooled), records)
 
     def _tokens(self, state: RequestState[Any], logical: int) -> tuple[int, ...]:
         block_size = self._config.block_size
         return tuple(state.token_ids[logical * block_size : (logical + 1) * block_size])
 
-    def _continuation(self, pool: PoolAccess, state: RequestState[Any], start: int) -> list[bytes]:
-        """The hashes of the prompt's full blocks from ``start`` on, while some tier holds a
-        record of each (in any group); the last prompt token is always left to compute."""
+    def _continuation(
+        self, pool: PoolAccess, state: RequestState[Any], start: int
+    ) -> tuple[list[bytes], list[list[int | None]]]:
+        """The hashes of the prompt's full blocks from ``start`` on, while the pool or a tier
+        holds a block of each (in any group), and per group the pool block of each hash
+        (``None`` where the group has none); the last prompt token is always left to compute."""
         prefix = pool.prefix
         assert prefix is not None
         groups = range(len(self._windows))
         parent_hash = prefix.parent_hash(state.chain[-1] if state.chain else None)
         hashes: list[bytes] = []
+        pooled: list[list[int | None]] = [[] for _ in groups]
         for logical in range(start, (len(state.token_ids) - 1) // self._config.block_size):
-            block_hash = hash_block(parent_hash, self._tokens(state, logical), state.salt)
-            if not any(record_key(block_hash, group) in tier for tier in self._tiers for group in groups):
+            tokens = self._tokens(state, logical)
+            block_hash = hash_block(parent_hash, tokens, state.salt)
+            entry = prefix.get(block_hash)
+            if entry is not None and (
+                entry.token_ids != tokens or entry.salt != state.salt or prefix.parent_hash(entry.parent) != parent_hash
+            ):
+                entry = None  # a collision: other tokens under this hash
+            if entry is None and not any(
+                record_key(block_hash, group) in tier for tier in self._tiers for group in groups
+            ):
                 break
             hashes.append(block_hash)
+            for group in groups:
+                pooled[group].append(None if entry is None else pool.pick_block(entry, group))
             parent_hash = block_hash
-        return hashes
+        return hashes, pooled
 
     def _first_held(self, group: int, end: int) -> int:
         """The first logical block ``group`` holds once ``end`` blocks are cached: 0 for a
@@ -269,7 +289,7 @@ class TierChain:
         return min(end, (length - window + 1) // self._config.block_size)
 
     def _needed(self, start: int, count: int) -> list[tuple[int, int]]:
-        """``(group, index)`` of every record that promoting ``count`` blocks from logical
+        """``(group, index)`` of every block that promoting ``count`` blocks from logical
         ``start`` maps, group by group in logical order (``index`` counts from ``start``)."""
         return [
             (group, index)
@@ -277,19 +297,32 @@ class TierChain:
             for index in range(max(0, self._first_held(group, start + count) - start), count)
         ]
 
-    def _fresh_needed(self, state: RequestState[Any], start: int, count: int) -> list[int]:
-        """Per group: the request's blocks from logical ``start`` on that it holds after
-        promoting ``count`` blocks (the promoted ones and those reserved past them)."""
-        needed: list[int] = []
+    def _layout(
+        self, state: RequestState[Any], start: int, count: int, pooled: list[list[int | None]]
+    ) -> list[list[int | None]]:
+        """Per group, after promoting ``count`` blocks from logical ``start``: each block it
+        holds from ``max(start, first held)`` on, the pool block mapped there or ``None``
+        for a new one (promoted from a tier, or reserved past the run)."""
+        layout: list[list[int | None]] = []
         for group, table in enumerate(state.tables):
             end = max(start + count, table.first_logical + table.num_blocks())
-            needed.append(end - max(start, self._first_held(group, start + count)))
-        return needed
+            first = max(start, self._first_held(group, start + count))
+            layout.append(
+                [pooled[group][logical - start] if logical < start + count else None for logical in range(first, end)]
+            )
+        return layout
 
-    def _servable(self, pool: PoolAccess, state: RequestState[Any], start: int, have: list[list[bool]]) -> int:
+    def _servable(
+        self,
+        pool: PoolAccess,
+        state: RequestState[Any],
+        start: int,
+        have: list[list[bool]],
+        pooled: list[list[int | None]],
+    ) -> int:
         """The most blocks from logical ``start`` that every group can be served: a full
-        group has every record, a sliding group those its window sees, some group holds
-        each block, and the pool has the blocks to take for them."""
+        group has a block or record of every one, a sliding group of those its window
+        sees, some group holds each, and the pool has the blocks to take for them."""
         count = len(have[0]) if have else 0
         for group, window in enumerate(self._windows):
             if window is None:
@@ -298,17 +331,13 @@ class TierChain:
         spare = allocator.free_block_count() + allocator.cached_block_count()
         while count:
             firsts = [self._first_held(group, start + count) for group in range(len(self._windows))]
-            reserved = [table.first_logical + table.num_blocks() - start for table in state.tables]
-            extra = sum(
-                max(0, need - held)
-                for need, held in zip(self._fresh_needed(state, start, count), reserved, strict=True)
-            )
-            if (
-                min(firsts) <= start
-                and extra <= spare
-                and all(have[group][index] for group, index in self._needed(start, count))
-            ):
-                return count
+            if min(firsts) <= start and all(have[group][index] for group, index in self._needed(start, count)):
+                layout = self._layout(state, start, count, pooled)
+                reserved = [table.first_logical + table.num_blocks() - start for table in state.tables]
+                extra = sum(max(0, row.count(None) - held) for row, held in zip(layout, reserved, strict=True))
+                revived = sum(1 for row in layout for block in row if block is not None and allocator.is_cached(block))
+                if extra + revived <= spare:
+                    return count
             count -= 1
         return 0
 
@@ -318,26 +347,35 @@ class TierChain:
         state: RequestState[Any],
         start: int,
         count: int,
+        layout: list[list[int | None]],
         records: list[tuple[int, int, tuple[OffloadTier, BlockRecord]]],
     ) -> int:
-        """Write ``records`` (``(group, index, (tier, record))``) into the request's blocks
-        with one storage call, then commit: every group's table holds what its window
-        sees, the promoted blocks registered; the records leave the tiers."""
+        """Map ``layout``'s pool blocks, write ``records`` (``(group, index, (tier,
+        record))``) into new blocks with one storage call, then commit: every group's table
+        holds what its window sees, the promoted blocks registered; the records leave the
+        tiers."""
         allocator = pool.allocator
         block_size = self._config.block_size
-        groups = range(len(self._windows))
-        firsts = [self._first_held(group, start + count) for group in groups]
-        needs = self._fresh_needed(state, start, count)
-        fresh: list[list[int]] = []  # per group: its blocks from logical max(start, first) on
+        firsts = [self._first_held(group, start + count) for group in range(len(self._windows))]
+        mapped = [block for row in layout for block in row if block is not None]
+        held: list[int] = []  # the pool blocks mapped, held before anything is taken
         extra: list[list[int]] = []  # per group: the blocks taken for the promotion
+        fresh: list[list[int]] = []  # per group: the new blocks, reserved ones first
         try:
+            for block in mapped:
+                if allocator.is_cached(block):
+                    allocator.revive(block)
+                else:
+                    allocator.retain(block)
+                held.append(block)
             for group, table in enumerate(state.tables):
                 reserved = list(table.physical_blocks[start - table.first_logical :])
                 last = table.physical_blocks[-1] if table.num_blocks() else None
+                missing = layout[group].count(None) - len(reserved)
                 taken: list[int] = []
-                if needs[group] > len(reserved):  # taking them may evict (and demote) other cached blocks
+                if missing > 0:  # taking them may evict (and demote) other cached blocks
                     taken = pool.take(
-                        needs[group] - len(reserved),
+                        missing,
                         last if last is not None and allocator.ref_count(last) == 1 else None,
                         None,
                         f"cannot promote blocks for request {state.request_id!r}",
@@ -345,42 +383,51 @@ class TierChain:
                     )
                 extra.append(taken)
                 fresh.append(reserved + taken)
-            targets = [fresh[group][start + index - max(start, firsts[group])] for group, index, _ in records]
-            pool.storage.blocks_from_host(
-                np.asarray(targets, dtype=np.int64),
-                np.stack([record.keys for _, _, (_, record) in records], axis=1),
-                np.stack([record.values for _, _, (_, record) in records], axis=1),
-            )
+            blocks: list[list[int]] = []  # per group: its blocks from max(start, first held) on
+            for group, row in enumerate(layout):
+                supply = iter(fresh[group])
+                blocks.append([next(supply) if block is None else block for block in row])
+            targets = [blocks[group][start + index - max(start, firsts[group])] for group, index, _ in records]
+            if records:
+                pool.storage.blocks_from_host(
+                    np.asarray(targets, dtype=np.int64),
+                    np.stack([record.keys for _, _, (_, record) in records], axis=1),
+                    np.stack([record.values for _, _, (_, record) in records], axis=1),
+                )
         except Exception as exc:  # the request is served without them
+            pool.release_table(held)
             _give_back(pool, extra)
             warnings.warn(
                 f"promoting {len(records)} blocks from the tiers failed: {exc!r}", RuntimeWarning, stacklevel=4
             )
             return 0
         except BaseException:
+            pool.release_table(held)
             _give_back(pool, extra)
             for table in state.tables:
                 pool.release_table(list(table.physical_blocks))
             raise
+        for block in mapped:
+            pool.swapped_blocks.pop(block, None)
         end = (start + count) * block_size
         for group, table in enumerate(state.tables):
             hits = list(table.physical_blocks[: start - table.first_logical])  # the pool's hits, mapped by open
             passed = max(0, min(firsts[group], start) - table.first_logical)  # those the window no longer sees
-            blocks = hits[passed:] + fresh[group][: needs[group]]
-            state.tables[group] = BlockTable(block_size, blocks, end, first_logical=firsts[group])
+            state.tables[group] = BlockTable(
+                block_size, hits[passed:] + blocks[group], end, first_logical=firsts[group]
+            )
             slots = state.tables[group].slots(max(start, firsts[group]) * block_size, end)
             pool.issued[slots] = True
             if pool.written is not None:
                 pool.written[:, slots] = True
-            unused = hits[:passed] + fresh[group][needs[group] :]
+            unused = hits[:passed] + fresh[group][layout[group].count(None) :]
             if unused:
                 pool.release_table(unused)
         state.cached_tokens += count * block_size
         pool.advance_chain(state)
-        hashes = {index: record.block_hash for _, index, (_, record) in records}
-        for group, index, (tier, _) in records:
+        for group, _, (tier, record) in records:
             self._counts[tier.name][0] += 1
-            key = record_key(hashes[index], group)
+            key = record_key(record.block_hash, group)
             for holder in self._tiers:  # where it is now (the demotions above may have moved it)
                 if key in holder:
                     self._discard(holder, key)
