@@ -6,12 +6,14 @@ prefix, and the tiers' figures. Manager internals: the manager holds one
 With KV-cache groups (:mod:`kvcache_core.groups`) the unit that moves is one group's
 block of one hash, a :class:`~kvcache_core.persist.BlockRecord` filed under its
 :attr:`~kvcache_core.persist.BlockRecord.key`. Demotion takes a hash's block of a group
-when the pool evicts the last block of that hash in that group. Promotion follows the
-rule of a prefix hit (``SequenceBlocks._servable``): ``n`` blocks promote only if every
-full group has its record of each, every sliding group its records of those its window
-sees from the first uncached token, and some group holds each (so the hash chain goes
-on); ``n`` shrinks until that holds. The events count hashes per medium: a hash is in a
-tier while any of its group records is.
+when the pool evicts the last block of that hash in that group (so the pool may still
+hold the hash in another group). Promotion follows the rule of a prefix hit
+(``SequenceBlocks._servable``): ``n`` blocks promote only if every full group has a block
+of each, every sliding group of those its window sees from the first uncached token, and
+some group holds each (so the hash chain goes on); a group's block is its record in a
+tier, or its block of that hash still in the pool (mapped as a hit maps it). ``n`` shrinks
+until that holds. The events count hashes per medium: a hash is in a tier while any of
+its group records is.
 """
 
 from __future__ import annotations

@@ -23,14 +23,17 @@ tier instead of dropped, and a prompt that hits a demoted block promotes it back
   :class:`~kvcache_core.persist.BlockRecord` per hash and group, filed under
   :attr:`BlockRecord.key <kvcache_core.persist.BlockRecord.key>` (the bare hash in group 0,
   the hash and the group in the others). When the pool evicts the last block of a hash in
-  one group, that block is demoted; a sliding group that released its block of a hash
-  (and saw it evicted) simply has no record of it. A prompt promotes the next ``n`` blocks
-  only if every group is served, by the rule of a prefix hit: a full (or chunked) group
-  needs its record of every one of them, a sliding group only of those its window sees
-  from the first uncached token (it maps no others; their records stay in the tiers); and
-  every promoted block must be held by some group, so a pool whose every group slides
-  promotes no further than its window reaches back. ``n`` is shortened until all of that
-  holds; every group's blocks come back in one ``blocks_from_host`` call. A hash is in a
+  one group, that block is demoted (the pool evicts least recently used first, so one
+  group's blocks of a prompt often leave before another's); a group that held no block of
+  a hash (a sliding window passed it before it was hashed) has no record of it. A prompt
+  promotes the next ``n`` blocks only if every group is served, by the rule of a prefix
+  hit: a full (or chunked) group needs a block of every one of them, a sliding group only
+  of those its window sees from the first uncached token (it maps no others; their records
+  stay in the tiers); a group's block is its record in a tier or, if the pool still holds
+  that hash in that group, the pool's block. Every promoted block must be held by some
+  group (its hash chains on), so a pool whose every group slides promotes no further than
+  its window reaches back. ``n`` is shortened until all of that holds; the records come
+  back in one ``blocks_from_host`` call. A hash is in a
   tier's medium while at least one of its records is there (``BlockStored`` when the
   first enters, ``BlockRemoved`` when the last leaves); a tier's figures count records
   (each one pool block's K/V).
