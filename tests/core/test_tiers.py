@@ -231,8 +231,6 @@ def test_tier_configuration_errors_name_the_problem(tmp_path: Path) -> None:
             CacheConfig(num_layers=1, num_heads=1, head_dim=1, num_blocks=4),
             tiers=[HostTier(1 << 20)],
         )
-    with pytest.raises(UnsupportedConfigError, match="sliding_window"):
-        tiered(8, HostTier(1 << 20), sliding_window=8)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(TierError, match="cannot write into"):

@@ -86,7 +86,8 @@ class BeyondPool(DataPath[ArrayT]):
 
     def tier_stats(self) -> list[TierStats]:
         """Each offload tier's figures (blocks, bytes, hits, demotions, evictions), first
-        to last; empty without tiers (see :mod:`kvcache_core.tiers`)."""
+        to last, in records (one per hash and KV-cache group); empty without tiers (see
+        :mod:`kvcache_core.tiers`)."""
         with self._lock:
             return self._tiers.stats()
 

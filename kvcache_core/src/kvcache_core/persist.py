@@ -47,6 +47,7 @@ from kvcache_core.errors import (
     CacheFileError,
     CorruptCacheFileError,
     IncompatibleCacheFileError,
+    InvalidArgumentError,
     InvalidTypeError,
     OutOfBlocksError,
     UnsupportedConfigError,
@@ -65,7 +66,9 @@ __all__ = [
     "install_cached_blocks",
     "load_prefix_cache",
     "read_blocks",
+    "record_key",
     "save_prefix_cache",
+    "split_key",
     "write_blocks",
 ]
 
@@ -109,6 +112,39 @@ class BlockRecord:
     def nbytes(self) -> int:
         """Bytes of K/V it holds."""
         return int(self.keys.nbytes + self.values.nbytes)
+
+    @property
+    def key(self) -> bytes:
+        """What an offload tier files it under: :func:`record_key` of its hash and group
+        (the bare hash in group 0, so a pool without groups keys blocks by hash)."""
+        return record_key(self.block_hash, self.group)
+
+
+def record_key(block_hash: bytes, group: int) -> bytes:
+    """The key of the record of ``block_hash`` in KV-cache group ``group``: the 32-byte hash
+    itself for group 0, the hash followed by the group as two big-endian bytes for the
+    others. Two groups' records of one hash never share a key.
+
+    Raises:
+        InvalidArgumentError: ``block_hash`` is not 32 bytes, or ``group`` not an int in
+            ``[0, 65535]``.
+    """
+    if not isinstance(block_hash, bytes) or len(block_hash) != 32:
+        raise InvalidArgumentError(f"a block hash is 32 bytes, got {block_hash!r}")
+    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < 1 << 16:
+        raise InvalidArgumentError(f"a KV-cache group is an int in [0, 65535], got {group!r}")
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "big")
+
+
+def split_key(key: bytes) -> tuple[bytes, int]:
+    """``(block_hash, group)`` of a key :func:`record_key` made.
+
+    Raises:
+        InvalidArgumentError: ``key`` is not 32 or 34 bytes.
+    """
+    if not isinstance(key, bytes) or len(key) not in (32, 34):
+        raise InvalidArgumentError(f"a record key is 32 bytes (group 0) or 34 (other groups), got {key!r}")
+    return (key[:32], int.from_bytes(key[32:], "big")) if len(key) == 34 else (key, 0)
 
 
 def block_checksum(keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> str:

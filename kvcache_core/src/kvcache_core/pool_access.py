@@ -41,8 +41,8 @@ class PoolAccess:
         issued: ``[slots]`` positions handed out (a write elsewhere is refused).
         written: ``[layers, slots]`` slots holding written K/V (prefix caching only).
         swapped_blocks: blocks a swap-out released (and nobody took since) -> its request.
-        group_of: ``[blocks]`` the KV-cache group of each block (0: tiers and saved
-            files serve pools of one group only).
+        group_of: ``[blocks]`` the KV-cache group of each block (what a saved or
+            demoted record of it holds).
         tiers: the manager's offload tiers.
     """
 
@@ -59,10 +59,11 @@ class PoolAccess:
         self.group_of: npt.NDArray[np.int16] = pool.group_of
         self.tiers: TierChain = tiers
 
-    def take(self, count: int, after: int | None, expected: int | None, failure: str) -> list[int]:
-        """Blocks from the allocator, evicting (and demoting) cached ones when the free
-        ones do not suffice; their slots start unissued and unwritten."""
-        return self._pool.take(count, after, expected, failure)
+    def take(self, count: int, after: int | None, expected: int | None, failure: str, group: int = 0) -> list[int]:
+        """Blocks from the allocator for KV-cache group ``group``, evicting (and demoting)
+        cached ones when the free ones do not suffice; their slots start unissued and
+        unwritten."""
+        return self._pool.take(count, after, expected, failure, group)
 
     def release_table(self, blocks: list[int]) -> list[int]:
         """Drop a request's reference on its whole table (registered blocks stay cached)."""
@@ -71,6 +72,11 @@ class PoolAccess:
     def keep_cached(self, block: int) -> bool:
         """Whether ``block`` stays cached when its last reference goes."""
         return self._pool.keep_cached(block)
+
+    def pick_block(self, entry: PrefixEntry, group: int) -> int | None:
+        """A block of ``entry`` in KV-cache group ``group`` to map (one in use if any), or
+        ``None`` if the group holds none."""
+        return self._pool.pick_block(entry, group)
 
     def register(self, block: int, entry: PrefixEntry) -> None:
         """Record that ``block`` holds ``entry``'s tokens (it becomes immutable)."""

@@ -2,6 +2,18 @@
 demotion of evicted cached blocks, promotion of blocks that continue a prompt's cached
 prefix, and the tiers' figures. Manager internals: the manager holds one
 :class:`TierChain` and calls it under its lock.
+
+With KV-cache groups (:mod:`kvcache_core.groups`) the unit that moves is one group's
+block of one hash, a :class:`~kvcache_core.persist.BlockRecord` filed under its
+:attr:`~kvcache_core.persist.BlockRecord.key`. Demotion takes a hash's block of a group
+when the pool evicts the last block of that hash in that group (so the pool may still
+hold the hash in another group). Promotion follows the rule of a prefix hit
+(``SequenceBlocks._servable``): ``n`` blocks promote only if every full group has a block
+of each, every sliding group of those its window sees from the first uncached token, and
+some group holds each (so the hash chain goes on); a group's block is its record in a
+tier, or its block of that hash still in the pool (mapped as a hit maps it). ``n`` shrinks
+until that holds. The events count hashes per medium: a hash is in a tier while any of
+its group records is.
 """
 
 from __future__ import annotations
@@ -12,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvcache_core.block_table import BlockTable
 from kvcache_core.errors import InvalidTypeError, KvCacheError, TierError, UnsupportedConfigError
 from kvcache_core.events import BlockStored, EventHub
-from kvcache_core.persist import BlockRecord
+from kvcache_core.persist import BlockRecord, record_key
 from kvcache_core.pool_access import PoolAccess
-from kvcache_core.prefix import hash_block
+from kvcache_core.prefix import PrefixEntry, hash_block
 from kvcache_core.tiers import OffloadTier, TierStats
 
 if TYPE_CHECKING:
@@ -31,12 +44,13 @@ class TierChain:
 
     Args:
         tiers: the tiers, fastest first (may be empty: then every call does nothing).
-        config: the pool's configuration (tiers need prefix caching and no sliding window).
+        config: the pool's configuration (tiers need prefix caching; KV-cache groups and a
+            sliding window are served, see the module docstring).
         events: the manager's event hub.
 
     Raises:
         InvalidTypeError: a tier that is not an :class:`OffloadTier`.
-        UnsupportedConfigError: tiers without prefix caching, or with a sliding window.
+        UnsupportedConfigError: tiers without prefix caching.
         TierError: two tiers of one name, or a tier that cannot hold a block of ``config``.
     """
 
@@ -44,6 +58,7 @@ class TierChain:
         self._tiers = list(tiers)
         self._events = events
         self._config = config
+        self._windows = [group.window for group in config.kv_groups]
         for tier in self._tiers:
             if not isinstance(tier, OffloadTier):
                 raise InvalidTypeError(f"tiers must be OffloadTier objects (HostTier, DiskTier, ...), got {tier!r}")
@@ -51,9 +66,6 @@ class TierChain:
             return
         if not config.enable_prefix_caching:
             raise UnsupportedConfigError("offload tiers need CacheConfig(enable_prefix_caching=True)")
-        windows = sorted({group.window for group in config.kv_groups if group.window is not None})
-        if windows:
-            raise UnsupportedConfigError(f"offload tiers do not serve a sliding window (sliding_window {windows[0]})")
         names = [tier.name for tier in self._tiers]
         if len(set(names)) != len(names):
             raise TierError(f"tier names must be unique, got {names}")
@@ -70,7 +82,8 @@ class TierChain:
         return tuple(self._tiers)
 
     def stats(self) -> list[TierStats]:
-        """Each tier's figures, first to last."""
+        """Each tier's figures, first to last; its blocks are records (one per hash and
+        KV-cache group, each one pool block's K/V)."""
         return [
             TierStats(tier.name, len(tier.hashes()), tier.used_bytes, tier.max_bytes, *self._counts[tier.name])
             for tier in self._tiers
@@ -80,37 +93,41 @@ class TierChain:
 
     def demote(self, pool: PoolAccess, count: int) -> None:
         """Copy the ``count`` cached blocks the pool is about to evict (least recently used
-        first) into the first tier, where their hash leaves the pool with them. The one
-        storage call comes first: if it raises, nothing has changed."""
+        first) into the first tier, where the last block of their hash in their KV-cache
+        group leaves the pool with them: one record per hash and group. The one storage
+        call comes first: if it raises, nothing has changed."""
         if not self._tiers or not count:
             return
         prefix = pool.prefix
         assert prefix is not None
+        group_of = pool.group_of
         victims = pool.allocator.cached_blocks()[:count]
         leaving = set(victims)
-        picked: list[int] = []
-        seen: set[bytes] = set()
+        picked: list[tuple[PrefixEntry, int, int]] = []  # entry, block, group
+        seen: set[tuple[bytes, int]] = set()
         for block in victims:
             entry = prefix.entry_of(block)
-            if entry is None or entry.block_hash in seen or not leaving.issuperset(entry.blocks):
-                continue  # another pool block keeps this hash
-            seen.add(entry.block_hash)
-            picked.append(block)
+            group = int(group_of[block])
+            if entry is None or (entry.block_hash, group) in seen:
+                continue
+            if any(other not in leaving and group_of[other] == group for other in entry.blocks):
+                continue  # another pool block of this group keeps the hash
+            seen.add((entry.block_hash, group))
+            picked.append((entry, block, group))
         if not picked:
             return
         try:
-            keys, values = pool.storage.blocks_to_host(np.asarray(picked, dtype=np.int64))
+            keys, values = pool.storage.blocks_to_host(np.asarray([block for _, block, _ in picked], dtype=np.int64))
         except Exception as exc:  # the eviction goes on as without tiers: the blocks are dropped
             self._counts[self._tiers[0].name][3] += len(picked)
             warnings.warn(
                 f"demoting {len(picked)} evicted blocks failed, they are dropped: {exc!r}", RuntimeWarning, stacklevel=5
             )
             return
-        records: list[BlockRecord] = []
-        for index, block in enumerate(picked):
-            entry = prefix.entry_of(block)
-            assert entry is not None
-            records.append(BlockRecord.of_entry(entry, keys[:, index], values[:, index]))
+        records = [
+            BlockRecord.of_entry(entry, keys[:, index], values[:, index], group)
+            for index, (entry, _, group) in enumerate(picked)
+        ]
         self._push(0, records)
 
     def _push(self, level: int, records: list[BlockRecord]) -> None:
@@ -123,50 +140,69 @@ class TierChain:
         counts = self._counts[tier.name]
         let_go: list[BlockRecord] = []
         for record in records:
+            key = record.key
             for other in self._tiers:  # one copy in the tiers: a newer one replaces it
-                if other is not tier and record.block_hash in other:
-                    other.discard(record.block_hash)
-                    self._events.removed((record.block_hash,), other.name)
-            known = record.block_hash in tier
+                if other is not tier and key in other:
+                    self._discard(other, key)
+            held = self._holds(tier, record.block_hash)
             try:
                 overflow = tier.put(record)
             except KvCacheError as exc:
                 counts[3] += 1
-                if known and record.block_hash not in tier:  # it dropped its older copy
-                    self._events.removed((record.block_hash,), tier.name)
+                self._report(tier, record, held)  # it may have dropped its older copy
                 warnings.warn(f"tier {tier.name!r} could not take a block: {exc}", RuntimeWarning, stacklevel=4)
                 continue
-            counts[1] += record.block_hash in tier
-            if record.block_hash in tier and not known:
-                self._events.emit(
-                    BlockStored(
-                        (record.block_hash,),
-                        record.parent_hash,
-                        record.token_ids,
-                        self._config.block_size,
-                        medium=tier.name,
-                    )
-                )
+            counts[1] += key in tier
             counts[2] += len(overflow)
-            gone: list[bytes] = []
+            self._report(tier, record, held)
+            others: dict[bytes, None] = {}  # hashes let go, each held before the put
             for item in overflow:
-                item_hash = item if isinstance(item, bytes) else item.block_hash
-                if (item_hash != record.block_hash or known) and item_hash not in tier:
-                    gone.append(item_hash)  # it was in the tier and is not now
+                item_hash = _hash_of(item if isinstance(item, bytes) else item.key)
+                if item_hash != record.block_hash:
+                    others[item_hash] = None
                 if not isinstance(item, bytes):
                     let_go.append(item)
-            self._events.removed(gone, tier.name)
+            self._events.removed([other for other in others if not self._holds(tier, other)], tier.name)
         self._push(level + 1, let_go)
+
+    def _holds(self, tier: OffloadTier, block_hash: bytes) -> bool:
+        """Whether ``tier`` holds a record of ``block_hash`` in any KV-cache group."""
+        return any(record_key(block_hash, group) in tier for group in range(len(self._windows)))
+
+    def _report(self, tier: OffloadTier, record: BlockRecord, held: bool) -> None:
+        """The event for ``record``'s hash in ``tier`` after a put, given whether ``tier``
+        held the hash before."""
+        now = self._holds(tier, record.block_hash)
+        if now and not held:
+            self._events.emit(
+                BlockStored(
+                    (record.block_hash,),
+                    record.parent_hash,
+                    record.token_ids,
+                    self._config.block_size,
+                    medium=tier.name,
+                )
+            )
+        elif held and not now:
+            self._events.removed((record.block_hash,), tier.name)
+
+    def _discard(self, tier: OffloadTier, key: bytes) -> None:
+        """Drop ``key`` (held) from ``tier``; the hash leaves its medium with its last record."""
+        tier.discard(key)
+        block_hash = _hash_of(key)
+        if not self._holds(tier, block_hash):
+            self._events.removed((block_hash,), tier.name)
 
     # -- tiers -> pool ------------------------------------------------------------------
 
     def promote(self, pool: PoolAccess, state: RequestState[Any]) -> int:
         """Bring the tiers' blocks that continue a new request's cached prefix into its
-        blocks (one ``blocks_from_host`` call), register them and start the request after
-        them; called by ``allocate`` before it commits.
+        blocks, in every KV-cache group (one ``blocks_from_host`` call), register them and
+        start the request after them; called by ``allocate`` before it commits. A group
+        whose block of a hash is still in the pool maps that block, as a prefix hit does.
 
         Returns:
-            The blocks promoted.
+            The logical blocks promoted.
 
         Raises:
             BaseException: what the storage raised that is not an ``Exception``
@@ -174,84 +210,248 @@ class TierChain:
         """
         if not self._tiers:
             return 0
+        start = len(state.chain)
+        if start * self._config.block_size != state.table.sequence_length:
+            return 0
+        hashes, pooled = self._continuation(pool, state, start)
+        have = [
+            [
+                pooled[group][index] is not None or any(record_key(block_hash, group) in tier for tier in self._tiers)
+                for index, block_hash in enumerate(hashes)
+            ]
+            for group in range(len(self._windows))
+        ]
+        found: dict[tuple[int, int], tuple[OffloadTier, BlockRecord]] = {}  # (group, index) -> its record
+        while True:
+            count = self._servable(pool, state, start, have, pooled)
+            if not count:
+                return 0
+            missing = False
+            for group, index in self._needed(start, count):
+                if pooled[group][index] is not None or (group, index) in found:
+                    continue
+                hit = self._find(record_key(hashes[index], group))
+                tokens = self._tokens(state, start + index)
+                if hit is None or hit[1].token_ids != tokens or hit[1].salt != state.salt:
+                    have[group][index] = False  # unreadable, or another prefix's: shorten
+                    missing = True
+                else:
+                    found[(group, index)] = hit
+            if not missing:
+                break
+        records = [
+            (group, index, found[(group, index)])
+            for group, index in self._needed(start, count)
+            if pooled[group][index] is None
+        ]
+        return self._write(pool, state, start, count, self._layout(state, start, count, pooled), records)
+
+    def _tokens(self, state: RequestState[Any], logical: int) -> tuple[int, ...]:
+        block_size = self._config.block_size
+        return tuple(state.token_ids[logical * block_size : (logical + 1) * block_size])
+
+    def _continuation(
+        self, pool: PoolAccess, state: RequestState[Any], start: int
+    ) -> tuple[list[bytes], list[list[int | None]]]:
+        """The hashes of the prompt's full blocks from ``start`` on, while the pool or a tier
+        holds a block of each (in any group), and per group the pool block of each hash
+        (``None`` where the group has none); the last prompt token is always left to compute."""
         prefix = pool.prefix
         assert prefix is not None
-        table = state.table
-        block_size = self._config.block_size
-        tokens = state.token_ids
-        start = len(state.chain)
-        if table.first_logical or start * block_size != table.sequence_length:
-            return 0
-        found: list[tuple[OffloadTier, BlockRecord]] = []
+        groups = range(len(self._windows))
         parent_hash = prefix.parent_hash(state.chain[-1] if state.chain else None)
-        for logical in range(start, (len(tokens) - 1) // block_size):
-            block_tokens = tuple(tokens[logical * block_size : (logical + 1) * block_size])
-            block_hash = hash_block(parent_hash, block_tokens, state.salt)
-            hit = self._find(block_hash)
-            if hit is None or hit[1].token_ids != block_tokens or hit[1].salt != state.salt:
+        hashes: list[bytes] = []
+        pooled: list[list[int | None]] = [[] for _ in groups]
+        for logical in range(start, (len(state.token_ids) - 1) // self._config.block_size):
+            tokens = self._tokens(state, logical)
+            block_hash = hash_block(parent_hash, tokens, state.salt)
+            entry = prefix.get(block_hash)
+            if entry is not None and (
+                entry.token_ids != tokens or entry.salt != state.salt or prefix.parent_hash(entry.parent) != parent_hash
+            ):
+                entry = None  # a collision: other tokens under this hash
+            if entry is None and not any(
+                record_key(block_hash, group) in tier for tier in self._tiers for group in groups
+            ):
                 break
-            found.append(hit)
+            hashes.append(block_hash)
+            for group in groups:
+                pooled[group].append(None if entry is None else pool.pick_block(entry, group))
             parent_hash = block_hash
-        if not found:
+        return hashes, pooled
+
+    def _first_held(self, group: int, end: int) -> int:
+        """The first logical block ``group`` holds once ``end`` blocks are cached: 0 for a
+        full group, the first its window sees from the first uncached token for a sliding
+        one (as ``SequenceBlocks.window_start``)."""
+        window = self._windows[group]
+        length = end * self._config.block_size
+        if window is None or length < window:
             return 0
-        allocator = pool.allocator
-        reserved = table.num_blocks() - start
-        spare = allocator.free_block_count() + allocator.cached_block_count()
-        found = found[: reserved + spare]
-        extra: list[int] = []
-        try:
-            if len(found) > reserved:  # taking them may evict (and demote) other cached blocks
-                last = table.physical_blocks[-1] if table.num_blocks() else None
-                extra = pool.take(
-                    len(found) - reserved,
-                    last if last is not None and allocator.ref_count(last) == 1 else None,
-                    None,
-                    f"cannot promote blocks for request {state.request_id!r}",
-                )
-            targets = [table.physical_block(start + index) for index in range(min(reserved, len(found)))] + extra
-            pool.storage.blocks_from_host(
-                np.asarray(targets, dtype=np.int64),
-                np.stack([record.keys for _, record in found], axis=1),
-                np.stack([record.values for _, record in found], axis=1),
+        return min(end, (length - window + 1) // self._config.block_size)
+
+    def _needed(self, start: int, count: int) -> list[tuple[int, int]]:
+        """``(group, index)`` of every block that promoting ``count`` blocks from logical
+        ``start`` maps, group by group in logical order (``index`` counts from ``start``)."""
+        return [
+            (group, index)
+            for group in range(len(self._windows))
+            for index in range(max(0, self._first_held(group, start + count) - start), count)
+        ]
+
+    def _layout(
+        self, state: RequestState[Any], start: int, count: int, pooled: list[list[int | None]]
+    ) -> list[list[int | None]]:
+        """Per group, after promoting ``count`` blocks from logical ``start``: each block it
+        holds from ``max(start, first held)`` on, the pool block mapped there or ``None``
+        for a new one (promoted from a tier, or reserved past the run)."""
+        layout: list[list[int | None]] = []
+        for group, table in enumerate(state.tables):
+            end = max(start + count, table.first_logical + table.num_blocks())
+            first = max(start, self._first_held(group, start + count))
+            layout.append(
+                [pooled[group][logical - start] if logical < start + count else None for logical in range(first, end)]
             )
+        return layout
+
+    def _servable(
+        self,
+        pool: PoolAccess,
+        state: RequestState[Any],
+        start: int,
+        have: list[list[bool]],
+        pooled: list[list[int | None]],
+    ) -> int:
+        """The most blocks from logical ``start`` that every group can be served: a full
+        group has a block or record of every one, a sliding group of those its window
+        sees, some group holds each, and the pool has the blocks to take for them."""
+        count = len(have[0]) if have else 0
+        for group, window in enumerate(self._windows):
+            if window is None:
+                count = min(count, next((index for index, known in enumerate(have[group]) if not known), count))
+        allocator = pool.allocator
+        spare = allocator.free_block_count() + allocator.cached_block_count()
+        while count:
+            firsts = [self._first_held(group, start + count) for group in range(len(self._windows))]
+            if min(firsts) <= start and all(have[group][index] for group, index in self._needed(start, count)):
+                layout = self._layout(state, start, count, pooled)
+                reserved = [table.first_logical + table.num_blocks() - start for table in state.tables]
+                extra = sum(max(0, row.count(None) - held) for row, held in zip(layout, reserved, strict=True))
+                revived = sum(1 for row in layout for block in row if block is not None and allocator.is_cached(block))
+                if extra + revived <= spare:
+                    return count
+            count -= 1
+        return 0
+
+    def _write(
+        self,
+        pool: PoolAccess,
+        state: RequestState[Any],
+        start: int,
+        count: int,
+        layout: list[list[int | None]],
+        records: list[tuple[int, int, tuple[OffloadTier, BlockRecord]]],
+    ) -> int:
+        """Map ``layout``'s pool blocks, write ``records`` (``(group, index, (tier,
+        record))``) into new blocks with one storage call, then commit: every group's table
+        holds what its window sees, the promoted blocks registered; the records leave the
+        tiers."""
+        allocator = pool.allocator
+        block_size = self._config.block_size
+        firsts = [self._first_held(group, start + count) for group in range(len(self._windows))]
+        mapped = [block for row in layout for block in row if block is not None]
+        held: list[int] = []  # the pool blocks mapped, held before anything is taken
+        extra: list[list[int]] = []  # per group: the blocks taken for the promotion
+        fresh: list[list[int]] = []  # per group: the new blocks, reserved ones first
+        try:
+            for block in mapped:
+                if allocator.is_cached(block):
+                    allocator.revive(block)
+                else:
+                    allocator.retain(block)
+                held.append(block)
+            for group, table in enumerate(state.tables):
+                reserved = list(table.physical_blocks[start - table.first_logical :])
+                last = table.physical_blocks[-1] if table.num_blocks() else None
+                missing = layout[group].count(None) - len(reserved)
+                taken: list[int] = []
+                if missing > 0:  # taking them may evict (and demote) other cached blocks
+                    taken = pool.take(
+                        missing,
+                        last if last is not None and allocator.ref_count(last) == 1 else None,
+                        None,
+                        f"cannot promote blocks for request {state.request_id!r}",
+                        group,
+                    )
+                extra.append(taken)
+                fresh.append(reserved + taken)
+            blocks: list[list[int]] = []  # per group: its blocks from max(start, first held) on
+            for group, row in enumerate(layout):
+                supply = iter(fresh[group])
+                blocks.append([next(supply) if block is None else block for block in row])
+            targets = [blocks[group][start + index - max(start, firsts[group])] for group, index, _ in records]
+            if records:
+                pool.storage.blocks_from_host(
+                    np.asarray(targets, dtype=np.int64),
+                    np.stack([record.keys for _, _, (_, record) in records], axis=1),
+                    np.stack([record.values for _, _, (_, record) in records], axis=1),
+                )
         except Exception as exc:  # the request is served without them
-            if extra:
-                allocator.release(extra[::-1], extra[-1])
-            warnings.warn(f"promoting {len(found)} blocks from the tiers failed: {exc!r}", RuntimeWarning, stacklevel=4)
+            pool.release_table(held)
+            _give_back(pool, extra)
+            warnings.warn(
+                f"promoting {len(records)} blocks from the tiers failed: {exc!r}", RuntimeWarning, stacklevel=4
+            )
             return 0
         except BaseException:
-            if extra:
-                allocator.release(extra[::-1], extra[-1])
-            pool.release_table(list(table.physical_blocks))
+            pool.release_table(held)
+            _give_back(pool, extra)
+            for table in state.tables:
+                pool.release_table(list(table.physical_blocks))
             raise
-        if extra:
-            table.add_blocks(extra)
-        promoted = len(found) * block_size
-        slots = table.slots(table.sequence_length, table.sequence_length + promoted)
-        pool.issued[slots] = True
-        if pool.written is not None:
-            pool.written[:, slots] = True
-        table.extend_sequence(promoted)
-        state.cached_tokens += promoted
+        for block in mapped:
+            pool.swapped_blocks.pop(block, None)
+        end = (start + count) * block_size
+        for group, table in enumerate(state.tables):
+            hits = list(table.physical_blocks[: start - table.first_logical])  # the pool's hits, mapped by open
+            passed = max(0, min(firsts[group], start) - table.first_logical)  # those the window no longer sees
+            state.tables[group] = BlockTable(
+                block_size, hits[passed:] + blocks[group], end, first_logical=firsts[group]
+            )
+            slots = state.tables[group].slots(max(start, firsts[group]) * block_size, end)
+            pool.issued[slots] = True
+            if pool.written is not None:
+                pool.written[:, slots] = True
+            unused = hits[:passed] + fresh[group][layout[group].count(None) :]
+            if unused:
+                pool.release_table(unused)
+        state.cached_tokens += count * block_size
         pool.advance_chain(state)
-        for tier, record in found:
+        for group, _, (tier, record) in records:
             self._counts[tier.name][0] += 1
+            key = record_key(record.block_hash, group)
             for holder in self._tiers:  # where it is now (the demotions above may have moved it)
-                if record.block_hash in holder:
-                    holder.discard(record.block_hash)
-                    self._events.removed((record.block_hash,), holder.name)
-        return len(found)
+                if key in holder:
+                    self._discard(holder, key)
+        return count
 
-    def _find(self, block_hash: bytes) -> tuple[OffloadTier, BlockRecord] | None:
+    def _find(self, key: bytes) -> tuple[OffloadTier, BlockRecord] | None:
+        """The first tier holding ``key`` and its record; one it cannot give back intact
+        (or gives back under another key) is dropped, with a warning."""
         for tier in self._tiers:
-            if block_hash not in tier:
+            if key not in tier:
                 continue
             try:
-                record = tier.peek(block_hash)
+                record = tier.peek(key)
+                if record is not None and record.key != key:
+                    raise TierError(
+                        f"asked for key {key.hex()[:16]}... ({len(key)} bytes), it gave back the record of KV-cache "
+                        f"group {record.group} of {record.block_hash.hex()[:16]}... (does it file records under "
+                        "BlockRecord.key?)"
+                    )
             except KvCacheError as exc:
                 self._counts[tier.name][3] += 1
-                tier.discard(block_hash)
-                self._events.removed((block_hash,), tier.name)
+                self._discard(tier, key)
                 warnings.warn(
                     f"tier {tier.name!r} dropped a block it cannot give back: {exc}", RuntimeWarning, stacklevel=5
                 )
@@ -265,15 +465,15 @@ class TierChain:
         if not self._tiers or not records:
             return 0
         self._push(0, records)
-        return sum(1 for record in records if any(record.block_hash in tier for tier in self._tiers))
+        return sum(1 for record in records if any(record.key in tier for tier in self._tiers))
 
     def records(self) -> list[BlockRecord]:
-        """Every block the tiers hold (for ``save_prefix_cache``); one a tier cannot give
-        back is left out (and dropped, with a warning)."""
+        """Every record the tiers hold, of every KV-cache group (for ``save_prefix_cache``);
+        one a tier cannot give back is left out (and dropped, with a warning)."""
         found: list[BlockRecord] = []
         for tier in self._tiers:
-            for block_hash in tier.hashes():
-                hit = self._find(block_hash)
+            for key in tier.hashes():
+                hit = self._find(key)
                 if hit is not None:
                     found.append(hit[1])
         return found
@@ -282,3 +482,16 @@ class TierChain:
         """Empty every tier (the manager closes)."""
         for tier in self._tiers:
             tier.clear()
+
+
+def _hash_of(key: bytes) -> bytes:
+    """The block hash a tier's key starts with (:func:`~kvcache_core.persist.record_key`);
+    read leniently: a key a tier mangled must not break an eviction."""
+    return key[:32]
+
+
+def _give_back(pool: PoolAccess, taken: list[list[int]]) -> None:
+    """Return blocks taken for a promotion that did not happen to the free list."""
+    for blocks in taken:
+        if blocks:
+            pool.allocator.release(blocks[::-1], blocks[-1])

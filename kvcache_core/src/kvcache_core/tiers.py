@@ -18,6 +18,25 @@ tier instead of dropped, and a prompt that hits a demoted block promotes it back
 * **Figures and events.** ``manager.tier_stats()`` gives each tier's blocks, bytes, hits,
   demotions and evictions; promoted blocks also count as prefix-cache hits in
   ``manager.stats()``; events carry the tier's name as their ``medium``.
+* **KV-cache groups** (hybrid models, :mod:`kvcache_core.groups`, and a pool with a
+  ``sliding_window``). A pool block holds one group's layers, so a tier holds one
+  :class:`~kvcache_core.persist.BlockRecord` per hash and group, filed under
+  :attr:`BlockRecord.key <kvcache_core.persist.BlockRecord.key>` (the bare hash in group 0,
+  the hash and the group in the others). When the pool evicts the last block of a hash in
+  one group, that block is demoted (the pool evicts least recently used first, so one
+  group's blocks of a prompt often leave before another's); a group that held no block of
+  a hash (a sliding window passed it before it was hashed) has no record of it. A prompt
+  promotes the next ``n`` blocks only if every group is served, by the rule of a prefix
+  hit: a full (or chunked) group needs a block of every one of them, a sliding group only
+  of those its window sees from the first uncached token (it maps no others; their records
+  stay in the tiers); a group's block is its record in a tier or, if the pool still holds
+  that hash in that group, the pool's block. Every promoted block must be held by some
+  group (its hash chains on), so a pool whose every group slides promotes no further than
+  its window reaches back. ``n`` is shortened until all of that holds; the records come
+  back in one ``blocks_from_host`` call. A hash is in a
+  tier's medium while at least one of its records is there (``BlockStored`` when the
+  first enters, ``BlockRemoved`` when the last leaves); a tier's figures count records
+  (each one pool block's K/V).
 * **Cost.** Demotion and promotion run inside the manager's call (under its lock): a disk
   tier's writes and reads are paid by the ``allocate`` or ``extend`` that evicts or hits.
 
@@ -58,7 +77,7 @@ from kvcache_core.errors import (
     KvCacheError,
     TierError,
 )
-from kvcache_core.persist import BlockRecord, read_blocks, write_blocks
+from kvcache_core.persist import BlockRecord, read_blocks, split_key, write_blocks
 
 if TYPE_CHECKING:
     from kvcache_core.config import CacheConfig
@@ -82,10 +101,11 @@ class TierStats:
 
     Attributes:
         name: the tier's name (the ``medium`` of its events).
-        blocks: blocks it holds.
+        blocks: blocks it holds: records, one per hash and KV-cache group (each one pool
+            block's K/V), so a hash of a pool with two groups may count twice.
         used_bytes, max_bytes: bytes it holds and may hold.
-        hits: blocks promoted from it into the pool.
-        demotions: blocks it took (from the pool or the tier before it).
+        hits: blocks (records) promoted from it into the pool.
+        demotions: blocks (records) it took (from the pool or the tier before it).
         evictions: blocks it let go to make room (to the next tier, or dropped).
         failures: blocks it could not take or give back (dropped, with a warning).
     """
@@ -102,7 +122,16 @@ class TierStats:
 
 @runtime_checkable
 class OffloadTier(Protocol):
-    """What a tier offers the manager: a bounded, least-recently-used store of blocks by hash."""
+    """What a tier offers the manager: a bounded, least-recently-used store of blocks by key.
+
+    A block's key is :attr:`BlockRecord.key <kvcache_core.persist.BlockRecord.key>`: its
+    hash for a pool without KV-cache groups (and for group 0 of one with groups), the hash
+    and the group for the other groups. A tier files each record under its ``key`` and
+    treats keys as opaque bytes. (A tier written before groups existed, filing records
+    under ``block_hash``, serves pools without groups unchanged; behind a pool with groups
+    the manager never maps a record it gives back under another key: it drops it as
+    unreadable.)
+    """
 
     @property
     def name(self) -> str:
@@ -129,32 +158,35 @@ class OffloadTier(Protocol):
         ...
 
     def put(self, record: BlockRecord) -> list[BlockRecord | bytes]:
-        """Store ``record`` as the most recently used; return what it let go to make room,
-        least recently used first: records to pass to the next tier (``record`` itself if
-        it cannot fit at all), or bare hashes of blocks it dropped (unreadable).
+        """Store ``record`` under ``record.key`` as the most recently used (replacing what
+        that key held); return what it let go to make room, least recently used first:
+        records to pass to the next tier (``record`` itself if it cannot fit at all), or
+        bare keys of blocks it dropped (unreadable).
 
         Raises:
             KvCacheError: the block cannot be stored (the manager drops it, with a warning).
         """
         ...
 
-    def peek(self, block_hash: bytes) -> BlockRecord | None:
-        """The block stored under ``block_hash`` (it stays), or ``None``.
+    def peek(self, key: bytes, /) -> BlockRecord | None:
+        """The block stored under ``key`` (it stays), or ``None``.
 
         Raises:
             KvCacheError: it is stored but cannot be read back intact (the manager drops it).
         """
         ...
 
-    def discard(self, block_hash: bytes) -> None:
-        """Forget ``block_hash`` (no error if absent)."""
+    def discard(self, key: bytes, /) -> None:
+        """Forget ``key`` (no error if absent)."""
         ...
 
     def hashes(self) -> list[bytes]:
-        """The hashes it holds, least recently used first."""
+        """The keys it holds, least recently used first (the hashes, without groups)."""
         ...
 
-    def __contains__(self, block_hash: object) -> bool: ...
+    def __contains__(self, key: object, /) -> bool:
+        """Whether it holds a block under ``key``."""
+        ...
 
     def clear(self) -> None:
         """Forget everything."""
@@ -201,7 +233,8 @@ class _BoundedTier:
 
 
 class HostTier(_BoundedTier):
-    """Blocks in host memory (NumPy arrays), least recently used first out.
+    """Blocks in host memory (NumPy arrays) by :attr:`BlockRecord.key
+    <kvcache_core.persist.BlockRecord.key>`, least recently used first out.
 
     Args:
         max_bytes: the K/V bytes it may hold (>= one block's, checked when bound).
@@ -218,10 +251,10 @@ class HostTier(_BoundedTier):
     def put(self, record: BlockRecord) -> list[BlockRecord | bytes]:
         if record.nbytes > self._max_bytes:
             return [record]
-        self.discard(record.block_hash)
+        self.discard(record.key)
         # Own copies: the pool's host views must not pin (or alias) anything.
         stored = dataclasses.replace(record, keys=record.keys.copy(), values=record.values.copy())
-        self._blocks[record.block_hash] = stored
+        self._blocks[record.key] = stored
         self._used_bytes += stored.nbytes
         let_go: list[BlockRecord | bytes] = []
         while self._used_bytes > self._max_bytes:
@@ -230,22 +263,22 @@ class HostTier(_BoundedTier):
             let_go.append(oldest)
         return let_go
 
-    def peek(self, block_hash: bytes) -> BlockRecord | None:
-        record = self._blocks.get(block_hash)
+    def peek(self, key: bytes, /) -> BlockRecord | None:
+        record = self._blocks.get(key)
         if record is not None:
-            self._blocks.move_to_end(block_hash)
+            self._blocks.move_to_end(key)
         return record
 
-    def discard(self, block_hash: bytes) -> None:
-        record = self._blocks.pop(block_hash, None)
+    def discard(self, key: bytes, /) -> None:
+        record = self._blocks.pop(key, None)
         if record is not None:
             self._used_bytes -= record.nbytes
 
     def hashes(self) -> list[bytes]:
         return list(self._blocks)
 
-    def __contains__(self, block_hash: object) -> bool:
-        return block_hash in self._blocks
+    def __contains__(self, key: object, /) -> bool:
+        return key in self._blocks
 
     def clear(self) -> None:
         self._blocks.clear()
@@ -253,8 +286,9 @@ class HostTier(_BoundedTier):
 
 
 class DiskTier(_BoundedTier):
-    """Blocks in files of a directory, one per block in the portable format of
-    :mod:`kvcache_core.persist` (checksummed, no pickle), least recently used first out.
+    """Blocks in files of a directory, one per block (per hash and KV-cache group: see
+    :meth:`path_of`) in the portable format of :mod:`kvcache_core.persist` (checksummed,
+    no pickle, the record's group in the header), least recently used first out.
 
     Files are written to a temporary name and renamed when complete; the tier's own files
     are removed when it lets them go or is cleared. Give each manager its own directory:
@@ -276,7 +310,7 @@ class DiskTier(_BoundedTier):
             raise InvalidTypeError(f"directory must be a str or os.PathLike, got {directory!r}")
         super().__init__(max_bytes, name)
         self._directory = Path(directory)
-        self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes
+        self._files: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes
         self._config: CacheConfig | None = None
 
     @property
@@ -284,9 +318,13 @@ class DiskTier(_BoundedTier):
         """Where its files are."""
         return self._directory
 
-    def path_of(self, block_hash: bytes) -> Path:
-        """The file of ``block_hash``."""
-        return self._directory / f"{block_hash.hex()}.safetensors"
+    def path_of(self, key: bytes) -> Path:
+        """The file of the block of ``key``: ``<hash hex>.safetensors`` in KV-cache group 0,
+        ``<hash hex>.g<group>.safetensors`` in the others (the file's header also names
+        the group)."""
+        block_hash, group = split_key(key)
+        suffix = f".g{group}" if group else ""
+        return self._directory / f"{block_hash.hex()}{suffix}.safetensors"
 
     def bind(self, config: CacheConfig) -> None:
         super().bind(config)
@@ -300,12 +338,13 @@ class DiskTier(_BoundedTier):
 
     def put(self, record: BlockRecord) -> list[BlockRecord | bytes]:
         assert self._config is not None, "bind the tier first"
-        self.discard(record.block_hash)
-        size = write_blocks(self.path_of(record.block_hash), self._config, [record])
+        key = record.key
+        self.discard(key)
+        size = write_blocks(self.path_of(key), self._config, [record])
         if size > self._max_bytes:
-            self.path_of(record.block_hash).unlink()
+            self.path_of(key).unlink()
             return [record]
-        self._files[record.block_hash] = size
+        self._files[key] = size
         self._used_bytes += size
         let_go: list[BlockRecord | bytes] = []
         while self._used_bytes > self._max_bytes:
@@ -317,34 +356,37 @@ class DiskTier(_BoundedTier):
             self.discard(oldest)
         return let_go
 
-    def peek(self, block_hash: bytes) -> BlockRecord | None:
-        if block_hash not in self._files:
+    def peek(self, key: bytes, /) -> BlockRecord | None:
+        if key not in self._files:
             return None
-        self._files.move_to_end(block_hash)
-        return self._read(block_hash)
+        self._files.move_to_end(key)
+        return self._read(key)
 
-    def discard(self, block_hash: bytes) -> None:
-        size = self._files.pop(block_hash, None)
+    def discard(self, key: bytes, /) -> None:
+        size = self._files.pop(key, None)
         if size is not None:
             self._used_bytes -= size
             with contextlib.suppress(FileNotFoundError):
-                self.path_of(block_hash).unlink()
+                self.path_of(key).unlink()
 
     def hashes(self) -> list[bytes]:
         return list(self._files)
 
-    def __contains__(self, block_hash: object) -> bool:
-        return block_hash in self._files
+    def __contains__(self, key: object, /) -> bool:
+        return key in self._files
 
     def clear(self) -> None:
-        for block_hash in list(self._files):
-            self.discard(block_hash)
+        for key in list(self._files):
+            self.discard(key)
 
-    def _read(self, block_hash: bytes) -> BlockRecord:
+    def _read(self, key: bytes) -> BlockRecord:
         assert self._config is not None, "bind the tier first"
-        records = read_blocks(self.path_of(block_hash), self._config, chained=False)
-        if len(records) != 1 or records[0].block_hash != block_hash:
-            raise CacheFileError(f"{str(self.path_of(block_hash))!r} does not hold block {block_hash.hex()[:16]}...")
+        records = read_blocks(self.path_of(key), self._config, chained=False)
+        if len(records) != 1 or records[0].key != key:
+            block_hash, group = split_key(key)
+            raise CacheFileError(
+                f"{str(self.path_of(key))!r} does not hold block {block_hash.hex()[:16]}... of KV-cache group {group}"
+            )
         return records[0]
 
 

@@ -6,8 +6,9 @@ of two layers, each request with a block table per group over one pool. The case
 what a user of a hybrid model relies on: the storage holds one group's layers, a long
 request keeps only its window's blocks in the sliding group, each layer's attention
 equals the dense reference with its own window, a prefix hit maps every group or none,
-the lockstep state machine agrees with the NumPy reference, and every bad input raises
-its error and changes nothing.
+the lockstep state machine agrees with the NumPy reference, offload tiers hold one record
+per hash and group and give a prefix back to every group bit-exact, and every bad input
+raises its error and changes nothing.
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ from kvcache_core.errors import (
     ShapeMismatchError,
     SlotError,
 )
+from kvcache_core.events import CachedBlockIndex
 from kvcache_core.groups import LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.persist import split_key
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 from kvcache_core.testing.catalogue import BadCall, check_bad_call
 from kvcache_core.testing.oracle import dense_attention
 from kvcache_core.testing.world import esc, untyped
+from kvcache_core.tiers import DiskTier, HostTier, OffloadTier
 
 __all__ = ["HYBRID_CASES", "HybridCases", "HybridWorld", "hybrid_config"]
 
@@ -86,6 +90,16 @@ def run_step_with_ids(manager: Manager, handle: Handle, ids: tuple[int, ...]) ->
         kv = rng.standard_normal((len(ids), config.num_heads, config.head_dim))
         kv = BackendUnderTest.native(manager, BackendUnderTest.representable(kv, config.dtype))
         step.write(layer, kv, kv)
+
+
+def tier_hashes(tier: OffloadTier) -> frozenset[bytes]:
+    """The hashes ``tier`` holds a record of, in any KV-cache group (its events' medium)."""
+    return frozenset(split_key(key)[0] for key in tier.hashes())
+
+
+def pool_hashes(manager: Manager) -> frozenset[bytes]:
+    prefix = manager.prefix_cache
+    return frozenset() if prefix is None else frozenset(entry.block_hash for entry in prefix.entries())
 
 
 def source_handle(manager: Manager) -> Handle:
@@ -339,6 +353,84 @@ class HybridCases:
         with pytest.raises(IncompatibleCacheFileError, match="kv_groups"):
             plain.load_prefix_cache(tmp_path / "hybrid.safetensors")
         assert plain.stats().cached_blocks == 0
+
+    @pytest.mark.kvcache_requires("sliding_window", "prefix_caching", "eviction", "swap")
+    def test_a_hybrid_prefix_comes_back_from_host_and_disk_tiers_in_every_group_bit_exact(
+        self, kvcache_backend: BackendUnderTest, tmp_path: Path
+    ) -> None:
+        pytest.importorskip("safetensors")
+        config = hybrid_config(kvcache_backend, enable_prefix_caching=True, num_blocks=24)
+        block_size = config.block_size
+        host, disk = HostTier(8 * config.bytes_per_block), DiskTier(tmp_path, 1 << 24)
+        manager = kvcache_backend.manager(config, tiers=[host, disk])
+        index = CachedBlockIndex()
+        manager.subscribe(index)
+        prompt = tuple(range(8 * block_size))
+        first = manager.allocate(AllocationRequest("first", prompt_token_ids=prompt))
+        run_step_with_ids(manager, first, prompt)  # one step: the sliding group keeps every block
+        want = [
+            [BackendUnderTest.host(manager, array) for array in manager.gather(first, layer)]
+            for layer in range(config.num_layers)
+        ]
+        manager.deallocate("first")
+        manager.gc()  # 8 hashes, a record of each in each group: 8 to host, 8 on to disk
+        assert (len(host.hashes()), len(disk.hashes())) == (8, 8), "not one record per hash and group"
+        assert index.hashes("host") == tier_hashes(host)
+        assert index.hashes("disk") == tier_hashes(disk)
+
+        again = manager.allocate(AllocationRequest("again", prompt_token_ids=(*prompt, 7)))
+        assert again.num_cached_tokens() == len(prompt), "the tiers did not serve every group"
+        full, sliding = again.block_tables()
+        seen = (len(prompt) - WINDOW + 1) // block_size  # the first block the window sees
+        assert full.first_logical == 0
+        assert (sliding.first_logical, sliding.num_blocks()) == (seen, 8 - seen), (
+            f"the sliding group mapped blocks its window does not see: {sliding}"
+        )
+        for layer in range(config.num_layers):
+            group, _ = config.layer_place(layer)
+            offset = (0, seen * block_size)[group]
+            got = [BackendUnderTest.host(manager, array) for array in manager.gather(again, layer)]
+            for name, array, expected in zip(("keys", "values"), got, want[layer], strict=True):
+                assert np.array_equal(array, expected[offset:]), f"layer {layer}: promoted {name} differ"
+        # The sliding group's records of the blocks its window passed stay in the tiers.
+        assert len(host.hashes()) + len(disk.hashes()) == seen
+        assert index.hashes() == pool_hashes(manager)
+        assert index.hashes("host") == tier_hashes(host)
+        assert index.hashes("disk") == tier_hashes(disk)
+        host_stats, disk_stats = manager.tier_stats()
+        assert host_stats.hits + disk_stats.hits == 8 + 8 - seen
+        manager.check_invariants()
+
+    @pytest.mark.kvcache_requires("sliding_window", "prefix_caching", "eviction", "swap")
+    def test_a_sliding_window_pool_promotes_from_its_tier_as_far_as_the_window_reaches_back(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        pytest.importorskip("safetensors")
+        config = kvcache_backend.config(enable_prefix_caching=True, num_blocks=16, sliding_window=WINDOW)
+        block_size = config.block_size
+        manager = kvcache_backend.manager(config, tiers=[HostTier(1 << 24)])
+        prompt = tuple(range(100, 100 + 5 * block_size))
+        first = manager.allocate(AllocationRequest("first", prompt_token_ids=prompt))
+        run_step_with_ids(manager, first, prompt)  # one step: every block held and cached
+        want = [
+            [BackendUnderTest.host(manager, array) for array in manager.gather(first, layer)]
+            for layer in range(config.num_layers)
+        ]
+        manager.deallocate("first")
+        manager.gc()
+        assert manager.tier_stats()[0].blocks == 5
+        # A promoted block must stay held by the request to be hashed: the run ends where
+        # the window from the first uncached token no longer sees the first promoted block.
+        reach = max(blocks for blocks in range(1, 6) if blocks * block_size - WINDOW + 1 < block_size)
+        again = manager.allocate(AllocationRequest("again", prompt_token_ids=(*prompt, 7)))
+        assert again.num_cached_tokens() == reach * block_size
+        assert again.block_table().first_logical == 0
+        for layer in range(config.num_layers):
+            got = [BackendUnderTest.host(manager, array) for array in manager.gather(again, layer)]
+            for name, array, expected in zip(("keys", "values"), got, want[layer], strict=True):
+                assert np.array_equal(array, expected[: reach * block_size]), f"layer {layer}: promoted {name} differ"
+        assert manager.tier_stats()[0].blocks == 5 - reach, "blocks past the promoted run left the tier"
+        manager.check_invariants()
 
     @pytest.mark.kvcache_requires("sliding_window", "fork", "swap")
     def test_fork_swap_and_truncate_carry_every_group(self, kvcache_backend: BackendUnderTest) -> None:
