@@ -13,6 +13,11 @@ What is compared, in one process, on the same random-weight model and prompt (fp
   ``torch.cat`` every step) and runs ``scaled_dot_product_attention`` on it.
 * **StaticCache** -- the same model with ``cache_implementation="static"``: K/V written into
   a preallocated buffer of the whole length, attended with a mask over all of it.
+* **the ceiling** -- the same model with a cache that keeps nothing (it counts positions)
+  and an attention that returns zeros: what ``generate`` costs when the cache and the
+  attention cost nothing. No cache can be faster; ``DynamicCache / ceiling`` is the most any
+  cache could gain over DynamicCache on this model and workload (its tokens are meaningless,
+  only its time is used).
 
 On CPU our attention is the compiled kernel of ``kvcache_core.paged_kernel`` (numba): one
 call per layer for the whole batch.
@@ -68,8 +73,15 @@ LOGIT_TOLERANCE = 1e-3  # fp32 through a whole model: the two paths differ in th
 TARGET_SINGLE_SPEEDUP = 1.2
 TARGET_BATCH_SPEEDUP = 1.5
 
-APPROACHES = ("ours", "dynamic", "static")
-LABELS = {"ours": "ours (PagedCache, paged)", "dynamic": "DynamicCache (sdpa)", "static": "StaticCache (sdpa)"}
+APPROACHES = ("ours", "dynamic", "static", "ceiling")
+LABELS = {
+    "ours": "ours (PagedCache, paged)",
+    "dynamic": "DynamicCache (sdpa)",
+    "static": "StaticCache (sdpa)",
+    "ceiling": "ceiling (free cache+attn)",
+}
+#: The attention implementation of the ceiling: zeros, no mask.
+FREE_ATTENTION = "kvcache_benchmark_free"
 
 Model = Any  # a transformers LlamaForCausalLM
 
@@ -86,6 +98,50 @@ class Timing:
     def decode_per_token(self) -> float:
         """Seconds per generated token after the first."""
         return (self.total - self.prefill) / max(1, self.new_tokens - 1)
+
+
+class CountingLayer(transformers.cache_utils.CacheLayerMixin):
+    """A cache layer that keeps no K/V, only the count of positions (the ceiling's cache)."""
+
+    is_sliding = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.length += int(key_states.shape[-2])
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def free_attention(
+    module: torch.nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """The ceiling's attention: zeros of the output's shape ``[batch, tokens, heads, head_dim]``."""
+    return query.new_zeros((query.shape[0], query.shape[2], query.shape[1], query.shape[3])), None
+
+
+def no_mask(*args: Any, **kwargs: Any) -> None:
+    """The ceiling's mask: none."""
+    return None
+
+
+transformers.AttentionInterface.register(FREE_ATTENTION, free_attention)  # pyright: ignore[reportUnknownMemberType]
+transformers.masking_utils.AttentionMaskInterface.register(FREE_ATTENTION, no_mask)  # pyright: ignore[reportUnknownMemberType]
 
 
 def build_models(args: argparse.Namespace) -> tuple[Model, Model]:
@@ -170,6 +226,11 @@ def run_reference(model: Model, prompt: Prompt, new_tokens: int, static: bool = 
     return model.generate(prompt.ids, attention_mask=prompt.mask, max_new_tokens=new_tokens, **options)
 
 
+def run_ceiling(model: Model, prompt: Prompt, new_tokens: int, **options: Any) -> Any:
+    cache = transformers.Cache(layers=[CountingLayer() for _ in range(model.config.num_hidden_layers)])
+    return model.generate(prompt.ids, attention_mask=prompt.mask, cache=cache, max_new_tokens=new_tokens, **options)
+
+
 def check_agreement(
     model: Model, reference: Model, manager: PagedKvCacheManager[torch.Tensor], prompt: Prompt, new_tokens: int
 ) -> tuple[bool, str]:
@@ -212,14 +273,15 @@ def timed(run: Callable[[], object]) -> float:
 
 
 def measure(
-    model: Model,
-    reference: Model,
+    models: tuple[Model, Model, Model],
     manager: PagedKvCacheManager[torch.Tensor],
     prompt: Prompt,
     new_tokens: int,
     repeats: int,
 ) -> dict[str, Timing]:
-    """Median prefill and whole-run times of every approach, taking turns in a rotating order."""
+    """Median prefill and whole-run times of every approach (``models``: ours, the
+    reference, the ceiling's), taking turns in a rotating order."""
+    model, reference, ceiling = models
     options: dict[str, Any] = {"do_sample": False}
     samples: dict[str, dict[int, list[float]]] = {name: {1: [], new_tokens: []} for name in APPROACHES}
     for repeat in range(repeats):
@@ -228,6 +290,7 @@ def measure(
                 ("ours", functools.partial(run_ours, model, manager, prompt, tokens, **options)),
                 ("dynamic", functools.partial(run_reference, reference, prompt, tokens, **options)),
                 ("static", functools.partial(run_reference, reference, prompt, tokens, static=True, **options)),
+                ("ceiling", functools.partial(run_ceiling, ceiling, prompt, tokens, **options)),
             ]
             shift = repeat % len(turns)
             for name, run in (*turns[shift:], *turns[:shift]):
@@ -263,7 +326,9 @@ def run_scenario(
             print("error: ours and DynamicCache disagree", file=sys.stderr)
             return 1
         print(f"  {kv_bytes(model, manager, prompt, args.new_tokens)}")
-        timings = measure(model, reference, manager, prompt, args.new_tokens, args.repeats)
+        ceiling = copy.deepcopy(reference)
+        ceiling.set_attn_implementation(FREE_ATTENTION)
+        timings = measure((model, reference, ceiling), manager, prompt, args.new_tokens, args.repeats)
     header = f"  {'':<28}{'prefill':>12}{'decode/token':>15}{'whole generate':>17}"
     print(header)
     print("  " + "-" * (len(header) - 2))
@@ -285,6 +350,14 @@ def run_scenario(
     print(
         f"  (above 1x: ours is faster)  target: whole generate at least {target}x faster than DynamicCache: "
         f"{speedup:.2f}x, {verdict(speedup >= target)}"
+    )
+    ceiling = timings["ceiling"]
+    print(
+        f"  ceiling: a cache and attention that cost nothing would make the whole generate "
+        f"{timings['dynamic'].total / ceiling.total:.2f}x faster than DynamicCache (decode "
+        f"{timings['dynamic'].decode_per_token / ceiling.decode_per_token:.2f}x); ours spends "
+        f"{(ours.decode_per_token - ceiling.decode_per_token) * 1e3:.2f} ms per token on cache and attention, "
+        f"DynamicCache {(timings['dynamic'].decode_per_token - ceiling.decode_per_token) * 1e3:.2f} ms"
     )
     return 0
 
