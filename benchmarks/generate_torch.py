@@ -100,13 +100,13 @@ class Timing:
         return (self.total - self.prefill) / max(1, self.new_tokens - 1)
 
 
-class CountingLayer(transformers.cache_utils.CacheLayerMixin):
+class CountingLayer(transformers.cache_utils.CacheLayerMixin):  # type: ignore[no-untyped-call]  # untyped base
     """A cache layer that keeps no K/V, only the count of positions (the ceiling's cache)."""
 
     is_sliding = False
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # pyright: ignore[reportUnknownMemberType]
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
