@@ -161,13 +161,13 @@ def test_a_second_generate_on_the_same_cache_gives_the_logits_of_dynamic_cache(a
     dynamic = transformers.DynamicCache(config=reference.config)
     with PagedCache(make_manager(model), model.config) as cache:
         first = generate(model, ids, mask, cache, max_new_tokens=8)
-        expected_first = generate(reference, ids, mask, past_key_values=dynamic, max_new_tokens=8)
+        expected_first = generate(reference, ids, mask, cache=dynamic, max_new_tokens=8)
         assert torch.equal(first.sequences, expected_first.sequences)
         more, _ = prompts(2, 5, seed=4)
         next_ids = torch.cat([first.sequences, more], dim=1)
         next_mask = torch.cat([mask, torch.ones((2, next_ids.shape[1] - mask.shape[1]), dtype=mask.dtype)], dim=1)
         ours = generate(model, next_ids, next_mask, cache, max_new_tokens=8)
-        expected = generate(reference, next_ids, next_mask, past_key_values=dynamic, max_new_tokens=8)
+        expected = generate(reference, next_ids, next_mask, cache=dynamic, max_new_tokens=8)
     assert max_logit_difference(first.logits, expected_first.logits) <= TOLERANCE
     assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
     assert torch.equal(ours.sequences, expected.sequences)
