@@ -261,11 +261,8 @@ def test_namespaced_tiers_serve_only_their_own_chains() -> None:
     assert admit(manager, "same", prompt).num_cached_tokens() == 12
 
 
-def test_a_request_promotes_with_one_transfer_and_an_eviction_demotes_with_one(tmp_path: Path) -> None:
-    manager = tiered(12, HostTier(3 * BLOCK_BYTES), DiskTier(tmp_path, 1 << 20))
-    prompt = prompt_of(1, 5)
-    admit(manager, "a", prompt)
-    manager.deallocate("a")
+def counting(manager: Manager) -> list[str]:
+    """Record the manager's host transfers (``to_host n`` / ``from_host n``) from now on."""
     storage = manager.storage
     calls: list[str] = []
     to_host, from_host = storage.blocks_to_host, storage.blocks_from_host
@@ -280,6 +277,15 @@ def test_a_request_promotes_with_one_transfer_and_an_eviction_demotes_with_one(t
 
     setattr(storage, "blocks_to_host", counting_to_host)  # noqa: B010 -- patch this instance only
     setattr(storage, "blocks_from_host", counting_from_host)  # noqa: B010
+    return calls
+
+
+def test_a_request_promotes_with_one_transfer_and_an_eviction_demotes_with_one(tmp_path: Path) -> None:
+    manager = tiered(12, HostTier(3 * BLOCK_BYTES), DiskTier(tmp_path, 1 << 20))
+    prompt = prompt_of(1, 5)
+    admit(manager, "a", prompt)
+    manager.deallocate("a")
+    calls = counting(manager)
     manager.gc()
     assert calls == ["to_host 5"]  # five blocks leave the pool in one transfer (three to host, two on to disk)
     calls.clear()

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import random
 import re
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, target
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("safetensors")
@@ -34,6 +33,8 @@ from kvcache_core.testing.world import assert_same_state, snapshot, untyped
 from kvcache_core.tiers import DiskTier, HostTier, OffloadTier
 from tests.core.test_events import pool_hashes
 from tests.core.test_prefix_caching import DIM, HEADS, Handle, Manager, token_kv
+from tests.core.test_tiers import counting
+from tests.core.test_tiers_properties import Workload, held_hashes
 
 BLOCK = 4
 WINDOW = 6
@@ -104,32 +105,8 @@ def assert_holds(manager: Manager, handle: Handle, tokens: Sequence[int]) -> Non
             assert np.array_equal(values[position - first], expected_values), (handle.request_id, layer, position)
 
 
-def tier_hashes(tier: OffloadTier) -> frozenset[bytes]:
-    """The hashes ``tier`` holds a record of, in any group."""
-    return frozenset(split_key(key)[0] for key in tier.hashes())
-
-
 def tier_keys(tier: OffloadTier) -> set[tuple[bytes, int]]:
     return {split_key(key) for key in tier.hashes()}
-
-
-def counting(manager: Manager) -> list[str]:
-    """Record the manager's host transfers (``to_host n`` / ``from_host n``) from now on."""
-    storage = manager.storage
-    calls: list[str] = []
-    to_host, from_host = storage.blocks_to_host, storage.blocks_from_host
-
-    def counting_to_host(blocks: Any) -> Any:
-        calls.append(f"to_host {len(blocks)}")
-        return to_host(blocks)
-
-    def counting_from_host(blocks: Any, keys: Any, values: Any) -> None:
-        calls.append(f"from_host {len(blocks)}")
-        from_host(blocks, keys, values)
-
-    setattr(storage, "blocks_to_host", counting_to_host)  # noqa: B010 -- patch this instance only
-    setattr(storage, "blocks_from_host", counting_from_host)  # noqa: B010
-    return calls
 
 
 def tier_of(kind: str, tmp_path: Path) -> OffloadTier:
@@ -394,8 +371,8 @@ def test_replayed_events_name_the_hashes_of_every_medium_with_groups(tmp_path: P
             manager.gc()
         manager.check_invariants()
         assert index.hashes("pool") == pool_hashes(manager), turn
-        assert index.hashes("host") == tier_hashes(host), turn
-        assert index.hashes("disk") == tier_hashes(disk), turn
+        assert index.hashes("host") == held_hashes(host), turn
+        assert index.hashes("disk") == held_hashes(disk), turn
     host_stats, disk_stats = manager.tier_stats()
     assert min(host_stats.hits, host_stats.demotions, host_stats.evictions, disk_stats.demotions) > 0
     manager.close()
@@ -425,7 +402,7 @@ def test_a_saved_prefix_cache_holds_the_tiers_group_records_and_loads_them_back(
     spilled.subscribe(index)
     assert spilled.load_prefix_cache(tmp_path / "all.safetensors") == 12
     assert (spilled.stats().cached_blocks, spilled.tier_stats()[0].blocks) == (8, 4)
-    assert index.hashes("host") == tier_hashes(spill_host)
+    assert index.hashes("host") == held_hashes(spill_host)
     for loaded in (restarted, spilled):
         for number, prompt in enumerate(prompts):
             handle = admit(loaded, f"again{number}", prompt)
@@ -482,43 +459,17 @@ def test_a_hybrid_pool_and_its_tiers_stay_exact_whatever_the_workload(
     directory: Path = tmp_path_factory.mktemp("disk")
     block_bytes = config_of(12).bytes_per_block
     host, disk = HostTier(host_records * block_bytes), DiskTier(directory, disk_records * (block_bytes + 2048))
-    manager = hybrid(12, host, disk)
-    index = CachedBlockIndex()
-    manager.subscribe(index)
     prefixes = [prompt_of(seed, 3)[:-1] for seed in range(3)]
-    live: list[str] = []
-    for step, operation in enumerate(script):
-        if operation[0] == "admit":
-            _, prefix, blocks, suffix = operation
-            assert isinstance(prefix, int)
-            assert isinstance(blocks, int)
-            assert isinstance(suffix, int)
-            while len(live) > 1:
-                manager.deallocate(live.pop(0))
-            prompt = prefixes[prefix][: blocks * BLOCK] + list(range(5000 + step * 10, 5000 + step * 10 + suffix))
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("error")  # no tier may fail in this workload
-                    handle = admit(manager, f"r{step}", prompt)
-            except MemoryError:
-                continue
-            assert_holds(manager, handle, prompt)
-            live.append(f"r{step}")
-        elif operation[0] == "release" and live:
-            assert isinstance(operation[1], int)
-            manager.deallocate(live.pop(operation[1] % len(live)))
-        elif operation[0] == "gc":
-            manager.gc()
-        manager.check_invariants()
-        assert index.hashes("pool") == pool_hashes(manager)
-        assert index.hashes("host") == tier_hashes(host)
-        assert index.hashes("disk") == tier_hashes(disk)
-        assert host.used_bytes <= host.max_bytes
-        assert disk.used_bytes <= disk.max_bytes
-    target(float(sum(tier.hits for tier in manager.tier_stats())), label="records promoted")  # seek promotions
-    manager.close()
-    assert index.media() == []
-    assert list(directory.iterdir()) == []
+
+    def admission(step: int, operation: tuple[object, ...]) -> tuple[list[int], dict[str, Any]]:
+        _, prefix, blocks, suffix = operation
+        assert isinstance(prefix, int)
+        assert isinstance(blocks, int)
+        assert isinstance(suffix, int)
+        return prefixes[prefix][: blocks * BLOCK] + list(range(5000 + step * 10, 5000 + step * 10 + suffix)), {}
+
+    workload = Workload(admission, admit, assert_holds, "records promoted", strict=True)
+    workload.run(hybrid(12, host, disk), host, disk, directory, script)
 
 
 class HashKeyedTier:

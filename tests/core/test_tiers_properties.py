@@ -3,7 +3,11 @@ records stay consistent, and the replayed events name exactly what each medium h
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings, target
@@ -12,7 +16,8 @@ from hypothesis import strategies as st
 pytest.importorskip("safetensors")
 
 from kvcache_core.events import CachedBlockIndex
-from kvcache_core.tiers import DiskTier, HostTier
+from kvcache_core.persist import split_key
+from kvcache_core.tiers import DiskTier, HostTier, OffloadTier
 from tests.core.test_events import pool_hashes
 from tests.core.test_prefix_caching import admit, assert_holds
 from tests.core.test_tiers import BLOCK_BYTES, tiered
@@ -38,38 +43,72 @@ def test_pool_and_tiers_stay_exact_and_events_match_every_medium(
     directory: Path = tmp_path_factory.mktemp("disk")
     host = HostTier(host_blocks * BLOCK_BYTES)
     disk = DiskTier(directory, disk_blocks * (BLOCK_BYTES + 2048))
-    manager = tiered(10, host, disk)
-    index = CachedBlockIndex()
-    manager.subscribe(index)
     prefixes = [[prefix * 100 + position for position in range(8)] for prefix in range(4)]
-    live: list[str] = []
-    for step, operation in enumerate(script):
-        if operation[0] == "admit":
-            _, prefix, suffix, salt = operation
-            assert isinstance(prefix, int)
-            assert isinstance(suffix, int)
-            assert salt is None or isinstance(salt, str)
-            while len(live) > 1:  # a small pool under steady pressure: the oldest request ends
-                manager.deallocate(live.pop(0))
-            prompt = prefixes[prefix] + list(range(5000 + step * 10, 5000 + step * 10 + suffix))
-            try:
-                handle = admit(manager, f"r{step}", prompt, cache_salt=salt)
-            except MemoryError:
-                continue
-            assert_holds(manager, handle, prompt)
-            live.append(f"r{step}")
-        elif operation[0] == "release" and live:
-            assert isinstance(operation[1], int)
-            manager.deallocate(live.pop(operation[1] % len(live)))
-        elif operation[0] == "gc":
-            manager.gc()
-        manager.check_invariants()
-        assert index.hashes("pool") == pool_hashes(manager)
-        assert index.hashes("host") == frozenset(host.hashes())
-        assert index.hashes("disk") == frozenset(disk.hashes())
-        assert host.used_bytes <= host.max_bytes
-        assert disk.used_bytes <= disk.max_bytes
-    target(float(sum(tier.hits for tier in manager.tier_stats())), label="blocks promoted")  # seek promotions
-    manager.close()
-    assert index.media() == []
-    assert list(directory.iterdir()) == []
+
+    def admission(step: int, operation: tuple[object, ...]) -> tuple[list[int], dict[str, Any]]:
+        _, prefix, suffix, salt = operation
+        assert isinstance(prefix, int)
+        assert isinstance(suffix, int)
+        assert salt is None or isinstance(salt, str)
+        return prefixes[prefix] + list(range(5000 + step * 10, 5000 + step * 10 + suffix)), {"cache_salt": salt}
+
+    workload = Workload(admission, admit, assert_holds, "blocks promoted")
+    workload.run(tiered(10, host, disk), host, disk, directory, script)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Runs a script of operations on a manager with a host and a disk tier, checking after
+    each one the invariants, the requests' K/V and that the replayed events name exactly what
+    each medium holds.
+
+    ``admission(step, operation)`` turns an ``("admit", ...)`` operation into a prompt and
+    the admit's keyword arguments; ``admit`` and ``holds`` admit a request and check its K/V;
+    with ``strict`` a tier that fails (a warning) fails the run."""
+
+    admission: Callable[[int, tuple[object, ...]], tuple[list[int], dict[str, Any]]]
+    admit: Callable[..., Any]
+    holds: Callable[[Any, Any, list[int]], None]
+    label: str
+    strict: bool = False
+
+    def run(
+        self, manager: Any, host: OffloadTier, disk: OffloadTier, directory: Path, script: list[tuple[object, ...]]
+    ) -> None:
+        index = CachedBlockIndex()
+        manager.subscribe(index)
+        live: list[str] = []
+        for step, operation in enumerate(script):
+            if operation[0] == "admit":
+                prompt, options = self.admission(step, operation)
+                while len(live) > 1:  # a small pool under steady pressure: the oldest request ends
+                    manager.deallocate(live.pop(0))
+                try:
+                    with warnings.catch_warnings():
+                        if self.strict:
+                            warnings.simplefilter("error")  # no tier may fail in this workload
+                        handle = self.admit(manager, f"r{step}", prompt, **options)
+                except MemoryError:
+                    continue
+                self.holds(manager, handle, prompt)
+                live.append(f"r{step}")
+            elif operation[0] == "release" and live:
+                assert isinstance(operation[1], int)
+                manager.deallocate(live.pop(operation[1] % len(live)))
+            elif operation[0] == "gc":
+                manager.gc()
+            manager.check_invariants()
+            assert index.hashes("pool") == pool_hashes(manager)
+            assert index.hashes("host") == held_hashes(host)
+            assert index.hashes("disk") == held_hashes(disk)
+            assert host.used_bytes <= host.max_bytes
+            assert disk.used_bytes <= disk.max_bytes
+        target(float(sum(tier.hits for tier in manager.tier_stats())), label=self.label)  # seek promotions
+        manager.close()
+        assert index.media() == []
+        assert list(directory.iterdir()) == []
+
+
+def held_hashes(tier: OffloadTier) -> frozenset[bytes]:
+    """The hashes ``tier`` holds a record of, in any KV-cache group."""
+    return frozenset(split_key(key)[0] for key in tier.hashes())
