@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kvcache_core.errors import InvalidConfigError, LayerIndexError
 
-__all__ = ["KvGroup", "LayerSpec", "check_group", "layer_slot", "plan_groups"]
+__all__ = ["KvGroup", "LayerSpec", "check_group", "first_visible_block", "layer_slot", "plan_groups"]
 
 
 def _positive(value: object) -> bool:
@@ -107,6 +107,14 @@ def plan_groups(
     ]
     chunks.sort(key=lambda chunk: chunk[1][0])
     return tuple(KvGroup(index, window, layers) for index, (window, layers) in enumerate(chunks))
+
+
+def first_visible_block(window: int | None, length: int, block_size: int) -> int:
+    """The first logical block the token at position ``length`` sees through a sliding
+    ``window`` (0 without one): the blocks before it are the ones a sliding group releases."""
+    if window is None or length < window:
+        return 0
+    return (length - window + 1) // block_size
 
 
 def layer_slot(groups: tuple[KvGroup, ...], num_layers: int) -> tuple[tuple[int, int], ...]:

@@ -17,6 +17,7 @@ from kvcache_core.block_table import BlockTable
 from kvcache_core.chains import PrefixChains
 from kvcache_core.config import AllocationRequest
 from kvcache_core.errors import SequenceTooLongError
+from kvcache_core.groups import first_visible_block
 from kvcache_core.handle import RequestState, SwapRecord
 from kvcache_core.prefix import PrefixEntry
 from kvcache_core.protocols import SlotArray
@@ -86,10 +87,7 @@ class SequenceBlocks:
 
     def window_start(self, length: int, group: int = 0) -> int:
         """The first logical block of ``group`` the token at position ``length`` can see."""
-        window = self.windows[group]
-        if window is None or length < window:
-            return 0
-        return (length - window + 1) // self.block_size
+        return first_visible_block(self.windows[group], length, self.block_size)
 
     def expected_blocks(self, max_sequence_length: int | None, logical_now: int, group: int = 0) -> int | None:
         """Blocks a request still expects to need in ``group`` (placement hint), ``None``

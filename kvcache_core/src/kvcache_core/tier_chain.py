@@ -27,6 +27,7 @@ import numpy as np
 from kvcache_core.block_table import BlockTable
 from kvcache_core.errors import InvalidTypeError, KvCacheError, TierError, UnsupportedConfigError
 from kvcache_core.events import BlockStored, EventHub
+from kvcache_core.groups import first_visible_block
 from kvcache_core.persist import BlockRecord, record_key
 from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import PrefixEntry, hash_block
@@ -283,12 +284,10 @@ class TierChain:
     def _first_held(self, group: int, end: int) -> int:
         """The first logical block ``group`` holds once ``end`` blocks are cached: 0 for a
         full group, the first its window sees from the first uncached token for a sliding
-        one (as ``SequenceBlocks.window_start``)."""
-        window = self._windows[group]
-        length = end * self._config.block_size
-        if window is None or length < window:
-            return 0
-        return min(end, (length - window + 1) // self._config.block_size)
+        one."""
+        return min(
+            end, first_visible_block(self._windows[group], end * self._config.block_size, self._config.block_size)
+        )
 
     def _needed(self, start: int, count: int) -> list[tuple[int, int]]:
         """``(group, index)`` of every block that promoting ``count`` blocks from logical
