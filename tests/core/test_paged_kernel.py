@@ -18,6 +18,8 @@ from kvcache_core import (
     KV_LAYOUTS,
     AllocationRequest,
     CacheConfig,
+    InvalidArgumentError,
+    InvalidTypeError,
     PageTable,
     UnsupportedConfigError,
     create_manager,
@@ -323,3 +325,24 @@ def test_a_team_that_fails_fails_the_call() -> None:
     calls.clear()
     paged_kernel.python_team(lambda: calls.append(1), 2)  # the pool still works
     assert 1 <= len(calls) <= 2  # a worker not started once the caller's share returned is skipped
+
+
+@pytest.mark.parametrize(("share", "threads", "error"), [
+    ("not callable", 2, InvalidTypeError),
+    (lambda: None, 0, InvalidArgumentError),
+    (lambda: None, True, InvalidArgumentError),
+    (lambda: None, 1.5, InvalidArgumentError),
+])  # fmt: skip
+def test_a_team_refuses_a_bad_call_before_running_anything(share: Any, threads: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match="team runs"):
+        paged_kernel.python_team(share, threads)
+
+
+@needs_numba
+def test_a_team_that_is_not_callable_is_refused_by_name() -> None:
+    table, query, keys, values, indptr = split_batch()
+    with pytest.raises(InvalidTypeError, match="team must be a ThreadTeam"):
+        paged_kernel.attend_with_kernel(
+            query, keys, values, table, indptr, dtype="float32", scale=0.2, causal=True, kv_layout="NHD",
+            sliding_window=None, team="openmp",  # type: ignore[arg-type]
+        )  # fmt: skip

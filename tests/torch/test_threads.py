@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache_core import paged_kernel
+from kvcache_core import InvalidArgumentError, InvalidTypeError, paged_kernel
 from kvcache_torch import threads
 from tests.torch.conftest import fill, make_manager
 
@@ -135,3 +135,15 @@ def test_a_forked_child_attends_without_the_parents_openmp_threads() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
+
+
+@needs_openmp
+def test_the_team_refuses_a_bad_call_before_starting_a_region() -> None:
+    team = threads.torch_team()
+    assert team is not None
+    ran: list[int] = []
+    with pytest.raises(InvalidArgumentError, match="int >= 1"):
+        team(lambda: ran.append(1), -1)  # would wrap around as an unsigned thread count
+    with pytest.raises(InvalidTypeError, match="callable share"):
+        team("share", 2)  # type: ignore[arg-type]
+    assert ran == []

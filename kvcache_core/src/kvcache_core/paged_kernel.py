@@ -58,7 +58,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.errors import UnsupportedConfigError
+from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, UnsupportedConfigError
 from kvcache_core.page_table import PageTable
 
 __all__ = [
@@ -70,6 +70,7 @@ __all__ = [
     "ROW_SPLIT",
     "ThreadTeam",
     "attend_with_kernel",
+    "check_team_call",
     "kernel_available",
     "kernel_reads",
     "max_threads",
@@ -171,9 +172,27 @@ def max_threads() -> int:
 ThreadTeam = Callable[[Callable[[], None], int], None]
 
 
+def check_team_call(share: object, threads: object) -> None:
+    """What every :data:`ThreadTeam` checks of its call.
+
+    Raises:
+        InvalidTypeError: ``share`` is not callable.
+        InvalidArgumentError: ``threads`` is not an int >= 1.
+    """
+    if not callable(share):
+        raise InvalidTypeError(f"a team runs a callable share, got {share!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InvalidArgumentError(f"a team runs on an int >= 1 of threads, got {threads!r}")
+
+
 def python_team(share: Callable[[], None], threads: int) -> None:
     """The default :data:`ThreadTeam`: the calling thread and ``threads - 1`` threads of a
-    pool of Python threads, each running compiled code without the GIL."""
+    pool of Python threads, each running compiled code without the GIL.
+
+    Raises:
+        InvalidTypeError, InvalidArgumentError: see :func:`check_team_call`.
+    """
+    check_team_call(share, threads)
     pool = _worker_pool()
     others = [pool.submit(share) for _ in range(threads - 1)]
     try:
@@ -410,7 +429,10 @@ def attend_with_kernel(
     Raises:
         UnsupportedConfigError: numba is not installed, or the pools are not readable in
             place (:func:`kernel_reads`).
+        InvalidTypeError: ``team`` is neither ``None`` nor callable.
     """
+    if team is not None and not callable(team):
+        raise InvalidTypeError(f"team must be a ThreadTeam (a callable) or None, got {team!r}")
     module = _jit()
     if module is None:
         raise UnsupportedConfigError("the compiled paged-attention kernel needs numba: pip install numba")

@@ -31,7 +31,7 @@ from typing import Final
 
 import torch
 
-from kvcache_core.paged_kernel import ThreadTeam, python_team
+from kvcache_core.paged_kernel import ThreadTeam, check_team_call, python_team
 
 __all__ = ["OPENMP_ENTRY", "openmp_runtime", "torch_team"]
 
@@ -73,7 +73,8 @@ def openmp_runtime() -> str | None:
 
 
 class _OpenMPTeam:
-    """A :data:`~kvcache_core.paged_kernel.ThreadTeam` over ``GOMP_parallel``."""
+    """A :data:`~kvcache_core.paged_kernel.ThreadTeam` over ``GOMP_parallel`` (a call
+    checks its arguments as :func:`~kvcache_core.paged_kernel.check_team_call` does)."""
 
     def __init__(self, entry: Callable[..., None]) -> None:
         self._entry = entry
@@ -102,13 +103,14 @@ class _OpenMPTeam:
             self._errors.append(error)
 
     def __call__(self, share: Callable[[], None], threads: int) -> None:
+        check_team_call(share, threads)
         if os.getpid() != self._pid:  # a forked child: GNU OpenMP's threads did not come along
             python_team(share, threads)
             return
         with self._lock:
             self._share, self._errors, self._caller = share, [], threading.get_ident()
             try:
-                self._entry(self._body, None, max(1, threads), 0)
+                self._entry(self._body, None, threads, 0)
             finally:
                 self._share = None
             if self._errors:
