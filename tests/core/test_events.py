@@ -8,12 +8,8 @@ import pytest
 
 from kvcache_core import InvalidArgumentError, InvalidTypeError
 from kvcache_core.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
-from kvcache_core.prefix import PrefixCache
-from tests.core.test_prefix_caching import Manager, admit, make_manager
-
-
-def pool_hashes(manager: Manager) -> frozenset[bytes]:
-    return frozenset(entry.block_hash for entry in (manager.prefix_cache or PrefixCache()).entries())
+from kvcache_core.testing.hybrid import pool_hashes
+from tests.core.test_prefix_caching import admit, make_manager
 
 
 def test_a_replaying_subscriber_holds_exactly_the_pool_hashes_through_evictions_and_gc() -> None:

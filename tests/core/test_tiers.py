@@ -22,9 +22,9 @@ from kvcache_core import (
 )
 from kvcache_core.errors import TierError
 from kvcache_core.events import CachedBlockIndex
+from kvcache_core.testing.hybrid import pool_hashes
 from kvcache_core.testing.world import assert_same_state, snapshot
 from kvcache_core.tiers import DiskTier, HostTier, OffloadTier, create_tier
-from tests.core.test_events import pool_hashes
 from tests.core.test_prefix_caching import DIM, HEADS, LAYERS, Manager, admit, assert_holds
 
 BLOCK = 4

@@ -29,12 +29,12 @@ from kvcache_core.events import CachedBlockIndex
 from kvcache_core.persist import BlockRecord, record_key, split_key
 from kvcache_core.prefix import hash_block
 from kvcache_core.testing.faults import FaultyStorage, InjectedFaultError
+from kvcache_core.testing.hybrid import pool_hashes, tier_hashes
 from kvcache_core.testing.world import assert_same_state, snapshot, untyped
 from kvcache_core.tiers import DiskTier, HostTier, OffloadTier
-from tests.core.test_events import pool_hashes
 from tests.core.test_prefix_caching import DIM, HEADS, Handle, Manager, token_kv
 from tests.core.test_tiers import counting
-from tests.core.test_tiers_properties import Workload, held_hashes
+from tests.core.test_tiers_properties import Workload
 
 BLOCK = 4
 WINDOW = 6
@@ -371,8 +371,8 @@ def test_replayed_events_name_the_hashes_of_every_medium_with_groups(tmp_path: P
             manager.gc()
         manager.check_invariants()
         assert index.hashes("pool") == pool_hashes(manager), turn
-        assert index.hashes("host") == held_hashes(host), turn
-        assert index.hashes("disk") == held_hashes(disk), turn
+        assert index.hashes("host") == tier_hashes(host), turn
+        assert index.hashes("disk") == tier_hashes(disk), turn
     host_stats, disk_stats = manager.tier_stats()
     assert min(host_stats.hits, host_stats.demotions, host_stats.evictions, disk_stats.demotions) > 0
     manager.close()
@@ -402,7 +402,7 @@ def test_a_saved_prefix_cache_holds_the_tiers_group_records_and_loads_them_back(
     spilled.subscribe(index)
     assert spilled.load_prefix_cache(tmp_path / "all.safetensors") == 12
     assert (spilled.stats().cached_blocks, spilled.tier_stats()[0].blocks) == (8, 4)
-    assert index.hashes("host") == held_hashes(spill_host)
+    assert index.hashes("host") == tier_hashes(spill_host)
     for loaded in (restarted, spilled):
         for number, prompt in enumerate(prompts):
             handle = admit(loaded, f"again{number}", prompt)

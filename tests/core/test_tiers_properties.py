@@ -16,9 +16,8 @@ from hypothesis import strategies as st
 pytest.importorskip("safetensors")
 
 from kvcache_core.events import CachedBlockIndex
-from kvcache_core.persist import split_key
+from kvcache_core.testing.hybrid import pool_hashes, tier_hashes
 from kvcache_core.tiers import DiskTier, HostTier, OffloadTier
-from tests.core.test_events import pool_hashes
 from tests.core.test_prefix_caching import admit, assert_holds
 from tests.core.test_tiers import BLOCK_BYTES, tiered
 
@@ -99,16 +98,11 @@ class Workload:
                 manager.gc()
             manager.check_invariants()
             assert index.hashes("pool") == pool_hashes(manager)
-            assert index.hashes("host") == held_hashes(host)
-            assert index.hashes("disk") == held_hashes(disk)
+            assert index.hashes("host") == tier_hashes(host)
+            assert index.hashes("disk") == tier_hashes(disk)
             assert host.used_bytes <= host.max_bytes
             assert disk.used_bytes <= disk.max_bytes
         target(float(sum(tier.hits for tier in manager.tier_stats())), label=self.label)  # seek promotions
         manager.close()
         assert index.media() == []
         assert list(directory.iterdir()) == []
-
-
-def held_hashes(tier: OffloadTier) -> frozenset[bytes]:
-    """The hashes ``tier`` holds a record of, in any KV-cache group."""
-    return frozenset(split_key(key)[0] for key in tier.hashes())
