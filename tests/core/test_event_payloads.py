@@ -80,7 +80,7 @@ def test_a_hash_of_another_length_is_refused(size: int) -> None:
 
 
 def test_a_parent_hash_of_another_length_is_refused() -> None:
-    with pytest.raises(CorruptEventBatchError, match="parent_block_hash of event 0 has 4 bytes"):
+    with pytest.raises(CorruptEventBatchError, match=r"event 0 \(BlockStored\): parent_block_hash has 4 bytes"):
         decode_event_batch(packed(stored(parent_block_hash=b"abcd")))
 
 
@@ -112,16 +112,16 @@ def test_a_bool_is_not_an_int(field: str) -> None:
     [
         (
             {"token_ids": [1, 2, 3, -1]},
-            rf"token_ids\[3\] of event 0 = -1 is out of range; valid: \[0, {MAX_TOKEN_ID}\]",
+            rf"event 0 \(BlockStored\): token_ids\[3\] = -1 is out of range; valid: \[0, {MAX_TOKEN_ID}\]",
         ),
         ({"token_ids": [1, 2, 3, MAX_TOKEN_ID + 1]}, rf"= {MAX_TOKEN_ID + 1} is out of range"),
         (
             {"block_size": 0, "token_ids": []},
-            rf"block_size of event 0 = 0 is out of range; valid: \[1, {MAX_POOL_SLOTS}\]",
+            rf"block_size = 0 is out of range; valid: \[1, {MAX_POOL_SLOTS}\]",
         ),
         ({"block_size": MAX_POOL_SLOTS + 1}, rf"= {MAX_POOL_SLOTS + 1} is out of range"),
-        ({"lora_id": -1}, r"lora_id of event 0 = -1 is out of range"),
-        ({"medium": ""}, "the medium of event 0 is empty"),
+        ({"lora_id": -1}, r"lora_id = -1 is out of range"),
+        ({"medium": ""}, "medium must be a non-empty str"),
         ({"medium": b"pool"}, "the medium of event 0 must be a str, got a msgpack bin"),
     ],
     ids=[
@@ -140,7 +140,9 @@ def test_a_value_out_of_range_is_refused_naming_it(fields: dict[str, Any], messa
 
 
 def test_token_ids_must_fill_every_block() -> None:
-    with pytest.raises(CorruptEventBatchError, match="event 0 has 3 token ids; 2 blocks of 2 tokens have 4"):
+    with pytest.raises(
+        CorruptEventBatchError, match=r"event 0 \(BlockStored\): token_ids holds 3 ids; 2 blocks of 2 tokens have 4"
+    ):
         decode_event_batch(packed(stored(token_ids=[1, 2, 3])))
 
 
@@ -256,9 +258,38 @@ def test_encoding_refuses_a_timestamp_decoding_would_refuse(ts: float) -> None:
         encode_event_batch([], ts=ts)
 
 
-def test_encoding_refuses_an_int_msgpack_cannot_hold() -> None:
-    with pytest.raises(InvalidArgumentError, match="cannot encode the events"):
-        encode_event_batch([BlockStored((HASH,), None, (2**64,), 1)], ts=1.0)
+@pytest.mark.parametrize(
+    ("event", "message"),
+    [
+        (BlockStored((HASH,), None, (2**64,), 1), r"token_ids\[0\] = 18446744073709551616 is out of range"),
+        (BlockStored((HASH,), None, (True,), 1), r"token_ids\[0\] must be an int"),
+        (BlockStored((HASH,), None, (1, 2), 1), "token_ids holds 2 ids; 1 blocks of 1 tokens have 1"),
+        (BlockStored((HASH,), None, [1], 1), "token_ids must be a tuple of ints, got list"),  # type: ignore[arg-type]
+        (BlockStored((HASH,), None, (), 0), r"block_size = 0 is out of range"),
+        (BlockStored((HASH,), b"short", (1,), 1), "parent_block_hash has 5 bytes"),
+        (BlockStored((HASH,), None, (1,), 1, -1), "lora_id = -1 is out of range"),
+        (BlockStored((HASH,), None, (1,), 1, None, ""), "medium must be a non-empty str"),
+        (BlockRemoved((), "pool"), "block_hashes must be a non-empty tuple"),
+        (BlockRemoved((b"x" * 31,), "pool"), r"block_hashes\[0\] has 31 bytes"),
+        (BlockRemoved((12,), "pool"), r"block_hashes\[0\] must be a 32-byte hash \(bytes\), got int"),  # type: ignore[arg-type]
+    ],
+    ids=[
+        "token past 64 bits",
+        "bool token",
+        "tokens and blocks disagree",
+        "token list",
+        "block_size 0",
+        "short parent",
+        "lora -1",
+        "empty medium",
+        "no hashes",
+        "short hash",
+        "int hash",
+    ],
+)
+def test_encoding_refuses_an_event_decoding_would_refuse(event: CacheEvent, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"cannot encode event 1 \\({type(event).__name__}\\): {message}"):
+        encode_event_batch([AllBlocksCleared(), event], ts=1.0)
 
 
 # -- properties: valid events round trip; any bytes decode to valid events or are refused ----

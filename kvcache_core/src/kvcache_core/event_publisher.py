@@ -73,10 +73,76 @@ _EVENT_FIELDS: Final = {"BlockStored": 7, "BlockRemoved": 3, "AllBlocksCleared":
 _BATCH_FIELDS: Final = 3
 
 
-def _check_timestamp(ts: object) -> float:
+def _timestamp_problem(ts: object) -> str | None:
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts < math.inf:
-        raise InvalidArgumentError(f"ts must be a finite number of seconds >= 0 since the epoch, got {ts!r}")
-    return float(ts)
+        return f"ts must be a finite number of seconds >= 0 since the epoch, got {ts!r}"
+    return None
+
+
+def _int_problem(name: str, value: object, low: int, high: int) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"{name} must be an int in [{low}, {high}], got {type(value).__name__}"
+    if not low <= value <= high:
+        return f"{name} = {value} is out of range; valid: [{low}, {high}]"
+    return None
+
+
+def _hash_problem(name: str, value: object) -> str | None:
+    if not isinstance(value, bytes):
+        return f"{name} must be a {_HASH_BYTES}-byte hash (bytes), got {type(value).__name__}"
+    if len(value) != _HASH_BYTES:
+        return f"{name} has {len(value)} bytes, a block hash has {_HASH_BYTES}"
+    return None
+
+
+def _event_problem(event: BlockStored | BlockRemoved) -> str | None:
+    """What is wrong with ``event``'s fields, or ``None``: the one copy of the rules both
+    :func:`encode_event_batch` and :func:`decode_event_batch` hold events to."""
+    hashes: object = event.block_hashes
+    if not isinstance(hashes, tuple) or not hashes:
+        return f"block_hashes must be a non-empty tuple of {_HASH_BYTES}-byte hashes, got {type(hashes).__name__}"
+    problem = None
+    if not all(type(value) is bytes and len(value) == _HASH_BYTES for value in hashes):
+        problem = next(
+            (found for index, value in enumerate(hashes) if (found := _hash_problem(f"block_hashes[{index}]", value))),
+            None,
+        )
+    if problem is None and isinstance(event, BlockStored):
+        problem = _stored_problem(event, len(hashes))
+    if problem is None:
+        medium: object = event.medium
+        if not isinstance(medium, str) or not medium:
+            got = repr(medium) if isinstance(medium, str) else type(medium).__name__
+            problem = f"medium must be a non-empty str ('pool' or a tier's name), got {got}"
+    return problem
+
+
+def _stored_problem(event: BlockStored, block_count: int) -> str | None:
+    """The rules of a :class:`BlockStored`'s own fields (its hashes and medium checked)."""
+    if event.parent_block_hash is not None and (problem := _hash_problem("parent_block_hash", event.parent_block_hash)):
+        return problem
+    if problem := _int_problem("block_size", event.block_size, 1, MAX_POOL_SLOTS):
+        return problem
+    if event.lora_id is not None and (problem := _int_problem("lora_id", event.lora_id, 0, _MAX_INT64)):
+        return problem
+    tokens: object = event.token_ids
+    if not isinstance(tokens, tuple):
+        return f"token_ids must be a tuple of ints, got {type(tokens).__name__}"
+    if len(tokens) != block_count * event.block_size:
+        return (
+            f"token_ids holds {len(tokens)} ids; {block_count} blocks of {event.block_size} tokens have "
+            f"{block_count * event.block_size}"
+        )
+    if not tokens or (set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) <= MAX_TOKEN_ID):
+        return None  # the common case, checked at C speed: events are published under the manager's lock
+    return next(
+        (
+            found
+            for index, token in enumerate(tokens)
+            if (found := _int_problem(f"token_ids[{index}]", token, 0, MAX_TOKEN_ID))
+        ),
+        None,
+    )
 
 
 def _event_fields(event: CacheEvent) -> list[object]:
@@ -102,19 +168,24 @@ def _event_fields(event: CacheEvent) -> list[object]:
 def encode_event_batch(events: Sequence[CacheEvent], ts: float | None = None) -> bytes:
     """``events`` as one msgpack ``KVEventBatch`` (``ts``: seconds since the epoch, now by default).
 
+    Each event is held to the rules :func:`decode_event_batch` checks, so what is encoded
+    decodes.
+
     Raises:
         InvalidTypeError: ``events`` is not a sequence of cache events.
         InvalidArgumentError: ``ts`` is not a finite number >= 0, or a field of an event
-            msgpack cannot hold (an int past 64 bits, ...).
+            is out of its range (the message names the event and the field).
     """
     if isinstance(events, (str, bytes)) or not isinstance(events, Sequence):
         raise InvalidTypeError(f"events must be a sequence of cache events, got {type(events).__name__}")
-    stamp = time.time() if ts is None else _check_timestamp(ts)
-    batch = [stamp, [_event_fields(event) for event in events], None]
-    try:
-        return _packb(batch, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise InvalidArgumentError(f"cannot encode the events {events!r}: {exc}") from exc
+    if ts is not None and (problem := _timestamp_problem(ts)):
+        raise InvalidArgumentError(problem)
+    fields: list[list[object]] = []
+    for index, event in enumerate(events):
+        fields.append(_event_fields(event))
+        if not isinstance(event, AllBlocksCleared) and (problem := _event_problem(event)):
+            raise InvalidArgumentError(f"cannot encode event {index} ({type(event).__name__}): {problem}")
+    return _packb([time.time() if ts is None else float(ts), fields, None], use_bin_type=True)
 
 
 def decode_event_batch(payload: bytes | bytearray | memoryview) -> tuple[float, list[CacheEvent]]:
@@ -167,6 +238,7 @@ def _msgpack_kinds() -> tuple[str, ...]:
 
 
 _KINDS: Final = _msgpack_kinds()
+_INT_FIRST_BYTES: Final = frozenset(byte for byte, kind in enumerate(_KINDS) if kind == "int")
 
 
 class _PayloadReader:
@@ -191,11 +263,13 @@ class _PayloadReader:
     def batch(self) -> tuple[float, list[CacheEvent]]:
         self._array("the batch", _BATCH_FIELDS, _BATCH_FIELDS)
         ts = self._number("ts")
-        if not 0 <= ts < math.inf:
-            raise self._error(f"ts must be a finite number of seconds >= 0, got {ts!r}")
+        if problem := _timestamp_problem(ts):
+            raise self._error(problem)
         count = self._array("the event list", 0)
         events = [self._event(f"event {index}") for index in range(count)]
-        self._optional_int("data_parallel_rank", 0, _MAX_INT64)
+        rank = None if self._take_nil() else self._int("data_parallel_rank")
+        if rank is not None and (problem := _int_problem("data_parallel_rank", rank, 0, _MAX_INT64)):
+            raise self._error(problem)
         if self._left():
             raise self._error(f"{self._left()} bytes follow the batch; a payload holds one batch")
         return ts, events
@@ -210,37 +284,42 @@ class _PayloadReader:
             raise self._error(f"{where} ({tag}) has {fields} fields, a {tag} has {expected}")
         if tag == "AllBlocksCleared":
             return AllBlocksCleared()
+        event: BlockStored | BlockRemoved
         if tag == "BlockRemoved":
-            return BlockRemoved(self._hashes(where), self._medium(where))
-        block_hashes = self._hashes(where)
-        parent = None if self._take_nil() else self._hash(f"the parent_block_hash of {where}")
-        token_count = self._array(f"the token_ids of {where}", 0)
-        token_ids = tuple(self._int(f"token_ids[{index}] of {where}", 0, MAX_TOKEN_ID) for index in range(token_count))
-        block_size = self._int(f"the block_size of {where}", 1, MAX_POOL_SLOTS)
-        if token_count != len(block_hashes) * block_size:
-            raise self._error(
-                f"{where} has {token_count} token ids; {len(block_hashes)} blocks of {block_size} tokens have "
-                f"{len(block_hashes) * block_size}"
+            event = BlockRemoved(self._hashes(where), self._text(f"the medium of {where}"))
+        else:
+            block_hashes = self._hashes(where)
+            parent = None if self._take_nil() else self._hash(f"the parent_block_hash of {where}")
+            token_count = self._array(f"the token_ids of {where}", 0)
+            token_ids = self._ints("token_ids", where, token_count)
+            block_size = self._int(f"the block_size of {where}")
+            lora_id = None if self._take_nil() else self._int(f"the lora_id of {where}")
+            event = BlockStored(
+                block_hashes, parent, token_ids, block_size, lora_id, self._text(f"the medium of {where}")
             )
-        lora_id = self._optional_int(f"the lora_id of {where}", 0, _MAX_INT64)
-        return BlockStored(block_hashes, parent, token_ids, block_size, lora_id, self._medium(where))
+        if problem := _event_problem(event):
+            raise self._error(f"{where} ({tag}): {problem}")
+        return event
 
     def _hashes(self, where: str) -> tuple[bytes, ...]:
         count = self._array(f"the block_hashes of {where}", 1)
         return tuple(self._hash(f"block_hashes[{index}] of {where}") for index in range(count))
 
+    def _ints(self, name: str, where: str, count: int) -> tuple[int, ...]:
+        """``count`` ints, each checked to be one before it is built (names only on failure:
+        this is the loop over every token id)."""
+        payload, unpack, position = self._payload, self._unpacker.unpack, self._unpacker.tell
+        values: list[int] = []
+        for index in range(count):
+            at = position()
+            if at >= len(payload) or payload[at] not in _INT_FIRST_BYTES:
+                self._expect(f"{name}[{index}] of {where}", ("int",), "an int")
+            values.append(cast("int", unpack()))
+        return tuple(values)
+
     def _hash(self, what: str) -> bytes:
         self._expect(what, ("bin",), f"a {_HASH_BYTES}-byte hash")
-        value = cast("bytes", self._unpacker.unpack())
-        if len(value) != _HASH_BYTES:
-            raise self._error(f"{what} has {len(value)} bytes, a block hash has {_HASH_BYTES}")
-        return value
-
-    def _medium(self, where: str) -> str:
-        medium = self._text(f"the medium of {where}")
-        if not medium:
-            raise self._error(f"the medium of {where} is empty; a medium is 'pool' or a tier's name")
-        return medium
+        return cast("bytes", self._unpacker.unpack())
 
     def _array(self, what: str, low: int, high: int | None = None) -> int:
         """Read an array's header: its count, in ``[low, high]`` and, as each item takes a
@@ -255,15 +334,9 @@ class _PayloadReader:
             )
         return count
 
-    def _int(self, what: str, low: int, high: int) -> int:
+    def _int(self, what: str) -> int:
         self._expect(what, ("int",), "an int")
-        value = cast("int", self._unpacker.unpack())
-        if not low <= value <= high:
-            raise self._error(f"{what} = {value} is out of range; valid: [{low}, {high}]")
-        return value
-
-    def _optional_int(self, what: str, low: int, high: int) -> int | None:
-        return None if self._take_nil() else self._int(what, low, high)
+        return cast("int", self._unpacker.unpack())
 
     def _number(self, what: str) -> float:
         self._expect(what, ("int", "float"), "a number")
