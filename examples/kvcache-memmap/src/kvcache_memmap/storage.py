@@ -109,8 +109,10 @@ class MemmapStorage(NumpyStorage):
             never writes through a link into a file elsewhere.
 
     Raises:
-        InvalidArgumentError: a bad ``mode`` or ``path``.
-        InvalidTypeError: ``follow_symlinks`` is not a bool.
+        InvalidArgumentError: a ``mode`` other than ``"w+"`` and ``"r+"``, an empty ``path``
+            or one holding a NUL character.
+        InvalidTypeError: ``config`` is not a :class:`CacheConfig`, ``mode`` not a str,
+            ``path`` not a str or path, ``follow_symlinks`` not a bool.
         PoolLockedError: another live storage holds ``path`` (the message names its pid),
             or the same file through another name.
         PoolPathIsADirectoryError: ``path`` or its sidecar is a directory.
@@ -132,6 +134,8 @@ class MemmapStorage(NumpyStorage):
         mode: Mode = "w+",
         follow_symlinks: bool = False,
     ) -> None:
+        if not isinstance(config, CacheConfig):
+            raise InvalidTypeError(f"config must be a CacheConfig, got {type(config).__name__}")
         config = config.with_layout(PREFERRED_LAYOUT)  # kv_layout=None: NumPy's fastest
         if config.dtype not in MEMMAP_DTYPES:
             raise UnsupportedConfigError(
@@ -142,10 +146,12 @@ class MemmapStorage(NumpyStorage):
                 f"a quantized memmap pool computes in {', '.join(NUMPY_COMPUTE_DTYPES)}; got compute_dtype "
                 f"{config.io_dtype!r}"
             )
+        if not isinstance(mode, str):
+            raise InvalidTypeError(f"mode must be 'w+' (create) or 'r+' (reopen), got {type(mode).__name__}")
         if mode not in ("w+", "r+"):
             raise InvalidArgumentError(f"mode must be 'w+' (create) or 'r+' (reopen), got {mode!r}")
         if path is not None and not isinstance(path, (str, os.PathLike)):
-            raise InvalidArgumentError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+            raise InvalidTypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         if not isinstance(follow_symlinks, bool):
             raise InvalidTypeError(f"follow_symlinks must be a bool, got {type(follow_symlinks).__name__}")
         # A temporary pool lives in a new private directory (mode 0o700), so no other user
@@ -161,6 +167,8 @@ class MemmapStorage(NumpyStorage):
             path_text = os.path.join(private_directory, "pool.kv")
         else:
             path_text = os.fsdecode(os.fspath(path))
+            if not path_text:
+                raise InvalidArgumentError("path must name a file, got ''")
             if "\0" in path_text:
                 raise InvalidArgumentError(f"path must not contain a NUL character, got {path_text!r}")
         try:
