@@ -210,7 +210,9 @@ def decode_event_batch(payload: bytes | bytearray | memoryview) -> tuple[float, 
         return reader.batch()
     except CorruptEventBatchError:
         raise
-    except (msgpack.UnpackException, ValueError) as exc:  # truncated or not msgpack (UTF-8 included)
+    except msgpack.OutOfData as exc:
+        raise CorruptEventBatchError(f"not a KV event batch ({len(payload)} bytes): it ends inside a value") from exc
+    except (msgpack.UnpackException, ValueError) as exc:  # not msgpack, or a str not UTF-8
         raise CorruptEventBatchError(f"not a KV event batch ({len(payload)} bytes): {exc!r}") from exc
 
 
