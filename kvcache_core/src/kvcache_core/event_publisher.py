@@ -194,9 +194,12 @@ def decode_event_batch(payload: bytes | bytearray | memoryview) -> tuple[float, 
     The payload comes from outside, so it is parsed strictly: each value's msgpack type is
     checked before the value is built (an int is never taken for bytes, a ``bool`` never
     for an int), every count is bounded by the bytes left in the payload, and every value
-    by its range: hashes of 32 bytes, token ids in ``[0, MAX_TOKEN_ID]``, ``block_size`` in
-    ``[1, MAX_POOL_SLOTS]`` with ``len(block_hashes) * block_size`` token ids, a finite
-    ``ts >= 0``, a non-empty ``medium``. Decoding costs memory proportional to the payload.
+    by its range: one or more hashes of 32 bytes, token ids in ``[0, MAX_TOKEN_ID]``,
+    ``block_size`` in ``[1, MAX_POOL_SLOTS]`` with ``len(block_hashes) * block_size`` token
+    ids, ``lora_id`` and ``data_parallel_rank`` ``None`` or in ``[0, 2**63 - 1]``, a finite
+    ``ts >= 0``, a non-empty ``medium``; nothing may follow the batch. Decoding costs
+    memory in proportion to the payload: a few tens of bytes per payload byte at most (a
+    one-byte token id becomes a Python reference), whatever the bytes.
 
     Raises:
         InvalidTypeError: ``payload`` is not bytes (``bytes``, ``bytearray``, ``memoryview``).
