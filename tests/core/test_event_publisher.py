@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
 
-from kvcache_core import InvalidArgumentError  # noqa: E402
+from kvcache_core import InvalidArgumentError, InvalidTypeError, KvCacheError  # noqa: E402
 from kvcache_core.event_publisher import (  # noqa: E402
     END_OF_REPLAY,
     ZmqEventPublisher,
@@ -35,15 +37,15 @@ def publisher() -> Iterator[ZmqEventPublisher]:
         yield publisher
 
 
-def replay(publisher: ZmqEventPublisher, start: int) -> list[tuple[int, bytes]]:
-    """Ask the publisher for every retained batch from ``start`` on."""
+def replay_frames(publisher: ZmqEventPublisher, request_frame: bytes) -> list[tuple[int, bytes]]:
+    """Send ``request_frame`` to the publisher's replay socket; every batch it answers."""
     assert publisher.replay_endpoint is not None
     context = zmq.Context.instance()
     with context.socket(zmq.DEALER) as dealer:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
         dealer.connect(publisher.replay_endpoint)
-        dealer.send_multipart((b"", SEQ.pack(start)))
+        dealer.send_multipart((b"", request_frame))
         batches: list[tuple[int, bytes]] = []
         for _ in range(1_000):  # bounded: the publisher retains at most buffer_size batches
             _, seq_frame, payload = dealer.recv_multipart()
@@ -52,6 +54,11 @@ def replay(publisher: ZmqEventPublisher, start: int) -> list[tuple[int, bytes]]:
                 return batches
             batches.append((seq, payload))
     raise AssertionError("the replay never ended")
+
+
+def replay(publisher: ZmqEventPublisher, start: int) -> list[tuple[int, bytes]]:
+    """Ask the publisher for every retained batch from ``start`` on."""
+    return replay_frames(publisher, SEQ.pack(start))
 
 
 def test_a_batch_round_trips_with_vllm_fields() -> None:
@@ -117,16 +124,114 @@ def test_replay_returns_only_the_last_buffer_size_batches() -> None:
         assert replay(publisher, 5) == []
 
 
+def open_resources() -> tuple[int, int]:
+    """This process's open file descriptors and threads (native ones, ZMQ's included)."""
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
 @pytest.mark.parametrize("field", ["buffer_size", "send_high_water_mark"])
-def test_bad_sizes_are_refused(field: str) -> None:
-    options: dict[str, Any] = {field: 0}
-    with pytest.raises(InvalidArgumentError, match=f"{field} must be an int >= 1, got 0"):
+@pytest.mark.parametrize("value", [0, -1, 2**31, 2**40])
+def test_a_size_out_of_range_is_refused_naming_the_range(field: str, value: int) -> None:
+    options: dict[str, Any] = {field: value}
+    with pytest.raises(InvalidArgumentError, match=rf"{field} must be an int in \[1, 2147483647\], got {value}"):
         ZmqEventPublisher("tcp://127.0.0.1:*", **options)
+
+
+@pytest.mark.parametrize("field", ["buffer_size", "send_high_water_mark"])
+@pytest.mark.parametrize("value", [True, 8.0, "8", None])
+def test_a_size_that_is_not_an_int_is_refused(field: str, value: object) -> None:
+    options: dict[str, Any] = {field: value}
+    with pytest.raises(
+        InvalidTypeError, match=rf"{field} must be an int in \[1, 2147483647\], got {type(value).__name__}"
+    ):
+        ZmqEventPublisher("tcp://127.0.0.1:*", **options)
+
+
+@pytest.mark.parametrize("field", ["endpoint", "replay_endpoint"])
+@pytest.mark.parametrize("value", [b"tcp://127.0.0.1:*", 5557, ("tcp://127.0.0.1:*",)])
+def test_an_endpoint_that_is_not_a_str_is_refused(field: str, value: object) -> None:
+    options: dict[str, Any] = {"endpoint": "tcp://127.0.0.1:*", field: value}
+    with pytest.raises(InvalidTypeError, match=f"{field} must be a str 'transport://address'"):
+        ZmqEventPublisher(**options)
+
+
+def test_no_endpoint_is_refused() -> None:
+    with pytest.raises(InvalidTypeError, match=r"endpoint must be a str 'transport://address'.*got NoneType"):
+        ZmqEventPublisher(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["endpoint", "replay_endpoint"])
+@pytest.mark.parametrize("value", ["", "127.0.0.1:5557", "tcp://", "://127.0.0.1:5557", "tcp://127.0.0.1:*\0x"])
+def test_an_endpoint_not_of_the_form_transport_address_is_refused(field: str, value: str) -> None:
+    options: dict[str, Any] = {"endpoint": "tcp://127.0.0.1:*", field: value}
+    with pytest.raises(
+        InvalidArgumentError, match=f"{field} must be 'transport://address'.*got {re.escape(repr(value))}"
+    ):
+        ZmqEventPublisher(**options)
+
+
+@pytest.mark.parametrize("topic", ["kv", bytearray(b"kv"), None, 7])
+def test_a_topic_that_is_not_bytes_is_refused(topic: object) -> None:
+    with pytest.raises(InvalidTypeError, match=f"topic must be bytes, got {type(topic).__name__}"):
+        ZmqEventPublisher("tcp://127.0.0.1:*", topic=topic)  # type: ignore[arg-type]
+
+
+def test_a_str_topic_is_refused_with_the_remedy() -> None:
+    with pytest.raises(InvalidTypeError, match=re.escape("(use 'kv'.encode())")):
+        ZmqEventPublisher("tcp://127.0.0.1:*", topic="kv")  # type: ignore[arg-type]
 
 
 def test_an_endpoint_zmq_cannot_bind_is_refused_naming_it() -> None:
     with pytest.raises(InvalidArgumentError, match="nonsense://here"):
         ZmqEventPublisher("nonsense://here")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"endpoint": None},
+        {"endpoint": "tcp://127.0.0.1:*", "topic": "kv"},
+        {"endpoint": "tcp://127.0.0.1:*", "send_high_water_mark": 2**40},
+        {"endpoint": "nonsense://here"},
+        {"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "nonsense://here"},
+    ],
+    ids=["no endpoint", "str topic", "huge high-water mark", "unbindable", "unbindable replay"],
+)
+def test_a_refused_publisher_leaves_nothing_open(options: dict[str, Any]) -> None:
+    before = open_resources()
+    with pytest.raises(KvCacheError):
+        ZmqEventPublisher(**options)
+    assert open_resources() == before
+
+
+def test_publishing_what_is_not_an_event_is_refused(publisher: ZmqEventPublisher) -> None:
+    with pytest.raises(InvalidTypeError, match="a cache event is a BlockStored, BlockRemoved or AllBlocksCleared"):
+        publisher("kv")  # type: ignore[arg-type]
+    assert publisher.next_sequence == 0
+
+
+@pytest.mark.parametrize(
+    "request_frame", [b"", b"\x00" * 7, b"\x00" * 9, SEQ.pack(-5)], ids=["empty", "short", "long", "negative"]
+)
+def test_a_malformed_replay_request_gets_the_end_alone(publisher: ZmqEventPublisher, request_frame: bytes) -> None:
+    publisher.publish([AllBlocksCleared()])
+    assert replay_frames(publisher, request_frame) == []
+    assert [seq for seq, _ in replay(publisher, 0)] == [0]
+
+
+def test_an_oversized_replay_request_is_dropped_and_replays_go_on(publisher: ZmqEventPublisher) -> None:
+    publisher.publish([AllBlocksCleared()])
+    assert publisher.replay_endpoint is not None
+    context = zmq.Context.instance()
+    with context.socket(zmq.DEALER) as dealer:
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(publisher.replay_endpoint)
+        dealer.send_multipart((b"", b"\x00" * (1 << 20)))
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        assert not poller.poll(300)  # ZMQ dropped the peer: no answer
+    assert [seq for seq, _ in replay(publisher, 0)] == [0]
 
 
 def test_replayed_batches_rebuild_every_medium_of_a_tiered_manager(tmp_path: Path) -> None:

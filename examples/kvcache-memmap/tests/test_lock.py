@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -173,3 +174,107 @@ def test_a_temporary_pool_is_removed_on_close() -> None:
     storage.close()
 
     assert not any(file.exists() for file in files)
+    assert not pool.parent.exists()
+
+
+def test_a_temporary_pool_lives_alone_in_a_private_directory() -> None:
+    storage = MemmapStorage(CONFIG)
+    directory = storage.path.parent
+
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert sorted(os.listdir(directory)) == ["pool.kv", "pool.kv.json", "pool.kv.lock"]
+    storage.close()
+
+
+def alias_of(path: Path, alias: Path) -> None:
+    """Hard-link the pool at ``path`` and its sidecar under the name ``alias``."""
+    os.link(path, alias)
+    os.link(path.with_name(path.name + ".json"), alias.with_name(alias.name + ".json"))
+
+
+@pytest.mark.parametrize("mode", ["r+", "w+"])
+def test_a_second_opener_through_a_hard_link_is_refused_and_the_pool_keeps_its_bytes(tmp_path: Path, mode: str) -> None:
+    path = tmp_path / "pool.kv"
+    first = filled_pool(path)
+    alias_of(path, tmp_path / "alias.kv")
+    before = path.read_bytes()
+
+    with pytest.raises(PoolLockedError, match="through another name") as refused:
+        MemmapStorage(CONFIG, path=tmp_path / "alias.kv", mode=mode)  # type: ignore[arg-type]
+
+    assert str(tmp_path / "alias.kv") in str(refused.value)
+    assert refused.value.holder_pid is None
+    assert path.read_bytes() == before
+    assert np.array_equal(first.pool, expected_pool(first))
+    assert sorted(os.listdir(tmp_path)) == ["alias.kv", "alias.kv.json", "pool.kv", "pool.kv.json", "pool.kv.lock"]
+
+
+def test_the_first_opener_through_a_hard_link_holds_the_file_for_every_name(tmp_path: Path) -> None:
+    path = tmp_path / "pool.kv"
+    filled_pool(path).close()
+    alias_of(path, tmp_path / "alias.kv")
+    first = MemmapStorage(CONFIG, path=tmp_path / "alias.kv", mode="r+")
+
+    with pytest.raises(PoolLockedError, match="through another name"):
+        MemmapStorage(CONFIG, path=path, mode="r+")
+
+    first.close()
+    MemmapStorage(CONFIG, path=path, mode="r+").close()
+
+
+def test_a_hard_link_opener_in_another_process_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "pool.kv"
+    first = filled_pool(path)
+    alias_of(path, tmp_path / "alias.kv")
+    before = path.read_bytes()
+    opener = textwrap.dedent(
+        f"""
+        import sys
+        from kvcache_core import CacheConfig
+        from kvcache_memmap import MemmapStorage, PoolLockedError
+        try:
+            MemmapStorage(CacheConfig({CONFIG_ARGS}), path=sys.argv[1], mode="r+")
+        except PoolLockedError as exc:
+            print("refused")
+        else:
+            sys.exit("the second opener was let in")
+        """
+    )
+
+    result = subprocess.run(
+        [sys.executable, "-c", opener, str(tmp_path / "alias.kv")],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        check=False,
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "refused"
+    assert path.read_bytes() == before
+    assert np.array_equal(first.pool, expected_pool(first))
+
+
+def test_a_symlinked_directory_reaches_the_same_lock(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    first = filled_pool(tmp_path / "real" / "pool.kv")
+
+    with pytest.raises(PoolLockedError):
+        MemmapStorage(CONFIG, path=tmp_path / "link" / "pool.kv", mode="r+")
+
+    assert np.array_equal(first.pool, expected_pool(first))
+
+
+def test_arrays_kept_after_close_do_not_hold_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "pool.kv"
+    first = filled_pool(path)
+    kept = first.pool  # its mapping keeps a descriptor of the file open
+    alias_of(path, tmp_path / "alias.kv")
+    first.close()
+
+    again = MemmapStorage(CONFIG, path=tmp_path / "alias.kv", mode="r+")
+
+    assert np.array_equal(again.pool, expected_pool(again))
+    assert np.array_equal(kept, expected_pool(again))
+    again.close()

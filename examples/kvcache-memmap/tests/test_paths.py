@@ -13,6 +13,7 @@ import pytest
 from kvcache_core import CacheConfig
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError, KvCacheError
 from kvcache_memmap import MemmapStorage, PoolPathError, PoolPathIsADirectoryError, PoolPathNotFoundError
+from kvcache_memmap._paths import read_small_file
 
 CONFIG = CacheConfig(num_layers=2, num_heads=2, head_dim=4, num_blocks=8, block_size=4)
 SMALL = CacheConfig(num_layers=1, num_heads=1, head_dim=4, num_blocks=2, block_size=4)
@@ -207,3 +208,46 @@ def test_a_symlink_at_the_lock_path_is_refused_by_default(tmp_path: Path) -> Non
 
     assert elsewhere.read_text() == "precious"
     assert not (tmp_path / "pool.kv").exists()
+
+
+def test_a_fifo_at_the_lock_path_is_refused(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "pool.kv.lock")
+
+    with pytest.raises(PoolPathError, match=r"the lock file of the pool .* is not a regular file"):
+        MemmapStorage(CONFIG, path=tmp_path / "pool.kv")
+
+    assert not (tmp_path / "pool.kv").exists()
+
+
+def test_reading_a_fifo_as_a_small_file_is_refused_without_waiting(tmp_path: Path) -> None:
+    """The sidecar is read after it was checked: one swapped for a FIFO in between must not
+    hang the open (no writer ever comes)."""
+    fifo = tmp_path / "pool.kv.json"
+    os.mkfifo(fifo)
+
+    with pytest.raises(PoolPathError, match="is not a regular file"):
+        read_small_file(str(fifo), limit_bytes=64, what="the sidecar of the pool", follow_symlinks=False)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"config": "CacheConfig"}, InvalidTypeError, "config must be a CacheConfig, got str"),
+        ({"path": 5}, InvalidTypeError, "path must be a str or os.PathLike, got int"),
+        ({"path": b"pool.kv"}, InvalidTypeError, "path must be a str or os.PathLike, got bytes"),
+        ({"path": ""}, InvalidArgumentError, "path must name a file, got ''"),
+        ({"mode": ["w+"]}, InvalidTypeError, "mode must be 'w\\+' \\(create\\) or 'r\\+' \\(reopen\\), got list"),
+        ({"mode": "a"}, InvalidArgumentError, "mode must be 'w\\+' \\(create\\) or 'r\\+' \\(reopen\\), got 'a'"),
+    ],
+    ids=["config", "int path", "bytes path", "empty path", "list mode", "unknown mode"],
+)
+def test_a_bad_argument_is_refused_by_type_or_range(
+    tmp_path: Path, options: dict[str, object], error: type[KvCacheError], match: str
+) -> None:
+    arguments: dict[str, object] = {"config": CONFIG, "path": tmp_path / "pool.kv", **options}
+    config = arguments.pop("config")
+
+    with pytest.raises(error, match=match):
+        MemmapStorage(config, **arguments)  # type: ignore[arg-type]
+
+    assert os.listdir(tmp_path) == []

@@ -56,7 +56,6 @@ def test_reopening_with_another_geometry_is_refused(tmp_path: Path) -> None:
     [
         ({"mode": "r"}, "'r'"),
         ({"mode": "r+"}, "give its path"),
-        ({"path": 42}, "int"),
     ],
 )
 def test_bad_options_are_refused(options: dict[str, object], match: str) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "BackendUnavailableError",
     "CacheFileError",
     "CorruptCacheFileError",
+    "CorruptEventBatchError",
     "DTypeMismatchError",
     "DuplicateRequestError",
     "ForeignHandleError",
@@ -189,3 +190,10 @@ class IncompatibleCacheFileError(KvCacheError, ValueError):
 class TierError(KvCacheError, ValueError):
     """An offload tier cannot be used as configured (a capacity below one block, a name
     taken twice, a directory it cannot write)."""
+
+
+class CorruptEventBatchError(InvalidArgumentError):
+    """A cache-event payload (a ZMQ message, a replayed batch) is not a KV event batch: not
+    msgpack, a field of the wrong type (``bool`` is not an int), a value out of its range
+    (token ids, block sizes, 32-byte hashes, finite timestamps), or more items than the
+    payload's own size could hold. Nothing was decoded."""

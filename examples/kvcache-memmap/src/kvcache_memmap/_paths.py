@@ -125,19 +125,26 @@ def create_file(directory: str, name: str, *, mode_of: os.stat_result | None) ->
 
 
 def read_small_file(path: str, *, limit_bytes: int, what: str, follow_symlinks: bool) -> bytes | None:
-    """The contents of ``path``, or ``None`` when it holds more than ``limit_bytes``.
+    """The contents of the regular file ``path``, or ``None`` when it holds more than
+    ``limit_bytes`` (no more than ``limit_bytes + 1`` are read).
 
     Raises:
-        PoolPathError: ``path`` cannot be opened (the matching subclass).
+        PoolPathError: ``path`` cannot be opened (the matching subclass), or is not a
+            regular file (a FIFO, a device, ...).
     """
-    flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    # O_NONBLOCK: a FIFO put in place of a checked file must not hang the open.
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
         fd = os.open(path, flags)
     except OSError as exc:
         raise path_error(exc, path, what=what) from exc
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PoolPathError(f"{what} {path!r} is not a regular file: choose another path", path=path)
         with os.fdopen(fd, "rb", closefd=False) as file:
             data = file.read(limit_bytes + 1)
+    except PoolPathError:
+        raise
     except OSError as exc:
         raise path_error(exc, path, what=what) from exc
     finally:

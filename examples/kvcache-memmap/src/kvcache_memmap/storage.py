@@ -27,9 +27,9 @@ from kvcache_core.numpy_backend import (
     NumpyArray,
     NumpyStorage,
 )
-from kvcache_memmap._lock import PoolLock, acquire_lock
+from kvcache_memmap._lock import PoolLock, acquire_lock, lock_pool_file, same_file
 from kvcache_memmap._paths import PoolPaths, check_file, create_file, path_error, read_small_file, resolve_paths
-from kvcache_memmap.errors import PoolPathNotFoundError
+from kvcache_memmap.errors import PoolPathError, PoolPathNotFoundError
 
 __all__ = ["MEMMAP_DTYPES", "MemmapStorage", "kvcache_register_backends"]
 
@@ -86,10 +86,12 @@ class MemmapStorage(NumpyStorage):
     raw blocks and, after them in the same file, their float32 scales, so a reopened pool
     decodes what was written.
 
-    While the storage is live it holds an exclusive lock on ``<path>.lock``
-    (``fcntl.flock``, recording its pid there): a second storage on the same path, in this
-    process or another, is refused instead of overwriting the pool under the first.
-    :meth:`close` (or the storage's garbage collection) releases it.
+    While the storage is live it holds two exclusive locks (``fcntl.flock``): one on
+    ``<path>.lock``, recording its pid there, and one on the pool file itself. A second
+    storage on the same file, in this process or another, is refused instead of
+    overwriting the pool under the first, whatever name it is opened through (the same
+    path, a hard link, a symbolic link). :meth:`close` (or the storage's garbage
+    collection) releases both.
 
     A new pool is written to a temporary file beside ``path`` and moved over it
     (``os.replace``) only once every check has passed: an existing pool is never truncated
@@ -97,8 +99,9 @@ class MemmapStorage(NumpyStorage):
 
     Args:
         config: the pool's configuration (device ``cpu``; dtype one of :data:`MEMMAP_DTYPES`).
-        path: the pool file; ``None`` makes a temporary file, deleted when the storage is
-            closed or garbage-collected. A ``<path>.json`` sidecar records the geometry.
+        path: the pool file; ``None`` makes a temporary pool in a new private directory,
+            deleted with it when the storage is closed or garbage-collected. A
+            ``<path>.json`` sidecar records the geometry.
         mode: ``"w+"`` creates the pool (replacing one already at ``path``, zeroed);
             ``"r+"`` reopens an existing pool, whose geometry must equal ``config``'s.
         follow_symlinks: use the targets of symbolic links at ``path`` and at its
@@ -106,9 +109,12 @@ class MemmapStorage(NumpyStorage):
             never writes through a link into a file elsewhere.
 
     Raises:
-        InvalidArgumentError: a bad ``mode`` or ``path``.
-        InvalidTypeError: ``follow_symlinks`` is not a bool.
-        PoolLockedError: another live storage holds ``path`` (the message names its pid).
+        InvalidArgumentError: a ``mode`` other than ``"w+"`` and ``"r+"``, an empty ``path``
+            or one holding a NUL character.
+        InvalidTypeError: ``config`` is not a :class:`CacheConfig`, ``mode`` not a str,
+            ``path`` not a str or path, ``follow_symlinks`` not a bool.
+        PoolLockedError: another live storage holds ``path`` (the message names its pid),
+            or the same file through another name.
         PoolPathIsADirectoryError: ``path`` or its sidecar is a directory.
         PoolPathNotFoundError: the directory of ``path`` does not exist; ``"r+"`` of a
             missing pool or sidecar.
@@ -128,6 +134,8 @@ class MemmapStorage(NumpyStorage):
         mode: Mode = "w+",
         follow_symlinks: bool = False,
     ) -> None:
+        if not isinstance(config, CacheConfig):
+            raise InvalidTypeError(f"config must be a CacheConfig, got {type(config).__name__}")
         config = config.with_layout(PREFERRED_LAYOUT)  # kv_layout=None: NumPy's fastest
         if config.dtype not in MEMMAP_DTYPES:
             raise UnsupportedConfigError(
@@ -138,43 +146,51 @@ class MemmapStorage(NumpyStorage):
                 f"a quantized memmap pool computes in {', '.join(NUMPY_COMPUTE_DTYPES)}; got compute_dtype "
                 f"{config.io_dtype!r}"
             )
+        if not isinstance(mode, str):
+            raise InvalidTypeError(f"mode must be 'w+' (create) or 'r+' (reopen), got {type(mode).__name__}")
         if mode not in ("w+", "r+"):
             raise InvalidArgumentError(f"mode must be 'w+' (create) or 'r+' (reopen), got {mode!r}")
         if path is not None and not isinstance(path, (str, os.PathLike)):
-            raise InvalidArgumentError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+            raise InvalidTypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         if not isinstance(follow_symlinks, bool):
             raise InvalidTypeError(f"follow_symlinks must be a bool, got {type(follow_symlinks).__name__}")
-        temporary = path is None
+        # A temporary pool lives in a new private directory (mode 0o700), so no other user
+        # can plant or predict anything beside it.
+        private_directory: str | None = None
         if path is None:
             if mode == "r+":
                 raise InvalidArgumentError("mode 'r+' reopens an existing pool: give its path")
-            handle, path_text = tempfile.mkstemp(prefix="kvcache-", suffix=".kv")
-            os.close(handle)
+            try:
+                private_directory = tempfile.mkdtemp(prefix="kvcache-")
+            except OSError as exc:
+                raise path_error(exc, tempfile.gettempdir(), what="the directory of a temporary pool") from exc
+            path_text = os.path.join(private_directory, "pool.kv")
         else:
             path_text = os.fsdecode(os.fspath(path))
+            if not path_text:
+                raise InvalidArgumentError("path must name a file, got ''")
             if "\0" in path_text:
                 raise InvalidArgumentError(f"path must not contain a NUL character, got {path_text!r}")
         try:
             paths = resolve_paths(path_text, follow_symlinks=follow_symlinks)
-            lock = acquire_lock(paths.lock, pool_path=paths.pool, follow_symlinks=follow_symlinks)
+            lock = acquire_lock(paths.lock, pool_path=paths.pool)
         except BaseException:
-            if temporary:
-                _remove_files(os.getpid(), (path_text,))
+            _remove_files(os.getpid(), (), private_directory)
             raise
-        owned = (paths.pool, paths.sidecar) if temporary else ()
+        owned = (paths.pool, paths.sidecar) if private_directory is not None else ()
         try:
             if mode == "w+":
-                pool, scales = _create_pool(paths, config, follow_symlinks=follow_symlinks)
+                pool, scales = _create_pool(paths, config, lock, follow_symlinks=follow_symlinks)
             else:
-                pool, scales = _reopen_pool(paths, config, follow_symlinks=follow_symlinks)
+                pool, scales = _reopen_pool(paths, config, lock, follow_symlinks=follow_symlinks)
             super().__init__(config, pool=pool, scales=scales)
         except BaseException:
-            _release(lock, owned)
+            _release(lock, owned, private_directory)
             raise
         self._path = Path(paths.pool)
-        self._temporary = temporary
+        self._temporary = private_directory is not None
         # The fallback for a storage dropped without close(): it must not refer to self.
-        self._finalizer = weakref.finalize(self, _release, lock, owned)
+        self._finalizer = weakref.finalize(self, _release, lock, owned, private_directory)
 
     @property
     def path(self) -> Path:
@@ -206,20 +222,26 @@ class MemmapStorage(NumpyStorage):
         self._finalizer()
 
 
-def _create_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool) -> Mapped:
-    """A zeroed pool file and its sidecar, moved into place once both are complete."""
+def _create_pool(paths: PoolPaths, config: CacheConfig, lock: PoolLock, *, follow_symlinks: bool) -> Mapped:
+    """A zeroed pool file and its sidecar, moved into place once both are complete; the new
+    file is locked (``lock`` holds it) before it is mapped."""
     pool_status = check_file(paths.pool, what="the pool file", follow_symlinks=follow_symlinks)
     sidecar_status = check_file(paths.sidecar, what="the sidecar of the pool", follow_symlinks=follow_symlinks)
     layout = _FileLayout.of(config)
     created: list[str] = []
+    # The file the name holds now may be another live pool's, opened through another name:
+    # it stays locked until the new file replaces it here.
+    replaced_fd = None if pool_status is None else lock_pool_file(paths.pool, pool_path=paths.pool)
     try:
         pool_fd, pool_temporary = create_file(paths.directory, os.path.basename(paths.pool), mode_of=pool_status)
         created.append(pool_temporary)
         try:
-            os.ftruncate(pool_fd, layout.size_bytes)  # sparse: the zeros cost no disk until written
-            mapped = _map(pool_fd, layout)
-        except OSError as exc:
-            raise path_error(exc, pool_temporary, what="the new pool file") from exc
+            lock.hold_pool_file(lock_pool_file(pool_temporary, pool_path=paths.pool, same_as=pool_fd))
+            try:
+                os.ftruncate(pool_fd, layout.size_bytes)  # sparse: the zeros cost no disk until written
+                mapped = _map(pool_fd, layout)
+            except OSError as exc:
+                raise path_error(exc, pool_temporary, what="the new pool file") from exc
         finally:
             os.close(pool_fd)
         sidecar_fd, sidecar_temporary = create_file(
@@ -242,11 +264,15 @@ def _create_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool
     except BaseException:
         _remove_files(os.getpid(), created)
         raise
+    finally:
+        if replaced_fd is not None:
+            os.close(replaced_fd)
     return mapped
 
 
-def _reopen_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool) -> Mapped:
-    """The existing pool at ``paths``, after its sidecar and size match ``config``."""
+def _reopen_pool(paths: PoolPaths, config: CacheConfig, lock: PoolLock, *, follow_symlinks: bool) -> Mapped:
+    """The existing pool at ``paths``, locked (``lock`` holds it), after its sidecar and
+    size match ``config``."""
     pool_status = check_file(paths.pool, what="the pool file", follow_symlinks=follow_symlinks)
     sidecar_status = check_file(paths.sidecar, what="the sidecar of the pool", follow_symlinks=follow_symlinks)
     if pool_status is None or sidecar_status is None:
@@ -256,6 +282,8 @@ def _reopen_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool
             "create the pool with mode='w+'",
             path=missing,
         )
+    locked_fd = lock_pool_file(paths.pool, pool_path=paths.pool)
+    lock.hold_pool_file(locked_fd)
     data = read_small_file(
         paths.sidecar, limit_bytes=_SIDECAR_LIMIT_BYTES, what="the sidecar of the pool", follow_symlinks=follow_symlinks
     )
@@ -271,18 +299,25 @@ def _reopen_pool(paths: PoolPaths, config: CacheConfig, *, follow_symlinks: bool
     if recorded != _geometry(config):
         raise InvalidConfigError(f"the pool at {paths.pool!r} was built for {recorded}, not {_geometry(config)}")
     layout = _FileLayout.of(config)
-    flags = os.O_RDWR | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    # The path is resolved: a link there now was planted since, and is not followed.
     try:
-        pool_fd = os.open(paths.pool, flags)
+        pool_fd = os.open(paths.pool, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise path_error(exc, paths.pool, what="the pool file") from exc
     try:
+        if not same_file(pool_fd, locked_fd):
+            raise PoolPathError(
+                f"the pool file {paths.pool!r} was replaced by another program while being opened: retry",
+                path=paths.pool,
+            )
         size_bytes = os.fstat(pool_fd).st_size
         if size_bytes != layout.size_bytes:
             raise InvalidConfigError(
                 f"the pool at {paths.pool!r} holds {size_bytes} bytes, its geometry needs {layout.size_bytes}"
             )
         return _map(pool_fd, layout)
+    except PoolPathError:
+        raise
     except OSError as exc:
         raise path_error(exc, paths.pool, what="the pool file") from exc
     finally:
@@ -302,18 +337,23 @@ def _map(fd: int, layout: _FileLayout) -> Mapped:
     return pool, scales
 
 
-def _release(lock: PoolLock, owned: tuple[str, ...]) -> None:
-    """Delete a temporary pool's files, then release its lock."""
+def _release(lock: PoolLock, owned: tuple[str, ...], private_directory: str | None) -> None:
+    """Delete a temporary pool's files, release its locks, then remove its directory."""
     _remove_files(lock.owner_pid, owned)
     lock.release()
+    _remove_files(lock.owner_pid, (), private_directory)
 
 
-def _remove_files(owner_pid: int, paths: tuple[str, ...] | list[str]) -> None:
+def _remove_files(owner_pid: int, paths: tuple[str, ...] | list[str], directory: str | None = None) -> None:
+    """Delete ``paths``, then the (emptied) ``directory``; only in the process that made them."""
     if os.getpid() != owner_pid:  # a forked child does not own its parent's files
         return
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+    if directory is not None:
+        with contextlib.suppress(OSError):  # not empty: someone else's file is not ours to delete
+            os.rmdir(directory)
 
 
 @hookimpl
