@@ -23,16 +23,21 @@ groups. Blocks come parents first. So a file saved by one backend and layout loa
 with the same namespace, geometry and dtype. Loading checks everything before it touches
 the pool (format, version, namespace, geometry, dtype, shapes, every checksum, every hash
 recomputed from its parent, salt and tokens) and refuses with a specific
-:class:`~kvcache_core.errors.KvCacheError`, loading nothing. Writing goes to a temporary
-name in the same directory, flushed to disk, then renamed: a reader never sees half a file.
+:class:`~kvcache_core.errors.KvCacheError`, loading nothing; every header field is
+parsed strictly (types, ranges, nesting depth). Files are handled by
+:mod:`kvcache_core.safe_files`: writing goes to a temporary file created exclusively under
+an unpredictable name in the same directory, flushed to disk, then renamed (a reader never
+sees half a file, a symbolic link is never followed); loading reads a regular file only,
+no further than its header declares.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
+import math
 import os
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,9 +47,8 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.config import SCALE_BYTES
+from kvcache_core.config import MAX_TOKEN_ID, SCALE_BYTES
 from kvcache_core.errors import (
-    CacheFileError,
     CorruptCacheFileError,
     IncompatibleCacheFileError,
     InvalidArgumentError,
@@ -54,6 +58,8 @@ from kvcache_core.errors import (
 )
 from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import PrefixEntry, hash_block, namespace_root
+from kvcache_core.safe_files import RegularFile, write_file_atomically
+from kvcache_core.strict_json import parse_json
 
 if TYPE_CHECKING:
     from kvcache_core.config import CacheConfig
@@ -76,6 +82,15 @@ FORMAT_NAME = "kvcache-prefix-cache"
 FORMAT_VERSION = 1
 HASH_ALGORITHM = "sha256:kvcache-core/block-hash/v1"
 _METADATA_KEY = "kvcache"
+#: The largest safetensors header read (the safetensors library's own limit).
+MAX_HEADER_BYTES = 100_000_000
+#: Bytes per element of the safetensors dtypes a file may declare.
+_ITEM_BYTES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8,
+}  # fmt: skip
+_HEX = re.compile(r"(?:[0-9a-f]{2})*")
+_HASH_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,16 +192,22 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
     """Write ``records`` (parents before children) to ``path`` in the portable format,
     through a temporary name renamed when complete.
 
+    The temporary file is created exclusively under an unpredictable name (see
+    :mod:`kvcache_core.safe_files`): a symbolic link is never followed, and of saves to one
+    path from many threads or processes the last rename wins, whole.
+
     Returns:
         The bytes written.
 
     Raises:
+        InvalidTypeError, InvalidArgumentError: ``path`` is not a str or os.PathLike, or is
+            empty or holds a NUL character.
         CacheFileError: the file cannot be written (no permission, no such directory, disk
-            full); no file is left at ``path`` or beside it.
+            full); ``path`` is as it was and nothing is left beside it.
     """
     from safetensors.numpy import save  # the [tiers] extra
 
-    target = Path(path)
+    target = _fspath(path)
     shape = (config.pool_layers, 0, config.block_size, config.num_heads, config.head_dim)
     keys = np.stack([record.keys for record in records], axis=1) if records else np.zeros(shape, np.float32)
     values = np.stack([record.values for record in records], axis=1) if records else np.zeros(shape, np.float32)
@@ -214,56 +235,68 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
         {"keys": np.ascontiguousarray(keys), "values": np.ascontiguousarray(values)},
         metadata={_METADATA_KEY: json.dumps(header, separators=(",", ":"))},
     )
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            temporary.unlink()
-        raise CacheFileError(
-            exc.errno, f"cannot write the prefix cache to {str(target)!r}: {exc.strerror or exc}"
-        ) from exc
-    return len(data)
+    return write_file_atomically(target, data, what="the cache file")
 
 
-def read_blocks(path: str | os.PathLike[str], config: CacheConfig, *, chained: bool = True) -> list[BlockRecord]:
+def _fspath(path: str | os.PathLike[str]) -> str:
+    """``path`` as a ``str`` naming a file.
+
+    Raises:
+        InvalidTypeError: ``path`` is not a ``str`` or an ``os.PathLike`` giving one.
+        InvalidArgumentError: ``path`` is empty or holds a NUL character.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidTypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise InvalidTypeError(f"path must be a str or os.PathLike of a str, got {type(path).__name__} {path!r}")
+    if not text or "\x00" in text:
+        raise InvalidArgumentError(f"path must name a file: a non-empty str without NUL characters, got {text!r}")
+    return text
+
+
+def read_blocks(
+    path: str | os.PathLike[str], config: CacheConfig, *, chained: bool = True, size: int | None = None
+) -> list[BlockRecord]:
     """Read and check a file :func:`write_blocks` wrote, for a pool of ``config``.
 
     With ``chained`` (a saved prefix cache), every parent must be an earlier block of the
-    file; without it (one block of a disk tier), parents may be anywhere.
+    file; without it (one block of a disk tier), parents may be anywhere. With ``size``
+    (the bytes :func:`write_blocks` returned), a file of another size is refused unread.
 
-    Every block is checked (checksum, and its hash recomputed from its parent hash, salt
-    and tokens under ``config.model_id``'s namespace) before anything is returned.
+    Only a regular file is read (a symbolic link as the last component, a FIFO, a device
+    or a directory is refused without blocking), and no more of it than its header
+    declares, once that header was checked against the file's size. Every field of the
+    header is checked strictly (types, ranges, nesting depth) and every block (checksum,
+    and its hash recomputed from its parent hash, salt and tokens under
+    ``config.model_id``'s namespace) before anything is returned.
 
     Raises:
-        CacheFileError: the file cannot be read.
-        CorruptCacheFileError: truncated, a header that does not parse, a checksum or hash
-            that does not match (the message names the block).
+        InvalidTypeError, InvalidArgumentError: ``path`` is not a str or os.PathLike, or is
+            empty or holds a NUL character.
+        CacheFileError: the file cannot be read, or is not a regular file.
+        CorruptCacheFileError: truncated, a header that does not parse or holds a value of
+            the wrong type or out of range, a checksum or hash that does not match (the
+            message names the block).
         IncompatibleCacheFileError: another format, an unknown version, another namespace,
             geometry or dtype.
     """
-    source = Path(path)
-    try:
-        data = source.read_bytes()
-    except OSError as exc:
-        raise CacheFileError(exc.errno, f"cannot read the prefix cache {str(source)!r}: {exc.strerror or exc}") from exc
-    header = _parse_header(data, source)
+    name = _fspath(path)
+    source = Path(name)
+    table, data = _read_container(name, size)
+    header = _kvcache_header(table, name)
     _check_compatible(header, config, source)
     keys, values = _load_tensors(data, source)
     listed = header.get("blocks")
     if not isinstance(listed, list):
-        raise CorruptCacheFileError(f"{str(source)!r}: the header's 'blocks' is not a list")
+        raise CorruptCacheFileError(f"{name!r}: the header's 'blocks' is not a list")
     blocks = cast("list[object]", listed)
     # issue 14: a quantized pool's host blocks are packed uint8, raw bytes + a float32 scale
     width = config.head_dim + (SCALE_BYTES if config.quantized else 0)
     expected = (config.pool_layers, len(blocks), config.block_size, config.num_heads, width)
     if keys.shape != expected or values.shape != expected:
         raise CorruptCacheFileError(
-            f"{str(source)!r}: keys {keys.shape} and values {values.shape} do not match the header's "
+            f"{name!r}: keys {keys.shape} and values {values.shape} do not match the header's "
             f"{len(blocks)} blocks, expected {expected}"
         )
     root = namespace_root(config.model_id)
@@ -273,60 +306,155 @@ def read_blocks(path: str | os.PathLike[str], config: CacheConfig, *, chained: b
         record = _record(fields, index, keys[:, index], values[:, index], config, source)
         if chained and record.parent_hash is not None and record.parent_hash not in seen:
             raise CorruptCacheFileError(
-                f"{str(source)!r}: block {index}'s parent {record.parent_hash.hex()[:16]}... is not an earlier block"
+                f"{name!r}: block {index}'s parent {record.parent_hash.hex()[:16]}... is not an earlier block"
             )
         parent = root if record.parent_hash is None else record.parent_hash
         if hash_block(parent, record.token_ids, record.salt) != record.block_hash:
-            raise CorruptCacheFileError(
-                f"{str(source)!r}: block {index}'s hash does not match its parent, salt and token ids"
-            )
+            raise CorruptCacheFileError(f"{name!r}: block {index}'s hash does not match its parent, salt and token ids")
         seen.add(record.block_hash)
         records.append(record)
     return records
 
 
-def _parse_header(data: bytes, source: Path) -> Mapping[str, Any]:
-    if len(data) < 8:
-        raise CorruptCacheFileError(f"{str(source)!r} is truncated: {len(data)} bytes, a header needs at least 8")
-    (length,) = struct.unpack("<Q", data[:8])
-    if length > len(data) - 8:
+def _read_container(source: str, expected_size: int | None) -> tuple[Mapping[str, Any], bytes]:
+    """The safetensors header table of the regular file ``source`` and the file's bytes,
+    once the header was checked against the file's size: the file is read no further than
+    the header (at most :data:`MAX_HEADER_BYTES`) until the tensors it declares fill the
+    file exactly (and, given ``expected_size``, only a file of that size is read)."""
+    with RegularFile(source, what="the cache file") as file:
+        if expected_size is not None and file.size != expected_size:
+            raise CorruptCacheFileError(f"{source!r} has {file.size} bytes; {expected_size} were written")
+        if file.size < 8:
+            raise CorruptCacheFileError(f"{source!r} is truncated: {file.size} bytes, a header needs at least 8")
+        (length,) = struct.unpack("<Q", file.read_at(0, 8))
+        if length > file.size - 8:
+            raise CorruptCacheFileError(
+                f"{source!r} is truncated: its header claims {length} bytes, {file.size - 8} follow"
+            )
+        if length > MAX_HEADER_BYTES:
+            raise CorruptCacheFileError(
+                f"{source!r}: its header claims {length} bytes, at most {MAX_HEADER_BYTES} are read"
+            )
+        encoded = file.read_at(8, length)
+        table = parse_json(encoded, what=f"{source!r}: the safetensors header", error=CorruptCacheFileError)
+        if not isinstance(table, dict):
+            raise CorruptCacheFileError(f"{source!r}: the safetensors header is not a JSON object")
+        size = 8 + length + _tensor_bytes(cast("dict[str, Any]", table), source)
+        if size != file.size:
+            state = "truncated" if size > file.size else "too long"
+            raise CorruptCacheFileError(
+                f"{source!r} is {state}: its header and tensors take {size} bytes, the file has {file.size}"
+            )
+        data = file.read_at(0, size)
+    if data[8 : 8 + length] != encoded:
+        raise CorruptCacheFileError(f"{source!r} changed while it was read")
+    return cast("dict[str, Any]", table), data
+
+
+def _tensor_bytes(table: Mapping[str, Any], source: str) -> int:
+    """The bytes of tensor data the safetensors header ``table`` declares: exactly the
+    tensors ``keys`` and ``values``, each ``data_offsets`` as long as its dtype and shape
+    make it, together filling the data without gap or overlap."""
+    names = sorted(name for name in table if name != "__metadata__")
+    if names != ["keys", "values"]:
         raise CorruptCacheFileError(
-            f"{str(source)!r} is truncated: its header claims {length} bytes, {len(data) - 8} follow"
+            f"{source!r} holds the tensors {_shown(names)}; a prefix cache holds keys and values"
         )
-    try:
-        table = json.loads(data[8 : 8 + length])
-        header = json.loads(table["__metadata__"][_METADATA_KEY])
-    except (ValueError, KeyError, TypeError) as exc:
+    spans: list[tuple[int, int, str]] = []
+    for name in names:
+        entry = table[name]
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (
+            not isinstance(dtype, str)
+            or dtype not in _ITEM_BYTES
+            or not isinstance(shape, list)
+            or not all(_is_count(extent) for extent in shape)
+            or not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_count(offset) for offset in offsets)
+        ):
+            raise CorruptCacheFileError(
+                f"{source!r}: the tensor {name!r} is declared as {_shown(entry)}; expected a dtype of "
+                f"{sorted(_ITEM_BYTES)}, a shape of ints >= 0 and two data offsets, ints >= 0"
+            )
+        begin, end = offsets
+        declared = math.prod(shape) * _ITEM_BYTES[dtype]
+        if end - begin != declared:
+            raise CorruptCacheFileError(
+                f"{source!r}: the tensor {name!r} ({dtype} {shape}) takes {declared} bytes; its data offsets "
+                f"{begin}..{end} span {end - begin}"
+            )
+        spans.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            raise CorruptCacheFileError(
+                f"{source!r}: the tensor {name!r} starts at byte {begin} of the data, expected {position}"
+            )
+        position = end
+    return position
+
+
+def _kvcache_header(table: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+    """The kvcache header a safetensors header ``table`` holds in its metadata."""
+    metadata = table.get("__metadata__")
+    text = metadata.get(_METADATA_KEY) if isinstance(metadata, dict) else None
+    if not isinstance(text, str):
         raise CorruptCacheFileError(
-            f"{str(source)!r}: the header does not parse as a kvcache prefix cache ({exc!r})"
-        ) from exc
+            f"{source!r}: the header does not parse as a kvcache prefix cache (no {_METADATA_KEY!r} metadata string)"
+        )
+    header = parse_json(text, what=f"{source!r}: the kvcache header", error=CorruptCacheFileError)
     if not isinstance(header, dict):
-        raise CorruptCacheFileError(f"{str(source)!r}: the kvcache header is not a JSON object")
+        raise CorruptCacheFileError(f"{source!r}: the kvcache header is not a JSON object")
     return cast("dict[str, Any]", header)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _same(value: object, expected: object) -> bool:
+    """Whether a value read from JSON is ``expected`` with the same JSON types (``true``
+    is not ``1``, ``1.0`` is not ``1``)."""
+    return json.dumps(value, sort_keys=True) == json.dumps(expected, sort_keys=True)
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut short for a message."""
+    text = repr(value)
+    return text if len(text) <= 120 else f"{text[:117]}..."
 
 
 def _check_compatible(header: Mapping[str, Any], config: CacheConfig, source: Path) -> None:
     name = f"{str(source)!r}"
-    if header.get("format") != FORMAT_NAME:
-        raise IncompatibleCacheFileError(f"{name} is not a {FORMAT_NAME} file (format {header.get('format')!r})")
-    if header.get("version") != FORMAT_VERSION:
+    if not _same(header.get("format"), FORMAT_NAME):
+        raise IncompatibleCacheFileError(f"{name} is not a {FORMAT_NAME} file (format {_shown(header.get('format'))})")
+    if not _same(header.get("version"), FORMAT_VERSION):
         raise IncompatibleCacheFileError(
-            f"{name} has format version {header.get('version')!r}; this kvcache reads version {FORMAT_VERSION}"
+            f"{name} has format version {_shown(header.get('version'))}; this kvcache reads version {FORMAT_VERSION}"
         )
-    if header.get("hash_algorithm") != HASH_ALGORITHM:
+    if not _same(header.get("hash_algorithm"), HASH_ALGORITHM):
         raise IncompatibleCacheFileError(
-            f"{name} hashes with {header.get('hash_algorithm')!r}; this kvcache uses {HASH_ALGORITHM!r}"
+            f"{name} hashes with {_shown(header.get('hash_algorithm'))}; this kvcache uses {HASH_ALGORITHM!r}"
         )
-    if header.get("namespace") != config.model_id:
+    if not _same(header.get("namespace"), config.model_id):
         raise IncompatibleCacheFileError(
-            f"{name} holds blocks of namespace {header.get('namespace')!r}; this pool's model_id is {config.model_id!r}"
+            f"{name} holds blocks of namespace {_shown(header.get('namespace'))}; this pool's model_id is "
+            f"{config.model_id!r}"
         )
-    if header.get("geometry") != _geometry(config):
+    if not _same(header.get("geometry"), _geometry(config)):
         raise IncompatibleCacheFileError(
-            f"{name} has geometry {header.get('geometry')!r}; this pool's is {_geometry(config)!r}"
+            f"{name} has geometry {_shown(header.get('geometry'))}; this pool's is {_geometry(config)!r}"
         )
-    if header.get("dtype") != config.dtype:
-        raise IncompatibleCacheFileError(f"{name} holds {header.get('dtype')!r} blocks; this pool is {config.dtype!r}")
+    if not _same(header.get("dtype"), config.dtype):
+        raise IncompatibleCacheFileError(
+            f"{name} holds {_shown(header.get('dtype'))} blocks; this pool is {config.dtype!r}"
+        )
+    layout = header.get("layout")
+    if layout is not None and not isinstance(layout, str):
+        raise CorruptCacheFileError(f"{name}: the header's layout {_shown(layout)} is not a str or null")
 
 
 def _load_tensors(data: bytes, source: Path) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
@@ -347,32 +475,72 @@ def _record(
     config: CacheConfig,
     source: Path,
 ) -> BlockRecord:
-    try:
-        assert isinstance(fields, dict)
-        entry = cast("dict[str, Any]", fields)
-        block_hash = bytes.fromhex(entry["hash"])
-        parent = None if entry["parent"] is None else bytes.fromhex(entry["parent"])
-        salt = None if entry["salt"] is None else bytes.fromhex(entry["salt"])
-        tokens = tuple(int(token) for token in entry["token_ids"])
-        checksum = str(entry["checksum"])
-        group = entry.get("group", 0)
-        assert isinstance(group, int)
-        assert not isinstance(group, bool)
-    except (AssertionError, KeyError, TypeError, ValueError) as exc:
-        raise CorruptCacheFileError(f"{str(source)!r}: block {index}'s header entry is malformed ({exc!r})") from exc
-    block_size = config.block_size
-    if len(tokens) != block_size or len(block_hash) != 32:
-        raise CorruptCacheFileError(
-            f"{str(source)!r}: block {index} has {len(tokens)} token ids (expected {block_size}) and a "
-            f"{len(block_hash)}-byte hash (expected 32)"
-        )
-    if not 0 <= group < config.num_groups:
-        raise CorruptCacheFileError(
-            f"{str(source)!r}: block {index} is of KV-cache group {group}; the groups are 0 to {config.num_groups - 1}"
-        )
-    if block_checksum(keys, values) != checksum:
+    entry = _block_entry(fields, index, config, str(source))
+    if block_checksum(keys, values) != entry.checksum:
         raise CorruptCacheFileError(f"{str(source)!r}: block {index}'s data does not match its checksum")
-    return BlockRecord(block_hash, parent, salt, tokens, keys, values, group)
+    return BlockRecord(entry.block_hash, entry.parent_hash, entry.salt, entry.token_ids, keys, values, entry.group)
+
+
+@dataclass(frozen=True, slots=True)
+class _BlockEntry:
+    """One block's fields of a file's header, checked."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    salt: bytes | None
+    token_ids: tuple[int, ...]
+    checksum: str
+    group: int
+
+
+def _block_entry(fields: object, index: int, config: CacheConfig, source: str) -> _BlockEntry:
+    """Block ``index``'s entry of the header, parsed strictly: hashes 64 lowercase hex
+    digits (``parent`` may be null), ``salt`` lowercase hex bytes or null, ``token_ids``
+    exactly ``block_size`` ints in ``[0, MAX_TOKEN_ID]``, ``checksum`` 64 lowercase hex
+    digits, ``group`` (0 when absent) an int in ``[0, num_groups)``. JSON ``true`` is not
+    an int."""
+    where = f"{source!r}: block {index}"
+    if not isinstance(fields, dict):
+        raise CorruptCacheFileError(f"{where}'s header entry is {_shown(fields)}, not a JSON object")
+    entry = cast("dict[str, Any]", fields)
+
+    def field(name: str) -> object:
+        if name not in entry:
+            raise CorruptCacheFileError(f"{where}'s header entry has no {name!r}")
+        return entry[name]
+
+    def hex_field(name: str, pattern: re.Pattern[str], rule: str, *, nullable: bool) -> bytes | None:
+        value = field(name)
+        if value is None and nullable:
+            return None
+        if not isinstance(value, str) or pattern.fullmatch(value) is None:
+            raise CorruptCacheFileError(f"{where}'s {name} is {_shown(value)}; expected {rule}")
+        return bytes.fromhex(value)
+
+    hash_rule = "64 lowercase hex digits (32 bytes)"
+    block_hash = hex_field("hash", _HASH_HEX, hash_rule, nullable=False)
+    assert block_hash is not None
+    parent = hex_field("parent", _HASH_HEX, f"null or {hash_rule}", nullable=True)
+    salt = hex_field("salt", _HEX, "null or lowercase hex bytes", nullable=True)
+    checksum = field("checksum")
+    if not isinstance(checksum, str) or _HASH_HEX.fullmatch(checksum) is None:
+        raise CorruptCacheFileError(f"{where}'s checksum is {_shown(checksum)}; expected 64 lowercase hex digits")
+    tokens = field("token_ids")
+    block_size = config.block_size
+    if not isinstance(tokens, list) or len(tokens) != block_size:
+        count = f"{len(tokens)} token ids" if isinstance(tokens, list) else f"token ids {_shown(tokens)}"
+        raise CorruptCacheFileError(f"{where} has {count}; expected a list of {block_size}")
+    for position, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
+            raise CorruptCacheFileError(
+                f"{where}'s token id {position} is {_shown(token)}; token ids are ints in [0, {MAX_TOKEN_ID}]"
+            )
+    group = entry.get("group", 0)
+    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < config.num_groups:
+        raise CorruptCacheFileError(
+            f"{where} is of KV-cache group {_shown(group)}; the groups are ints 0 to {config.num_groups - 1}"
+        )
+    return _BlockEntry(block_hash, parent, salt, tuple(tokens), checksum, group)
 
 
 # -- the manager's side -------------------------------------------------------------------
@@ -534,10 +702,11 @@ def save_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
 
     Raises:
         InvalidTypeError: ``path`` is not a ``str`` or ``os.PathLike``.
+        InvalidArgumentError: ``path`` is empty or holds a NUL character.
         UnsupportedConfigError: the pool has no prefix caching.
         CacheFileError: the file cannot be written (nothing is left behind).
     """
-    _check_path(path)
+    _fspath(path)
     if pool.prefix is None:
         raise UnsupportedConfigError("save_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
     records = chain_order(cached_records(pool) + pool.tiers.records())
@@ -554,18 +723,14 @@ def load_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
 
     Raises:
         InvalidTypeError: ``path`` is not a ``str`` or ``os.PathLike``.
+        InvalidArgumentError: ``path`` is empty or holds a NUL character.
         UnsupportedConfigError: the pool has no prefix caching.
         CacheFileError, CorruptCacheFileError, IncompatibleCacheFileError: see
             :func:`read_blocks`; nothing is loaded.
         OutOfBlocksError: without offload tiers, fewer free blocks than the file's new
             blocks; nothing is loaded. (With tiers, the blocks past the free ones go to them.)
     """
-    _check_path(path)
+    _fspath(path)
     if pool.prefix is None:
         raise UnsupportedConfigError("load_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
     return install_cached_blocks(pool, read_blocks(path, pool.config))
-
-
-def _check_path(path: object) -> None:
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidTypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
