@@ -42,7 +42,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -362,21 +362,18 @@ def _tensor_bytes(table: Mapping[str, Any], source: str) -> int:
         )
     spans: list[tuple[int, int, str]] = []
     for name in names:
-        entry = table[name]
-        dtype = entry.get("dtype") if isinstance(entry, dict) else None
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if (
-            not isinstance(dtype, str)
-            or dtype not in _ITEM_BYTES
-            or not isinstance(shape, list)
-            or not all(_is_count(extent) for extent in shape)
-            or not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(_is_count(offset) for offset in offsets)
+        entry: object = table[name]
+        fields = cast("dict[str, object]", entry) if isinstance(entry, dict) else {}
+        dtype, shape, offsets = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
+        if not (
+            isinstance(dtype, str)
+            and dtype in _ITEM_BYTES
+            and _is_counts(shape)
+            and _is_counts(offsets)
+            and len(offsets) == 2
         ):
             raise CorruptCacheFileError(
-                f"{source!r}: the tensor {name!r} is declared as {_shown(entry)}; expected a dtype of "
+                f"{source!r}: the tensor {name!r} is declared as {_shown(table[name])}; expected a dtype of "
                 f"{sorted(_ITEM_BYTES)}, a shape of ints >= 0 and two data offsets, ints >= 0"
             )
         begin, end = offsets
@@ -399,8 +396,8 @@ def _tensor_bytes(table: Mapping[str, Any], source: str) -> int:
 
 def _kvcache_header(table: Mapping[str, Any], source: str) -> Mapping[str, Any]:
     """The kvcache header a safetensors header ``table`` holds in its metadata."""
-    metadata = table.get("__metadata__")
-    text = metadata.get(_METADATA_KEY) if isinstance(metadata, dict) else None
+    metadata: object = table.get("__metadata__")
+    text = cast("dict[str, object]", metadata).get(_METADATA_KEY) if isinstance(metadata, dict) else None
     if not isinstance(text, str):
         raise CorruptCacheFileError(
             f"{source!r}: the header does not parse as a kvcache prefix cache (no {_METADATA_KEY!r} metadata string)"
@@ -411,8 +408,11 @@ def _kvcache_header(table: Mapping[str, Any], source: str) -> Mapping[str, Any]:
     return cast("dict[str, Any]", header)
 
 
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def _is_counts(value: object) -> TypeGuard[list[int]]:
+    """Whether ``value`` is a list of ints >= 0 (JSON ``true`` is not an int)."""
+    return isinstance(value, list) and all(
+        isinstance(item, int) and not isinstance(item, bool) and item >= 0 for item in cast("list[object]", value)
+    )
 
 
 def _same(value: object, expected: object) -> bool:
@@ -525,22 +525,25 @@ def _block_entry(fields: object, index: int, config: CacheConfig, source: str) -
     checksum = field("checksum")
     if not isinstance(checksum, str) or _HASH_HEX.fullmatch(checksum) is None:
         raise CorruptCacheFileError(f"{where}'s checksum is {_shown(checksum)}; expected 64 lowercase hex digits")
-    tokens = field("token_ids")
+    listed = field("token_ids")
     block_size = config.block_size
-    if not isinstance(tokens, list) or len(tokens) != block_size:
-        count = f"{len(tokens)} token ids" if isinstance(tokens, list) else f"token ids {_shown(tokens)}"
+    tokens = cast("list[object]", listed) if isinstance(listed, list) else None
+    if tokens is None or len(tokens) != block_size:
+        count = f"token ids {_shown(entry['token_ids'])}" if tokens is None else f"{len(tokens)} token ids"
         raise CorruptCacheFileError(f"{where} has {count}; expected a list of {block_size}")
+    token_ids: list[int] = []
     for position, token in enumerate(tokens):
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
             raise CorruptCacheFileError(
                 f"{where}'s token id {position} is {_shown(token)}; token ids are ints in [0, {MAX_TOKEN_ID}]"
             )
-    group = entry.get("group", 0)
+        token_ids.append(token)
+    group: object = entry.get("group", 0)
     if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < config.num_groups:
         raise CorruptCacheFileError(
             f"{where} is of KV-cache group {_shown(group)}; the groups are ints 0 to {config.num_groups - 1}"
         )
-    return _BlockEntry(block_hash, parent, salt, tuple(tokens), checksum, group)
+    return _BlockEntry(block_hash, parent, salt, tuple(token_ids), checksum, group)
 
 
 # -- the manager's side -------------------------------------------------------------------
