@@ -8,7 +8,9 @@ import errno
 import json
 import multiprocessing
 import os
+import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ pytest.importorskip("safetensors")
 from kvcache_core import safe_files
 from kvcache_core.errors import CacheFileError, CorruptCacheFileError, InvalidArgumentError
 from kvcache_core.persist import MAX_HEADER_BYTES, cached_records, read_blocks, write_blocks
-from kvcache_core.tiers import DiskTier
+from kvcache_core.tiers import DiskTier, HostTier
 from tests.core.cache_files import (
     BLOCK,
     PROMPT,
@@ -317,3 +319,43 @@ def test_bytes_past_the_declared_tensors_are_refused(tmp_path: Path) -> None:
         stream.write(b"\x00" * 8)
     with pytest.raises(CorruptCacheFileError, match="too long"):
         pool().load_prefix_cache(path)
+
+
+@pytest.mark.parametrize("forget", ["discard", "clear"])
+def test_a_disk_tier_file_that_cannot_be_removed_is_forgotten_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forget: str
+) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.bind(config())
+    source = pool()
+    admit(source, "r", PROMPT)
+    records = cached_records(source._access)  # pyright: ignore[reportPrivateUsage]
+    for record in records:
+        tier.put(record)
+    real_unlink = os.unlink
+
+    def read_only(path: str, *, dir_fd: int | None = None) -> None:
+        if str(path).startswith(str(tmp_path)):
+            raise PermissionError(errno.EROFS, "Read-only file system", str(path))
+        real_unlink(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "unlink", read_only)
+    forgetting: Callable[[], None] = (lambda: tier.discard(records[0].key)) if forget == "discard" else tier.clear
+    with pytest.warns(RuntimeWarning, match="Read-only file system"):
+        forgetting()
+    gone = records[:1] if forget == "discard" else records
+    assert all(record.key not in tier for record in gone)
+    assert tier.used_bytes == sum(tier.path_of(key).stat().st_size for key in tier.hashes())
+
+
+def test_a_chain_longer_than_the_recursion_limit_saves_and_loads_from_the_pool_and_a_tier(tmp_path: Path) -> None:
+    length = sys.getrecursionlimit() + 50
+    source = pool(HostTier(1 << 30), num_blocks=length + 8, block_size=1)
+    admit(source, "r", range(length))
+    source.deallocate("r")
+    source.gc()  # the whole chain goes to the tier, children first
+    path = tmp_path / "prefix.safetensors"
+    assert source.save_prefix_cache(path) == length
+    target = pool(num_blocks=length + 8, block_size=1)
+    assert target.load_prefix_cache(path) == length
+    assert target.save_prefix_cache(path) == length

@@ -560,11 +560,17 @@ def cached_records(pool: PoolAccess) -> list[BlockRecord]:
     depth: dict[int, int] = {}
 
     def depth_of(entry: PrefixEntry) -> int:
-        known = depth.get(id(entry))
-        if known is None:
-            known = 0 if entry.parent is None else depth_of(entry.parent) + 1
-            depth[id(entry)] = known
-        return known
+        # Iterative: a chain may be longer than the interpreter's recursion limit.
+        path: list[PrefixEntry] = []
+        node: PrefixEntry | None = entry
+        while node is not None and id(node) not in depth:
+            path.append(node)
+            node = node.parent
+        above = -1 if node is None else depth[id(node)]
+        for step in reversed(path):
+            above += 1
+            depth[id(step)] = above
+        return depth[id(entry)]
 
     entries.sort(key=depth_of)
     picked: list[tuple[PrefixEntry, int]] = []  # one block per entry and KV-cache group
@@ -676,20 +682,24 @@ def chain_order(records: list[BlockRecord]) -> list[BlockRecord]:
     children, keeping only those whose whole chain (up to a first block) is among them."""
     by_hash = {record.block_hash: record for record in records}
     unique = {(record.block_hash, record.group): record for record in records}  # one per hash and group
-    depth: dict[bytes, int | None] = {}
+    depth: dict[bytes, int | None] = {}  # None: its chain does not reach a first block
 
     def depth_of(block_hash: bytes) -> int | None:
-        if block_hash in depth:
-            return depth[block_hash]
-        depth[block_hash] = None  # guards a (forged) cycle
-        parent = by_hash[block_hash].parent_hash
-        if parent is None:
-            found: int | None = 0
-        else:
-            above = depth_of(parent) if parent in by_hash else None
-            found = None if above is None else above + 1
-        depth[block_hash] = found
-        return found
+        # Iterative: a chain may be longer than the interpreter's recursion limit.
+        path: list[bytes] = []
+        on_path: set[bytes] = set()
+        node: bytes | None = block_hash
+        while node is not None and node not in depth and node in by_hash and node not in on_path:
+            path.append(node)
+            on_path.add(node)
+            node = by_hash[node].parent_hash
+        # Stopped past a first block (None), at a known hash, or (depth None) at a hash missing
+        # from the records or at a (forged) cycle.
+        above: int | None = -1 if node is None else depth.get(node)
+        for step in reversed(path):
+            above = None if above is None else above + 1
+            depth[step] = above
+        return depth[block_hash]
 
     ranked = [(rank, record) for record in unique.values() if (rank := depth_of(record.block_hash)) is not None]
     ranked.sort(key=lambda item: item[0])
