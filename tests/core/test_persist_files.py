@@ -18,8 +18,9 @@ import pytest
 pytest.importorskip("safetensors")
 
 from kvcache_core import safe_files
+from kvcache_core.cache_file_header import MAX_HEADER_BYTES
 from kvcache_core.errors import CacheFileError, CorruptCacheFileError, InvalidArgumentError
-from kvcache_core.persist import MAX_HEADER_BYTES, cached_records, read_blocks, write_blocks
+from kvcache_core.persist import cached_records, read_blocks, write_blocks
 from kvcache_core.tiers import DiskTier, HostTier
 from tests.core.cache_files import (
     BLOCK,

@@ -35,31 +35,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import re
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.config import MAX_TOKEN_ID, SCALE_BYTES
+from kvcache_core.cache_file_header import block_entry, kvcache_header, read_container, same_json, shown
+from kvcache_core.config import SCALE_BYTES
 from kvcache_core.errors import (
     CorruptCacheFileError,
     IncompatibleCacheFileError,
     InvalidArgumentError,
-    InvalidTypeError,
     OutOfBlocksError,
     UnsupportedConfigError,
 )
 from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import PrefixEntry, hash_block, namespace_root
-from kvcache_core.safe_files import RegularFile, write_file_atomically
-from kvcache_core.strict_json import parse_json
+from kvcache_core.safe_files import file_path, write_file_atomically
 
 if TYPE_CHECKING:
     from kvcache_core.config import CacheConfig
@@ -82,15 +78,6 @@ FORMAT_NAME = "kvcache-prefix-cache"
 FORMAT_VERSION = 1
 HASH_ALGORITHM = "sha256:kvcache-core/block-hash/v1"
 _METADATA_KEY = "kvcache"
-#: The largest safetensors header read (the safetensors library's own limit).
-MAX_HEADER_BYTES = 100_000_000
-#: Bytes per element of the safetensors dtypes a file may declare.
-_ITEM_BYTES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8,
-}  # fmt: skip
-_HEX = re.compile(r"(?:[0-9a-f]{2})*")
-_HASH_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +194,7 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
     """
     from safetensors.numpy import save  # the [tiers] extra
 
-    target = _fspath(path)
+    target = file_path(path)
     shape = (config.pool_layers, 0, config.block_size, config.num_heads, config.head_dim)
     keys = np.stack([record.keys for record in records], axis=1) if records else np.zeros(shape, np.float32)
     values = np.stack([record.values for record in records], axis=1) if records else np.zeros(shape, np.float32)
@@ -238,23 +225,6 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
     return write_file_atomically(target, data, what="the cache file")
 
 
-def _fspath(path: str | os.PathLike[str]) -> str:
-    """``path`` as a ``str`` naming a file.
-
-    Raises:
-        InvalidTypeError: ``path`` is not a ``str`` or an ``os.PathLike`` giving one.
-        InvalidArgumentError: ``path`` is empty or holds a NUL character.
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidTypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
-    text = os.fspath(path)
-    if not isinstance(text, str):
-        raise InvalidTypeError(f"path must be a str or os.PathLike of a str, got {type(path).__name__} {path!r}")
-    if not text or "\x00" in text:
-        raise InvalidArgumentError(f"path must name a file: a non-empty str without NUL characters, got {text!r}")
-    return text
-
-
 def read_blocks(
     path: str | os.PathLike[str], config: CacheConfig, *, chained: bool = True, size: int | None = None
 ) -> list[BlockRecord]:
@@ -281,22 +251,21 @@ def read_blocks(
         IncompatibleCacheFileError: another format, an unknown version, another namespace,
             geometry or dtype.
     """
-    name = _fspath(path)
-    source = Path(name)
-    table, data = _read_container(name, size)
-    header = _kvcache_header(table, name)
+    source = Path(file_path(path))
+    table, data = read_container(str(source), size)
+    header = kvcache_header(table, str(source), _METADATA_KEY)
     _check_compatible(header, config, source)
     keys, values = _load_tensors(data, source)
     listed = header.get("blocks")
     if not isinstance(listed, list):
-        raise CorruptCacheFileError(f"{name!r}: the header's 'blocks' is not a list")
+        raise CorruptCacheFileError(f"{str(source)!r}: the header's 'blocks' is not a list")
     blocks = cast("list[object]", listed)
     # issue 14: a quantized pool's host blocks are packed uint8, raw bytes + a float32 scale
     width = config.head_dim + (SCALE_BYTES if config.quantized else 0)
     expected = (config.pool_layers, len(blocks), config.block_size, config.num_heads, width)
     if keys.shape != expected or values.shape != expected:
         raise CorruptCacheFileError(
-            f"{name!r}: keys {keys.shape} and values {values.shape} do not match the header's "
+            f"{str(source)!r}: keys {keys.shape} and values {values.shape} do not match the header's "
             f"{len(blocks)} blocks, expected {expected}"
         )
     root = namespace_root(config.model_id)
@@ -306,155 +275,46 @@ def read_blocks(
         record = _record(fields, index, keys[:, index], values[:, index], config, source)
         if chained and record.parent_hash is not None and record.parent_hash not in seen:
             raise CorruptCacheFileError(
-                f"{name!r}: block {index}'s parent {record.parent_hash.hex()[:16]}... is not an earlier block"
+                f"{str(source)!r}: block {index}'s parent {record.parent_hash.hex()[:16]}... is not an earlier block"
             )
         parent = root if record.parent_hash is None else record.parent_hash
         if hash_block(parent, record.token_ids, record.salt) != record.block_hash:
-            raise CorruptCacheFileError(f"{name!r}: block {index}'s hash does not match its parent, salt and token ids")
+            raise CorruptCacheFileError(
+                f"{str(source)!r}: block {index}'s hash does not match its parent, salt and token ids"
+            )
         seen.add(record.block_hash)
         records.append(record)
     return records
 
 
-def _read_container(source: str, expected_size: int | None) -> tuple[Mapping[str, Any], bytes]:
-    """The safetensors header table of the regular file ``source`` and the file's bytes,
-    once the header was checked against the file's size: the file is read no further than
-    the header (at most :data:`MAX_HEADER_BYTES`) until the tensors it declares fill the
-    file exactly (and, given ``expected_size``, only a file of that size is read)."""
-    with RegularFile(source, what="the cache file") as file:
-        if expected_size is not None and file.size != expected_size:
-            raise CorruptCacheFileError(f"{source!r} has {file.size} bytes; {expected_size} were written")
-        if file.size < 8:
-            raise CorruptCacheFileError(f"{source!r} is truncated: {file.size} bytes, a header needs at least 8")
-        (length,) = struct.unpack("<Q", file.read_at(0, 8))
-        if length > file.size - 8:
-            raise CorruptCacheFileError(
-                f"{source!r} is truncated: its header claims {length} bytes, {file.size - 8} follow"
-            )
-        if length > MAX_HEADER_BYTES:
-            raise CorruptCacheFileError(
-                f"{source!r}: its header claims {length} bytes, at most {MAX_HEADER_BYTES} are read"
-            )
-        encoded = file.read_at(8, length)
-        table = parse_json(encoded, what=f"{source!r}: the safetensors header", error=CorruptCacheFileError)
-        if not isinstance(table, dict):
-            raise CorruptCacheFileError(f"{source!r}: the safetensors header is not a JSON object")
-        size = 8 + length + _tensor_bytes(cast("dict[str, Any]", table), source)
-        if size != file.size:
-            state = "truncated" if size > file.size else "too long"
-            raise CorruptCacheFileError(
-                f"{source!r} is {state}: its header and tensors take {size} bytes, the file has {file.size}"
-            )
-        data = file.read_at(0, size)
-    if data[8 : 8 + length] != encoded:
-        raise CorruptCacheFileError(f"{source!r} changed while it was read")
-    return cast("dict[str, Any]", table), data
-
-
-def _tensor_bytes(table: Mapping[str, Any], source: str) -> int:
-    """The bytes of tensor data the safetensors header ``table`` declares: exactly the
-    tensors ``keys`` and ``values``, each ``data_offsets`` as long as its dtype and shape
-    make it, together filling the data without gap or overlap."""
-    names = sorted(name for name in table if name != "__metadata__")
-    if names != ["keys", "values"]:
-        raise CorruptCacheFileError(
-            f"{source!r} holds the tensors {_shown(names)}; a prefix cache holds keys and values"
-        )
-    spans: list[tuple[int, int, str]] = []
-    for name in names:
-        entry: object = table[name]
-        fields = cast("dict[str, object]", entry) if isinstance(entry, dict) else {}
-        dtype, shape, offsets = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
-        if not (
-            isinstance(dtype, str)
-            and dtype in _ITEM_BYTES
-            and _is_counts(shape)
-            and _is_counts(offsets)
-            and len(offsets) == 2
-        ):
-            raise CorruptCacheFileError(
-                f"{source!r}: the tensor {name!r} is declared as {_shown(table[name])}; expected a dtype of "
-                f"{sorted(_ITEM_BYTES)}, a shape of ints >= 0 and two data offsets, ints >= 0"
-            )
-        begin, end = offsets
-        declared = math.prod(shape) * _ITEM_BYTES[dtype]
-        if end - begin != declared:
-            raise CorruptCacheFileError(
-                f"{source!r}: the tensor {name!r} ({dtype} {shape}) takes {declared} bytes; its data offsets "
-                f"{begin}..{end} span {end - begin}"
-            )
-        spans.append((begin, end, name))
-    position = 0
-    for begin, end, name in sorted(spans):
-        if begin != position:
-            raise CorruptCacheFileError(
-                f"{source!r}: the tensor {name!r} starts at byte {begin} of the data, expected {position}"
-            )
-        position = end
-    return position
-
-
-def _kvcache_header(table: Mapping[str, Any], source: str) -> Mapping[str, Any]:
-    """The kvcache header a safetensors header ``table`` holds in its metadata."""
-    metadata: object = table.get("__metadata__")
-    text = cast("dict[str, object]", metadata).get(_METADATA_KEY) if isinstance(metadata, dict) else None
-    if not isinstance(text, str):
-        raise CorruptCacheFileError(
-            f"{source!r}: the header does not parse as a kvcache prefix cache (no {_METADATA_KEY!r} metadata string)"
-        )
-    header = parse_json(text, what=f"{source!r}: the kvcache header", error=CorruptCacheFileError)
-    if not isinstance(header, dict):
-        raise CorruptCacheFileError(f"{source!r}: the kvcache header is not a JSON object")
-    return cast("dict[str, Any]", header)
-
-
-def _is_counts(value: object) -> TypeGuard[list[int]]:
-    """Whether ``value`` is a list of ints >= 0 (JSON ``true`` is not an int)."""
-    return isinstance(value, list) and all(
-        isinstance(item, int) and not isinstance(item, bool) and item >= 0 for item in cast("list[object]", value)
-    )
-
-
-def _same(value: object, expected: object) -> bool:
-    """Whether a value read from JSON is ``expected`` with the same JSON types (``true``
-    is not ``1``, ``1.0`` is not ``1``)."""
-    return json.dumps(value, sort_keys=True) == json.dumps(expected, sort_keys=True)
-
-
-def _shown(value: object) -> str:
-    """``repr(value)``, cut short for a message."""
-    text = repr(value)
-    return text if len(text) <= 120 else f"{text[:117]}..."
-
-
 def _check_compatible(header: Mapping[str, Any], config: CacheConfig, source: Path) -> None:
     name = f"{str(source)!r}"
-    if not _same(header.get("format"), FORMAT_NAME):
-        raise IncompatibleCacheFileError(f"{name} is not a {FORMAT_NAME} file (format {_shown(header.get('format'))})")
-    if not _same(header.get("version"), FORMAT_VERSION):
+    if not same_json(header.get("format"), FORMAT_NAME):
+        raise IncompatibleCacheFileError(f"{name} is not a {FORMAT_NAME} file (format {shown(header.get('format'))})")
+    if not same_json(header.get("version"), FORMAT_VERSION):
         raise IncompatibleCacheFileError(
-            f"{name} has format version {_shown(header.get('version'))}; this kvcache reads version {FORMAT_VERSION}"
+            f"{name} has format version {shown(header.get('version'))}; this kvcache reads version {FORMAT_VERSION}"
         )
-    if not _same(header.get("hash_algorithm"), HASH_ALGORITHM):
+    if not same_json(header.get("hash_algorithm"), HASH_ALGORITHM):
         raise IncompatibleCacheFileError(
-            f"{name} hashes with {_shown(header.get('hash_algorithm'))}; this kvcache uses {HASH_ALGORITHM!r}"
+            f"{name} hashes with {shown(header.get('hash_algorithm'))}; this kvcache uses {HASH_ALGORITHM!r}"
         )
-    if not _same(header.get("namespace"), config.model_id):
+    if not same_json(header.get("namespace"), config.model_id):
         raise IncompatibleCacheFileError(
-            f"{name} holds blocks of namespace {_shown(header.get('namespace'))}; this pool's model_id is "
+            f"{name} holds blocks of namespace {shown(header.get('namespace'))}; this pool's model_id is "
             f"{config.model_id!r}"
         )
-    if not _same(header.get("geometry"), _geometry(config)):
+    if not same_json(header.get("geometry"), _geometry(config)):
         raise IncompatibleCacheFileError(
-            f"{name} has geometry {_shown(header.get('geometry'))}; this pool's is {_geometry(config)!r}"
+            f"{name} has geometry {shown(header.get('geometry'))}; this pool's is {_geometry(config)!r}"
         )
-    if not _same(header.get("dtype"), config.dtype):
+    if not same_json(header.get("dtype"), config.dtype):
         raise IncompatibleCacheFileError(
-            f"{name} holds {_shown(header.get('dtype'))} blocks; this pool is {config.dtype!r}"
+            f"{name} holds {shown(header.get('dtype'))} blocks; this pool is {config.dtype!r}"
         )
     layout = header.get("layout")
     if layout is not None and not isinstance(layout, str):
-        raise CorruptCacheFileError(f"{name}: the header's layout {_shown(layout)} is not a str or null")
+        raise CorruptCacheFileError(f"{name}: the header's layout {shown(layout)} is not a str or null")
 
 
 def _load_tensors(data: bytes, source: Path) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
@@ -475,75 +335,10 @@ def _record(
     config: CacheConfig,
     source: Path,
 ) -> BlockRecord:
-    entry = _block_entry(fields, index, config, str(source))
+    entry = block_entry(fields, index, config, str(source))
     if block_checksum(keys, values) != entry.checksum:
         raise CorruptCacheFileError(f"{str(source)!r}: block {index}'s data does not match its checksum")
     return BlockRecord(entry.block_hash, entry.parent_hash, entry.salt, entry.token_ids, keys, values, entry.group)
-
-
-@dataclass(frozen=True, slots=True)
-class _BlockEntry:
-    """One block's fields of a file's header, checked."""
-
-    block_hash: bytes
-    parent_hash: bytes | None
-    salt: bytes | None
-    token_ids: tuple[int, ...]
-    checksum: str
-    group: int
-
-
-def _block_entry(fields: object, index: int, config: CacheConfig, source: str) -> _BlockEntry:
-    """Block ``index``'s entry of the header, parsed strictly: hashes 64 lowercase hex
-    digits (``parent`` may be null), ``salt`` lowercase hex bytes or null, ``token_ids``
-    exactly ``block_size`` ints in ``[0, MAX_TOKEN_ID]``, ``checksum`` 64 lowercase hex
-    digits, ``group`` (0 when absent) an int in ``[0, num_groups)``. JSON ``true`` is not
-    an int."""
-    where = f"{source!r}: block {index}"
-    if not isinstance(fields, dict):
-        raise CorruptCacheFileError(f"{where}'s header entry is {_shown(fields)}, not a JSON object")
-    entry = cast("dict[str, Any]", fields)
-
-    def field(name: str) -> object:
-        if name not in entry:
-            raise CorruptCacheFileError(f"{where}'s header entry has no {name!r}")
-        return entry[name]
-
-    def hex_field(name: str, pattern: re.Pattern[str], rule: str, *, nullable: bool) -> bytes | None:
-        value = field(name)
-        if value is None and nullable:
-            return None
-        if not isinstance(value, str) or pattern.fullmatch(value) is None:
-            raise CorruptCacheFileError(f"{where}'s {name} is {_shown(value)}; expected {rule}")
-        return bytes.fromhex(value)
-
-    hash_rule = "64 lowercase hex digits (32 bytes)"
-    block_hash = hex_field("hash", _HASH_HEX, hash_rule, nullable=False)
-    assert block_hash is not None
-    parent = hex_field("parent", _HASH_HEX, f"null or {hash_rule}", nullable=True)
-    salt = hex_field("salt", _HEX, "null or lowercase hex bytes", nullable=True)
-    checksum = field("checksum")
-    if not isinstance(checksum, str) or _HASH_HEX.fullmatch(checksum) is None:
-        raise CorruptCacheFileError(f"{where}'s checksum is {_shown(checksum)}; expected 64 lowercase hex digits")
-    listed = field("token_ids")
-    block_size = config.block_size
-    tokens = cast("list[object]", listed) if isinstance(listed, list) else None
-    if tokens is None or len(tokens) != block_size:
-        count = f"token ids {_shown(entry['token_ids'])}" if tokens is None else f"{len(tokens)} token ids"
-        raise CorruptCacheFileError(f"{where} has {count}; expected a list of {block_size}")
-    token_ids: list[int] = []
-    for position, token in enumerate(tokens):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
-            raise CorruptCacheFileError(
-                f"{where}'s token id {position} is {_shown(token)}; token ids are ints in [0, {MAX_TOKEN_ID}]"
-            )
-        token_ids.append(token)
-    group: object = entry.get("group", 0)
-    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < config.num_groups:
-        raise CorruptCacheFileError(
-            f"{where} is of KV-cache group {_shown(group)}; the groups are ints 0 to {config.num_groups - 1}"
-        )
-    return _BlockEntry(block_hash, parent, salt, tuple(token_ids), checksum, group)
 
 
 # -- the manager's side -------------------------------------------------------------------
@@ -719,7 +514,7 @@ def save_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
         UnsupportedConfigError: the pool has no prefix caching.
         CacheFileError: the file cannot be written (nothing is left behind).
     """
-    _fspath(path)
+    file_path(path)
     if pool.prefix is None:
         raise UnsupportedConfigError("save_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
     records = chain_order(cached_records(pool) + pool.tiers.records())
@@ -743,7 +538,7 @@ def load_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
         OutOfBlocksError: without offload tiers, fewer free blocks than the file's new
             blocks; nothing is loaded. (With tiers, the blocks past the free ones go to them.)
     """
-    _fspath(path)
+    file_path(path)
     if pool.prefix is None:
         raise UnsupportedConfigError("load_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
     return install_cached_blocks(pool, read_blocks(path, pool.config))

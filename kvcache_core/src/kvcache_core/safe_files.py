@@ -24,9 +24,9 @@ import secrets
 import stat
 from types import TracebackType
 
-from kvcache_core.errors import CacheFileError, CorruptCacheFileError
+from kvcache_core.errors import CacheFileError, CorruptCacheFileError, InvalidArgumentError, InvalidTypeError
 
-__all__ = ["RegularFile", "remove_file", "write_file_atomically"]
+__all__ = ["CREATE_ATTEMPTS", "RegularFile", "file_path", "remove_file", "temporary_name", "write_file_atomically"]
 
 #: Mode bits of a new file before the umask, as ``open(path, "w")`` gives.
 NEW_FILE_MODE = 0o666
@@ -41,6 +41,23 @@ _CREATE_FLAGS = (
     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 )
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+
+
+def file_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as a ``str`` naming a file.
+
+    Raises:
+        InvalidTypeError: ``path`` is not a ``str`` or an ``os.PathLike`` giving one.
+        InvalidArgumentError: ``path`` is empty or holds a NUL character.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidTypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise InvalidTypeError(f"path must be a str or os.PathLike of a str, got {type(path).__name__} {path!r}")
+    if not text or "\x00" in text:
+        raise InvalidArgumentError(f"path must name a file: a non-empty str without NUL characters, got {text!r}")
+    return text
 
 
 def temporary_name(name: str) -> str:
