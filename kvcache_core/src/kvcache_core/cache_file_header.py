@@ -217,13 +217,17 @@ def block_entry(fields: object, index: int, config: CacheConfig, source: str) ->
     if tokens is None or len(tokens) != block_size:
         count = f"token ids {shown(entry['token_ids'])}" if tokens is None else f"{len(tokens)} token ids"
         raise CorruptCacheFileError(f"{where} has {count}; expected a list of {block_size}")
-    token_ids: list[int] = []
-    for position, token in enumerate(tokens):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
-            raise CorruptCacheFileError(
-                f"{where}'s token id {position} is {shown(token)}; token ids are ints in [0, {MAX_TOKEN_ID}]"
-            )
-        token_ids.append(token)
+    # JSON gives exact ints (bool is its own type): one pass over the types, then the range.
+    token_ids = cast("list[int]", tokens)
+    if set(map(type, tokens)) != {int} or min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID:
+        position, token = next(
+            (position, token)
+            for position, token in enumerate(tokens)
+            if type(token) is not int or not 0 <= token <= MAX_TOKEN_ID
+        )
+        raise CorruptCacheFileError(
+            f"{where}'s token id {position} is {shown(token)}; token ids are ints in [0, {MAX_TOKEN_ID}]"
+        )
     group: object = entry.get("group", 0)
     if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < config.num_groups:
         raise CorruptCacheFileError(
