@@ -37,10 +37,12 @@ _NAME_PART = 128
 #: One ``read`` returns at most about 2 GiB on Linux: larger files are read in chunks.
 _READ_CHUNK = 1 << 30
 
-_CREATE_FLAGS = (
-    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
-)
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+# Platforms without O_NOFOLLOW / O_NONBLOCK (Windows) do without them; fstat still refuses
+# whatever is not a regular file.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_PLATFORM = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _PLATFORM
+_OPEN_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _PLATFORM
 
 
 def file_path(path: str | os.PathLike[str]) -> str:
@@ -212,7 +214,8 @@ class RegularFile:
         done = 0
         try:
             while done < count:
-                chunk = os.pread(self._descriptor, min(count - done, _READ_CHUNK), offset + done)
+                os.lseek(self._descriptor, offset + done, os.SEEK_SET)
+                chunk = os.read(self._descriptor, min(count - done, _READ_CHUNK))
                 if not chunk:
                     raise CorruptCacheFileError(
                         f"{self.path!r} is truncated: it ended at {offset + done} bytes while read, "
