@@ -267,15 +267,16 @@ def test_a_permission_refusal_from_the_os_is_a_cache_file_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Root ignores directory modes, so the refusal an unprivileged user gets is played here.
-    import kvcache_core.persist
-
     source = make_manager()
     admit(source, "r", PROMPT)
+    real_open = os.open
 
-    def refusing(path: object, mode: str) -> None:
-        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    def refusing(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        if flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
 
-    monkeypatch.setattr(kvcache_core.persist, "open", refusing, raising=False)
+    monkeypatch.setattr(os, "open", refusing)
     with pytest.raises(CacheFileError, match="Permission denied") as caught:
         source.save_prefix_cache(tmp_path / "prefix.safetensors")
     assert caught.value.errno == errno.EACCES

@@ -23,17 +23,19 @@ groups. Blocks come parents first. So a file saved by one backend and layout loa
 with the same namespace, geometry and dtype. Loading checks everything before it touches
 the pool (format, version, namespace, geometry, dtype, shapes, every checksum, every hash
 recomputed from its parent, salt and tokens) and refuses with a specific
-:class:`~kvcache_core.errors.KvCacheError`, loading nothing. Writing goes to a temporary
-name in the same directory, flushed to disk, then renamed: a reader never sees half a file.
+:class:`~kvcache_core.errors.KvCacheError`, loading nothing; every header field is
+parsed strictly (types, ranges, nesting depth). Files are handled by
+:mod:`kvcache_core.safe_files`: writing goes to a temporary file created exclusively under
+an unpredictable name in the same directory, flushed to disk, then renamed (a reader never
+sees half a file, a symbolic link is never followed); loading reads a regular file only,
+no further than its header declares.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,18 +44,18 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from kvcache_core.cache_file_header import block_entry, kvcache_header, read_container, same_json, shown
 from kvcache_core.config import SCALE_BYTES
 from kvcache_core.errors import (
-    CacheFileError,
     CorruptCacheFileError,
     IncompatibleCacheFileError,
     InvalidArgumentError,
-    InvalidTypeError,
     OutOfBlocksError,
     UnsupportedConfigError,
 )
 from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import PrefixEntry, hash_block, namespace_root
+from kvcache_core.safe_files import file_path, write_file_atomically
 
 if TYPE_CHECKING:
     from kvcache_core.config import CacheConfig
@@ -177,16 +179,22 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
     """Write ``records`` (parents before children) to ``path`` in the portable format,
     through a temporary name renamed when complete.
 
+    The temporary file is created exclusively under an unpredictable name (see
+    :mod:`kvcache_core.safe_files`): a symbolic link is never followed, and of saves to one
+    path from many threads or processes the last rename wins, whole.
+
     Returns:
         The bytes written.
 
     Raises:
+        InvalidTypeError, InvalidArgumentError: ``path`` is not a str or os.PathLike, or is
+            empty or holds a NUL character.
         CacheFileError: the file cannot be written (no permission, no such directory, disk
-            full); no file is left at ``path`` or beside it.
+            full); ``path`` is as it was and nothing is left beside it.
     """
     from safetensors.numpy import save  # the [tiers] extra
 
-    target = Path(path)
+    target = file_path(path)
     shape = (config.pool_layers, 0, config.block_size, config.num_heads, config.head_dim)
     keys = np.stack([record.keys for record in records], axis=1) if records else np.zeros(shape, np.float32)
     values = np.stack([record.values for record in records], axis=1) if records else np.zeros(shape, np.float32)
@@ -214,44 +222,38 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
         {"keys": np.ascontiguousarray(keys), "values": np.ascontiguousarray(values)},
         metadata={_METADATA_KEY: json.dumps(header, separators=(",", ":"))},
     )
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            temporary.unlink()
-        raise CacheFileError(
-            exc.errno, f"cannot write the prefix cache to {str(target)!r}: {exc.strerror or exc}"
-        ) from exc
-    return len(data)
+    return write_file_atomically(target, data, what="the cache file")
 
 
-def read_blocks(path: str | os.PathLike[str], config: CacheConfig, *, chained: bool = True) -> list[BlockRecord]:
+def read_blocks(
+    path: str | os.PathLike[str], config: CacheConfig, *, chained: bool = True, size: int | None = None
+) -> list[BlockRecord]:
     """Read and check a file :func:`write_blocks` wrote, for a pool of ``config``.
 
     With ``chained`` (a saved prefix cache), every parent must be an earlier block of the
-    file; without it (one block of a disk tier), parents may be anywhere.
+    file; without it (one block of a disk tier), parents may be anywhere. With ``size``
+    (the bytes :func:`write_blocks` returned), a file of another size is refused unread.
 
-    Every block is checked (checksum, and its hash recomputed from its parent hash, salt
-    and tokens under ``config.model_id``'s namespace) before anything is returned.
+    Only a regular file is read (a symbolic link as the last component, a FIFO, a device
+    or a directory is refused without blocking), and no more of it than its header
+    declares, once that header was checked against the file's size. Every field of the
+    header is checked strictly (types, ranges, nesting depth) and every block (checksum,
+    and its hash recomputed from its parent hash, salt and tokens under
+    ``config.model_id``'s namespace) before anything is returned.
 
     Raises:
-        CacheFileError: the file cannot be read.
-        CorruptCacheFileError: truncated, a header that does not parse, a checksum or hash
-            that does not match (the message names the block).
+        InvalidTypeError, InvalidArgumentError: ``path`` is not a str or os.PathLike, or is
+            empty or holds a NUL character.
+        CacheFileError: the file cannot be read, or is not a regular file.
+        CorruptCacheFileError: truncated, a header that does not parse or holds a value of
+            the wrong type or out of range, a checksum or hash that does not match (the
+            message names the block).
         IncompatibleCacheFileError: another format, an unknown version, another namespace,
             geometry or dtype.
     """
-    source = Path(path)
-    try:
-        data = source.read_bytes()
-    except OSError as exc:
-        raise CacheFileError(exc.errno, f"cannot read the prefix cache {str(source)!r}: {exc.strerror or exc}") from exc
-    header = _parse_header(data, source)
+    source = Path(file_path(path))
+    table, data = read_container(str(source), size)
+    header = kvcache_header(table, str(source), _METADATA_KEY)
     _check_compatible(header, config, source)
     keys, values = _load_tensors(data, source)
     listed = header.get("blocks")
@@ -285,48 +287,34 @@ def read_blocks(path: str | os.PathLike[str], config: CacheConfig, *, chained: b
     return records
 
 
-def _parse_header(data: bytes, source: Path) -> Mapping[str, Any]:
-    if len(data) < 8:
-        raise CorruptCacheFileError(f"{str(source)!r} is truncated: {len(data)} bytes, a header needs at least 8")
-    (length,) = struct.unpack("<Q", data[:8])
-    if length > len(data) - 8:
-        raise CorruptCacheFileError(
-            f"{str(source)!r} is truncated: its header claims {length} bytes, {len(data) - 8} follow"
-        )
-    try:
-        table = json.loads(data[8 : 8 + length])
-        header = json.loads(table["__metadata__"][_METADATA_KEY])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptCacheFileError(
-            f"{str(source)!r}: the header does not parse as a kvcache prefix cache ({exc!r})"
-        ) from exc
-    if not isinstance(header, dict):
-        raise CorruptCacheFileError(f"{str(source)!r}: the kvcache header is not a JSON object")
-    return cast("dict[str, Any]", header)
-
-
 def _check_compatible(header: Mapping[str, Any], config: CacheConfig, source: Path) -> None:
     name = f"{str(source)!r}"
-    if header.get("format") != FORMAT_NAME:
-        raise IncompatibleCacheFileError(f"{name} is not a {FORMAT_NAME} file (format {header.get('format')!r})")
-    if header.get("version") != FORMAT_VERSION:
+    if not same_json(header.get("format"), FORMAT_NAME):
+        raise IncompatibleCacheFileError(f"{name} is not a {FORMAT_NAME} file (format {shown(header.get('format'))})")
+    if not same_json(header.get("version"), FORMAT_VERSION):
         raise IncompatibleCacheFileError(
-            f"{name} has format version {header.get('version')!r}; this kvcache reads version {FORMAT_VERSION}"
+            f"{name} has format version {shown(header.get('version'))}; this kvcache reads version {FORMAT_VERSION}"
         )
-    if header.get("hash_algorithm") != HASH_ALGORITHM:
+    if not same_json(header.get("hash_algorithm"), HASH_ALGORITHM):
         raise IncompatibleCacheFileError(
-            f"{name} hashes with {header.get('hash_algorithm')!r}; this kvcache uses {HASH_ALGORITHM!r}"
+            f"{name} hashes with {shown(header.get('hash_algorithm'))}; this kvcache uses {HASH_ALGORITHM!r}"
         )
-    if header.get("namespace") != config.model_id:
+    if not same_json(header.get("namespace"), config.model_id):
         raise IncompatibleCacheFileError(
-            f"{name} holds blocks of namespace {header.get('namespace')!r}; this pool's model_id is {config.model_id!r}"
+            f"{name} holds blocks of namespace {shown(header.get('namespace'))}; this pool's model_id is "
+            f"{config.model_id!r}"
         )
-    if header.get("geometry") != _geometry(config):
+    if not same_json(header.get("geometry"), _geometry(config)):
         raise IncompatibleCacheFileError(
-            f"{name} has geometry {header.get('geometry')!r}; this pool's is {_geometry(config)!r}"
+            f"{name} has geometry {shown(header.get('geometry'))}; this pool's is {_geometry(config)!r}"
         )
-    if header.get("dtype") != config.dtype:
-        raise IncompatibleCacheFileError(f"{name} holds {header.get('dtype')!r} blocks; this pool is {config.dtype!r}")
+    if not same_json(header.get("dtype"), config.dtype):
+        raise IncompatibleCacheFileError(
+            f"{name} holds {shown(header.get('dtype'))} blocks; this pool is {config.dtype!r}"
+        )
+    layout = header.get("layout")
+    if layout is not None and not isinstance(layout, str):
+        raise CorruptCacheFileError(f"{name}: the header's layout {shown(layout)} is not a str or null")
 
 
 def _load_tensors(data: bytes, source: Path) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
@@ -347,32 +335,10 @@ def _record(
     config: CacheConfig,
     source: Path,
 ) -> BlockRecord:
-    try:
-        assert isinstance(fields, dict)
-        entry = cast("dict[str, Any]", fields)
-        block_hash = bytes.fromhex(entry["hash"])
-        parent = None if entry["parent"] is None else bytes.fromhex(entry["parent"])
-        salt = None if entry["salt"] is None else bytes.fromhex(entry["salt"])
-        tokens = tuple(int(token) for token in entry["token_ids"])
-        checksum = str(entry["checksum"])
-        group = entry.get("group", 0)
-        assert isinstance(group, int)
-        assert not isinstance(group, bool)
-    except (AssertionError, KeyError, TypeError, ValueError) as exc:
-        raise CorruptCacheFileError(f"{str(source)!r}: block {index}'s header entry is malformed ({exc!r})") from exc
-    block_size = config.block_size
-    if len(tokens) != block_size or len(block_hash) != 32:
-        raise CorruptCacheFileError(
-            f"{str(source)!r}: block {index} has {len(tokens)} token ids (expected {block_size}) and a "
-            f"{len(block_hash)}-byte hash (expected 32)"
-        )
-    if not 0 <= group < config.num_groups:
-        raise CorruptCacheFileError(
-            f"{str(source)!r}: block {index} is of KV-cache group {group}; the groups are 0 to {config.num_groups - 1}"
-        )
-    if block_checksum(keys, values) != checksum:
+    entry = block_entry(fields, index, config, str(source))
+    if block_checksum(keys, values) != entry.checksum:
         raise CorruptCacheFileError(f"{str(source)!r}: block {index}'s data does not match its checksum")
-    return BlockRecord(block_hash, parent, salt, tokens, keys, values, group)
+    return BlockRecord(entry.block_hash, entry.parent_hash, entry.salt, entry.token_ids, keys, values, entry.group)
 
 
 # -- the manager's side -------------------------------------------------------------------
@@ -389,11 +355,17 @@ def cached_records(pool: PoolAccess) -> list[BlockRecord]:
     depth: dict[int, int] = {}
 
     def depth_of(entry: PrefixEntry) -> int:
-        known = depth.get(id(entry))
-        if known is None:
-            known = 0 if entry.parent is None else depth_of(entry.parent) + 1
-            depth[id(entry)] = known
-        return known
+        # Iterative: a chain may be longer than the interpreter's recursion limit.
+        path: list[PrefixEntry] = []
+        node: PrefixEntry | None = entry
+        while node is not None and id(node) not in depth:
+            path.append(node)
+            node = node.parent
+        above = -1 if node is None else depth[id(node)]
+        for step in reversed(path):
+            above += 1
+            depth[id(step)] = above
+        return depth[id(entry)]
 
     entries.sort(key=depth_of)
     picked: list[tuple[PrefixEntry, int]] = []  # one block per entry and KV-cache group
@@ -505,20 +477,24 @@ def chain_order(records: list[BlockRecord]) -> list[BlockRecord]:
     children, keeping only those whose whole chain (up to a first block) is among them."""
     by_hash = {record.block_hash: record for record in records}
     unique = {(record.block_hash, record.group): record for record in records}  # one per hash and group
-    depth: dict[bytes, int | None] = {}
+    depth: dict[bytes, int | None] = {}  # None: its chain does not reach a first block
 
     def depth_of(block_hash: bytes) -> int | None:
-        if block_hash in depth:
-            return depth[block_hash]
-        depth[block_hash] = None  # guards a (forged) cycle
-        parent = by_hash[block_hash].parent_hash
-        if parent is None:
-            found: int | None = 0
-        else:
-            above = depth_of(parent) if parent in by_hash else None
-            found = None if above is None else above + 1
-        depth[block_hash] = found
-        return found
+        # Iterative: a chain may be longer than the interpreter's recursion limit.
+        path: list[bytes] = []
+        on_path: set[bytes] = set()
+        node: bytes | None = block_hash
+        while node is not None and node not in depth and node in by_hash and node not in on_path:
+            path.append(node)
+            on_path.add(node)
+            node = by_hash[node].parent_hash
+        # Stopped past a first block (None), at a known hash, or (depth None) at a hash missing
+        # from the records or at a (forged) cycle.
+        above: int | None = -1 if node is None else depth.get(node)
+        for step in reversed(path):
+            above = None if above is None else above + 1
+            depth[step] = above
+        return depth[block_hash]
 
     ranked = [(rank, record) for record in unique.values() if (rank := depth_of(record.block_hash)) is not None]
     ranked.sort(key=lambda item: item[0])
@@ -534,10 +510,11 @@ def save_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
 
     Raises:
         InvalidTypeError: ``path`` is not a ``str`` or ``os.PathLike``.
+        InvalidArgumentError: ``path`` is empty or holds a NUL character.
         UnsupportedConfigError: the pool has no prefix caching.
         CacheFileError: the file cannot be written (nothing is left behind).
     """
-    _check_path(path)
+    file_path(path)
     if pool.prefix is None:
         raise UnsupportedConfigError("save_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
     records = chain_order(cached_records(pool) + pool.tiers.records())
@@ -554,18 +531,14 @@ def load_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
 
     Raises:
         InvalidTypeError: ``path`` is not a ``str`` or ``os.PathLike``.
+        InvalidArgumentError: ``path`` is empty or holds a NUL character.
         UnsupportedConfigError: the pool has no prefix caching.
         CacheFileError, CorruptCacheFileError, IncompatibleCacheFileError: see
             :func:`read_blocks`; nothing is loaded.
         OutOfBlocksError: without offload tiers, fewer free blocks than the file's new
             blocks; nothing is loaded. (With tiers, the blocks past the free ones go to them.)
     """
-    _check_path(path)
+    file_path(path)
     if pool.prefix is None:
         raise UnsupportedConfigError("load_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
     return install_cached_blocks(pool, read_blocks(path, pool.config))
-
-
-def _check_path(path: object) -> None:
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidTypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")

@@ -59,10 +59,10 @@ A promotion's copy is transactional: whatever it raises, the request's blocks go
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import tempfile
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +78,7 @@ from kvcache_core.errors import (
     TierError,
 )
 from kvcache_core.persist import BlockRecord, read_blocks, split_key, write_blocks
+from kvcache_core.safe_files import remove_file
 
 if TYPE_CHECKING:
     from kvcache_core.config import CacheConfig
@@ -342,7 +343,7 @@ class DiskTier(_BoundedTier):
         self.discard(key)
         size = write_blocks(self.path_of(key), self._config, [record])
         if size > self._max_bytes:
-            self.path_of(key).unlink()
+            self._remove(key)
             return [record]
         self._files[key] = size
         self._used_bytes += size
@@ -366,8 +367,15 @@ class DiskTier(_BoundedTier):
         size = self._files.pop(key, None)
         if size is not None:
             self._used_bytes -= size
-            with contextlib.suppress(FileNotFoundError):
-                self.path_of(key).unlink()
+            self._remove(key)
+
+    def _remove(self, key: bytes) -> None:
+        """Remove the file of ``key``; one that cannot be removed (a read-only directory)
+        is left behind with a warning: it is forgotten all the same, and never served."""
+        try:
+            remove_file(str(self.path_of(key)), what=f"the block file of tier {self._name!r}")
+        except CacheFileError as exc:
+            warnings.warn(f"{exc} (it is left behind)", RuntimeWarning, stacklevel=3)
 
     def hashes(self) -> list[bytes]:
         return list(self._files)
@@ -381,7 +389,7 @@ class DiskTier(_BoundedTier):
 
     def _read(self, key: bytes) -> BlockRecord:
         assert self._config is not None, "bind the tier first"
-        records = read_blocks(self.path_of(key), self._config, chained=False)
+        records = read_blocks(self.path_of(key), self._config, chained=False, size=self._files.get(key))
         if len(records) != 1 or records[0].key != key:
             block_hash, group = split_key(key)
             raise CacheFileError(
