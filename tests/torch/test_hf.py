@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -40,13 +40,20 @@ from kvcache_torch.hf import (  # noqa: E402  # after the skips: it imports torc
     cache_config_for,
     paged_attention_mask,
 )
+from tests.torch.hf_support import (  # noqa: E402
+    COMMON_CONFIG,
+    TOLERANCE,
+    VOCAB,
+    Model,
+    Tensor,
+    forward,
+    generate,
+    max_logit_difference,
+    one_thread,  # noqa: F401  # a fixture, used by pytestmark
+    prompts,
+)
 
-Tensor = Any  # torch.Tensor, imported lazily above
-Model = Any  # a transformers PreTrainedModel
-
-TOLERANCE = 1e-4
-VOCAB = 101
-PAD = 0
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: Tiny decoder configs with grouped-query attention (4 query heads, 2 KV heads).
 ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -58,19 +65,6 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
     # Multi-query: one KV head for the 4 query heads (its num_key_value_heads is not read).
     "falcon": ("FalconConfig", "FalconForCausalLM", {"multi_query": True, "new_decoder_architecture": False}),
-}
-COMMON_CONFIG: dict[str, Any] = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "initializer_range": 0.2,
-    "pad_token_id": PAD,
-    "bos_token_id": 1,
-    "eos_token_id": None,  # never stop early: both runs produce every step
 }
 IMPLEMENTATIONS = ("paged", "sdpa")
 #: Models whose attention is not behind transformers' AttentionInterface: they keep their own
@@ -109,47 +103,6 @@ def make_manager(model: Model, num_blocks: int = 96, block_size: int = 4) -> Pag
     return manager
 
 
-def prompts(batch: int, length: int, pads: Sequence[int] = (), seed: int = 1) -> tuple[Tensor, Tensor]:
-    """Random token ids ``[batch, length]`` and their mask, row ``i`` left-padded by ``pads[i]``."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (batch, length), generator=generator)
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(pads):
-        ids[row, :pad] = PAD
-        mask[row, :pad] = 0
-    return ids, mask
-
-
-def generate(model: Model, ids: Tensor, mask: Tensor, cache: PagedCache | None = None, **options: Any) -> Any:
-    settings: dict[str, Any] = {
-        "max_new_tokens": 6,
-        "do_sample": False,
-        "output_logits": True,
-        "return_dict_in_generate": True,
-        "pad_token_id": PAD,
-        **options,
-    }
-    if cache is not None:
-        settings["cache"] = cache
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, **settings)
-
-
-def max_logit_difference(ours: Sequence[Tensor], reference: Sequence[Tensor]) -> float:
-    assert len(ours) == len(reference)
-    return max(float((a - b).abs().max()) for a, b in zip(ours, reference, strict=True))
-
-
-def forward(model: Model, ids: Tensor, mask: Tensor, seen: int, cache: Any) -> Tensor:
-    """One manual forward of ``ids`` (the positions after ``seen``) with the whole mask so far;
-    returns the logits ``[batch, new, vocab]``."""
-    full_mask = mask[:, : seen + ids.shape[1]]
-    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)[:, seen:]
-    with torch.no_grad():
-        output = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, cache=cache, use_cache=True)
-    return output.logits
-
-
 @pytest.mark.parametrize(
     ("options", "kv_heads"),
     [
@@ -178,15 +131,6 @@ def test_cache_config_for_refuses_layers_with_different_kv_head_counts() -> None
     )
     with pytest.raises(UnsupportedConfigError, match=r"different KV head counts \[2, 4\]"):
         cache_config_for(config, num_blocks=8)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """These models are tiny: one thread is faster than two fighting over a busy CI core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # -- equal to DynamicCache ------------------------------------------------------------------
