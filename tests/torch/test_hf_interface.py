@@ -23,6 +23,8 @@ from kvcache_core import PagedKvCacheManager, UnsupportedConfigError, create_man
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from torch import nn  # noqa: E402
+
 from kvcache_torch import hf_guard  # noqa: E402  # after the skips: it imports torch and transformers
 from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for  # noqa: E402
 from tests.torch.hf_support import (  # noqa: E402
@@ -72,7 +74,8 @@ OWN_ATTENTION: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
 }
 
-#: Models whose own loading rejects ``"kvcache_paged"`` (transformers raises a KeyError).
+#: Models whose own loading rejects ``"kvcache_paged"`` (transformers raises a KeyError): they
+#: pick attention classes by implementation name (GIT only in its text decoder).
 REJECTED_AT_LOAD: dict[str, tuple[str, str, dict[str, Any]]] = {
     "falcon": (
         "FalconConfig",
@@ -83,6 +86,24 @@ REJECTED_AT_LOAD: dict[str, tuple[str, str, dict[str, Any]]] = {
         "GPTNeoConfig",
         "GPTNeoForCausalLM",
         {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "attention_types": [[["global", "local"], 1]]},
+    ),
+    "git": (
+        "GitConfig",
+        "GitForCausalLM",
+        {
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 64,
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "image_size": 32,
+                "patch_size": 16,
+            },
+        },
     ),
 }
 
@@ -161,7 +182,7 @@ def test_a_model_computing_attention_itself_is_refused_by_name_before_any_forwar
     assert_untouched(manager)
 
 
-@pytest.mark.parametrize(("architecture", "remedy"), [("falcon", "sdpa"), ("gpt_neo", "eager")])
+@pytest.mark.parametrize(("architecture", "remedy"), [("falcon", "sdpa"), ("gpt_neo", "eager"), ("git", "eager")])
 def test_a_model_rejecting_the_name_at_load_is_refused_by_name(architecture: str, remedy: str) -> None:
     _, model_name, _ = REJECTED_AT_LOAD[architecture]
     config = own_config(architecture, ATTN_IMPLEMENTATION)
@@ -186,6 +207,32 @@ def test_a_model_calling_the_interface_is_served_on_the_paged_path() -> None:
     assert max_logit_difference(ours.logits, generate(reference, ids, mask).logits) <= TOLERANCE
 
 
+class TableAttention(nn.Module):
+    """An attention class a model picks by implementation name."""
+
+
+#: A table of attention classes by implementation name, as Falcon's or a vision tower's: this
+#: module stands for a modeling module that has one.
+TOWER_ATTENTION_CLASSES = {"eager": TableAttention}
+
+
+class Decoder(nn.Module):
+    """A decoder of a modeling module with an attention table: the table's classes in it or not."""
+
+    def __init__(self, with_table_attention: bool) -> None:
+        super().__init__()
+        self.attention = TableAttention() if with_table_attention else nn.Identity()
+
+
+@pytest.mark.parametrize(("with_table_attention", "verdict"), [(True, False), (False, None)])
+def test_an_attention_table_counts_against_a_decoder_only_if_the_decoder_holds_its_classes(
+    with_table_attention: bool, verdict: bool | None
+) -> None:
+    assert hf_guard.uses_interface(Decoder) is False  # no instance to look into: the table counts
+    # Without the table's classes, the judgement is transformers' (none for a plain module).
+    assert hf_guard.uses_interface(Decoder, Decoder(with_table_attention)) is verdict
+
+
 # -- refused at the first forward, where transformers cannot tell up front -----------------------
 
 
@@ -195,7 +242,7 @@ LAYER_0_NOW = "did not run the kvcache_paged attention for layer 0 of this forwa
 @pytest.fixture
 def undecided(monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers cannot judge the model's class (an older transformers, remote code)."""
-    monkeypatch.setattr(hf_guard, "uses_interface", lambda model_class: None)
+    monkeypatch.setattr(hf_guard, "uses_interface", lambda model_class, decoder=None: None)
 
 
 # MPT is left out: its own attention fails on the mask of the kvcache_paged attention (None

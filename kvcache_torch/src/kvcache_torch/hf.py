@@ -24,6 +24,11 @@ Two pieces, used together or apart::
   A first forward without padding attends over its own new K/V with transformers' ``sdpa``
   (they are the whole context and contiguous already; measured faster than reading them
   back from the pool); every later forward (decode, chunked prefill) reads the pool.
+- ``"kvcache_paged"`` serves models whose attention calls transformers' attention interface.
+  One that computes attention itself (Bloom, MPT, XGLM, ...) or rejects the name at load
+  (Falcon, GPT-Neo, GIT) is refused by name with its remedy, by :func:`cache_config_for` and
+  :class:`PagedCache` where transformers can tell from the class, else at its first forward
+  before anything is stored (:mod:`kvcache_torch.hf_guard`).
 - With any other implementation (``"sdpa"``, ``"eager"``, ...) :meth:`PagedCache.update`
   stores every position and returns the contiguous K/V ``[batch, kv_heads, tokens,
   head_dim]`` the model expects: slower, but any model works. The ``"kvcache_paged"``

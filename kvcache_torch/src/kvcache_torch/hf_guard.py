@@ -11,23 +11,35 @@ stored.
 
 from __future__ import annotations
 
+import sys
+from typing import cast
+
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.auto import modeling_auto
 
 from kvcache_core import UnsupportedConfigError
 
-__all__ = ["decoder_class", "not_through_interface", "refuse_unless_interface", "uses_interface"]
+__all__ = ["decoder_class", "decoder_module", "not_through_interface", "refuse_unless_interface", "uses_interface"]
 
 
-def decoder_class(text: PretrainedConfig, model: torch.nn.Module | None = None) -> type[torch.nn.Module] | None:
-    """The model class that runs the decoder configured by ``text``: the submodel of ``model``
-    that holds this config, else transformers' class for it (causal LM, then base model);
-    ``None`` for a config transformers does not know (remote code)."""
+def decoder_module(text: PretrainedConfig, model: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The submodel of ``model`` that holds the decoder config ``text`` (the model itself for
+    a plain decoder, its language model for a multimodal one), if any."""
     if model is not None:
         for module in model.modules():
             if isinstance(module, PreTrainedModel) and module.config is text:
-                return type(module)
+                return module
+    return None
+
+
+def decoder_class(text: PretrainedConfig, model: torch.nn.Module | None = None) -> type[torch.nn.Module] | None:
+    """The model class that runs the decoder configured by ``text``: that of
+    :func:`decoder_module`, else transformers' class for the config (causal LM, then base
+    model); ``None`` for a config transformers does not know (remote code)."""
+    found_module = decoder_module(text, model)
+    if found_module is not None:
+        return type(found_module)
     for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING, modeling_auto.MODEL_MAPPING):
         found: object = mapping.get(type(text), None)  # pyright: ignore[reportUnknownMemberType]  # untyped there
         if isinstance(found, type) and issubclass(found, torch.nn.Module):
@@ -35,10 +47,27 @@ def decoder_class(text: PretrainedConfig, model: torch.nn.Module | None = None) 
     return None
 
 
-def uses_interface(model_class: type[torch.nn.Module]) -> bool | None:
-    """Whether the class's attention calls transformers' attention interface, as transformers
-    itself judges it when asked to switch implementations (``_can_set_attn_implementation``,
-    from the modeling module's source); ``None`` when transformers cannot tell."""
+def uses_interface(model_class: type[torch.nn.Module], decoder: torch.nn.Module | None = None) -> bool | None:
+    """Whether the class's attention calls transformers' attention interface; ``None`` when
+    transformers cannot tell.
+
+    ``False`` when its module picks attention classes by implementation name from a
+    ``*ATTENTION_CLASSES`` table (Falcon, GPT-Neo, GIT, Bark: any other name fails at load),
+    unless the ``decoder`` given (an instance) holds none of them (the table serves another
+    part, a vision tower); else transformers' own judgement (``_can_set_attn_implementation``,
+    read from the module's source, as when it is asked to switch implementations).
+    """
+    module = sys.modules.get(model_class.__module__)
+    names: dict[str, object] = vars(module) if module is not None else {}
+    chosen = tuple(
+        choice
+        for name, table in names.items()
+        if name.endswith("ATTENTION_CLASSES") and isinstance(table, dict)
+        for choice in cast("dict[str, object]", table).values()
+        if isinstance(choice, type)
+    )
+    if chosen and (decoder is None or any(isinstance(part, chosen) for part in decoder.modules())):
+        return False
     probe: object = getattr(model_class, "_can_set_attn_implementation", None)
     if not callable(probe):  # a transformers without the judgement
         return None
@@ -91,5 +120,5 @@ def refuse_unless_interface(text: PretrainedConfig, model: torch.nn.Module | Non
         UnsupportedConfigError: naming the model class and the remedy.
     """
     found = decoder_class(text, model)
-    if found is not None and uses_interface(found) is False:
+    if found is not None and uses_interface(found, decoder_module(text, model)) is False:
         raise not_through_interface(found, text)
