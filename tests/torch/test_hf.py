@@ -49,7 +49,7 @@ from tests.torch.hf_support import (  # noqa: E402
     forward,
     generate,
     max_logit_difference,
-    one_thread,  # noqa: F401  # a fixture, used by pytestmark
+    one_thread,  # noqa: F401  # pyright: ignore[reportUnusedImport]  # a fixture, used by pytestmark
     prompts,
 )
 

@@ -37,7 +37,7 @@ from tests.torch.hf_support import (  # noqa: E402
     forward,
     generate,
     max_logit_difference,
-    one_thread,  # noqa: F401  # a fixture, used by pytestmark
+    one_thread,  # noqa: F401  # pyright: ignore[reportUnusedImport]  # a fixture, used by pytestmark
     prompts,
 )
 
@@ -242,7 +242,11 @@ LAYER_0_NOW = "did not run the kvcache_paged attention for layer 0 of this forwa
 @pytest.fixture
 def undecided(monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers cannot judge the model's class (an older transformers, remote code)."""
-    monkeypatch.setattr(hf_guard, "uses_interface", lambda model_class, decoder=None: None)
+
+    def cannot_tell(model_class: type[nn.Module], decoder: nn.Module | None = None) -> bool | None:
+        return None
+
+    monkeypatch.setattr(hf_guard, "uses_interface", cannot_tell)
 
 
 # MPT is left out: its own attention fails on the mask of the kvcache_paged attention (None

@@ -41,7 +41,7 @@ def decoder_class(text: PretrainedConfig, model: torch.nn.Module | None = None) 
     if found_module is not None:
         return type(found_module)
     for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING, modeling_auto.MODEL_MAPPING):
-        found: object = mapping.get(type(text), None)  # pyright: ignore[reportUnknownMemberType]  # untyped there
+        found = cast(object, mapping.get(type(text), None))  # pyright: ignore[reportUnknownMemberType]  # untyped there
         if isinstance(found, type) and issubclass(found, torch.nn.Module):
             return found
     return None
