@@ -1,5 +1,6 @@
-"""What the transformers tests share: tiny-model settings, prompts, ``generate`` and one
-manual forward, the logit comparison, and a fixture that keeps torch on one thread.
+"""What the transformers tests share: tiny models (:data:`ARCHITECTURES`, :func:`model_pair`),
+prompts, ``generate`` and one manual forward, the logit comparison, and a fixture that keeps
+torch on one thread.
 
 Every equality test compares fp32 logits with ``DynamicCache``'s (max abs difference
 <= :data:`TOLERANCE`) at every real position.
@@ -7,6 +8,7 @@ Every equality test compares fp32 logits with ``DynamicCache``'s (max abs differ
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -16,6 +18,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+from kvcache_torch.hf import ATTN_IMPLEMENTATION  # noqa: E402  # after the skips: it imports both
 
 Tensor = Any  # torch.Tensor, imported lazily above
 Model = Any  # a transformers PreTrainedModel
@@ -38,6 +42,41 @@ COMMON_CONFIG: dict[str, Any] = {
     "bos_token_id": 1,
     "eos_token_id": None,  # never stop early: both runs produce every step
 }
+
+#: Tiny decoder configs with grouped-query attention (4 query heads, 2 KV heads).
+ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),  # sliding_window 4096: the paged mask accepts it
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    # Multi-query: one KV head for the 4 query heads (its num_key_value_heads is not read).
+    "falcon": ("FalconConfig", "FalconForCausalLM", {"multi_query": True, "new_decoder_architecture": False}),
+}
+
+
+def build_model(architecture: str = "llama", **overrides: Any) -> Model:
+    """A tiny random-weight model of ``architecture`` (seeded: the same weights every time)."""
+    config_name, model_name, extra = ARCHITECTURES[architecture]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**{**COMMON_CONFIG, **extra, **overrides})
+    return getattr(transformers, model_name)(config).eval()
+
+
+_MODELS: dict[str, tuple[Model, Model]] = {}
+
+
+def model_pair(architecture: str, implementation: str) -> tuple[Model, Model]:
+    """``(model under test, reference)``: the same weights; the reference runs ``sdpa``
+    with ``DynamicCache``, the model under test ``implementation``."""
+    if architecture not in _MODELS:
+        reference = build_model(architecture)
+        reference.set_attn_implementation("sdpa")
+        _MODELS[architecture] = (reference, copy.deepcopy(reference))
+    reference, tested = _MODELS[architecture]
+    tested.set_attn_implementation(ATTN_IMPLEMENTATION if implementation == "paged" else implementation)
+    return tested, reference
 
 
 @pytest.fixture(scope="module")

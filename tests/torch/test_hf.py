@@ -41,57 +41,26 @@ from kvcache_torch.hf import (  # noqa: E402  # after the skips: it imports torc
     paged_attention_mask,
 )
 from tests.torch.hf_support import (  # noqa: E402
-    COMMON_CONFIG,
+    ARCHITECTURES,
     TOLERANCE,
     VOCAB,
     Model,
     Tensor,
+    build_model,
     forward,
     generate,
     max_logit_difference,
+    model_pair,
     one_thread,  # noqa: F401  # pyright: ignore[reportUnusedImport]  # a fixture, used by pytestmark
     prompts,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-#: Tiny decoder configs with grouped-query attention (4 query heads, 2 KV heads).
-ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {}),  # sliding_window 4096: the paged mask accepts it
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
-    # Multi-query: one KV head for the 4 query heads (its num_key_value_heads is not read).
-    "falcon": ("FalconConfig", "FalconForCausalLM", {"multi_query": True, "new_decoder_architecture": False}),
-}
 IMPLEMENTATIONS = ("paged", "sdpa")
 #: Models whose attention is not behind transformers' AttentionInterface: they keep their own
 #: attention whatever is set, so PagedCache serves them through its contiguous path.
 FIXED_ATTENTION = frozenset({"falcon"})
-
-
-def build_model(architecture: str = "llama", **overrides: Any) -> Model:
-    config_name, model_name, extra = ARCHITECTURES[architecture]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_name)(**{**COMMON_CONFIG, **extra, **overrides})
-    return getattr(transformers, model_name)(config).eval()
-
-
-_MODELS: dict[str, tuple[Model, Model]] = {}
-
-
-def model_pair(architecture: str, implementation: str) -> tuple[Model, Model]:
-    """``(model under test, reference)``: the same weights; the reference runs ``sdpa``
-    with ``DynamicCache``, the model under test ``implementation``."""
-    if architecture not in _MODELS:
-        reference = build_model(architecture)
-        reference.set_attn_implementation("sdpa")
-        _MODELS[architecture] = (reference, copy.deepcopy(reference))
-    reference, tested = _MODELS[architecture]
-    tested.set_attn_implementation(ATTN_IMPLEMENTATION if implementation == "paged" else implementation)
-    return tested, reference
 
 
 def make_manager(model: Model, num_blocks: int = 96, block_size: int = 4) -> PagedKvCacheManager[Tensor]:
