@@ -5,8 +5,8 @@ A model that computes attention itself (Bloom, MPT, XGLM, ...) still hands each 
 keys and values to the cache, for an attention call that never comes: nothing would be
 stored and the model would attend over its new tokens only. :mod:`kvcache_torch.hf` refuses
 such a model by name, up front where transformers can tell from the model's class, and
-otherwise at the first layer whose keys and values were not attended, before anything is
-stored.
+otherwise at the first update that finds an earlier layer's keys and values not attended,
+before the model's output is returned; that forward is undone.
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ def refuse_unless_interface(text: PretrainedConfig, model: torch.nn.Module | Non
     Raises:
         UnsupportedConfigError: naming the model class and the remedy.
     """
-    found = decoder_class(text, model)
-    if found is not None and uses_interface(found, decoder_module(text, model)) is False:
+    decoder = decoder_module(text, model)
+    found = type(decoder) if decoder is not None else decoder_class(text)
+    if found is not None and uses_interface(found, decoder) is False:
         raise not_through_interface(found, text)
