@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -40,64 +40,27 @@ from kvcache_torch.hf import (  # noqa: E402  # after the skips: it imports torc
     cache_config_for,
     paged_attention_mask,
 )
+from tests.torch.hf_support import (  # noqa: E402
+    ARCHITECTURES,
+    TOLERANCE,
+    VOCAB,
+    Model,
+    Tensor,
+    build_model,
+    forward,
+    generate,
+    max_logit_difference,
+    model_pair,
+    one_thread,  # noqa: F401  # pyright: ignore[reportUnusedImport]  # a fixture, used by pytestmark
+    prompts,
+)
 
-Tensor = Any  # torch.Tensor, imported lazily above
-Model = Any  # a transformers PreTrainedModel
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-TOLERANCE = 1e-4
-VOCAB = 101
-PAD = 0
-
-#: Tiny decoder configs with grouped-query attention (4 query heads, 2 KV heads).
-ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {}),  # sliding_window 4096: the paged mask accepts it
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
-    # Multi-query: one KV head for the 4 query heads (its num_key_value_heads is not read).
-    "falcon": ("FalconConfig", "FalconForCausalLM", {"multi_query": True, "new_decoder_architecture": False}),
-}
-COMMON_CONFIG: dict[str, Any] = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "initializer_range": 0.2,
-    "pad_token_id": PAD,
-    "bos_token_id": 1,
-    "eos_token_id": None,  # never stop early: both runs produce every step
-}
 IMPLEMENTATIONS = ("paged", "sdpa")
 #: Models whose attention is not behind transformers' AttentionInterface: they keep their own
 #: attention whatever is set, so PagedCache serves them through its contiguous path.
 FIXED_ATTENTION = frozenset({"falcon"})
-
-
-def build_model(architecture: str = "llama", **overrides: Any) -> Model:
-    config_name, model_name, extra = ARCHITECTURES[architecture]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_name)(**{**COMMON_CONFIG, **extra, **overrides})
-    return getattr(transformers, model_name)(config).eval()
-
-
-_MODELS: dict[str, tuple[Model, Model]] = {}
-
-
-def model_pair(architecture: str, implementation: str) -> tuple[Model, Model]:
-    """``(model under test, reference)``: the same weights; the reference runs ``sdpa``
-    with ``DynamicCache``, the model under test ``implementation``."""
-    if architecture not in _MODELS:
-        reference = build_model(architecture)
-        reference.set_attn_implementation("sdpa")
-        _MODELS[architecture] = (reference, copy.deepcopy(reference))
-    reference, tested = _MODELS[architecture]
-    tested.set_attn_implementation(ATTN_IMPLEMENTATION if implementation == "paged" else implementation)
-    return tested, reference
 
 
 def make_manager(model: Model, num_blocks: int = 96, block_size: int = 4) -> PagedKvCacheManager[Tensor]:
@@ -107,47 +70,6 @@ def make_manager(model: Model, num_blocks: int = 96, block_size: int = 4) -> Pag
         "torch", cache_config_for(model, num_blocks=num_blocks, block_size=block_size, hybrid=paged)
     )
     return manager
-
-
-def prompts(batch: int, length: int, pads: Sequence[int] = (), seed: int = 1) -> tuple[Tensor, Tensor]:
-    """Random token ids ``[batch, length]`` and their mask, row ``i`` left-padded by ``pads[i]``."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (batch, length), generator=generator)
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(pads):
-        ids[row, :pad] = PAD
-        mask[row, :pad] = 0
-    return ids, mask
-
-
-def generate(model: Model, ids: Tensor, mask: Tensor, cache: PagedCache | None = None, **options: Any) -> Any:
-    settings: dict[str, Any] = {
-        "max_new_tokens": 6,
-        "do_sample": False,
-        "output_logits": True,
-        "return_dict_in_generate": True,
-        "pad_token_id": PAD,
-        **options,
-    }
-    if cache is not None:
-        settings["cache"] = cache
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, **settings)
-
-
-def max_logit_difference(ours: Sequence[Tensor], reference: Sequence[Tensor]) -> float:
-    assert len(ours) == len(reference)
-    return max(float((a - b).abs().max()) for a, b in zip(ours, reference, strict=True))
-
-
-def forward(model: Model, ids: Tensor, mask: Tensor, seen: int, cache: Any) -> Tensor:
-    """One manual forward of ``ids`` (the positions after ``seen``) with the whole mask so far;
-    returns the logits ``[batch, new, vocab]``."""
-    full_mask = mask[:, : seen + ids.shape[1]]
-    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)[:, seen:]
-    with torch.no_grad():
-        output = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, cache=cache, use_cache=True)
-    return output.logits
 
 
 @pytest.mark.parametrize(
@@ -178,15 +100,6 @@ def test_cache_config_for_refuses_layers_with_different_kv_head_counts() -> None
     )
     with pytest.raises(UnsupportedConfigError, match=r"different KV head counts \[2, 4\]"):
         cache_config_for(config, num_blocks=8)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """These models are tiny: one thread is faster than two fighting over a busy CI core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # -- equal to DynamicCache ------------------------------------------------------------------

@@ -28,7 +28,7 @@ from kvcache_torch.hf import (  # noqa: E402  # after the skips: it imports torc
     PagedCache,
     cache_config_for,
 )
-from tests.torch.test_hf import (  # noqa: E402
+from tests.torch.hf_support import (  # noqa: E402
     COMMON_CONFIG,
     TOLERANCE,
     forward,

@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 import torch
 
 from kvcache_torch.hf import cache_config_for, model_fingerprint
-from tests.torch.test_hf import model_pair
+from tests.torch.hf_support import model_pair
 
 
 def test_the_default_model_id_is_the_config_and_dtype_fingerprint() -> None:

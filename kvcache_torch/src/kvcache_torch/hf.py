@@ -24,6 +24,11 @@ Two pieces, used together or apart::
   A first forward without padding attends over its own new K/V with transformers' ``sdpa``
   (they are the whole context and contiguous already; measured faster than reading them
   back from the pool); every later forward (decode, chunked prefill) reads the pool.
+- ``"kvcache_paged"`` serves models whose attention calls transformers' attention interface.
+  One that computes attention itself (Bloom, MPT, XGLM, ...) or rejects the name at load
+  (Falcon, GPT-Neo, GIT) is refused by name with its remedy, by :func:`cache_config_for` and
+  :class:`PagedCache` where transformers can tell from the class, else at its first forward
+  before anything is stored (:mod:`kvcache_torch.hf_guard`).
 - With any other implementation (``"sdpa"``, ``"eager"``, ...) :meth:`PagedCache.update`
   stores every position and returns the contiguous K/V ``[batch, kv_heads, tokens,
   head_dim]`` the model expects: slower, but any model works. The ``"kvcache_paged"``
@@ -75,6 +80,7 @@ from kvcache_core import (
     DTypeMismatchError,
     InvalidArgumentError,
     InvalidTypeError,
+    KvCacheError,
     LayerIndexError,
     LayerSpec,
     PagedKvCacheHandle,
@@ -84,6 +90,7 @@ from kvcache_core import (
     UnknownRequestError,
     UnsupportedConfigError,
 )
+from kvcache_torch import hf_guard
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -266,8 +273,11 @@ def cache_config_for(
         InvalidArgumentError: neither or both of ``num_blocks`` and ``max_tokens``, or a
             ``max_tokens`` or ``block_size`` below 1.
         InvalidTypeError: ``model`` is neither a model with a ``config`` nor a config.
-        UnsupportedConfigError: a dtype kvcache has no name for, or layers that are not
-            full, sliding or chunked attention (the message names their type).
+        UnsupportedConfigError: a dtype kvcache has no name for, layers that are not
+            full, sliding or chunked attention (the message names their type), or a config
+            set to ``"kvcache_paged"`` for a model whose attention does not call transformers'
+            attention interface (Falcon, GPT-Neo, Bloom, MPT, ...: the message names the
+            class and the remedy: its own attention, ``"sdpa"`` or ``"eager"``).
         InvalidConfigError: any field out of range (from ``CacheConfig``).
 
     The ``"kvcache_paged"`` attention applies each layer's window or chunk, softcap and
@@ -305,6 +315,9 @@ def cache_config_for(
     compute_dtype = _dtype_name(model_dtype or configured) if dtype in QUANTIZED_DTYPES else None
     layers, kv_heads, head_dim = _geometry(config)
     attention = _layer_attention(config)  # refuses layers that are not attention layers
+    text = _text_config(config)
+    if _attention_implementation(text) == ATTN_IMPLEMENTATION:
+        hf_guard.refuse_unless_interface(text, None if isinstance(model, PretrainedConfig) else model)
     if not isinstance(hybrid, bool):
         raise InvalidArgumentError(f"hybrid must be a bool, got {hybrid!r}")
     specs = None
@@ -369,6 +382,12 @@ class _Step:
     planned: Step[torch.Tensor] | None = None
     valid: torch.Tensor | None = None  # [batch, query_length] bool on the model's device; None: all real
     stored: int = 0  # tokens the step stores over all rows
+    counts: list[int] = field(default_factory=list[int])  # real new tokens per row, once planned
+    allocated: bool = False  # the step allocated the rows (a first forward)
+    # Paged path: the layers whose update joined the step, and the one whose keys and values
+    # wait for its kvcache_paged attention (None once consumed).
+    updated: set[int] = field(default_factory=set[int])
+    awaiting: int | None = None
     # A left-padded first forward: each row's real tokens (computed once, for every layer).
     real_lengths: list[int] | None = None
 
@@ -486,8 +505,12 @@ class PagedCache(Cache):
     Raises:
         InvalidTypeError: ``manager`` is not a ``PagedKvCacheManager``.
         UnsupportedConfigError: the model's geometry differs from the pool's, the pool has a
-            sliding window, or the model has layers other than attention layers (linear
-            attention, shared K/V, ...).
+            sliding window, the model has layers other than attention layers (linear
+            attention, shared K/V, ...), or the config is set to ``"kvcache_paged"`` for a
+            model whose attention does not call transformers' attention interface (the
+            message names the class and the remedy, its own ``"sdpa"`` or ``"eager"``; a model
+            transformers cannot judge up front is refused at its first forward instead, see
+            :meth:`update`).
         InvalidArgumentError: a bad ``max_sequence_length``.
     """
 
@@ -515,6 +538,8 @@ class PagedCache(Cache):
                 "with cache_config_for(model, ...)"
             )
         text = _text_config(config)
+        if _attention_implementation(text) == ATTN_IMPLEMENTATION:
+            hf_guard.refuse_unless_interface(text)
         self._layer_attention = _layer_attention(config)  # refuses linear-attention, state-space layers
         for layer, attention in enumerate(self._layer_attention):
             kept = pool.kv_groups[pool.layer_place(layer)[0]].window
@@ -768,7 +793,11 @@ class PagedCache(Cache):
                 pool's geometry, or a batch size other than the rows held.
             DTypeMismatchError: K/V of another dtype than the pool's.
             UnsupportedConfigError: the attention implementation changed while the cache
-                holds tokens, or the previous forward did not reach every layer.
+                holds tokens, the previous forward did not reach every layer, or (with
+                ``"kvcache_paged"``) an earlier layer's keys and values never reached the
+                ``kvcache_paged`` attention: the model computes attention itself. That
+                forward is undone (a first forward leaves no row), naming the model class
+                and the remedy (its own ``"sdpa"`` or ``"eager"`` attention).
             OutOfBlocksError, SequenceTooLongError: the pool cannot hold the new tokens
                 (nothing is changed).
         """
@@ -787,8 +816,12 @@ class PagedCache(Cache):
                 "sliding layers keep only their window's blocks; run attn_implementation='kvcache_paged', or build "
                 "the pool with cache_config_for(model, ..., hybrid=False)"
             )
+        if mode == "paged":
+            self._check_attended(layer)
         step = self._join_step(layer, int(key_states.shape[0]), int(key_states.shape[2]))
         if mode == "paged":
+            step.updated.add(layer)
+            step.awaiting = layer
             _PENDING.entry = _Pending(self, layer, key_states, value_states, step)
             return key_states, value_states
         if step.planned is None:
@@ -985,6 +1018,51 @@ class PagedCache(Cache):
                 "model skips layers); release() the cache"
             )
 
+    def _check_attended(self, layer: int) -> None:
+        """Refuse a model whose attention does not call the ``kvcache_paged`` attention: an
+        update of another layer of the same forward arrives while an earlier layer's keys
+        and values still wait for it, or a new forward begins after one in which every layer
+        was updated and none attended (a one-layer model). The refused forward is undone.
+
+        Raises:
+            UnsupportedConfigError: naming the model class and the remedy.
+        """
+        step = self._step
+        if step is None or step.awaiting is None:
+            return
+        same_forward = layer not in step.updated
+        if not same_forward and (step.layers_done or len(step.updated) != self._num_layers):
+            return  # an interrupted forward, not a pattern: _join_step decides
+        awaiting = step.awaiting
+        self._abandon_step(step)
+        raise hf_guard.not_through_interface(
+            hf_guard.decoder_class(self._text), self._text, awaiting, earlier=not same_forward
+        )
+
+    def _abandon_step(self, step: _Step) -> None:
+        """Undo a forward refused half-way: rows it allocated are released, rows it grew go
+        back to their length before it (or, where a sliding window already dropped the
+        blocks that needs, are released too), and the next forward starts afresh."""
+        pending = _PENDING.entry
+        if pending is not None and pending.cache is self:
+            _PENDING.entry = None
+        self._step = None
+        if step.planned is None:
+            return  # nothing was placed or stored
+        if step.allocated:
+            self.release()
+            return
+        before = [tokens - count for tokens, count in zip(self._tokens, step.counts, strict=True)]
+        try:
+            for handle, tokens in zip(self._handles, before, strict=True):
+                self._manager.truncate(handle, tokens)
+        except KvCacheError:
+            self.release()
+            return
+        self._tokens[:] = before
+        self._positions = step.start
+        self._lengths = [step.start] * self._num_layers
+
     def _join_step(self, layer: int, batch: int, query_length: int) -> _Step:
         """The step this layer's update belongs to: the current one, or a new one once every
         layer has finished the current one."""
@@ -1033,6 +1111,8 @@ class PagedCache(Cache):
         step.planned = planned
         step.valid = valid
         step.stored = planned.num_new_tokens
+        step.counts = counts
+        step.allocated = bool(allocated)
         self._tokens[:] = [tokens + count for tokens, count in zip(self._tokens, counts, strict=True)]
         self._mode = mode
         self._record_stored(valid, batch, query_length)
@@ -1246,6 +1326,8 @@ def paged_attention_forward(
     """
     pending = _PENDING.entry
     _PENDING.entry = None
+    if pending is not None and pending.step.awaiting == pending.layer:
+        pending.step.awaiting = None  # the layer's keys and values reached their attention
     window: object = kwargs.get("sliding_window")
     softcap: object = kwargs.get("softcap")
     sinks: object = kwargs.get("s_aux")
