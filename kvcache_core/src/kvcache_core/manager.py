@@ -569,7 +569,12 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
 
     def close(self) -> None:
         """Release the pool: every handle becomes invalid, the manager refuses further use,
-        and the storage's optional ``close()`` runs (once, however often this is called).
+        the offload tiers are cleared and released (another manager may bind them), and the
+        storage's optional ``close()`` runs (once, however often this is called).
+
+        The storage is closed whatever the tiers or the event listeners raise: a tier that
+        fails to clear gives a warning (counted in ``tier_stats()``); an interrupt
+        (``KeyboardInterrupt``) propagates after the storage is closed.
 
         ``stats()`` still reports the figures at closing. Using the manager or one of its
         handles afterwards raises :class:`~kvcache_core.errors.ManagerClosedError`.
@@ -581,11 +586,13 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             self._pool.epoch += 1  # page tables and steps taken before are refused
             for state in self._requests.values():
                 state.valid = False
-            self._tiers.clear()
-            self._events.emit(AllBlocksCleared())
-            release = getattr(self._storage, "close", None)
-            if callable(release):
-                release()
+            try:
+                self._tiers.close()
+                self._events.emit(AllBlocksCleared())
+            finally:
+                release = getattr(self._storage, "close", None)
+                if callable(release):
+                    release()
 
     def __enter__(self: _ManagerT) -> _ManagerT:
         return self

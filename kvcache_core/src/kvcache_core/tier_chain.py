@@ -14,30 +14,56 @@ some group holds each (so the hash chain goes on); a group's block is its record
 tier, or its block of that hash still in the pool (mapped as a hit maps it). ``n`` shrinks
 until that holds. The events count hashes per medium: a hash is in a tier while any of
 its group records is.
+
+A tier is code the manager does not control (a third party's, a disk that fails), so every
+call of one is guarded: what it raises (any ``Exception``) or gives back malformed is a
+miss where a miss is safe (a promotion or a demotion: counted in
+:attr:`TierStats.errors <kvcache_core.tiers.TierStats.errors>`, with a warning), a
+:class:`~kvcache_core.errors.TierError` where it is not (binding, figures); an interrupt
+(``KeyboardInterrupt``) propagates once the operation gave back every block it took. A
+record a tier gives back goes into the pool only after it is checked
+(:meth:`TierChain._problem`). A tier binds to one manager at a time: from ``bind`` to the
+manager's ``close()`` (or its end).
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from kvcache_core.block_table import BlockTable
-from kvcache_core.errors import InvalidTypeError, KvCacheError, TierError, UnsupportedConfigError
+from kvcache_core.config import SCALE_BYTES
+from kvcache_core.errors import InvalidTypeError, TierError, UnsupportedConfigError
 from kvcache_core.events import BlockStored, EventHub
 from kvcache_core.groups import first_visible_block
-from kvcache_core.persist import BlockRecord, record_key
+from kvcache_core.persist import BlockRecord, block_checksum, record_key
 from kvcache_core.pool_access import PoolAccess
-from kvcache_core.prefix import PrefixEntry, hash_block
-from kvcache_core.tiers import OffloadTier, TierStats
+from kvcache_core.prefix import PrefixEntry, hash_block, namespace_root
+from kvcache_core.tiers import DiskTier, HostTier, OffloadTier, TierStats
 
 if TYPE_CHECKING:
     from kvcache_core.config import CacheConfig
     from kvcache_core.handle import RequestState
 
 __all__ = ["TierChain"]
+
+_T = TypeVar("_T")
+
+#: The tiers bound to a live manager, by ``id`` (the tier is kept so its id stays its own).
+_BOUND: dict[int, OffloadTier] = {}
+_BOUND_LOCK = threading.Lock()
+
+
+def _unbind(ids: tuple[int, ...]) -> None:
+    """Release the bindings of one manager's tiers (its ``close()``, or its end)."""
+    with _BOUND_LOCK:
+        for tier_id in ids:
+            _BOUND.pop(tier_id, None)
 
 
 class TierChain:
@@ -50,29 +76,71 @@ class TierChain:
         events: the manager's event hub.
 
     Raises:
-        InvalidTypeError: a tier that is not an :class:`OffloadTier`.
+        InvalidTypeError: ``tiers`` is not a sequence, or holds an object that is not an
+            :class:`OffloadTier`.
         UnsupportedConfigError: tiers without prefix caching.
-        TierError: two tiers of one name, or a tier that cannot hold a block of ``config``.
+        TierError: two tiers of one name, a tier bound to another live manager, or one
+            whose ``name`` or ``bind`` fails (a tier that cannot hold a block of
+            ``config``); no tier stays bound.
     """
 
     def __init__(self, tiers: Iterable[OffloadTier], config: CacheConfig, events: EventHub) -> None:
+        if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Iterable) or isinstance(tiers, OffloadTier):
+            raise InvalidTypeError(
+                f"tiers must be a list of OffloadTier objects (HostTier, DiskTier, ...), got {tiers!r}"
+            )
         self._tiers = list(tiers)
         self._events = events
         self._config = config
         self._windows = [group.window for group in config.kv_groups]
+        self._names: list[str] = []
+        self._unbind: Callable[[], object] = lambda: None
         for tier in self._tiers:
-            if not isinstance(tier, OffloadTier):
+            if not _is_tier(tier):
                 raise InvalidTypeError(f"tiers must be OffloadTier objects (HostTier, DiskTier, ...), got {tier!r}")
         if not self._tiers:
             return
         if not config.enable_prefix_caching:
             raise UnsupportedConfigError("offload tiers need CacheConfig(enable_prefix_caching=True)")
-        names = [tier.name for tier in self._tiers]
-        if len(set(names)) != len(names):
-            raise TierError(f"tier names must be unique, got {names}")
-        for tier in self._tiers:
-            tier.bind(config)
-        self._counts = {tier.name: [0, 0, 0, 0] for tier in self._tiers}  # hits, demotions, evictions, failures
+        self._names = [_name_of(tier) for tier in self._tiers]
+        if len(set(self._names)) != len(self._names):
+            raise TierError(f"tier names must be unique, got {self._names}")
+        # Built-in tiers keep private copies (host) or check their own checksums (disk);
+        # the records another tier gives back are checked against the checksum taken when
+        # it was given them.
+        self._trusted = [type(tier) in (HostTier, DiskTier) for tier in self._tiers]
+        self._checksums: dict[bytes, str] = {}  # key -> checksum of what an untrusted tier was given
+        self._host_dtype: np.dtype[Any] | None = None  # learnt from the pool's own host copies
+        width = config.head_dim + (SCALE_BYTES if config.quantized else 0)
+        self._record_shape = (config.pool_layers, config.block_size, config.num_heads, width)
+        self._root = namespace_root(config.model_id)
+        self._counts = {name: [0, 0, 0, 0, 0] for name in self._names}  # hits, demotions, evictions, failures, errors
+        self._bind(config)
+
+    def _bind(self, config: CacheConfig) -> None:
+        """Bind every tier to this manager, each at most to one live manager at a time."""
+        ids = tuple(id(tier) for tier in self._tiers)
+        with _BOUND_LOCK:
+            for tier, name in zip(self._tiers, self._names, strict=True):
+                if id(tier) in _BOUND:
+                    raise TierError(
+                        f"tier {name!r} is bound to another manager: give each manager its own tier object "
+                        "(closing that manager releases it)"
+                    )
+            for tier in self._tiers:
+                _BOUND[id(tier)] = tier
+        self._unbind = weakref.finalize(self, _unbind, ids)
+        try:
+            for tier, name in zip(self._tiers, self._names, strict=True):
+                try:
+                    tier.bind(config)
+                except TierError:
+                    raise
+                except Exception as exc:
+                    raise TierError(f"tier {name!r} cannot be bound to this pool: {exc!r}") from exc
+        except BaseException:
+            self._unbind()
+            raise
 
     def __bool__(self) -> bool:
         return bool(self._tiers)
@@ -84,11 +152,112 @@ class TierChain:
 
     def stats(self) -> list[TierStats]:
         """Each tier's figures, first to last; its blocks are records (one per hash and
-        KV-cache group, each one pool block's K/V)."""
-        return [
-            TierStats(tier.name, len(tier.hashes()), tier.used_bytes, tier.max_bytes, *self._counts[tier.name])
-            for tier in self._tiers
-        ]
+        KV-cache group, each one pool block's K/V).
+
+        Raises:
+            TierError: a tier fails to give its figures (``hashes``, ``used_bytes``,
+                ``max_bytes``).
+        """
+        figures: list[TierStats] = []
+        for tier, name in zip(self._tiers, self._names, strict=True):
+            try:
+                blocks, used, limit = len(tier.hashes()), int(tier.used_bytes), int(tier.max_bytes)
+            except Exception as exc:
+                self._counts[name][4] += 1
+                raise TierError(f"tier {name!r} failed to give its figures: {exc!r}") from exc
+            figures.append(TierStats(name, blocks, used, limit, *self._counts[name]))
+        return figures
+
+    # -- guarded tier calls ----------------------------------------------------------------
+
+    def _failed(self, level: int, what: str, exc: BaseException, *, dropped: int = 0) -> None:
+        """Count and report a tier call that raised or gave back something malformed."""
+        counts = self._counts[self._names[level]]
+        counts[3] += dropped
+        counts[4] += 1
+        warnings.warn(f"tier {self._names[level]!r} failed to {what}: {exc!r}", RuntimeWarning, stacklevel=4)
+
+    def _guarded(self, level: int, what: str, call: Callable[[], _T], failed: _T) -> _T:
+        """``call()``, or ``failed`` (counted, with a warning) when it raises an ``Exception``."""
+        try:
+            return call()
+        except Exception as exc:
+            self._failed(level, what, exc)
+            return failed
+
+    def _contains(self, level: int, key: bytes) -> bool:
+        """Whether tier ``level`` holds ``key`` (no when it cannot say)."""
+        tier = self._tiers[level]
+        return self._guarded(level, "say whether it holds a block", lambda: bool(key in tier), False)
+
+    def _holds(self, level: int, block_hash: bytes) -> bool:
+        """Whether tier ``level`` holds a record of ``block_hash`` in any KV-cache group."""
+        return any(self._contains(level, record_key(block_hash, group)) for group in range(len(self._windows)))
+
+    def _anywhere(self, key: bytes) -> bool:
+        return any(self._contains(level, key) for level in range(len(self._tiers)))
+
+    def _keys(self, level: int) -> list[bytes]:
+        """The keys tier ``level`` lists (none when it cannot list them)."""
+        tier = self._tiers[level]
+        try:
+            keys = list(tier.hashes())
+            for key in keys:
+                if not isinstance(key, bytes):
+                    raise TierError(f"it listed {key!r}, not a bytes key")
+        except Exception as exc:
+            self._failed(level, "list its blocks", exc)
+            return []
+        return keys
+
+    def _discard(self, level: int, key: bytes) -> None:
+        """Drop ``key`` (held) from tier ``level``; the hash leaves its medium with its last
+        record. A failing ``discard`` is counted: the tier may keep a copy, which is checked
+        like any record before it is used."""
+        tier = self._tiers[level]
+        self._guarded(level, "discard a block", lambda: tier.discard(key), None)
+        self._checksums.pop(key, None)
+        block_hash = _hash_of(key)
+        if not self._holds(level, block_hash):
+            self._events.removed((block_hash,), self._names[level])
+
+    def _problem(self, level: int, record: object, key: bytes, parent: bytes | bool | None = True) -> str | None:
+        """What is wrong with ``record``, given back by tier ``level`` for ``key``, or
+        ``None`` when it may go into the pool: a :class:`BlockRecord` filed under ``key``,
+        host arrays of one block's shape and the pool's host dtype, a hash that its parent,
+        salt and token ids give (and the expected ``parent`` when one is given), and the
+        checksum of what the tier was given."""
+        if not isinstance(record, BlockRecord):
+            return f"it gave back {type(record).__name__}, not a BlockRecord"
+        if record.key != key:
+            return (
+                f"asked for key {key.hex()[:16]}... ({len(key)} bytes), it gave back the record of KV-cache "
+                f"group {record.group} of {record.block_hash.hex()[:16]}... (does it file records under "
+                "BlockRecord.key?)"
+            )
+        keys, values = record.keys, record.values
+        if not isinstance(keys, np.ndarray) or not isinstance(values, np.ndarray):
+            return f"its K/V are {type(keys).__name__} and {type(values).__name__}, not NumPy arrays"
+        if keys.shape != self._record_shape or values.shape != self._record_shape:
+            return f"its K/V have shapes {keys.shape} and {values.shape}, a block's are {self._record_shape}"
+        expected = self._host_dtype or keys.dtype
+        if keys.dtype != expected or values.dtype != expected:
+            return f"its K/V are {keys.dtype} and {values.dtype}, the pool's host copies are {expected}"
+        if parent is not True and record.parent_hash != parent:
+            return "its parent hash is not the prompt's previous block"
+        try:
+            tokens_ok = len(record.token_ids) == self._config.block_size
+            rehashed = hash_block(
+                self._root if record.parent_hash is None else record.parent_hash, record.token_ids, record.salt
+            )
+        except Exception as exc:
+            return f"its parent hash, salt or token ids are malformed ({exc!r})"
+        if not tokens_ok or rehashed != record.block_hash:
+            return "its hash does not match its parent hash, salt and token ids"
+        checksum = None if self._trusted[level] else self._checksums.get(key)
+        if checksum is not None and block_checksum(keys, values) != checksum:
+            return "its K/V do not match the checksum of the block it was given"
+        return None
 
     # -- pool -> tiers ------------------------------------------------------------------
 
@@ -96,7 +265,9 @@ class TierChain:
         """Copy the ``count`` cached blocks the pool is about to evict (least recently used
         first) into the first tier, where the last block of their hash in their KV-cache
         group leaves the pool with them: one record per hash and group. The one storage
-        call comes first: if it raises, nothing has changed."""
+        call comes first: if it raises, nothing has changed. A tier that fails drops the
+        blocks it was given (a miss later); an interrupt propagates before the pool evicts
+        anything."""
         if not self._tiers or not count:
             return
         prefix = pool.prefix
@@ -120,60 +291,84 @@ class TierChain:
         try:
             keys, values = pool.storage.blocks_to_host(np.asarray([block for _, block, _ in picked], dtype=np.int64))
         except Exception as exc:  # the eviction goes on as without tiers: the blocks are dropped
-            self._counts[self._tiers[0].name][3] += len(picked)
+            self._counts[self._names[0]][3] += len(picked)
             warnings.warn(
                 f"demoting {len(picked)} evicted blocks failed, they are dropped: {exc!r}", RuntimeWarning, stacklevel=5
             )
             return
+        self._host_dtype = np.dtype(keys.dtype)
         records = [
             BlockRecord.of_entry(entry, keys[:, index], values[:, index], group)
             for index, (entry, _, group) in enumerate(picked)
         ]
         self._push(0, records)
+        if len(self._checksums) > 1024:
+            self._prune_checksums()
+
+    def _prune_checksums(self) -> None:
+        """Forget the checksums of records no untrusted tier holds any more (one that drops
+        records without saying so would make them grow)."""
+        held: set[bytes] = set()
+        for level in range(len(self._tiers)):
+            if not self._trusted[level]:
+                held.update(self._keys(level))
+        if len(self._checksums) > 2 * len(held) + 512:
+            self._checksums = {key: checksum for key, checksum in self._checksums.items() if key in held}
 
     def _push(self, level: int, records: list[BlockRecord]) -> None:
         """Store ``records`` in tier ``level``; what it lets go moves on, past the last dropped."""
-        if not records:
-            return
-        if level == len(self._tiers):
-            return  # past the last tier: dropped (each tier reported its own removal)
+        while records and level < len(self._tiers):
+            records = self._put_all(level, records)
+            level += 1
+        # Past the last tier: dropped (each tier reported its own removal).
+
+    def _put_all(self, level: int, records: list[BlockRecord]) -> list[BlockRecord]:
+        """Put ``records`` into tier ``level``; return the records it let go (checked)."""
         tier = self._tiers[level]
-        counts = self._counts[tier.name]
+        name = self._names[level]
+        counts = self._counts[name]
         let_go: list[BlockRecord] = []
         for record in records:
             key = record.key
-            for other in self._tiers:  # one copy in the tiers: a newer one replaces it
-                if other is not tier and key in other:
+            for other in range(len(self._tiers)):  # one copy in the tiers: a newer one replaces it
+                if other != level and self._contains(other, key):
                     self._discard(other, key)
-            held = self._holds(tier, record.block_hash)
+            held = self._holds(level, record.block_hash)
+            checksum = None if self._trusted[level] else block_checksum(record.keys, record.values)
             try:
-                overflow = tier.put(record)
-            except KvCacheError as exc:
-                counts[3] += 1
-                self._report(tier, record, held)  # it may have dropped its older copy
-                warnings.warn(f"tier {tier.name!r} could not take a block: {exc}", RuntimeWarning, stacklevel=4)
+                overflow = _overflow_items(tier.put(record))
+            except Exception as exc:
+                self._failed(level, "take a block", exc, dropped=1)
+                self._report(level, record, held)  # it may have dropped its older copy
                 continue
-            counts[1] += key in tier
+            except BaseException:
+                self._report(level, record, held)
+                raise
+            if checksum is not None:
+                self._checksums[key] = checksum
+            counts[1] += self._contains(level, key)
             counts[2] += len(overflow)
-            self._report(tier, record, held)
+            self._report(level, record, held)
             others: dict[bytes, None] = {}  # hashes let go, each held before the put
             for item in overflow:
-                item_hash = _hash_of(item if isinstance(item, bytes) else item.key)
+                item_key = item if isinstance(item, bytes) else getattr(item, "key", b"")
+                item_hash = _hash_of(item_key if isinstance(item_key, bytes) else b"")
                 if item_hash != record.block_hash:
                     others[item_hash] = None
-                if not isinstance(item, bytes):
+                if isinstance(item, bytes):
+                    continue
+                problem = self._problem(level, item, item.key if isinstance(item, BlockRecord) else b"")
+                if problem is None and isinstance(item, BlockRecord):
                     let_go.append(item)
-            self._events.removed([other for other in others if not self._holds(tier, other)], tier.name)
-        self._push(level + 1, let_go)
+                else:
+                    self._failed(level, "let a block go intact", TierError(str(problem)), dropped=1)
+            self._events.removed([other for other in others if not self._holds(level, other)], name)
+        return let_go
 
-    def _holds(self, tier: OffloadTier, block_hash: bytes) -> bool:
-        """Whether ``tier`` holds a record of ``block_hash`` in any KV-cache group."""
-        return any(record_key(block_hash, group) in tier for group in range(len(self._windows)))
-
-    def _report(self, tier: OffloadTier, record: BlockRecord, held: bool) -> None:
-        """The event for ``record``'s hash in ``tier`` after a put, given whether ``tier``
-        held the hash before."""
-        now = self._holds(tier, record.block_hash)
+    def _report(self, level: int, record: BlockRecord, held: bool) -> None:
+        """The event for ``record``'s hash in tier ``level`` after a put, given whether the
+        tier held the hash before."""
+        now = self._holds(level, record.block_hash)
         if now and not held:
             self._events.emit(
                 BlockStored(
@@ -181,18 +376,11 @@ class TierChain:
                     record.parent_hash,
                     record.token_ids,
                     self._config.block_size,
-                    medium=tier.name,
+                    medium=self._names[level],
                 )
             )
         elif held and not now:
-            self._events.removed((record.block_hash,), tier.name)
-
-    def _discard(self, tier: OffloadTier, key: bytes) -> None:
-        """Drop ``key`` (held) from ``tier``; the hash leaves its medium with its last record."""
-        tier.discard(key)
-        block_hash = _hash_of(key)
-        if not self._holds(tier, block_hash):
-            self._events.removed((block_hash,), tier.name)
+            self._events.removed((record.block_hash,), self._names[level])
 
     # -- tiers -> pool ------------------------------------------------------------------
 
@@ -201,28 +389,41 @@ class TierChain:
         blocks, in every KV-cache group (one ``blocks_from_host`` call), register them and
         start the request after them; called by ``allocate`` before it commits. A group
         whose block of a hash is still in the pool maps that block, as a prefix hit does.
+        A tier that fails, or gives back a record that fails the checks, is a miss there
+        (counted, with a warning); so is a failing ``blocks_from_host``.
 
         Returns:
             The logical blocks promoted.
 
         Raises:
-            BaseException: what the storage raised that is not an ``Exception``
-                (``KeyboardInterrupt``): every block the request took is given back first.
+            BaseException: what a tier or the storage raised that is not an ``Exception``
+                (``KeyboardInterrupt``): every block the request holds is given back first
+                (the caller drops the request).
         """
         if not self._tiers:
             return 0
+        try:
+            return self._promote(pool, state)
+        except BaseException:
+            for table in state.tables:
+                pool.release_table(list(table.physical_blocks))
+            state.tables = state.empty_tables()
+            raise
+
+    def _promote(self, pool: PoolAccess, state: RequestState[Any]) -> int:
         start = len(state.chain)
         if start * self._config.block_size != state.table.sequence_length:
             return 0
         hashes, pooled = self._continuation(pool, state, start)
         have = [
             [
-                pooled[group][index] is not None or any(record_key(block_hash, group) in tier for tier in self._tiers)
+                pooled[group][index] is not None or self._anywhere(record_key(block_hash, group))
                 for index, block_hash in enumerate(hashes)
             ]
             for group in range(len(self._windows))
         ]
-        found: dict[tuple[int, int], tuple[OffloadTier, BlockRecord]] = {}  # (group, index) -> its record
+        parents: list[bytes | None] = [state.chain[-1].block_hash if state.chain else None, *hashes[:-1]]
+        found: dict[tuple[int, int], tuple[int, BlockRecord]] = {}  # (group, index) -> (tier level, record)
         while True:
             count = self._servable(pool, state, start, have, pooled)
             if not count:
@@ -231,7 +432,7 @@ class TierChain:
             for group, index in self._needed(start, count):
                 if pooled[group][index] is not None or (group, index) in found:
                     continue
-                hit = self._find(record_key(hashes[index], group))
+                hit = self._find(record_key(hashes[index], group), parents[index])
                 tokens = self._tokens(state, start + index)
                 if hit is None or hit[1].token_ids != tokens or hit[1].salt != state.salt:
                     have[group][index] = False  # unreadable, or another prefix's: shorten
@@ -271,9 +472,7 @@ class TierChain:
                 entry.token_ids != tokens or entry.salt != state.salt or prefix.parent_hash(entry.parent) != parent_hash
             ):
                 entry = None  # a collision: other tokens under this hash
-            if entry is None and not any(
-                record_key(block_hash, group) in tier for tier in self._tiers for group in groups
-            ):
+            if entry is None and not any(self._anywhere(record_key(block_hash, group)) for group in groups):
                 break
             hashes.append(block_hash)
             for group in groups:
@@ -349,12 +548,12 @@ class TierChain:
         start: int,
         count: int,
         layout: list[list[int | None]],
-        records: list[tuple[int, int, tuple[OffloadTier, BlockRecord]]],
+        records: list[tuple[int, int, tuple[int, BlockRecord]]],
     ) -> int:
-        """Map ``layout``'s pool blocks, write ``records`` (``(group, index, (tier,
-        record))``) into new blocks with one storage call, then commit: every group's table
-        holds what its window sees, the promoted blocks registered; the records leave the
-        tiers."""
+        """Map ``layout``'s pool blocks, write ``records`` (``(group, index, (tier level,
+        record))``) into new blocks with one storage call, take the records out of the
+        tiers, then commit: every group's table holds what its window sees, the promoted
+        blocks registered. No tier is called once the commit starts."""
         allocator = pool.allocator
         block_size = self._config.block_size
         firsts = [self._first_held(group, start + count) for group in range(len(self._windows))]
@@ -395,18 +594,21 @@ class TierChain:
                     np.stack([record.keys for _, _, (_, record) in records], axis=1),
                     np.stack([record.values for _, _, (_, record) in records], axis=1),
                 )
+            for group, _, (_, record) in records:  # tiers are exclusive: the records leave them
+                key = record_key(record.block_hash, group)
+                for level in range(len(self._tiers)):  # where it is now (the demotions above may have moved it)
+                    if self._contains(level, key):
+                        self._discard(level, key)
         except Exception as exc:  # the request is served without them
             pool.release_table(held)
             _give_back(pool, extra)
             warnings.warn(
-                f"promoting {len(records)} blocks from the tiers failed: {exc!r}", RuntimeWarning, stacklevel=4
+                f"promoting {len(records)} blocks from the tiers failed: {exc!r}", RuntimeWarning, stacklevel=5
             )
             return 0
         except BaseException:
             pool.release_table(held)
             _give_back(pool, extra)
-            for table in state.tables:
-                pool.release_table(list(table.physical_blocks))
             raise
         for block in mapped:
             pool.swapped_blocks.pop(block, None)
@@ -426,36 +628,31 @@ class TierChain:
                 pool.release_table(unused)
         state.cached_tokens += count * block_size
         pool.advance_chain(state)
-        for group, _, (tier, record) in records:
-            self._counts[tier.name][0] += 1
-            key = record_key(record.block_hash, group)
-            for holder in self._tiers:  # where it is now (the demotions above may have moved it)
-                if key in holder:
-                    self._discard(holder, key)
+        for _, _, (level, _) in records:
+            self._counts[self._names[level]][0] += 1
         return count
 
-    def _find(self, key: bytes) -> tuple[OffloadTier, BlockRecord] | None:
-        """The first tier holding ``key`` and its record; one it cannot give back intact
-        (or gives back under another key) is dropped, with a warning."""
-        for tier in self._tiers:
-            if key not in tier:
+    def _find(self, key: bytes, parent: bytes | bool | None = True) -> tuple[int, BlockRecord] | None:
+        """The first tier holding ``key`` (its level) and its record, checked
+        (:meth:`_problem`; with the expected ``parent`` hash when given). A record a tier
+        cannot give back, or gives back malformed, is dropped from it, counted, with a
+        warning: a miss."""
+        for level, tier in enumerate(self._tiers):
+            if not self._contains(level, key):
                 continue
             try:
                 record = tier.peek(key)
-                if record is not None and record.key != key:
-                    raise TierError(
-                        f"asked for key {key.hex()[:16]}... ({len(key)} bytes), it gave back the record of KV-cache "
-                        f"group {record.group} of {record.block_hash.hex()[:16]}... (does it file records under "
-                        "BlockRecord.key?)"
-                    )
-            except KvCacheError as exc:
-                self._counts[tier.name][3] += 1
-                self._discard(tier, key)
-                warnings.warn(
-                    f"tier {tier.name!r} dropped a block it cannot give back: {exc}", RuntimeWarning, stacklevel=5
-                )
+                if record is None:
+                    return None
+                problem = self._problem(level, record, key, parent)
+                if problem is not None:
+                    raise TierError(problem)
+            except Exception as exc:
+                self._failed(level, "give back a block (it is dropped)", exc, dropped=1)
+                self._discard(level, key)
                 return None
-            return None if record is None else (tier, record)
+            assert isinstance(record, BlockRecord)
+            return level, record
         return None
 
     def store(self, records: list[BlockRecord]) -> int:
@@ -463,24 +660,75 @@ class TierChain:
         would); return how many the tiers hold afterwards."""
         if not self._tiers or not records:
             return 0
+        if self._host_dtype is None:
+            self._host_dtype = np.dtype(records[0].keys.dtype)
         self._push(0, records)
-        return sum(1 for record in records if any(record.key in tier for tier in self._tiers))
+        return sum(1 for record in records if self._anywhere(record.key))
 
     def records(self) -> list[BlockRecord]:
-        """Every record the tiers hold, of every KV-cache group (for ``save_prefix_cache``);
-        one a tier cannot give back is left out (and dropped, with a warning)."""
+        """Every record the tiers hold, of every KV-cache group (for ``save_prefix_cache``),
+        checked; one a tier cannot give back is left out (and dropped, with a warning), and
+        so are the records of a tier that cannot list them."""
         found: list[BlockRecord] = []
-        for tier in self._tiers:
-            for key in tier.hashes():
+        for level in range(len(self._tiers)):
+            for key in self._keys(level):
                 hit = self._find(key)
                 if hit is not None:
                     found.append(hit[1])
         return found
 
-    def clear(self) -> None:
-        """Empty every tier (the manager closes)."""
-        for tier in self._tiers:
-            tier.clear()
+    def close(self) -> None:
+        """Empty every tier and release the bindings (the manager closes): each tier is
+        cleared even if another fails (counted, with a warning); the bindings are released
+        whatever a tier raises."""
+        try:
+            for level, tier in enumerate(self._tiers):
+                self._guarded(level, "clear", tier.clear, None)
+        finally:
+            self._unbind()
+
+
+def _is_tier(tier: object) -> bool:
+    """Whether ``tier`` has the members of an :class:`OffloadTier`.
+
+    Raises:
+        TierError: reading them fails (the check reads its properties).
+    """
+    try:
+        return isinstance(tier, OffloadTier)
+    except Exception as exc:
+        raise TierError(f"the tier {type(tier).__name__} fails when its members are read: {exc!r}") from exc
+
+
+def _name_of(tier: OffloadTier) -> str:
+    """A tier's name, read once when it is bound.
+
+    Raises:
+        TierError: it fails, or is not a non-empty str other than ``"pool"``.
+    """
+    try:
+        name = tier.name
+    except Exception as exc:
+        raise TierError(f"the tier {tier!r} fails to give its name: {exc!r}") from exc
+    if not isinstance(name, str) or not name or name == "pool":
+        raise TierError(f"a tier's name must be a non-empty str other than 'pool', got {name!r} from {tier!r}")
+    return name
+
+
+def _overflow_items(overflow: object) -> list[BlockRecord | bytes]:
+    """What ``put`` says it let go, as a list.
+
+    Raises:
+        TierError: not a list of records and keys.
+    """
+    if not isinstance(overflow, list):
+        raise TierError(f"put gave back {overflow!r}, not a list of the records and keys it let go")
+    items: list[BlockRecord | bytes] = []
+    for item in overflow:
+        if not isinstance(item, (BlockRecord, bytes)):
+            raise TierError(f"put let go {item!r}, neither a BlockRecord nor a key")
+        items.append(item)
+    return items
 
 
 def _hash_of(key: bytes) -> bytes:
