@@ -568,17 +568,9 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         return self._closed
 
     def close(self) -> None:
-        """Release the pool: every handle becomes invalid, the manager refuses further use,
-        the offload tiers are cleared and released (another manager may bind them), and the
-        storage's optional ``close()`` runs (once, however often this is called).
-
-        The storage is closed whatever the tiers or the event listeners raise: a tier that
-        fails to clear gives a warning (counted in ``tier_stats()``); an interrupt
-        (``KeyboardInterrupt``) propagates after the storage is closed.
-
-        ``stats()`` still reports the figures at closing. Using the manager or one of its
-        handles afterwards raises :class:`~kvcache_core.errors.ManagerClosedError`.
-        """
+        """Release the pool: handles become invalid, the tiers are cleared and freed for
+        another manager, the storage's optional ``close()`` runs (once) whatever the tiers
+        raise. ``stats()`` still works; other use raises ``ManagerClosedError``."""
         with self._lock:
             if self._closed:
                 return

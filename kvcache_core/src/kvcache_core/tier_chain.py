@@ -15,55 +15,35 @@ tier, or its block of that hash still in the pool (mapped as a hit maps it). ``n
 until that holds. The events count hashes per medium: a hash is in a tier while any of
 its group records is.
 
-A tier is code the manager does not control (a third party's, a disk that fails), so every
-call of one is guarded: what it raises (any ``Exception``) or gives back malformed is a
-miss where a miss is safe (a promotion or a demotion: counted in
-:attr:`TierStats.errors <kvcache_core.tiers.TierStats.errors>`, with a warning), a
-:class:`~kvcache_core.errors.TierError` where it is not (binding, figures); an interrupt
-(``KeyboardInterrupt``) propagates once the operation gave back every block it took. A
-record a tier gives back goes into the pool only after it is checked
-(:meth:`TierChain._problem`). A tier binds to one manager at a time: from ``bind`` to the
-manager's ``close()`` (or its end).
+Every call of a tier goes through :class:`~kvcache_core.guarded_tiers.GuardedTiers`: a
+tier that fails or gives back garbage is a miss where a miss is safe (promotion, demotion,
+the records of a save), counted and warned; an interrupt propagates once the operation gave
+back every block it took.
 """
 
 from __future__ import annotations
 
-import threading
 import warnings
-import weakref
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvcache_core.block_table import BlockTable
-from kvcache_core.config import SCALE_BYTES
-from kvcache_core.errors import InvalidTypeError, TierError, UnsupportedConfigError
-from kvcache_core.events import BlockStored, EventHub
+from kvcache_core.errors import TierError
+from kvcache_core.events import EventHub
 from kvcache_core.groups import first_visible_block
+from kvcache_core.guarded_tiers import GuardedTiers, overflow_items
 from kvcache_core.persist import BlockRecord, block_checksum, record_key
 from kvcache_core.pool_access import PoolAccess
-from kvcache_core.prefix import PrefixEntry, hash_block, namespace_root
-from kvcache_core.tiers import DiskTier, HostTier, OffloadTier, TierStats
+from kvcache_core.prefix import PrefixEntry, hash_block
+from kvcache_core.tiers import OffloadTier, TierStats
 
 if TYPE_CHECKING:
     from kvcache_core.config import CacheConfig
     from kvcache_core.handle import RequestState
 
 __all__ = ["TierChain"]
-
-_T = TypeVar("_T")
-
-#: The tiers bound to a live manager, by ``id`` (the tier is kept so its id stays its own).
-_BOUND: dict[int, OffloadTier] = {}
-_BOUND_LOCK = threading.Lock()
-
-
-def _unbind(ids: tuple[int, ...]) -> None:
-    """Release the bindings of one manager's tiers (its ``close()``, or its end)."""
-    with _BOUND_LOCK:
-        for tier_id in ids:
-            _BOUND.pop(tier_id, None)
 
 
 class TierChain:
@@ -85,179 +65,32 @@ class TierChain:
     """
 
     def __init__(self, tiers: Iterable[OffloadTier], config: CacheConfig, events: EventHub) -> None:
-        if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Iterable) or isinstance(tiers, OffloadTier):
-            raise InvalidTypeError(
-                f"tiers must be a list of OffloadTier objects (HostTier, DiskTier, ...), got {tiers!r}"
-            )
-        self._tiers = list(tiers)
+        self._guard = GuardedTiers(tiers, config, events)
         self._events = events
         self._config = config
         self._windows = [group.window for group in config.kv_groups]
-        self._names: list[str] = []
-        self._unbind: Callable[[], object] = lambda: None
-        for tier in self._tiers:
-            if not _is_tier(tier):
-                raise InvalidTypeError(f"tiers must be OffloadTier objects (HostTier, DiskTier, ...), got {tier!r}")
-        if not self._tiers:
-            return
-        if not config.enable_prefix_caching:
-            raise UnsupportedConfigError("offload tiers need CacheConfig(enable_prefix_caching=True)")
-        self._names = [_name_of(tier) for tier in self._tiers]
-        if len(set(self._names)) != len(self._names):
-            raise TierError(f"tier names must be unique, got {self._names}")
-        # Built-in tiers keep private copies (host) or check their own checksums (disk);
-        # the records another tier gives back are checked against the checksum taken when
-        # it was given them.
-        self._trusted = [type(tier) in (HostTier, DiskTier) for tier in self._tiers]
-        self._checksums: dict[bytes, str] = {}  # key -> checksum of what an untrusted tier was given
-        self._host_dtype: np.dtype[Any] | None = None  # learnt from the pool's own host copies
-        width = config.head_dim + (SCALE_BYTES if config.quantized else 0)
-        self._record_shape = (config.pool_layers, config.block_size, config.num_heads, width)
-        self._root = namespace_root(config.model_id)
-        self._counts = {name: [0, 0, 0, 0, 0] for name in self._names}  # hits, demotions, evictions, failures, errors
-        self._bind(config)
-
-    def _bind(self, config: CacheConfig) -> None:
-        """Bind every tier to this manager, each at most to one live manager at a time."""
-        ids = tuple(id(tier) for tier in self._tiers)
-        with _BOUND_LOCK:
-            for tier, name in zip(self._tiers, self._names, strict=True):
-                if id(tier) in _BOUND:
-                    raise TierError(
-                        f"tier {name!r} is bound to another manager: give each manager its own tier object "
-                        "(closing that manager releases it)"
-                    )
-            for tier in self._tiers:
-                _BOUND[id(tier)] = tier
-        self._unbind = weakref.finalize(self, _unbind, ids)
-        try:
-            for tier, name in zip(self._tiers, self._names, strict=True):
-                try:
-                    tier.bind(config)
-                except TierError:
-                    raise
-                except Exception as exc:
-                    raise TierError(f"tier {name!r} cannot be bound to this pool: {exc!r}") from exc
-        except BaseException:
-            self._unbind()
-            raise
 
     def __bool__(self) -> bool:
-        return bool(self._tiers)
+        return bool(self._guard.tiers)
 
     @property
     def tiers(self) -> Sequence[OffloadTier]:
         """The tiers, first to last."""
-        return tuple(self._tiers)
+        return tuple(self._guard.tiers)
 
     def stats(self) -> list[TierStats]:
         """Each tier's figures, first to last; its blocks are records (one per hash and
         KV-cache group, each one pool block's K/V).
 
         Raises:
-            TierError: a tier fails to give its figures (``hashes``, ``used_bytes``,
-                ``max_bytes``).
+            TierError: a tier fails to give its figures.
         """
-        figures: list[TierStats] = []
-        for tier, name in zip(self._tiers, self._names, strict=True):
-            try:
-                blocks, used, limit = len(tier.hashes()), int(tier.used_bytes), int(tier.max_bytes)
-            except Exception as exc:
-                self._counts[name][4] += 1
-                raise TierError(f"tier {name!r} failed to give its figures: {exc!r}") from exc
-            figures.append(TierStats(name, blocks, used, limit, *self._counts[name]))
-        return figures
+        return self._guard.stats()
 
-    # -- guarded tier calls ----------------------------------------------------------------
-
-    def _failed(self, level: int, what: str, exc: BaseException, *, dropped: int = 0) -> None:
-        """Count and report a tier call that raised or gave back something malformed."""
-        counts = self._counts[self._names[level]]
-        counts[3] += dropped
-        counts[4] += 1
-        warnings.warn(f"tier {self._names[level]!r} failed to {what}: {exc!r}", RuntimeWarning, stacklevel=4)
-
-    def _guarded(self, level: int, what: str, call: Callable[[], _T], failed: _T) -> _T:
-        """``call()``, or ``failed`` (counted, with a warning) when it raises an ``Exception``."""
-        try:
-            return call()
-        except Exception as exc:
-            self._failed(level, what, exc)
-            return failed
-
-    def _contains(self, level: int, key: bytes) -> bool:
-        """Whether tier ``level`` holds ``key`` (no when it cannot say)."""
-        tier = self._tiers[level]
-        return self._guarded(level, "say whether it holds a block", lambda: bool(key in tier), False)
-
-    def _holds(self, level: int, block_hash: bytes) -> bool:
-        """Whether tier ``level`` holds a record of ``block_hash`` in any KV-cache group."""
-        return any(self._contains(level, record_key(block_hash, group)) for group in range(len(self._windows)))
-
-    def _anywhere(self, key: bytes) -> bool:
-        return any(self._contains(level, key) for level in range(len(self._tiers)))
-
-    def _keys(self, level: int) -> list[bytes]:
-        """The keys tier ``level`` lists (none when it cannot list them)."""
-        tier = self._tiers[level]
-        try:
-            keys = list(tier.hashes())
-            for key in keys:
-                if not isinstance(key, bytes):
-                    raise TierError(f"it listed {key!r}, not a bytes key")
-        except Exception as exc:
-            self._failed(level, "list its blocks", exc)
-            return []
-        return keys
-
-    def _discard(self, level: int, key: bytes) -> None:
-        """Drop ``key`` (held) from tier ``level``; the hash leaves its medium with its last
-        record. A failing ``discard`` is counted: the tier may keep a copy, which is checked
-        like any record before it is used."""
-        tier = self._tiers[level]
-        self._guarded(level, "discard a block", lambda: tier.discard(key), None)
-        self._checksums.pop(key, None)
-        block_hash = _hash_of(key)
-        if not self._holds(level, block_hash):
-            self._events.removed((block_hash,), self._names[level])
-
-    def _problem(self, level: int, record: object, key: bytes, parent: bytes | bool | None = True) -> str | None:
-        """What is wrong with ``record``, given back by tier ``level`` for ``key``, or
-        ``None`` when it may go into the pool: a :class:`BlockRecord` filed under ``key``,
-        host arrays of one block's shape and the pool's host dtype, a hash that its parent,
-        salt and token ids give (and the expected ``parent`` when one is given), and the
-        checksum of what the tier was given."""
-        if not isinstance(record, BlockRecord):
-            return f"it gave back {type(record).__name__}, not a BlockRecord"
-        if record.key != key:
-            return (
-                f"asked for key {key.hex()[:16]}... ({len(key)} bytes), it gave back the record of KV-cache "
-                f"group {record.group} of {record.block_hash.hex()[:16]}... (does it file records under "
-                "BlockRecord.key?)"
-            )
-        keys, values = record.keys, record.values
-        if not isinstance(keys, np.ndarray) or not isinstance(values, np.ndarray):
-            return f"its K/V are {type(keys).__name__} and {type(values).__name__}, not NumPy arrays"
-        if keys.shape != self._record_shape or values.shape != self._record_shape:
-            return f"its K/V have shapes {keys.shape} and {values.shape}, a block's are {self._record_shape}"
-        expected = self._host_dtype or keys.dtype
-        if keys.dtype != expected or values.dtype != expected:
-            return f"its K/V are {keys.dtype} and {values.dtype}, the pool's host copies are {expected}"
-        if parent is not True and record.parent_hash != parent:
-            return "its parent hash is not the prompt's previous block"
-        try:
-            tokens_ok = len(record.token_ids) == self._config.block_size
-            rehashed = hash_block(
-                self._root if record.parent_hash is None else record.parent_hash, record.token_ids, record.salt
-            )
-        except Exception as exc:
-            return f"its parent hash, salt or token ids are malformed ({exc!r})"
-        if not tokens_ok or rehashed != record.block_hash:
-            return "its hash does not match its parent hash, salt and token ids"
-        checksum = None if self._trusted[level] else self._checksums.get(key)
-        if checksum is not None and block_checksum(keys, values) != checksum:
-            return "its K/V do not match the checksum of the block it was given"
-        return None
+    def close(self) -> None:
+        """Empty every tier and release their bindings (the manager closes), whatever a
+        tier raises."""
+        self._guard.close()
 
     # -- pool -> tiers ------------------------------------------------------------------
 
@@ -268,7 +101,7 @@ class TierChain:
         call comes first: if it raises, nothing has changed. A tier that fails drops the
         blocks it was given (a miss later); an interrupt propagates before the pool evicts
         anything."""
-        if not self._tiers or not count:
+        if not self._guard.tiers or not count:
             return
         prefix = pool.prefix
         assert prefix is not None
@@ -291,64 +124,54 @@ class TierChain:
         try:
             keys, values = pool.storage.blocks_to_host(np.asarray([block for _, block, _ in picked], dtype=np.int64))
         except Exception as exc:  # the eviction goes on as without tiers: the blocks are dropped
-            self._counts[self._names[0]][3] += len(picked)
+            self._guard.counts[self._guard.names[0]][3] += len(picked)
             warnings.warn(
                 f"demoting {len(picked)} evicted blocks failed, they are dropped: {exc!r}", RuntimeWarning, stacklevel=5
             )
             return
-        self._host_dtype = np.dtype(keys.dtype)
+        self._guard.host_dtype = np.dtype(keys.dtype)
         records = [
             BlockRecord.of_entry(entry, keys[:, index], values[:, index], group)
             for index, (entry, _, group) in enumerate(picked)
         ]
         self._push(0, records)
-        if len(self._checksums) > 1024:
-            self._prune_checksums()
-
-    def _prune_checksums(self) -> None:
-        """Forget the checksums of records no untrusted tier holds any more (one that drops
-        records without saying so would make them grow)."""
-        held: set[bytes] = set()
-        for level in range(len(self._tiers)):
-            if not self._trusted[level]:
-                held.update(self._keys(level))
-        if len(self._checksums) > 2 * len(held) + 512:
-            self._checksums = {key: checksum for key, checksum in self._checksums.items() if key in held}
+        if len(self._guard.checksums) > 1024:
+            self._guard.prune_checksums()
 
     def _push(self, level: int, records: list[BlockRecord]) -> None:
         """Store ``records`` in tier ``level``; what it lets go moves on, past the last dropped."""
-        while records and level < len(self._tiers):
+        while records and level < len(self._guard.tiers):
             records = self._put_all(level, records)
             level += 1
         # Past the last tier: dropped (each tier reported its own removal).
 
     def _put_all(self, level: int, records: list[BlockRecord]) -> list[BlockRecord]:
         """Put ``records`` into tier ``level``; return the records it let go (checked)."""
-        tier = self._tiers[level]
-        name = self._names[level]
-        counts = self._counts[name]
+        tier = self._guard.tiers[level]
+        name = self._guard.names[level]
+        counts = self._guard.counts[name]
         let_go: list[BlockRecord] = []
         for record in records:
             key = record.key
-            for other in range(len(self._tiers)):  # one copy in the tiers: a newer one replaces it
-                if other != level and self._contains(other, key):
-                    self._discard(other, key)
-            held = self._holds(level, record.block_hash)
-            checksum = None if self._trusted[level] else block_checksum(record.keys, record.values)
+            for other in range(len(self._guard.tiers)):  # one copy in the tiers: a newer one replaces it
+                if other != level and self._guard.contains(other, key):
+                    self._guard.discard(other, key)
+            held = self._guard.holds(level, record.block_hash)
+            checksum = None if self._guard.trusted[level] else block_checksum(record.keys, record.values)
             try:
-                overflow = _overflow_items(tier.put(record))
+                overflow = overflow_items(tier.put(record))
             except Exception as exc:
-                self._failed(level, "take a block", exc, dropped=1)
-                self._report(level, record, held)  # it may have dropped its older copy
+                self._guard.failed(level, "take a block", exc, dropped=1)
+                self._guard.report(level, record, held)  # it may have dropped its older copy
                 continue
             except BaseException:
-                self._report(level, record, held)
+                self._guard.report(level, record, held)
                 raise
             if checksum is not None:
-                self._checksums[key] = checksum
-            counts[1] += self._contains(level, key)
+                self._guard.checksums[key] = checksum
+            counts[1] += self._guard.contains(level, key)
             counts[2] += len(overflow)
-            self._report(level, record, held)
+            self._guard.report(level, record, held)
             others: dict[bytes, None] = {}  # hashes let go, each held before the put
             for item in overflow:
                 item_key = item if isinstance(item, bytes) else getattr(item, "key", b"")
@@ -357,30 +180,13 @@ class TierChain:
                     others[item_hash] = None
                 if isinstance(item, bytes):
                     continue
-                problem = self._problem(level, item, item.key if isinstance(item, BlockRecord) else b"")
+                problem = self._guard.problem(level, item, item.key if isinstance(item, BlockRecord) else b"")
                 if problem is None and isinstance(item, BlockRecord):
                     let_go.append(item)
                 else:
-                    self._failed(level, "let a block go intact", TierError(str(problem)), dropped=1)
-            self._events.removed([other for other in others if not self._holds(level, other)], name)
+                    self._guard.failed(level, "let a block go intact", TierError(str(problem)), dropped=1)
+            self._events.removed([other for other in others if not self._guard.holds(level, other)], name)
         return let_go
-
-    def _report(self, level: int, record: BlockRecord, held: bool) -> None:
-        """The event for ``record``'s hash in tier ``level`` after a put, given whether the
-        tier held the hash before."""
-        now = self._holds(level, record.block_hash)
-        if now and not held:
-            self._events.emit(
-                BlockStored(
-                    (record.block_hash,),
-                    record.parent_hash,
-                    record.token_ids,
-                    self._config.block_size,
-                    medium=self._names[level],
-                )
-            )
-        elif held and not now:
-            self._events.removed((record.block_hash,), self._names[level])
 
     # -- tiers -> pool ------------------------------------------------------------------
 
@@ -400,7 +206,7 @@ class TierChain:
                 (``KeyboardInterrupt``): every block the request holds is given back first
                 (the caller drops the request).
         """
-        if not self._tiers:
+        if not self._guard.tiers:
             return 0
         try:
             return self._promote(pool, state)
@@ -417,7 +223,7 @@ class TierChain:
         hashes, pooled = self._continuation(pool, state, start)
         have = [
             [
-                pooled[group][index] is not None or self._anywhere(record_key(block_hash, group))
+                pooled[group][index] is not None or self._guard.anywhere(record_key(block_hash, group))
                 for index, block_hash in enumerate(hashes)
             ]
             for group in range(len(self._windows))
@@ -472,7 +278,7 @@ class TierChain:
                 entry.token_ids != tokens or entry.salt != state.salt or prefix.parent_hash(entry.parent) != parent_hash
             ):
                 entry = None  # a collision: other tokens under this hash
-            if entry is None and not any(self._anywhere(record_key(block_hash, group)) for group in groups):
+            if entry is None and not any(self._guard.anywhere(record_key(block_hash, group)) for group in groups):
                 break
             hashes.append(block_hash)
             for group in groups:
@@ -596,9 +402,9 @@ class TierChain:
                 )
             for group, _, (_, record) in records:  # tiers are exclusive: the records leave them
                 key = record_key(record.block_hash, group)
-                for level in range(len(self._tiers)):  # where it is now (the demotions above may have moved it)
-                    if self._contains(level, key):
-                        self._discard(level, key)
+                for level in range(len(self._guard.tiers)):  # where it is now (the demotions above may have moved it)
+                    if self._guard.contains(level, key):
+                        self._guard.discard(level, key)
         except Exception as exc:  # the request is served without them
             pool.release_table(held)
             _give_back(pool, extra)
@@ -629,7 +435,7 @@ class TierChain:
         state.cached_tokens += count * block_size
         pool.advance_chain(state)
         for _, _, (level, _) in records:
-            self._counts[self._names[level]][0] += 1
+            self._guard.counts[self._guard.names[level]][0] += 1
         return count
 
     def _find(self, key: bytes, parent: bytes | bool | None = True) -> tuple[int, BlockRecord] | None:
@@ -637,19 +443,19 @@ class TierChain:
         (:meth:`_problem`; with the expected ``parent`` hash when given). A record a tier
         cannot give back, or gives back malformed, is dropped from it, counted, with a
         warning: a miss."""
-        for level, tier in enumerate(self._tiers):
-            if not self._contains(level, key):
+        for level, tier in enumerate(self._guard.tiers):
+            if not self._guard.contains(level, key):
                 continue
             try:
                 record = tier.peek(key)
                 if record is None:
                     return None
-                problem = self._problem(level, record, key, parent)
+                problem = self._guard.problem(level, record, key, parent)
                 if problem is not None:
                     raise TierError(problem)
             except Exception as exc:
-                self._failed(level, "give back a block (it is dropped)", exc, dropped=1)
-                self._discard(level, key)
+                self._guard.failed(level, "give back a block (it is dropped)", exc, dropped=1)
+                self._guard.discard(level, key)
                 return None
             assert isinstance(record, BlockRecord)
             return level, record
@@ -658,77 +464,24 @@ class TierChain:
     def store(self, records: list[BlockRecord]) -> int:
         """Put ``records`` into the first tier (what it lets go moves on, as a demotion's
         would); return how many the tiers hold afterwards."""
-        if not self._tiers or not records:
+        if not self._guard.tiers or not records:
             return 0
-        if self._host_dtype is None:
-            self._host_dtype = np.dtype(records[0].keys.dtype)
+        if self._guard.host_dtype is None:
+            self._guard.host_dtype = np.dtype(records[0].keys.dtype)
         self._push(0, records)
-        return sum(1 for record in records if self._anywhere(record.key))
+        return sum(1 for record in records if self._guard.anywhere(record.key))
 
     def records(self) -> list[BlockRecord]:
         """Every record the tiers hold, of every KV-cache group (for ``save_prefix_cache``),
         checked; one a tier cannot give back is left out (and dropped, with a warning), and
         so are the records of a tier that cannot list them."""
         found: list[BlockRecord] = []
-        for level in range(len(self._tiers)):
-            for key in self._keys(level):
+        for level in range(len(self._guard.tiers)):
+            for key in self._guard.keys(level):
                 hit = self._find(key)
                 if hit is not None:
                     found.append(hit[1])
         return found
-
-    def close(self) -> None:
-        """Empty every tier and release the bindings (the manager closes): each tier is
-        cleared even if another fails (counted, with a warning); the bindings are released
-        whatever a tier raises."""
-        try:
-            for level, tier in enumerate(self._tiers):
-                self._guarded(level, "clear", tier.clear, None)
-        finally:
-            self._unbind()
-
-
-def _is_tier(tier: object) -> bool:
-    """Whether ``tier`` has the members of an :class:`OffloadTier`.
-
-    Raises:
-        TierError: reading them fails (the check reads its properties).
-    """
-    try:
-        return isinstance(tier, OffloadTier)
-    except Exception as exc:
-        raise TierError(f"the tier {type(tier).__name__} fails when its members are read: {exc!r}") from exc
-
-
-def _name_of(tier: OffloadTier) -> str:
-    """A tier's name, read once when it is bound.
-
-    Raises:
-        TierError: it fails, or is not a non-empty str other than ``"pool"``.
-    """
-    try:
-        name = tier.name
-    except Exception as exc:
-        raise TierError(f"the tier {tier!r} fails to give its name: {exc!r}") from exc
-    if not isinstance(name, str) or not name or name == "pool":
-        raise TierError(f"a tier's name must be a non-empty str other than 'pool', got {name!r} from {tier!r}")
-    return name
-
-
-def _overflow_items(overflow: object) -> list[BlockRecord | bytes]:
-    """What ``put`` says it let go, as a list.
-
-    Raises:
-        TierError: not a list of records and keys.
-    """
-    if not isinstance(overflow, list):
-        raise TierError(f"put gave back {overflow!r}, not a list of the records and keys it let go")
-    items: list[BlockRecord | bytes] = []
-    for item in overflow:
-        if not isinstance(item, (BlockRecord, bytes)):
-            raise TierError(f"put let go {item!r}, neither a BlockRecord nor a key")
-        items.append(item)
-    return items
 
 
 def _hash_of(key: bytes) -> bytes:
