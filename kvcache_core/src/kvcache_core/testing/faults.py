@@ -292,9 +292,9 @@ class _Script:
 
     # -- steps -------------------------------------------------------------------------------
 
-    def allocate(self, request_id: str, prompt: tuple[int, ...]) -> None:
+    def allocate(self, request_id: str, prompt: tuple[int, ...], initial_tokens: int = 0) -> None:
         handle = self.manager.allocate(
-            AllocationRequest(request_id, prompt_token_ids=prompt or None, max_sequence_length=32)
+            AllocationRequest(request_id, initial_tokens, prompt_token_ids=prompt or None, max_sequence_length=32)
         )
         self.handles[request_id] = handle
         expected = _Expected(rows=[{} for _ in range(self.config.num_layers)])

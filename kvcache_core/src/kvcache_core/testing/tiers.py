@@ -39,6 +39,7 @@ import pytest
 
 from kvcache_core.config import CacheConfig
 from kvcache_core.errors import TierError
+from kvcache_core.groups import LayerSpec
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.persist import BlockRecord
 from kvcache_core.testing.backend import BackendUnderTest
@@ -164,7 +165,8 @@ def _flipped(call: Callable[[], Any]) -> Any:
 
 @dataclass
 class _TierScript(_Script):
-    """The tier workload: prefix hits, demotion by ``gc`` and by eviction, promotion."""
+    """The tier workload: prefix hits, demotion by ``gc`` and by eviction, promotion into
+    requests that reserved blocks for their whole prompt."""
 
     directory: Path = Path()
 
@@ -177,14 +179,14 @@ class _TierScript(_Script):
             ("deallocate a", lambda: self.deallocate("a")),
             ("deallocate b", lambda: self.deallocate("b")),
             ("gc: the prompt's blocks are demoted", lambda: _discard_result(self.manager.gc())),
-            ("allocate c, promoting the prompt", lambda: self.allocate("c", PROMPT)),
+            ("allocate c, promoting the prompt", lambda: self.allocate("c", PROMPT, len(PROMPT))),
             ("prefill the rest of c", lambda: self.extend_and_write("c", None, PROMPT)),
             ("allocate f with a second prompt", lambda: self.allocate("f", SECOND_PROMPT)),
             ("prefill f", lambda: self.extend_and_write("f", len(SECOND_PROMPT), SECOND_PROMPT)),
             ("deallocate f", lambda: self.deallocate("f")),
             ("allocate d over every free and cached block (eviction demotes)", self.fill_pool),
             ("deallocate d", lambda: self.deallocate("d")),
-            ("allocate e, promoting the second prompt", lambda: self.allocate("e", SECOND_PROMPT)),
+            ("allocate e, promoting the second prompt", lambda: self.allocate("e", SECOND_PROMPT, len(SECOND_PROMPT))),
             ("prefill the rest of e", lambda: self.extend_and_write("e", None, SECOND_PROMPT)),
             ("save the prefix cache", self.save),
             ("read the tiers' figures", lambda: _discard_result(self.manager.tier_stats())),
@@ -244,7 +246,15 @@ class _Run:
     promoted: int = 0
 
 
-def _config(backend: BackendUnderTest) -> CacheConfig:
+def _config(backend: BackendUnderTest, hybrid: bool = False) -> CacheConfig:
+    if hybrid:  # a full and a sliding layer (window 5): two KV-cache groups
+        return backend.config(
+            num_blocks=28,
+            block_size=4,
+            num_layers=2,
+            enable_prefix_caching=True,
+            layer_specs=(LayerSpec(), LayerSpec(window=5)),
+        )
     return backend.config(num_blocks=14, block_size=4, enable_prefix_caching=True)
 
 
@@ -257,9 +267,10 @@ def _one_run(
     fault: type[BaseException],
     label: str,
     failures: list[str],
+    hybrid: bool = False,
 ) -> tuple[_Run, tuple[str, ...], tuple[str, ...]]:
     """Run the script once with at most one fault; return what it found and the calls made."""
-    config = _config(backend)
+    config = _config(backend, hybrid)
     inner = backend.manager(config).storage
     storage_at, storage_when = storage_fault or (None, "before")
     tier_at, tier_when = tier_fault or (None, "before")
@@ -283,7 +294,8 @@ def _one_run(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # every miss warns
         try:
-            manager = PagedKvCacheManager(storage, backend=backend.name, tiers=tiers)
+            grouped: dict[str, Any] = {"config": config} if config.num_groups > 1 else {}
+            manager = PagedKvCacheManager(storage, backend=backend.name, tiers=tiers, **grouped)
         except BaseException as exc:
             escaped(exc, "creating the manager")
             calls = tuple(counter.calls)
@@ -346,6 +358,7 @@ def run_tier_fault_injection(
     *,
     storage_faults: bool = True,
     modes: tuple[str, ...] = ("before", "after", "garbage"),
+    hybrid: bool = False,
 ) -> TierFaultReport:
     """Run the tier script once per storage call (before and after it) and once per tier
     call and mode (``"before"``, ``"after"``, ``"garbage"``; an interrupt ``fault`` is not
@@ -358,13 +371,14 @@ def run_tier_fault_injection(
         fault: the exception class injected.
         storage_faults: inject at the storage calls too.
         modes: the tier modes injected.
+        hybrid: on a pool of a full and a sliding layer (window 5: two KV-cache groups).
 
     Returns:
         The counts and every failure found (see the module docstring).
     """
     failures: list[str] = []
     clean, storage_calls, tier_calls = _one_run(
-        backend, make_tier, directory, None, None, fault, "without a fault", failures
+        backend, make_tier, directory, None, None, fault, "without a fault", failures, hybrid
     )
     leaks, corruptions = clean.leaks, clean.corruptions
     storage_injections = tier_injections = 0
@@ -372,7 +386,7 @@ def run_tier_fault_injection(
         for index, name in enumerate(storage_calls):
             for when in ("before", "after"):
                 label = f"fault {when} storage call {index} ({name})"
-                run, _, _ = _one_run(backend, make_tier, directory, (index, when), None, fault, label, failures)
+                run, _, _ = _one_run(backend, make_tier, directory, (index, when), None, fault, label, failures, hybrid)
                 storage_injections += 1
                 leaks += run.leaks > 0
                 corruptions += run.corruptions > 0
@@ -380,7 +394,7 @@ def run_tier_fault_injection(
     for index, name in enumerate(tier_calls):
         for mode in tier_modes:
             label = f"fault {mode} tier call {index} ({name})"
-            run, _, _ = _one_run(backend, make_tier, directory, None, (index, mode), fault, label, failures)
+            run, _, _ = _one_run(backend, make_tier, directory, None, (index, mode), fault, label, failures, hybrid)
             tier_injections += 1
             leaks += run.leaks > 0
             corruptions += run.corruptions > 0
