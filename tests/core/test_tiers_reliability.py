@@ -362,3 +362,10 @@ def test_a_disk_tier_whose_file_system_is_remounted_read_only_serves_hits_and_cl
     assert report["cached"] == 8  # read back from the read-only files
     assert any("Read-only file system" in message for message in report["warnings"])
     assert report["closed"]
+
+
+def test_a_manager_dropped_without_close_frees_its_tiers() -> None:
+    tier = HostTier(1 << 20)
+    dropped = tiered(tier)
+    del dropped  # unreachable (its pool and its eviction hook form a cycle): collected on demand
+    tiered(tier).close()

@@ -14,6 +14,7 @@ time: from the manager's construction to its ``close()`` (or its end).
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 import weakref
@@ -39,6 +40,16 @@ _T = TypeVar("_T")
 #: The tiers bound to a live manager, by ``id`` (the tier is kept so its id stays its own).
 _BOUND: dict[int, OffloadTier] = {}
 _BOUND_LOCK = threading.Lock()
+
+
+def _claim(tiers: list[OffloadTier]) -> bool:
+    """Bind every one of ``tiers`` if none is bound; whether they were."""
+    with _BOUND_LOCK:
+        if any(id(tier) in _BOUND for tier in tiers):
+            return False
+        for tier in tiers:
+            _BOUND[id(tier)] = tier
+        return True
 
 
 def _unbind(ids: tuple[int, ...]) -> None:
@@ -108,15 +119,14 @@ class GuardedTiers:
     def _bind(self, config: CacheConfig) -> None:
         """Bind every tier to this manager, each at most to one live manager at a time."""
         ids = tuple(id(tier) for tier in self.tiers)
-        with _BOUND_LOCK:
-            for tier, name in zip(self.tiers, self.names, strict=True):
-                if id(tier) in _BOUND:
-                    raise TierError(
-                        f"tier {name!r} is bound to another manager: give each manager its own tier object "
-                        "(closing that manager releases it)"
-                    )
-            for tier in self.tiers:
-                _BOUND[id(tier)] = tier
+        if not _claim(self.tiers):
+            gc.collect()  # a manager dropped without close() frees its tiers once collected
+            if not _claim(self.tiers):
+                taken = next(name for tier, name in zip(self.tiers, self.names, strict=True) if id(tier) in _BOUND)
+                raise TierError(
+                    f"tier {taken!r} is bound to another manager: give each manager its own tier object "
+                    "(closing that manager releases it)"
+                )
         self._unbind = weakref.finalize(self, _unbind, ids)
         try:
             for tier, name in zip(self.tiers, self.names, strict=True):
