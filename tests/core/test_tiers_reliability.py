@@ -369,3 +369,13 @@ def test_a_manager_dropped_without_close_frees_its_tiers() -> None:
     dropped = tiered(tier)
     del dropped  # unreachable (its pool and its eviction hook form a cycle): collected on demand
     tiered(tier).close()
+
+
+def test_a_closed_manager_reports_its_tier_counts_without_asking_the_tier_it_freed() -> None:
+    tier = HostTier(1 << 20)
+    first = demoted(tier)
+    first.close()
+    second = demoted(tier)
+    (closed,) = first.tier_stats()
+    assert (closed.blocks, closed.used_bytes, closed.demotions) == (0, 0, 2)
+    assert second.tier_stats()[0].blocks == 2

@@ -94,6 +94,7 @@ class GuardedTiers:
         self._groups = config.num_groups
         self.names: list[str] = []
         self._unbind: Callable[[], object] = lambda: None
+        self._closed_limits: list[int] | None = None  # each tier's max_bytes, once closed
         for tier in self.tiers:
             if not _is_tier(tier):
                 raise InvalidTypeError(f"tiers must be OffloadTier objects (HostTier, DiskTier, ...), got {tier!r}")
@@ -148,6 +149,11 @@ class GuardedTiers:
             TierError: a tier fails to give its figures (``hashes``, ``used_bytes``,
                 ``max_bytes``).
         """
+        if self._closed_limits is not None:  # the tiers may serve another manager now
+            return [
+                TierStats(name, 0, 0, limit, *self.counts[name])
+                for name, limit in zip(self.names, self._closed_limits, strict=True)
+            ]
         figures: list[TierStats] = []
         for tier, name in zip(self.tiers, self.names, strict=True):
             try:
@@ -278,12 +284,20 @@ class GuardedTiers:
     def close(self) -> None:
         """Empty every tier and release the bindings (the manager closes): each tier is
         cleared even if another fails (counted, with a warning); the bindings are released
-        whatever a tier raises."""
+        whatever a tier raises. From then on :meth:`stats` gives the counts without asking
+        the tiers (another manager may hold them): no blocks, no bytes."""
+        limits = [self.guarded(level, "give its size", _size_of(tier), 0) for level, tier in enumerate(self.tiers)]
         try:
             for level, tier in enumerate(self.tiers):
                 self.guarded(level, "clear", tier.clear, None)
         finally:
+            self._closed_limits = limits
             self._unbind()
+
+
+def _size_of(tier: OffloadTier) -> Callable[[], int]:
+    """A call reading ``tier``'s ``max_bytes``."""
+    return lambda: int(tier.max_bytes)
 
 
 def _is_tier(tier: object) -> bool:
