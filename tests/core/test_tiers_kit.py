@@ -35,7 +35,7 @@ def test_an_interrupt_at_any_tier_call_of_a_hybrid_pool_leaks_nothing(tmp_path: 
 def test_the_run_finds_a_promotion_that_keeps_its_blocks_when_interrupted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(TierChain, "promote", TierChain._promote)  # no rollback
+    monkeypatch.setattr(TierChain, "promote", TierChain._promote)  # pyright: ignore[reportPrivateUsage]  # no rollback
     report = run_tier_fault_injection(
         numpy_backend(), host_tier_factory, tmp_path, Interrupted, storage_faults=False, modes=("before",)
     )
@@ -54,7 +54,10 @@ def test_the_run_finds_a_tier_exception_that_escapes(tmp_path: Path, monkeypatch
 
 
 def test_the_run_finds_a_corrupted_record_let_into_the_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(GuardedTiers, "problem", lambda *args, **kwargs: None)
+    def no_problem(self: GuardedTiers, level: int, record: object, key: bytes, parent: object = True) -> None:
+        return None
+
+    monkeypatch.setattr(GuardedTiers, "problem", no_problem)
     report = run_tier_fault_injection(
         numpy_backend(), host_tier_factory, tmp_path, InjectedFaultError, storage_faults=False, modes=("garbage",)
     )

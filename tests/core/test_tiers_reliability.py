@@ -4,6 +4,7 @@ closes the storage, and a tier binds to one manager at a time."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import subprocess
@@ -166,13 +167,12 @@ def test_an_interrupt_inside_a_peek_propagates_and_changes_nothing() -> None:
     ],
 )
 def test_a_record_a_tier_gives_back_is_checked_before_it_enters_the_pool(garbage: str) -> None:
-    counter = CallInjector()
-    tier = FaultyTier(HostTier(1 << 20), counter)
+    inner = HostTier(1 << 20)
+    tier = FaultyTier(inner, CallInjector())
     manager = demoted(tier)
-    real_peek = HostTier.peek
 
     def lying_peek(key: bytes, /) -> Any:
-        record = real_peek(tier._inner, key)  # type: ignore[arg-type]
+        record = inner.peek(key)
         assert record is not None
         if garbage == "not a record":
             return (record.keys, record.values)
@@ -197,16 +197,7 @@ def test_a_record_a_tier_gives_back_is_checked_before_it_enters_the_pool(garbage
 
 
 def _with(record: BlockRecord, **changes: Any) -> BlockRecord:
-    fields = {
-        "block_hash": record.block_hash,
-        "parent_hash": record.parent_hash,
-        "salt": record.salt,
-        "token_ids": record.token_ids,
-        "keys": record.keys,
-        "values": record.values,
-        "group": record.group,
-    }
-    return BlockRecord(**{**fields, **changes})
+    return dataclasses.replace(record, **changes)
 
 
 def test_a_tier_that_cannot_take_blocks_loses_them_and_the_eviction_goes_on() -> None:

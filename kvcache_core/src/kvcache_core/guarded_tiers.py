@@ -19,7 +19,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
@@ -336,7 +336,7 @@ def overflow_items(overflow: object) -> list[BlockRecord | bytes]:
     if not isinstance(overflow, list):
         raise TierError(f"put gave back {overflow!r}, not a list of the records and keys it let go")
     items: list[BlockRecord | bytes] = []
-    for item in overflow:
+    for item in cast("list[object]", overflow):
         if not isinstance(item, (BlockRecord, bytes)):
             raise TierError(f"put let go {item!r}, neither a BlockRecord nor a key")
         items.append(item)

@@ -41,6 +41,7 @@ __all__ = [
     "STORAGE_CALLS",
     "CallInjector",
     "FaultReport",
+    "FaultScript",
     "FaultyStorage",
     "InjectedFaultError",
     "check_after_fault",
@@ -234,8 +235,9 @@ class _Expected:
 
 
 @dataclass
-class _Script:
-    """Runs the script on one manager, keeping the K/V every request should hold."""
+class FaultScript:
+    """Runs the script on one manager, keeping the K/V every request should hold
+    (:meth:`mismatches` compares the pool with them); the tier kit's script extends it."""
 
     manager: Manager
     claims: Callable[[str], bool]
@@ -462,7 +464,7 @@ def _faulty_manager(
     return PagedKvCacheManager(storage, backend=backend.name, **grouped)
 
 
-def check_after_fault(script: _Script) -> list[tuple[str, str]]:
+def check_after_fault(script: FaultScript) -> list[tuple[str, str]]:
     """Check a manager after a fault: its records consistent, every live request's known
     K/V intact, and nothing leaked once every request is deallocated and ``gc`` ran.
 
@@ -495,7 +497,7 @@ def check_after_fault(script: _Script) -> list[tuple[str, str]]:
     return problems
 
 
-def _check_run(script: _Script, label: str, failures: list[str]) -> None:
+def _check_run(script: FaultScript, label: str, failures: list[str]) -> None:
     failures.extend(f"{label}: {problem}" for _, problem in check_after_fault(script))
 
 
@@ -517,7 +519,7 @@ def run_fault_injection(
     config = backend.config(**fields)
     failures: list[str] = []
 
-    clean = _Script(_faulty_manager(backend, config, None, "before"), backend.claims)
+    clean = FaultScript(_faulty_manager(backend, config, None, "before"), backend.claims)
     for _, step in clean.steps():
         step()
     storage = clean.manager.storage
@@ -529,7 +531,7 @@ def run_fault_injection(
     for fail_at in range(len(calls)):
         for when in ("before", "after"):
             manager = _faulty_manager(backend, config, fail_at, when, fault)
-            script = _Script(manager, backend.claims)
+            script = FaultScript(manager, backend.claims)
             faulty = manager.storage
             assert isinstance(faulty, FaultyStorage)
             label = f"fault {when} storage call {fail_at} ({calls[fail_at]})"

@@ -46,9 +46,9 @@ from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.faults import (
     PROMPT,
     CallInjector,
+    FaultScript,
     FaultyStorage,
     InjectedFaultError,
-    _Script,
     check_after_fault,
 )
 from kvcache_core.tiers import DiskTier, HostTier, OffloadTier
@@ -164,7 +164,7 @@ def _flipped(call: Callable[[], Any]) -> Any:
 
 
 @dataclass
-class _TierScript(_Script):
+class _TierScript(FaultScript):
     """The tier workload: prefix hits, demotion by ``gc`` and by eviction, promotion into
     requests that reserved blocks for their whole prompt."""
 
@@ -451,7 +451,7 @@ class TierCases:
         config = _config(kvcache_backend)
         tier = kvcache_tier_factory(64 * config.bytes_per_block + (1 << 16), "tier")
         with kvcache_backend.manager(config, tiers=[tier]) as manager:
-            script = _Script(manager, kvcache_backend.claims)
+            script = FaultScript(manager, kvcache_backend.claims)
             script.allocate("a", PROMPT)
             script.extend_and_write("a", len(PROMPT), PROMPT)
             script.deallocate("a")
@@ -472,7 +472,7 @@ class TierCases:
         first = kvcache_backend.manager(config, tiers=[tier])
         with pytest.raises(TierError, match="bound to another manager"):
             kvcache_backend.manager(config, tiers=[tier])
-        script = _Script(first, kvcache_backend.claims)
+        script = FaultScript(first, kvcache_backend.claims)
         script.allocate("a", PROMPT)
         script.extend_and_write("a", len(PROMPT), PROMPT)
         script.deallocate("a")
