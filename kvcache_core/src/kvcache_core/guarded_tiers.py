@@ -286,9 +286,10 @@ class GuardedTiers:
         cleared even if another fails (counted, with a warning); the bindings are released
         whatever a tier raises. From then on :meth:`stats` gives the counts without asking
         the tiers (another manager may hold them): no blocks, no bytes."""
-        limits = [self.guarded(level, "give its size", _size_of(tier), 0) for level, tier in enumerate(self.tiers)]
+        limits = [0] * len(self.tiers)
         try:
             for level, tier in enumerate(self.tiers):
+                limits[level] = self.guarded(level, "give its size", _size_of(tier), 0)
                 self.guarded(level, "clear", tier.clear, None)
         finally:
             self._closed_limits = limits
