@@ -48,7 +48,7 @@ blocks in host memory; :class:`DiskTier` keeps one file per block in the portabl
 of :mod:`kvcache_core.persist` (checksummed; written to a temporary name, then renamed).
 
 Whatever a tier does, the manager's pool stays whole: every call of a tier is guarded
-(:mod:`kvcache_core.tier_chain`). A block a tier cannot give back (a disk file corrupted,
+(:mod:`kvcache_core.guarded_tiers`). A block a tier cannot give back (a disk file corrupted,
 removed, unreadable, or any exception of a third party's tier) or gives back malformed (a
 record of another shape, dtype, hash or checksum than it was given) is a miss: the tier drops
 it with a :class:`RuntimeWarning` naming the error, ``TierStats.errors`` counts the call, and
