@@ -370,3 +370,20 @@ def test_a_closed_manager_reports_its_tier_counts_without_asking_the_tier_it_fre
     (closed,) = first.tier_stats()
     assert (closed.blocks, closed.used_bytes, closed.demotions) == (0, 0, 2)
     assert second.tier_stats()[0].blocks == 2
+
+
+def test_a_disk_tier_drops_an_oldest_file_it_cannot_read_however_reading_fails(tmp_path: Path) -> None:
+    source = DiskTier(tmp_path / "source", 1 << 20)
+    manager = demoted(source)
+    records = [source.peek(key) for key in source.hashes()]
+    file_bytes = manager.tier_stats()[0].used_bytes // 2
+    tier = DiskTier(tmp_path / "small", file_bytes + file_bytes // 2)  # room for one file
+    tier.bind(config())
+    first, second = records
+    assert first is not None
+    assert second is not None
+    assert tier.put(first) == []
+    nested = b"[" * 100_000  # a header nested past the recursion limit
+    tier.path_of(first.key).write_bytes(len(nested).to_bytes(8, "little") + nested)
+    assert tier.put(second) == [first.key]  # dropped, not passed on
+    assert tier.hashes() == [second.key]

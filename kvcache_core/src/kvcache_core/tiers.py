@@ -78,7 +78,6 @@ from kvcache_core.errors import (
     CacheFileError,
     InvalidArgumentError,
     InvalidTypeError,
-    KvCacheError,
     TierError,
 )
 from kvcache_core.persist import BlockRecord, read_blocks, split_key, write_blocks
@@ -362,8 +361,8 @@ class DiskTier(_BoundedTier):
             oldest = next(iter(self._files))
             try:
                 let_go.append(self._read(oldest))
-            except KvCacheError:
-                let_go.append(oldest)  # unreadable: dropped rather than passed on
+            except Exception:  # unreadable, however it fails: dropped rather than passed on
+                let_go.append(oldest)
             self.discard(oldest)
         return let_go
 
