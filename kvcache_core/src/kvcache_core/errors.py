@@ -189,7 +189,9 @@ class IncompatibleCacheFileError(KvCacheError, ValueError):
 
 class TierError(KvCacheError, ValueError):
     """An offload tier cannot be used as configured (a capacity below one block, a name
-    taken twice, a directory it cannot write)."""
+    taken twice, a directory it cannot write, a tier another live manager holds), or failed
+    where a miss is no answer (its figures). Where a miss is safe, a failing tier is a miss
+    with a warning instead, counted in ``TierStats.errors``."""
 
 
 class CorruptEventBatchError(InvalidArgumentError):

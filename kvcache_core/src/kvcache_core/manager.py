@@ -568,12 +568,9 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         return self._closed
 
     def close(self) -> None:
-        """Release the pool: every handle becomes invalid, the manager refuses further use,
-        and the storage's optional ``close()`` runs (once, however often this is called).
-
-        ``stats()`` still reports the figures at closing. Using the manager or one of its
-        handles afterwards raises :class:`~kvcache_core.errors.ManagerClosedError`.
-        """
+        """Release the pool: handles become invalid, the tiers are cleared and freed for
+        another manager, the storage's optional ``close()`` runs (once) whatever the tiers
+        raise. ``stats()`` still works; other use raises ``ManagerClosedError``."""
         with self._lock:
             if self._closed:
                 return
@@ -581,11 +578,13 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             self._pool.epoch += 1  # page tables and steps taken before are refused
             for state in self._requests.values():
                 state.valid = False
-            self._tiers.clear()
-            self._events.emit(AllBlocksCleared())
-            release = getattr(self._storage, "close", None)
-            if callable(release):
-                release()
+            try:
+                self._tiers.close()
+                self._events.emit(AllBlocksCleared())
+            finally:
+                release = getattr(self._storage, "close", None)
+                if callable(release):
+                    release()
 
     def __enter__(self: _ManagerT) -> _ManagerT:
         return self

@@ -340,15 +340,21 @@ class SequenceBlocks:
             else:
                 allocator.retain(block)
         tables: list[BlockTable] = []
-        for group, (mapped, released) in enumerate(zip(plan.mapped, plan.released, strict=True)):
-            new_blocks = pool.take(
-                new_per_group,
-                pool.sole_holder(mapped[-1] if mapped else None),
-                self.expected_blocks(request.max_sequence_length, plan.hits, group),
-                f"cannot allocate request {request.request_id!r}",
-                group,
-            )
-            tables.append(BlockTable(self.block_size, mapped + new_blocks, cached_tokens, first_logical=released))
+        try:
+            for group, (mapped, released) in enumerate(zip(plan.mapped, plan.released, strict=True)):
+                new_blocks = pool.take(
+                    new_per_group,
+                    pool.sole_holder(mapped[-1] if mapped else None),
+                    self.expected_blocks(request.max_sequence_length, plan.hits, group),
+                    f"cannot allocate request {request.request_id!r}",
+                    group,
+                )
+                tables.append(BlockTable(self.block_size, mapped + new_blocks, cached_tokens, first_logical=released))
+        except BaseException:  # taking may evict, and demoting to a tier be interrupted: give all back
+            for blocks in [list(table.physical_blocks) for table in tables] + plan.mapped[len(tables) :]:
+                if blocks:
+                    pool.release_table(list(blocks))
+            raise
         state.tables = tables
         state.cached_tokens = cached_tokens
         for table in tables:

@@ -14,6 +14,11 @@ some group holds each (so the hash chain goes on); a group's block is its record
 tier, or its block of that hash still in the pool (mapped as a hit maps it). ``n`` shrinks
 until that holds. The events count hashes per medium: a hash is in a tier while any of
 its group records is.
+
+Every call of a tier goes through :class:`~kvcache_core.guarded_tiers.GuardedTiers`: a
+tier that fails or gives back garbage is a miss where a miss is safe (promotion, demotion,
+the records of a save), counted and warned; an interrupt propagates once the operation gave
+back every block it took.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvcache_core.block_table import BlockTable
-from kvcache_core.errors import InvalidTypeError, KvCacheError, TierError, UnsupportedConfigError
-from kvcache_core.events import BlockStored, EventHub
+from kvcache_core.errors import TierError
+from kvcache_core.events import EventHub
 from kvcache_core.groups import first_visible_block
-from kvcache_core.persist import BlockRecord, record_key
+from kvcache_core.guarded_tiers import GuardedTiers, overflow_items
+from kvcache_core.persist import BlockRecord, block_checksum, record_key
 from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import PrefixEntry, hash_block
 from kvcache_core.tiers import OffloadTier, TierStats
@@ -50,45 +56,41 @@ class TierChain:
         events: the manager's event hub.
 
     Raises:
-        InvalidTypeError: a tier that is not an :class:`OffloadTier`.
+        InvalidTypeError: ``tiers`` is not a sequence, or holds an object that is not an
+            :class:`OffloadTier`.
         UnsupportedConfigError: tiers without prefix caching.
-        TierError: two tiers of one name, or a tier that cannot hold a block of ``config``.
+        TierError: two tiers of one name, a tier bound to another live manager, or one
+            whose ``name`` or ``bind`` fails (a tier that cannot hold a block of
+            ``config``); no tier stays bound.
     """
 
     def __init__(self, tiers: Iterable[OffloadTier], config: CacheConfig, events: EventHub) -> None:
-        self._tiers = list(tiers)
+        self._guard = GuardedTiers(tiers, config, events)
         self._events = events
         self._config = config
         self._windows = [group.window for group in config.kv_groups]
-        for tier in self._tiers:
-            if not isinstance(tier, OffloadTier):
-                raise InvalidTypeError(f"tiers must be OffloadTier objects (HostTier, DiskTier, ...), got {tier!r}")
-        if not self._tiers:
-            return
-        if not config.enable_prefix_caching:
-            raise UnsupportedConfigError("offload tiers need CacheConfig(enable_prefix_caching=True)")
-        names = [tier.name for tier in self._tiers]
-        if len(set(names)) != len(names):
-            raise TierError(f"tier names must be unique, got {names}")
-        for tier in self._tiers:
-            tier.bind(config)
-        self._counts = {tier.name: [0, 0, 0, 0] for tier in self._tiers}  # hits, demotions, evictions, failures
 
     def __bool__(self) -> bool:
-        return bool(self._tiers)
+        return bool(self._guard.tiers)
 
     @property
     def tiers(self) -> Sequence[OffloadTier]:
         """The tiers, first to last."""
-        return tuple(self._tiers)
+        return tuple(self._guard.tiers)
 
     def stats(self) -> list[TierStats]:
         """Each tier's figures, first to last; its blocks are records (one per hash and
-        KV-cache group, each one pool block's K/V)."""
-        return [
-            TierStats(tier.name, len(tier.hashes()), tier.used_bytes, tier.max_bytes, *self._counts[tier.name])
-            for tier in self._tiers
-        ]
+        KV-cache group, each one pool block's K/V).
+
+        Raises:
+            TierError: a tier fails to give its figures.
+        """
+        return self._guard.stats()
+
+    def close(self) -> None:
+        """Empty every tier and release their bindings (the manager closes), whatever a
+        tier raises."""
+        self._guard.close()
 
     # -- pool -> tiers ------------------------------------------------------------------
 
@@ -96,8 +98,10 @@ class TierChain:
         """Copy the ``count`` cached blocks the pool is about to evict (least recently used
         first) into the first tier, where the last block of their hash in their KV-cache
         group leaves the pool with them: one record per hash and group. The one storage
-        call comes first: if it raises, nothing has changed."""
-        if not self._tiers or not count:
+        call comes first: if it raises, nothing has changed. A tier that fails drops the
+        blocks it was given (a miss later); an interrupt propagates before the pool evicts
+        anything."""
+        if not self._guard.tiers or not count:
             return
         prefix = pool.prefix
         assert prefix is not None
@@ -120,79 +124,69 @@ class TierChain:
         try:
             keys, values = pool.storage.blocks_to_host(np.asarray([block for _, block, _ in picked], dtype=np.int64))
         except Exception as exc:  # the eviction goes on as without tiers: the blocks are dropped
-            self._counts[self._tiers[0].name][3] += len(picked)
+            self._guard.counts[self._guard.names[0]][3] += len(picked)
             warnings.warn(
                 f"demoting {len(picked)} evicted blocks failed, they are dropped: {exc!r}", RuntimeWarning, stacklevel=5
             )
             return
+        self._guard.host_dtype = np.dtype(keys.dtype)
         records = [
             BlockRecord.of_entry(entry, keys[:, index], values[:, index], group)
             for index, (entry, _, group) in enumerate(picked)
         ]
         self._push(0, records)
+        if len(self._guard.checksums) > 1024:
+            self._guard.prune_checksums()
 
     def _push(self, level: int, records: list[BlockRecord]) -> None:
         """Store ``records`` in tier ``level``; what it lets go moves on, past the last dropped."""
-        if not records:
-            return
-        if level == len(self._tiers):
-            return  # past the last tier: dropped (each tier reported its own removal)
-        tier = self._tiers[level]
-        counts = self._counts[tier.name]
+        while records and level < len(self._guard.tiers):
+            records = self._put_all(level, records)
+            level += 1
+        # Past the last tier: dropped (each tier reported its own removal).
+
+    def _put_all(self, level: int, records: list[BlockRecord]) -> list[BlockRecord]:
+        """Put ``records`` into tier ``level``; return the records it let go (checked)."""
+        tier = self._guard.tiers[level]
+        name = self._guard.names[level]
+        counts = self._guard.counts[name]
         let_go: list[BlockRecord] = []
         for record in records:
             key = record.key
-            for other in self._tiers:  # one copy in the tiers: a newer one replaces it
-                if other is not tier and key in other:
-                    self._discard(other, key)
-            held = self._holds(tier, record.block_hash)
+            for other in range(len(self._guard.tiers)):  # one copy in the tiers: a newer one replaces it
+                if other != level and self._guard.contains(other, key):
+                    self._guard.discard(other, key)
+            held = self._guard.holds(level, record.block_hash)
+            checksum = None if self._guard.trusted[level] else block_checksum(record.keys, record.values)
             try:
-                overflow = tier.put(record)
-            except KvCacheError as exc:
-                counts[3] += 1
-                self._report(tier, record, held)  # it may have dropped its older copy
-                warnings.warn(f"tier {tier.name!r} could not take a block: {exc}", RuntimeWarning, stacklevel=4)
+                overflow = overflow_items(tier.put(record))
+            except Exception as exc:
+                self._guard.failed(level, "take a block", exc, dropped=1)
+                self._guard.report(level, record, held)  # it may have dropped its older copy
                 continue
-            counts[1] += key in tier
+            except BaseException:
+                self._guard.report(level, record, held)
+                raise
+            if checksum is not None:
+                self._guard.checksums[key] = checksum
+            counts[1] += self._guard.contains(level, key)
             counts[2] += len(overflow)
-            self._report(tier, record, held)
+            self._guard.report(level, record, held)
             others: dict[bytes, None] = {}  # hashes let go, each held before the put
             for item in overflow:
-                item_hash = _hash_of(item if isinstance(item, bytes) else item.key)
+                item_key = item if isinstance(item, bytes) else getattr(item, "key", b"")
+                item_hash = _hash_of(item_key if isinstance(item_key, bytes) else b"")
                 if item_hash != record.block_hash:
                     others[item_hash] = None
-                if not isinstance(item, bytes):
+                if isinstance(item, bytes):
+                    continue
+                problem = self._guard.problem(level, item, item.key if isinstance(item, BlockRecord) else b"")
+                if problem is None and isinstance(item, BlockRecord):
                     let_go.append(item)
-            self._events.removed([other for other in others if not self._holds(tier, other)], tier.name)
-        self._push(level + 1, let_go)
-
-    def _holds(self, tier: OffloadTier, block_hash: bytes) -> bool:
-        """Whether ``tier`` holds a record of ``block_hash`` in any KV-cache group."""
-        return any(record_key(block_hash, group) in tier for group in range(len(self._windows)))
-
-    def _report(self, tier: OffloadTier, record: BlockRecord, held: bool) -> None:
-        """The event for ``record``'s hash in ``tier`` after a put, given whether ``tier``
-        held the hash before."""
-        now = self._holds(tier, record.block_hash)
-        if now and not held:
-            self._events.emit(
-                BlockStored(
-                    (record.block_hash,),
-                    record.parent_hash,
-                    record.token_ids,
-                    self._config.block_size,
-                    medium=tier.name,
-                )
-            )
-        elif held and not now:
-            self._events.removed((record.block_hash,), tier.name)
-
-    def _discard(self, tier: OffloadTier, key: bytes) -> None:
-        """Drop ``key`` (held) from ``tier``; the hash leaves its medium with its last record."""
-        tier.discard(key)
-        block_hash = _hash_of(key)
-        if not self._holds(tier, block_hash):
-            self._events.removed((block_hash,), tier.name)
+                else:
+                    self._guard.failed(level, "let a block go intact", TierError(str(problem)), dropped=1)
+            self._events.removed([other for other in others if not self._guard.holds(level, other)], name)
+        return let_go
 
     # -- tiers -> pool ------------------------------------------------------------------
 
@@ -201,28 +195,41 @@ class TierChain:
         blocks, in every KV-cache group (one ``blocks_from_host`` call), register them and
         start the request after them; called by ``allocate`` before it commits. A group
         whose block of a hash is still in the pool maps that block, as a prefix hit does.
+        A tier that fails, or gives back a record that fails the checks, is a miss there
+        (counted, with a warning); so is a failing ``blocks_from_host``.
 
         Returns:
             The logical blocks promoted.
 
         Raises:
-            BaseException: what the storage raised that is not an ``Exception``
-                (``KeyboardInterrupt``): every block the request took is given back first.
+            BaseException: what a tier or the storage raised that is not an ``Exception``
+                (``KeyboardInterrupt``): every block the request holds is given back first
+                (the caller drops the request).
         """
-        if not self._tiers:
+        if not self._guard.tiers:
             return 0
+        try:
+            return self._promote(pool, state)
+        except BaseException:
+            for table in state.tables:
+                pool.release_table(list(table.physical_blocks))
+            state.tables = state.empty_tables()
+            raise
+
+    def _promote(self, pool: PoolAccess, state: RequestState[Any]) -> int:
         start = len(state.chain)
         if start * self._config.block_size != state.table.sequence_length:
             return 0
         hashes, pooled = self._continuation(pool, state, start)
         have = [
             [
-                pooled[group][index] is not None or any(record_key(block_hash, group) in tier for tier in self._tiers)
+                pooled[group][index] is not None or self._guard.anywhere(record_key(block_hash, group))
                 for index, block_hash in enumerate(hashes)
             ]
             for group in range(len(self._windows))
         ]
-        found: dict[tuple[int, int], tuple[OffloadTier, BlockRecord]] = {}  # (group, index) -> its record
+        parents: list[bytes | None] = [state.chain[-1].block_hash if state.chain else None, *hashes[:-1]]
+        found: dict[tuple[int, int], tuple[int, BlockRecord]] = {}  # (group, index) -> (tier level, record)
         while True:
             count = self._servable(pool, state, start, have, pooled)
             if not count:
@@ -231,7 +238,7 @@ class TierChain:
             for group, index in self._needed(start, count):
                 if pooled[group][index] is not None or (group, index) in found:
                     continue
-                hit = self._find(record_key(hashes[index], group))
+                hit = self._find(record_key(hashes[index], group), parents[index])
                 tokens = self._tokens(state, start + index)
                 if hit is None or hit[1].token_ids != tokens or hit[1].salt != state.salt:
                     have[group][index] = False  # unreadable, or another prefix's: shorten
@@ -271,9 +278,7 @@ class TierChain:
                 entry.token_ids != tokens or entry.salt != state.salt or prefix.parent_hash(entry.parent) != parent_hash
             ):
                 entry = None  # a collision: other tokens under this hash
-            if entry is None and not any(
-                record_key(block_hash, group) in tier for tier in self._tiers for group in groups
-            ):
+            if entry is None and not any(self._guard.anywhere(record_key(block_hash, group)) for group in groups):
                 break
             hashes.append(block_hash)
             for group in groups:
@@ -349,12 +354,12 @@ class TierChain:
         start: int,
         count: int,
         layout: list[list[int | None]],
-        records: list[tuple[int, int, tuple[OffloadTier, BlockRecord]]],
+        records: list[tuple[int, int, tuple[int, BlockRecord]]],
     ) -> int:
-        """Map ``layout``'s pool blocks, write ``records`` (``(group, index, (tier,
-        record))``) into new blocks with one storage call, then commit: every group's table
-        holds what its window sees, the promoted blocks registered; the records leave the
-        tiers."""
+        """Map ``layout``'s pool blocks, write ``records`` (``(group, index, (tier level,
+        record))``) into new blocks with one storage call, take the records out of the
+        tiers, then commit: every group's table holds what its window sees, the promoted
+        blocks registered. No tier is called once the commit starts."""
         allocator = pool.allocator
         block_size = self._config.block_size
         firsts = [self._first_held(group, start + count) for group in range(len(self._windows))]
@@ -395,18 +400,21 @@ class TierChain:
                     np.stack([record.keys for _, _, (_, record) in records], axis=1),
                     np.stack([record.values for _, _, (_, record) in records], axis=1),
                 )
+            for group, _, (_, record) in records:  # tiers are exclusive: the records leave them
+                key = record_key(record.block_hash, group)
+                for level in range(len(self._guard.tiers)):  # where it is now (the demotions above may have moved it)
+                    if self._guard.contains(level, key):
+                        self._guard.discard(level, key)
         except Exception as exc:  # the request is served without them
             pool.release_table(held)
             _give_back(pool, extra)
             warnings.warn(
-                f"promoting {len(records)} blocks from the tiers failed: {exc!r}", RuntimeWarning, stacklevel=4
+                f"promoting {len(records)} blocks from the tiers failed: {exc!r}", RuntimeWarning, stacklevel=5
             )
             return 0
         except BaseException:
             pool.release_table(held)
             _give_back(pool, extra)
-            for table in state.tables:
-                pool.release_table(list(table.physical_blocks))
             raise
         for block in mapped:
             pool.swapped_blocks.pop(block, None)
@@ -426,61 +434,54 @@ class TierChain:
                 pool.release_table(unused)
         state.cached_tokens += count * block_size
         pool.advance_chain(state)
-        for group, _, (tier, record) in records:
-            self._counts[tier.name][0] += 1
-            key = record_key(record.block_hash, group)
-            for holder in self._tiers:  # where it is now (the demotions above may have moved it)
-                if key in holder:
-                    self._discard(holder, key)
+        for _, _, (level, _) in records:
+            self._guard.counts[self._guard.names[level]][0] += 1
         return count
 
-    def _find(self, key: bytes) -> tuple[OffloadTier, BlockRecord] | None:
-        """The first tier holding ``key`` and its record; one it cannot give back intact
-        (or gives back under another key) is dropped, with a warning."""
-        for tier in self._tiers:
-            if key not in tier:
+    def _find(self, key: bytes, parent: bytes | bool | None = True) -> tuple[int, BlockRecord] | None:
+        """The first tier holding ``key`` (its level) and its record, checked
+        (:meth:`_problem`; with the expected ``parent`` hash when given). A record a tier
+        cannot give back, or gives back malformed, is dropped from it, counted, with a
+        warning: a miss."""
+        for level, tier in enumerate(self._guard.tiers):
+            if not self._guard.contains(level, key):
                 continue
             try:
                 record = tier.peek(key)
-                if record is not None and record.key != key:
-                    raise TierError(
-                        f"asked for key {key.hex()[:16]}... ({len(key)} bytes), it gave back the record of KV-cache "
-                        f"group {record.group} of {record.block_hash.hex()[:16]}... (does it file records under "
-                        "BlockRecord.key?)"
-                    )
-            except KvCacheError as exc:
-                self._counts[tier.name][3] += 1
-                self._discard(tier, key)
-                warnings.warn(
-                    f"tier {tier.name!r} dropped a block it cannot give back: {exc}", RuntimeWarning, stacklevel=5
-                )
+                if record is None:
+                    return None
+                problem = self._guard.problem(level, record, key, parent)
+                if problem is not None:
+                    raise TierError(problem)
+            except Exception as exc:
+                self._guard.failed(level, "give back a block (it is dropped)", exc, dropped=1)
+                self._guard.discard(level, key)
                 return None
-            return None if record is None else (tier, record)
+            assert isinstance(record, BlockRecord)
+            return level, record
         return None
 
     def store(self, records: list[BlockRecord]) -> int:
         """Put ``records`` into the first tier (what it lets go moves on, as a demotion's
         would); return how many the tiers hold afterwards."""
-        if not self._tiers or not records:
+        if not self._guard.tiers or not records:
             return 0
+        if self._guard.host_dtype is None:
+            self._guard.host_dtype = np.dtype(records[0].keys.dtype)
         self._push(0, records)
-        return sum(1 for record in records if any(record.key in tier for tier in self._tiers))
+        return sum(1 for record in records if self._guard.anywhere(record.key))
 
     def records(self) -> list[BlockRecord]:
-        """Every record the tiers hold, of every KV-cache group (for ``save_prefix_cache``);
-        one a tier cannot give back is left out (and dropped, with a warning)."""
+        """Every record the tiers hold, of every KV-cache group (for ``save_prefix_cache``),
+        checked; one a tier cannot give back is left out (and dropped, with a warning), and
+        so are the records of a tier that cannot list them."""
         found: list[BlockRecord] = []
-        for tier in self._tiers:
-            for key in tier.hashes():
+        for level in range(len(self._guard.tiers)):
+            for key in self._guard.keys(level):
                 hit = self._find(key)
                 if hit is not None:
                     found.append(hit[1])
         return found
-
-    def clear(self) -> None:
-        """Empty every tier (the manager closes)."""
-        for tier in self._tiers:
-            tier.clear()
 
 
 def _hash_of(key: bytes) -> bytes:

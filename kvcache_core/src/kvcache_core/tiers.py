@@ -47,14 +47,18 @@ kind, the object it loads a factory taking ``max_bytes`` and keyword options), a
 blocks in host memory; :class:`DiskTier` keeps one file per block in the portable format
 of :mod:`kvcache_core.persist` (checksummed; written to a temporary name, then renamed).
 
-A block a tier cannot give back (a disk file corrupted, removed or unreadable) is a miss:
-the tier drops it with a :class:`RuntimeWarning` naming the error, and the request computes
-those tokens. A block a tier cannot take (a disk write failing) is dropped the same way, and
-so are the blocks of an eviction whose ``blocks_to_host`` raises an ``Exception``: the
-operation that evicted goes on as without tiers. (An interrupt that is not an ``Exception``,
-``KeyboardInterrupt``, raised by that copy propagates from inside the evicting operation,
-which may then hold blocks it took before: a limit of demotion inside the manager's calls.
-A promotion's copy is transactional: whatever it raises, the request's blocks go back.)
+Whatever a tier does, the manager's pool stays whole: every call of a tier is guarded
+(:mod:`kvcache_core.guarded_tiers`). A block a tier cannot give back (a disk file corrupted,
+removed, unreadable, or any exception of a third party's tier) or gives back malformed (a
+record of another shape, dtype, hash or checksum than it was given) is a miss: the tier drops
+it with a :class:`RuntimeWarning` naming the error, ``TierStats.errors`` counts the call, and
+the request computes those tokens. A block a tier cannot take (a disk write failing) is
+dropped the same way, and so are the blocks of an eviction whose ``blocks_to_host`` raises an
+``Exception``: the operation that evicted goes on as without tiers. An interrupt
+(``KeyboardInterrupt``) raised inside a tier or a transfer propagates once the operation
+gave back every block it took. A tier binds to one manager at a time (a second is a
+:class:`~kvcache_core.errors.TierError`); the manager's ``close()`` clears it and releases
+it, whatever it raises, so a new manager may use it.
 """
 
 from __future__ import annotations
@@ -74,7 +78,6 @@ from kvcache_core.errors import (
     CacheFileError,
     InvalidArgumentError,
     InvalidTypeError,
-    KvCacheError,
     TierError,
 )
 from kvcache_core.persist import BlockRecord, read_blocks, split_key, write_blocks
@@ -109,6 +112,8 @@ class TierStats:
         demotions: blocks (records) it took (from the pool or the tier before it).
         evictions: blocks it let go to make room (to the next tier, or dropped).
         failures: blocks it could not take or give back (dropped, with a warning).
+        errors: its calls that raised or gave back something malformed (each with a
+            warning; a failed ``put`` or ``peek`` also counts in ``failures``).
     """
 
     name: str
@@ -119,6 +124,7 @@ class TierStats:
     demotions: int
     evictions: int
     failures: int
+    errors: int = 0
 
 
 @runtime_checkable
@@ -150,7 +156,9 @@ class OffloadTier(Protocol):
         ...
 
     def bind(self, config: CacheConfig) -> None:
-        """Called once by the manager before any other call.
+        """Called once by the manager before any other call (the manager refuses a tier
+        another live manager holds, so a tier is bound to one manager at a time; after that
+        manager's ``close()`` it may be bound again, cleared).
 
         Raises:
             TierError: the tier cannot hold one block of ``config`` (too small, a directory it
@@ -165,7 +173,7 @@ class OffloadTier(Protocol):
         bare keys of blocks it dropped (unreadable).
 
         Raises:
-            KvCacheError: the block cannot be stored (the manager drops it, with a warning).
+            Exception: the block cannot be stored (the manager drops it, with a warning).
         """
         ...
 
@@ -173,7 +181,9 @@ class OffloadTier(Protocol):
         """The block stored under ``key`` (it stays), or ``None``.
 
         Raises:
-            KvCacheError: it is stored but cannot be read back intact (the manager drops it).
+            Exception: it is stored but cannot be read back intact (the manager drops it).
+            The manager also checks what it gives back (key, shape, dtype, hash, and the
+            checksum of what it was given) and drops a record that fails.
         """
         ...
 
@@ -352,8 +362,8 @@ class DiskTier(_BoundedTier):
             oldest = next(iter(self._files))
             try:
                 let_go.append(self._read(oldest))
-            except KvCacheError:
-                let_go.append(oldest)  # unreadable: dropped rather than passed on
+            except Exception:  # unreadable, however it fails: dropped rather than passed on
+                let_go.append(oldest)
             self.discard(oldest)
         return let_go
 
@@ -398,17 +408,37 @@ class DiskTier(_BoundedTier):
         return records[0]
 
 
+#: The keyword options of the built-in kinds: accepted, and required among them.
+_BUILT_IN_OPTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "host": (("name",), ()),
+    "disk": (("directory", "name"), ("directory",)),
+}
+
+
 def create_tier(kind: str, max_bytes: int, **options: Any) -> OffloadTier:
     """A tier by kind: ``"host"`` (:class:`HostTier`), ``"disk"`` (:class:`DiskTier`, give
     ``directory=``), or the name of an entry point of :data:`TIER_ENTRY_POINT_GROUP`.
 
     Raises:
         InvalidArgumentError: an unknown kind (the message lists the known ones).
+        InvalidTypeError: an option the built-in kind does not take, or ``"disk"`` without
+            ``directory`` (the message lists the options it takes).
         TierError: a registered factory that fails to load or returns no tier.
     """
-    if kind == "host":
-        return HostTier(max_bytes, **options)
-    if kind == "disk":
+    if not isinstance(kind, str):
+        raise InvalidTypeError(f"a tier kind is a str (host, disk or a registered one), got {kind!r}")
+    if kind in _BUILT_IN_OPTIONS:
+        accepted, required = _BUILT_IN_OPTIONS[kind]
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise InvalidTypeError(
+                f"create_tier({kind!r}) takes the options {', '.join(accepted)}; got {', '.join(map(repr, unknown))}"
+            )
+        absent = [option for option in required if option not in options]
+        if absent:
+            raise InvalidTypeError(f"create_tier({kind!r}) needs {', '.join(f'{name}=...' for name in absent)}")
+        if kind == "host":
+            return HostTier(max_bytes, **options)
         return DiskTier(max_bytes=max_bytes, **options)
     registered = {point.name: point for point in entry_points(group=TIER_ENTRY_POINT_GROUP)}
     point = registered.get(kind)

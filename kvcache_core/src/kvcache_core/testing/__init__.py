@@ -20,7 +20,10 @@ not claim and the tests skipped for that; ``--kvcache-require-all`` fails them),
 bad inputs (:mod:`~kvcache_core.testing.catalogue`, the policies' in
 :mod:`~kvcache_core.testing.policy_catalogue`) and threads. Runs are repeatable
 (``--kvcache-seed``, default 0, no Hypothesis example database) and every failure ends
-with a ``reproduce:`` command to paste. For a backend's own attention tests,
+with a ``reproduce:`` command to paste. :class:`TierCases` is the same for offload tiers:
+any :class:`~kvcache_core.tiers.OffloadTier` runs it (with a fault injected at every tier
+and storage call) by subclassing it with a ``kvcache_tier_factory`` fixture;
+``KvCacheConformance`` runs it with ``HostTier``. For a backend's own attention tests,
 :func:`kvcache_core.testing.oracle.dense_attention` is textbook dense attention in float64.
 
 The plugin registers itself through the ``pytest11`` entry point of kvcache-core and stays
@@ -45,6 +48,7 @@ pytest.register_assert_rewrite(
     "kvcache_core.testing.world",
     "kvcache_core.testing.reliability",
     "kvcache_core.testing.backend",
+    "kvcache_core.testing.tiers",
 )
 
 from kvcache_core.testing._plugin import (  # noqa: E402  (after the rewrite registration)
@@ -62,11 +66,13 @@ from kvcache_core.testing._plugin import (  # noqa: E402  (after the rewrite reg
 if TYPE_CHECKING:
     from kvcache_core.testing.backend import BackendUnderTest
     from kvcache_core.testing.suite import KvCacheConformance
+    from kvcache_core.testing.tiers import TierCases
 
 __all__ = [
     "BackendUnderTest",
     "KitSettings",
     "KvCacheConformance",
+    "TierCases",
     "kit_settings",
     "kvcache_backend",
     "pytest_addoption",
@@ -83,6 +89,10 @@ def __getattr__(name: str) -> Any:
         from kvcache_core.testing.suite import KvCacheConformance
 
         return KvCacheConformance
+    if name == "TierCases":
+        from kvcache_core.testing.tiers import TierCases
+
+        return TierCases
     if name == "BackendUnderTest":
         from kvcache_core.testing.backend import BackendUnderTest
 

@@ -37,7 +37,16 @@ from kvcache_core.page_table import PageTable
 from kvcache_core.protocols import KvStorage, SlotArray
 from kvcache_core.testing.backend import BackendUnderTest
 
-__all__ = ["STORAGE_CALLS", "FaultReport", "FaultyStorage", "InjectedFaultError", "run_fault_injection"]
+__all__ = [
+    "STORAGE_CALLS",
+    "CallInjector",
+    "FaultReport",
+    "FaultScript",
+    "FaultyStorage",
+    "InjectedFaultError",
+    "check_after_fault",
+    "run_fault_injection",
+]
 
 #: The storage methods the manager calls on the data path and in its policies; each call
 #: of one of them is an injection point.
@@ -54,14 +63,66 @@ class InjectedFaultError(Exception):
     ``KvCacheError``: the manager must pass it on unchanged)."""
 
 
-class FaultyStorage:
+class CallInjector:
+    """Counts calls and fails the ``fail_at``-th: what :class:`FaultyStorage` and the tier
+    kit's :class:`~kvcache_core.testing.tiers.FaultyTier` share.
+
+    Calls are counted from 0 in :attr:`calls` (by name). The call numbered ``fail_at``
+    raises ``fault`` (:class:`InjectedFaultError` by default; a ``KeyboardInterrupt``
+    subclass tests interruption) before the real call (``when="before"``) or after it
+    returned (``when="after"``); :attr:`fired` names it once it fired. Several wrappers may
+    share one injector (:attr:`counter`), so that their calls are numbered together.
+    """
+
+    def __init__(
+        self,
+        fail_at: int | None = None,
+        when: str = "before",
+        fault: type[BaseException] = InjectedFaultError,
+    ) -> None:
+        self.fail_at = fail_at
+        self.when = when
+        self.fault = fault
+        self.calls: list[str] = []
+        self.fired: str | None = None
+
+    @property
+    def counter(self) -> CallInjector:
+        """The injector whose numbering this one's calls share (itself)."""
+        return self
+
+    def armed(self, name: str) -> bool:
+        """Count a call of ``name``; whether it is the one to fail."""
+        counter = self.counter
+        index = len(counter.calls)
+        counter.calls.append(name)
+        return index == counter.fail_at
+
+    def fire(self, name: str, where: str) -> BaseException:
+        """The fault for the armed call of ``name`` (recorded as fired)."""
+        counter = self.counter
+        counter.fired = name
+        return counter.fault(f"injected {where} call {len(counter.calls) - 1} ({name})")
+
+    def _call(self, name: str, call: Callable[[], Any]) -> Any:
+        armed = self.armed(name)
+        if armed and self.counter.when == "before":
+            raise self.fire(name, "before")
+        result = call()
+        if armed:
+            raise self.fire(name, "after")
+        return result
+
+
+class FaultyStorage(CallInjector):
     """A :class:`~kvcache_core.KvStorage` wrapper whose ``fail_at``-th storage call raises.
 
     Calls of :data:`STORAGE_CALLS` are counted from 0 in :attr:`calls`. The call numbered
     ``fail_at`` raises ``fault`` (:class:`InjectedFaultError` by default; a
     ``KeyboardInterrupt`` subclass tests interruption) before reaching the wrapped storage
     (``when="before"``) or after it returned (``when="after"``); every other call, and
-    every other member, goes straight through.
+    every other member, goes straight through. :attr:`closed` tells whether ``close()``
+    ran.
     """
 
     def __init__(
@@ -71,25 +132,9 @@ class FaultyStorage:
         when: When = "before",
         fault: type[BaseException] = InjectedFaultError,
     ) -> None:
+        super().__init__(fail_at, when, fault)
         self._inner = inner
-        self.fail_at = fail_at
-        self.when: When = when
-        self.fault = fault
-        self.calls: list[str] = []
-        self.fired: str | None = None
-
-    def _call(self, name: str, call: Callable[[], Any]) -> Any:
-        index = len(self.calls)
-        self.calls.append(name)
-        armed = index == self.fail_at
-        if armed and self.when == "before":
-            self.fired = name
-            raise self.fault(f"injected before storage call {index} ({name})")
-        result = call()
-        if armed:
-            self.fired = name
-            raise self.fault(f"injected after storage call {index} ({name})")
-        return result
+        self.closed = False
 
     @property
     def config(self) -> CacheConfig:
@@ -160,6 +205,7 @@ class FaultyStorage:
 
     def close(self) -> None:
         """Release the wrapped storage (if it has anything to release)."""
+        self.closed = True
         release = getattr(self._inner, "close", None)
         if callable(release):
             release()
@@ -189,8 +235,9 @@ class _Expected:
 
 
 @dataclass
-class _Script:
-    """Runs the script on one manager, keeping the K/V every request should hold."""
+class FaultScript:
+    """Runs the script on one manager, keeping the K/V every request should hold
+    (:meth:`mismatches` compares the pool with them); the tier kit's script extends it."""
 
     manager: Manager
     claims: Callable[[str], bool]
@@ -247,9 +294,9 @@ class _Script:
 
     # -- steps -------------------------------------------------------------------------------
 
-    def allocate(self, request_id: str, prompt: tuple[int, ...]) -> None:
+    def allocate(self, request_id: str, prompt: tuple[int, ...], initial_tokens: int = 0) -> None:
         handle = self.manager.allocate(
-            AllocationRequest(request_id, prompt_token_ids=prompt or None, max_sequence_length=32)
+            AllocationRequest(request_id, initial_tokens, prompt_token_ids=prompt or None, max_sequence_length=32)
         )
         self.handles[request_id] = handle
         expected = _Expected(rows=[{} for _ in range(self.config.num_layers)])
@@ -417,27 +464,41 @@ def _faulty_manager(
     return PagedKvCacheManager(storage, backend=backend.name, **grouped)
 
 
-def _check_run(script: _Script, label: str, failures: list[str]) -> None:
+def check_after_fault(script: FaultScript) -> list[tuple[str, str]]:
+    """Check a manager after a fault: its records consistent, every live request's known
+    K/V intact, and nothing leaked once every request is deallocated and ``gc`` ran.
+
+    Returns:
+        ``(kind, problem)`` per broken promise, ``kind`` one of ``"invariants"``,
+        ``"corruption"`` and ``"leak"``.
+    """
     manager = script.manager
     try:
         manager.check_invariants()
     except AssertionError as exc:
-        failures.append(f"{label}: invariants broken: {exc}")
-        return
-    failures.extend(f"{label}: {problem}" for problem in script.mismatches())
+        return [("invariants", f"invariants broken: {exc}")]
+    problems = [("corruption", problem) for problem in script.mismatches()]
     for request_id in list(script.handles):
         script.deallocate(request_id)
     manager.gc()
     stats = manager.stats()
     if stats.used_blocks or stats.free_blocks != stats.total_blocks:
-        failures.append(
-            f"{label}: after deallocating everything and gc, {stats.used_blocks} blocks are in use and "
-            f"{stats.free_blocks} of {stats.total_blocks} free: blocks leaked"
+        problems.append(
+            (
+                "leak",
+                f"after deallocating everything and gc, {stats.used_blocks} blocks are in use and "
+                f"{stats.free_blocks} of {stats.total_blocks} free: blocks leaked",
+            )
         )
     try:
         manager.check_invariants()
     except AssertionError as exc:
-        failures.append(f"{label}: invariants broken after cleanup: {exc}")
+        problems.append(("invariants", f"invariants broken after cleanup: {exc}"))
+    return problems
+
+
+def _check_run(script: FaultScript, label: str, failures: list[str]) -> None:
+    failures.extend(f"{label}: {problem}" for _, problem in check_after_fault(script))
 
 
 def run_fault_injection(
@@ -458,7 +519,7 @@ def run_fault_injection(
     config = backend.config(**fields)
     failures: list[str] = []
 
-    clean = _Script(_faulty_manager(backend, config, None, "before"), backend.claims)
+    clean = FaultScript(_faulty_manager(backend, config, None, "before"), backend.claims)
     for _, step in clean.steps():
         step()
     storage = clean.manager.storage
@@ -470,7 +531,7 @@ def run_fault_injection(
     for fail_at in range(len(calls)):
         for when in ("before", "after"):
             manager = _faulty_manager(backend, config, fail_at, when, fault)
-            script = _Script(manager, backend.claims)
+            script = FaultScript(manager, backend.claims)
             faulty = manager.storage
             assert isinstance(faulty, FaultyStorage)
             label = f"fault {when} storage call {fail_at} ({calls[fail_at]})"

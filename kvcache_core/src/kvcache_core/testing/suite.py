@@ -44,6 +44,7 @@ from kvcache_core.testing.policies import PolicyCases
 from kvcache_core.testing.quantized import QuantizedCases
 from kvcache_core.testing.reliability import ReliabilityCases
 from kvcache_core.testing.returns import storage_return_problems
+from kvcache_core.testing.tiers import TierCases
 from kvcache_core.testing.world import World, assert_same_state, make_world, probe, snapshot
 
 __all__ = ["KvCacheConformance"]
@@ -112,7 +113,9 @@ def _tokens_from_pool(config: CacheConfig, pool: FloatArray, slots: npt.NDArray[
     return np.asarray(picked)
 
 
-class KvCacheConformance(ReliabilityCases, PolicyCases, BeyondPoolCases, FeatureCases, QuantizedCases, HybridCases):
+class KvCacheConformance(
+    ReliabilityCases, PolicyCases, BeyondPoolCases, FeatureCases, QuantizedCases, HybridCases, TierCases
+):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 
     #: Request lengths of the attention tests (ragged, over several blocks and runs).
