@@ -4,12 +4,15 @@ and ``manager.load_prefix_cache(path)``.
 Requires the ``tiers`` extra (``pip install "kvcache-core[tiers]"``: safetensors).
 
 One file, in the safetensors format (no pickle anywhere): two tensors, ``keys`` and
-``values``, ``[pool_layers, n, block_size, num_heads, head_dim]`` whatever the pool's layout
-(what ``KvStorage.blocks_to_host`` gives), and a JSON header in the safetensors metadata
-under ``"kvcache"``::
+``values``, ``[pool_layers, n, block_size, num_heads, width]`` whatever the pool's layout,
+in core's host form of the pool's dtype (what ``KvStorage.blocks_to_host`` gives on every
+backend, :mod:`kvcache_core.host_form`: bfloat16 as ``uint16`` bit patterns, quantized
+blocks as packed ``uint8``), and a JSON header in the safetensors metadata under
+``"kvcache"``::
 
-    {"format": "kvcache-prefix-cache", "version": 1, "namespace": model_id or null,
+    {"format": "kvcache-prefix-cache", "version": 2, "namespace": model_id or null,
      "geometry": {"num_layers", "num_heads", "head_dim", "block_size"}, "dtype": pool dtype,
+     "tensor_dtype": the NumPy dtype of the stored tensors, the host form of "dtype",
      "layout": the saving pool's layout (for information: data is layout-free),
      "hash_algorithm": "sha256:kvcache-core/block-hash/v1",
      "blocks": [{"hash", "parent" (hex or null), "salt" (hex or null), "token_ids",
@@ -21,10 +24,15 @@ group (a block holds one group's layers), and its geometry names the groups
 (``"kv_groups"``: ``[window, layers]`` each), so it loads only into a pool of the same
 groups. Blocks come parents first. So a file saved by one backend and layout loads into any other
 with the same namespace, geometry and dtype. Loading checks everything before it touches
-the pool (format, version, namespace, geometry, dtype, shapes, every checksum, every hash
-recomputed from its parent, salt and tokens) and refuses with a specific
+the pool (format, version, namespace, geometry, dtype, every tensor's stored dtype against
+the header's (nothing is cast), shapes, every checksum, a quantized block's scales finite
+and >= 0, every hash recomputed from its parent, salt and tokens) and refuses with a specific
 :class:`~kvcache_core.errors.KvCacheError`, loading nothing. Writing goes to a temporary
 name in the same directory, flushed to disk, then renamed: a reader never sees half a file.
+
+Version 1 files (no ``"tensor_dtype"``) still load: their tensors were the host form too,
+except bfloat16, stored as float32 values (torch) or safetensors ``BF16`` (JAX); both are
+read back exactly, and a float32 value that is not a bfloat16 value is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from kvcache_core import host_form
 from kvcache_core.config import SCALE_BYTES
 from kvcache_core.errors import (
     CacheFileError,
@@ -52,6 +61,7 @@ from kvcache_core.errors import (
     OutOfBlocksError,
     UnsupportedConfigError,
 )
+from kvcache_core.file_tensors import block_in_host_form, load_tensors, stack_blocks
 from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import PrefixEntry, hash_block, namespace_root
 
@@ -63,6 +73,7 @@ __all__ = [
     "FORMAT_VERSION",
     "HASH_ALGORITHM",
     "BlockRecord",
+    "check_record",
     "install_cached_blocks",
     "load_prefix_cache",
     "read_blocks",
@@ -73,7 +84,9 @@ __all__ = [
 ]
 
 FORMAT_NAME = "kvcache-prefix-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: The versions this kvcache reads (1: no ``"tensor_dtype"``; see the module docstring).
+READABLE_VERSIONS = (1, 2)
 HASH_ALGORITHM = "sha256:kvcache-core/block-hash/v1"
 _METADATA_KEY = "kvcache"
 
@@ -118,6 +131,21 @@ class BlockRecord:
         """What an offload tier files it under: :func:`record_key` of its hash and group
         (the bare hash in group 0, so a pool without groups keys blocks by hash)."""
         return record_key(self.block_hash, self.group)
+
+
+def check_record(config: CacheConfig, record: BlockRecord) -> None:
+    """Refuse a record read from outside (an offload tier's) unless its keys and values are
+    one block in the host form of ``config.dtype`` (:mod:`kvcache_core.host_form`) whose
+    content a write can make (a quantized block's scales finite and >= 0).
+
+    Raises:
+        ArrayTypeError, DTypeMismatchError, ShapeMismatchError, InvalidArgumentError: naming
+            what is wrong.
+    """
+    shape = host_form.host_record_shape(config)
+    for name, part in (("keys", record.keys), ("values", record.values)):
+        host_form.check_host_array(config, f"the record's {name}", part, shape)
+        host_form.check_host_content(config, f"the record's {name}", part)
 
 
 def record_key(block_hash: bytes, group: int) -> bytes:
@@ -187,15 +215,14 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
     from safetensors.numpy import save  # the [tiers] extra
 
     target = Path(path)
-    shape = (config.pool_layers, 0, config.block_size, config.num_heads, config.head_dim)
-    keys = np.stack([record.keys for record in records], axis=1) if records else np.zeros(shape, np.float32)
-    values = np.stack([record.values for record in records], axis=1) if records else np.zeros(shape, np.float32)
+    keys, values = stack_blocks(config, [(record.keys, record.values) for record in records])
     header = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "namespace": config.model_id,
         "geometry": _geometry(config),
         "dtype": config.dtype,
+        "tensor_dtype": keys.dtype.name,
         "layout": config.kv_layout,
         "hash_algorithm": HASH_ALGORITHM,
         "blocks": [
@@ -210,10 +237,7 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
             for record in records
         ],
     }
-    data = save(
-        {"keys": np.ascontiguousarray(keys), "values": np.ascontiguousarray(values)},
-        metadata={_METADATA_KEY: json.dumps(header, separators=(",", ":"))},
-    )
+    data = save({"keys": keys, "values": values}, metadata={_METADATA_KEY: json.dumps(header, separators=(",", ":"))})
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         with open(temporary, "wb") as stream:
@@ -253,7 +277,7 @@ def read_blocks(path: str | os.PathLike[str], config: CacheConfig, *, chained: b
         raise CacheFileError(exc.errno, f"cannot read the prefix cache {str(source)!r}: {exc.strerror or exc}") from exc
     header = _parse_header(data, source)
     _check_compatible(header, config, source)
-    keys, values = _load_tensors(data, source)
+    keys, values = load_tensors(data, header, config, source)
     listed = header.get("blocks")
     if not isinstance(listed, list):
         raise CorruptCacheFileError(f"{str(source)!r}: the header's 'blocks' is not a list")
@@ -309,9 +333,10 @@ def _check_compatible(header: Mapping[str, Any], config: CacheConfig, source: Pa
     name = f"{str(source)!r}"
     if header.get("format") != FORMAT_NAME:
         raise IncompatibleCacheFileError(f"{name} is not a {FORMAT_NAME} file (format {header.get('format')!r})")
-    if header.get("version") != FORMAT_VERSION:
+    if header.get("version") not in READABLE_VERSIONS or isinstance(header.get("version"), bool):
         raise IncompatibleCacheFileError(
-            f"{name} has format version {header.get('version')!r}; this kvcache reads version {FORMAT_VERSION}"
+            f"{name} has format version {header.get('version')!r}; this kvcache reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
     if header.get("hash_algorithm") != HASH_ALGORITHM:
         raise IncompatibleCacheFileError(
@@ -327,16 +352,6 @@ def _check_compatible(header: Mapping[str, Any], config: CacheConfig, source: Pa
         )
     if header.get("dtype") != config.dtype:
         raise IncompatibleCacheFileError(f"{name} holds {header.get('dtype')!r} blocks; this pool is {config.dtype!r}")
-
-
-def _load_tensors(data: bytes, source: Path) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-    from safetensors.numpy import load  # the [tiers] extra
-
-    try:
-        tensors = load(data)
-        return tensors["keys"], tensors["values"]
-    except Exception as exc:  # safetensors raises its own SafetensorError (and KeyError for a missing tensor)
-        raise CorruptCacheFileError(f"{str(source)!r}: the block data does not load ({exc!r})") from exc
 
 
 def _record(
@@ -372,6 +387,7 @@ def _record(
         )
     if block_checksum(keys, values) != checksum:
         raise CorruptCacheFileError(f"{str(source)!r}: block {index}'s data does not match its checksum")
+    keys, values = block_in_host_form(config, keys, values, f"{str(source)!r}: block {index}")
     return BlockRecord(block_hash, parent, salt, tokens, keys, values, group)
 
 

@@ -28,7 +28,7 @@ from kvcache_core.block_table import BlockTable
 from kvcache_core.errors import InvalidTypeError, KvCacheError, TierError, UnsupportedConfigError
 from kvcache_core.events import BlockStored, EventHub
 from kvcache_core.groups import first_visible_block
-from kvcache_core.persist import BlockRecord, record_key
+from kvcache_core.persist import BlockRecord, check_record, record_key
 from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import PrefixEntry, hash_block
 from kvcache_core.tiers import OffloadTier, TierStats
@@ -448,6 +448,8 @@ class TierChain:
                         f"group {record.group} of {record.block_hash.hex()[:16]}... (does it file records under "
                         "BlockRecord.key?)"
                     )
+                if record is not None:  # a tier's record is read from outside: host form, sane scales
+                    check_record(self._config, record)
             except KvCacheError as exc:
                 self._counts[tier.name][3] += 1
                 self._discard(tier, key)
