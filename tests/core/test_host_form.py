@@ -19,7 +19,6 @@ pytest.importorskip("safetensors")
 from safetensors.numpy import load, save
 
 from kvcache_core import AllocationRequest, CacheConfig, create_manager, host_form
-from kvcache_core.config import CacheConfig as Config
 from kvcache_core.errors import (
     CorruptCacheFileError,
     DTypeMismatchError,
@@ -39,8 +38,9 @@ GEOMETRY: dict[str, Any] = {"num_layers": 2, "num_heads": 2, "head_dim": 8, "num
 PROMPT = tuple(range(40, 49))  # two full blocks of 4 and one token
 
 
-def config_of(dtype: str = "float32", **fields: Any) -> Config:
-    return CacheConfig(**{**GEOMETRY, "dtype": dtype, "enable_prefix_caching": True, **fields})
+def config_of(dtype: str = "float32", **fields: Any) -> CacheConfig:
+    settings: dict[str, Any] = {**GEOMETRY, "dtype": dtype, "enable_prefix_caching": True, **fields}
+    return CacheConfig(**settings)
 
 
 def prefilled(dtype: str = "float32", **options: Any) -> Manager:
@@ -64,11 +64,9 @@ def saved(tmp_path: Path, dtype: str = "float32") -> Path:
 
 
 def header_of(path: Path) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="numpy") as stream:
-        metadata = stream.metadata()
-    header: dict[str, Any] = json.loads(metadata["kvcache"])
+    data = path.read_bytes()
+    table = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    header: dict[str, Any] = json.loads(table["__metadata__"]["kvcache"])
     return header
 
 
@@ -180,7 +178,7 @@ def test_nan_scales_are_never_served(tmp_path: Path) -> None:
 # -- version 1 files --------------------------------------------------------------------------
 
 
-def bfloat16_config() -> Config:
+def bfloat16_config() -> CacheConfig:
     return config_of("bfloat16")
 
 

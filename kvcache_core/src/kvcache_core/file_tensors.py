@@ -7,7 +7,7 @@ Requires the ``tiers`` extra (safetensors).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -89,16 +89,17 @@ def load_tensors(
             match its shape.
         IncompatibleCacheFileError: see :func:`stored_dtypes`.
     """
-    from safetensors import deserialize  # the [tiers] extra
+    from safetensors import deserialize  # the [tiers] extra  # pyright: ignore[reportUnknownVariableType]
 
+    parse = cast("Callable[[bytes], list[tuple[str, Mapping[str, object]]]]", deserialize)  # left untyped upstream
     allowed = stored_dtypes(header, config, source)
     try:
-        tensors = dict(deserialize(data))  # type: ignore[no-untyped-call]  # safetensors leaves it untyped
+        tensors = dict(parse(data))
     except Exception as exc:  # safetensors raises its own SafetensorError
         raise CorruptCacheFileError(f"{str(source)!r}: the block data does not load ({exc!r})") from exc
     loaded: list[HostArray] = []
     for name in ("keys", "values"):
-        tensor = cast("Mapping[str, object] | None", tensors.get(name))
+        tensor = tensors.get(name)
         if tensor is None:
             raise CorruptCacheFileError(f"{str(source)!r}: the file has no {name!r} tensor")
         code, shape, raw = tensor.get("dtype"), tensor.get("shape"), tensor.get("data")

@@ -100,17 +100,18 @@ def check_host_array(config: CacheConfig, name: str, array: object, shape: tuple
     """
     if not isinstance(array, np.ndarray):
         raise ArrayTypeError(f"{name} must be a numpy.ndarray in host form, got {type(array).__name__}")
+    checked: np.ndarray[Any, Any] = array  # pyright: ignore[reportUnknownVariableType]
     expected = host_dtype(config.dtype)
-    if array.dtype != expected:
+    if checked.dtype != expected:
         raise DTypeMismatchError(
-            f"{name} have dtype {array.dtype}; the host form of a {config.dtype} pool is {expected} "
+            f"{name} have dtype {checked.dtype}; the host form of a {config.dtype} pool is {expected} "
             "(kvcache_core.host_form)"
         )
-    if tuple(array.shape) != tuple(shape):
+    if tuple(checked.shape) != tuple(shape):
         width = "head_dim + 4 scale bytes" if config.quantized else "head_dim"
         axes = "layers, blocks, block_size, heads" if len(shape) == 5 else "layers, block_size, heads"
         raise ShapeMismatchError(
-            f"{name} must have shape {tuple(shape)} ([{axes}, {width}] in host form), got {tuple(array.shape)}"
+            f"{name} must have shape {tuple(shape)} ([{axes}, {width}] in host form), got {tuple(checked.shape)}"
         )
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from kvcache_core import host_form
 from kvcache_core.config import AllocationRequest, CacheConfig
+from kvcache_core.device import Device
 from kvcache_core.discovery import create_manager
 from kvcache_core.errors import DTypeMismatchError, KvCacheError
 from kvcache_core.handle import PagedKvCacheHandle
@@ -98,7 +99,7 @@ def _numpy_holds(config: CacheConfig) -> bool:
 
 
 def _on_numpy(config: CacheConfig) -> CacheConfig:
-    return dataclasses.replace(config, device="cpu", kv_layout=None)
+    return dataclasses.replace(config, device=Device.parse("cpu"), kv_layout=None)
 
 
 def _gathered(manager: Manager, handle: PagedKvCacheHandle[Any]) -> list[npt.NDArray[np.float64]]:
