@@ -1,9 +1,11 @@
-"""A bfloat16 prefix cache moves torch -> JAX -> torch, and through the NumPy side, in
-files and through a disk tier, bit for bit: both backends hand over core's host form
-(``uint16`` bit patterns, ``kvcache_core.host_form``)."""
+"""Prefix caches of every dtype move torch -> JAX -> memmap -> NumPy -> torch through files
+(each hop on the backends holding the dtype), bfloat16 also through the NumPy side and a
+disk tier, bit for bit: every backend hands over core's host form (``kvcache_core.host_form``;
+bfloat16 as ``uint16`` bit patterns)."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from kvcache_core import AllocationRequest, CacheConfig, create_manager, host_form
+from kvcache_core import AllocationRequest, CacheConfig, UnsupportedConfigError, create_manager, host_form
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.persist import read_blocks, write_blocks
 from kvcache_core.testing.backend import BackendUnderTest
@@ -31,15 +33,18 @@ PROMPT = tuple(range(70, 79))  # two full blocks and one token
 CACHED = 8
 
 
-def computed(backend: str, **options: Any) -> Manager:
+def computed(backend: str, config: CacheConfig = CONFIG, **options: Any) -> Manager:
     """A ``backend`` manager that computed ``PROMPT`` (request ``"a"``, still live)."""
-    manager = create_manager(backend, CONFIG, **options)
+    manager = create_manager(backend, config, **options)
     handle = manager.allocate(AllocationRequest("a", prompt_token_ids=PROMPT))
     slots = manager.extend(handle, len(PROMPT))
     rng = np.random.default_rng(9)
-    for layer in range(CONFIG.num_layers):
-        keys = BackendUnderTest.representable(rng.standard_normal((len(slots), 2, 8)), "bfloat16")
-        manager.write(layer, slots, BackendUnderTest.native(manager, keys), BackendUnderTest.native(manager, -keys))
+    io = config.io_dtype
+    for layer in range(config.num_layers):
+        keys = BackendUnderTest.representable(rng.standard_normal((len(slots), 2, 8)), io)
+        manager.write(
+            layer, slots, BackendUnderTest.native(manager, keys, io), BackendUnderTest.native(manager, -keys, io)
+        )
     return manager
 
 
@@ -55,7 +60,7 @@ def held(manager: Manager, request_id: str) -> HostPair:
     assert handle is not None
     blocks = np.asarray(handle.block_table().physical_blocks[:2], dtype=np.int64)
     keys, values = manager.storage.blocks_to_host(blocks)
-    assert keys.dtype == values.dtype == np.uint16
+    assert keys.dtype == values.dtype == host_form.host_dtype(manager.config.dtype)
     return np.array(keys, copy=True), np.array(values, copy=True)
 
 
@@ -74,19 +79,32 @@ def assert_same(got: HostPair, expected: HostPair) -> None:
         assert after.tobytes() == before.tobytes()
 
 
-def test_a_bfloat16_prefix_cache_moves_torch_to_jax_to_torch_through_files_bit_exact(tmp_path: Path) -> None:
-    torch_source = computed("torch")
-    sent, values_sent = held(torch_source, "a"), gathered(torch_source, "a")
-    torch_source.save_prefix_cache(tmp_path / "torch.safetensors")
-    jax_manager = create_manager("jax", CONFIG)
-    assert jax_manager.load_prefix_cache(tmp_path / "torch.safetensors") == 2
-    assert_same(hit(jax_manager, "b"), sent)
-    assert all(np.array_equal(a, b) for a, b in zip(gathered(jax_manager, "b"), values_sent, strict=True))
-    jax_manager.save_prefix_cache(tmp_path / "jax.safetensors")
-    torch_back = create_manager("torch", CONFIG)
-    assert torch_back.load_prefix_cache(tmp_path / "jax.safetensors") == 2
-    assert_same(hit(torch_back, "c"), sent)
-    assert all(np.array_equal(a, b) for a, b in zip(gathered(torch_back, "c"), values_sent, strict=True))
+#: The hops of a saved prefix cache; a backend that does not hold the dtype is skipped.
+HOPS = ("jax", "memmap", "numpy", "torch")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn"])
+def test_a_prefix_cache_moves_through_every_backend_in_files_bit_exact(tmp_path: Path, dtype: str) -> None:
+    config = dataclasses.replace(CONFIG, dtype=dtype)
+    source = computed("torch", config)
+    sent, values_sent = held(source, "a"), gathered(source, "a")
+    path = tmp_path / "torch.safetensors"
+    source.save_prefix_cache(path)
+    visited = ["torch"]
+    for backend in HOPS:
+        try:
+            manager = create_manager(backend, config)
+        except UnsupportedConfigError:
+            continue  # NumPy and memmap hold no bfloat16
+        assert manager.load_prefix_cache(path) == 2, f"{' -> '.join(visited)} -> {backend}"
+        assert_same(hit(manager, "b"), sent)
+        assert all(np.array_equal(a, b) for a, b in zip(gathered(manager, "b"), values_sent, strict=True))
+        path = tmp_path / f"{backend}.safetensors"
+        manager.save_prefix_cache(path)
+        manager.close()
+        visited.append(backend)
+    assert visited[-1] == "torch"
+    assert len(visited) == (3 if dtype == "bfloat16" else 5)
 
 
 def test_a_bfloat16_file_read_and_written_on_the_numpy_side_loads_bit_exact(tmp_path: Path) -> None:
