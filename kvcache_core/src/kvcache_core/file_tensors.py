@@ -7,6 +7,7 @@ Requires the ``tiers`` extra (safetensors).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -112,7 +113,7 @@ def load_tensors(
         if not isinstance(shape, list) or not isinstance(raw, (bytes, bytearray)):
             raise CorruptCacheFileError(f"{str(source)!r}: the {name} tensor is malformed")
         dims = [int(dim) for dim in cast("list[int]", shape)]
-        if len(raw) != int(np.prod(dims, dtype=np.int64)) * element.itemsize:
+        if min(dims, default=0) < 0 or len(raw) != math.prod(dims) * element.itemsize:
             raise CorruptCacheFileError(f"{str(source)!r}: the {name} tensor's bytes do not match its shape {dims}")
         loaded.append(np.frombuffer(raw, dtype=element).reshape(dims))
     return loaded[0], loaded[1]

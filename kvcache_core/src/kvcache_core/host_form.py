@@ -28,7 +28,7 @@ host form to float64.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -41,6 +41,7 @@ __all__ = [
     "HOST_DTYPES",
     "bfloat16_to_float32",
     "check_host_array",
+    "check_host_block",
     "check_host_content",
     "float32_to_bfloat16",
     "host_dtype",
@@ -142,6 +143,19 @@ def check_host_content(config: CacheConfig, name: str, array: npt.NDArray[Any]) 
             raise InvalidArgumentError(
                 f"{name}{list(index)} is a float8 NaN; a quantized pool holds finite values only"
             )
+
+
+def check_host_block(config: CacheConfig, name: str, array: object) -> None:
+    """Refuse one block's keys (or values) read from outside (an offload tier's record)
+    unless :func:`check_host_array` (of :func:`host_record_shape`) and
+    :func:`check_host_content` accept it.
+
+    Raises:
+        ArrayTypeError, DTypeMismatchError, ShapeMismatchError, InvalidArgumentError: naming
+            what is wrong.
+    """
+    check_host_array(config, name, array, host_record_shape(config))
+    check_host_content(config, name, cast("npt.NDArray[Any]", array))
 
 
 def bfloat16_to_float32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:

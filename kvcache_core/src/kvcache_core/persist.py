@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core import host_form
 from kvcache_core.config import SCALE_BYTES
 from kvcache_core.errors import (
     CacheFileError,
@@ -73,7 +72,6 @@ __all__ = [
     "FORMAT_VERSION",
     "HASH_ALGORITHM",
     "BlockRecord",
-    "check_record",
     "install_cached_blocks",
     "load_prefix_cache",
     "read_blocks",
@@ -131,21 +129,6 @@ class BlockRecord:
         """What an offload tier files it under: :func:`record_key` of its hash and group
         (the bare hash in group 0, so a pool without groups keys blocks by hash)."""
         return record_key(self.block_hash, self.group)
-
-
-def check_record(config: CacheConfig, record: BlockRecord) -> None:
-    """Refuse a record read from outside (an offload tier's) unless its keys and values are
-    one block in the host form of ``config.dtype`` (:mod:`kvcache_core.host_form`) whose
-    content a write can make (a quantized block's scales finite and >= 0).
-
-    Raises:
-        ArrayTypeError, DTypeMismatchError, ShapeMismatchError, InvalidArgumentError: naming
-            what is wrong.
-    """
-    shape = host_form.host_record_shape(config)
-    for name, part in (("keys", record.keys), ("values", record.values)):
-        host_form.check_host_array(config, f"the record's {name}", part, shape)
-        host_form.check_host_content(config, f"the record's {name}", part)
 
 
 def record_key(block_hash: bytes, group: int) -> bytes:
@@ -211,6 +194,8 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
     Raises:
         CacheFileError: the file cannot be written (no permission, no such directory, disk
             full); no file is left at ``path`` or beside it.
+        ArrayTypeError, DTypeMismatchError, ShapeMismatchError: a record's keys or values
+            are not one block in the host form of ``config.dtype`` (nothing is written).
     """
     from safetensors.numpy import save  # the [tiers] extra
 

@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvcache_core import host_form
 from kvcache_core.block_table import BlockTable
 from kvcache_core.errors import InvalidTypeError, KvCacheError, TierError, UnsupportedConfigError
 from kvcache_core.events import BlockStored, EventHub
 from kvcache_core.groups import first_visible_block
-from kvcache_core.persist import BlockRecord, check_record, record_key
+from kvcache_core.persist import BlockRecord, record_key
 from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import PrefixEntry, hash_block
 from kvcache_core.tiers import OffloadTier, TierStats
@@ -449,7 +450,8 @@ class TierChain:
                         "BlockRecord.key?)"
                     )
                 if record is not None:  # a tier's record is read from outside: host form, sane scales
-                    check_record(self._config, record)
+                    host_form.check_host_block(self._config, "the record's keys", record.keys)
+                    host_form.check_host_block(self._config, "the record's values", record.values)
             except KvCacheError as exc:
                 self._counts[tier.name][3] += 1
                 self._discard(tier, key)
