@@ -102,7 +102,7 @@ def test_written_tokens_gather_back_exactly_and_sit_at_their_slots(dtype: str, k
     assert tuple(manager.gather(empty, 0)[0].shape) == (0, 2, 4)
 
 
-def test_bfloat16_reaches_the_host_as_ml_dtypes_bfloat16_which_widens_exactly() -> None:
+def test_bfloat16_values_reach_numpy_as_ml_dtypes_bfloat16_and_blocks_as_their_bit_patterns() -> None:
     manager = make_manager("bfloat16")
     handle = manager.allocate(AllocationRequest("a"))
     slots = manager.extend(handle, 3)
@@ -113,7 +113,9 @@ def test_bfloat16_reaches_the_host_as_ml_dtypes_bfloat16_which_widens_exactly() 
     assert host.dtype == np.dtype(ml_dtypes.bfloat16)
     assert np.array_equal(host.astype(np.float32), keys.astype(np.float32))
     blocks_keys, _ = manager.storage.blocks_to_host(np.asarray(handle.block_table().physical_blocks))
-    assert blocks_keys.dtype == np.dtype(ml_dtypes.bfloat16)
+    assert blocks_keys.dtype == np.uint16  # core's host form: the bit patterns
+    written = blocks_keys[0].reshape(-1, 2, 4)[:3]
+    assert np.array_equal(written.view(ml_dtypes.bfloat16).astype(np.float32), keys.astype(np.float32))
 
 
 def test_to_numpy_returns_an_independent_writable_copy() -> None:

@@ -22,6 +22,7 @@ from kvcache_core import (
     available_backends,
     create_manager,
     get_backend,
+    host_form,
 )
 from kvcache_core.demo import DemoOptions, run_demo
 from kvcache_torch import TorchStorage
@@ -255,8 +256,8 @@ def test_blocks_to_host_and_back_are_bit_identical(device: str, dtype: str, layo
     keys, values = storage.blocks_to_host(blocks)
     expected_shape = (config.num_layers, len(blocks), config.block_size, config.num_heads, config.head_dim)
     assert keys.shape == values.shape == expected_shape
-    assert keys.dtype == np.dtype("float32" if dtype == "bfloat16" else dtype)  # NumPy has no bfloat16
-    tokens = keys[1].reshape(-1, config.num_heads, config.head_dim)[:10]
+    assert keys.dtype == host_form.host_dtype(dtype)  # core's host form: bfloat16 as uint16 bit patterns
+    tokens = host_form.host_values(config, keys)[1].reshape(-1, config.num_heads, config.head_dim)[:10]
     assert np.array_equal(tokens, storage.to_numpy(filled.keys[1][0]))
     free = np.flatnonzero(~manager.allocator.in_use_mask())[: len(blocks)].astype(np.int64)
     storage.blocks_from_host(free, keys, values)
@@ -308,7 +309,7 @@ def test_blocks_from_host_refuses_the_wrong_shape_dtype_or_type() -> None:
     before = snapshot_pool(manager)
     with pytest.raises(ShapeMismatchError, match=r"\(2, 2, 4, 2, 8\)"):
         storage.blocks_from_host(blocks[:1], keys, values)
-    with pytest.raises(DTypeMismatchError, match=r"float64.*float32"):
+    with pytest.raises(DTypeMismatchError, match=r"float64.*host form of a bfloat16 pool is uint16"):
         storage.blocks_from_host(blocks, keys.astype(np.float64), values)
     with pytest.raises(ArrayTypeError, match="list"):
         storage.blocks_from_host(blocks, untyped(keys.tolist()), values)

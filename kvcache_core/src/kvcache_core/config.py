@@ -30,7 +30,8 @@ __all__ = [
 #: Bytes per element of every dtype name a backend may claim. Each backend holds only the
 #: dtypes it lists in ``BackendSpec.dtypes``: NumPy has no bfloat16, so the built-in ``numpy``
 #: backend holds float16, float32 and float64; ``torch`` and ``jax`` hold float32, float16 and
-#: bfloat16 (their host copies of bfloat16 come back as float32, or ``ml_dtypes.bfloat16``).
+#: bfloat16 (host copies of blocks are in one form per dtype on every backend, bfloat16 as
+#: its bit patterns: :mod:`kvcache_core.host_form`).
 DTYPE_SIZES: Final[dict[str, int]] = {
     "float16": 2,
     "bfloat16": 2,

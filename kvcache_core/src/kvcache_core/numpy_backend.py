@@ -13,7 +13,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core import paged_kernel, quantization
+from kvcache_core import host_form, paged_kernel, quantization
 from kvcache_core.attention import paged_attention
 from kvcache_core.attention_features import ATTENTION_CAPABILITIES, combined_window
 from kvcache_core.config import KV_LAYOUTS, CacheConfig
@@ -272,7 +272,15 @@ class NumpyStorage:
         return np.ascontiguousarray(canonical[:, 0]), np.ascontiguousarray(canonical[:, 1])
 
     def blocks_from_host(self, blocks: IntArray, keys: NumpyArray, values: NumpyArray) -> None:
-        """Write copies made by :meth:`blocks_to_host` back into ``blocks``."""
+        """Write host-form copies (:mod:`kvcache_core.host_form`) into ``blocks``.
+
+        Raises:
+            ArrayTypeError, DTypeMismatchError, ShapeMismatchError: not the host form of
+                ``len(blocks)`` blocks (nothing is cast or written).
+        """
+        shape = host_form.host_shape(self._config, len(blocks))
+        host_form.check_host_array(self._config, "keys", keys, shape)
+        host_form.check_host_array(self._config, "values", values, shape)
         if self._scales is not None:
             raw_keys, key_scales = quantization.unpack_host(self._config, keys, "keys")
             raw_values, value_scales = quantization.unpack_host(self._config, values, "values")

@@ -4,12 +4,15 @@ and ``manager.load_prefix_cache(path)``.
 Requires the ``tiers`` extra (``pip install "kvcache-core[tiers]"``: safetensors).
 
 One file, in the safetensors format (no pickle anywhere): two tensors, ``keys`` and
-``values``, ``[pool_layers, n, block_size, num_heads, head_dim]`` whatever the pool's layout
-(what ``KvStorage.blocks_to_host`` gives), and a JSON header in the safetensors metadata
-under ``"kvcache"``::
+``values``, ``[pool_layers, n, block_size, num_heads, width]`` whatever the pool's layout,
+in core's host form of the pool's dtype (what ``KvStorage.blocks_to_host`` gives on every
+backend, :mod:`kvcache_core.host_form`: bfloat16 as ``uint16`` bit patterns, quantized
+blocks as packed ``uint8``), and a JSON header in the safetensors metadata under
+``"kvcache"``::
 
-    {"format": "kvcache-prefix-cache", "version": 1, "namespace": model_id or null,
+    {"format": "kvcache-prefix-cache", "version": 2, "namespace": model_id or null,
      "geometry": {"num_layers", "num_heads", "head_dim", "block_size"}, "dtype": pool dtype,
+     "tensor_dtype": the NumPy dtype of the stored tensors, the host form of "dtype",
      "layout": the saving pool's layout (for information: data is layout-free),
      "hash_algorithm": "sha256:kvcache-core/block-hash/v1",
      "blocks": [{"hash", "parent" (hex or null), "salt" (hex or null), "token_ids",
@@ -21,14 +24,19 @@ group (a block holds one group's layers), and its geometry names the groups
 (``"kv_groups"``: ``[window, layers]`` each), so it loads only into a pool of the same
 groups. Blocks come parents first. So a file saved by one backend and layout loads into any other
 with the same namespace, geometry and dtype. Loading checks everything before it touches
-the pool (format, version, namespace, geometry, dtype, shapes, every checksum, every hash
-recomputed from its parent, salt and tokens) and refuses with a specific
+the pool (format, version, namespace, geometry, dtype, every tensor's stored dtype against
+the header's (nothing is cast), shapes, every checksum, a quantized block's scales finite
+and >= 0, every hash recomputed from its parent, salt and tokens) and refuses with a specific
 :class:`~kvcache_core.errors.KvCacheError`, loading nothing; every header field is
 parsed strictly (types, ranges, nesting depth). Files are handled by
 :mod:`kvcache_core.safe_files`: writing goes to a temporary file created exclusively under
 an unpredictable name in the same directory, flushed to disk, then renamed (a reader never
 sees half a file, a symbolic link is never followed); loading reads a regular file only,
 no further than its header declares.
+
+Version 1 files (no ``"tensor_dtype"``) still load: their tensors were the host form too,
+except bfloat16, stored as float32 values (torch) or safetensors ``BF16`` (JAX); both are
+read back exactly, and a float32 value that is not a bfloat16 value is refused.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from kvcache_core.errors import (
     OutOfBlocksError,
     UnsupportedConfigError,
 )
+from kvcache_core.file_tensors import block_in_host_form, load_tensors, stack_blocks
 from kvcache_core.pool_access import PoolAccess
 from kvcache_core.prefix import PrefixEntry, hash_block, namespace_root
 from kvcache_core.safe_files import file_path, write_file_atomically
@@ -75,7 +84,9 @@ __all__ = [
 ]
 
 FORMAT_NAME = "kvcache-prefix-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: The versions this kvcache reads (1: no ``"tensor_dtype"``; see the module docstring).
+READABLE_VERSIONS = (1, 2)
 HASH_ALGORITHM = "sha256:kvcache-core/block-hash/v1"
 _METADATA_KEY = "kvcache"
 
@@ -191,19 +202,20 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
             empty or holds a NUL character.
         CacheFileError: the file cannot be written (no permission, no such directory, disk
             full); ``path`` is as it was and nothing is left beside it.
+        ArrayTypeError, DTypeMismatchError, ShapeMismatchError: a record's keys or values
+            are not one block in the host form of ``config.dtype`` (nothing is written).
     """
     from safetensors.numpy import save  # the [tiers] extra
 
     target = file_path(path)
-    shape = (config.pool_layers, 0, config.block_size, config.num_heads, config.head_dim)
-    keys = np.stack([record.keys for record in records], axis=1) if records else np.zeros(shape, np.float32)
-    values = np.stack([record.values for record in records], axis=1) if records else np.zeros(shape, np.float32)
+    keys, values = stack_blocks(config, [(record.keys, record.values) for record in records])
     header = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "namespace": config.model_id,
         "geometry": _geometry(config),
         "dtype": config.dtype,
+        "tensor_dtype": keys.dtype.name,
         "layout": config.kv_layout,
         "hash_algorithm": HASH_ALGORITHM,
         "blocks": [
@@ -255,7 +267,7 @@ def read_blocks(
     table, data = read_container(str(source), size)
     header = kvcache_header(table, str(source), _METADATA_KEY)
     _check_compatible(header, config, source)
-    keys, values = _load_tensors(data, source)
+    keys, values = load_tensors(data, header, config, source)
     listed = header.get("blocks")
     if not isinstance(listed, list):
         raise CorruptCacheFileError(f"{str(source)!r}: the header's 'blocks' is not a list")
@@ -291,9 +303,10 @@ def _check_compatible(header: Mapping[str, Any], config: CacheConfig, source: Pa
     name = f"{str(source)!r}"
     if not same_json(header.get("format"), FORMAT_NAME):
         raise IncompatibleCacheFileError(f"{name} is not a {FORMAT_NAME} file (format {shown(header.get('format'))})")
-    if not same_json(header.get("version"), FORMAT_VERSION):
+    if not any(same_json(header.get("version"), version) for version in READABLE_VERSIONS):
         raise IncompatibleCacheFileError(
-            f"{name} has format version {shown(header.get('version'))}; this kvcache reads version {FORMAT_VERSION}"
+            f"{name} has format version {shown(header.get('version'))}; this kvcache reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
     if not same_json(header.get("hash_algorithm"), HASH_ALGORITHM):
         raise IncompatibleCacheFileError(
@@ -317,16 +330,6 @@ def _check_compatible(header: Mapping[str, Any], config: CacheConfig, source: Pa
         raise CorruptCacheFileError(f"{name}: the header's layout {shown(layout)} is not a str or null")
 
 
-def _load_tensors(data: bytes, source: Path) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-    from safetensors.numpy import load  # the [tiers] extra
-
-    try:
-        tensors = load(data)
-        return tensors["keys"], tensors["values"]
-    except Exception as exc:  # safetensors raises its own SafetensorError (and KeyError for a missing tensor)
-        raise CorruptCacheFileError(f"{str(source)!r}: the block data does not load ({exc!r})") from exc
-
-
 def _record(
     fields: object,
     index: int,
@@ -338,6 +341,7 @@ def _record(
     entry = block_entry(fields, index, config, str(source))
     if block_checksum(keys, values) != entry.checksum:
         raise CorruptCacheFileError(f"{str(source)!r}: block {index}'s data does not match its checksum")
+    keys, values = block_in_host_form(config, keys, values, f"{str(source)!r}: block {index}")
     return BlockRecord(entry.block_hash, entry.parent_hash, entry.salt, entry.token_ids, keys, values, entry.group)
 
 

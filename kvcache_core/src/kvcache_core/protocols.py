@@ -295,11 +295,23 @@ class KvStorage(Protocol[ArrayT]):
 
     def blocks_to_host(self, blocks: BlockArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """Host copies of ``blocks``: keys and values ``[num_layers, n, block_size, num_heads,
-        head_dim]`` (always this order, whatever the pool layout)."""
+        width]`` (always this order, whatever the pool layout), in the host form of the
+        pool's dtype, the same on every backend (:mod:`kvcache_core.host_form`): float32,
+        float16 and float64 as themselves; bfloat16 as ``uint16``, each element's bit
+        pattern; int8 and float8_e4m3fn as ``uint8`` with ``width = head_dim + 4``, each
+        token head's raw bytes then its float32 scale (:mod:`kvcache_core.quantization`).
+        ``width`` is ``head_dim`` otherwise."""
         ...
 
     def blocks_from_host(self, blocks: BlockArray, keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> None:
-        """Write host copies made by :meth:`blocks_to_host` into ``blocks``."""
+        """Write host copies in host form (made by :meth:`blocks_to_host` of this backend or
+        any other) into ``blocks``, bit for bit.
+
+        Raises:
+            ArrayTypeError, DTypeMismatchError, ShapeMismatchError: ``keys`` or ``values`` is not
+                the host form of ``len(blocks)`` blocks
+                (:func:`kvcache_core.host_form.check_host_array`); nothing is cast or written.
+        """
         ...
 
     def paged_attention(

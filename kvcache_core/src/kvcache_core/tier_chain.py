@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvcache_core import host_form
 from kvcache_core.block_table import BlockTable
 from kvcache_core.errors import TierError
 from kvcache_core.events import EventHub
@@ -453,6 +454,9 @@ class TierChain:
                 problem = self._guard.problem(level, record, key, parent)
                 if problem is not None:
                     raise TierError(problem)
+                # a tier's record is read from outside: host form, sane scales
+                host_form.check_host_block(self._config, "the record's keys", record.keys)
+                host_form.check_host_block(self._config, "the record's values", record.values)
             except Exception as exc:
                 self._guard.failed(level, "give back a block (it is dropped)", exc, dropped=1)
                 self._guard.discard(level, key)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core import quantization
+from kvcache_core import host_form, quantization
 from kvcache_core.config import QUANTIZED_DTYPES, CacheConfig
 from kvcache_core.errors import UnsupportedConfigError
 from kvcache_jax.sharding import REPLICATED, Placement, shard_over_heads
@@ -257,7 +257,7 @@ class QuantizedJaxStorage(JaxStorage):
     def blocks_to_host(self, blocks: IndexArray) -> tuple[HostArray, HostArray]:
         """Packed host copies ``uint8 [layers, n, block_size, heads, dim + 4]``: raw bytes and
         scale of each token head (:func:`kvcache_core.quantization.unpack_host`)."""
-        raw_keys, raw_values = super().blocks_to_host(blocks)
+        raw_keys, raw_values = self._elements_to_host(blocks)
         return (
             quantization.pack_host(raw_keys, self._host_scales(0, blocks)),
             quantization.pack_host(raw_values, self._host_scales(1, blocks)),
@@ -267,12 +267,15 @@ class QuantizedJaxStorage(JaxStorage):
         """Write packed host copies made by :meth:`blocks_to_host` into ``blocks``.
 
         Raises:
-            DTypeMismatchError, ShapeMismatchError: not the packed form of ``len(blocks)``
-                blocks of this pool. Nothing changes when it raises.
+            ArrayTypeError, DTypeMismatchError, ShapeMismatchError: not the packed form of
+                ``len(blocks)`` blocks of this pool. Nothing changes when it raises.
         """
+        shape = host_form.host_shape(self.config, len(blocks))
+        host_form.check_host_array(self.config, "keys", keys, shape)
+        host_form.check_host_array(self.config, "values", values, shape)
         raw_keys, key_scales = quantization.unpack_host(self.config, keys, "keys")
         raw_values, value_scales = quantization.unpack_host(self.config, values, "values")
-        super().blocks_from_host(blocks, raw_keys, raw_values)
+        self._elements_from_host(blocks, raw_keys, raw_values)
         if len(blocks) == 0:
             return
         index = self._replicated(np.asarray(blocks, dtype=np.int32))

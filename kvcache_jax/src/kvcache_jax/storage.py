@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 from jax.core import Tracer
 
+from kvcache_core import host_form
 from kvcache_core.attention_features import ATTENTION_CAPABILITIES, combined_window
 from kvcache_core.config import CacheConfig
 from kvcache_core.errors import (
@@ -301,6 +302,7 @@ class JaxStorage:
                 f"takes at most {_MAX_SLOTS}"
             )
         self._config = config
+        self._element_dtype: np.dtype[Any] = np.dtype(jnp.dtype(config.dtype))  # ml_dtypes' for bfloat16, float8
         self._placement = resolve_placement(config, mesh, axis)
         self._programs = _programs(config.kv_layout, self._placement)
         shape = config.block_shape()
@@ -451,13 +453,20 @@ class JaxStorage:
         self._keys, self._values = list(copied[:layers]), list(copied[layers:])
 
     def blocks_to_host(self, blocks: IndexArray) -> tuple[HostArray, HostArray]:
-        """Host copies ``[layers, n, block_size, heads, dim]`` of keys and values (NumPy;
-        bfloat16 as ``ml_dtypes.bfloat16``)."""
+        """Host copies ``[layers, n, block_size, heads, dim]`` of keys and values in core's
+        host form (:mod:`kvcache_core.host_form`): bfloat16 as its ``uint16`` bit patterns."""
+        keys, values = self._elements_to_host(blocks)
+        form = host_form.host_dtype(self._config.dtype)
+        return keys.view(form), values.view(form)
+
+    def _elements_to_host(self, blocks: IndexArray) -> tuple[HostArray, HostArray]:
+        """Host copies of ``blocks`` in the pool's element dtype (``ml_dtypes``' for
+        bfloat16 and float8)."""
         config = self._config
         count = len(blocks)
         if count == 0:
             shape = (config.num_layers, 0, config.block_size, config.num_heads, config.head_dim)
-            empty = np.zeros(shape, dtype=jnp.dtype(config.dtype))
+            empty = np.zeros(shape, dtype=self._element_dtype)
             return empty, empty.copy()
         blocks_in = self._replicated(pad_blocks(np.asarray(blocks), 0))
         layers = range(config.num_layers)
@@ -469,24 +478,24 @@ class JaxStorage:
         return self.to_numpy(keys)[:, :count], self.to_numpy(values)[:, :count]
 
     def blocks_from_host(self, blocks: IndexArray, keys: HostArray, values: HostArray) -> None:
-        """Write host copies made by :meth:`blocks_to_host` into ``blocks``, in place.
+        """Write host-form copies (:mod:`kvcache_core.host_form`, from any backend) into
+        ``blocks``, in place, bit for bit.
 
         Raises:
             ArrayTypeError: ``keys``/``values`` are not NumPy arrays.
             ShapeMismatchError: not ``[layers, len(blocks), block_size, heads, dim]``.
-            DTypeMismatchError: not the pool's dtype.
+            DTypeMismatchError: not the host form of the pool's dtype (nothing is cast).
             Nothing changes when it raises.
         """
+        shape = host_form.host_shape(self._config, len(blocks))
+        host_form.check_host_array(self._config, "keys", keys, shape)
+        host_form.check_host_array(self._config, "values", values, shape)
+        self._elements_from_host(blocks, keys.view(self._element_dtype), values.view(self._element_dtype))
+
+    def _elements_from_host(self, blocks: IndexArray, keys: HostArray, values: HostArray) -> None:
+        """Write host arrays of the pool's element dtype (shapes checked) into ``blocks``."""
         config = self._config
         count = len(blocks)
-        expected = (config.num_layers, count, config.block_size, config.num_heads, config.head_dim)
-        for name, array in (("keys", keys), ("values", values)):
-            if not isinstance(array, np.ndarray):
-                raise ArrayTypeError(f"{name} must be a numpy.ndarray, got {type(array).__name__}")
-            if tuple(array.shape) != expected:
-                raise ShapeMismatchError(f"{name} must have shape {expected}, got {tuple(array.shape)}")
-            if array.dtype != jnp.dtype(config.dtype):
-                raise DTypeMismatchError(f"{name} has dtype {array.dtype.name}, the pool holds {config.dtype}")
         if count == 0:
             return
         rows = bucket(count)

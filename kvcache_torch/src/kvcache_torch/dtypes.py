@@ -6,7 +6,7 @@ import torch
 
 from kvcache_core.errors import UnsupportedConfigError
 
-__all__ = ["HOST_DTYPES", "TORCH_DTYPES", "dtype_name", "torch_dtype"]
+__all__ = ["BIT_DTYPES", "TORCH_DTYPES", "VALUE_DTYPES", "dtype_name", "torch_dtype"]
 
 #: Pool dtypes of the backend, by name.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -17,10 +17,14 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
-#: How each pool dtype is held on the host, in NumPy (``blocks_to_host``, ``to_numpy``).
-#: NumPy has no bfloat16: it travels as float32, which holds every bfloat16 value exactly,
-#: so a round trip through the host is bit-identical (at twice the host memory).
-HOST_DTYPES: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.float32}
+#: The dtype ``to_numpy`` gives a tensor's *values* in, where NumPy lacks the tensor's own:
+#: bfloat16 values as float32, which holds each of them exactly.
+VALUE_DTYPES: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.float32}
+
+#: The same-width integer dtype whose NumPy arrays carry a dtype NumPy lacks, bit for bit:
+#: bfloat16 blocks leave as their 16-bit patterns (core's host form, ``uint16`` in NumPy;
+#: :mod:`kvcache_core.host_form`), never through float values.
+BIT_DTYPES: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -16,14 +16,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcache_core import paged_kernel, quantization
+from kvcache_core import host_form, paged_kernel, quantization
 from kvcache_core.attention_features import ATTENTION_CAPABILITIES, combined_window
 from kvcache_core.config import CacheConfig
-from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, ShapeMismatchError, UnsupportedConfigError
+from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, UnsupportedConfigError
 from kvcache_core.page_table import PageTable
 from kvcache_torch import quantized
 from kvcache_torch.attention import attend_pool
-from kvcache_torch.dtypes import HOST_DTYPES, dtype_name, torch_dtype
+from kvcache_torch.dtypes import BIT_DTYPES, VALUE_DTYPES, dtype_name, torch_dtype
 from kvcache_torch.threads import torch_team
 
 __all__ = ["TorchStorage", "resolve_device"]
@@ -75,9 +75,11 @@ class TorchStorage:
     reference taken before it. Bytes leave the device only through :meth:`gather`,
     :meth:`blocks_to_host` and :meth:`to_numpy`.
 
-    Host copies (``blocks_to_host``, ``to_numpy``) of a bfloat16 pool are float32 NumPy
-    arrays (NumPy has no bfloat16; float32 holds every bfloat16 value exactly, so a round
-    trip is bit-identical). On CUDA they are staged through pinned host memory.
+    Host copies (``blocks_to_host``) are core's host form (:mod:`kvcache_core.host_form`),
+    the same on every backend: a bfloat16 pool's are ``uint16`` bit patterns, so a round
+    trip is bit-identical and they load into a JAX or NumPy-side pool as they are;
+    ``to_numpy`` gives bfloat16 values as float32 (exact). On CUDA copies are staged
+    through pinned host memory.
 
     A quantized pool (``int8``, ``float8_e4m3fn``: :mod:`kvcache_core.quantization`) holds raw
     values in the pool and their scales in :attr:`scales` ``[num_layers, 2, num_heads,
@@ -105,7 +107,7 @@ class TorchStorage:
         # [layer, K/V, *layout]: one block copy moves every layer at once.
         self._pool = torch.zeros((config.num_layers, 2, *config.block_shape()), dtype=self._dtype, device=self._device)
         self._block_axis = 3 if config.kv_layout == "heads_first" else 2
-        self._host_dtype = HOST_DTYPES.get(self._dtype, self._dtype)
+        self._bits_dtype = BIT_DTYPES.get(self._dtype, self._dtype)  # what host copies are cut from
         self._scales: torch.Tensor | None = None
         # What the byte-moving kernels index: a quantized pool as its bytes (torch has no
         # index_copy_ / index_select for float8 on every device), any other pool itself.
@@ -261,7 +263,8 @@ class TorchStorage:
 
     def blocks_to_host(self, blocks: IntArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """Host copies ``[num_layers, n, block_size, num_heads, head_dim]`` of keys and values
-        (float32 for a bfloat16 pool; through pinned memory on CUDA)."""
+        in core's host form (``uint16`` bit patterns for a bfloat16 pool; through pinned
+        memory on CUDA)."""
         picked = self._to_canonical(self._moved.index_select(self._block_axis, self._index(blocks)))
         if self._scales is not None:  # packed: raw bytes + scale per token head
             raw = picked.contiguous().cpu().numpy()
@@ -271,30 +274,20 @@ class TorchStorage:
         return self._host_copy(picked[:, 0]), self._host_copy(picked[:, 1])
 
     def blocks_from_host(self, blocks: IntArray, keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> None:
-        """Write copies made by :meth:`blocks_to_host` back into ``blocks``.
+        """Write host-form copies (:mod:`kvcache_core.host_form`, from any backend) into ``blocks``.
 
         Raises:
-            ShapeMismatchError: arrays not ``[num_layers, len(blocks), block_size, num_heads, head_dim]``.
-            DTypeMismatchError: arrays of another dtype than :meth:`blocks_to_host` gives.
+            ArrayTypeError: not NumPy arrays.
+            ShapeMismatchError: arrays not ``[num_layers, len(blocks), block_size, num_heads, width]``.
+            DTypeMismatchError: arrays of another dtype than the host form (nothing is cast).
         """
         config = self._config
-        expected = (config.num_layers, len(blocks), config.block_size, config.num_heads, config.head_dim)
+        shape = host_form.host_shape(config, len(blocks))
+        host_form.check_host_array(config, "keys", keys, shape)
+        host_form.check_host_array(config, "values", values, shape)
         if self._scales is not None:
-            self._quantized_from_host(blocks, keys, values, expected[:-1])
+            self._quantized_from_host(blocks, keys, values, shape[:-1])
             return
-        host_name = dtype_name(self._host_dtype)
-        for name, array in (("keys", keys), ("values", values)):
-            if not isinstance(array, np.ndarray):
-                raise ArrayTypeError(f"{name} must be a numpy.ndarray, got {type(array).__name__}")
-            if tuple(array.shape) != expected:
-                raise ShapeMismatchError(
-                    f"{name} must have shape {expected} ([layers, blocks, block_size, heads, dim]), "
-                    f"got {tuple(array.shape)}"
-                )
-            if array.dtype != np.dtype(host_name):
-                raise DTypeMismatchError(
-                    f"host {name} have dtype {array.dtype}, the pool's host copies are {host_name}"
-                )
         stacked = torch.stack([self._from_host(keys), self._from_host(values)], dim=1)  # [L, 2, n, bs, H, D]
         if config.kv_layout == "HND":
             stacked = stacked.transpose(3, 4)
@@ -310,14 +303,8 @@ class TorchStorage:
         raws: list[torch.Tensor] = []
         scales: list[torch.Tensor] = []
         for name, array in (("keys", keys), ("values", values)):
-            if not isinstance(array, np.ndarray):
-                raise ArrayTypeError(f"{name} must be a numpy.ndarray, got {type(array).__name__}")
             raw, scale = quantization.unpack_host(self._config, array, name)
-            if tuple(scale.shape) != leading:
-                raise ShapeMismatchError(
-                    f"{name} must have shape {(*leading, self._config.head_dim + quantization.SCALE_BYTES)} "
-                    f"([layers, blocks, block_size, heads, dim + scale bytes]), got {tuple(array.shape)}"
-                )
+            assert tuple(scale.shape) == leading  # checked by the caller
             raws.append(_tensor_of(raw.view(np.uint8)).to(self._device))
             scales.append(_tensor_of(scale).to(self._device))
         stacked = torch.stack(raws, dim=1)  # [L, 2, n, bs, H, D]
@@ -338,22 +325,28 @@ class TorchStorage:
         return picked
 
     def _host_copy(self, tensor: torch.Tensor) -> npt.NDArray[Any]:
-        """A contiguous host NumPy copy (float32 for bfloat16), through pinned memory on CUDA."""
-        converted = tensor.to(self._host_dtype)
+        """A contiguous host NumPy copy in host form (bfloat16 bit-cast to its 16-bit
+        patterns, read as ``uint16``), through pinned memory on CUDA."""
+        bits = tensor.contiguous().view(self._bits_dtype)
         if self._device.type == "cpu":
-            host = converted.contiguous()  # ``tensor`` is a fresh copy already, never the pool
+            host = bits  # ``tensor`` is a fresh copy already, never the pool
         else:
-            host = torch.empty(tuple(tensor.shape), dtype=self._host_dtype, pin_memory=True)
-            host.copy_(converted, non_blocking=True)
+            host = torch.empty(tuple(tensor.shape), dtype=self._bits_dtype, pin_memory=True)
+            host.copy_(bits, non_blocking=True)
             torch.cuda.synchronize(self._device)
-        return host.numpy()
+        array = host.numpy()
+        return array.view(host_form.host_dtype(self._config.dtype))
 
     def _from_host(self, array: npt.NDArray[Any]) -> torch.Tensor:
-        """A host array on the pool's device in the pool's dtype (through pinned memory on CUDA)."""
-        tensor = _tensor_of(np.ascontiguousarray(array))
+        """A host-form array on the pool's device in the pool's dtype, bit for bit (through
+        pinned memory on CUDA)."""
+        contiguous = np.ascontiguousarray(array)
+        if self._bits_dtype != self._dtype:  # uint16 patterns -> int16 (torch's) -> bfloat16
+            contiguous = contiguous.view(np.int16)
+        tensor = _tensor_of(contiguous)
         if self._device.type != "cpu":
             tensor = tensor.pin_memory().to(self._device, non_blocking=True)
-        return tensor.to(self._dtype)
+        return tensor.view(self._dtype)
 
     # -- attention ------------------------------------------------------------------------
 
@@ -494,7 +487,7 @@ class TorchStorage:
         if not isinstance(array, torch.Tensor):
             raise ArrayTypeError(f"to_numpy takes a torch.Tensor, got {type(array).__name__}")
         tensor = array.detach()
-        target = HOST_DTYPES.get(tensor.dtype, tensor.dtype)
+        target = VALUE_DTYPES.get(tensor.dtype, tensor.dtype)
         return tensor.to(device="cpu", dtype=target).numpy()
 
     def array_namespace(self) -> Any:

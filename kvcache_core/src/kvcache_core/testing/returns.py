@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from kvcache_core import host_form
 from kvcache_core.config import AllocationRequest, CacheConfig
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing.backend import BackendUnderTest
@@ -107,7 +108,7 @@ class _Checker:
                 return
         for what, item in zip(("keys", "values"), items, strict=True):
             if host:
-                self.host(method, item, shape, what)
+                self.host_form(method, item, shape, what)
             else:
                 self.native(method, item, shape, what)
 
@@ -126,6 +127,23 @@ class _Checker:
         if self.config.dtype not in _HOST_EXACT and dtype not in (self.config.dtype, "float32"):
             self.problem(
                 method, f"returned {label}a numpy array of dtype {dtype}, expected {self.config.dtype} or float32"
+            )
+
+    def host_form(self, method: str, value: object, shape: tuple[int, ...], what: str) -> None:
+        """``value`` must be a NumPy array of ``shape`` in core's host form of the pool's
+        dtype, exactly (:mod:`kvcache_core.host_form`: bfloat16 as ``uint16`` bit patterns)."""
+        if not isinstance(value, np.ndarray):
+            self.problem(method, f"returned {what} {_describe(value)}, expected a numpy.ndarray")
+            return
+        array: np.ndarray[Any, Any] = value  # pyright: ignore[reportUnknownVariableType]
+        if tuple(array.shape) != shape:
+            self.problem(method, f"returned {what} a numpy array of shape {tuple(array.shape)}, expected {shape}")
+        expected = host_form.host_dtype(self.config.dtype)
+        if array.dtype != expected:
+            self.problem(
+                method,
+                f"returned {what} a numpy array of dtype {array.dtype}, expected {expected}: the host form of a "
+                f"{self.config.dtype} pool (kvcache_core.host_form), the same on every backend",
             )
 
     def none(self, method: str, value: object) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from kvcache_core import host_form
 from kvcache_core.attention import paged_attention as reference_attention
 from kvcache_core.block_table import BlockTable
 from kvcache_core.config import AllocationRequest, CacheConfig
@@ -38,6 +39,7 @@ from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest, grow_side
 from kvcache_core.testing.beyond import BeyondPoolCases
 from kvcache_core.testing.catalogue import MANAGER_CASES, BadCall, check_bad_call, decode_query, kv
 from kvcache_core.testing.features import FeatureCases
+from kvcache_core.testing.host_forms import HostFormCases
 from kvcache_core.testing.hybrid import HybridCases
 from kvcache_core.testing.machine import run_reference_machine
 from kvcache_core.testing.policies import PolicyCases
@@ -114,7 +116,7 @@ def _tokens_from_pool(config: CacheConfig, pool: FloatArray, slots: npt.NDArray[
 
 
 class KvCacheConformance(
-    ReliabilityCases, PolicyCases, BeyondPoolCases, FeatureCases, QuantizedCases, HybridCases, TierCases
+    ReliabilityCases, PolicyCases, BeyondPoolCases, FeatureCases, QuantizedCases, HybridCases, TierCases, HostFormCases
 ):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 
@@ -299,7 +301,7 @@ class KvCacheConformance(
             expected = (config.num_layers, len(blocks), config.block_size, config.num_heads, config.head_dim)
             assert keys.shape == expected, f"{context}: blocks_to_host shape {keys.shape}"
             gathered = BackendUnderTest.host(manager, manager.gather(handles[0], 1)[0])
-            flat = np.asarray(keys[1], dtype=np.float64).reshape(-1, config.num_heads, config.head_dim)
+            flat = host_form.host_values(config, keys)[1].reshape(-1, config.num_heads, config.head_dim)
             assert np.array_equal(flat[: handles[0].num_tokens()], gathered), f"{context}: blocks_to_host"
             free = [b for b in range(config.num_blocks) if not manager.allocator.in_use_mask()[b]][: len(blocks)]
             targets = np.asarray(free, dtype=np.int64)
