@@ -150,7 +150,7 @@ class DataPath(Generic[ArrayT]):
                 layer_chunk=self._layer_chunk,
                 check_array=self._checks.array,
                 check_query=self._checks.query,
-                write=self._write_planned,
+                write=self._write_slots,
                 attention=self._storage.paged_attention,
                 attention_features=storage_attention_features(self._storage),
                 backend=self._backend,
@@ -182,13 +182,7 @@ class DataPath(Generic[ArrayT]):
         with self._lock:
             self._check_open()
             group, index = self._config.layer_place(layer)
-            slot_array = self._checks.slots(slots, group)
-            expected = (int(slot_array.shape[0]), self._config.num_heads, self._config.head_dim)
-            self._checks.array("keys", keys, expected)
-            self._checks.array("values", values, expected)
-            if slot_array.shape[0]:
-                self._checks.writable(slot_array)
-                self._write_planned(index, slot_array, keys, values)
+            self._write_slots(index, self._checks.slots(slots, group), keys, values)
 
     def gather(self, handle: KvCacheHandle[ArrayT], layer: int) -> tuple[ArrayT, ArrayT]:
         """The request's keys and values as contiguous ``[num_tokens, num_heads, head_dim]``
@@ -360,14 +354,31 @@ class DataPath(Generic[ArrayT]):
 
         return check_current
 
-    def _write_planned(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT) -> None:
-        """The scatter and its bookkeeping into the storage's ``layer``; the slots were
-        checked (private, handed out, of the layer's group)."""
+    def _write_slots(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT, writable_at: int = -1) -> int:
+        """The one write path of :meth:`write` and :meth:`Step.write`: check the arrays and
+        that no slot is in a block several requests share or the prefix cache serves, then
+        scatter into the storage's ``layer`` and record the writes (prefix caching).
+
+        ``slots`` were checked (in the pool, handed out, distinct, of the layer's group).
+        ``writable_at`` is the :attr:`BlockPool.immutable_epoch` at which these slots were
+        last found writable (``-1``: never): no block can have become immutable since, so the
+        mask lookup is skipped. Returns the epoch at which they were found writable now.
+        """
+        expected = (int(slots.shape[0]), self._config.num_heads, self._config.head_dim)
+        self._checks.array("keys", keys, expected)
+        self._checks.array("values", values, expected)
+        pool = self._pool
+        epoch = pool.immutable_epoch
+        if not slots.shape[0]:
+            return epoch
+        if writable_at != epoch:
+            self._checks.writable(slots)
         self._storage.write(layer, slots, keys, values)
-        written = self._pool.written
+        written = pool.written
         if written is not None:
             written[layer, slots] = True
-            self._chains.after_write(slots // self._config.block_size)
+            self._chains.after_write(slots // self._config.block_size)  # may register blocks: a new epoch
+        return epoch
 
     def _update_pressure(self) -> None:
         config = self._config

@@ -326,6 +326,45 @@ class ReliabilityCases:
         assert second.num_cached_tokens() == 2 * block_size  # the last prompt token is always computed
         manager.check_invariants()
 
+    @pytest.mark.kvcache_requires("prefix_caching")
+    def test_a_step_never_writes_into_a_block_another_request_maps(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager(kvcache_backend.config(enable_prefix_caching=True))
+        block_size, layers = manager.config.block_size, manager.config.num_layers
+        prompt = tuple(range(1, 2 * block_size + 2))  # two full blocks, cached once written, and one token
+        writer = manager.allocate(AllocationRequest("a", prompt_token_ids=prompt))
+        step = manager.begin_step([writer], [len(prompt)], token_ids=[prompt])
+        for layer in range(layers):
+            step.write(layer, *kv_pair(manager, len(prompt), 1.0))
+        reader = manager.allocate(AllocationRequest("b", prompt_token_ids=prompt))
+        assert reader.num_cached_tokens() == 2 * block_size
+        seen = BackendUnderTest.host(manager, manager.gather(reader, 0)[0])
+        before = snapshot(manager)
+        with pytest.raises(SharedBlockWriteError, match="shared by 2 requests"):
+            step.write(0, *kv_pair(manager, len(prompt), 666.0))
+        assert_same_state(snapshot(manager), before)
+        np.testing.assert_array_equal(BackendUnderTest.host(manager, manager.gather(reader, 0)[0]), seen)
+        manager.check_invariants()
+
+    @pytest.mark.kvcache_requires("prefix_caching")
+    def test_a_step_never_rewrites_a_block_the_prefix_cache_serves(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager(kvcache_backend.config(enable_prefix_caching=True))
+        block_size, layers = manager.config.block_size, manager.config.num_layers
+        prompt = tuple(range(1, 2 * block_size + 2))
+        writer = manager.allocate(AllocationRequest("a", prompt_token_ids=prompt))
+        step = manager.begin_step([writer], [len(prompt)], token_ids=[prompt])
+        for layer in range(layers):
+            step.write(layer, *kv_pair(manager, len(prompt), 1.0))  # the last layer registers the full blocks
+        kept = BackendUnderTest.host(manager, manager.gather(writer, 0)[0])
+        before = snapshot(manager)
+        with pytest.raises(SharedBlockWriteError, match="prefix cache"):
+            step.write(0, *kv_pair(manager, len(prompt), 666.0))
+        assert_same_state(snapshot(manager), before)
+        manager.deallocate("a")  # the blocks stay cached, held by nobody
+        hit = manager.allocate(AllocationRequest("c", prompt_token_ids=prompt))
+        assert hit.num_cached_tokens() == 2 * block_size
+        np.testing.assert_array_equal(BackendUnderTest.host(manager, manager.gather(hit, 0)[0]), kept[: 2 * block_size])
+        manager.check_invariants()
+
     def test_truncate_frees_the_blocks_past_the_end_and_keeps_the_rest(self, kvcache_backend: BackendUnderTest) -> None:
         manager = kvcache_backend.manager()
         block_size = manager.config.block_size
