@@ -13,7 +13,6 @@ Top to bottom (raw calls; :meth:`DataPath.begin_step` plans them once per forwar
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeGuard, TypeVar
@@ -33,6 +32,7 @@ from kvcache_core.errors import (
     ManagerClosedError,
     StaleStepError,
 )
+from kvcache_core.events import EventHub, OperationLock
 from kvcache_core.groups import check_group
 from kvcache_core.handle import PagedKvCacheHandle, RequestState
 from kvcache_core.page_table import PageTable
@@ -50,15 +50,25 @@ def _is_paged_handle(value: object) -> TypeGuard[PagedKvCacheHandle[Any]]:
     return isinstance(value, PagedKvCacheHandle)
 
 
+def _notify_pressure(callback: Callable[[MemoryPressure], object], level: MemoryPressure) -> None:
+    try:
+        callback(level)
+    except Exception as exc:  # the operation succeeded; do not report it as failed
+        warnings.warn(
+            f"memory pressure callback {callback!r} raised {exc!r} on level {level.name}", RuntimeWarning, stacklevel=2
+        )
+
+
 class DataPath(Generic[ArrayT]):
     """The data path of a paged manager, and the internals it shares with the lifecycle."""
 
-    _lock: threading.RLock
+    _lock: OperationLock
     _config: CacheConfig
     _storage: KvStorage[ArrayT]
     _backend: str
     _requests: dict[str, RequestState[ArrayT]]
     _pool: BlockPool
+    _events: EventHub
     _chains: PrefixChains
     _sequences: SequenceBlocks
     _checks: ArgumentChecks
@@ -381,6 +391,8 @@ class DataPath(Generic[ArrayT]):
         return epoch
 
     def _update_pressure(self) -> None:
+        """Recompute the pressure level; on a change, the callback runs when the operation
+        ends (after its change is complete, as cache events do)."""
         config = self._config
         level = MemoryPressure.from_usage(
             self._pool.allocator.used_block_count() / config.num_blocks,
@@ -392,16 +404,8 @@ class DataPath(Generic[ArrayT]):
             return
         self._pressure = level
         callback = self._pressure_callback
-        if callback is None:
-            return
-        try:
-            callback(level)
-        except Exception as exc:  # the operation succeeded; do not report it as failed
-            warnings.warn(
-                f"memory pressure callback {callback!r} raised {exc!r} on level {level.name}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        if callback is not None:
+            self._events.defer(lambda: _notify_pressure(callback, level))
 
     def _check_open(self) -> None:
         if self._closed:

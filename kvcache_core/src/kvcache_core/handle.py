@@ -4,9 +4,9 @@ request's cache in a :class:`~kvcache_core.manager.PagedKvCacheManager`."""
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 import uuid
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -106,7 +106,7 @@ class RequestState(Generic[ArrayT]):
         request_id: str,
         owner: object,
         storage: KvStorage[ArrayT],
-        lock: threading.RLock,
+        lock: AbstractContextManager[object],
         max_sequence_length: int | None,
         priority: int,
         config: CacheConfig | None = None,

@@ -33,7 +33,6 @@ figures in :mod:`kvcache_core.figures`; per-layer specs and KV-cache groups in
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -57,7 +56,7 @@ from kvcache_core.errors import (
     SwappedOutError,
     UnknownRequestError,
 )
-from kvcache_core.events import AllBlocksCleared, EventHub
+from kvcache_core.events import AllBlocksCleared, EventHub, OperationLock
 from kvcache_core.figures import manager_stats
 from kvcache_core.handle import PagedKvCacheHandle, RequestState
 from kvcache_core.pool_access import PoolAccess
@@ -125,14 +124,15 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         self._storage = storage
         self._config = config
         self._backend = backend
-        self._lock = threading.RLock()
+        # Cache events: the prefix cache reports hashes entering and leaving it; listeners
+        # run when the operation that made the change ends (the lock marks operations).
+        self._events = EventHub(config.block_size)
+        self._lock = OperationLock(self._events)
         self._requests: dict[str, RequestState[ArrayT]] = {}
         self._pool = BlockPool(config, storage, placement)
         self._chains = PrefixChains(self._pool, self._requests)
         self._sequences = SequenceBlocks(self._pool, self._chains)
         self._checks = ArgumentChecks(self._pool, storage, self._requests)
-        # Cache events: the prefix cache reports hashes entering and leaving it.
-        self._events = EventHub(config.block_size)
         if self._pool.prefix is not None:
             self._pool.prefix.listener = self._events
         self._tiers = TierChain(tiers, config, self._events)

@@ -14,8 +14,8 @@ layer's arrays (layer index, shape, dtype) and that the step is still current.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -55,7 +55,7 @@ class StepHooks(Generic[ArrayT]):
         backend: the backend's name, for messages.
     """
 
-    lock: threading.RLock
+    lock: AbstractContextManager[object]
     check_current: Callable[[], None]
     place: Callable[[object], tuple[int, int]]
     layer_chunk: Callable[[int], int | None]
