@@ -38,19 +38,23 @@ class BeyondPool(DataPath[ArrayT]):
         :class:`~kvcache_core.events.AllBlocksCleared` from now on (see :mod:`kvcache_core.events`).
 
         Raises:
+            ManagerClosedError: the manager is closed.
             InvalidTypeError: ``callback`` is not callable.
             InvalidArgumentError: ``callback`` is already subscribed.
         """
         with self._lock:
+            self._check_open()
             self._events.subscribe(callback)
 
     def unsubscribe(self, callback: EventCallback) -> None:
         """Stop calling ``callback``.
 
         Raises:
+            ManagerClosedError: the manager is closed.
             InvalidArgumentError: ``callback`` is not subscribed.
         """
         with self._lock:
+            self._check_open()
             self._events.unsubscribe(callback)
 
     def save_prefix_cache(self, path: str | os.PathLike[str]) -> int:

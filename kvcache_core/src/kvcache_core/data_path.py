@@ -114,6 +114,7 @@ class DataPath(Generic[ArrayT]):
                 than there are (checked for the whole batch before anything changes).
             InvalidHandleError, SwappedOutError, ForeignHandleError: a bad handle.
         """
+        self._check_open()
         check_handle_sequence(handles, "begin_step")
         batch = len(handles)
         counts = step_counts(new_tokens, batch)
@@ -228,6 +229,7 @@ class DataPath(Generic[ArrayT]):
             batch.
             LayerIndexError: ``group`` outside ``0 .. num_groups - 1``.
         """
+        self._check_open()
         check_handle_sequence(handles, "page_table")
         index = check_group(group, self._config.num_groups)
         with self._lock:

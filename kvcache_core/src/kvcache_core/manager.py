@@ -80,6 +80,11 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
     Satisfies :class:`~kvcache_core.KvCacheManager` structurally. Thread-safe: every
     public method holds one re-entrant lock.
 
+    Once closed (:meth:`close`), every method but :meth:`close`, :meth:`stats` and
+    :meth:`tier_stats` raises :class:`~kvcache_core.errors.ManagerClosedError` before it
+    looks at its arguments, and so do the closed manager's steps and the cache accessors
+    of its handles; properties and the figures of handles stay readable.
+
     Prefix caching, the rule for when a block becomes cacheable: a block is hashed and
     findable by later requests once (1) it is full (``extend`` handed out all its
     positions), (2) the token ids of all its positions are known (from
@@ -189,6 +194,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             DuplicateRequestError: a live request has this id.
             OutOfBlocksError: fewer free and evictable blocks than ``initial_tokens`` needs.
         """
+        self._check_open()
         if not isinstance(request, AllocationRequest):
             raise InvalidTypeError(f"allocate takes an AllocationRequest, got {type(request).__name__}")
         with self._lock:
@@ -216,10 +222,15 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
 
     def can_allocate(self, request: AllocationRequest) -> bool:
         """Whether :meth:`allocate` would succeed now (id free, free and evictable blocks
-        enough, prefix hits taken into account)."""
-        if not isinstance(request, AllocationRequest):
-            return False
+        enough, prefix hits taken into account).
+
+        Raises:
+            ManagerClosedError: the manager is closed.
+        """
         with self._lock:
+            self._check_open()
+            if not isinstance(request, AllocationRequest):
+                return False
             if request.request_id in self._requests:
                 return False
             plan = self._sequences.plan_allocation(request)
@@ -263,6 +274,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
                 swapped out.
             ForeignHandleError: the handle belongs to another manager.
         """
+        self._check_open()
         additional_tokens = check_count(additional_tokens, "additional_tokens")
         ids = None if token_ids is None else check_token_ids(token_ids, "token_ids")
         if ids is not None and len(ids) != additional_tokens:
@@ -386,6 +398,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             DuplicateRequestError: a live request has ``new_request_id``.
             InvalidHandleError, SwappedOutError, ForeignHandleError: bad parent handle.
         """
+        self._check_open()
         if not isinstance(new_request_id, str) or not new_request_id:
             raise InvalidArgumentError(f"new_request_id must be a non-empty str, got {new_request_id!r}")
         with self._lock:
@@ -464,14 +477,24 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             self._update_pressure()
 
     def get_handle(self, request_id: str) -> PagedKvCacheHandle[ArrayT] | None:
-        """A handle of the live request ``request_id``, or ``None``."""
+        """A handle of the live request ``request_id``, or ``None``.
+
+        Raises:
+            ManagerClosedError: the manager is closed.
+        """
         with self._lock:
+            self._check_open()
             state = self._requests.get(request_id) if isinstance(request_id, str) else None
             return None if state is None else PagedKvCacheHandle(state)
 
     def list_handles(self) -> list[tuple[str, PagedKvCacheHandle[ArrayT]]]:
-        """``(request_id, handle)`` of every live request, in allocation order."""
+        """``(request_id, handle)`` of every live request, in allocation order.
+
+        Raises:
+            ManagerClosedError: the manager is closed.
+        """
         with self._lock:
+            self._check_open()
             return [(rid, PagedKvCacheHandle(state)) for rid, state in self._requests.items()]
 
     # -- figures -----------------------------------------------------------------------
@@ -511,11 +534,13 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         operation that changed the level has already succeeded. ``None`` removes it.
 
         Raises:
+            ManagerClosedError: the manager is closed.
             InvalidTypeError: ``callback`` is neither callable nor ``None``.
         """
-        if callback is not None and not callable(callback):
-            raise InvalidTypeError(f"callback must be callable or None, got {callback!r}")
         with self._lock:
+            self._check_open()
+            if callback is not None and not callable(callback):
+                raise InvalidTypeError(f"callback must be callable or None, got {callback!r}")
             self._pressure_callback = callback
 
     @property
@@ -529,9 +554,11 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         :func:`kvcache_core.audit.audit`).
 
         Raises:
+            ManagerClosedError: the manager is closed (its records describe a released pool).
             InvariantError: naming the first inconsistency found.
         """
         with self._lock:
+            self._check_open()
             audit(self._sequences, self._requests)
 
     # -- internals -----------------------------------------------------------------------
@@ -588,6 +615,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
                 release()
 
     def __enter__(self: _ManagerT) -> _ManagerT:
+        self._check_open()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
