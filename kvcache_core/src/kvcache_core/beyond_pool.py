@@ -37,6 +37,11 @@ class BeyondPool(DataPath[ArrayT]):
         :class:`~kvcache_core.events.BlockRemoved` and
         :class:`~kvcache_core.events.AllBlocksCleared` from now on (see :mod:`kvcache_core.events`).
 
+        Callbacks run when the operation that made the change ends, after its change is
+        complete, with the manager's lock held. An ``Exception`` a callback raises becomes a
+        ``RuntimeWarning``; any other ``BaseException`` (``KeyboardInterrupt``) propagates
+        from that operation once every event reached every subscriber.
+
         Raises:
             ManagerClosedError: the manager is closed.
             InvalidTypeError: ``callback`` is not callable.

@@ -529,9 +529,11 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
     def set_pressure_callback(self, callback: Callable[[MemoryPressure], object] | None) -> None:
         """Call ``callback(level)`` on each change of :class:`MemoryPressure` level.
 
-        The callback runs on the thread that caused the change, with the manager's lock
-        held (it may call the manager). An exception it raises becomes a warning: the
-        operation that changed the level has already succeeded. ``None`` removes it.
+        The callback runs on the thread that caused the change when the operation that
+        caused it ends (after its change is complete), with the manager's lock held (it may
+        call the manager). An ``Exception`` it raises becomes a warning: the operation that
+        changed the level has already succeeded; any other ``BaseException``
+        (``KeyboardInterrupt``) propagates from that operation. ``None`` removes it.
 
         Raises:
             ManagerClosedError: the manager is closed.
