@@ -222,11 +222,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
 
     def can_allocate(self, request: AllocationRequest) -> bool:
         """Whether :meth:`allocate` would succeed now (id free, free and evictable blocks
-        enough, prefix hits taken into account).
-
-        Raises:
-            ManagerClosedError: the manager is closed.
-        """
+        enough, prefix hits taken into account)."""
         with self._lock:
             self._check_open()
             if not isinstance(request, AllocationRequest):
@@ -477,22 +473,14 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             self._update_pressure()
 
     def get_handle(self, request_id: str) -> PagedKvCacheHandle[ArrayT] | None:
-        """A handle of the live request ``request_id``, or ``None``.
-
-        Raises:
-            ManagerClosedError: the manager is closed.
-        """
+        """A handle of the live request ``request_id``, or ``None``."""
         with self._lock:
             self._check_open()
             state = self._requests.get(request_id) if isinstance(request_id, str) else None
             return None if state is None else PagedKvCacheHandle(state)
 
     def list_handles(self) -> list[tuple[str, PagedKvCacheHandle[ArrayT]]]:
-        """``(request_id, handle)`` of every live request, in allocation order.
-
-        Raises:
-            ManagerClosedError: the manager is closed.
-        """
+        """``(request_id, handle)`` of every live request, in allocation order."""
         with self._lock:
             self._check_open()
             return [(rid, PagedKvCacheHandle(state)) for rid, state in self._requests.items()]
@@ -525,31 +513,6 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             blocks_freed=count,
             gc_time_ms=(time.perf_counter() - started) * 1e3,
         )
-
-    def set_pressure_callback(self, callback: Callable[[MemoryPressure], object] | None) -> None:
-        """Call ``callback(level)`` on each change of :class:`MemoryPressure` level.
-
-        The callback runs on the thread that caused the change when the operation that
-        caused it ends (after its change is complete), with the manager's lock held (it may
-        call the manager). An ``Exception`` it raises becomes a warning: the operation that
-        changed the level has already succeeded; any other ``BaseException``
-        (``KeyboardInterrupt``) propagates from that operation. ``None`` removes it.
-
-        Raises:
-            ManagerClosedError: the manager is closed.
-            InvalidTypeError: ``callback`` is neither callable nor ``None``.
-        """
-        with self._lock:
-            self._check_open()
-            if callback is not None and not callable(callback):
-                raise InvalidTypeError(f"callback must be callable or None, got {callback!r}")
-            self._pressure_callback = callback
-
-    @property
-    def pressure(self) -> MemoryPressure:
-        """The current memory pressure level: blocks in use (referenced) over the pool.
-        Cached blocks count as reclaimable, not as used: allocation evicts them."""
-        return self._pressure
 
     def check_invariants(self) -> None:
         """Verify the pool's records against each other (what is checked:
