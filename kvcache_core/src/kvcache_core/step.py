@@ -9,7 +9,9 @@ FlashInfer's plan/run, vLLM's attention metadata::
 
 :meth:`~kvcache_core.PagedKvCacheManager.begin_step` does every check that depends on the
 requests; :meth:`Step.write` and :meth:`Step.attention` check only what depends on the
-layer's arrays (layer index, shape, dtype) and that the step is still current.
+layer's arrays (layer index, shape, dtype) and that the step is still current, and a write
+goes through the manager's one write path, which refuses blocks that became immutable
+(registered in the prefix cache, or shared) since the step's slots were last checked.
 """
 
 from __future__ import annotations
