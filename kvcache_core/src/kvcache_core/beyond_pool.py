@@ -1,6 +1,6 @@
-"""What a manager offers beyond its pool: cache events, the portable prefix-cache file and
-offload tiers (the logic lives in :mod:`kvcache_core.events`, :mod:`kvcache_core.persist`
-and :mod:`kvcache_core.tiers`).
+"""What a manager offers beyond its pool: its listeners (cache events, memory pressure), the
+portable prefix-cache file and offload tiers (the logic lives in :mod:`kvcache_core.events`,
+:mod:`kvcache_core.persist` and :mod:`kvcache_core.tiers`).
 
 :class:`BeyondPool` is a base of :class:`~kvcache_core.PagedKvCacheManager` (not used
 alone); every method takes the manager's lock.
@@ -9,12 +9,15 @@ alone); every method takes the manager's lock.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TypeVar
 
 from kvcache_core import persist
 from kvcache_core.data_path import DataPath
+from kvcache_core.errors import InvalidTypeError
 from kvcache_core.events import EventCallback, EventHub
 from kvcache_core.pool_access import PoolAccess
+from kvcache_core.stats import MemoryPressure
 from kvcache_core.tier_chain import TierChain
 from kvcache_core.tiers import TierStats
 
@@ -24,34 +27,68 @@ ArrayT = TypeVar("ArrayT")
 
 
 class BeyondPool(DataPath[ArrayT]):
-    """Events, save/load and tiers of a paged manager."""
+    """Listeners, save/load and tiers of a paged manager."""
 
     _events: EventHub
     _tiers: TierChain
     _access: PoolAccess
 
-    # -- events, save/load, offload tiers (logic in events.py, persist.py, tiers.py) ----------
+    # -- listeners, save/load, offload tiers (logic in events.py, persist.py, tiers.py) -------
 
     def subscribe(self, callback: EventCallback) -> None:
         """Call ``callback(event)`` on every :class:`~kvcache_core.events.BlockStored`,
         :class:`~kvcache_core.events.BlockRemoved` and
         :class:`~kvcache_core.events.AllBlocksCleared` from now on (see :mod:`kvcache_core.events`).
 
+        Callbacks run when the operation that made the change ends, after its change is
+        complete, with the manager's lock held. An ``Exception`` a callback raises becomes a
+        ``RuntimeWarning``; any other ``BaseException`` (``KeyboardInterrupt``) propagates
+        from that operation once every event reached every subscriber.
+
         Raises:
+            ManagerClosedError: the manager is closed.
             InvalidTypeError: ``callback`` is not callable.
             InvalidArgumentError: ``callback`` is already subscribed.
         """
         with self._lock:
+            self._check_open()
             self._events.subscribe(callback)
 
     def unsubscribe(self, callback: EventCallback) -> None:
         """Stop calling ``callback``.
 
         Raises:
+            ManagerClosedError: the manager is closed.
             InvalidArgumentError: ``callback`` is not subscribed.
         """
         with self._lock:
+            self._check_open()
             self._events.unsubscribe(callback)
+
+    def set_pressure_callback(self, callback: Callable[[MemoryPressure], object] | None) -> None:
+        """Call ``callback(level)`` on each change of :class:`MemoryPressure` level.
+
+        The callback runs on the thread that caused the change when the operation that
+        caused it ends (after its change is complete), with the manager's lock held (it may
+        call the manager). An ``Exception`` it raises becomes a warning: the operation that
+        changed the level has already succeeded; any other ``BaseException``
+        (``KeyboardInterrupt``) propagates from that operation. ``None`` removes it.
+
+        Raises:
+            ManagerClosedError: the manager is closed.
+            InvalidTypeError: ``callback`` is neither callable nor ``None``.
+        """
+        with self._lock:
+            self._check_open()
+            if callback is not None and not callable(callback):
+                raise InvalidTypeError(f"callback must be callable or None, got {callback!r}")
+            self._pressure_callback = callback
+
+    @property
+    def pressure(self) -> MemoryPressure:
+        """The current memory pressure level: blocks in use (referenced) over the pool.
+        Cached blocks count as reclaimable, not as used: allocation evicts them."""
+        return self._pressure
 
     def save_prefix_cache(self, path: str | os.PathLike[str]) -> int:
         """Write every cached prefix block to ``path`` in the portable format of

@@ -45,6 +45,9 @@ class BlockPool:
         swapped_blocks: blocks a swap-out released (and nobody took since) -> its request.
         epoch: bumped on every change of a request's blocks or plan; a page table or step
             checked in the current epoch needs no new check.
+        immutable_epoch: bumped whenever a block may have become immutable (registered in
+            the prefix cache, or shared by a fork); slots found writable in the current
+            epoch are still writable (see :meth:`retain`).
     """
 
     def __init__(self, config: CacheConfig, storage: KvStorage[Any], placement: Placement) -> None:
@@ -61,6 +64,7 @@ class BlockPool:
         self.registered = np.zeros(config.num_blocks, dtype=np.bool_)
         self.swapped_blocks: dict[int, str] = {}
         self.epoch = 0
+        self.immutable_epoch = 0
         self.eviction_count = 0
         self.allocation_failures = 0
         self.copy_on_write_count = 0
@@ -190,9 +194,17 @@ class BlockPool:
     # -- prefix-cache registrations and writes -----------------------------------------
 
     def register(self, block: int, entry: PrefixEntry) -> None:
+        """``block`` holds ``entry``'s tokens: it becomes immutable (writes are refused)."""
         assert self.prefix is not None
         self.prefix.register(block, entry)
         self.registered[block] = True
+        self.immutable_epoch += 1
+
+    def retain(self, block: int) -> None:
+        """One more reference on the in-use ``block`` (a fork or a prefix hit maps it): a
+        shared block is immutable, so slots checked writable before are checked again."""
+        self.immutable_epoch += 1
+        self.allocator.retain(block)
 
     def unregister(self, block: int) -> None:
         assert self.prefix is not None

@@ -13,7 +13,6 @@ Top to bottom (raw calls; :meth:`DataPath.begin_step` plans them once per forwar
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeGuard, TypeVar
@@ -33,6 +32,7 @@ from kvcache_core.errors import (
     ManagerClosedError,
     StaleStepError,
 )
+from kvcache_core.events import EventHub, OperationLock
 from kvcache_core.groups import check_group
 from kvcache_core.handle import PagedKvCacheHandle, RequestState
 from kvcache_core.page_table import PageTable
@@ -50,15 +50,25 @@ def _is_paged_handle(value: object) -> TypeGuard[PagedKvCacheHandle[Any]]:
     return isinstance(value, PagedKvCacheHandle)
 
 
+def _notify_pressure(callback: Callable[[MemoryPressure], object], level: MemoryPressure) -> None:
+    try:
+        callback(level)
+    except Exception as exc:  # the operation succeeded; do not report it as failed
+        warnings.warn(
+            f"memory pressure callback {callback!r} raised {exc!r} on level {level.name}", RuntimeWarning, stacklevel=2
+        )
+
+
 class DataPath(Generic[ArrayT]):
     """The data path of a paged manager, and the internals it shares with the lifecycle."""
 
-    _lock: threading.RLock
+    _lock: OperationLock
     _config: CacheConfig
     _storage: KvStorage[ArrayT]
     _backend: str
     _requests: dict[str, RequestState[ArrayT]]
     _pool: BlockPool
+    _events: EventHub
     _chains: PrefixChains
     _sequences: SequenceBlocks
     _checks: ArgumentChecks
@@ -104,6 +114,7 @@ class DataPath(Generic[ArrayT]):
                 than there are (checked for the whole batch before anything changes).
             InvalidHandleError, SwappedOutError, ForeignHandleError: a bad handle.
         """
+        self._check_open()
         check_handle_sequence(handles, "begin_step")
         batch = len(handles)
         counts = step_counts(new_tokens, batch)
@@ -150,7 +161,7 @@ class DataPath(Generic[ArrayT]):
                 layer_chunk=self._layer_chunk,
                 check_array=self._checks.array,
                 check_query=self._checks.query,
-                write=self._write_planned,
+                write=self._write_slots,
                 attention=self._storage.paged_attention,
                 attention_features=storage_attention_features(self._storage),
                 backend=self._backend,
@@ -182,13 +193,7 @@ class DataPath(Generic[ArrayT]):
         with self._lock:
             self._check_open()
             group, index = self._config.layer_place(layer)
-            slot_array = self._checks.slots(slots, group)
-            expected = (int(slot_array.shape[0]), self._config.num_heads, self._config.head_dim)
-            self._checks.array("keys", keys, expected)
-            self._checks.array("values", values, expected)
-            if slot_array.shape[0]:
-                self._checks.writable(slot_array)
-                self._write_planned(index, slot_array, keys, values)
+            self._write_slots(index, self._checks.slots(slots, group), keys, values)
 
     def gather(self, handle: KvCacheHandle[ArrayT], layer: int) -> tuple[ArrayT, ArrayT]:
         """The request's keys and values as contiguous ``[num_tokens, num_heads, head_dim]``
@@ -224,6 +229,7 @@ class DataPath(Generic[ArrayT]):
             batch.
             LayerIndexError: ``group`` outside ``0 .. num_groups - 1``.
         """
+        self._check_open()
         check_handle_sequence(handles, "page_table")
         index = check_group(group, self._config.num_groups)
         with self._lock:
@@ -360,16 +366,35 @@ class DataPath(Generic[ArrayT]):
 
         return check_current
 
-    def _write_planned(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT) -> None:
-        """The scatter and its bookkeeping into the storage's ``layer``; the slots were
-        checked (private, handed out, of the layer's group)."""
+    def _write_slots(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT, writable_at: int = -1) -> int:
+        """The one write path of :meth:`write` and :meth:`Step.write`: check the arrays and
+        that no slot is in a block several requests share or the prefix cache serves, then
+        scatter into the storage's ``layer`` and record the writes (prefix caching).
+
+        ``slots`` were checked (in the pool, handed out, distinct, of the layer's group).
+        ``writable_at`` is the :attr:`BlockPool.immutable_epoch` at which these slots were
+        last found writable (``-1``: never): no block can have become immutable since, so the
+        mask lookup is skipped. Returns the epoch at which they were found writable now.
+        """
+        expected = (int(slots.shape[0]), self._config.num_heads, self._config.head_dim)
+        self._checks.array("keys", keys, expected)
+        self._checks.array("values", values, expected)
+        pool = self._pool
+        epoch = pool.immutable_epoch
+        if not slots.shape[0]:
+            return epoch
+        if writable_at != epoch:
+            self._checks.writable(slots)
         self._storage.write(layer, slots, keys, values)
-        written = self._pool.written
+        written = pool.written
         if written is not None:
             written[layer, slots] = True
-            self._chains.after_write(slots // self._config.block_size)
+            self._chains.after_write(slots // self._config.block_size)  # may register blocks: a new epoch
+        return epoch
 
     def _update_pressure(self) -> None:
+        """Recompute the pressure level; on a change, the callback runs when the operation
+        ends (after its change is complete, as cache events do)."""
         config = self._config
         level = MemoryPressure.from_usage(
             self._pool.allocator.used_block_count() / config.num_blocks,
@@ -381,16 +406,8 @@ class DataPath(Generic[ArrayT]):
             return
         self._pressure = level
         callback = self._pressure_callback
-        if callback is None:
-            return
-        try:
-            callback(level)
-        except Exception as exc:  # the operation succeeded; do not report it as failed
-            warnings.warn(
-                f"memory pressure callback {callback!r} raised {exc!r} on level {level.name}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        if callback is not None:
+            self._events.defer(lambda: _notify_pressure(callback, level))
 
     def _check_open(self) -> None:
         if self._closed:

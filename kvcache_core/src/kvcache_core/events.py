@@ -13,14 +13,22 @@ A hash is reported once per medium however many pool blocks hold its tokens: sto
 its first block registers, removed when its last one goes. So :class:`CachedBlockIndex`,
 fed every event, holds exactly the hashes each medium holds.
 
-Callbacks run on the thread that made the change, with the manager's lock held; an
-exception one raises becomes a :class:`RuntimeWarning` (the operation already succeeded).
+Callbacks run after the change is complete: an operation of the manager queues its events
+and they are delivered, in order, when it ends (:class:`OperationLock`), on the thread that
+made the change and with the manager's lock still held (a callback may call the manager;
+the events of such a call are delivered after the current ones). An :class:`Exception` a
+callback raises becomes a :class:`RuntimeWarning` (the operation already succeeded); any
+other :class:`BaseException` (``KeyboardInterrupt``, ``SystemExit``) is re-raised once
+every queued event reached every callback, so neither the manager's records nor another
+subscriber's view is left half-updated.
 :mod:`kvcache_core.event_publisher` sends the events over ZMQ, encoded as vLLM does.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
@@ -39,6 +47,7 @@ __all__ = [
     "CachedBlockIndex",
     "EventCallback",
     "EventHub",
+    "OperationLock",
 ]
 
 #: The medium of blocks in the manager's own pool.
@@ -88,8 +97,9 @@ EventCallback: TypeAlias = "Callable[[CacheEvent], object]"
 
 
 class EventHub:
-    """The manager's subscribers, and the prefix cache's listener that turns a hash entering
-    or leaving the pool into an event.
+    """The manager's subscribers, the prefix cache's listener that turns a hash entering or
+    leaving the pool into an event, and the queue of notifications an operation delivers
+    when it ends.
 
     Not thread-safe by itself: the manager calls it with its lock held.
 
@@ -100,6 +110,12 @@ class EventHub:
     def __init__(self, block_size: int) -> None:
         self._block_size = block_size
         self._callbacks: list[EventCallback] = []
+        # Notifications waiting for the current operation to end.
+        self.pending: deque[Callable[[], None]] = deque()
+        self._delivering = False
+        # Operations in progress on the holding thread (the depth of the manager's lock):
+        # while positive, notifications wait for the outermost one to end.
+        self.depth = 0
 
     @property
     def active(self) -> bool:
@@ -131,8 +147,43 @@ class EventHub:
                 return
         raise InvalidArgumentError(f"{callback!r} is not subscribed ({len(self._callbacks)} callbacks are subscribed)")
 
+    def defer(self, notification: Callable[[], None]) -> None:
+        """Run ``notification`` when the current operation ends (now, outside one)."""
+        self.pending.append(notification)
+        if not self.depth:
+            self.deliver()
+
     def emit(self, event: CacheEvent) -> None:
-        """Hand ``event`` to every subscriber, in the order they subscribed."""
+        """Hand ``event`` to every subscriber, in the order they subscribed, when the
+        current operation ends."""
+        if self._callbacks:
+            self.defer(lambda: self._hand_out(event))
+
+    def deliver(self) -> None:
+        """Run every queued notification, in order, those queued meanwhile included.
+
+        Raises:
+            BaseException: the first non-:class:`Exception` a notification raised
+                (``KeyboardInterrupt``...), once the queue is empty.
+        """
+        if self._delivering:
+            return  # a callback's own call to the manager: the running delivery takes its events
+        self._delivering = True
+        interrupt: BaseException | None = None
+        try:
+            while self.pending:
+                notification = self.pending.popleft()
+                try:
+                    notification()
+                except BaseException as exc:  # every other event still reaches every subscriber
+                    interrupt = interrupt or exc
+        finally:
+            self._delivering = False
+        if interrupt is not None:
+            raise interrupt
+
+    def _hand_out(self, event: CacheEvent) -> None:
+        interrupt: BaseException | None = None
         for callback in list(self._callbacks):
             try:
                 callback(event)
@@ -140,6 +191,10 @@ class EventHub:
                 warnings.warn(
                     f"cache event callback {callback!r} raised {exc!r} on {event!r}", RuntimeWarning, stacklevel=2
                 )
+            except BaseException as exc:  # the other subscribers still get the event
+                interrupt = interrupt or exc
+        if interrupt is not None:
+            raise interrupt
 
     def stored(self, entries: Iterable[PrefixEntry], medium: str) -> None:
         """Report ``entries`` (a chain, parents first, or unrelated ones) stored in ``medium``:
@@ -182,6 +237,37 @@ class EventHub:
                 medium=medium,
             )
         )
+
+
+class OperationLock:
+    """The manager's re-entrant lock, which marks its operations: when the outermost
+    holder releases it, the notifications the operation queued on ``hub`` (cache events,
+    memory-pressure changes) are delivered first, with the lock still held. So a listener
+    always sees the state after the change is complete, whatever it raises.
+
+    Args:
+        hub: the manager's event hub.
+    """
+
+    __slots__ = ("_hub", "_lock")
+
+    def __init__(self, hub: EventHub) -> None:
+        self._lock = threading.RLock()
+        self._hub = hub
+
+    def __enter__(self) -> OperationLock:
+        self._lock.acquire()
+        self._hub.depth += 1
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        hub = self._hub
+        try:
+            if hub.depth == 1 and hub.pending:
+                hub.deliver()
+        finally:
+            hub.depth -= 1
+            self._lock.release()
 
 
 class CachedBlockIndex:

@@ -4,9 +4,9 @@ request's cache in a :class:`~kvcache_core.manager.PagedKvCacheManager`."""
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 import uuid
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -106,7 +106,7 @@ class RequestState(Generic[ArrayT]):
         request_id: str,
         owner: object,
         storage: KvStorage[ArrayT],
-        lock: threading.RLock,
+        lock: AbstractContextManager[object],
         max_sequence_length: int | None,
         priority: int,
         config: CacheConfig | None = None,
@@ -169,6 +169,11 @@ class RequestState(Generic[ArrayT]):
                 "its handles no longer give access to data"
             )
 
+    def check_open(self) -> None:
+        """Raise :class:`ManagerClosedError` if the request's manager was closed."""
+        if not self.valid and getattr(self.owner, "closed", False):
+            self.check_valid()
+
     def check_resident(self) -> None:
         """Raise :class:`InvalidHandleError` if the request was deallocated, and
         :class:`SwappedOutError` if it is swapped out."""
@@ -228,19 +233,34 @@ class PagedKvCacheHandle(Generic[ArrayT]):
 
     def block_table(self) -> BlockTable:
         """A snapshot of the block table (of the first KV-cache group: see
-        :meth:`block_tables`); empty once deallocated."""
+        :meth:`block_tables`); empty once deallocated.
+
+        Raises:
+            ManagerClosedError: the request's manager is closed.
+        """
         with self._state.lock:
+            self._state.check_open()
             return self._state.table.copy()
 
     def block_tables(self) -> list[BlockTable]:
         """Snapshots of the block table of every KV-cache group (one without groups), in
-        group order (``CacheConfig.kv_groups``)."""
+        group order (``CacheConfig.kv_groups``).
+
+        Raises:
+            ManagerClosedError: the request's manager is closed.
+        """
         with self._state.lock:
+            self._state.check_open()
             return [table.copy() for table in self._state.tables]
 
     def block_table_mut(self) -> BlockTable:
         """The live block table. The manager extends it; a caller changing it directly
-        bypasses the allocator's ownership records."""
+        bypasses the allocator's ownership records.
+
+        Raises:
+            ManagerClosedError: the request's manager is closed.
+        """
+        self._state.check_open()
         return self._state.table
 
     def as_any(self) -> object:
@@ -284,7 +304,12 @@ class PagedKvCacheHandle(Generic[ArrayT]):
             return (self.key_cache(layer), self.value_cache(layer))
 
     def clone_handle(self) -> PagedKvCacheHandle[ArrayT]:
-        """Another reference to the same cache (not a copy of the data)."""
+        """Another reference to the same cache (not a copy of the data).
+
+        Raises:
+            ManagerClosedError: the request's manager is closed.
+        """
+        self._state.check_open()
         return PagedKvCacheHandle(self._state)
 
     def stats(self) -> CacheHandleStats:

@@ -33,7 +33,6 @@ figures in :mod:`kvcache_core.figures`; per-layer specs and KV-cache groups in
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -57,7 +56,7 @@ from kvcache_core.errors import (
     SwappedOutError,
     UnknownRequestError,
 )
-from kvcache_core.events import AllBlocksCleared, EventHub
+from kvcache_core.events import AllBlocksCleared, EventHub, OperationLock
 from kvcache_core.figures import manager_stats
 from kvcache_core.handle import PagedKvCacheHandle, RequestState
 from kvcache_core.pool_access import PoolAccess
@@ -80,6 +79,11 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
 
     Satisfies :class:`~kvcache_core.KvCacheManager` structurally. Thread-safe: every
     public method holds one re-entrant lock.
+
+    Once closed (:meth:`close`), every method but :meth:`close`, :meth:`stats` and
+    :meth:`tier_stats` raises :class:`~kvcache_core.errors.ManagerClosedError` before it
+    looks at its arguments, and so do the closed manager's steps and the cache accessors
+    of its handles; properties and the figures of handles stay readable.
 
     Prefix caching, the rule for when a block becomes cacheable: a block is hashed and
     findable by later requests once (1) it is full (``extend`` handed out all its
@@ -125,14 +129,15 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         self._storage = storage
         self._config = config
         self._backend = backend
-        self._lock = threading.RLock()
+        # Cache events: the prefix cache reports hashes entering and leaving it; listeners
+        # run when the operation that made the change ends (the lock marks operations).
+        self._events = EventHub(config.block_size)
+        self._lock = OperationLock(self._events)
         self._requests: dict[str, RequestState[ArrayT]] = {}
         self._pool = BlockPool(config, storage, placement)
         self._chains = PrefixChains(self._pool, self._requests)
         self._sequences = SequenceBlocks(self._pool, self._chains)
         self._checks = ArgumentChecks(self._pool, storage, self._requests)
-        # Cache events: the prefix cache reports hashes entering and leaving it.
-        self._events = EventHub(config.block_size)
         if self._pool.prefix is not None:
             self._pool.prefix.listener = self._events
         self._tiers = TierChain(tiers, config, self._events)
@@ -189,6 +194,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             DuplicateRequestError: a live request has this id.
             OutOfBlocksError: fewer free and evictable blocks than ``initial_tokens`` needs.
         """
+        self._check_open()
         if not isinstance(request, AllocationRequest):
             raise InvalidTypeError(f"allocate takes an AllocationRequest, got {type(request).__name__}")
         with self._lock:
@@ -217,9 +223,10 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
     def can_allocate(self, request: AllocationRequest) -> bool:
         """Whether :meth:`allocate` would succeed now (id free, free and evictable blocks
         enough, prefix hits taken into account)."""
-        if not isinstance(request, AllocationRequest):
-            return False
         with self._lock:
+            self._check_open()
+            if not isinstance(request, AllocationRequest):
+                return False
             if request.request_id in self._requests:
                 return False
             plan = self._sequences.plan_allocation(request)
@@ -263,6 +270,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
                 swapped out.
             ForeignHandleError: the handle belongs to another manager.
         """
+        self._check_open()
         additional_tokens = check_count(additional_tokens, "additional_tokens")
         ids = None if token_ids is None else check_token_ids(token_ids, "token_ids")
         if ids is not None and len(ids) != additional_tokens:
@@ -386,6 +394,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             DuplicateRequestError: a live request has ``new_request_id``.
             InvalidHandleError, SwappedOutError, ForeignHandleError: bad parent handle.
         """
+        self._check_open()
         if not isinstance(new_request_id, str) or not new_request_id:
             raise InvalidArgumentError(f"new_request_id must be a non-empty str, got {new_request_id!r}")
         with self._lock:
@@ -466,12 +475,14 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
     def get_handle(self, request_id: str) -> PagedKvCacheHandle[ArrayT] | None:
         """A handle of the live request ``request_id``, or ``None``."""
         with self._lock:
+            self._check_open()
             state = self._requests.get(request_id) if isinstance(request_id, str) else None
             return None if state is None else PagedKvCacheHandle(state)
 
     def list_handles(self) -> list[tuple[str, PagedKvCacheHandle[ArrayT]]]:
         """``(request_id, handle)`` of every live request, in allocation order."""
         with self._lock:
+            self._check_open()
             return [(rid, PagedKvCacheHandle(state)) for rid, state in self._requests.items()]
 
     # -- figures -----------------------------------------------------------------------
@@ -503,35 +514,16 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             gc_time_ms=(time.perf_counter() - started) * 1e3,
         )
 
-    def set_pressure_callback(self, callback: Callable[[MemoryPressure], object] | None) -> None:
-        """Call ``callback(level)`` on each change of :class:`MemoryPressure` level.
-
-        The callback runs on the thread that caused the change, with the manager's lock
-        held (it may call the manager). An exception it raises becomes a warning: the
-        operation that changed the level has already succeeded. ``None`` removes it.
-
-        Raises:
-            InvalidTypeError: ``callback`` is neither callable nor ``None``.
-        """
-        if callback is not None and not callable(callback):
-            raise InvalidTypeError(f"callback must be callable or None, got {callback!r}")
-        with self._lock:
-            self._pressure_callback = callback
-
-    @property
-    def pressure(self) -> MemoryPressure:
-        """The current memory pressure level: blocks in use (referenced) over the pool.
-        Cached blocks count as reclaimable, not as used: allocation evicts them."""
-        return self._pressure
-
     def check_invariants(self) -> None:
         """Verify the pool's records against each other (what is checked:
         :func:`kvcache_core.audit.audit`).
 
         Raises:
+            ManagerClosedError: the manager is closed (its records describe a released pool).
             InvariantError: naming the first inconsistency found.
         """
         with self._lock:
+            self._check_open()
             audit(self._sequences, self._requests)
 
     # -- internals -----------------------------------------------------------------------
@@ -587,6 +579,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
                     release()
 
     def __enter__(self: _ManagerT) -> _ManagerT:
+        self._check_open()
         return self
 
     def __exit__(self, *exc_info: object) -> None:

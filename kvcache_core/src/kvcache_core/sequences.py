@@ -338,7 +338,7 @@ class SequenceBlocks:
                 allocator.revive(block)
                 pool.swapped_blocks.pop(block, None)
             else:
-                allocator.retain(block)
+                pool.retain(block)
         tables: list[BlockTable] = []
         try:
             for group, (mapped, released) in enumerate(zip(plan.mapped, plan.released, strict=True)):
@@ -373,7 +373,7 @@ class SequenceBlocks:
         for table in parent.tables:
             shared = table.physical_blocks[: blocks_for(table.held_tokens(), self.block_size)]
             for block in shared:
-                self.pool.allocator.retain(block)
+                self.pool.retain(block)
             tables.append(BlockTable(self.block_size, shared, table.sequence_length, first_logical=table.first_logical))
             if parent.awaiting_block is not None and parent.awaiting_block in shared:
                 self.chains.set_awaiting(child, parent.awaiting_block)

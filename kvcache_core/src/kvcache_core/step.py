@@ -9,13 +9,15 @@ FlashInfer's plan/run, vLLM's attention metadata::
 
 :meth:`~kvcache_core.PagedKvCacheManager.begin_step` does every check that depends on the
 requests; :meth:`Step.write` and :meth:`Step.attention` check only what depends on the
-layer's arrays (layer index, shape, dtype) and that the step is still current.
+layer's arrays (layer index, shape, dtype) and that the step is still current, and a write
+goes through the manager's one write path, which refuses blocks that became immutable
+(registered in the prefix cache, or shared) since the step's slots were last checked.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -44,7 +46,10 @@ class StepHooks(Generic[ArrayT]):
         layer_chunk: a (checked) layer's chunk from its ``LayerSpec``, or ``None``.
         check_array: ``(name, array, expected_shape)``: shape and dtype against the pool.
         check_query: the query's shape, after checking it and its dtype.
-        write: ``(storage layer, slots, keys, values)``: the scatter and its bookkeeping.
+        write: ``(storage layer, slots, keys, values, writable_at) -> epoch``: the manager's
+            one write path (array checks, the writability of the slots, the scatter and its
+            bookkeeping); ``writable_at`` is the epoch at which the slots were last found
+            writable, the result the epoch at which they were found writable now.
         attention: ``(storage layer, query, page_table, qo_indptr, scale, causal, **features)``:
             the kernel (``features``: the attention features the call sets).
         attention_features: the attention capabilities the storage serves
@@ -52,13 +57,13 @@ class StepHooks(Generic[ArrayT]):
         backend: the backend's name, for messages.
     """
 
-    lock: threading.RLock
+    lock: AbstractContextManager[object]
     check_current: Callable[[], None]
     place: Callable[[object], tuple[int, int]]
     layer_chunk: Callable[[int], int | None]
     check_array: Callable[[str, object, tuple[int, ...]], None]
     check_query: Callable[[object], tuple[int, ...]]
-    write: Callable[[int, SlotArray, ArrayT, ArrayT], None]
+    write: Callable[[int, SlotArray, ArrayT, ArrayT, int], int]
     attention: Callable[..., ArrayT]
     attention_features: frozenset[str] = field(default_factory=frozenset[str])
     backend: str = "custom"
@@ -84,6 +89,7 @@ class Step(Generic[ArrayT]):
 
     __slots__ = (
         "_hooks",
+        "_writable_at",
         "head_dim",
         "new_tokens",
         "num_heads",
@@ -118,6 +124,10 @@ class Step(Generic[ArrayT]):
         self.qo_indptr: npt.NDArray[np.int32] = indptr
         self.num_heads = num_heads
         self.head_dim = head_dim
+        # Per KV-cache group, the epoch at which the group's slots were last found writable
+        # (-1: not yet): a block of the step that is registered in the prefix cache or
+        # mapped by another request after planning is never written in place.
+        self._writable_at = [-1] * len(page_tables)
 
     @property
     def num_new_tokens(self) -> int:
@@ -133,21 +143,25 @@ class Step(Generic[ArrayT]):
                 pool's dtype, requests packed in the step's order.
 
         Writing every layer makes full blocks cacheable (prefix caching), exactly as
-        :meth:`~kvcache_core.PagedKvCacheManager.write` does.
+        :meth:`~kvcache_core.PagedKvCacheManager.write` does: it is the manager's write
+        path, with the same checks. A block of the step that became immutable after
+        planning (registered in the prefix cache once every layer was written, or mapped
+        by another request) is refused, never written in place: rewrite it through
+        :meth:`~kvcache_core.PagedKvCacheManager.writable_slots`, which copies it or takes
+        it out of the prefix cache first.
 
         Raises:
             StaleStepError: a request of the step changed since it was planned.
+            SharedBlockWriteError: a slot of the step is in a block the prefix cache
+                serves or several requests share.
             LayerIndexError, ShapeMismatchError, DTypeMismatchError, ArrayTypeError.
         """
         hooks = self._hooks
         with hooks.lock:
             hooks.check_current()
             group, index = hooks.place(layer)
-            expected = (self.num_new_tokens, self.num_heads, self.head_dim)
-            hooks.check_array("keys", keys, expected)
-            hooks.check_array("values", values, expected)
-            if self.num_new_tokens:
-                hooks.write(index, self.slots if self.slots.ndim == 1 else self.slots[group], keys, values)
+            slots = self.slots if self.slots.ndim == 1 else self.slots[group]
+            self._writable_at[group] = hooks.write(index, slots, keys, values, self._writable_at[group])
 
     def attention(
         self,

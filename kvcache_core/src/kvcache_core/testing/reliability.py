@@ -6,6 +6,7 @@ them, so every backend runs them.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -33,12 +34,79 @@ from kvcache_core.testing.faults import run_fault_injection
 from kvcache_core.testing.soak import run_soak
 from kvcache_core.testing.world import assert_same_state, snapshot, untyped
 
-__all__ = ["ReliabilityCases", "decode_like", "kv_pair"]
+__all__ = ["CLOSED_MANAGER_ANSWERS", "HANDLE_READS", "ReliabilityCases", "decode_like", "kv_pair", "public_methods"]
 
 Manager = PagedKvCacheManager[Any]
 #: Something done to a manager's requests (given their handles) after a step was planned.
 RequestChange = Callable[[Manager, list[PagedKvCacheHandle[Any]]], object]
 FloatArray = npt.NDArray[np.float64]
+
+
+#: The methods a closed manager still answers; every other public method raises
+#: ManagerClosedError (properties stay readable).
+CLOSED_MANAGER_ANSWERS = frozenset({"close", "stats", "tier_stats"})
+#: The methods a handle of a closed manager still answers (figures and identity); every
+#: other public method raises ManagerClosedError.
+HANDLE_READS = frozenset(
+    {
+        "as_any",
+        "cache_id",
+        "device",
+        "head_dim",
+        "is_swapped_out",
+        "is_valid",
+        "num_cached_tokens",
+        "num_heads",
+        "num_layers",
+        "num_tokens",
+        "stats",
+    }
+)
+
+
+def public_methods(target: object) -> dict[str, Callable[..., object]]:
+    """Every public method of ``target`` (its class's functions, not its properties), bound."""
+    methods: dict[str, Callable[..., object]] = {}
+    for name, member in inspect.getmembers(type(target)):
+        if not name.startswith("_") and inspect.isfunction(member):
+            methods[name] = getattr(target, name)
+    return methods
+
+
+def call_with_placeholders(method: Callable[..., object]) -> object:
+    """Call ``method`` with ``None`` for each required argument."""
+    positional: list[object] = []
+    keywords: dict[str, object] = {}
+    for parameter in inspect.signature(method).parameters.values():
+        if parameter.default is not inspect.Parameter.empty or parameter.kind in (
+            inspect.Parameter.VAR_POSITIONAL,
+            inspect.Parameter.VAR_KEYWORD,
+        ):
+            continue
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY:
+            keywords[parameter.name] = None
+        else:
+            positional.append(None)
+    return method(*positional, **keywords)
+
+
+def not_refused_when_closed(what: str, target: object, answers: frozenset[str]) -> list[str]:
+    """Calls every public method of ``target`` (of a closed manager): those in ``answers``
+    must answer, every other must raise ManagerClosedError first, whatever its arguments.
+    Returns what went otherwise, one line each."""
+    wrong: list[str] = []
+    for name, method in public_methods(target).items():
+        try:
+            call_with_placeholders(method)
+        except ManagerClosedError as exc:
+            if name in answers:
+                wrong.append(f"{what}.{name} raised ManagerClosedError: {exc}")
+        except Exception as exc:  # an answer failed, or a refusal for another reason came first
+            wrong.append(f"{what}.{name} raised {type(exc).__name__}: {exc}")
+        else:
+            if name not in answers:
+                wrong.append(f"{what}.{name} was accepted")
+    return wrong
 
 
 def kv_pair(manager: PagedKvCacheManager[Any], rows: int, value: float) -> tuple[Any, Any]:
@@ -326,6 +394,45 @@ class ReliabilityCases:
         assert second.num_cached_tokens() == 2 * block_size  # the last prompt token is always computed
         manager.check_invariants()
 
+    @pytest.mark.kvcache_requires("prefix_caching")
+    def test_a_step_never_writes_into_a_block_another_request_maps(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager(kvcache_backend.config(enable_prefix_caching=True))
+        block_size, layers = manager.config.block_size, manager.config.num_layers
+        prompt = tuple(range(1, 2 * block_size + 2))  # two full blocks, cached once written, and one token
+        writer = manager.allocate(AllocationRequest("a", prompt_token_ids=prompt))
+        step = manager.begin_step([writer], [len(prompt)], token_ids=[prompt])
+        for layer in range(layers):
+            step.write(layer, *kv_pair(manager, len(prompt), 1.0))
+        reader = manager.allocate(AllocationRequest("b", prompt_token_ids=prompt))
+        assert reader.num_cached_tokens() == 2 * block_size
+        seen = BackendUnderTest.host(manager, manager.gather(reader, 0)[0])
+        before = snapshot(manager)
+        with pytest.raises(SharedBlockWriteError, match="shared by 2 requests"):
+            step.write(0, *kv_pair(manager, len(prompt), 666.0))
+        assert_same_state(snapshot(manager), before)
+        np.testing.assert_array_equal(BackendUnderTest.host(manager, manager.gather(reader, 0)[0]), seen)
+        manager.check_invariants()
+
+    @pytest.mark.kvcache_requires("prefix_caching")
+    def test_a_step_never_rewrites_a_block_the_prefix_cache_serves(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager(kvcache_backend.config(enable_prefix_caching=True))
+        block_size, layers = manager.config.block_size, manager.config.num_layers
+        prompt = tuple(range(1, 2 * block_size + 2))
+        writer = manager.allocate(AllocationRequest("a", prompt_token_ids=prompt))
+        step = manager.begin_step([writer], [len(prompt)], token_ids=[prompt])
+        for layer in range(layers):
+            step.write(layer, *kv_pair(manager, len(prompt), 1.0))  # the last layer registers the full blocks
+        kept = BackendUnderTest.host(manager, manager.gather(writer, 0)[0])
+        before = snapshot(manager)
+        with pytest.raises(SharedBlockWriteError, match="prefix cache"):
+            step.write(0, *kv_pair(manager, len(prompt), 666.0))
+        assert_same_state(snapshot(manager), before)
+        manager.deallocate("a")  # the blocks stay cached, held by nobody
+        hit = manager.allocate(AllocationRequest("c", prompt_token_ids=prompt))
+        assert hit.num_cached_tokens() == 2 * block_size
+        np.testing.assert_array_equal(BackendUnderTest.host(manager, manager.gather(hit, 0)[0]), kept[: 2 * block_size])
+        manager.check_invariants()
+
     def test_truncate_frees_the_blocks_past_the_end_and_keeps_the_rest(self, kvcache_backend: BackendUnderTest) -> None:
         manager = kvcache_backend.manager()
         block_size = manager.config.block_size
@@ -376,6 +483,28 @@ class ReliabilityCases:
         later = manager.allocate(AllocationRequest("c", prompt_token_ids=(*prompt, 99)))
         assert later.num_cached_tokens() <= 2 * block_size, "a block written after truncation was served"
         manager.check_invariants()
+
+    def test_a_closed_manager_refuses_every_method_but_close_and_its_figures(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        manager = kvcache_backend.manager()
+        handle = manager.allocate(AllocationRequest("a", initial_tokens=3))
+        step = manager.begin_step([handle], 1)
+        manager.subscribe(lambda event: None)
+        manager.set_pressure_callback(lambda level: None)
+        manager.close()
+        accepted = [
+            *not_refused_when_closed("manager", manager, CLOSED_MANAGER_ANSWERS),
+            *not_refused_when_closed("step", step, frozenset()),
+            *not_refused_when_closed("handle", handle, HANDLE_READS),
+        ]
+        assert not accepted, "a closed manager must refuse these first:\n" + "\n".join(accepted)
+        with pytest.raises(ManagerClosedError):
+            manager.__enter__()
+        manager.__exit__(None, None, None)  # closing again is a no-op
+        assert manager.stats().used_blocks == 1
+        assert manager.closed
+        assert not handle.is_valid()
 
     def test_a_step_is_refused_once_its_manager_is_closed(self, kvcache_backend: BackendUnderTest) -> None:
         manager = kvcache_backend.manager()
