@@ -23,9 +23,9 @@ from kvcache_core import (
 from kvcache_core.config import check_count
 from kvcache_core.groups import group_serves_layer
 from kvcache_torch.dtypes import dtype_name
-from kvcache_torch.hf import guard
 from kvcache_torch.hf.attention import contiguous_attention
 from kvcache_torch.hf.forward_pass import ForwardStep, Handoff, LayerProgress, drop_handoff, hand_off
+from kvcache_torch.hf.guard import decoder_class, not_through_interface, refuse_unless_interface
 from kvcache_torch.hf.layer import PagedCacheLayer
 from kvcache_torch.hf.model_config import (
     ATTN_IMPLEMENTATION,
@@ -100,7 +100,7 @@ class PagedCache(Cache):
             )
         text = text_config(config)
         if attention_implementation(text) == ATTN_IMPLEMENTATION:
-            guard.refuse_unless_interface(text)
+            refuse_unless_interface(text)
         self._layer_specs = layer_specs(config)  # refuses linear-attention, state-space layers
         for layer, spec in enumerate(self._layer_specs):
             kept = pool.kv_groups[pool.layer_place(layer)[0]].window
@@ -509,9 +509,7 @@ class PagedCache(Cache):
             return  # an interrupted forward, not a pattern: joining the step decides
         awaiting = step.awaiting
         self._abandon_step(step)
-        raise guard.not_through_interface(
-            guard.decoder_class(self._text), self._text, awaiting, earlier=not same_forward
-        )
+        raise not_through_interface(decoder_class(self._text), self._text, awaiting, earlier=not same_forward)
 
     def _abandon_step(self, step: ForwardStep) -> None:
         """Undo a forward refused half-way: rows it allocated are released, rows it grew go

@@ -23,7 +23,7 @@ from kvcache_core import (
 )
 from kvcache_core.config import check_count
 from kvcache_torch.dtypes import dtype_name
-from kvcache_torch.hf import guard
+from kvcache_torch.hf.guard import refuse_unless_interface
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -237,7 +237,7 @@ def cache_config_for(
     specs = layer_specs(config)  # refuses layers that are not attention layers
     text = text_config(config)
     if attention_implementation(text) == ATTN_IMPLEMENTATION:
-        guard.refuse_unless_interface(text, None if isinstance(model, PretrainedConfig) else model)
+        refuse_unless_interface(text, None if isinstance(model, PretrainedConfig) else model)
     if not isinstance(hybrid, bool):
         raise InvalidArgumentError(f"hybrid must be a bool, got {hybrid!r}")
     assert num_blocks is not None  # exactly one of the two was given, checked above
