@@ -653,18 +653,18 @@ def test_map_cached_prefix_refuses_a_filled_cache_and_right_padding() -> None:
 def test_a_left_padded_first_forward_attends_each_row_over_its_real_tokens_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import kvcache_torch.hf.cache as hf_cache
-    from kvcache_torch.hf.attention import contiguous_attention as sdpa
+    import kvcache_torch.hf.attention as hf_attention
 
     model, reference = model_pair("llama", "paged")
     manager = make_manager(model)
     lengths: list[tuple[int, int]] = []
+    sdpa = hf_attention.contiguous_attention
 
     def spy(module: Any, query: Tensor, key: Tensor, *arguments: Any) -> Any:
         lengths.append((int(query.shape[0]), int(key.shape[2])))
         return sdpa(module, query, key, *arguments)
 
-    monkeypatch.setattr(hf_cache, "contiguous_attention", spy)  # the cache's own sdpa calls
+    monkeypatch.setattr(hf_attention, "contiguous_attention", spy)
     ids, mask = prompts(3, 9, pads=(0, 4, 9 - 1))
     with PagedCache(manager, model.config) as cache:
         ours = forward(model, ids, mask, 0, cache)

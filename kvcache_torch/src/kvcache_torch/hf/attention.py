@@ -17,7 +17,13 @@ from kvcache_core.attention_features import visible_key_range
 from kvcache_torch.hf.forward_pass import take_handoff
 from kvcache_torch.hf.model_config import ATTN_IMPLEMENTATION, layer_specs
 
-__all__ = ["contiguous_attention", "paged_attention_forward", "paged_attention_mask", "register_attention"]
+__all__ = [
+    "attend_new_tokens",
+    "contiguous_attention",
+    "paged_attention_forward",
+    "paged_attention_mask",
+    "register_attention",
+]
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, None]]
 
@@ -153,6 +159,46 @@ def paged_attention_forward(
     if isinstance(sinks, torch.Tensor):
         features["sinks"] = sinks.detach()
     return pending.attend(pending, module, query, attention_mask, scaling, features), None
+
+
+def attend_new_tokens(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    real_lengths: list[int] | None,
+) -> torch.Tensor:
+    """The attention of a first forward, whose whole context is its new K/V, contiguous
+    already: transformers' ``sdpa`` on them (faster than any read of the pool, and nothing is
+    rebuilt). With ``real_lengths`` (a left-padded batch: each row's real tokens are its last
+    ``n``), one call per row on its real tokens, so padding costs no attention.
+
+    Args:
+        query: ``[batch, query_heads, new_tokens, head_dim]``.
+        key, value: ``[batch, kv_heads, new_tokens, head_dim]``.
+
+    Returns:
+        ``[batch, new_tokens, query_heads, head_dim]``; rows of padding tokens are 0.
+    """
+    if real_lengths is None:
+        output, _ = contiguous_attention(module, query, key, value, None, 0.0, scaling)
+        return output
+    batch, query_heads, query_length, head_dim = query.shape
+    output = query.new_zeros((batch, query_length, query_heads, head_dim))
+    for row, length in enumerate(real_lengths):
+        if length:
+            rows = slice(query_length - length, query_length)
+            output[row, rows], _ = contiguous_attention(
+                module,
+                query[row : row + 1, :, rows],
+                key[row : row + 1, :, rows],
+                value[row : row + 1, :, rows],
+                None,
+                0.0,
+                scaling,
+            )
+    return output
 
 
 def _module_chunk(module: torch.nn.Module) -> int | None:

@@ -23,7 +23,7 @@ from kvcache_core import (
 from kvcache_core.config import check_count
 from kvcache_core.groups import group_serves_layer
 from kvcache_torch.dtypes import dtype_name
-from kvcache_torch.hf.attention import contiguous_attention
+from kvcache_torch.hf.attention import attend_new_tokens
 from kvcache_torch.hf.forward_pass import ForwardStep, Handoff, LayerProgress, drop_handoff, hand_off
 from kvcache_torch.hf.guard import decoder_class, not_through_interface, refuse_unless_interface
 from kvcache_torch.hf.layer import PagedCacheLayer
@@ -334,10 +334,8 @@ class PagedCache(Cache):
         attend over the pool in place, with the layer's attention features (``window``,
         ``softcap``, ``sinks``; its ``chunk`` comes from the config).
 
-        A first forward is the one case where the whole context is the new K/V themselves,
-        contiguous already: it goes to transformers' ``sdpa`` on them (faster than any read
-        of the pool, and nothing is rebuilt); with left padding, one call per row on its real
-        tokens, so padding costs no attention.
+        A first forward without padding or with left padding, and without attention
+        features, attends over its new K/V as they are (:func:`attend_new_tokens`).
 
         Returns ``[batch, new_tokens, query_heads, head_dim]``; rows of padding tokens are 0.
         """
@@ -363,24 +361,8 @@ class PagedCache(Cache):
         if first_prefill and valid is not None and step.real_lengths is None:
             step.real_lengths = left_padded_lengths(valid) or []  # []: not left padding
         real_lengths = step.real_lengths if first_prefill and valid is not None else None
-        if first_prefill and valid is None:
-            output, _ = contiguous_attention(module, query, pending.key, pending.value, None, 0.0, scaling)
-        elif real_lengths:
-            # A left-padded first forward: each row's context is its own real new K/V, the
-            # last ``n`` positions; sdpa per row reads them as they are, padding never enters.
-            output = query.new_zeros((batch, query_length, query_heads, head_dim))
-            for row, length in enumerate(real_lengths):
-                if length:
-                    rows = slice(query_length - length, query_length)
-                    output[row, rows], _ = contiguous_attention(
-                        module,
-                        query[row : row + 1, :, rows],
-                        pending.key[row : row + 1, :, rows],
-                        pending.value[row : row + 1, :, rows],
-                        None,
-                        0.0,
-                        scaling,
-                    )
+        if first_prefill and (valid is None or real_lengths):
+            output = attend_new_tokens(module, query, pending.key, pending.value, scaling, real_lengths)
         elif not step.stored:
             output = query.new_zeros((batch, query_length, query_heads, head_dim))
         else:
