@@ -653,18 +653,18 @@ def test_map_cached_prefix_refuses_a_filled_cache_and_right_padding() -> None:
 def test_a_left_padded_first_forward_attends_each_row_over_its_real_tokens_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import kvcache_torch.hf as hf
+    import kvcache_torch.hf.attention as hf_attention
 
     model, reference = model_pair("llama", "paged")
     manager = make_manager(model)
     lengths: list[tuple[int, int]] = []
-    sdpa = hf._sdpa_attention_forward  # pyright: ignore[reportPrivateUsage]
+    sdpa = hf_attention.contiguous_attention
 
     def spy(module: Any, query: Tensor, key: Tensor, *arguments: Any) -> Any:
         lengths.append((int(query.shape[0]), int(key.shape[2])))
         return sdpa(module, query, key, *arguments)
 
-    monkeypatch.setattr(hf, "_sdpa_attention_forward", spy)
+    monkeypatch.setattr(hf_attention, "contiguous_attention", spy)
     ids, mask = prompts(3, 9, pads=(0, 4, 9 - 1))
     with PagedCache(manager, model.config) as cache:
         ours = forward(model, ids, mask, 0, cache)
@@ -675,9 +675,9 @@ def test_a_left_padded_first_forward_attends_each_row_over_its_real_tokens_only(
 
 
 def test_only_left_padding_counts_as_rows_of_real_suffixes() -> None:
-    from kvcache_torch.hf import _left_padded_lengths  # pyright: ignore[reportPrivateUsage]
+    from kvcache_torch.hf.padding import left_padded_lengths
 
     left = torch.tensor([[False, False, True, True], [True, True, True, True], [False, False, False, False]])
-    assert _left_padded_lengths(left) == [2, 4, 0]
-    assert _left_padded_lengths(torch.tensor([[True, True, False, False]])) is None  # right padding
-    assert _left_padded_lengths(torch.tensor([[False, True, False, True]])) is None  # a hole
+    assert left_padded_lengths(left) == [2, 4, 0]
+    assert left_padded_lengths(torch.tensor([[True, True, False, False]])) is None  # right padding
+    assert left_padded_lengths(torch.tensor([[False, True, False, True]])) is None  # a hole

@@ -25,8 +25,9 @@ transformers = pytest.importorskip("transformers")
 
 from torch import nn  # noqa: E402
 
-from kvcache_torch import hf_guard  # noqa: E402  # after the skips: it imports torch and transformers
+# After the skips: these import torch and transformers.
 from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for  # noqa: E402
+from kvcache_torch.hf import guard as hf_guard  # noqa: E402
 from tests.torch.hf_support import (  # noqa: E402
     COMMON_CONFIG,
     PAD,

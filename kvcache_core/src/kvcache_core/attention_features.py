@@ -32,6 +32,9 @@ import numbers
 from collections.abc import Callable
 from typing import Any, Final, cast
 
+import numpy as np
+import numpy.typing as npt
+
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, UnsupportedConfigError
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "check_window",
     "combined_window",
     "storage_attention_features",
+    "visible_key_range",
 ]
 
 #: The keyword argument of each feature -> the capability that claims it.
@@ -99,6 +103,41 @@ def check_softcap(softcap: object) -> float | None:
     if not (math.isfinite(value) and value > 0):
         raise InvalidArgumentError(f"softcap must be None or a finite number > 0, got {softcap!r}")
     return value
+
+
+def visible_key_range(
+    query_positions: npt.ArrayLike,
+    num_keys: int,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    chunk: int | None = None,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The keys each query sees, as ranges ``[low, high)`` of key positions ``0 .. num_keys - 1``:
+    each rule narrows the range of the query at ``p``: ``causal`` to ``k <= p``, ``window``
+    ``W`` to ``p - W < k``, ``chunk`` ``C`` to its own chunk ``[p // C * C, (p // C + 1) * C)``.
+
+    Args:
+        query_positions: the queries' absolute positions (any shape).
+        num_keys: the keys' count (positions ``0 .. num_keys - 1``).
+        causal, window, chunk: the rules to apply (checked values, see the module docstring).
+
+    Returns:
+        ``(low, high)``, int64 arrays of ``query_positions``' shape; ``low >= high`` where a
+        query sees no key.
+    """
+    positions = np.asarray(query_positions, dtype=np.int64)
+    low = np.zeros_like(positions)
+    high = np.full_like(positions, num_keys)
+    if causal:
+        high = np.minimum(high, positions + 1)
+    if window is not None:
+        low = np.maximum(low, positions - window + 1)
+    if chunk is not None:
+        chunk_start = positions // chunk * chunk
+        low = np.maximum(low, chunk_start)
+        high = np.minimum(high, chunk_start + chunk)
+    return low, high
 
 
 def combined_window(window: int | None, table_window: int | None) -> int | None:

@@ -28,7 +28,15 @@ from dataclasses import dataclass
 
 from kvcache_core.errors import InvalidConfigError, LayerIndexError
 
-__all__ = ["KvGroup", "LayerSpec", "check_group", "first_visible_block", "layer_slot", "plan_groups"]
+__all__ = [
+    "KvGroup",
+    "LayerSpec",
+    "check_group",
+    "first_visible_block",
+    "group_serves_layer",
+    "layer_slot",
+    "plan_groups",
+]
 
 
 def _positive(value: object) -> bool:
@@ -115,6 +123,14 @@ def first_visible_block(window: int | None, length: int, block_size: int) -> int
     if window is None or length < window:
         return 0
     return (length - window + 1) // block_size
+
+
+def group_serves_layer(kept_window: int | None, spec: LayerSpec) -> bool:
+    """Whether a KV-cache group that keeps the last ``kept_window`` positions of each request
+    (``None``: every position) holds every position a layer of ``spec`` attends to: a group
+    keeping every position serves any layer, one keeping ``W`` only a sliding layer whose
+    window is at most ``W`` (a full or chunked layer needs every position)."""
+    return kept_window is None or (spec.window is not None and spec.window <= kept_window)
 
 
 def layer_slot(groups: tuple[KvGroup, ...], num_layers: int) -> tuple[tuple[int, int], ...]:

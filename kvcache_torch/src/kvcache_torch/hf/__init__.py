@@ -1,0 +1,80 @@
+"""Hugging Face transformers integration: a ``Cache`` backed by a kvcache paged pool.
+
+Two pieces, used together or apart::
+
+    import kvcache_torch.hf  # registers the "kvcache_paged" attention implementation
+    from kvcache_core import create_manager
+    from kvcache_torch.hf import PagedCache, cache_config_for
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="kvcache_paged")
+    manager = create_manager("torch", cache_config_for(model, max_tokens=16384))
+    with PagedCache(manager, model.config) as cache:
+        out = model.generate(**inputs, cache=cache, max_new_tokens=64)  # past_key_values= before 5.x
+
+- :class:`PagedCache` is a ``transformers.Cache`` whose K/V live in the manager's pool: one
+  kvcache request per batch row, allocated at the first forward.
+- The ``"kvcache_paged"`` attention implementation (registered on import, or with
+  :func:`register_attention`) writes each layer's new K/V into the pool in one batched write
+  and runs paged attention on the pool directly: decode never rebuilds a contiguous K/V.
+  Each forward is one manager step (``begin_step``): planned once at the first layer (every
+  row grown by its real new tokens, atomically), then written and attended per layer. The write happens in the attention function rather
+  than in ``update`` because only the attention function sees the padding mask: padding tokens (zeros of the
+  2-D ``attention_mask``) are never stored, so each request holds exactly its real tokens
+  and a left-padded batch gives the same logits at the real positions as ``DynamicCache``.
+  A first forward without padding attends over its own new K/V with transformers' ``sdpa``
+  (they are the whole context and contiguous already; measured faster than reading them
+  back from the pool); every later forward (decode, chunked prefill) reads the pool.
+- ``"kvcache_paged"`` serves models whose attention calls transformers' attention interface.
+  One that computes attention itself (Bloom, MPT, XGLM, ...) or rejects the name at load
+  (Falcon, GPT-Neo, GIT) is refused by name with its remedy, by :func:`cache_config_for` and
+  :class:`PagedCache` where transformers can tell from the class, else at its first forward
+  before anything is stored (:mod:`kvcache_torch.hf.guard`).
+- With any other implementation (``"sdpa"``, ``"eager"``, ...) :meth:`PagedCache.update`
+  stores every position and returns the contiguous K/V ``[batch, kv_heads, tokens,
+  head_dim]`` the model expects: slower, but any model works. The ``"kvcache_paged"``
+  attention with another cache (or none) runs ``sdpa`` on what it is given.
+- Beam search (``reorder_cache``), ``batch_repeat_interleave`` and ``batch_select_indices``
+  move requests between rows and ``fork`` a request for each row that duplicates another:
+  the rows share every block, and only the block a beam goes on to write in is copied
+  (copy-on-write, by the next step). ``crop`` (rollback, assisted generation) truncates each
+  request (``manager.truncate``): the blocks past its new end are free at once.
+- Only public core API is used: the step, ``fork``, ``truncate``, ``gather``; the pool's
+  policies (free-block accounting, copies, tables) stay in core.
+
+Tested with transformers 5.24 (``cache=``) and, by hand, 4.56 and 4.57
+(``past_key_values=``).
+
+Lifecycle: the requests (and their blocks) live until :meth:`PagedCache.release` (also
+``close()``, ``reset()``, leaving a ``with`` block, or the cache being garbage-collected).
+Passing the same cache to a second ``generate`` *continues* its sequences, as with
+``DynamicCache``; release it (or use a new one) to start over.
+
+Where the parts live: :mod:`~kvcache_torch.hf.model_config` (what a transformers config
+says: geometry, layer specs, :func:`cache_config_for`, :func:`model_fingerprint`),
+:mod:`~kvcache_torch.hf.cache` (:class:`PagedCache`), :mod:`~kvcache_torch.hf.layer`
+(:class:`PagedCacheLayer`), :mod:`~kvcache_torch.hf.rows` (the requests behind the batch
+rows), :mod:`~kvcache_torch.hf.forward_pass` (a forward's step, each layer's positions, the
+hand-off from ``update`` to the attention), :mod:`~kvcache_torch.hf.padding`,
+:mod:`~kvcache_torch.hf.attention` (the ``"kvcache_paged"`` implementation) and
+:mod:`~kvcache_torch.hf.guard` (which models it serves).
+"""
+
+from __future__ import annotations
+
+from kvcache_torch.hf.attention import paged_attention_forward, paged_attention_mask, register_attention
+from kvcache_torch.hf.cache import PagedCache
+from kvcache_torch.hf.layer import PagedCacheLayer
+from kvcache_torch.hf.model_config import ATTN_IMPLEMENTATION, cache_config_for, model_fingerprint
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "PagedCache",
+    "PagedCacheLayer",
+    "cache_config_for",
+    "model_fingerprint",
+    "paged_attention_forward",
+    "paged_attention_mask",
+    "register_attention",
+]
+
+register_attention()

@@ -1,0 +1,533 @@
+""":class:`PagedCache`, a transformers ``Cache`` whose K/V live in a kvcache paged pool."""
+
+from __future__ import annotations
+
+import weakref
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache
+
+from kvcache_core import (
+    DTypeMismatchError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    KvCacheError,
+    PagedKvCacheHandle,
+    PagedKvCacheManager,
+    ShapeMismatchError,
+    UnsupportedConfigError,
+)
+from kvcache_core.config import check_count
+from kvcache_core.groups import group_serves_layer
+from kvcache_torch.dtypes import dtype_name
+from kvcache_torch.hf.attention import attend_new_tokens
+from kvcache_torch.hf.forward_pass import ForwardStep, Handoff, LayerProgress, drop_handoff, hand_off
+from kvcache_torch.hf.guard import decoder_class, not_through_interface, refuse_unless_interface
+from kvcache_torch.hf.layer import PagedCacheLayer
+from kvcache_torch.hf.model_config import (
+    ATTN_IMPLEMENTATION,
+    attention_implementation,
+    geometry,
+    layer_specs,
+    text_config,
+)
+from kvcache_torch.hf.padding import left_padded_lengths, real_tokens, token_major
+from kvcache_torch.hf.rows import BatchRows, release_requests
+
+__all__ = ["PagedCache"]
+
+Mode = Literal["paged", "contiguous"]
+
+
+class PagedCache(Cache):
+    """A transformers ``Cache`` whose keys and values live in a kvcache paged pool.
+
+    Row ``b`` of the batch is one kvcache request (allocated at the first forward, so the
+    batch size comes from the model's input). Pass it to ``model.generate(..., cache=...)``
+    (``past_key_values=`` before transformers 5) or to ``model(..., cache=...)`` in a manual
+    loop, and load the model with ``attn_implementation="kvcache_paged"`` for the fast path
+    (see :mod:`kvcache_torch.hf`).
+
+    Positions, lengths and masks are counted as transformers counts them: every column of
+    the batch's 2-D ``attention_mask``, padding included (``get_seq_length``,
+    ``get_mask_sizes``, ``crop``). With ``"kvcache_paged"`` attention the padding columns
+    are not stored, so a request holds only its real tokens (``request_lengths()``).
+
+    Args:
+        manager: a manager of the ``torch`` backend whose geometry (layers, KV heads, head
+            size) matches the model: ``create_manager("torch", cache_config_for(model, ...))``.
+        config: the model's config (``model.config``); its ``_attn_implementation`` chooses
+            the paged or the contiguous path at each forward.
+        max_sequence_length: the most tokens a row will hold, if known: the allocator then
+            keeps each request's blocks in one run, and growing past it raises
+            ``SequenceTooLongError``.
+
+    Raises:
+        InvalidTypeError: ``manager`` is not a ``PagedKvCacheManager``.
+        UnsupportedConfigError: the model's geometry differs from the pool's, the pool has a
+            sliding window, the model has layers other than attention layers (linear
+            attention, shared K/V, ...), or the config is set to ``"kvcache_paged"`` for a
+            model whose attention does not call transformers' attention interface (the
+            message names the class and the remedy, its own ``"sdpa"`` or ``"eager"``; a model
+            transformers cannot judge up front is refused at its first forward instead, see
+            :meth:`update`).
+        InvalidArgumentError: a bad ``max_sequence_length``.
+    """
+
+    def __init__(
+        self,
+        manager: PagedKvCacheManager[torch.Tensor],
+        config: PretrainedConfig,
+        *,
+        max_sequence_length: int | None = None,
+    ) -> None:
+        if not isinstance(manager, PagedKvCacheManager):
+            raise InvalidTypeError(f"manager must be a PagedKvCacheManager, got {type(manager).__name__}")
+        if not isinstance(config, PretrainedConfig):
+            raise InvalidTypeError(f"config must be the model's PretrainedConfig, got {type(config).__name__}")
+        if max_sequence_length is not None:
+            max_sequence_length = check_count(max_sequence_length, "max_sequence_length", minimum=1)
+        pool = manager.config
+        layers, kv_heads, head_dim = geometry(config)
+        if (layers, kv_heads, head_dim) != (pool.num_layers, pool.num_heads, pool.head_dim):
+            raise UnsupportedConfigError(
+                f"the model has {layers} layers of {kv_heads} KV heads of size {head_dim}, the pool "
+                f"{pool.num_layers} layers of {pool.num_heads} heads of size {pool.head_dim}; build the pool "
+                "with cache_config_for(model, ...)"
+            )
+        text = text_config(config)
+        if attention_implementation(text) == ATTN_IMPLEMENTATION:
+            refuse_unless_interface(text)
+        self._layer_specs = layer_specs(config)  # refuses linear-attention, state-space layers
+        for layer, spec in enumerate(self._layer_specs):
+            kept = pool.kv_groups[pool.layer_place(layer)[0]].window
+            if not group_serves_layer(kept, spec):
+                raise UnsupportedConfigError(
+                    f"the pool keeps only the last {kept} positions of layer {layer}, whose attention "
+                    f"({'window ' + str(spec.window) if spec.window else 'full'}) needs more; build the "
+                    "pool with cache_config_for(model, ...)"
+                )
+        self._windowed = any(group.window is not None for group in pool.kv_groups)
+        shared_kv_layers: object = getattr(text, "num_kv_shared_layers", None)
+        if shared_kv_layers:
+            raise UnsupportedConfigError("PagedCache holds attention layers only; this model also has shared-KV layers")
+        super().__init__(layers=[PagedCacheLayer(self, index) for index in range(layers)])
+        self._manager = manager
+        self._text = text
+        self._max_sequence_length = max_sequence_length
+        self._num_layers = layers
+        self._rows = BatchRows(manager, max_sequence_length)
+        self._progress = LayerProgress(layers)
+        self._mode: Mode | None = None
+        self._finalizer = weakref.finalize(self, release_requests, manager, self._rows.request_ids)
+
+    # -- introspection -----------------------------------------------------------------
+
+    @property
+    def manager(self) -> PagedKvCacheManager[torch.Tensor]:
+        """The manager whose pool holds the K/V."""
+        return self._manager
+
+    @property
+    def handles(self) -> tuple[PagedKvCacheHandle[torch.Tensor], ...]:
+        """The kvcache handle of each batch row, in row order."""
+        return tuple(self._rows.handles)
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        """The kvcache request id of each batch row, in row order."""
+        return tuple(self._rows.request_ids)
+
+    def request_lengths(self) -> list[int]:
+        """Tokens held per row (without the padding the paged path skips).
+
+        After :meth:`crop` a request keeps the blocks (and ``num_tokens()``) of its removed
+        tokens, which its next tokens overwrite; this counts the tokens still in use.
+        """
+        return list(self._rows.tokens)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows held; 0 before the first forward and after :meth:`release`."""
+        return len(self._rows)
+
+    @property
+    def is_compileable(self) -> bool:
+        """``False``: the pool's tables change shape every step."""
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether the cache holds requests."""
+        return bool(self._rows.handles)
+
+    @property
+    def is_croppable(self) -> bool:
+        """``True``: :meth:`crop` restores the state before the removed positions."""
+        return True
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Positions cached for ``layer_idx`` (padding columns included, as transformers counts)."""
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self._num_layers:
+            return 0
+        return self._progress.lengths[layer_idx]
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for a mask of ``query_length`` new tokens: all the cached
+        positions plus the new ones, from offset 0.
+
+        ``query_length`` may also be the ``cache_position`` tensor older transformers pass.
+        """
+        length = int(query_length.shape[0]) if isinstance(query_length, torch.Tensor) else int(query_length)
+        return self.get_seq_length(layer_idx) + length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """``max_sequence_length`` if given, else ``-1`` (grows while the pool has blocks)."""
+        return -1 if self._max_sequence_length is None else self._max_sequence_length
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """:meth:`get_max_length` under the name transformers 4 uses."""
+        return self.get_max_length()
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedCache(rows={len(self._rows)}, positions={self._rows.positions}, "
+            f"tokens={sum(self.request_lengths())}, mode={self._mode}, manager={self._manager!r})"
+        )
+
+    # -- prefix caching ----------------------------------------------------------------
+
+    def map_cached_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """Start every row from the prefix cache: call it with the prompts before ``generate``.
+
+        Each row becomes a kvcache request holding its prompt's token ids (padding left
+        out), so that the blocks of the prompt become cacheable as they are written, and
+        mapping every cached full block of it (``CacheConfig(enable_prefix_caching=True)``).
+        transformers counts positions per batch, so the rows keep the cached positions all
+        of them share (a row with fewer drops its extra hits); ``generate`` then sees a cache
+        of that many positions and computes only the tokens after them.
+
+        Args:
+            input_ids: ``[batch, positions]`` token ids, left-padded.
+            attention_mask: ``[batch, positions]``, 0 for padding (``None``: no padding).
+
+        Returns:
+            The positions now cached (``get_seq_length()``): 0 without a hit.
+
+        Raises:
+            InvalidArgumentError: the cache already holds rows (``release()`` it first), or
+                ids and mask that are not 2-D integer tensors of one shape, left-padded.
+            UnsupportedConfigError: the model does not run ``"kvcache_paged"`` attention
+                (the contiguous path stores padding, so rows cannot skip it).
+            OutOfBlocksError: the pool cannot hold the rows (nothing is kept).
+        """
+        if self._rows.handles:
+            raise InvalidArgumentError(f"the cache holds {len(self._rows)} rows already: release() it first")
+        if attention_implementation(self._text) != ATTN_IMPLEMENTATION:
+            raise UnsupportedConfigError(
+                f"map_cached_prefix needs attn_implementation={ATTN_IMPLEMENTATION!r}, the model runs "
+                f"{attention_implementation(self._text)!r}"
+            )
+        shared = self._rows.map_prefix(input_ids, attention_mask)
+        self._mode = "paged"
+        self._progress.lengths = [shared] * self._num_layers
+        return shared
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Deallocate every row's request: its blocks return to the pool. The cache is then
+        empty and can serve a new batch."""
+        drop_handoff(self)  # a forward that failed half-way
+        self._rows.release()
+        self._progress.reset(0)
+        self._mode = None
+
+    def close(self) -> None:
+        """:meth:`release`."""
+        self.release()
+
+    def reset(self) -> None:
+        """transformers' ``Cache.reset``: here the same as :meth:`release`."""
+        self.release()
+
+    def __enter__(self) -> PagedCache:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    # -- the write/read path -------------------------------------------------------------
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take one layer's new keys and values ``[batch, kv_heads, new_tokens, head_dim]``.
+
+        With ``"kvcache_paged"`` attention the write happens in the attention function (it
+        sees the padding mask, so padding is not stored) and the new K/V are returned as
+        they are. Otherwise they are written now and the whole contiguous K/V ``[batch,
+        kv_heads, positions, head_dim]`` are returned.
+
+        Raises:
+            LayerIndexError: ``layer_idx`` outside the model's layers.
+            ShapeMismatchError: K/V not ``[batch, kv_heads, new_tokens, head_dim]`` of the
+                pool's geometry, or a batch size other than the rows held.
+            DTypeMismatchError: K/V of another dtype than the pool's.
+            UnsupportedConfigError: the attention implementation changed while the cache
+                holds tokens, the previous forward did not reach every layer, or (with
+                ``"kvcache_paged"``) an earlier layer's keys and values never reached the
+                ``kvcache_paged`` attention: the model computes attention itself. That
+                forward is undone (a first forward leaves no row), naming the model class
+                and the remedy (its own ``"sdpa"`` or ``"eager"`` attention).
+            OutOfBlocksError, SequenceTooLongError: the pool cannot hold the new tokens
+                (nothing is changed).
+        """
+        layer = self._manager.config.check_layer(layer_idx)  # the pool's layers are the model's
+        self._check_states(key_states, value_states)
+        implementation = attention_implementation(self._text)
+        mode: Mode = "paged" if implementation == ATTN_IMPLEMENTATION else "contiguous"
+        if self._mode is not None and mode != self._mode and self._rows.positions:
+            raise UnsupportedConfigError(
+                f"the cache was filled with the {self._mode} path and the model now runs the {mode} path "
+                f"(attn_implementation {implementation!r}); release() the cache before switching"
+            )
+        if mode == "contiguous" and self._windowed:
+            raise UnsupportedConfigError(
+                f"attn_implementation {implementation!r} reads every position of every layer back, but this pool's "
+                "sliding layers keep only their window's blocks; run attn_implementation='kvcache_paged', or build "
+                "the pool with cache_config_for(model, ..., hybrid=False)"
+            )
+        if mode == "paged":
+            self._check_attended(layer)
+        step = self._progress.join(layer, int(key_states.shape[2]), first=not self._rows.handles)
+        if mode == "paged":
+            step.updated.add(layer)
+            step.awaiting = layer
+            hand_off(Handoff(self, layer, key_states, value_states, step, self._attend))
+            return key_states, value_states
+        if step.planned is None:
+            self._place_step(step, int(key_states.shape[0]), None, "contiguous")
+        assert step.planned is not None  # placed just above
+        step.planned.write(layer, token_major(key_states), token_major(value_states))
+        self._progress.finish(step, layer)
+        return self._rows.gather_padded(layer)
+
+    def _attend(
+        self,
+        pending: Handoff,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None,
+        features: dict[str, Any],
+    ) -> torch.Tensor:
+        """Write the layer's real new tokens into the pool (one write for the batch) and
+        attend over the pool in place, with the layer's attention features (``window``,
+        ``softcap``, ``sinks``; its ``chunk`` comes from the config).
+
+        A first forward without padding or with left padding, and without attention
+        features, attends over its new K/V as they are (:func:`attend_new_tokens`).
+
+        Returns ``[batch, new_tokens, query_heads, head_dim]``; rows of padding tokens are 0.
+        """
+        step, layer = pending.step, pending.layer
+        batch, query_heads, query_length, head_dim = query.shape
+        if batch != len(pending.key) or query_length != step.query_length:
+            raise ShapeMismatchError(
+                f"query {tuple(query.shape)} does not match the keys {tuple(pending.key.shape)} of this layer"
+            )
+        if step.planned is None:
+            valid = real_tokens(attention_mask, step.start + query_length, query_length, batch)
+            self._place_step(step, batch, valid, "paged")
+        planned = step.planned
+        assert planned is not None  # placed just above
+        valid = step.valid
+        if step.stored:  # the step was checked when planned: per layer only the arrays are
+            planned.write(layer, token_major(pending.key, valid), token_major(pending.value, valid))
+        layer_features = {name: value for name, value in features.items() if value is not None}
+        chunk = self._layer_specs[layer].chunk
+        if chunk is not None:
+            layer_features["chunk"] = chunk
+        first_prefill = step.start == 0 and query_length > 1 and not layer_features
+        if first_prefill and valid is not None and step.real_lengths is None:
+            step.real_lengths = left_padded_lengths(valid) or []  # []: not left padding
+        real_lengths = step.real_lengths if first_prefill and valid is not None else None
+        if first_prefill and (valid is None or real_lengths):
+            output = attend_new_tokens(module, query, pending.key, pending.value, scaling, real_lengths)
+        elif not step.stored:
+            output = query.new_zeros((batch, query_length, query_heads, head_dim))
+        else:
+            attended = planned.attention(layer, token_major(query, valid), scale=scaling, causal=True, **layer_features)
+            if valid is None:
+                output = attended.view(batch, query_length, query_heads, head_dim)
+            else:
+                output = query.new_zeros((batch, query_length, query_heads, head_dim))
+                output[valid] = attended
+        self._progress.finish(step, layer)
+        return output
+
+    # -- batch surgery: beam search, crop --------------------------------------------------
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``i`` becomes a copy of row ``beam_idx[i]`` (beam search).
+
+        A source row used once moves; each further use is a ``fork`` of its request, which
+        shares every block: only the block a beam goes on to write in is copied, by the
+        next forward (copy-on-write).
+
+        Raises:
+            InvalidArgumentError: an index outside the rows, or not one per row.
+        """
+        sources = self._rows.check_indices(beam_idx, "beam_idx")
+        if len(sources) != len(self._rows):
+            raise InvalidArgumentError(f"beam_idx must name one source per row ({len(self._rows)}), got {len(sources)}")
+        self._remap_rows(sources)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times in place: rows ``a, b`` become ``a, a, b, b``
+        (the repeats are forks: they share the row's blocks until they diverge).
+
+        Raises:
+            InvalidArgumentError: ``repeats`` below 1.
+        """
+        repeats = check_count(repeats, "repeats", minimum=1)
+        self._remap_rows([row for row in range(len(self._rows)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows ``indices`` (in that order); the others are released and a
+        repeated row is forked (shared blocks).
+
+        Raises:
+            InvalidArgumentError: an index outside the rows.
+        """
+        self._remap_rows(self._rows.check_indices(indices, "indices"))
+
+    def _remap_rows(self, sources: list[int]) -> None:
+        """New row ``j`` takes the content of old row ``sources[j]`` (:meth:`BatchRows.remap`)."""
+        self._progress.check_complete()
+        if sources == list(range(len(self._rows))):
+            return
+        self._rows.remap(sources)
+        self._progress.step = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last positions: ``crop(-n)`` removes ``n`` (transformers 5 style);
+        ``crop(n)`` with ``n >= 0`` keeps the first ``n`` (the older style); ``crop(0)`` and
+        ``crop(n)`` with ``n`` at or past the length change nothing.
+
+        Each row's request is truncated (``manager.truncate``): the blocks wholly past its
+        new end go back to the pool at once.
+
+        Raises:
+            InvalidArgumentError: removing more positions than cached, or not an int.
+        """
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise InvalidArgumentError(f"crop takes an int, got {tokens_to_remove!r}")
+        self._progress.check_complete()
+        total = self._rows.positions
+        keep = total + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, total)
+        if tokens_to_remove == 0 or keep == total:
+            return
+        if keep < 0:
+            raise InvalidArgumentError(f"cannot remove {-tokens_to_remove} positions: the cache holds {total}")
+        self._rows.truncate(self._rows.stored_before(keep), keep)
+        self._progress.reset(keep)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _check_states(self, keys: object, values: object) -> None:
+        pool = self._manager.config
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            raise InvalidTypeError(
+                f"keys and values must be torch tensors, got {type(keys).__name__} and {type(values).__name__}"
+            )
+        if (
+            keys.shape != values.shape
+            or keys.dim() != 4
+            or (keys.shape[1], keys.shape[3])
+            != (
+                pool.num_heads,
+                pool.head_dim,
+            )
+        ):
+            raise ShapeMismatchError(
+                f"keys and values must be [batch, {pool.num_heads}, new_tokens, {pool.head_dim}], got "
+                f"{tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        if dtype_name(keys.dtype) != pool.io_dtype or values.dtype != keys.dtype:
+            raise DTypeMismatchError(
+                f"keys and values are {keys.dtype} and {values.dtype}, the pool computes in {pool.io_dtype}: build it with "
+                "cache_config_for(model, ...), which takes the model's dtype"
+            )
+        if self._rows.handles and keys.shape[0] != len(self._rows):
+            raise ShapeMismatchError(
+                f"the cache holds {len(self._rows)} rows, the model passed a batch of {keys.shape[0]}; "
+                "release() it to start a new batch"
+            )
+
+    def _check_attended(self, layer: int) -> None:
+        """Refuse a model whose attention does not call the ``kvcache_paged`` attention: an
+        update of another layer of the same forward arrives while an earlier layer's keys
+        and values still wait for it, or a new forward begins after one in which every layer
+        was updated and none attended (a one-layer model). The refused forward is undone.
+
+        Raises:
+            UnsupportedConfigError: naming the model class and the remedy.
+        """
+        step = self._progress.step
+        if step is None or step.awaiting is None:
+            return
+        same_forward = layer not in step.updated
+        if not same_forward and (step.layers_done or len(step.updated) != self._num_layers):
+            return  # an interrupted forward, not a pattern: joining the step decides
+        awaiting = step.awaiting
+        self._abandon_step(step)
+        raise not_through_interface(decoder_class(self._text), self._text, awaiting, earlier=not same_forward)
+
+    def _abandon_step(self, step: ForwardStep) -> None:
+        """Undo a forward refused half-way: rows it allocated are released, rows it grew go
+        back to their length before it (or, where a sliding window already dropped the
+        blocks that needs, are released too), and the next forward starts afresh."""
+        drop_handoff(self)
+        self._progress.step = None
+        if step.planned is None:
+            return  # nothing was placed or stored
+        if step.allocated:
+            self.release()
+            return
+        before = [tokens - count for tokens, count in zip(self._rows.tokens, step.counts, strict=True)]
+        try:
+            self._rows.truncate(before, step.start)
+        except KvCacheError:
+            self.release()
+            return
+        self._progress.reset(step.start)
+
+    def _place_step(self, step: ForwardStep, batch: int, valid: torch.Tensor | None, mode: Mode) -> None:
+        """Plan the step in the manager: allocate the rows at the first forward, then grow
+        every row by its real new tokens (all new tokens on the contiguous path), for the
+        whole batch at once.
+
+        Atomic: when the pool cannot hold the step, nothing is allocated or grown.
+        """
+        counts = [step.query_length] * batch if valid is None else [int(c) for c in valid.sum(dim=1).cpu().numpy()]
+        try:
+            planned, allocated = self._rows.begin(counts, valid, step.query_length)
+        except BaseException:
+            self._progress.step = None  # nothing changed: the next forward starts afresh
+            raise
+        step.planned = planned
+        step.valid = valid
+        step.stored = planned.num_new_tokens
+        step.counts = counts
+        step.allocated = allocated
+        self._mode = mode

@@ -1,0 +1,265 @@
+"""What a transformers config says about its cache: geometry, each layer's attention, the
+pool's :class:`~kvcache_core.CacheConfig` and the model's fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from typing import Final, cast
+
+import torch
+from transformers import PretrainedConfig
+
+from kvcache_core import (
+    DTYPE_SIZES,
+    QUANTIZED_DTYPES,
+    BlockTable,
+    CacheConfig,
+    InvalidArgumentError,
+    InvalidTypeError,
+    LayerSpec,
+    UnsupportedConfigError,
+)
+from kvcache_core.config import check_count
+from kvcache_torch.dtypes import dtype_name
+from kvcache_torch.hf.guard import refuse_unless_interface
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "attention_implementation",
+    "cache_config_for",
+    "geometry",
+    "layer_specs",
+    "model_fingerprint",
+    "text_config",
+]
+
+#: The name to pass as ``attn_implementation`` (or to ``model.set_attn_implementation``).
+ATTN_IMPLEMENTATION: Final = "kvcache_paged"
+
+#: Layer types of ``config.layer_types`` whose K/V this cache can hold.
+_ATTENTION_LAYER_TYPES: Final = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The decoder's config (the config itself for a plain decoder)."""
+    get_text_config = cast(
+        Callable[..., PretrainedConfig],
+        config.get_text_config,  # pyright: ignore[reportUnknownMemberType]  # parameters untyped there
+    )
+    return get_text_config(decoder=True)
+
+
+def attention_implementation(config: PretrainedConfig) -> str | None:
+    """The config's current attention implementation (it changes with ``set_attn_implementation``)."""
+    name: object = getattr(config, "_attn_implementation", None)
+    return name if isinstance(name, str) else None
+
+
+def _one_per_model(value: object, name: str) -> int | None:
+    """A per-model count from a config field that may also be per layer (a list)."""
+    if isinstance(value, (list, tuple)):
+        counts = {int(item) for item in cast("Sequence[int]", value)}
+        if len(counts) > 1:
+            raise UnsupportedConfigError(
+                f"the model's layers have different {name} {list(cast('Sequence[int]', value))}; a kvcache pool "
+                "holds one count for every layer"
+            )
+        return counts.pop() if counts else None
+    return None if value is None else int(cast("int", value))
+
+
+def _kv_heads(text: PretrainedConfig) -> int:
+    """The KV heads a decoder hands its cache, as its attention computes them."""
+    query_heads = _one_per_model(text.num_attention_heads, "query head counts") or 1
+    if hasattr(text, "new_decoder_architecture") and hasattr(text, "multi_query"):  # Falcon's convention
+        if getattr(text, "new_decoder_architecture", False):
+            return query_heads  # keys and values are broadcast to every query head before caching
+        if getattr(text, "multi_query", False):
+            return 1
+        return _one_per_model(getattr(text, "num_kv_heads", None), "KV head counts") or query_heads
+    for name in ("num_key_value_heads", "num_kv_heads"):
+        heads = _one_per_model(getattr(text, name, None), "KV head counts")
+        if heads is not None:
+            return heads
+    return query_heads
+
+
+def geometry(config: PretrainedConfig) -> tuple[int, int, int]:
+    """``(num_layers, kv_heads, head_dim)`` of a decoder config.
+
+    Raises:
+        UnsupportedConfigError: layers with different KV head counts or head sizes.
+    """
+    text = text_config(config)
+    layers = int(text.num_hidden_layers)
+    query_heads = _one_per_model(text.num_attention_heads, "query head counts") or 1
+    head_dim = _one_per_model(getattr(text, "head_dim", None), "head sizes")
+    return layers, _kv_heads(text), int(text.hidden_size) // query_heads if head_dim is None else head_dim
+
+
+def _positive_or_none(value: object) -> int | None:
+    """A config field as a window or chunk size: an int >= 1, else unset."""
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def layer_specs(config: PretrainedConfig) -> tuple[LayerSpec, ...]:
+    """Each layer's :class:`~kvcache_core.LayerSpec` (full, a sliding window or a chunk), from
+    ``layer_types``, ``sliding_window`` and ``attention_chunk_size`` (a model without
+    ``layer_types`` and with a ``sliding_window``, as Mistral, slides in every layer).
+
+    Raises:
+        UnsupportedConfigError: a layer type other than full, sliding or chunked attention
+            (linear attention, state-space layers, ...), named in the message.
+    """
+    text = text_config(config)
+    layers = int(text.num_hidden_layers)
+    window = _positive_or_none(getattr(text, "sliding_window", None))
+    chunk = _positive_or_none(getattr(text, "attention_chunk_size", None))
+    types: Sequence[str] | None = getattr(text, "layer_types", None)
+    if types is None:
+        types = ["sliding_attention" if window is not None else "full_attention"] * layers
+    other = sorted(set(types) - _ATTENTION_LAYER_TYPES)
+    if other:
+        raise UnsupportedConfigError(
+            f"the model has layers of type {', '.join(repr(name) for name in other)}, which keep no paged K/V; "
+            f"kvcache serves {sorted(_ATTENTION_LAYER_TYPES)} layers"
+        )
+    specs: list[LayerSpec] = []
+    for layer_type in types:
+        if layer_type == "sliding_attention" and window is not None:
+            specs.append(LayerSpec(window=window))
+        elif layer_type == "chunked_attention" and chunk is not None:
+            specs.append(LayerSpec(chunk=chunk))
+        else:
+            specs.append(LayerSpec())
+    return tuple(specs)
+
+
+def _pool_dtype_name(dtype: object) -> str:
+    """A dtype's pool name (``torch.bfloat16`` -> ``"bfloat16"``); a name as it is.
+
+    A torch dtype is a model's: it names an unquantized pool (a quantized pool is asked for
+    by its name, ``"int8"``, and computes in the model's dtype).
+
+    Raises:
+        UnsupportedConfigError: a torch dtype kvcache has no unquantized pool of.
+    """
+    if isinstance(dtype, torch.dtype):
+        name = dtype_name(dtype)
+        unquantized = sorted(set(DTYPE_SIZES) - set(QUANTIZED_DTYPES))
+        if name not in unquantized:
+            raise UnsupportedConfigError(f"dtype {dtype} has no kvcache pool; use one of {unquantized}")
+        return name
+    return str(dtype)
+
+
+def cache_config_for(
+    model: torch.nn.Module | PretrainedConfig,
+    *,
+    num_blocks: int | None = None,
+    max_tokens: int | None = None,
+    block_size: int = 16,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    model_id: str | None = None,
+    hybrid: bool = True,
+) -> CacheConfig:
+    """The :class:`~kvcache_core.CacheConfig` of a pool for this model.
+
+    Layers, KV heads and head size come from the model's (decoder) config; give the pool's
+    size as ``num_blocks`` or as ``max_tokens`` (rounded up to whole blocks), not both.
+
+    Args:
+        model: the model (its ``config``, and the dtype and device of its weights), or just
+            its ``PretrainedConfig``.
+        num_blocks, max_tokens: the pool's size.
+        block_size: tokens per block.
+        dtype: ``"float32"``, ``torch.bfloat16``, ...; by default the model's weights' dtype
+            (for a config, its ``dtype``; float32 when it has none). ``"int8"`` or
+            ``"float8_e4m3fn"`` give a quantized pool (:mod:`kvcache_core.quantization`, about a
+            quarter of float32's bytes) that computes in the model's dtype.
+        device: where the pool lives (``"cpu"``, ``"cuda:0"``); by default the model's
+            device (for a config, the CPU).
+        model_id: the namespace of the pool's prefix-cache hashes; by default
+            :func:`model_fingerprint` of the config and the pool's dtype, so blocks cached,
+            saved or published for one model never map into another's pool.
+        hybrid: give the pool each layer's spec (``CacheConfig.layer_specs``) when the
+            model has sliding or chunked layers: sliding layers then form KV-cache groups
+            that keep only their window's blocks (a long request takes a fraction of the
+            memory). ``False``: one group keeping every block of every layer, which the
+            contiguous path (``attn_implementation`` other than ``"kvcache_paged"``,
+            reading whole K/V back) needs.
+
+    Raises:
+        InvalidArgumentError: neither or both of ``num_blocks`` and ``max_tokens``, or a
+            ``max_tokens`` or ``block_size`` below 1.
+        InvalidTypeError: ``model`` is neither a model with a ``config`` nor a config.
+        UnsupportedConfigError: a dtype kvcache has no name for, layers that are not
+            full, sliding or chunked attention (the message names their type), or a config
+            set to ``"kvcache_paged"`` for a model whose attention does not call transformers'
+            attention interface (Falcon, GPT-Neo, Bloom, MPT, ...: the message names the
+            class and the remedy: its own attention, ``"sdpa"`` or ``"eager"``).
+        InvalidConfigError: any field out of range (from ``CacheConfig``).
+
+    The ``"kvcache_paged"`` attention applies each layer's window or chunk, softcap and
+    sinks.
+    """
+    model_dtype: str | torch.dtype | None = None
+    if isinstance(model, PretrainedConfig):
+        config = model
+    else:
+        found: object = getattr(model, "config", None)
+        if not isinstance(model, torch.nn.Module) or not isinstance(found, PretrainedConfig):
+            raise InvalidTypeError(f"expected a transformers model or its config, got {type(model).__name__}")
+        config = found
+        weight = next(model.parameters(), None)
+        if weight is not None:
+            model_dtype = weight.dtype
+            dtype = weight.dtype if dtype is None else dtype
+            device = weight.device if device is None else device
+    if (num_blocks is None) == (max_tokens is None):
+        raise InvalidArgumentError(
+            f"give the pool size as exactly one of num_blocks or max_tokens, got num_blocks={num_blocks!r}, "
+            f"max_tokens={max_tokens!r}"
+        )
+    block_size = check_count(block_size, "block_size", minimum=1)
+    if max_tokens is not None:
+        num_blocks = BlockTable.blocks_needed_for_length(check_count(max_tokens, "max_tokens", minimum=1), block_size)
+    configured = getattr(text_config(config), "dtype", None) or getattr(config, "dtype", None) or "float32"
+    if dtype is None:
+        dtype = configured
+    dtype = _pool_dtype_name(dtype)
+    # A quantized pool computes in the model's dtype.
+    compute_dtype = _pool_dtype_name(model_dtype or configured) if dtype in QUANTIZED_DTYPES else None
+    layers, kv_heads, head_dim = geometry(config)
+    specs = layer_specs(config)  # refuses layers that are not attention layers
+    text = text_config(config)
+    if attention_implementation(text) == ATTN_IMPLEMENTATION:
+        refuse_unless_interface(text, None if isinstance(model, PretrainedConfig) else model)
+    if not isinstance(hybrid, bool):
+        raise InvalidArgumentError(f"hybrid must be a bool, got {hybrid!r}")
+    assert num_blocks is not None  # exactly one of the two was given, checked above
+    return CacheConfig(
+        num_layers=layers,
+        num_heads=kv_heads,
+        head_dim=head_dim,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        dtype=dtype,
+        device="cpu" if device is None else str(device),
+        model_id=model_fingerprint(config, str(dtype)) if model_id is None else model_id,
+        compute_dtype=compute_dtype,
+        layer_specs=specs if hybrid and any(spec.kind != "full" for spec in specs) else None,
+    )
+
+
+def model_fingerprint(config: PretrainedConfig, dtype: str) -> str:
+    """``"<name or path>@sha256:<16 hex digits>"``: a hash of every field of the model's
+    config (the transformers version aside) and the pool's dtype, the default ``model_id``
+    of :func:`cache_config_for`. Two models share it only if their K/V can be shared."""
+    fields = {key: value for key, value in config.to_dict().items() if key != "transformers_version"}
+    text = json.dumps({"config": fields, "dtype": dtype}, sort_keys=True, default=str)
+    name = str(getattr(config, "name_or_path", "") or getattr(config, "model_type", "") or "model")
+    return f"{name}@sha256:{hashlib.sha256(text.encode()).hexdigest()[:16]}"

@@ -1,0 +1,262 @@
+"""The kvcache requests behind a batch's rows: one request per row, allocated, grown,
+forked, truncated and released together."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import uuid
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvcache_core import (
+    AllocationRequest,
+    InvalidArgumentError,
+    PagedKvCacheHandle,
+    PagedKvCacheManager,
+    Step,
+    UnknownRequestError,
+)
+
+__all__ = ["BatchRows", "release_requests"]
+
+Handle = PagedKvCacheHandle[torch.Tensor]
+
+
+def release_requests(manager: PagedKvCacheManager[torch.Tensor], request_ids: list[str]) -> None:
+    """Deallocate every still-live request of ``request_ids`` and empty the list."""
+    for request_id in request_ids:
+        with contextlib.suppress(UnknownRequestError):  # already released through the manager
+            manager.deallocate(request_id)
+    request_ids.clear()
+
+
+class BatchRows:
+    """Row ``b`` of the batch is request ``request_ids[b]`` of ``manager``.
+
+    Attributes:
+        handles, request_ids: per row, in row order (``request_ids`` is changed in place
+            only: a finalizer may hold it).
+        tokens: tokens in use per row; at most the request's ``num_tokens()`` (a crop keeps
+            the blocks).
+        stored: ``[rows, positions]`` which positions each row stored (padding is not).
+        positions: positions held, padding included.
+    """
+
+    def __init__(self, manager: PagedKvCacheManager[torch.Tensor], max_sequence_length: int | None) -> None:
+        self.manager = manager
+        self.max_sequence_length = max_sequence_length
+        self.handles: list[Handle] = []
+        self.request_ids: list[str] = []
+        self.tokens: list[int] = []
+        self.stored = np.zeros((0, 0), dtype=np.bool_)
+        self.positions = 0
+        self._id_prefix = f"hf-{uuid.uuid4().hex[:12]}"
+        self._id_counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def _new_request_id(self) -> str:
+        return f"{self._id_prefix}-{next(self._id_counter)}"
+
+    def _allocate(self, prompt: tuple[int, ...] | None = None) -> tuple[Handle, str]:
+        request_id = self._new_request_id()
+        request = AllocationRequest(request_id, prompt_token_ids=prompt, max_sequence_length=self.max_sequence_length)
+        return self.manager.allocate(request), request_id
+
+    def begin(
+        self, counts: list[int], valid: torch.Tensor | None, query_length: int
+    ) -> tuple[Step[torch.Tensor], bool]:
+        """Grow every row by its ``counts`` new tokens in one manager step, allocating the
+        rows first when there are none; record the ``valid`` positions (``None``: all) of the
+        ``query_length`` new ones as stored. Returns the step and whether rows were allocated.
+
+        Atomic: when the pool cannot hold the step, nothing is allocated or grown.
+        """
+        allocated = not self.handles
+        try:
+            if allocated:
+                for _ in counts:
+                    handle, request_id = self._allocate()
+                    self.handles.append(handle)
+                    self.request_ids.append(request_id)
+                    self.tokens.append(0)
+            planned = self.manager.begin_step(self.handles, counts)
+        except BaseException:
+            if allocated:  # the first forward failed: no row stays
+                release_requests(self.manager, self.request_ids)
+                self.handles.clear()
+                self.tokens.clear()
+            raise
+        self.tokens[:] = [tokens + count for tokens, count in zip(self.tokens, counts, strict=True)]
+        self._record_stored(valid, query_length)
+        return planned, allocated
+
+    def _record_stored(self, valid: torch.Tensor | None, query_length: int) -> None:
+        start, rows = self.positions, len(self.handles)
+        if self.stored.shape[0] != rows or self.stored.shape[1] < start + query_length:
+            grown = np.zeros((rows, max(2 * self.stored.shape[1], start + query_length, 64)), dtype=np.bool_)
+            grown[: self.stored.shape[0], : self.stored.shape[1]] = self.stored
+            self.stored = grown
+        self.stored[:, start : start + query_length] = True if valid is None else valid.cpu().numpy()
+        self.positions = start + query_length
+
+    def truncate(self, tokens: list[int], positions: int) -> None:
+        """Truncate row ``b`` to ``tokens[b]`` tokens (``manager.truncate``: the blocks past its
+        new end go back to the pool), the batch to ``positions``."""
+        for handle, count in zip(self.handles, tokens, strict=True):
+            self.manager.truncate(handle, count)
+        self.tokens[:] = tokens
+        self.positions = positions
+
+    def stored_before(self, positions: int) -> list[int]:
+        """Per row, the tokens it stored in its first ``positions`` positions."""
+        return [int(count) for count in self.stored[:, :positions].sum(axis=1)]
+
+    def release(self) -> None:
+        """Deallocate every row's request: the rows are then empty."""
+        release_requests(self.manager, self.request_ids)
+        self.handles.clear()
+        self.tokens.clear()
+        self.stored = np.zeros((0, 0), dtype=np.bool_)
+        self.positions = 0
+
+    def gather_padded(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's K/V as ``[batch, kv_heads, positions, head_dim]`` (contiguous path:
+        every row stored every position)."""
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for handle, tokens in zip(self.handles, self.tokens, strict=True):
+            k, v = self.manager.gather(handle, layer)
+            keys.append(k[:tokens].transpose(0, 1))
+            values.append(v[:tokens].transpose(0, 1))
+        return torch.stack(keys), torch.stack(values)
+
+    # -- prefix caching ------------------------------------------------------------------
+
+    def map_prefix(self, input_ids: object, attention_mask: object) -> int:
+        """Allocate one request per row of left-padded prompts, each mapping its prompt's
+        cached blocks, then truncate the rows to the cached positions all of them share.
+        Returns those positions.
+
+        Raises:
+            InvalidArgumentError: ids and mask that are not 2-D integer tensors of one
+                shape, left-padded.
+            OutOfBlocksError: the pool cannot hold the rows (nothing is kept).
+        """
+        prompts = _prompt_rows(input_ids, attention_mask)
+        assert isinstance(input_ids, torch.Tensor)  # checked by _prompt_rows
+        columns = int(input_ids.shape[1])
+        handles: list[Handle] = []
+        request_ids: list[str] = []
+        try:
+            for prompt in prompts:
+                handle, request_id = self._allocate(prompt or None)
+                handles.append(handle)
+                request_ids.append(request_id)
+            pads = [columns - len(prompt) for prompt in prompts]
+            shared = min(pad + handle.num_cached_tokens() for pad, handle in zip(pads, handles, strict=True))
+            kept = [max(0, shared - pad) for pad in pads]
+            for handle, tokens in zip(handles, kept, strict=True):
+                if handle.num_tokens() > tokens:
+                    self.manager.truncate(handle, tokens)
+        except BaseException:
+            release_requests(self.manager, request_ids)
+            raise
+        self.handles[:] = handles
+        self.request_ids[:] = request_ids
+        self.tokens[:] = kept
+        self.positions = shared
+        real = np.ones((len(prompts), columns), dtype=np.bool_)
+        for row, pad in enumerate(pads):
+            real[row, :pad] = False
+        self.stored = real[:, :shared].copy()
+        return shared
+
+    # -- batch surgery -------------------------------------------------------------------
+
+    def check_indices(self, indices: object, name: str) -> list[int]:
+        """``indices`` as row numbers.
+
+        Raises:
+            InvalidArgumentError: not a 1-D integer tensor, or naming a row outside the rows.
+        """
+        rows = len(self.handles)
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.is_floating_point():
+            raise InvalidArgumentError(f"{name} must be a 1-D integer tensor, got {indices!r}")
+        values = [int(i) for i in indices.cpu().numpy()]
+        bad = [i for i in values if not 0 <= i < rows]
+        if bad:
+            raise InvalidArgumentError(f"{name} names row {bad[0]}: valid rows are 0 to {rows - 1}")
+        return values
+
+    def remap(self, sources: list[int]) -> None:
+        """New row ``j`` takes the content of old row ``sources[j]``.
+
+        Each source's own request goes to one of the rows that want it (itself if it does),
+        the other rows get forks of it (shared blocks, copied on write), and requests
+        nobody wants are released.
+        """
+        rows = len(self.handles)
+        chosen: list[int | None] = [None] * len(sources)
+        taken: set[int] = set()
+        for new_row, source in enumerate(sources):
+            if source == new_row:
+                chosen[new_row] = source
+                taken.add(source)
+        for new_row, source in enumerate(sources):
+            if chosen[new_row] is None and source not in taken:
+                chosen[new_row] = source
+                taken.add(source)
+        forks: dict[int, tuple[Handle, str]] = {}
+        try:
+            for new_row, chosen_source in enumerate(chosen):
+                if chosen_source is None:
+                    request_id = self._new_request_id()
+                    forks[new_row] = (self.manager.fork(self.handles[sources[new_row]], request_id), request_id)
+        except BaseException:
+            release_requests(self.manager, [request_id for _, request_id in forks.values()])
+            raise
+        handles: list[Handle] = []
+        request_ids: list[str] = []
+        for new_row, chosen_source in enumerate(chosen):
+            if chosen_source is None:
+                handle, request_id = forks[new_row]
+            else:
+                handle, request_id = self.handles[chosen_source], self.request_ids[chosen_source]
+            handles.append(handle)
+            request_ids.append(request_id)
+        unused = [self.request_ids[row] for row in range(rows) if row not in taken]
+        self.handles[:] = handles
+        self.request_ids[:] = request_ids
+        self.tokens[:] = [self.tokens[source] for source in sources]
+        release_requests(self.manager, unused)
+        self.stored = self.stored[sources]
+
+
+def _prompt_rows(input_ids: object, attention_mask: object) -> list[tuple[int, ...]]:
+    """Each row's real token ids, after checking that the batch is left-padded."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise InvalidArgumentError(f"input_ids must be a 2-D integer tensor, got {input_ids!r}")
+    if attention_mask is None:
+        mask = torch.ones_like(input_ids, dtype=torch.bool)
+    elif isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape:
+        mask = attention_mask.to(torch.bool)
+    else:
+        raise InvalidArgumentError(
+            f"attention_mask must be a tensor of the ids' shape {tuple(input_ids.shape)}, got {attention_mask!r}"
+        )
+    rows: list[tuple[int, ...]] = []
+    id_rows: npt.NDArray[np.int64] = input_ids.cpu().numpy().astype(np.int64)
+    real_rows: npt.NDArray[np.bool_] = mask.cpu().numpy()
+    for row, (ids, real) in enumerate(zip(id_rows, real_rows, strict=True)):
+        count = int(real.sum())
+        if not bool(real[real.shape[0] - count :].all()):
+            raise InvalidArgumentError(
+                f"row {row} of the attention_mask is not left-padded: {real.astype(np.int64).tolist()}"
+            )
+        rows.append(tuple(int(token) for token in ids[real.shape[0] - count :]))
+    return rows
