@@ -23,16 +23,12 @@ A pool without ``layer_specs`` is one group of every layer (with the pool's
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 from kvcache_core.errors import InvalidConfigError, LayerIndexError
+from kvcache_core.scalars import INT32_MAX, as_integer, check_optional_count, shown
 
 __all__ = ["KvGroup", "LayerSpec", "check_group", "first_visible_block", "layer_slot", "plan_groups"]
-
-
-def _positive(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +37,12 @@ class LayerSpec:
     sees its last ``W`` positions, itself included) or chunked local attention ``C`` (a
     query at ``p`` sees the positions of its chunk, ``C * (p // C)`` to ``p``).
 
+    ``window`` and ``chunk`` are stored as ``int`` (NumPy integers are accepted) and span
+    at most ``INT32_MAX`` positions (page tables and kernels hold positions in int32).
+
     Raises:
-        InvalidConfigError: a window or chunk that is not an int >= 1, or both set.
+        InvalidConfigError: a window or chunk that is not an int in ``[1, INT32_MAX]``, or
+            both set.
     """
 
     window: int | None = None
@@ -50,9 +50,10 @@ class LayerSpec:
 
     def __post_init__(self) -> None:
         for name in ("window", "chunk"):
-            value = getattr(self, name)
-            if value is not None and not _positive(value):
-                raise InvalidConfigError(f"LayerSpec.{name} must be None or an int >= 1, got {value!r}")
+            value = check_optional_count(
+                getattr(self, name), f"LayerSpec.{name}", 1, INT32_MAX, error=InvalidConfigError
+            )
+            object.__setattr__(self, name, value)
         if self.window is not None and self.chunk is not None:
             raise InvalidConfigError(
                 f"LayerSpec has window={self.window} and chunk={self.chunk}: a layer is full, sliding or chunked"
@@ -132,7 +133,7 @@ def check_group(group: object, count: int) -> int:
     Raises:
         LayerIndexError: anything else; the message names the value and the range.
     """
-    index = int(group) if isinstance(group, numbers.Integral) and not isinstance(group, bool) else -1
-    if not 0 <= index < count:
-        raise LayerIndexError(f"KV-cache group {group!r} is out of range: valid groups are 0 to {count - 1}")
+    index = as_integer(group)
+    if index is None or not 0 <= index < count:
+        raise LayerIndexError(f"KV-cache group {shown(group)} is out of range: valid groups are 0 to {count - 1}")
     return index

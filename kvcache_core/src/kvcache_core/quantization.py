@@ -29,12 +29,12 @@ bytes followed by the 4 bytes of its float32 scale, so a round trip is bit-exact
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.config import QUANTIZED_DTYPES, SCALE_BYTES, CacheConfig
+from kvcache_core.config import QUANTIZED_DTYPES, QUANTIZED_RANGE, SCALE_BYTES, CacheConfig
 from kvcache_core.errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 
 __all__ = [
@@ -52,9 +52,6 @@ __all__ = [
 ]
 
 FloatArray = npt.NDArray[np.floating[Any]]
-
-#: The largest magnitude each quantized dtype holds: ``raw`` spans ``[-range, range]``.
-QUANTIZED_RANGE: Final[dict[str, float]] = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
 def _reciprocal(dtype: str) -> np.float32:
