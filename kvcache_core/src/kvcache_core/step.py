@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.attention import check_attention_call
+from kvcache_core.attention_features import ArrayCheck
 from kvcache_core.errors import ShapeMismatchError
 from kvcache_core.page_table import PageTable
 from kvcache_core.protocols import SlotArray
@@ -42,7 +43,8 @@ class StepHooks(Generic[ArrayT]):
             step's requests changed since it was planned.
         place: a layer's ``(KV-cache group, storage layer)``, or ``LayerIndexError``.
         layer_chunk: a (checked) layer's chunk from its ``LayerSpec``, or ``None``.
-        check_array: ``(name, array, expected_shape)``: shape and dtype against the pool.
+        check_array: ``(name, array, expected_shape, finite=False)``: shape and dtype
+            against the pool (and, ``finite``, the values).
         check_query: the query's shape, after checking it and its dtype.
         write: ``(storage layer, slots, keys, values)``: the scatter and its bookkeeping.
         attention: ``(storage layer, query, page_table, qo_indptr, scale, causal, **features)``:
@@ -56,7 +58,7 @@ class StepHooks(Generic[ArrayT]):
     check_current: Callable[[], None]
     place: Callable[[object], tuple[int, int]]
     layer_chunk: Callable[[int], int | None]
-    check_array: Callable[[str, object, tuple[int, ...]], None]
+    check_array: ArrayCheck
     check_query: Callable[[object], tuple[int, ...]]
     write: Callable[[int, SlotArray, ArrayT, ArrayT], None]
     attention: Callable[..., ArrayT]
