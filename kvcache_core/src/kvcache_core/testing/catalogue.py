@@ -152,6 +152,11 @@ def attend(
     )
 
 
+def attend_with(**arguments: object) -> Callable[[World], object]:
+    """A :func:`attend` call with these (bad) keyword arguments."""
+    return lambda w: attend(w, **arguments)
+
+
 def sinks_of(value: float) -> Callable[[World], object]:
     """A ``paged_attention`` call whose sinks (one per query head of :func:`decode_query`)
     are all ``value``, a native array of the pool's dtype."""
@@ -177,7 +182,7 @@ FEATURE_VALUE_CASES: list[BadCall[World]] = [
     *(
         BadCall(
             f"attention-{name}-{label}",
-            (lambda w, name=name, value=value: attend(w, **{name: value})),
+            attend_with(**{name: value}),
             InvalidArgumentError,
             beyond_int32(name, value),
             requires=(capability,),
@@ -195,7 +200,7 @@ FEATURE_VALUE_CASES: list[BadCall[World]] = [
     *(
         BadCall(
             f"attention-softcap-{label}",
-            (lambda w, value=value: attend(w, softcap=value)),
+            attend_with(softcap=value),
             InvalidArgumentError,
             beyond_float32("softcap", value),
             requires=("softcap",),
@@ -228,7 +233,7 @@ FEATURE_VALUE_CASES: list[BadCall[World]] = [
     *(
         BadCall(
             f"attention-scale-{label}",
-            (lambda w, value=value: attend(w, scale=value)),
+            attend_with(scale=value),
             InvalidArgumentError,
             beyond_float32("scale", value),
         )

@@ -29,6 +29,7 @@ from kvcache_core.errors import (
 from kvcache_core.groups import LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.scalars import INT32_MAX
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 from kvcache_core.testing.catalogue import FEATURE_VALUE_CASES, BadCall, check_bad_call
 from kvcache_core.testing.hybrid import run_step
@@ -410,6 +411,36 @@ class FeatureCases:
                 got = BackendUnderTest.host(manager, manager.paged_attention(0, query, table, **numpy_scalars))
                 expected = BackendUnderTest.host(manager, manager.paged_attention(0, query, table, **python_scalars))
                 np.testing.assert_array_equal(got, expected, err_msg=f"{numpy_scalars} vs {python_scalars}")
+
+    @pytest.mark.kvcache_requires("attention_window", "chunked_attention")
+    def test_the_largest_window_and_chunk_attend_like_none(self, kvcache_backend: BackendUnderTest) -> None:
+        """A window and a chunk of ``INT32_MAX`` positions (the largest every backend holds)
+        hide nothing: the output is that of a call without them."""
+        rng = np.random.default_rng(53)
+        with kvcache_backend.manager(kvcache_backend.config(num_blocks=32)) as manager:
+            batch = _grown_batch(manager, LENGTHS, rng)
+            config = manager.config
+            query = BackendUnderTest.native(manager, rng.standard_normal((3, 2 * config.num_heads, config.head_dim)))
+            table = manager.page_table(batch.handles)
+            plain = BackendUnderTest.host(manager, manager.paged_attention(0, query, table))
+            for features in ({"window": INT32_MAX}, {"chunk": INT32_MAX}):
+                got = BackendUnderTest.host(manager, manager.paged_attention(0, query, table, **features))
+                np.testing.assert_array_equal(got, plain, err_msg=f"{features}")
+
+    @pytest.mark.kvcache_requires("sliding_window")
+    def test_a_pool_window_of_int32_max_attends_like_none(self, kvcache_backend: BackendUnderTest) -> None:
+        outputs: list[Any] = []
+        for window in (None, INT32_MAX):
+            rng = np.random.default_rng(59)
+            with kvcache_backend.manager(kvcache_backend.config(num_blocks=32, sliding_window=window)) as manager:
+                batch = _grown_batch(manager, LENGTHS, rng)
+                config = manager.config
+                query = rng.standard_normal((3, 2 * config.num_heads, config.head_dim))
+                output = manager.paged_attention(
+                    0, BackendUnderTest.native(manager, query), manager.page_table(batch.handles)
+                )
+                outputs.append(BackendUnderTest.host(manager, output))
+        np.testing.assert_array_equal(outputs[1], outputs[0])
 
     @pytest.mark.kvcache_requires("sliding_window", "chunked_attention")
     def test_layer_specs_of_numpy_integers_are_the_python_ones(self, kvcache_backend: BackendUnderTest) -> None:
