@@ -423,7 +423,8 @@ class FeatureCases:
             query = BackendUnderTest.native(manager, rng.standard_normal((3, 2 * config.num_heads, config.head_dim)))
             table = manager.page_table(batch.handles)
             plain = BackendUnderTest.host(manager, manager.paged_attention(0, query, table))
-            for features in ({"window": INT32_MAX}, {"chunk": INT32_MAX}):
+            cases: list[dict[str, Any]] = [{"window": INT32_MAX}, {"chunk": INT32_MAX}]
+            for features in cases:
                 got = BackendUnderTest.host(manager, manager.paged_attention(0, query, table, **features))
                 np.testing.assert_array_equal(got, plain, err_msg=f"{features}")
 
