@@ -130,9 +130,10 @@ def paged_attention(
         causal: as above.
         kv_layout: ``"NHD"``, ``"HND"`` or ``"heads_first"``.
         sliding_window: ``W`` (static), or ``None`` for no window.
-        blocks_per_step: blocks of every request one loop step reads (static); by default
-            the most, as a power of two, whose keys and values stay within 4 MiB (64 MiB
-            on accelerators) and whose scores within 16 MiB.
+        blocks_per_step: blocks of every request one loop step reads (static; at most the
+            table's columns rounded up to a power of two); by default the most, as a power
+            of two, whose keys and values stay within 4 MiB (64 MiB on accelerators) and
+            whose scores within 16 MiB.
         window: this layer's window ``W`` (static), combined with ``sliding_window``
             (the smaller applies).
         softcap: ``cap`` (static): scaled scores become ``tanh(s / cap) * cap`` before
@@ -225,7 +226,10 @@ def paged_attention(
         .reshape(num_heads, batch, rows_per_request, head_dim)
     )
 
-    step_blocks = blocks_per_step or _blocks_per_step(num_heads, batch, rows_per_request, block_size, head_dim, columns)
+    if blocks_per_step is None:
+        step_blocks = _blocks_per_step(num_heads, batch, rows_per_request, block_size, head_dim, columns)
+    else:  # more blocks than the table pads to would only pad it further
+        step_blocks = min(blocks_per_step, bucket(columns))
     padded_columns = -(-columns // step_blocks) * step_blocks
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_columns - columns)))
     step_tokens = step_blocks * block_size
