@@ -18,6 +18,7 @@ import pytest
 from kvcache_core import (
     AllocationRequest,
     CacheConfig,
+    Device,
     InvalidArgumentError,
     InvalidConfigError,
     InvalidTypeError,
@@ -286,3 +287,18 @@ def test_a_manager_that_cannot_be_built_closes_its_pool(monkeypatch: pytest.Monk
     with pytest.raises(InvalidArgumentError, match="placement must be 'contiguous' or 'fifo'"):
         create_manager("numpy", CacheConfig(**GEOMETRY), placement=untyped("lowest"))
     assert len(closed) == 1
+
+
+# -- devices -----------------------------------------------------------------------------
+
+
+def test_a_numpy_device_index_is_stored_as_an_int() -> None:
+    device = Device(np.str_("cuda"), untyped(np.int64(1)))
+    assert device == Device("cuda", 1)
+    assert (type(device.kind), type(device.index)) == (str, int)
+
+
+@pytest.mark.parametrize("text", ["cuda:99999999999999999999", "cuda:" + "9" * 5000, "cuda:2147483648"])
+def test_a_device_index_past_int32_is_refused_by_name(text: str) -> None:
+    with pytest.raises(InvalidConfigError, match=r"CacheConfig.device: .*2147483647"):
+        CacheConfig(**GEOMETRY, device=text)
