@@ -24,9 +24,11 @@ from kvcache_core import (
     InvalidTypeError,
     create_manager,
 )
+from kvcache_core.block_table import BlockTable
 from kvcache_core.config import MAX_KV_SCALE
 from kvcache_core.groups import LayerSpec
 from kvcache_core.numpy_backend import NumpyStorage
+from kvcache_core.page_table import PageTable
 from kvcache_core.scalars import FLOAT32_TINY, INT32_MAX
 from kvcache_core.testing.world import esc, untyped
 from kvcache_core.tiers import DiskTier, HostTier
@@ -302,3 +304,43 @@ def test_a_numpy_device_index_is_stored_as_an_int() -> None:
 def test_a_device_index_past_int32_is_refused_by_name(text: str) -> None:
     with pytest.raises(InvalidConfigError, match=r"CacheConfig.device: .*2147483647"):
         CacheConfig(**GEOMETRY, device=text)
+
+
+# -- tables built from NumPy integers -----------------------------------------------------
+
+
+def test_a_block_table_of_numpy_integers_holds_ints() -> None:
+    table = BlockTable(untyped(np.int64(4)), [np.int32(3), np.int64(5)], untyped(np.int64(6)))
+    table.extend_sequence(untyped(np.int64(1)))
+    assert table == BlockTable(4, [3, 5], 7)
+    assert BlockTable.blocks_needed_for_length(untyped(np.int64(9)), untyped(np.int16(4))) == 3
+
+
+def test_a_page_table_of_numpy_integers_holds_ints() -> None:
+    table = PageTable(
+        kv_indptr=np.array([0, 1]),
+        kv_indices=np.array([2]),
+        kv_last_page_len=np.array([3]),
+        block_tables=np.array([[2]]),
+        seq_lens=np.array([3]),
+        block_size=untyped(np.int64(4)),
+        sliding_window=untyped(np.int32(8)),
+        group=untyped(np.uint8(0)),
+    )
+    assert (type(table.block_size), type(table.sliding_window), type(table.group)) == (int, int, int)
+
+
+def test_a_page_table_window_past_int32_is_refused_with_the_range() -> None:
+    with pytest.raises(
+        InvalidArgumentError,
+        match=esc(f"PageTable.sliding_window must be None or an int >= 1, got {2**31}; valid: 1 to {INT32_MAX}"),
+    ):
+        PageTable(
+            kv_indptr=np.array([0]),
+            kv_indices=np.array([], dtype=np.int32),
+            kv_last_page_len=np.array([], dtype=np.int32),
+            block_tables=np.zeros((0, 0), dtype=np.int32),
+            seq_lens=np.array([], dtype=np.int32),
+            block_size=4,
+            sliding_window=2**31,
+        )

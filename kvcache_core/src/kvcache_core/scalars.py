@@ -45,6 +45,8 @@ FLOAT32_TINY: Final = float(np.finfo(np.float32).tiny)
 def as_integer(value: object) -> int | None:
     """``value`` as an ``int`` if it is an integer, Python's or NumPy's (a bool is not);
     ``None`` otherwise."""
+    if type(value) is int:  # the common case, without the ABC checks
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         return None
     return int(value)
