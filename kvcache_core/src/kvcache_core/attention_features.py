@@ -217,7 +217,6 @@ def check_attention_features(
     if checked_chunk is not None:
         keywords["chunk"] = checked_chunk
     if sinks is not None:
-        check_array("sinks", sinks, (query_heads,), finite=True)
         keywords["sinks"] = sinks
     for keyword in keywords:
         capability = FEATURE_CAPABILITIES[keyword]
@@ -226,4 +225,6 @@ def check_attention_features(
                 f"backend {backend!r} does not serve {keyword}= (capability {capability!r}): its storage's "
                 f"attention_features are {sorted(served)}"
             )
+    if sinks is not None:  # after the capabilities: its values are read through a host copy
+        check_array("sinks", sinks, (query_heads,), finite=True)
     return keywords

@@ -31,7 +31,8 @@ from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.scalars import INT32_MAX
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
-from kvcache_core.testing.catalogue import FEATURE_VALUE_CASES, BadCall, check_bad_call
+from kvcache_core.testing.catalogue import BadCall, check_bad_call
+from kvcache_core.testing.feature_catalogue import FEATURE_VALUE_CASES
 from kvcache_core.testing.hybrid import run_step
 from kvcache_core.testing.world import World, make_world, probe
 
