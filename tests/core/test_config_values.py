@@ -81,13 +81,13 @@ def test_numpy_geometry_and_thresholds_make_the_python_config() -> None:
 @pytest.mark.parametrize("value", [True, np.True_, 2.0, "2"], ids=["bool", "numpy-bool", "float", "str"])
 def test_geometry_that_is_not_an_integer_is_refused(field: str, value: object) -> None:
     with pytest.raises(InvalidConfigError, match=f"CacheConfig.{field} must be an int >= 1, got {esc(repr(value))}"):
-        CacheConfig(**{**GEOMETRY, field: value})
+        CacheConfig(**untyped({**GEOMETRY, field: value}))
 
 
 @pytest.mark.parametrize("field", ["num_layers", "num_heads", "head_dim"])
 def test_geometry_past_int32_is_refused_with_the_range(field: str) -> None:
     with pytest.raises(InvalidConfigError, match=f"CacheConfig.{field} .*got {2**31}; valid: 1 to {INT32_MAX}"):
-        CacheConfig(**{**GEOMETRY, field: 2**31})
+        CacheConfig(**untyped({**GEOMETRY, field: 2**31}))
 
 
 def test_an_int_too_long_to_print_is_refused_by_name() -> None:
@@ -95,7 +95,7 @@ def test_an_int_too_long_to_print_is_refused_by_name() -> None:
     with pytest.raises(
         InvalidConfigError, match=esc("CacheConfig.num_layers must be an int >= 1, got an int of 16610 bits")
     ):
-        CacheConfig(**{**GEOMETRY, "num_layers": 10**5000})
+        CacheConfig(**untyped({**GEOMETRY, "num_layers": 10**5000}))
 
 
 @pytest.mark.parametrize(
@@ -147,7 +147,9 @@ def test_pressure_thresholds_that_are_not_numbers_in_order_are_refused(threshold
 
 
 def float8_config(scale: object) -> CacheConfig:
-    return CacheConfig(**{**GEOMETRY, "num_layers": 1}, dtype="float8_e4m3fn", kv_scales=[[[scale, 1.0], [1.0, 1.0]]])
+    return CacheConfig(
+        **untyped({**GEOMETRY, "num_layers": 1}), dtype="float8_e4m3fn", kv_scales=[[[scale, 1.0], [1.0, 1.0]]]
+    )
 
 
 @pytest.mark.parametrize(
@@ -225,7 +227,9 @@ def test_request_counts_past_int32_are_refused_with_the_range(fields: dict[str, 
 def grown_hybrid_manager(window: Any, tiers: tuple[DiskTier, ...] = (), **fields: Any) -> Any:
     """A numpy manager of one full and one sliding layer, request "a" grown by 5 tokens in
     one step with every layer written."""
-    config = CacheConfig(**{**GEOMETRY, **fields}, layer_specs=hybrid_specs(window), enable_prefix_caching=True)
+    config = CacheConfig(
+        **untyped({**GEOMETRY, **fields}), layer_specs=hybrid_specs(window), enable_prefix_caching=True
+    )
     manager = create_manager("numpy", config, tiers=tiers)
     handle = manager.allocate(AllocationRequest("a", prompt_token_ids=tuple(range(5))))
     step = manager.begin_step([handle], [5], token_ids=[list(range(5))])
@@ -285,7 +289,11 @@ def test_a_tier_list_holding_something_else_is_refused_by_name() -> None:
 
 def test_a_manager_that_cannot_be_built_closes_its_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     closed: list[NumpyStorage] = []
-    monkeypatch.setattr(NumpyStorage, "close", lambda self: closed.append(self), raising=False)
+
+    def close(storage: NumpyStorage) -> None:
+        closed.append(storage)
+
+    monkeypatch.setattr(NumpyStorage, "close", close, raising=False)
     with pytest.raises(InvalidArgumentError, match="placement must be 'contiguous' or 'fifo'"):
         create_manager("numpy", CacheConfig(**GEOMETRY), placement=untyped("lowest"))
     assert len(closed) == 1
@@ -310,7 +318,7 @@ def test_a_device_index_past_int32_is_refused_by_name(text: str) -> None:
 
 
 def test_a_block_table_of_numpy_integers_holds_ints() -> None:
-    table = BlockTable(untyped(np.int64(4)), [np.int32(3), np.int64(5)], untyped(np.int64(6)))
+    table = BlockTable(untyped(np.int64(4)), untyped([np.int32(3), np.int64(5)]), untyped(np.int64(6)))
     table.extend_sequence(untyped(np.int64(1)))
     assert table == BlockTable(4, [3, 5], 7)
     assert BlockTable.blocks_needed_for_length(untyped(np.int64(9)), untyped(np.int16(4))) == 3

@@ -1,6 +1,9 @@
 """The pure JAX attention refuses scalars no backend represents and non-finite sinks by
 name, and takes NumPy scalars and the largest int32 window like Python's."""
 
+# jaxlib ships no type stubs for its extension module, so pyright sees every JAX signature that
+# names a Device as partially Unknown; mypy checks these calls.
+# pyright: reportUnknownMemberType=false, reportUnknownVariableType=false, reportUnknownArgumentType=false
 from __future__ import annotations
 
 import math

@@ -17,8 +17,8 @@ from kvcache_core.scalars import INT32_MAX
 from kvcache_torch import paged_attention
 
 # One request of 5 tokens in blocks 0 and 1 of an NHD pool [4 blocks, 4 tokens, 2 heads, 8].
-KEYS = torch.from_numpy(np.random.default_rng(5).standard_normal((4, 4, 2, 8)).astype(np.float32))
-QUERY = torch.from_numpy(np.random.default_rng(6).standard_normal((1, 4, 8)).astype(np.float32))
+KEYS = torch.tensor(np.random.default_rng(5).standard_normal((4, 4, 2, 8)), dtype=torch.float32)
+QUERY = torch.tensor(np.random.default_rng(6).standard_normal((1, 4, 8)), dtype=torch.float32)
 TABLE = PageTable(
     kv_indptr=np.array([0, 2]),
     kv_indices=np.array([0, 1]),

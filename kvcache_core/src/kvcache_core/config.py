@@ -16,6 +16,8 @@ from kvcache_core.groups import KvGroup, LayerSpec, layer_slot, plan_groups
 from kvcache_core.scalars import (
     FLOAT32_MAX,
     INT32_MAX,
+    IntLike,
+    RealLike,
     as_integer,
     check_count,
     check_flag,
@@ -193,19 +195,19 @@ class CacheConfig:
 
     def __init__(
         self,
-        num_layers: int,
-        num_heads: int,
-        head_dim: int,
-        num_blocks: int,
-        block_size: int = 16,
+        num_layers: IntLike,
+        num_heads: IntLike,
+        head_dim: IntLike,
+        num_blocks: IntLike,
+        block_size: IntLike = 16,
         dtype: str = "float32",
         device: Device | str = "cpu",
         kv_layout: str | None = None,
-        enable_prefix_caching: bool = False,
-        sliding_window: int | None = None,
-        medium_pressure_threshold: float = 0.6,
-        high_pressure_threshold: float = 0.8,
-        critical_pressure_threshold: float = 0.95,
+        enable_prefix_caching: bool | np.bool_ = False,
+        sliding_window: IntLike | None = None,
+        medium_pressure_threshold: RealLike = 0.6,
+        high_pressure_threshold: RealLike = 0.8,
+        critical_pressure_threshold: RealLike = 0.95,
         model_id: str | None = None,
         compute_dtype: str | None = None,
         kv_scales: object = None,
@@ -475,7 +477,7 @@ class CacheConfig:
         return (heads, blocks, tokens, dim)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class AllocationRequest:
     """What a new request asks of the manager.
 
@@ -508,6 +510,22 @@ class AllocationRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     priority: int = 0
     cache_salt: str | bytes | None = None
+
+    def __init__(
+        self,
+        request_id: str,
+        initial_tokens: IntLike = 0,
+        max_sequence_length: IntLike | None = None,
+        prompt_token_ids: Sequence[IntLike] | npt.NDArray[np.integer[Any]] | None = None,
+        priority: IntLike = 0,
+        cache_salt: str | bytes | None = None,
+    ) -> None:
+        # Written out so that NumPy integers and arrays type-check; stored as Python values.
+        values = dict(locals())
+        del values["self"]
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

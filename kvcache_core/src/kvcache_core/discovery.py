@@ -344,9 +344,12 @@ def create_manager(
     extra: dict[str, Any] = {"tiers": tiers} if tiers else {}  # a custom manager factory may predate tiers
     if storage_config is not config:
         extra["config"] = config  # the manager maps the model's layers onto the storage's
-    factory = PagedKvCacheManager if spec.manager_factory is None else spec.manager_factory
+    manager: PagedKvCacheManager[Any]
     try:
-        manager: PagedKvCacheManager[Any] = factory(storage, backend=spec.name, placement=placement, **extra)
+        if spec.manager_factory is not None:
+            manager = spec.manager_factory(storage, backend=spec.name, placement=placement, **extra)
+        else:
+            manager = PagedKvCacheManager[Any](storage, backend=spec.name, placement=placement, **extra)
     except BaseException:
         close = getattr(storage, "close", None)  # the pool is nobody's: release it now
         if callable(close):

@@ -26,12 +26,12 @@ import math
 from dataclasses import dataclass
 
 from kvcache_core.errors import InvalidConfigError, LayerIndexError
-from kvcache_core.scalars import INT32_MAX, as_integer, check_optional_count, shown
+from kvcache_core.scalars import INT32_MAX, IntLike, as_integer, check_optional_count, shown
 
 __all__ = ["KvGroup", "LayerSpec", "check_group", "first_visible_block", "layer_slot", "plan_groups"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class LayerSpec:
     """The attention of one layer: full (the default), a sliding window ``W`` (each query
     sees its last ``W`` positions, itself included) or chunked local attention ``C`` (a
@@ -47,6 +47,12 @@ class LayerSpec:
 
     window: int | None = None
     chunk: int | None = None
+
+    def __init__(self, window: IntLike | None = None, chunk: IntLike | None = None) -> None:
+        # Written out so that NumPy integers type-check; stored as ints.
+        object.__setattr__(self, "window", window)
+        object.__setattr__(self, "chunk", chunk)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         for name in ("window", "chunk"):

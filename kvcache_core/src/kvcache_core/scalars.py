@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Final, cast
+from typing import Any, Final, TypeAlias, cast
 
 import numpy as np
 
@@ -21,6 +21,8 @@ from kvcache_core.errors import InvalidArgumentError, KvCacheError
 
 __all__ = [
     "FLOAT32_MAX",
+    "IntLike",
+    "RealLike",
     "FLOAT32_TINY",
     "INT32_MAX",
     "as_integer",
@@ -32,6 +34,12 @@ __all__ = [
     "shown",
 ]
 
+#: An integer argument: Python's or NumPy's (stored as ``int``).
+IntLike: TypeAlias = "int | np.integer[Any]"
+
+#: A real argument: Python's or NumPy's (stored as ``float``).
+RealLike: TypeAlias = "float | np.floating[Any] | np.integer[Any]"
+
 #: The largest int32: the most positions a page table, a window or a chunk spans.
 INT32_MAX: Final = 2**31 - 1
 
@@ -42,12 +50,16 @@ FLOAT32_MAX: Final = float(np.finfo(np.float32).max)
 FLOAT32_TINY: Final = float(np.finfo(np.float32).tiny)
 
 
+def _is_bool(value: object) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
 def as_integer(value: object) -> int | None:
     """``value`` as an ``int`` if it is an integer, Python's or NumPy's (a bool is not);
     ``None`` otherwise."""
     if type(value) is int:  # the common case, without the ABC checks
         return value
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    if _is_bool(value) or not isinstance(value, numbers.Integral):
         return None
     return int(value)
 
@@ -117,7 +129,7 @@ def check_real(value: object, name: str, *, error: type[KvCacheError] = InvalidA
     Raises:
         InvalidArgumentError: anything else (or ``error``), naming ``name``.
     """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    if _is_bool(value) or not isinstance(value, numbers.Real):
         raise error(f"{name} must be a real number, got {shown(value)}")
     try:
         return float(value)
@@ -162,6 +174,6 @@ def check_flag(value: object, name: str, *, error: type[KvCacheError] = InvalidA
     Raises:
         InvalidArgumentError: anything else (or ``error``), naming ``name``.
     """
-    if not isinstance(value, (bool, np.bool_)):
+    if not _is_bool(value):
         raise error(f"{name} must be a bool, got {shown(value)}")
     return bool(value)

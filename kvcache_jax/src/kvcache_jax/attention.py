@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.core import Tracer
 
 from kvcache_core.attention import check_scale
 from kvcache_core.attention_features import (
@@ -195,7 +196,7 @@ def paged_attention(
     cap, chunk = check_softcap(softcap), check_chunk(chunk)
     if sinks is not None and sinks.shape != (query_heads,):
         raise ShapeMismatchError(f"sinks must be [{query_heads}] (one per query head), got {tuple(sinks.shape)}")
-    if sinks is not None and not isinstance(sinks, jax.core.Tracer):  # traced (under jit): checked by the caller
+    if sinks is not None and not isinstance(sinks, Tracer):  # traced (under jit): checked by the caller
         check_finite_logits("sinks", np.asarray(sinks, dtype=np.float32))
     blocks_per_step = check_optional_count(blocks_per_step, "blocks_per_step", 1, None)
     scale = check_scale(scale, head_dim)
