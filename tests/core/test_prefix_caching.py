@@ -322,7 +322,7 @@ def test_without_prefix_caching_the_prompt_maps_nothing() -> None:
 
 
 def test_token_ids_may_be_given_as_a_numpy_array() -> None:
-    request = AllocationRequest("a", prompt_token_ids=np.arange(5, dtype=np.int32))  # type: ignore[arg-type]
+    request = AllocationRequest("a", prompt_token_ids=np.arange(5, dtype=np.int32))
     assert request.prompt_token_ids is not None
     assert request.prompt_token_ids == (0, 1, 2, 3, 4)
     assert all(type(token) is int for token in request.prompt_token_ids)

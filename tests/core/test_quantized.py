@@ -59,8 +59,11 @@ def test_a_quantized_pool_computes_in_float32_by_default_and_a_plain_pool_in_its
         ({"dtype": "int8", "compute_dtype": "float64"}, "'float64' is not a compute dtype"),
         ({"dtype": "int8", "kv_scales": [[[1.0, 1.0]] * 2] * 2}, "only for dtype 'float8_e4m3fn'"),
         ({"dtype": "float8_e4m3fn", "kv_scales": [[[1.0, 1.0]] * 2]}, r"shape \(2, 2, 2\)"),
-        ({"dtype": "float8_e4m3fn", "kv_scales": [[[1.0, 0.0]] * 2] * 2}, r"kv_scales\[0, 0, 1\] = 0.0"),
-        ({"dtype": "float8_e4m3fn", "kv_scales": [[[1.0, float("nan")]] * 2] * 2}, "finite and > 0"),
+        (
+            {"dtype": "float8_e4m3fn", "kv_scales": [[[1.0, 0.0]] * 2] * 2},
+            r"kv_scales\[0, 0, 1\] must be a finite number > 0, got 0.0",
+        ),
+        ({"dtype": "float8_e4m3fn", "kv_scales": [[[1.0, float("nan")]] * 2] * 2}, "finite number > 0, got nan"),
         ({"dtype": "float8_e4m3fn", "kv_scales": "big"}, r"shape \(2, 2, 2\)"),
     ],
 )

@@ -37,6 +37,7 @@ import numpy.typing as npt
 
 from kvcache_core.errors import InvalidArgumentError, OutOfBlocksError
 from kvcache_core.prefix import BlockEvictor
+from kvcache_core.scalars import check_count
 
 __all__ = ["BlockAllocator", "FreeBlockQueue", "Placement"]
 
@@ -131,8 +132,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, placement: Placement = "contiguous") -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise InvalidArgumentError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        num_blocks = check_count(num_blocks, "num_blocks", 1)
         if placement not in ("contiguous", "fifo"):
             raise InvalidArgumentError(f"placement must be 'contiguous' or 'fifo', got {placement!r}")
         self._num_blocks = num_blocks

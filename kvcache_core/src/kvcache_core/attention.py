@@ -20,17 +20,17 @@ a layer's ``window`` (combined with the page table's), logit ``softcap``, attent
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.attention_features import (
+    ArrayCheck,
     check_attention_features,
     check_chunk,
     check_chunk_positions,
+    check_finite_logits,
     check_softcap,
     check_window,
     combined_window,
@@ -38,6 +38,7 @@ from kvcache_core.attention_features import (
 from kvcache_core.config import KV_LAYOUTS
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, ShapeMismatchError
 from kvcache_core.page_table import PageTable
+from kvcache_core.scalars import check_positive_float32, shown
 
 __all__ = ["check_attention_call", "check_scale", "decode_indptr", "paged_attention", "validate_query_indptr"]
 
@@ -78,20 +79,16 @@ def decode_indptr(batch_size: int) -> npt.NDArray[np.int32]:
 
 
 def check_scale(scale: object, head_dim: int) -> float:
-    """The attention score scale: ``1 / sqrt(head_dim)`` for ``None``, else ``scale`` if it
-    is a finite real number > 0.
+    """The attention score scale as a ``float``: ``1 / sqrt(head_dim)`` for ``None``, else
+    ``scale`` if it is a real number (Python or NumPy) > 0 that float32 holds as a normal
+    number (every backend scales scores in float32 or wider).
 
     Raises:
-        InvalidArgumentError: anything else.
+        InvalidArgumentError: anything else; the message names the range.
     """
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise InvalidArgumentError(f"scale must be a finite number > 0, got {scale!r}")
-    value = float(scale)
-    if not (math.isfinite(value) and value > 0):
-        raise InvalidArgumentError(f"scale must be a finite number > 0, got {scale!r}")
-    return value
+    return check_positive_float32(scale, "scale")
 
 
 def check_attention_call(
@@ -104,7 +101,7 @@ def check_attention_call(
     backend: str,
     query_heads: int,
     table_window: int | None,
-    check_array: Callable[[str, object, tuple[int, ...]], None],
+    check_array: ArrayCheck,
 ) -> tuple[float, dict[str, Any]]:
     """What a manager's or a step's attention call checks beyond its arrays: the scale,
     ``causal`` and the attention features ``features`` (``window``, ``softcap``, ``sinks``,
@@ -119,7 +116,7 @@ def check_attention_call(
     """
     checked_scale = check_scale(scale, head_dim)
     if not isinstance(causal, bool):
-        raise InvalidTypeError(f"causal must be a bool, got {causal!r}")
+        raise InvalidTypeError(f"causal must be a bool, got {shown(causal)}")
     if all(value is None for value in features.values()):
         return checked_scale, {}
     return checked_scale, check_attention_features(
@@ -235,11 +232,12 @@ def paged_attention(
 
     Raises:
         ShapeMismatchError: shapes that do not fit together.
-        InvalidArgumentError: bad ``qo_indptr``, ``scale``, ``kv_layout``,
-            ``sliding_window`` (not an int >= 1, or unlike the page table's), ``window``
-            or ``chunk`` (not an int >= 1), ``softcap`` (not a finite number > 0), a
-            ``chunk`` with a page table's sliding window, or ``sinks`` that are not a
-            ``[num_query_heads]`` float array.
+        InvalidArgumentError: bad ``qo_indptr``, ``scale`` (not a normal float32 > 0),
+            ``kv_layout``, ``sliding_window`` (not an int from 1 to ``INT32_MAX``, or unlike
+            the page table's), ``window`` or ``chunk`` (not an int from 1 to
+            ``INT32_MAX``), ``softcap`` (not a normal float32 > 0), a ``chunk`` with a
+            page table's sliding window, or ``sinks`` that are not a ``[num_query_heads]``
+            float array of finite values.
     """
     window = combined_window(check_window(window), _effective_window(sliding_window, page_table))
     cap = check_softcap(softcap)
@@ -258,10 +256,7 @@ def paged_attention(
             f"query must be [tokens, k * {num_heads}, {head_dim}] for a pool of {num_heads} heads "
             f"of {head_dim}, got {query.shape}"
         )
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, bool) or not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
-        raise InvalidArgumentError(f"scale must be a finite number > 0, got {scale!r}")
+    checked_scale = check_scale(scale, head_dim)
     indptr = validate_query_indptr(qo_indptr, page_table, query.shape[0])
     scale_shape = (num_heads, key_cache.shape[{"NHD": 0, "HND": 0, "heads_first": 1}[kv_layout]], page_table.block_size)
     if (key_scales is None) != (value_scales is None) or (
@@ -281,6 +276,7 @@ def paged_attention(
                 f"sinks must be a [{query.shape[1]}] float array (one per query head), got "
                 f"{getattr(sinks, 'dtype', type(sinks).__name__)} {getattr(sinks, 'shape', '')}"
             )
+        check_finite_logits("sinks", sinks)
         head_sinks = sinks.astype(compute).reshape(num_heads, group)
     output = np.empty(query.shape, dtype=query.dtype)
     for b in range(page_table.batch_size):
@@ -318,7 +314,7 @@ def paged_attention(
                 runs,
                 seq_len,
                 row_positions[first_row:last_row],
-                compute(scale),
+                compute(checked_scale),
                 causal=causal,
                 window=window,
                 block_size=page_table.block_size,
@@ -336,16 +332,15 @@ def paged_attention(
 
 def _effective_window(argument: object, page_table: PageTable) -> int | None:
     """The window to apply: the argument, else the page table's."""
-    if argument is not None and (isinstance(argument, bool) or not isinstance(argument, int) or argument < 1):
-        raise InvalidArgumentError(f"sliding_window must be None or an int >= 1, got {argument!r}")
+    window = check_window(argument, "sliding_window")
     table_window = page_table.sliding_window
-    if argument is None:
+    if window is None:
         return table_window
-    if table_window is not None and table_window != argument:
+    if table_window is not None and table_window != window:
         raise InvalidArgumentError(
-            f"sliding_window={argument} contradicts the page table's sliding_window={table_window}"
+            f"sliding_window={window} contradicts the page table's sliding_window={table_window}"
         )
-    return int(argument)
+    return window
 
 
 def _as_tokens(run: FloatArray) -> FloatArray | None:

@@ -12,11 +12,17 @@ CPU kernel, the torch and JAX backends, :meth:`PagedKvCacheManager.paged_attenti
   before the mask (Gemma 2).
 * ``sinks``: ``[num_query_heads]`` learned logits, one per query head, that join the
   softmax's denominator and contribute no value (gpt-oss): the weights of a row are
-  ``exp(s_k) / (exp(sink) + sum_k exp(s_k))``. A sink is not scaled or capped.
+  ``exp(s_k) / (exp(sink) + sum_k exp(s_k))``. A sink is not scaled or capped; it must
+  be finite (a NaN or infinite sink makes every output of its head NaN).
 * ``chunk=C``: the query at position ``p`` sees keys in its own chunk only,
   ``k // C == p // C`` (with ``causal``, ``[p // C * C, p]``; Llama 4). Positions are
   absolute, so a page table of a pool with a sliding window (which lists a request from
   its first held block) cannot be attended with a chunk.
+
+Every backend represents the same values: ``window`` and ``chunk`` are ints from 1 to
+``INT32_MAX`` (positions are int32), ``softcap`` (like the score ``scale``) a normal
+float32 (larger ones overflow to infinity, smaller ones vanish to 0); NumPy integers and
+floats are accepted and handed to the storage as Python's.
 
 A backend's storage serves a feature only if it says so: its optional member
 ``attention_features``, a frozenset of the capability names below, which its
@@ -27,22 +33,25 @@ it refuses with :class:`~kvcache_core.errors.UnsupportedConfigError` naming the 
 
 from __future__ import annotations
 
-import math
-import numbers
-from collections.abc import Callable
-from typing import Any, Final, cast
+from typing import Any, Final, Protocol, cast
+
+import numpy as np
+import numpy.typing as npt
 
 import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, UnsupportedConfigError
+from kvcache_core.scalars import INT32_MAX, check_optional_count, check_positive_float32
 
 __all__ = [
     "ATTENTION_CAPABILITIES",
     "FEATURE_CAPABILITIES",
+    "ArrayCheck",
     "check_attention_features",
     "check_chunk",
     "check_chunk_positions",
+    "check_finite_logits",
     "check_softcap",
     "check_window",
     "combined_window",
@@ -63,46 +72,60 @@ FEATURE_CAPABILITIES: Final[dict[str, str]] = {
 ATTENTION_CAPABILITIES: Final = frozenset(FEATURE_CAPABILITIES.values())
 
 
-def _positive_int(name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
-        raise InvalidArgumentError(f"{name} must be None or an int >= 1, got {value!r}")
-    return int(value)
+class ArrayCheck(Protocol):
+    """Checks a native array against the pool: ``(name, array, expected_shape)``, its shape
+    and dtype (the pool's compute dtype); with ``finite=True`` also that every value is
+    finite."""
+
+    def __call__(self, name: str, array: object, expected: tuple[int, ...], *, finite: bool = False) -> None: ...
 
 
-def check_window(window: object) -> int | None:
-    """``window`` as an int if it is ``None`` or an int >= 1.
+def check_window(window: object, name: str = "window") -> int | None:
+    """``window`` as an ``int`` if it is ``None`` or an int (Python or NumPy) from 1 to
+    ``INT32_MAX``.
 
     Raises:
-        InvalidArgumentError: anything else.
+        InvalidArgumentError: anything else; the message names ``name`` and the range.
     """
-    return _positive_int("window", window)
+    return check_optional_count(window, name, 1, INT32_MAX)
 
 
 def check_chunk(chunk: object) -> int | None:
-    """``chunk`` as an int if it is ``None`` or an int >= 1.
+    """``chunk`` as an ``int`` if it is ``None`` or an int (Python or NumPy) from 1 to
+    ``INT32_MAX``.
 
     Raises:
-        InvalidArgumentError: anything else.
+        InvalidArgumentError: anything else; the message names the range.
     """
-    return _positive_int("chunk", chunk)
+    return check_optional_count(chunk, "chunk", 1, INT32_MAX)
 
 
 def check_softcap(softcap: object) -> float | None:
-    """``softcap`` as a float if it is ``None`` or a finite number > 0.
+    """``softcap`` as a ``float`` if it is ``None`` or a finite number > 0 that float32
+    holds as a normal number.
 
     Raises:
-        InvalidArgumentError: anything else.
+        InvalidArgumentError: anything else; the message names the range.
     """
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise InvalidArgumentError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-    value = float(softcap)
-    if not (math.isfinite(value) and value > 0):
-        raise InvalidArgumentError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-    return value
+    return check_positive_float32(softcap, "softcap", optional=True)
+
+
+def check_finite_logits(name: str, logits: npt.NDArray[Any]) -> None:
+    """Refuse logits (a host copy of ``sinks``) that are not all finite.
+
+    Raises:
+        InvalidArgumentError: naming the first NaN or infinite element.
+    """
+    flat = np.asarray(logits, dtype=np.float64).reshape(-1)
+    finite = np.isfinite(flat)
+    if not finite.all():
+        index = int(np.argmin(finite))
+        raise InvalidArgumentError(
+            f"{name}[{index}] = {float(flat[index])!r}: {name} must be finite logits "
+            "(a NaN or infinite one makes its head's output NaN)"
+        )
 
 
 def visible_key_range(
@@ -197,7 +220,7 @@ def check_attention_features(
     backend: str,
     query_heads: int,
     table_window: int | None,
-    check_array: Callable[[str, object, tuple[int, ...]], None],
+    check_array: ArrayCheck,
 ) -> dict[str, Any]:
     """Check a call's attention features; the keyword arguments to hand the storage (only
     the features that are set, so a storage serving none is called as before).
@@ -208,12 +231,13 @@ def check_attention_features(
         backend: the backend's name, for messages.
         query_heads: the query's heads (``sinks`` has one entry each).
         table_window: the page table's sliding window.
-        check_array: ``(name, array, expected_shape)`` checks a native array's shape and
-            dtype (the pool's, which is the query's).
+        check_array: ``(name, array, expected_shape, finite=...)`` checks a native array's
+            shape and dtype (the pool's, which is the query's) and, ``finite``, its values.
 
     Raises:
-        InvalidArgumentError: a window or chunk that is not an int >= 1, a softcap that is
-            not a finite number > 0, a chunk over a page table with a sliding window.
+        InvalidArgumentError: a window or chunk that is not an int from 1 to ``INT32_MAX``,
+            a softcap that is not a normal float32 > 0, non-finite sinks, a chunk over a
+            page table with a sliding window.
         ShapeMismatchError, DTypeMismatchError, ArrayTypeError: ``sinks`` is not a
             ``[query_heads]`` native array of the query's dtype.
         UnsupportedConfigError: a feature whose capability the storage does not serve.
@@ -232,7 +256,6 @@ def check_attention_features(
     if checked_chunk is not None:
         keywords["chunk"] = checked_chunk
     if sinks is not None:
-        check_array("sinks", sinks, (query_heads,))
         keywords["sinks"] = sinks
     for keyword in keywords:
         capability = FEATURE_CAPABILITIES[keyword]
@@ -241,4 +264,6 @@ def check_attention_features(
                 f"backend {backend!r} does not serve {keyword}= (capability {capability!r}): its storage's "
                 f"attention_features are {sorted(served)}"
             )
+    if sinks is not None:  # after the capabilities: its values are read through a host copy
+        check_array("sinks", sinks, (query_heads,), finite=True)
     return keywords

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, cast
 
@@ -10,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.errors import InsufficientBlocksError, InvalidArgumentError, InvalidTypeError
+from kvcache_core.scalars import as_integer, check_count, shown
 
 __all__ = ["BlockRun", "BlockTable"]
 
@@ -29,10 +29,10 @@ class BlockRun(NamedTuple):
 def _check_block_ids(blocks: Iterable[object]) -> list[int]:
     checked: list[int] = []
     for block in blocks:
-        # numbers.Integral covers int and NumPy integers; bool is refused explicitly.
-        if isinstance(block, bool) or not isinstance(block, numbers.Integral) or block < 0:
-            raise InvalidArgumentError(f"block ids must be ints >= 0, got {block!r}")
-        checked.append(int(block))
+        block_id = as_integer(block)  # Python and NumPy integers; not bools
+        if block_id is None or block_id < 0:
+            raise InvalidArgumentError(f"block ids must be ints >= 0, got {shown(block)}")
+        checked.append(block_id)
     return checked
 
 
@@ -41,9 +41,8 @@ _FEW_SLOTS = 8
 
 
 def _is_count(value: object) -> bool:
-    if type(value) is int:  # the common case, without the ABC check
-        return value >= 0
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
+    count = as_integer(value)
+    return count is not None and count >= 0
 
 
 class BlockTable:
@@ -77,10 +76,9 @@ class BlockTable:
     def __init__(
         self, block_size: int, physical_blocks: Iterable[int] = (), sequence_length: int = 0, first_logical: int = 0
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+        block_size = check_count(block_size, "block_size", 1)
         if not _is_count(first_logical):
-            raise InvalidArgumentError(f"first_logical must be an int >= 0, got {first_logical!r}")
+            raise InvalidArgumentError(f"first_logical must be an int >= 0, got {shown(first_logical)}")
         self._block_size = block_size
         self._first_logical = int(first_logical)
         self._physical_blocks: list[int] = []
@@ -130,10 +128,7 @@ class BlockTable:
         Raises:
             InvalidArgumentError: ``length < 0`` or ``block_size < 1``.
         """
-        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-            raise InvalidArgumentError(f"length must be an int >= 0, got {length!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+        length, block_size = check_count(length, "length"), check_count(block_size, "block_size", 1)
         return (length + block_size - 1) // block_size
 
     def has_free_space(self) -> bool:
@@ -171,8 +166,7 @@ class BlockTable:
             InvalidArgumentError: ``additional_tokens`` is not an int >= 0.
             InsufficientBlocksError: the blocks cannot hold the new length; unchanged.
         """
-        if isinstance(additional_tokens, bool) or not isinstance(additional_tokens, int) or additional_tokens < 0:
-            raise InvalidArgumentError(f"additional_tokens must be an int >= 0, got {additional_tokens!r}")
+        additional_tokens = check_count(additional_tokens, "additional_tokens")
         new_length = self._sequence_length + additional_tokens
         required = (new_length + self._block_size - 1) // self._block_size
         if required > self._first_logical + len(self._physical_blocks):

@@ -14,6 +14,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from kvcache_core.attention_features import check_finite_logits
 from kvcache_core.block_pool import BlockPool, blocks_for
 from kvcache_core.config import check_count, check_token_ids
 from kvcache_core.errors import (
@@ -30,6 +31,7 @@ from kvcache_core.errors import (
 from kvcache_core.handle import RequestState
 from kvcache_core.page_table import PageTable
 from kvcache_core.protocols import KvStorage, SlotArray, SlotsLike
+from kvcache_core.scalars import shown
 
 __all__ = ["ArgumentChecks", "check_handle_sequence", "step_counts", "step_token_ids"]
 
@@ -58,7 +60,7 @@ def step_token_ids(token_ids: object, counts: list[int]) -> list[tuple[int, ...]
         return [None] * len(counts)
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
         raise InvalidArgumentError(
-            f"token_ids must be a sequence of one id list (or None) per request, got {token_ids!r}"
+            f"token_ids must be a sequence of one id list (or None) per request, got {shown(token_ids)}"
         )
     per_request: list[object] = list(cast("Sequence[object]", token_ids))
     if len(per_request) != len(counts):
@@ -202,12 +204,17 @@ class ArgumentChecks:
             raise DTypeMismatchError(f"query has dtype {dtype}, the pool computes in {self.config.io_dtype}")
         return shape
 
-    def array(self, name: str, array: object, expected: tuple[int, ...]) -> None:
+    def array(self, name: str, array: object, expected: tuple[int, ...], *, finite: bool = False) -> None:
+        """A native array of shape ``expected`` in the pool's compute dtype; with ``finite``
+        (small arrays: ``sinks``) also every value finite, read through a host copy."""
         shape, dtype = self.array_info(name, array)
         if shape != expected:
-            raise ShapeMismatchError(f"{name} must have shape {expected} ([n, num_heads, head_dim]), got {shape}")
-        if dtype != self.config.io_dtype:  # issue 14: a quantized pool computes in its io_dtype
+            what = " ([n, num_heads, head_dim])" if len(expected) == 3 else ""
+            raise ShapeMismatchError(f"{name} must have shape {expected}{what}, got {shape}")
+        if dtype != self.config.io_dtype:  # a quantized pool computes in its io_dtype
             raise DTypeMismatchError(f"{name} has dtype {dtype}, the pool computes in {self.config.io_dtype}")
+        if finite:
+            check_finite_logits(name, np.asarray(self.storage.to_numpy(array)))
 
     # -- page tables -------------------------------------------------------------------
 

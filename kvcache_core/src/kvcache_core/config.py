@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeGuard, cast
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -14,13 +13,27 @@ import numpy.typing as npt
 from kvcache_core.device import Device
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerIndexError
 from kvcache_core.groups import KvGroup, LayerSpec, layer_slot, plan_groups
+from kvcache_core.scalars import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    IntLike,
+    RealLike,
+    as_integer,
+    check_count,
+    check_flag,
+    check_positive_float32,
+    check_real,
+    shown,
+)
 
 __all__ = [
     "DTYPE_SIZES",
     "KV_LAYOUTS",
     "MAX_POOL_SLOTS",
+    "MAX_KV_SCALE",
     "MAX_TOKEN_ID",
     "QUANTIZED_DTYPES",
+    "QUANTIZED_RANGE",
     "AllocationRequest",
     "CacheConfig",
     "check_count",
@@ -46,6 +59,13 @@ DTYPE_SIZES: Final[dict[str, int]] = {
 #: head) and ``"float8_e4m3fn"`` (one scale per KV head per layer).
 QUANTIZED_DTYPES: Final[tuple[str, ...]] = ("int8", "float8_e4m3fn")
 
+#: The largest magnitude each quantized dtype holds: ``raw`` spans ``[-range, range]``.
+QUANTIZED_RANGE: Final[dict[str, float]] = {"int8": 127.0, "float8_e4m3fn": 448.0}
+
+#: The largest calibrated float8 scale (``CacheConfig.kv_scales``): ``448 * scale``, the
+#: largest value it decodes to, stays a finite float32.
+MAX_KV_SCALE: Final = FLOAT32_MAX / QUANTIZED_RANGE["float8_e4m3fn"]
+
 #: The compute dtypes a quantized pool may take: what ``write`` takes and attention returns.
 COMPUTE_DTYPES: Final[tuple[str, ...]] = ("float32", "float16", "bfloat16")
 
@@ -63,23 +83,7 @@ MAX_TOKEN_ID: Final = 2**63 - 1
 
 
 #: The most slots (``num_blocks * block_size``) a pool may have: page tables are int32.
-MAX_POOL_SLOTS: Final = 2**31 - 1
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_count(value: object, name: str, minimum: int = 0) -> int:
-    """``value`` as an int, if it is an integer (Python or NumPy, not bool) ``>= minimum``.
-
-    Raises:
-        InvalidArgumentError: anything else; the message names ``name``, the value and
-            the valid range.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
-        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
+MAX_POOL_SLOTS: Final = INT32_MAX
 
 
 def check_token_ids(value: object, name: str) -> tuple[int, ...]:
@@ -98,22 +102,22 @@ def check_token_ids(value: object, name: str) -> tuple[int, ...]:
             )
         value = array.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise InvalidArgumentError(f"{name} must be a sequence of ints in [0, {MAX_TOKEN_ID}], got {value!r}")
+        raise InvalidArgumentError(f"{name} must be a sequence of ints in [0, {MAX_TOKEN_ID}], got {shown(value)}")
     items: list[object] = list(cast("Iterable[object]", value))
     checked: list[int] = []
     for index, item in enumerate(items):
-        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not 0 <= int(item) <= MAX_TOKEN_ID:
+        token = as_integer(item)
+        if token is None or not 0 <= token <= MAX_TOKEN_ID:
             raise InvalidArgumentError(
-                f"{name}[{index}] = {item!r} is not a token id: valid ids are ints in [0, {MAX_TOKEN_ID}]"
+                f"{name}[{index}] = {shown(item)} is not a token id: valid ids are ints in [0, {MAX_TOKEN_ID}]"
             )
-        checked.append(int(item))
+        checked.append(token)
     return tuple(checked)
 
 
-def _require_int(owner: str, name: str, value: object, minimum: int) -> None:
-    if not _is_int(value) or value < minimum:
-        error = InvalidConfigError if owner == "CacheConfig" else InvalidArgumentError
-        raise error(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+def _plain_str(value: object) -> object:
+    """A ``str`` subclass (NumPy's ``str_``) as a plain ``str``; anything else unchanged."""
+    return str(value) if isinstance(value, str) else value
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -155,12 +159,18 @@ class CacheConfig:
             KV-cache groups (:attr:`kv_groups`, see :mod:`kvcache_core.groups`), each with
             its own block table per request over the one pool. Stored as a tuple.
         kv_scales: calibrated float8 scales, ``[num_layers][2][num_heads]`` (K then V, one
-            per KV head), finite and > 0, as vLLM's checkpoints carry; only for
+            per KV head), as vLLM's checkpoints carry, each a normal float32 from
+            ``FLOAT32_TINY`` to :data:`MAX_KV_SCALE` (backends decode in float32); only for
             ``dtype="float8_e4m3fn"``. ``None``: each scale tracks the running maximum (see
-            :mod:`kvcache_core.quantization`). Stored as nested tuples.
+            :mod:`kvcache_core.quantization`). Stored as nested tuples of floats.
+
+    Every field is stored as a plain Python value (NumPy integers, floats and strings
+    are accepted and converted; a bool is refused where a number is meant). Counts and
+    windows span at most ``INT32_MAX`` (page tables and kernels index in int32).
 
     Raises:
-        InvalidConfigError: any field out of its range; the message names it.
+        InvalidConfigError: any field out of its range; the message names it and the
+            valid range.
     """
 
     num_layers: int
@@ -186,19 +196,19 @@ class CacheConfig:
 
     def __init__(
         self,
-        num_layers: int,
-        num_heads: int,
-        head_dim: int,
-        num_blocks: int,
-        block_size: int = 16,
+        num_layers: IntLike,
+        num_heads: IntLike,
+        head_dim: IntLike,
+        num_blocks: IntLike,
+        block_size: IntLike = 16,
         dtype: str = "float32",
         device: Device | str = "cpu",
         kv_layout: str | None = None,
-        enable_prefix_caching: bool = False,
-        sliding_window: int | None = None,
-        medium_pressure_threshold: float = 0.6,
-        high_pressure_threshold: float = 0.8,
-        critical_pressure_threshold: float = 0.95,
+        enable_prefix_caching: bool | np.bool_ = False,
+        sliding_window: IntLike | None = None,
+        medium_pressure_threshold: RealLike = 0.6,
+        high_pressure_threshold: RealLike = 0.8,
+        critical_pressure_threshold: RealLike = 0.95,
         model_id: str | None = None,
         compute_dtype: str | None = None,
         kv_scales: object = None,
@@ -214,14 +224,19 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_dim", "num_blocks", "block_size"):
-            _require_int("CacheConfig", name, getattr(self, name), 1)
+            count = check_count(getattr(self, name), f"CacheConfig.{name}", 1, INT32_MAX, error=InvalidConfigError)
+            object.__setattr__(self, name, count)
+        for name in ("dtype", "kv_layout", "model_id", "compute_dtype"):
+            object.__setattr__(self, name, _plain_str(getattr(self, name)))
         if self.num_blocks * self.block_size > MAX_POOL_SLOTS:
             raise InvalidConfigError(
                 f"CacheConfig has {self.num_blocks} blocks of {self.block_size} tokens = "
                 f"{self.num_blocks * self.block_size} slots; page tables address at most {MAX_POOL_SLOTS}"
             )
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
-            raise InvalidConfigError(f"CacheConfig.dtype {self.dtype!r} is unknown; valid: {', '.join(DTYPE_SIZES)}")
+            raise InvalidConfigError(
+                f"CacheConfig.dtype {shown(self.dtype)} is unknown; valid: {', '.join(DTYPE_SIZES)}"
+            )
         self._check_quantization()
         try:
             object.__setattr__(self, "device", Device.parse(self.device))
@@ -229,30 +244,41 @@ class CacheConfig:
             raise InvalidConfigError(f"CacheConfig.device: {exc}") from exc
         if self.kv_layout is not None and (not isinstance(self.kv_layout, str) or self.kv_layout not in KV_LAYOUTS):
             raise InvalidConfigError(
-                f"CacheConfig.kv_layout {self.kv_layout!r} is unknown; valid: {', '.join(KV_LAYOUTS)} "
+                f"CacheConfig.kv_layout {shown(self.kv_layout)} is unknown; valid: {', '.join(KV_LAYOUTS)} "
                 "or None (the backend's preferred layout)"
             )
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise InvalidConfigError(
-                f"CacheConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
-            )
+        flag = check_flag(self.enable_prefix_caching, "CacheConfig.enable_prefix_caching", error=InvalidConfigError)
+        object.__setattr__(self, "enable_prefix_caching", flag)
         if self.sliding_window is not None:
-            _require_int("CacheConfig", "sliding_window", self.sliding_window, 1)
+            window = check_count(
+                self.sliding_window, "CacheConfig.sliding_window", 1, INT32_MAX, error=InvalidConfigError
+            )
+            object.__setattr__(self, "sliding_window", window)
         self._check_layer_specs()
         if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
-            raise InvalidConfigError(f"CacheConfig.model_id must be a non-empty str or None, got {self.model_id!r}")
-        thresholds = (
-            self.medium_pressure_threshold,
-            self.high_pressure_threshold,
-            self.critical_pressure_threshold,
-        )
-        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in thresholds) or not (
-            0.0 < thresholds[0] < thresholds[1] < thresholds[2] <= 1.0
-        ):
             raise InvalidConfigError(
-                "pressure thresholds must satisfy 0 < medium < high < critical <= 1, got "
-                f"medium={thresholds[0]!r}, high={thresholds[1]!r}, critical={thresholds[2]!r}"
+                f"CacheConfig.model_id must be a non-empty str or None, got {shown(self.model_id)}"
             )
+        self._check_thresholds()
+
+    def _check_thresholds(self) -> None:
+        """Validate the pressure thresholds and store them as floats."""
+        names = ("medium_pressure_threshold", "high_pressure_threshold", "critical_pressure_threshold")
+        given = [getattr(self, name) for name in names]
+        message = (
+            "pressure thresholds must be numbers with 0 < medium < high < critical <= 1, got "
+            f"medium={shown(given[0])}, high={shown(given[1])}, critical={shown(given[2])}"
+        )
+        try:
+            medium, high, critical = (
+                check_real(value, f"CacheConfig.{name}") for value, name in zip(given, names, strict=True)
+            )
+        except InvalidArgumentError as exc:
+            raise InvalidConfigError(message) from exc
+        if not 0.0 < medium < high < critical <= 1.0:
+            raise InvalidConfigError(message)
+        for name, value in zip(names, (medium, high, critical), strict=True):
+            object.__setattr__(self, name, value)
 
     def _check_layer_specs(self) -> None:
         """Validate ``layer_specs`` and work out the KV-cache groups."""
@@ -260,12 +286,12 @@ class CacheConfig:
         if specs is not None:
             if isinstance(specs, (str, bytes)) or not isinstance(specs, Iterable):
                 raise InvalidConfigError(
-                    f"CacheConfig.layer_specs must be a sequence of LayerSpec (one per layer) or None, got {specs!r}"
+                    f"CacheConfig.layer_specs must be a sequence of LayerSpec (one per layer) or None, got {shown(specs)}"
                 )
             items = tuple(cast("Iterable[object]", specs))
             for layer, spec in enumerate(items):
                 if not isinstance(spec, LayerSpec):
-                    raise InvalidConfigError(f"CacheConfig.layer_specs[{layer}] must be a LayerSpec, got {spec!r}")
+                    raise InvalidConfigError(f"CacheConfig.layer_specs[{layer}] must be a LayerSpec, got {shown(spec)}")
             if self.sliding_window is not None:
                 raise InvalidConfigError(
                     f"CacheConfig has sliding_window={self.sliding_window} and layer_specs: give each sliding "
@@ -325,12 +351,12 @@ class CacheConfig:
         if self.dtype in QUANTIZED_DTYPES:
             if compute is not None and (not isinstance(compute, str) or compute not in COMPUTE_DTYPES):
                 raise InvalidConfigError(
-                    f"CacheConfig.compute_dtype {compute!r} is not a compute dtype of a {self.dtype} pool; "
+                    f"CacheConfig.compute_dtype {shown(compute)} is not a compute dtype of a {self.dtype} pool; "
                     f"valid: {', '.join(COMPUTE_DTYPES)} (or None for float32)"
                 )
         elif compute is not None and compute != self.dtype:
             raise InvalidConfigError(
-                f"CacheConfig.compute_dtype {compute!r} differs from dtype {self.dtype!r}: only a quantized pool "
+                f"CacheConfig.compute_dtype {shown(compute)} differs from dtype {self.dtype!r}: only a quantized pool "
                 f"({', '.join(QUANTIZED_DTYPES)}) computes in another dtype; pass None or {self.dtype!r}"
             )
         if self.kv_scales is None:
@@ -341,21 +367,22 @@ class CacheConfig:
                 f"got dtype {self.dtype!r}"
             )
         expected = (self.num_layers, 2, self.num_heads)
-        try:
-            scales = np.asarray(self.kv_scales, dtype=np.float64)
+        try:  # an object array keeps each element as given: bools and strings are refused below
+            leaves: npt.NDArray[Any] = np.asarray(self.kv_scales, dtype=object)
         except (TypeError, ValueError) as exc:
             raise InvalidConfigError(
                 f"CacheConfig.kv_scales must be numbers of shape {expected} ([layers][K, V][kv heads]): {exc}"
             ) from exc
-        if scales.shape != expected:
+        if leaves.shape != expected:
             raise InvalidConfigError(
-                f"CacheConfig.kv_scales must have shape {expected} ([layers][K, V][kv heads]), got {scales.shape}"
+                f"CacheConfig.kv_scales must have shape {expected} ([layers][K, V][kv heads]), got {leaves.shape}"
             )
-        bad = np.flatnonzero(~(np.isfinite(scales) & (scales > 0)))
-        if bad.size:
-            index = tuple(int(i) for i in np.unravel_index(int(bad[0]), expected))
-            raise InvalidConfigError(
-                f"CacheConfig.kv_scales{list(index)} = {float(scales[index])!r}: scales must be finite and > 0"
+        # Used as float32 by every backend: each must be a normal float32 whose largest
+        # decoded value, 448 * scale, stays finite.
+        scales = np.empty(expected, dtype=np.float64)
+        for index in np.ndindex(expected):
+            scales[index] = check_positive_float32(
+                leaves[index], f"CacheConfig.kv_scales{list(index)}", MAX_KV_SCALE, error=InvalidConfigError
             )
         nested = tuple(tuple(tuple(float(x) for x in kv) for kv in layer) for layer in scales.tolist())
         object.__setattr__(self, "kv_scales", nested)
@@ -379,9 +406,9 @@ class CacheConfig:
         Raises:
             LayerIndexError: anything else; the message names the value and the range.
         """
-        index = int(layer) if isinstance(layer, numbers.Integral) and not isinstance(layer, bool) else -1
-        if not 0 <= index < self.num_layers:
-            raise LayerIndexError(f"layer {layer!r} is out of range: valid layers are 0 to {self.num_layers - 1}")
+        index = as_integer(layer)
+        if index is None or not 0 <= index < self.num_layers:
+            raise LayerIndexError(f"layer {shown(layer)} is out of range: valid layers are 0 to {self.num_layers - 1}")
         return index
 
     @property
@@ -451,7 +478,7 @@ class CacheConfig:
         return (heads, blocks, tokens, dim)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class AllocationRequest:
     """What a new request asks of the manager.
 
@@ -471,6 +498,9 @@ class AllocationRequest:
             requests with different salts (tenants) never share cached blocks; ``None`` for
             no salt. A ``str`` is hashed as its UTF-8 bytes.
 
+    Fields are stored as plain Python values (NumPy integers and strings are accepted and
+    converted); ``initial_tokens`` and ``max_sequence_length`` are at most ``INT32_MAX``.
+
     Raises:
         InvalidArgumentError: a field out of its range; the message names it.
     """
@@ -482,12 +512,33 @@ class AllocationRequest:
     priority: int = 0
     cache_salt: str | bytes | None = None
 
+    def __init__(
+        self,
+        request_id: str,
+        initial_tokens: IntLike = 0,
+        max_sequence_length: IntLike | None = None,
+        prompt_token_ids: Sequence[IntLike] | npt.NDArray[np.integer[Any]] | None = None,
+        priority: IntLike = 0,
+        cache_salt: str | bytes | None = None,
+    ) -> None:
+        # Written out so that NumPy integers and arrays type-check; stored as Python values.
+        values = dict(locals())
+        del values["self"]
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
-            raise InvalidArgumentError(f"AllocationRequest.request_id must be a non-empty str, got {self.request_id!r}")
-        _require_int("AllocationRequest", "initial_tokens", self.initial_tokens, 0)
+            raise InvalidArgumentError(
+                f"AllocationRequest.request_id must be a non-empty str, got {shown(self.request_id)}"
+            )
+        object.__setattr__(self, "request_id", str(self.request_id))
+        initial = check_count(self.initial_tokens, "AllocationRequest.initial_tokens", 0, INT32_MAX)
+        object.__setattr__(self, "initial_tokens", initial)
         if self.max_sequence_length is not None:
-            _require_int("AllocationRequest", "max_sequence_length", self.max_sequence_length, 1)
+            longest = check_count(self.max_sequence_length, "AllocationRequest.max_sequence_length", 1, INT32_MAX)
+            object.__setattr__(self, "max_sequence_length", longest)
             if self.initial_tokens > self.max_sequence_length:
                 raise InvalidArgumentError(
                     f"AllocationRequest.initial_tokens={self.initial_tokens} exceeds "
@@ -501,13 +552,18 @@ class AllocationRequest:
                     f"max_sequence_length={self.max_sequence_length}"
                 )
             object.__setattr__(self, "prompt_token_ids", tokens)
-        if not _is_int(self.priority):
-            raise InvalidArgumentError(f"AllocationRequest.priority must be an int, got {self.priority!r}")
+        priority = as_integer(self.priority)
+        if priority is None:
+            raise InvalidArgumentError(f"AllocationRequest.priority must be an int, got {shown(self.priority)}")
+        object.__setattr__(self, "priority", priority)
         if self.cache_salt is not None and not isinstance(self.cache_salt, (str, bytes)):
             raise InvalidArgumentError(
                 f"AllocationRequest.cache_salt must be a str, bytes or None, got {type(self.cache_salt).__name__} "
                 f"{self.cache_salt!r}"
             )
+        if self.cache_salt is not None:  # NumPy's str_ and bytes_ as plain str and bytes
+            plain = str(self.cache_salt) if isinstance(self.cache_salt, str) else bytes(self.cache_salt)
+            object.__setattr__(self, "cache_salt", plain)
         if isinstance(self.cache_salt, str):
             try:
                 self.cache_salt.encode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcache_core.errors import InvalidArgumentError
+from kvcache_core.scalars import INT32_MAX, check_optional_count, shown
 
 __all__ = ["DEVICE_KINDS", "Device"]
 
@@ -16,22 +17,24 @@ DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda", "rocm", "mps", "xpu", "tpu", "gp
 class Device:
     """A device kind and an optional index: ``Device("cuda", 0)`` prints as ``"cuda:0"``.
 
-    ``index=None`` means the library's default device of that kind (``"cuda"``).
+    ``index=None`` means the library's default device of that kind (``"cuda"``); an index
+    is stored as an ``int`` (NumPy integers are accepted) from 0 to ``INT32_MAX``.
 
     Raises:
-        InvalidArgumentError: unknown kind, or a negative index.
+        InvalidArgumentError: unknown kind, or an index that is not an int in that range.
     """
 
     kind: str = "cpu"
     index: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.kind, str):
+            object.__setattr__(self, "kind", str(self.kind))  # NumPy's str_ as a plain str
         if self.kind not in DEVICE_KINDS:
-            raise InvalidArgumentError(f"unknown device kind {self.kind!r}; valid kinds: {', '.join(DEVICE_KINDS)}")
-        if self.index is not None and (
-            isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0
-        ):
-            raise InvalidArgumentError(f"device index must be an int >= 0 or None, got {self.index!r}")
+            raise InvalidArgumentError(
+                f"unknown device kind {shown(self.kind)}; valid kinds: {', '.join(DEVICE_KINDS)}"
+            )
+        object.__setattr__(self, "index", check_optional_count(self.index, "device index", 0, INT32_MAX))
 
     @classmethod
     def parse(cls, text: str | Device) -> Device:
@@ -43,12 +46,14 @@ class Device:
         if isinstance(text, Device):
             return text
         if not isinstance(text, str):
-            raise InvalidArgumentError(f"device must be a str or Device, got {text!r}")
+            raise InvalidArgumentError(f"device must be a str or Device, got {shown(text)}")
         kind, sep, index_text = text.strip().lower().partition(":")
         if not sep:
             return cls(kind)
-        if not (index_text.isascii() and index_text.isdigit()):
-            raise InvalidArgumentError(f"bad device {text!r}: the index after ':' must be a whole number >= 0")
+        if not (index_text.isascii() and index_text.isdigit() and len(index_text) <= len(str(INT32_MAX))):
+            raise InvalidArgumentError(
+                f"bad device {shown(text)}: the index after ':' must be a whole number from 0 to {INT32_MAX}"
+            )
         return cls(kind, int(index_text))
 
     @property

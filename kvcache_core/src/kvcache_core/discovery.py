@@ -11,13 +11,14 @@ level, so listing backends never does.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import pluggy
 
@@ -290,14 +291,19 @@ def create_manager(
         backend: an installed backend's name (``"numpy"``, ``"torch"``, ``"jax"``, ...).
         config: the pool's configuration.
         placement: the allocator's placement policy (see :class:`BlockAllocator`).
-        tiers: offload tiers behind the pool, fastest first (:class:`~kvcache_core.tiers.HostTier`,
+        tiers: offload tiers behind the pool, fastest first, a list or tuple of
+            :class:`~kvcache_core.tiers.OffloadTier` (:class:`~kvcache_core.tiers.HostTier`,
             :class:`~kvcache_core.tiers.DiskTier`, ...; see :mod:`kvcache_core.tiers`).
         **options: passed to the backend's storage factory (backend-specific).
+
+    Every argument is checked before the pool is made; if the manager cannot be built on
+    it (a tier that cannot bind, a bad ``placement``), the pool is closed again.
 
     Raises:
         BackendNotFoundError, BackendConflictError, BackendUnavailableError: see
             :func:`get_backend`.
-        InvalidTypeError: ``config`` is not a :class:`CacheConfig`.
+        InvalidTypeError: ``config`` is not a :class:`CacheConfig`, or ``tiers`` is not a
+            list or tuple of ``OffloadTier`` (a single tier included).
         UnsupportedConfigError: the backend does not support the config's dtype, device
             or layout (the message lists what it supports), an option its storage factory
             does not take, or a policy not built yet.
@@ -307,6 +313,7 @@ def create_manager(
     spec = get_backend(backend)
     if not isinstance(config, CacheConfig):
         raise InvalidTypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+    _check_tiers(tiers)
     config = spec.resolve(config)  # kv_layout=None: the backend's fastest layout
     storage_config = config.storage_config()  # with KV-cache groups: one group's layers
     problems = spec.check_config(storage_config)
@@ -337,9 +344,32 @@ def create_manager(
     extra: dict[str, Any] = {"tiers": tiers} if tiers else {}  # a custom manager factory may predate tiers
     if storage_config is not config:
         extra["config"] = config  # the manager maps the model's layers onto the storage's
-    if spec.manager_factory is not None:
-        manager: PagedKvCacheManager[Any] = spec.manager_factory(
-            storage, backend=spec.name, placement=placement, **extra
+    manager: PagedKvCacheManager[Any]
+    try:
+        if spec.manager_factory is not None:
+            manager = spec.manager_factory(storage, backend=spec.name, placement=placement, **extra)
+        else:
+            manager = PagedKvCacheManager[Any](storage, backend=spec.name, placement=placement, **extra)
+    except BaseException:
+        close = getattr(storage, "close", None)  # the pool is nobody's: release it now
+        if callable(close):
+            with contextlib.suppress(Exception):  # the manager's error is the one to report
+                close()
+        raise
+    return manager
+
+
+def _check_tiers(tiers: object) -> None:
+    """Refuse ``tiers`` that are not a list or tuple of offload tiers.
+
+    Raises:
+        InvalidTypeError: naming the value.
+    """
+    if not isinstance(tiers, (list, tuple)):
+        raise InvalidTypeError(
+            f"tiers must be a list or tuple of OffloadTier (HostTier, DiskTier, ...), got {tiers!r}; "
+            "pass one tier as [tier]"
         )
-        return manager
-    return PagedKvCacheManager(storage, backend=spec.name, placement=placement, **extra)
+    for index, tier in enumerate(cast("Sequence[object]", tiers)):
+        if not isinstance(tier, OffloadTier):
+            raise InvalidTypeError(f"tiers[{index}] must be an OffloadTier (HostTier, DiskTier, ...), got {tier!r}")

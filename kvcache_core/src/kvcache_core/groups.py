@@ -23,10 +23,10 @@ A pool without ``layer_specs`` is one group of every layer (with the pool's
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 from kvcache_core.errors import InvalidConfigError, LayerIndexError
+from kvcache_core.scalars import INT32_MAX, IntLike, as_integer, check_optional_count, shown
 
 __all__ = [
     "KvGroup",
@@ -39,28 +39,35 @@ __all__ = [
 ]
 
 
-def _positive(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class LayerSpec:
     """The attention of one layer: full (the default), a sliding window ``W`` (each query
     sees its last ``W`` positions, itself included) or chunked local attention ``C`` (a
     query at ``p`` sees the positions of its chunk, ``C * (p // C)`` to ``p``).
 
+    ``window`` and ``chunk`` are stored as ``int`` (NumPy integers are accepted) and span
+    at most ``INT32_MAX`` positions (page tables and kernels hold positions in int32).
+
     Raises:
-        InvalidConfigError: a window or chunk that is not an int >= 1, or both set.
+        InvalidConfigError: a window or chunk that is not an int in ``[1, INT32_MAX]``, or
+            both set.
     """
 
     window: int | None = None
     chunk: int | None = None
 
+    def __init__(self, window: IntLike | None = None, chunk: IntLike | None = None) -> None:
+        # Written out so that NumPy integers type-check; stored as ints.
+        object.__setattr__(self, "window", window)
+        object.__setattr__(self, "chunk", chunk)
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         for name in ("window", "chunk"):
-            value = getattr(self, name)
-            if value is not None and not _positive(value):
-                raise InvalidConfigError(f"LayerSpec.{name} must be None or an int >= 1, got {value!r}")
+            value = check_optional_count(
+                getattr(self, name), f"LayerSpec.{name}", 1, INT32_MAX, error=InvalidConfigError
+            )
+            object.__setattr__(self, name, value)
         if self.window is not None and self.chunk is not None:
             raise InvalidConfigError(
                 f"LayerSpec has window={self.window} and chunk={self.chunk}: a layer is full, sliding or chunked"
@@ -148,7 +155,7 @@ def check_group(group: object, count: int) -> int:
     Raises:
         LayerIndexError: anything else; the message names the value and the range.
     """
-    index = int(group) if isinstance(group, numbers.Integral) and not isinstance(group, bool) else -1
-    if not 0 <= index < count:
-        raise LayerIndexError(f"KV-cache group {group!r} is out of range: valid groups are 0 to {count - 1}")
+    index = as_integer(group)
+    if index is None or not 0 <= index < count:
+        raise LayerIndexError(f"KV-cache group {shown(group)} is out of range: valid groups are 0 to {count - 1}")
     return index

@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from kvcache_core.block_table import BlockRun, BlockTable
 from kvcache_core.errors import InvalidArgumentError
+from kvcache_core.scalars import INT32_MAX, check_count, check_optional_count
 
 __all__ = ["INDEX_MAX", "IndexArray", "PageTable"]
 
@@ -105,8 +106,7 @@ class PageTable:
             ("seq_lens", 1),
         ):
             object.__setattr__(self, name, _int32(getattr(self, name), name, ndim))
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise InvalidArgumentError(f"PageTable.block_size must be an int >= 1, got {self.block_size!r}")
+        object.__setattr__(self, "block_size", check_count(self.block_size, "PageTable.block_size", 1, INT32_MAX))
         batch = self.seq_lens.shape[0]
         indptr = self.kv_indptr
         if indptr.shape[0] != batch + 1 or indptr[0] != 0 or np.any(np.diff(indptr) < 0):
@@ -134,11 +134,9 @@ class PageTable:
                 f"PageTable.block_tables shape {self.block_tables.shape} cannot hold {batch} requests "
                 f"of up to {int(pages.max(initial=0))} blocks"
             )
-        window = self.sliding_window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise InvalidArgumentError(f"PageTable.sliding_window must be None or an int >= 1, got {window!r}")
-        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 0:
-            raise InvalidArgumentError(f"PageTable.group must be an int >= 0, got {self.group!r}")
+        window = check_optional_count(self.sliding_window, "PageTable.sliding_window", 1, INT32_MAX)
+        object.__setattr__(self, "sliding_window", window)
+        object.__setattr__(self, "group", check_count(self.group, "PageTable.group", 0))
         if self.request_ids and len(self.request_ids) != batch:
             raise InvalidArgumentError(
                 f"PageTable.request_ids names {len(self.request_ids)} requests for a batch of {batch}"

@@ -58,8 +58,10 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, UnsupportedConfigError
+from kvcache_core.attention_features import check_chunk, check_finite_logits, check_softcap, check_window
+from kvcache_core.errors import InvalidTypeError, UnsupportedConfigError
 from kvcache_core.page_table import PageTable
+from kvcache_core.scalars import check_count, check_positive_float32
 
 __all__ = [
     "DISABLE_ENV",
@@ -181,8 +183,7 @@ def check_team_call(share: object, threads: object) -> None:
     """
     if not callable(share):
         raise InvalidTypeError(f"a team runs a callable share, got {share!r}")
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise InvalidArgumentError(f"a team runs on an int >= 1 of threads, got {threads!r}")
+    check_count(threads, "the thread count a team runs on", 1)
 
 
 def python_team(share: Callable[[], None], threads: int) -> None:
@@ -398,7 +399,8 @@ def attend_with_kernel(
     """Paged attention of a batch in one compiled call, reading the pools in place.
 
     Arguments are those of :func:`kvcache_core.paged_attention`, already validated (the
-    page table names blocks of these pools, ``qo_indptr`` fits it).
+    page table names blocks of these pools, ``qo_indptr`` fits it); the scalars and sinks
+    are checked again here (cheaply), so a bad one is refused by name rather than by numba.
 
     Args:
         query: ``[total_queries, num_query_heads, head_dim]``, any float dtype (read as float32).
@@ -430,9 +432,17 @@ def attend_with_kernel(
         UnsupportedConfigError: numba is not installed, or the pools are not readable in
             place (:func:`kernel_reads`).
         InvalidTypeError: ``team`` is neither ``None`` nor callable.
+        InvalidArgumentError: ``scale``, ``softcap``, ``sliding_window``, ``chunk`` out of
+            the ranges of :func:`kvcache_core.paged_attention`, or non-finite ``sinks``.
     """
     if team is not None and not callable(team):
         raise InvalidTypeError(f"team must be a ThreadTeam (a callable) or None, got {team!r}")
+    checked_scale = check_positive_float32(scale, "scale")
+    window = check_window(sliding_window, "sliding_window") or 0  # 0: none
+    chunk_size = check_chunk(chunk) or 0
+    cap = check_softcap(softcap)
+    if sinks is not None:
+        check_finite_logits("sinks", np.asarray(sinks))
     module = _jit()
     if module is None:
         raise UnsupportedConfigError("the compiled paged-attention kernel needs numba: pip install numba")
@@ -451,8 +461,6 @@ def attend_with_kernel(
     group = query_heads // num_heads
     limit = max_threads()
     threads = limit if num_threads is None else max(1, min(num_threads, limit))
-    window = 0 if sliding_window is None else int(sliding_window)
-    chunk_size = 0 if chunk is None else int(chunk)
     plan = _cached_plan(page_table, qo_indptr, num_heads, group, causal, window, threads, chunk_size)
     strides = _row_strides(key_cache.strides, kv_layout, head_dim * key_cache.itemsize)
     partial_acc = np.empty((plan.partial_rows, head_dim), dtype=np.float32)
@@ -474,10 +482,10 @@ def attend_with_kernel(
         _read_only(page_table.seq_lens, np.int32),
         _read_only(qo_indptr, np.int32),
     )
-    options = (group, page_table.block_size, float(scale), bool(causal), window, out, partial_acc, partial_stats)
+    options = (group, page_table.block_size, checked_scale, bool(causal), window, out, partial_acc, partial_stats)
     # The attention features: softcap 0 and chunk 0 mean none, an empty sinks array no sinks.
     head_sinks = _NO_SINKS if sinks is None else _read_only(np.asarray(sinks), np.float32)
-    features: tuple[Any, ...] = (0.0 if softcap is None else float(softcap), head_sinks, chunk_size)
+    features: tuple[Any, ...] = (0.0 if cap is None else cap, head_sinks, chunk_size)
     # A quantized pool's scales (flat, with element strides block, token, head); empty otherwise.
     if quantized and key_scales is not None and value_scales is not None:
         scale_options = (

@@ -17,6 +17,10 @@ moves them with their blocks without the manager knowing.
   when it was written (4 bytes per token per head, 3% of a 128-feature head), so a scale
   that grows later never changes the meaning of older tokens.
 
+A scale below the smallest normal float32 (``FLOAT32_TINY``, about 1.2e-38) is 0 on every
+backend: the token heads it would serve hold values under about 1e-36, which decode as 0
+(with such a scale ``1 / scale`` overflows, and XLA flushes it to 0 anyway).
+
 Writing NaN or an infinity to a quantized pool raises
 :class:`~kvcache_core.errors.InvalidArgumentError` before anything changes: its scale would
 silently poison the whole token head.
@@ -29,19 +33,21 @@ bytes followed by the 4 bytes of its float32 scale, so a round trip is bit-exact
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.config import QUANTIZED_DTYPES, SCALE_BYTES, CacheConfig
+from kvcache_core.config import QUANTIZED_DTYPES, QUANTIZED_RANGE, SCALE_BYTES, CacheConfig
 from kvcache_core.errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
+from kvcache_core.scalars import FLOAT32_TINY
 
 __all__ = [
     "QUANTIZED_RANGE",
     "SCALE_BYTES",
     "check_finite",
     "dequantize",
+    "flush_tiny_scales",
     "dequantize_host",
     "grow_running_scales",
     "non_finite_message",
@@ -52,9 +58,6 @@ __all__ = [
 ]
 
 FloatArray = npt.NDArray[np.floating[Any]]
-
-#: The largest magnitude each quantized dtype holds: ``raw`` spans ``[-range, range]``.
-QUANTIZED_RANGE: Final[dict[str, float]] = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
 def _reciprocal(dtype: str) -> np.float32:
@@ -101,6 +104,12 @@ def non_finite_message(name: str, index: tuple[int, ...], value: float) -> str:
     )
 
 
+def flush_tiny_scales(scales: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """``scales`` with those below ``FLOAT32_TINY`` (subnormal) set to 0."""
+    flushed: npt.NDArray[np.float32] = np.where(scales >= np.float32(FLOAT32_TINY), scales, np.float32(0))
+    return flushed
+
+
 def grow_running_scales(scales: npt.NDArray[np.float32], values: FloatArray) -> npt.NDArray[np.float32]:
     """The float8 running-maximum rule: ``max(scales, max(|values|) / 448)`` per head.
 
@@ -110,7 +119,7 @@ def grow_running_scales(scales: npt.NDArray[np.float32], values: FloatArray) -> 
     """
     if values.shape[0] == 0:
         return scales
-    peak = np.abs(values).max(axis=(0, 2)).astype(np.float32) * _reciprocal("float8_e4m3fn")
+    peak = flush_tiny_scales(np.abs(values).max(axis=(0, 2)).astype(np.float32) * _reciprocal("float8_e4m3fn"))
     grown: npt.NDArray[np.float32] = np.maximum(scales, peak)
     return grown
 
@@ -139,6 +148,7 @@ def quantize(
         if head_scales is None:
             raise InvalidArgumentError("float8 quantization needs one scale per KV head")
         scales = np.broadcast_to(head_scales.astype(np.float32), data.shape[:2]).copy()
+    scales = flush_tiny_scales(scales)
     inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > 0)
     scaled = data * inverse[:, :, None]
     np.clip(scaled, -limit, limit, out=scaled)

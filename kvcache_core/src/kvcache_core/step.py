@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.attention import check_attention_call
+from kvcache_core.attention_features import ArrayCheck
 from kvcache_core.errors import ShapeMismatchError
 from kvcache_core.page_table import PageTable
 from kvcache_core.protocols import SlotArray
@@ -44,7 +45,8 @@ class StepHooks(Generic[ArrayT]):
             step's requests changed since it was planned.
         place: a layer's ``(KV-cache group, storage layer)``, or ``LayerIndexError``.
         layer_chunk: a (checked) layer's chunk from its ``LayerSpec``, or ``None``.
-        check_array: ``(name, array, expected_shape)``: shape and dtype against the pool.
+        check_array: ``(name, array, expected_shape, finite=False)``: shape and dtype
+            against the pool (and, ``finite``, the values).
         check_query: the query's shape, after checking it and its dtype.
         write: ``(storage layer, slots, keys, values, writable_at) -> epoch``: the manager's
             one write path (array checks, the writability of the slots, the scatter and its
@@ -61,7 +63,7 @@ class StepHooks(Generic[ArrayT]):
     check_current: Callable[[], None]
     place: Callable[[object], tuple[int, int]]
     layer_chunk: Callable[[int], int | None]
-    check_array: Callable[[str, object, tuple[int, ...]], None]
+    check_array: ArrayCheck
     check_query: Callable[[object], tuple[int, ...]]
     write: Callable[[int, SlotArray, ArrayT, ArrayT, int], int]
     attention: Callable[..., ArrayT]

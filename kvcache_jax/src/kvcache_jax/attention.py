@@ -17,15 +17,22 @@ normaliser, weighted values), as flash-decoding does. On a shared 2-core CPU it 
 # pyright: reportUnknownMemberType=false, reportUnknownVariableType=false, reportUnknownArgumentType=false
 from __future__ import annotations
 
-import math
-import numbers
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.core import Tracer
 
-from kvcache_core.attention_features import check_chunk, check_softcap, check_window, combined_window
-from kvcache_core.errors import InvalidArgumentError, ShapeMismatchError
+from kvcache_core.attention import check_scale
+from kvcache_core.attention_features import (
+    check_chunk,
+    check_finite_logits,
+    check_softcap,
+    check_window,
+    combined_window,
+)
+from kvcache_core.errors import ShapeMismatchError
+from kvcache_core.scalars import check_count, check_optional_count
 from kvcache_jax.buckets import bucket
 from kvcache_jax.scatter import BLOCK_AXIS, pool_geometry
 
@@ -124,9 +131,10 @@ def paged_attention(
         causal: as above.
         kv_layout: ``"NHD"``, ``"HND"`` or ``"heads_first"``.
         sliding_window: ``W`` (static), or ``None`` for no window.
-        blocks_per_step: blocks of every request one loop step reads (static); by default
-            the most, as a power of two, whose keys and values stay within 4 MiB (64 MiB
-            on accelerators) and whose scores within 16 MiB.
+        blocks_per_step: blocks of every request one loop step reads (static; at most the
+            table's columns rounded up to a power of two); by default the most, as a power
+            of two, whose keys and values stay within 4 MiB (64 MiB on accelerators) and
+            whose scores within 16 MiB.
         window: this layer's window ``W`` (static), combined with ``sliding_window``
             (the smaller applies).
         softcap: ``cap`` (static): scaled scores become ``tanh(s / cap) * cap`` before
@@ -146,8 +154,10 @@ def paged_attention(
 
     Raises:
         ShapeMismatchError: shapes that do not fit together (at trace time).
-        InvalidArgumentError: bad ``scale``, ``max_query_len``, ``sliding_window``,
-            ``blocks_per_step``, layout, ``window``, ``softcap`` or ``chunk``.
+        InvalidArgumentError: bad ``scale`` (not a normal float32 > 0), ``max_query_len``,
+            ``sliding_window``, ``blocks_per_step``, layout, ``window``, ``chunk`` (not ints
+            from 1 to ``INT32_MAX``), ``softcap``, or non-finite ``sinks`` (checked when
+            they are concrete; under ``jit`` the caller checks them, as the manager does).
     """
     _, block_size, num_heads, head_dim = pool_geometry(key_cache, kv_layout)
     if key_cache.shape != value_cache.shape:
@@ -181,26 +191,15 @@ def paged_attention(
         max_query_len = 1
     elif qo_indptr.shape != (batch + 1,):
         raise ShapeMismatchError(f"qo_indptr must be [{batch + 1}], got {tuple(qo_indptr.shape)}")
-    if max_query_len is None:
-        max_query_len = max(total_queries, 1)
-    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 1:
-        raise InvalidArgumentError(f"max_query_len must be an int >= 1, got {max_query_len!r}")
-    if sliding_window is not None and (
-        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
-    ):
-        raise InvalidArgumentError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
-    sliding_window = combined_window(check_window(window), sliding_window)
+    max_query_len = check_count(max(total_queries, 1) if max_query_len is None else max_query_len, "max_query_len", 1)
+    sliding_window = combined_window(check_window(window), check_window(sliding_window, "sliding_window"))
     cap, chunk = check_softcap(softcap), check_chunk(chunk)
     if sinks is not None and sinks.shape != (query_heads,):
         raise ShapeMismatchError(f"sinks must be [{query_heads}] (one per query head), got {tuple(sinks.shape)}")
-    if blocks_per_step is not None and (
-        isinstance(blocks_per_step, bool) or not isinstance(blocks_per_step, int) or blocks_per_step < 1
-    ):
-        raise InvalidArgumentError(f"blocks_per_step must be an int >= 1, got {blocks_per_step!r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, bool) or not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
-        raise InvalidArgumentError(f"scale must be a finite number > 0, got {scale!r}")
+    if sinks is not None and not isinstance(sinks, Tracer):  # traced (under jit): checked by the caller
+        check_finite_logits("sinks", np.asarray(sinks, dtype=np.float32))
+    blocks_per_step = check_optional_count(blocks_per_step, "blocks_per_step", 1, None)
+    scale = check_scale(scale, head_dim)
     if total_queries == 0 or batch == 0 or columns == 0:
         return jnp.zeros(query.shape, query.dtype)
 
@@ -228,7 +227,10 @@ def paged_attention(
         .reshape(num_heads, batch, rows_per_request, head_dim)
     )
 
-    step_blocks = blocks_per_step or _blocks_per_step(num_heads, batch, rows_per_request, block_size, head_dim, columns)
+    if blocks_per_step is None:
+        step_blocks = _blocks_per_step(num_heads, batch, rows_per_request, block_size, head_dim, columns)
+    else:  # more blocks than the table pads to would only pad it further
+        step_blocks = min(blocks_per_step, bucket(columns))
     padded_columns = -(-columns // step_blocks) * step_blocks
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_columns - columns)))
     step_tokens = step_blocks * block_size

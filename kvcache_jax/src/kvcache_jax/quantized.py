@@ -31,6 +31,7 @@ import numpy.typing as npt
 from kvcache_core import host_form, quantization
 from kvcache_core.config import QUANTIZED_DTYPES, CacheConfig
 from kvcache_core.errors import UnsupportedConfigError
+from kvcache_core.scalars import FLOAT32_TINY
 from kvcache_jax.sharding import REPLICATED, Placement, shard_over_heads
 from kvcache_jax.storage import JaxStorage
 
@@ -58,6 +59,7 @@ def _quantize(values: jax.Array, head_scales: jax.Array, dtype: str) -> tuple[ja
         scales = jnp.abs(data).max(axis=2) * jnp.float32(1.0 / limit)
     else:
         scales = jnp.broadcast_to(head_scales[None, :], data.shape[:2])
+    scales = _flush_tiny(scales)
     inverse = jnp.where(scales > 0, 1.0 / jnp.where(scales > 0, scales, 1.0), 0.0)
     scaled = jnp.clip(data * inverse[:, :, None], -limit, limit)
     if dtype == "int8":
@@ -70,7 +72,12 @@ def _grow(scales: jax.Array, values: jax.Array) -> jax.Array:
     peak = jnp.abs(values.astype(jnp.float32)).max(axis=(0, 2), initial=0.0) * jnp.float32(
         1.0 / quantization.QUANTIZED_RANGE["float8_e4m3fn"]
     )
-    return jnp.maximum(scales, peak)
+    return jnp.maximum(scales, _flush_tiny(peak))
+
+
+def _flush_tiny(scales: jax.Array) -> jax.Array:
+    """Scales below ``FLOAT32_TINY`` set to 0, as core's :func:`~kvcache_core.quantization.flush_tiny_scales`."""
+    return jnp.where(scales >= jnp.float32(FLOAT32_TINY), scales, jnp.float32(0))
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,6 @@ few large library calls. ``benchmarks/decode_torch.py`` prints the figures.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -51,10 +50,11 @@ import numpy.typing as npt
 import torch
 
 from kvcache_core import paged_kernel
-from kvcache_core.attention import validate_query_indptr
+from kvcache_core.attention import check_scale, validate_query_indptr
 from kvcache_core.attention_features import (
     check_chunk,
     check_chunk_positions,
+    check_finite_logits,
     check_softcap,
     check_window,
     combined_window,
@@ -483,9 +483,10 @@ def paged_attention(
         ArrayTypeError: an argument that is not a ``torch.Tensor``, or tensors on different devices.
         DTypeMismatchError: tensors of different dtypes.
         ShapeMismatchError: shapes that do not fit together.
-        InvalidArgumentError: bad ``qo_indptr``, ``scale``, ``kv_layout`` or
-            ``sliding_window`` (not an int >= 1, or unlike the page table's), or a page table
-            naming blocks outside the pool.
+        InvalidArgumentError: bad ``qo_indptr``, ``scale`` (not a normal float32 > 0),
+            ``kv_layout``, ``sliding_window`` (not an int from 1 to ``INT32_MAX``, or unlike
+            the page table's), a bad feature (see :mod:`kvcache_core.attention_features`;
+            non-finite ``sinks`` too), or a page table naming blocks outside the pool.
     """
     for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if not isinstance(tensor, torch.Tensor):
@@ -513,16 +514,10 @@ def paged_attention(
             f"query must be [tokens, k * {num_heads}, {head_dim}] for a pool of {num_heads} heads "
             f"of {head_dim}, got {tuple(query.shape)}"
         )
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, bool) or not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
-        raise InvalidArgumentError(f"scale must be a finite number > 0, got {scale!r}")
+    checked_scale = check_scale(scale, head_dim)
     if not isinstance(causal, bool):
         raise InvalidArgumentError(f"causal must be a bool, got {causal!r}")
-    if sliding_window is not None and (
-        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
-    ):
-        raise InvalidArgumentError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    sliding_window = check_window(sliding_window, "sliding_window")
     if sliding_window is not None and page_table.sliding_window not in (None, sliding_window):
         raise InvalidArgumentError(
             f"sliding_window={sliding_window} contradicts the page table's sliding_window={page_table.sliding_window}"
@@ -539,6 +534,8 @@ def paged_attention(
             f"sinks must be a [{query.shape[1]}] tensor of dtype {query.dtype} on {query.device} (one per query "
             f"head), got {sinks!r}"
         )
+    if sinks is not None:
+        check_finite_logits("sinks", sinks.detach().to(device="cpu", dtype=torch.float32).numpy())
     indptr = validate_query_indptr(qo_indptr, page_table, query.shape[0])
     num_blocks = key_cache.shape[1 if kv_layout == "heads_first" else 0]
     block_size = key_cache.shape[2 if kv_layout != "NHD" else 1]
@@ -557,7 +554,7 @@ def paged_attention(
         value_cache,
         page_table,
         indptr,
-        float(scale),
+        checked_scale,
         causal,
         kv_layout,
         sliding_window,

@@ -19,6 +19,7 @@ import torch
 from kvcache_core.errors import InvalidArgumentError
 from kvcache_core.page_table import PageTable
 from kvcache_core.quantization import QUANTIZED_RANGE, non_finite_message
+from kvcache_core.scalars import FLOAT32_TINY
 
 __all__ = ["attend_quantized", "check_finite", "grow_running_scales", "quantize"]
 
@@ -49,7 +50,12 @@ def grow_running_scales(scales: torch.Tensor, values: torch.Tensor) -> torch.Ten
     if values.shape[0] == 0:
         return scales
     peak = values.detach().to(torch.float32).abs().amax(dim=(0, 2)) * _reciprocal("float8_e4m3fn")
-    return torch.maximum(scales, peak)
+    return torch.maximum(scales, _flush_tiny(peak))
+
+
+def _flush_tiny(scales: torch.Tensor) -> torch.Tensor:
+    """Scales below ``FLOAT32_TINY`` set to 0, as core's :func:`~kvcache_core.quantization.flush_tiny_scales`."""
+    return torch.where(scales >= FLOAT32_TINY, scales, 0.0)
 
 
 def quantize(
@@ -65,6 +71,7 @@ def quantize(
         if head_scales is None:
             raise InvalidArgumentError("float8 quantization needs one scale per KV head")
         scales = head_scales.to(torch.float32).expand(data.shape[0], -1).clone()
+    scales = _flush_tiny(scales)
     inverse = torch.where(scales > 0, 1.0 / torch.where(scales > 0, scales, 1.0), 0.0)
     scaled = (data * inverse[:, :, None]).clamp_(-limit, limit)
     if dtype == "int8":

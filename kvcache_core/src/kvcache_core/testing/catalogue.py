@@ -52,7 +52,7 @@ from kvcache_core.testing.world import (
     untyped,
 )
 
-__all__ = ["MANAGER_CASES", "BadCall", "check_bad_call"]
+__all__ = ["MANAGER_CASES", "BadCall", "attend", "check_bad_call"]
 
 Manager = PagedKvCacheManager[Any]
 Handle = PagedKvCacheHandle[Any]
@@ -135,8 +135,10 @@ def attend(
     qo_indptr: object = None,
     scale: object = None,
     causal: object = True,
+    **features: object,
 ) -> object:
-    """``paged_attention`` over [a, b] (5 and 3 tokens), good arguments unless given."""
+    """``paged_attention`` over [a, b] (5 and 3 tokens), good arguments unless given;
+    ``features``: ``window``, ``softcap``, ``sinks``, ``chunk``."""
     manager = world.manager
     table = manager.page_table([world.a, world.b]) if page_table is None else page_table
     return manager.paged_attention(
@@ -146,6 +148,7 @@ def attend(
         qo_indptr=untyped(qo_indptr),
         scale=untyped(scale),
         causal=untyped(causal),
+        **{name: untyped(value) for name, value in features.items()},
     )
 
 

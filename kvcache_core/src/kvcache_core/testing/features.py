@@ -26,9 +26,15 @@ from kvcache_core.errors import (
     KvCacheError,
     ShapeMismatchError,
 )
+from kvcache_core.groups import LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.scalars import INT32_MAX
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
+from kvcache_core.testing.catalogue import BadCall, check_bad_call
+from kvcache_core.testing.feature_catalogue import FEATURE_VALUE_CASES
+from kvcache_core.testing.hybrid import run_step
+from kvcache_core.testing.world import World, make_world, probe
 
 __all__ = ["FeatureCases", "dense_feature_attention"]
 
@@ -161,6 +167,13 @@ SCENARIOS: dict[str, tuple[tuple[int, ...] | None, bool]] = {
 
 #: Request lengths of the feature cases (ragged, over several blocks and runs).
 LENGTHS = (5, 17, 30)
+
+
+def _feature_value_params() -> list[Any]:
+    return [
+        pytest.param(case, id=case.id, marks=pytest.mark.kvcache_requires(*case.requires))
+        for case in FEATURE_VALUE_CASES
+    ]
 
 
 def _combination_params() -> list[Any]:
@@ -370,6 +383,93 @@ class FeatureCases:
             assert manager.stats() == stats
             after = BackendUnderTest.host(manager, manager.paged_attention(0, query, table, sinks=good_sinks))
             np.testing.assert_array_equal(after, before)
+
+    @pytest.mark.parametrize("case", _feature_value_params())
+    def test_feature_value_no_backend_represents_is_refused_and_changes_nothing(
+        self, kvcache_backend: BackendUnderTest, case: BadCall[World]
+    ) -> None:
+        """Windows and chunks past int32, softcaps and scales that are no normal float32 and
+        non-finite sinks raise ``InvalidArgumentError`` naming the value and the range, on
+        every backend alike, and leave the pool as it was."""
+        check_bad_call(case, lambda: make_world(kvcache_backend), probe)
+
+    @pytest.mark.kvcache_requires("attention_window", "softcap", "chunked_attention")
+    def test_numpy_scalars_as_features_act_as_python_ones(self, kvcache_backend: BackendUnderTest) -> None:
+        rng = np.random.default_rng(47)
+        with kvcache_backend.manager(kvcache_backend.config(num_blocks=32)) as manager:
+            batch = _grown_batch(manager, LENGTHS, rng)
+            config = manager.config
+            query = BackendUnderTest.native(manager, rng.standard_normal((3, 2 * config.num_heads, config.head_dim)))
+            table = manager.page_table(batch.handles)
+            pairs: list[tuple[dict[str, Any], dict[str, Any]]] = [
+                (
+                    {"window": np.int64(6), "softcap": np.float32(1.5), "scale": np.float64(0.25)},
+                    {"window": 6, "softcap": 1.5, "scale": 0.25},
+                ),
+                ({"chunk": np.int32(7), "softcap": np.float64(2.0)}, {"chunk": 7, "softcap": 2.0}),
+            ]
+            for numpy_scalars, python_scalars in pairs:
+                got = BackendUnderTest.host(manager, manager.paged_attention(0, query, table, **numpy_scalars))
+                expected = BackendUnderTest.host(manager, manager.paged_attention(0, query, table, **python_scalars))
+                np.testing.assert_array_equal(got, expected, err_msg=f"{numpy_scalars} vs {python_scalars}")
+
+    @pytest.mark.kvcache_requires("attention_window", "chunked_attention")
+    def test_the_largest_window_and_chunk_attend_like_none(self, kvcache_backend: BackendUnderTest) -> None:
+        """A window and a chunk of ``INT32_MAX`` positions (the largest every backend holds)
+        hide nothing: the output is that of a call without them."""
+        rng = np.random.default_rng(53)
+        with kvcache_backend.manager(kvcache_backend.config(num_blocks=32)) as manager:
+            batch = _grown_batch(manager, LENGTHS, rng)
+            config = manager.config
+            query = BackendUnderTest.native(manager, rng.standard_normal((3, 2 * config.num_heads, config.head_dim)))
+            table = manager.page_table(batch.handles)
+            plain = BackendUnderTest.host(manager, manager.paged_attention(0, query, table))
+            cases: list[dict[str, Any]] = [{"window": INT32_MAX}, {"chunk": INT32_MAX}]
+            for features in cases:
+                got = BackendUnderTest.host(manager, manager.paged_attention(0, query, table, **features))
+                np.testing.assert_array_equal(got, plain, err_msg=f"{features}")
+
+    @pytest.mark.kvcache_requires("sliding_window")
+    def test_a_pool_window_of_int32_max_attends_like_none(self, kvcache_backend: BackendUnderTest) -> None:
+        outputs: list[Any] = []
+        for window in (None, INT32_MAX):
+            rng = np.random.default_rng(59)
+            with kvcache_backend.manager(kvcache_backend.config(num_blocks=32, sliding_window=window)) as manager:
+                batch = _grown_batch(manager, LENGTHS, rng)
+                config = manager.config
+                query = rng.standard_normal((3, 2 * config.num_heads, config.head_dim))
+                output = manager.paged_attention(
+                    0, BackendUnderTest.native(manager, query), manager.page_table(batch.handles)
+                )
+                outputs.append(BackendUnderTest.host(manager, output))
+        np.testing.assert_array_equal(outputs[1], outputs[0])
+
+    @pytest.mark.kvcache_requires("sliding_window", "chunked_attention")
+    def test_layer_specs_of_numpy_integers_are_the_python_ones(self, kvcache_backend: BackendUnderTest) -> None:
+        """A config whose layer specs hold NumPy integers is the same config (equal, same
+        hash, plain ints), and its pool grows, attends and lists pages as the other does."""
+
+        def specs(integer: Any) -> tuple[LayerSpec, ...]:
+            window, chunk = integer(6), integer(8)
+            return (LayerSpec(), LayerSpec(window=window), LayerSpec(chunk=chunk), LayerSpec(window=window))
+
+        numpy_config = kvcache_backend.config(num_layers=4, num_blocks=48, layer_specs=specs(np.int64))
+        python_config = kvcache_backend.config(num_layers=4, num_blocks=48, layer_specs=specs(int))
+        assert numpy_config == python_config
+        assert hash(numpy_config) == hash(python_config)
+        assert numpy_config.layer_specs is not None
+        assert [type(spec.window or spec.chunk) for spec in numpy_config.layer_specs[1:]] == [int, int, int]
+        outputs: list[list[Any]] = []
+        for config in (numpy_config, python_config):
+            with kvcache_backend.manager(config) as manager:
+                handle = manager.allocate(AllocationRequest("a"))
+                steps = [run_step(manager, [handle], [5], seed=1), run_step(manager, [handle], [3], seed=2)]
+                for group in range(config.num_groups):
+                    assert manager.page_table([handle], group=group).seq_lens.tolist() == [8]
+                manager.check_invariants()
+                outputs.append([layer[3] for step in steps for layer in step])
+        for got, expected in zip(*outputs, strict=True):
+            np.testing.assert_array_equal(got, expected)
 
     @pytest.mark.kvcache_requires("sliding_window", "chunked_attention")
     def test_a_chunk_over_a_pool_window_is_refused(self, kvcache_backend: BackendUnderTest) -> None:

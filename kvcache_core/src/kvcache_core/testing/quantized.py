@@ -220,6 +220,20 @@ class QuantizedCases:
                         manager.write(0, slots, _native(manager, pair[0]), _native(manager, pair[1]))
                     assert _state(manager) == before, f"dtype {config.dtype}: a refused {bad} write changed state"
 
+    def test_values_too_small_for_a_normal_scale_read_back_as_zero(self, kvcache_backend: BackendUnderTest) -> None:
+        """A token head whose scale would be subnormal in float32 (values under ~1e-36)
+        holds zeros, on every backend alike: never NaN (``0 * (1 / subnormal)``)."""
+        for config in _configs(kvcache_backend):
+            with kvcache_backend.manager(config) as manager:
+                handle = manager.allocate(AllocationRequest("a"))
+                shape = (2, config.num_heads, config.head_dim)
+                tiny = np.zeros(shape)
+                tiny[:, :, 0] = [[1e-39], [1e-40]]
+                manager.write(0, manager.extend(handle, 2), _native(manager, tiny), _native(manager, tiny))
+                for gathered in manager.gather(handle, 0):
+                    host = BackendUnderTest.host(manager, gathered)
+                    np.testing.assert_array_equal(host, np.zeros(shape), err_msg=f"dtype {config.dtype}")
+
     def test_kv_of_another_dtype_than_the_compute_dtype_is_refused(self, kvcache_backend: BackendUnderTest) -> None:
         for config in _configs(kvcache_backend):
             manager = kvcache_backend.manager(config)
