@@ -282,7 +282,7 @@ def test_one_tier_not_in_a_list_is_refused_by_name() -> None:
 def test_a_tier_list_holding_something_else_is_refused_by_name() -> None:
     config = CacheConfig(**GEOMETRY, enable_prefix_caching=True)
     with pytest.raises(
-        InvalidTypeError, match=esc("tiers[1] must be an OffloadTier (HostTier, DiskTier, ...), got 'disk'")
+        InvalidTypeError, match=esc("tiers must be OffloadTier objects (HostTier, DiskTier, ...), got 'disk'")
     ):
         create_manager("numpy", config, tiers=untyped([HostTier(1 << 20), "disk"]))
 

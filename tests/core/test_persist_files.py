@@ -154,7 +154,7 @@ def test_an_empty_path_or_one_with_a_nul_is_an_invalid_argument_naming_it(path: 
     manager = pool()
     admit(manager, "r", PROMPT)
     before = snapshot(manager)
-    with pytest.raises(InvalidArgumentError, match="path must name a file") as caught:
+    with pytest.raises(InvalidArgumentError, match="path must be a non-empty str without NUL characters") as caught:
         getattr(manager, operation)(path)
     assert repr(path) in str(caught.value)
     assert snapshot(manager) == before

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("safetensors")
 
 from kvcache_core import AllocationRequest, CacheConfig, InvalidTypeError, create_manager
-from kvcache_core.errors import TierError
+from kvcache_core.errors import InvalidArgumentError, TierError
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.persist import BlockRecord
 from kvcache_core.testing.faults import CallInjector, FaultyStorage, InjectedFaultError
@@ -288,7 +288,7 @@ def test_a_tier_whose_members_fail_to_read_is_refused_by_name() -> None:
 
 
 def test_tiers_that_are_not_a_list_are_refused_by_type() -> None:
-    with pytest.raises(InvalidTypeError, match="tiers must be a list of OffloadTier"):
+    with pytest.raises(InvalidTypeError, match="tiers must be a list or tuple of OffloadTier"):
         create_manager("numpy", config(), tiers=HostTier(1 << 20))  # type: ignore[call-overload]
 
 
@@ -387,3 +387,13 @@ def test_a_disk_tier_drops_an_oldest_file_it_cannot_read_however_reading_fails(t
     tier.path_of(first.key).write_bytes(len(nested).to_bytes(8, "little") + nested)
     assert tier.put(second) == [first.key]  # dropped, not passed on
     assert tier.hashes() == [second.key]
+
+
+@pytest.mark.parametrize("directory", ["", "a\x00b"])
+def test_a_disk_tier_refuses_an_empty_directory_or_one_with_a_nul(directory: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="a disk tier's directory must be a non-empty str"):
+        DiskTier(directory, 1 << 20)
+
+
+def test_a_tier_takes_a_numpy_integer_capacity() -> None:
+    assert HostTier(np.int64(1 << 20)).max_bytes == 1 << 20

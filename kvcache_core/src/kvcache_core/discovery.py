@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import pluggy
 
@@ -360,7 +360,9 @@ def create_manager(
 
 
 def _check_tiers(tiers: object) -> None:
-    """Refuse ``tiers`` that are not a list or tuple of offload tiers.
+    """Refuse ``tiers`` that are not a list or tuple, before the pool is made. Each tier is
+    checked by the tier stack as it binds it (a tier whose members fail to read is a
+    ``TierError`` there, not an exception of its own).
 
     Raises:
         InvalidTypeError: naming the value.
@@ -370,6 +372,3 @@ def _check_tiers(tiers: object) -> None:
             f"tiers must be a list or tuple of OffloadTier (HostTier, DiskTier, ...), got {tiers!r}; "
             "pass one tier as [tier]"
         )
-    for index, tier in enumerate(cast("Sequence[object]", tiers)):
-        if not isinstance(tier, OffloadTier):
-            raise InvalidTypeError(f"tiers[{index}] must be an OffloadTier (HostTier, DiskTier, ...), got {tier!r}")

@@ -45,20 +45,20 @@ _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _PLATFORM
 _OPEN_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _PLATFORM
 
 
-def file_path(path: str | os.PathLike[str]) -> str:
-    """``path`` as a ``str`` naming a file.
+def file_path(path: str | os.PathLike[str], *, what: str = "path") -> str:
+    """``path`` as a ``str`` naming a file (or a directory); ``what`` names it in errors.
 
     Raises:
         InvalidTypeError: ``path`` is not a ``str`` or an ``os.PathLike`` giving one.
         InvalidArgumentError: ``path`` is empty or holds a NUL character.
     """
     if not isinstance(path, (str, os.PathLike)):
-        raise InvalidTypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+        raise InvalidTypeError(f"{what} must be a str or os.PathLike, got {type(path).__name__} {path!r}")
     text = os.fspath(path)
     if not isinstance(text, str):
-        raise InvalidTypeError(f"path must be a str or os.PathLike of a str, got {type(path).__name__} {path!r}")
+        raise InvalidTypeError(f"{what} must be a str or os.PathLike of a str, got {type(path).__name__} {path!r}")
     if not text or "\x00" in text:
-        raise InvalidArgumentError(f"path must name a file: a non-empty str without NUL characters, got {text!r}")
+        raise InvalidArgumentError(f"{what} must be a non-empty str without NUL characters, got {text!r}")
     return text
 
 

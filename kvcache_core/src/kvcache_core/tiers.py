@@ -81,7 +81,8 @@ from kvcache_core.errors import (
     TierError,
 )
 from kvcache_core.persist import BlockRecord, read_blocks, split_key, write_blocks
-from kvcache_core.safe_files import remove_file
+from kvcache_core.safe_files import file_path, remove_file
+from kvcache_core.scalars import check_count
 
 if TYPE_CHECKING:
     from kvcache_core.config import CacheConfig
@@ -205,9 +206,7 @@ class OffloadTier(Protocol):
 
 
 def _check_max_bytes(max_bytes: object) -> int:
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-        raise InvalidArgumentError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
-    return max_bytes
+    return check_count(max_bytes, "max_bytes", 1)
 
 
 def _check_name(name: object) -> str:
@@ -317,10 +316,9 @@ class DiskTier(_BoundedTier):
     """
 
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int, *, name: str = "disk") -> None:
-        if not isinstance(directory, (str, os.PathLike)):
-            raise InvalidTypeError(f"directory must be a str or os.PathLike, got {directory!r}")
+        checked = file_path(directory, what="a disk tier's directory")
         super().__init__(max_bytes, name)
-        self._directory = Path(directory)
+        self._directory = Path(checked)
         self._files: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes
         self._config: CacheConfig | None = None
 

@@ -49,6 +49,8 @@ pytest.register_assert_rewrite(
     "kvcache_core.testing.reliability",
     "kvcache_core.testing.backend",
     "kvcache_core.testing.tiers",
+    "kvcache_core.testing.feature_catalogue",
+    "kvcache_core.testing.host_forms",
 )
 
 from kvcache_core.testing._plugin import (  # noqa: E402  (after the rewrite registration)
