@@ -396,4 +396,5 @@ def test_a_disk_tier_refuses_an_empty_directory_or_one_with_a_nul(directory: str
 
 
 def test_a_tier_takes_a_numpy_integer_capacity() -> None:
-    assert HostTier(np.int64(1 << 20)).max_bytes == 1 << 20
+    capacity: Any = np.int64(1 << 20)  # what a NumPy computation of the size gives
+    assert HostTier(capacity).max_bytes == 1 << 20
