@@ -120,6 +120,15 @@ def _plain_str(value: object) -> object:
     return str(value) if isinstance(value, str) else value
 
 
+def _store_fields(instance: Any, arguments: dict[str, Any]) -> None:
+    """Set a frozen dataclass's fields from its written-out ``__init__``'s arguments
+    (``locals()``), then run its ``__post_init__``, which checks and normalizes them."""
+    for name, value in arguments.items():
+        if name != "self":
+            object.__setattr__(instance, name, value)
+    instance.__post_init__()
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class CacheConfig:
     """Geometry and policy of one paged pool.
@@ -216,11 +225,7 @@ class CacheConfig:
     ) -> None:
         # Written out so that ``device`` accepts its text form ("cuda:0") and is stored as
         # a Device; the dataclass still provides eq, repr, hash and replace().
-        values = dict(locals())
-        del values["self"]
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
-        self.__post_init__()
+        _store_fields(self, locals())
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_dim", "num_blocks", "block_size"):
@@ -522,11 +527,7 @@ class AllocationRequest:
         cache_salt: str | bytes | None = None,
     ) -> None:
         # Written out so that NumPy integers and arrays type-check; stored as Python values.
-        values = dict(locals())
-        del values["self"]
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
-        self.__post_init__()
+        _store_fields(self, locals())
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
