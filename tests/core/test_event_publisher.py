@@ -15,6 +15,7 @@ zmq = pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
 
 from kvcache_core import InvalidArgumentError, InvalidTypeError, KvCacheError  # noqa: E402
+from kvcache_core.errors import PublisherClosedError  # noqa: E402
 from kvcache_core.event_publisher import (  # noqa: E402
     END_OF_REPLAY,
     ZmqEventPublisher,
@@ -209,6 +210,44 @@ def test_publishing_what_is_not_an_event_is_refused(publisher: ZmqEventPublisher
     with pytest.raises(InvalidTypeError, match="a cache event is a BlockStored, BlockRemoved or AllBlocksCleared"):
         publisher("kv")  # type: ignore[arg-type]
     assert publisher.next_sequence == 0
+
+
+def test_publishing_after_close_is_refused_and_uses_no_sequence_number(publisher: ZmqEventPublisher) -> None:
+    publisher.publish([AllBlocksCleared()])
+    publisher.close()
+    with pytest.raises(PublisherClosedError, match="closed"):
+        publisher.publish([AllBlocksCleared()])
+    assert publisher.next_sequence == 1
+    assert publisher.closed
+
+
+def test_calling_a_closed_publisher_is_refused(publisher: ZmqEventPublisher) -> None:
+    publisher.close()
+    with pytest.raises(PublisherClosedError, match="closed"):
+        publisher(AllBlocksCleared())
+    assert publisher.next_sequence == 0
+
+
+def test_closing_a_closed_publisher_does_nothing(publisher: ZmqEventPublisher) -> None:
+    publisher.close()
+    publisher.close()
+    assert publisher.closed
+
+
+def test_a_closed_publisher_still_subscribed_leaves_the_manager_working(publisher: ZmqEventPublisher) -> None:
+    manager = make_manager(num_blocks=12)
+    manager.subscribe(publisher)
+    admit(manager, "before", list(range(9)))
+    published = publisher.next_sequence
+    assert published > 0
+    publisher.close()
+    with pytest.warns(RuntimeWarning, match="PublisherClosedError"):
+        admit(manager, "after", list(range(20, 29)))
+    manager.check_invariants()
+    handle = manager.get_handle("after")
+    assert handle is not None
+    assert handle.num_tokens() == 9
+    assert publisher.next_sequence == published
 
 
 @pytest.mark.parametrize(

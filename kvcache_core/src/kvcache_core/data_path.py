@@ -135,21 +135,9 @@ class DataPath(Generic[ArrayT]):
                 raise self._pool.shortage(
                     f"cannot plan a step of {batch} requests adding {sum(counts)} tokens: {needed} more blocks needed"
                 )
-            # Requests whose window gives back at least what they take grow first: then each
-            # later one finds the blocks the total above counted on.
-            order: Sequence[int] = range(batch)
-            if freed:
-                order = sorted(order, key=lambda index: plans[index].freed < plans[index].needed)
-            lengths = [state.table.sequence_length for state in states]
-            slots_of: dict[int, SlotArray] = {}
-            try:
-                for index in order:
-                    slots_of[index] = self._sequences.grow(states[index], plans[index])
-            except BaseException:  # a storage failure in a copy: the requests grown so far shrink back
-                for index in slots_of:
-                    self._sequences.truncate(states[index], lengths[index])
-                raise
-            grown = [slots_of[index] for index in range(batch)]
+            # All or nothing: a failure taking blocks (a demotion interrupted) or copying
+            # leaves every request of the batch as it was.
+            grown = self._sequences.grow_all(states, plans)
             tables = tuple(self._issue_page_table(states, group) for group in range(self._config.num_groups))
             self._update_pressure()
             empty = np.zeros((0,) if self._config.num_groups == 1 else (self._config.num_groups, 0), dtype=np.int64)

@@ -35,6 +35,7 @@ __all__ = [
     "ManagerClosedError",
     "NotSwappedOutError",
     "OutOfBlocksError",
+    "PublisherClosedError",
     "SequenceTooLongError",
     "ShapeMismatchError",
     "SharedBlockWriteError",
@@ -192,6 +193,12 @@ class TierError(KvCacheError, ValueError):
     taken twice, a directory it cannot write, a tier another live manager holds), or failed
     where a miss is no answer (its figures). Where a miss is safe, a failing tier is a miss
     with a warning instead, counted in ``TierStats.errors``."""
+
+
+class PublisherClosedError(KvCacheError, RuntimeError):
+    """The event publisher was closed (``publisher.close()`` or the end of its ``with``
+    block): its sockets are gone, so it publishes nothing more. A manager it is subscribed
+    to turns this into a :class:`RuntimeWarning`; ``manager.unsubscribe`` it first."""
 
 
 class CorruptEventBatchError(InvalidArgumentError):

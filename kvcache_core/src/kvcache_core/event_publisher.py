@@ -38,7 +38,7 @@ import msgpack
 import zmq
 
 from kvcache_core.config import MAX_POOL_SLOTS, MAX_TOKEN_ID
-from kvcache_core.errors import CorruptEventBatchError, InvalidArgumentError, InvalidTypeError
+from kvcache_core.errors import CorruptEventBatchError, InvalidArgumentError, InvalidTypeError, PublisherClosedError
 from kvcache_core.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 
 __all__ = ["END_OF_REPLAY", "ZmqEventPublisher", "decode_event_batch", "encode_event_batch"]
@@ -452,6 +452,7 @@ class ZmqEventPublisher:
         self._lock = threading.Lock()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
         self._next_seq = 0
+        self._closed = False
         self._stop = threading.Event()
         self._replay_thread: threading.Thread | None = None
         self._pub = self._context.socket(zmq.PUB)
@@ -487,17 +488,37 @@ class ZmqEventPublisher:
 
     @property
     def next_sequence(self) -> int:
-        """The sequence number the next batch will carry."""
+        """The sequence number the next batch will carry (after :meth:`close`: the one it
+        would have carried; no batch is published any more)."""
         return self._next_seq
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called: a closed publisher refuses to publish."""
+        return self._closed
+
     def __call__(self, event: CacheEvent) -> None:
-        """Publish one event (as a batch of one): the form ``manager.subscribe`` calls."""
+        """Publish one event (as a batch of one): the form ``manager.subscribe`` calls.
+
+        Raises:
+            PublisherClosedError: the publisher was closed.
+            InvalidTypeError, InvalidArgumentError: as :meth:`publish`.
+        """
         self.publish((event,))
 
     def publish(self, events: Sequence[CacheEvent]) -> int:
-        """Publish ``events`` as one batch; return its sequence number."""
+        """Publish ``events`` as one batch; return its sequence number.
+
+        Raises:
+            PublisherClosedError: the publisher was closed (nothing is sent, no sequence
+                number is used).
+            InvalidTypeError, InvalidArgumentError: ``events`` cannot be encoded (see
+                :func:`encode_event_batch`); nothing is sent.
+        """
+        self._refuse_if_closed()
         payload = encode_event_batch(events)
         with self._lock:
+            self._refuse_if_closed()  # a close() that ran while the batch was encoded
             seq = self._next_seq
             self._next_seq += 1
             self._buffer.append((seq, payload))
@@ -507,12 +528,22 @@ class ZmqEventPublisher:
         return seq
 
     def close(self) -> None:
-        """Stop the replay thread and close the sockets (idempotent)."""
+        """Stop the replay thread and close the sockets (idempotent). Every later
+        :meth:`publish` raises :class:`~kvcache_core.errors.PublisherClosedError`."""
+        with self._lock:  # no publish is sending once this is set
+            self._closed = True
         self._stop.set()
         if self._replay_thread is not None:
             self._replay_thread.join()
             self._replay_thread = None
         self._close_sockets()
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise PublisherClosedError(
+                f"the event publisher at {self.endpoint!r} is closed: it publishes nothing more "
+                f"(unsubscribe it from the manager before closing it)"
+            )
 
     def __enter__(self) -> ZmqEventPublisher:
         return self

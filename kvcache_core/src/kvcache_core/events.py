@@ -31,7 +31,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError
 
@@ -239,6 +239,15 @@ class EventHub:
         )
 
 
+def _holds(lock: threading.RLock) -> int:
+    """How many times the calling thread holds ``lock`` (0 if it does not own it)."""
+    count = getattr(lock, "_recursion_count", None)  # CPython's RLock, C and pure Python
+    if count is not None:
+        return cast("int", count())
+    # An RLock without the count (an older or another Python): the thread owns it at least once.
+    return 1 if cast("bool", getattr(lock, "_is_owned")()) else 0  # noqa: B009
+
+
 class OperationLock:
     """The manager's re-entrant lock, which marks its operations: when the outermost
     holder releases it, the notifications the operation queued on ``hub`` (cache events,
@@ -256,8 +265,22 @@ class OperationLock:
         self._hub = hub
 
     def __enter__(self) -> OperationLock:
-        self._lock.acquire()
-        self._hub.depth += 1
+        # Entering is all or nothing: ``with`` calls ``__exit__`` only once ``__enter__``
+        # returned, so an exception raised in between (a signal handler's
+        # ``KeyboardInterrupt``, which the interpreter may raise right after ``acquire``
+        # returns) must give back the hold this call took, or the lock stays held forever.
+        # The try costs nothing until something is raised.
+        lock, hub = self._lock, self._hub
+        try:
+            lock.acquire()
+            hub.depth += 1
+        except BaseException:
+            # The owner's holds exceed the operations it began only when this call's
+            # acquire took effect: an interrupted wait took nothing, and the holds of an
+            # outer operation on this thread stay.
+            if _holds(lock) > hub.depth:
+                lock.release()
+            raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:

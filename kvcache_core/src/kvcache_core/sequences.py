@@ -8,6 +8,7 @@ blocks next to the request's last one and keeps the prefix chains in step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -69,6 +70,17 @@ class GrowthPlan(NamedTuple):
     @property
     def copy_count(self) -> int:
         return sum(len(group.copies) for group in self.groups)
+
+
+class _Reserved(NamedTuple):
+    """The blocks one growth took before changing any table."""
+
+    copies: list[list[tuple[int, int, int]]]  # per group: (logical, source, copy) for copy-on-write
+    new: list[list[int]]  # per group: the new blocks, in logical order
+
+
+#: The copies of a growth that copies nothing (shared: never changed).
+_NO_COPIES: list[list[tuple[int, int, int]]] = []
 
 
 class SequenceBlocks:
@@ -192,41 +204,84 @@ class SequenceBlocks:
     # -- carrying plans out ------------------------------------------------------------
 
     def grow(self, state: RequestState[Any], plan: GrowthPlan) -> SlotArray:
-        """Carry out a checked growth plan (blocks for it are available). Returns the new
-        positions' slots: ``[tokens]``, or ``[num_groups, tokens]`` with KV-cache groups."""
+        """Carry out a checked growth plan (blocks for it are available), all or nothing
+        as :meth:`grow_all`. Returns the new positions' slots: ``[tokens]``, or
+        ``[num_groups, tokens]`` with KV-cache groups."""
+        window_first = self._window_first((plan,))
+        if window_first:
+            self._release_window(state, plan)
+        return self._install(state, plan, self._reserve(state, plan, {}), window_first)
+
+    def grow_all(self, states: list[RequestState[Any]], plans: list[GrowthPlan]) -> list[SlotArray]:
+        """Carry out checked growth plans of distinct requests (blocks for all of them are
+        available); return each one's new slots, as :meth:`grow`.
+
+        All or nothing: every block the plans take (copy-on-write copies, new blocks of
+        every group) is taken, and the copies made, before any table changes. Taking may
+        evict, and evicting demote to a tier; whatever that or the copy raises
+        (``KeyboardInterrupt`` included), every block taken is given back and every table,
+        length and token id is as it was (blocks evicted meanwhile stay evicted, as any
+        eviction). Only when the plans need the blocks their windows free does the window
+        release (of blocks the requests' next tokens no longer see) come first; it stays.
+        """
+        window_first = self._window_first(plans)
+        if window_first:
+            for state, plan in zip(states, plans, strict=True):
+                self._release_window(state, plan)
+        # Copies each source block will lose in this call: a block shared by two requests
+        # of the batch is copied for the first only, the second then holds it alone.
+        copying: dict[int, int] = {}
+        reserved: list[_Reserved] = []
+        try:
+            for state, plan in zip(states, plans, strict=True):
+                reserved.append(self._reserve(state, plan, copying))
+        except BaseException:
+            for taken in reversed(reserved):
+                self._give_back(taken)
+            raise
+        return [
+            self._install(state, plan, taken, window_first)
+            for state, plan, taken in zip(states, plans, reserved, strict=True)
+        ]
+
+    def _window_first(self, plans: Sequence[GrowthPlan]) -> bool:
+        """Whether the plans need the blocks their windows free (the release comes first)."""
+        return (
+            any(growth.released for plan in plans for growth in plan.groups)
+            and sum(plan.needed for plan in plans) > self.pool.available()
+        )
+
+    def _reserve(self, state: RequestState[Any], plan: GrowthPlan, copying: dict[int, int]) -> _Reserved:
+        """Take the blocks one plan needs and make its copies, changing no table; on any
+        exception, give back what it took."""
         pool = self.pool
         tables = state.tables
-        old_length = state.table.sequence_length
-        # The copies are the only storage call: made first (one call for every group), so
-        # that a storage failure leaves the request as it was. Only when they need the
-        # blocks the window frees does the window release (which the request's tokens no
-        # longer see) come first.
-        ref_count = pool.allocator.ref_count
-        copies = [
-            [logical for logical in growth.copies if ref_count(table.physical_block(logical)) > 1]
-            for table, growth in zip(tables, plan.groups, strict=True)
-        ]
-        wanted = sum(len(group) for group in copies)
-        copy_first = not wanted or wanted <= pool.available()
-        if copy_first and wanted:
-            self.copy_on_write(state, copies)
-        if any(growth.released for growth in plan.groups):
-            self.chains.advance(state)  # hash what is ready before the window releases it
-            for group, growth in enumerate(plan.groups):
-                if growth.released:
-                    self.release_leading(state, group, growth.released)
-        if not copy_first:
-            self.copy_on_write(state, copies)
-        if plan.tokens:
-            # A block truncated into while shared may be ours alone now and still cached:
-            # it leaves the cache before new tokens go into it (a cached block is immutable).
-            self.chains.unregister_rewritten(state, old_length, old_length + plan.tokens)
-        grown: list[SlotArray] = []
-        for group, (table, growth) in enumerate(zip(tables, plan.groups, strict=True)):
-            if growth.missing:
+        copies = _NO_COPIES
+        if any(growth.copies for growth in plan.groups):
+            ref_count = pool.allocator.ref_count
+            wanted = [
+                [
+                    logical
+                    for logical in growth.copies
+                    if ref_count(block := table.physical_block(logical)) - copying.get(block, 0) > 1
+                ]
+                for table, growth in zip(tables, plan.groups, strict=True)
+            ]
+            copies = self._copies(state, wanted)
+            for group_copies in copies:
+                for _, source, _ in group_copies:
+                    copying[source] = copying.get(source, 0) + 1
+        new: list[list[int]] = []
+        try:
+            for group, (table, growth) in enumerate(zip(tables, plan.groups, strict=True)):
+                if not growth.missing:
+                    new.append([])
+                    continue
                 logical_now = table.first_logical + table.num_blocks()
                 last = table.physical_blocks[-1] if table.num_blocks() else None
-                table.add_blocks(
+                if copies is not _NO_COPIES:  # the last block's copy, if it is copied, is the one to follow
+                    last = next((copy for logical, _, copy in copies[group] if logical == logical_now - 1), last)
+                new.append(
                     pool.take(
                         growth.missing,
                         pool.sole_holder(last),
@@ -235,6 +290,36 @@ class SequenceBlocks:
                         group,
                     )
                 )
+        except BaseException:
+            self._give_back(_Reserved(copies, new))
+            raise
+        return _Reserved(copies, new)
+
+    def _give_back(self, taken: _Reserved) -> None:
+        """Return blocks :meth:`_reserve` took (no table holds them) to the free list."""
+        for blocks in [*taken.new[::-1], [copy for group in taken.copies[::-1] for _, _, copy in group[::-1]]]:
+            if blocks:
+                self.pool.allocator.release(blocks[::-1], blocks[-1])
+
+    def _install(
+        self, state: RequestState[Any], plan: GrowthPlan, taken: _Reserved, window_released: bool
+    ) -> SlotArray:
+        """Put reserved blocks into the request's tables and grow them (nothing here fails)."""
+        pool = self.pool
+        tables = state.tables
+        old_length = state.table.sequence_length
+        if taken.copies is not _NO_COPIES:
+            self._install_copies(state, taken.copies)
+        if not window_released:
+            self._release_window(state, plan)
+        if plan.tokens:
+            # A block truncated into while shared may be ours alone now and still cached:
+            # it leaves the cache before new tokens go into it (a cached block is immutable).
+            self.chains.unregister_rewritten(state, old_length, old_length + plan.tokens)
+        grown: list[SlotArray] = []
+        for table, new_blocks in zip(tables, taken.new, strict=True):
+            if new_blocks:
+                table.add_blocks(new_blocks)
             slots = table.slots(old_length, old_length + plan.tokens)
             table.extend_sequence(plan.tokens)
             pool.issued[slots] = True
@@ -249,6 +334,14 @@ class SequenceBlocks:
         state.touch()
         return grown[0] if len(grown) == 1 else np.stack(grown)
 
+    def _release_window(self, state: RequestState[Any], plan: GrowthPlan) -> None:
+        """Release the leading blocks the plan's windows passed."""
+        if any(growth.released for growth in plan.groups):
+            self.chains.advance(state)  # hash what is ready before the window releases it
+            for group, growth in enumerate(plan.groups):
+                if growth.released:
+                    self.release_leading(state, group, growth.released)
+
     def copy_on_write(self, state: RequestState[Any], logicals: list[list[int]]) -> None:
         """Give the request private copies of its shared logical blocks, ``logicals[g]``
         of group ``g``, in one storage call.
@@ -256,9 +349,15 @@ class SequenceBlocks:
         Transactional (see :meth:`BlockPool.copies_of`): on a storage failure the request
         is unchanged. The copies are not registered in the prefix cache.
         """
+        self._install_copies(state, self._copies(state, logicals))
+
+    def _copies(self, state: RequestState[Any], logicals: list[list[int]]) -> list[list[tuple[int, int, int]]]:
+        """Copy the request's logical blocks ``logicals[g]`` of each group ``g`` into new
+        blocks, in one storage call, changing no table: per group, ``(logical, source,
+        copy)`` each. Transactional (see :meth:`BlockPool.copies_of`)."""
+        made: list[list[tuple[int, int, int]]] = [[] for _ in logicals]
         if not any(logicals):
-            return
-        pool = self.pool
+            return made
         work = [(group, logical) for group, group_logicals in enumerate(logicals) for logical in group_logicals]
         tables = state.tables
         sources = [tables[group].physical_block(logical) for group, logical in work]
@@ -267,18 +366,27 @@ class SequenceBlocks:
             for group, logical in work
         ]
         follows = [index > 0 and work[index - 1] == (group, logical - 1) for index, (group, logical) in enumerate(work)]
-        copies = pool.copies_of(sources, hints, follows, f"request {state.request_id!r}", [g for g, _ in work])
+        copies = self.pool.copies_of(sources, hints, follows, f"request {state.request_id!r}", [g for g, _ in work])
         for (group, logical), source, copy in zip(work, sources, copies, strict=True):
-            table = tables[group]
-            # Only the request's own positions carry over; past its length the copy is new.
-            pool.carry_slots(
-                source, copy, min(self.block_size, max(0, table.sequence_length - logical * self.block_size))
-            )
-            table.replace_block(logical, copy)
-            pool.release([source], None)  # the other sharers keep it
-            if state.awaiting_block == source:
-                self.chains.set_awaiting(state, copy)
-            pool.copy_on_write_count += 1
+            made[group].append((logical, source, copy))
+        return made
+
+    def _install_copies(self, state: RequestState[Any], copies: list[list[tuple[int, int, int]]]) -> None:
+        """Put copies :meth:`_copies` made in place of their sources."""
+        if not any(copies):
+            return
+        pool = self.pool
+        for table, group_copies in zip(state.tables, copies, strict=True):
+            for logical, source, copy in group_copies:
+                # Only the request's own positions carry over; past its length the copy is new.
+                pool.carry_slots(
+                    source, copy, min(self.block_size, max(0, table.sequence_length - logical * self.block_size))
+                )
+                table.replace_block(logical, copy)
+                pool.release([source], None)  # the other sharers keep it
+                if state.awaiting_block == source:
+                    self.chains.set_awaiting(state, copy)
+                pool.copy_on_write_count += 1
         pool.new_generation(state)
 
     def release_leading(self, state: RequestState[Any], group: int, count: int) -> None:
