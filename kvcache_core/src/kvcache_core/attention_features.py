@@ -38,9 +38,6 @@ from typing import Any, Final, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
-import numpy as np
-import numpy.typing as npt
-
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, UnsupportedConfigError
 from kvcache_core.scalars import INT32_MAX, check_optional_count, check_positive_float32
 
