@@ -37,7 +37,7 @@ from kvcache_core.errors import InvalidTypeError
 from kvcache_core.hookspecs import CAPABILITIES
 from kvcache_core.numpy_backend import NumpyStorage
 from kvcache_core.testing.features import dense_feature_attention
-from tests.core.test_paged_kernel import hand_built_table, pool_of
+from tests.core.support import hand_built_table, pool_of
 
 Array = npt.NDArray[Any]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -12,13 +13,12 @@ import pytest
 
 from kvcache_core import (
     AllocationRequest,
-    CacheConfig,
     MemoryPressure,
     OutOfBlocksError,
     PagedKvCacheHandle,
     PagedKvCacheManager,
-    create_manager,
 )
+from tests.core import support
 
 Array = npt.NDArray[Any]
 Manager = PagedKvCacheManager[Array]
@@ -27,17 +27,8 @@ Handle = PagedKvCacheHandle[Array]
 BLOCK = 4
 
 
-def make_manager(num_blocks: int, **overrides: Any) -> Manager:
-    config = CacheConfig(
-        num_layers=1,
-        num_heads=1,
-        head_dim=2,
-        num_blocks=num_blocks,
-        block_size=BLOCK,
-        enable_prefix_caching=True,
-        **overrides,
-    )
-    return create_manager("numpy", config)
+#: One layer of one head of size 2: the smallest manager.
+make_manager = partial(support.make_manager, num_layers=1, num_heads=1, head_dim=2)
 
 
 def admit(manager: Manager, request_id: str, prompt: Sequence[int]) -> Handle:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,6 @@ import pytest
 
 from kvcache_core import (
     AllocationRequest,
-    CacheConfig,
     InvalidHandleError,
     NotSwappedOutError,
     OutOfBlocksError,
@@ -20,8 +20,8 @@ from kvcache_core import (
     PagedKvCacheManager,
     SwappedOutError,
     UnknownRequestError,
-    create_manager,
 )
+from tests.core import support
 
 Array = npt.NDArray[Any]
 Manager = PagedKvCacheManager[Array]
@@ -30,11 +30,7 @@ Handle = PagedKvCacheHandle[Array]
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 4, 4
 
 
-def make_manager(num_blocks: int = 16, **overrides: Any) -> Manager:
-    config = CacheConfig(
-        num_layers=LAYERS, num_heads=HEADS, head_dim=DIM, num_blocks=num_blocks, block_size=BLOCK, **overrides
-    )
-    return create_manager("numpy", config)
+make_manager = partial(support.make_manager, num_blocks=16, enable_prefix_caching=False)
 
 
 def grow(manager: Manager, handle: Handle, count: int, seed: int, dtype: str = "float32") -> None:
