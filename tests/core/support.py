@@ -11,10 +11,11 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+from hypothesis import strategies as st
 from hypothesis import target
 
 from kvcache_core import (
@@ -26,8 +27,10 @@ from kvcache_core import (
     PageTable,
     create_manager,
 )
+from kvcache_core.allocator import Placement
 from kvcache_core.events import CachedBlockIndex
-from kvcache_core.testing.hybrid import pool_hashes, tier_hashes
+from kvcache_core.testing.hybrid import tier_hashes
+from kvcache_core.testing.kv_data import pool_hashes
 
 if TYPE_CHECKING:
     from kvcache_core.tiers import OffloadTier
@@ -43,7 +46,7 @@ LAYERS, HEADS, DIM, BLOCK = 2, 2, 4, 4
 BLOCK_BYTES = 2 * LAYERS * HEADS * DIM * 4 * BLOCK
 
 
-def make_manager(
+def make_config(
     num_blocks: int = 64,
     block_size: int = BLOCK,
     *,
@@ -51,15 +54,11 @@ def make_manager(
     num_heads: int = HEADS,
     head_dim: int = DIM,
     enable_prefix_caching: bool = True,
-    tiers: Sequence[OffloadTier] = (),
-    storage: Callable[[CacheConfig], KvStorage[Array]] | None = None,
     **fields: Any,
-) -> Manager:
-    """A NumPy manager of ``num_blocks`` blocks of ``block_size`` tokens (by default the
-    shared geometry, prefix caching on, no tier); ``fields`` are more ``CacheConfig`` fields.
-    ``storage`` builds the storage from the config (a NumPy storage subclass that records
-    calls); by default ``create_manager("numpy", ...)`` builds it."""
-    config = CacheConfig(
+) -> CacheConfig:
+    """A config of ``num_blocks`` blocks of ``block_size`` tokens, by default in the shared
+    geometry with prefix caching on; ``fields`` are more ``CacheConfig`` fields."""
+    return CacheConfig(
         num_layers=num_layers,
         num_heads=num_heads,
         head_dim=head_dim,
@@ -68,9 +67,38 @@ def make_manager(
         enable_prefix_caching=enable_prefix_caching,
         **fields,
     )
+
+
+def make_manager(
+    num_blocks: int = 64,
+    block_size: int = BLOCK,
+    *,
+    num_layers: int = LAYERS,
+    num_heads: int = HEADS,
+    head_dim: int = DIM,
+    enable_prefix_caching: bool = True,
+    placement: Placement = "contiguous",
+    tiers: Sequence[OffloadTier] = (),
+    storage: Callable[[CacheConfig], KvStorage[Array]] | None = None,
+    **fields: Any,
+) -> Manager:
+    """A NumPy manager over :func:`make_config` (the shared geometry, prefix caching on, no
+    tier by default), the one every core test builds its managers with.
+
+    ``storage`` builds the storage from the config (a NumPy storage subclass that records
+    calls); by default ``create_manager("numpy", ...)`` builds it."""
+    config = make_config(
+        num_blocks,
+        block_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        enable_prefix_caching=enable_prefix_caching,
+        **fields,
+    )
     if storage is not None:
-        return PagedKvCacheManager(storage(config), backend="numpy", tiers=tiers)
-    return create_manager("numpy", config, tiers=list(tiers))
+        return PagedKvCacheManager(storage(config), backend="numpy", placement=placement, tiers=tiers)
+    return create_manager("numpy", config, placement=placement, tiers=list(tiers))
 
 
 def token_kv(tokens: Sequence[int], position: int, layer: int) -> tuple[Array, Array]:
@@ -235,3 +263,39 @@ def hand_built_table(
         sliding_window=window,
     )  # fmt: skip
     return table, len(indices)
+
+
+class RandomPool(NamedTuple):
+    """A pool of random K/V in hand-built blocks: its table, what the kernel reads
+    (``keys``, ``values``) and the float64 values they hold."""
+
+    table: PageTable
+    keys: Array
+    values: Array
+    keys64: Array
+    values64: Array
+
+
+def random_pool(
+    data: st.DataObject,
+    lengths: list[int],
+    block_size: int,
+    heads: int,
+    dim: int,
+    layout: str,
+    dtype: str,
+    window: int | None,
+    rng: np.random.Generator,
+) -> RandomPool:
+    """Blocks for requests of ``lengths`` tokens (and up to 4 spare blocks) in a drawn
+    physical order, holding random K/V of ``dtype`` in ``layout`` drawn from ``rng``."""
+    needed = sum(-(-length // block_size) for length in lengths)
+    num_blocks = needed + data.draw(st.integers(0, 4), label="spare")
+    order = data.draw(st.permutations(range(num_blocks)), label="order")
+    table, _ = hand_built_table(list(order), lengths, block_size, window)
+    shape = {"NHD": (num_blocks, block_size, heads, dim), "HND": (num_blocks, heads, block_size, dim)}.get(
+        layout, (heads, num_blocks, block_size, dim)
+    )
+    keys, keys64 = pool_of(rng.standard_normal(shape), dtype)
+    values, values64 = pool_of(rng.standard_normal(shape), dtype)
+    return RandomPool(table, keys, values, keys64, values64)

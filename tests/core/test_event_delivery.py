@@ -11,7 +11,7 @@ import pytest
 
 from kvcache_core import AllocationRequest, MemoryPressure, PagedKvCacheManager
 from kvcache_core.events import BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
-from kvcache_core.testing.hybrid import pool_hashes
+from kvcache_core.testing.kv_data import pool_hashes
 from tests.core import support
 
 Manager = PagedKvCacheManager[Any]

@@ -8,21 +8,15 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 
 from kvcache_core import (
     AllocationRequest,
     MemoryPressure,
     OutOfBlocksError,
-    PagedKvCacheHandle,
-    PagedKvCacheManager,
 )
 from tests.core import support
-
-Array = npt.NDArray[Any]
-Manager = PagedKvCacheManager[Array]
-Handle = PagedKvCacheHandle[Array]
+from tests.core.support import Handle, Manager
 
 BLOCK = 4
 

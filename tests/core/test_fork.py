@@ -11,17 +11,12 @@ import pytest
 from kvcache_core import (
     AllocationRequest,
     CacheConfig,
-    PagedKvCacheHandle,
-    PagedKvCacheManager,
     SharedBlockWriteError,
 )
 from kvcache_core.numpy_backend import NumpyStorage
 from kvcache_core.testing.oracle import dense_attention
 from tests.core import support
-
-Array = npt.NDArray[Any]
-Manager = PagedKvCacheManager[Array]
-Handle = PagedKvCacheHandle[Array]
+from tests.core.support import Array, Handle, Manager
 
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 4, 4
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 
 from kvcache_core import (
@@ -19,9 +17,7 @@ from kvcache_core import (
     PageTable,
 )
 from tests.core import support
-
-Array = npt.NDArray[Any]
-
+from tests.core.support import Array
 
 make_manager = partial(support.make_manager, num_blocks=32, enable_prefix_caching=False)
 

@@ -9,7 +9,6 @@ from typing import Any
 from unittest import mock
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,9 +25,7 @@ from kvcache_core import (
     paged_kernel,
 )
 from kvcache_core.attention import paged_attention
-from tests.core.support import hand_built_table, pool_of
-
-Array = npt.NDArray[Any]
+from tests.core.support import Array, hand_built_table, random_pool
 
 needs_numba = pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
 
@@ -58,16 +55,10 @@ def test_the_kernel_equals_the_reference_on_any_batch(data: st.DataObject) -> No
     row_split = data.draw(st.sampled_from([5, 64]), label="row_split")
     seed = data.draw(st.integers(0, 2**16), label="seed")
 
-    needed = sum(-(-length // block_size) for length in lengths)
-    num_blocks = needed + data.draw(st.integers(0, 4), label="spare")
-    order = data.draw(st.permutations(range(num_blocks)), label="order")
-    table, _ = hand_built_table(list(order), lengths, block_size, window)
     rng = np.random.default_rng(seed)
-    shape = {"NHD": (num_blocks, block_size, heads, dim), "HND": (num_blocks, heads, block_size, dim)}.get(
-        layout, (heads, num_blocks, block_size, dim)
+    table, keys, values, keys64, values64 = random_pool(
+        data, lengths, block_size, heads, dim, layout, dtype, window, rng
     )
-    keys, keys64 = pool_of(rng.standard_normal(shape), dtype)
-    values, values64 = pool_of(rng.standard_normal(shape), dtype)
     indptr = np.concatenate([[0], np.cumsum(query_counts)]).astype(np.int32)
     query = rng.standard_normal((int(indptr[-1]), heads * group, dim)).astype(np.float32)
     scale = float(rng.uniform(0.05, 0.5))

@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 
 from kvcache_core import (
     AllocationRequest,
     BlockTable,
     InvalidArgumentError,
-    PagedKvCacheHandle,
-    PagedKvCacheManager,
 )
 from kvcache_core.attention import paged_attention
 from kvcache_core.testing.oracle import dense_attention
 from tests.core import support
-
-Array = npt.NDArray[Any]
-Manager = PagedKvCacheManager[Array]
-Handle = PagedKvCacheHandle[Array]
+from tests.core.support import Manager
 
 LAYERS, HEADS, DIM, GROUP = 1, 2, 4, 2
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 
 from kvcache_core import (
@@ -16,16 +14,11 @@ from kvcache_core import (
     InvalidHandleError,
     NotSwappedOutError,
     OutOfBlocksError,
-    PagedKvCacheHandle,
-    PagedKvCacheManager,
     SwappedOutError,
     UnknownRequestError,
 )
 from tests.core import support
-
-Array = npt.NDArray[Any]
-Manager = PagedKvCacheManager[Array]
-Handle = PagedKvCacheHandle[Array]
+from tests.core.support import Array, Handle, Manager
 
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 4, 4
 

@@ -39,7 +39,8 @@ from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.persist import split_key
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 from kvcache_core.testing.catalogue import BadCall, check_bad_call
-from kvcache_core.testing.kv_data import pool_hashes, sevens
+from kvcache_core.testing.kv_data import pool_hashes as pool_hashes  # re-exported: importable from here as before
+from kvcache_core.testing.kv_data import sevens
 from kvcache_core.testing.oracle import dense_attention
 from kvcache_core.testing.world import esc, untyped
 from kvcache_core.tiers import DiskTier, HostTier, OffloadTier
