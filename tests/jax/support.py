@@ -8,22 +8,21 @@ from one another)."""
 # pyright: reportUnknownMemberType=false, reportUnknownVariableType=false, reportUnknownArgumentType=false
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 
-from kvcache_core import CacheConfig, PagedKvCacheManager
+from kvcache_core import PagedKvCacheManager
 from kvcache_jax import JaxStorage
+from tests.core.support import make_config
 
 Manager = PagedKvCacheManager[jax.Array]
 
 
 def make_manager(dtype: str = "float32", kv_layout: str = "NHD", *, num_blocks: int = 12, **fields: Any) -> Manager:
-    """A manager over a ``JaxStorage`` of 2 layers, 2 heads of size 4, blocks of 4 tokens;
-    ``fields`` are more ``CacheConfig`` fields."""
-    config = CacheConfig(num_layers=2, num_heads=2, head_dim=4, num_blocks=num_blocks, block_size=4)
-    config = dataclasses.replace(config, dtype=dtype, kv_layout=kv_layout, **fields)
+    """A manager over a ``JaxStorage`` of ``tests.core.support.make_config`` (2 layers, 2 heads
+    of size 4, blocks of 4 tokens by default); ``fields`` are more ``CacheConfig`` fields."""
+    config = make_config(num_blocks, 4, enable_prefix_caching=False, dtype=dtype, kv_layout=kv_layout, **fields)
     return PagedKvCacheManager(JaxStorage(config), backend="jax")
 
 

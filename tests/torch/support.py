@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheHandle, PagedKvCacheManager, create_manager
+from kvcache_core import AllocationRequest, PagedKvCacheHandle, PagedKvCacheManager, create_manager
 from kvcache_core.allocator import Placement
 from kvcache_torch import TorchStorage
+from tests.core.support import make_config
 
 Manager = PagedKvCacheManager[torch.Tensor]
 Handle = PagedKvCacheHandle[torch.Tensor]
@@ -48,13 +49,15 @@ def make_manager(
     num_blocks: int = 64,
     block_size: int = 4,
 ) -> Manager:
-    """A torch manager (``create_manager``, or the fragmenting ``fifo`` placement)."""
-    config = CacheConfig(
+    """A torch manager (``create_manager``, or the fragmenting ``fifo`` placement) over
+    ``tests.core.support.make_config``."""
+    config = make_config(
+        num_blocks,
+        block_size,
         num_layers=num_layers,
         num_heads=num_heads,
         head_dim=head_dim,
-        num_blocks=num_blocks,
-        block_size=block_size,
+        enable_prefix_caching=False,
         dtype=dtype,
         device=device,
         kv_layout=kv_layout,
