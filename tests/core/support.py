@@ -73,29 +73,18 @@ def make_manager(
     num_blocks: int = 64,
     block_size: int = BLOCK,
     *,
-    num_layers: int = LAYERS,
-    num_heads: int = HEADS,
-    head_dim: int = DIM,
-    enable_prefix_caching: bool = True,
     placement: Placement = "contiguous",
     tiers: Sequence[OffloadTier] = (),
     storage: Callable[[CacheConfig], KvStorage[Array]] | None = None,
     **fields: Any,
 ) -> Manager:
-    """A NumPy manager over :func:`make_config` (the shared geometry, prefix caching on, no
-    tier by default), the one every core test builds its managers with.
+    """A NumPy manager over ``make_config(num_blocks, block_size, **fields)`` (the shared
+    geometry, prefix caching on, no tier by default), the one every core test builds its
+    managers with.
 
     ``storage`` builds the storage from the config (a NumPy storage subclass that records
     calls); by default ``create_manager("numpy", ...)`` builds it."""
-    config = make_config(
-        num_blocks,
-        block_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        head_dim=head_dim,
-        enable_prefix_caching=enable_prefix_caching,
-        **fields,
-    )
+    config = make_config(num_blocks, block_size, **fields)
     if storage is not None:
         return PagedKvCacheManager(storage(config), backend="numpy", placement=placement, tiers=tiers)
     return create_manager("numpy", config, placement=placement, tiers=list(tiers))
