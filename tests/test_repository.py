@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -121,3 +122,97 @@ def test_the_top_level_names_are_the_public_api_only() -> None:
     assert all(hasattr(kvcache_core, name) for name in kvcache_core.__all__)
     for name in ("CacheConfig", "create_manager", "PagedKvCacheManager", "Step", "BackendSpec", "KvCacheError"):
         assert name in kvcache_core.__all__, name
+
+
+#: The folders of the repository's tests (each a tree of test files, support modules and conftests).
+TEST_FOLDERS = ("tests", "examples/kvcache-memmap/tests")
+
+
+def is_test_module(name: str) -> bool:
+    """Whether the dotted module ``name`` is a test file or a conftest (not a support module)."""
+    last = name.rsplit(".", 1)[-1]
+    return last.startswith("test_") or last == "conftest"
+
+
+def imported_modules(source: str, package: str) -> set[str]:
+    """Every module ``source`` (a module of ``package``) imports, relative imports resolved
+    (``from a import b`` counts ``a`` and ``a.b``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, *([base] if base else [])])
+            found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return found
+
+
+def imports_of_test_modules(source: str, package: str) -> list[str]:
+    """The test files and conftests ``source`` (a module of ``package``) imports: tests
+    share helpers through support modules, never through these."""
+    return sorted(name for name in imported_modules(source, package) if is_test_module(name))
+
+
+def python_files_of_the_tests() -> list[Path]:
+    return sorted(path for folder in TEST_FOLDERS for path in (ROOT / folder).rglob("*.py"))
+
+
+def test_no_test_module_imports_another_test_module() -> None:
+    files = python_files_of_the_tests()
+    assert len(files) > 50, "the tests were not found"
+    offenders = [
+        f"{path.relative_to(ROOT)}: imports {name}"
+        for path in files
+        for name in imports_of_test_modules(
+            path.read_text(encoding="utf-8"), ".".join(path.relative_to(ROOT).parent.parts)
+        )
+    ]
+    assert offenders == [], "move shared helpers into a support module (tests/core/support.py):\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_test_import_check_finds_what_it_looks_for() -> None:
+    for source in (
+        "from tests.core.test_prefix_caching import admit",
+        "import tests.core.test_tiers",
+        "from tests.core import test_tiers",
+        "from .test_tiers import tiered",
+        "from . import test_tiers",
+        "from tests.torch.conftest import fill",
+        "def helper() -> None:\n    from tests.core.test_tiers import tiered",
+    ):
+        assert imports_of_test_modules(source, "tests.core"), source
+    for source in (
+        "from tests.core.support import admit, make_manager",
+        "from tests.core import support",
+        "from .support import admit",
+        "from tests.torch.hf_support import model_pair",
+        "from kvcache_core.testing import kv_data",
+        "import pytest",
+    ):
+        assert not imports_of_test_modules(source, "tests.core"), source
+
+
+def test_support_modules_hold_no_tests() -> None:
+    files = {".".join(path.relative_to(ROOT).with_suffix("").parts): path for path in python_files_of_the_tests()}
+    imported = {
+        name
+        for module, path in files.items()
+        for name in imported_modules(path.read_text(encoding="utf-8"), module.rpartition(".")[0])
+    }
+    support = {module: path for module, path in files.items() if module in imported}
+    assert "tests.core.support" in support, sorted(support)
+    offenders = [
+        f"{path.relative_to(ROOT)}: {node.name}"
+        for path in support.values()
+        for node in ast.parse(path.read_text(encoding="utf-8")).body
+        if isinstance(node, ast.FunctionDef | ast.ClassDef)
+        and (node.name.startswith("test_") or node.name.startswith("Test"))
+    ]
+    assert offenders == [], (
+        "a module that tests import holds no tests (pytest would collect them twice):\n" + "\n".join(offenders)
+    )

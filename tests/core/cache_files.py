@@ -12,36 +12,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, create_manager
+from kvcache_core import AllocationRequest, CacheConfig
 from kvcache_core.tiers import OffloadTier
+from tests.core.support import DIM, HEADS, LAYERS, Array, Manager, make_config, make_manager
 
-Array = npt.NDArray[Any]
-Manager = PagedKvCacheManager[Array]
-
-LAYERS, HEADS, DIM, BLOCK = 2, 2, 4, 4
 #: Four full blocks and one token.
 PROMPT = tuple(range(500, 517))
 
 
 def config(**overrides: Any) -> CacheConfig:
-    """A small float32 pool of blocks of 4 tokens, with prefix caching."""
-    fields: dict[str, Any] = {
-        "num_layers": LAYERS,
-        "num_heads": HEADS,
-        "head_dim": DIM,
-        "num_blocks": 32,
-        "block_size": BLOCK,
-        "enable_prefix_caching": True,
-    }
-    fields.update(overrides)
-    return CacheConfig(**fields)
+    """A small float32 pool of 32 blocks of 4 tokens, with prefix caching."""
+    return make_config(32, **overrides)
 
 
-def pool(*tiers: OffloadTier, **overrides: Any) -> Manager:
+def pool(*tiers: OffloadTier, num_blocks: int = 32, **overrides: Any) -> Manager:
     """A NumPy manager of :func:`config` with ``tiers``."""
-    return create_manager("numpy", config(**overrides), tiers=list(tiers))
+    return make_manager(num_blocks, tiers=tiers, **overrides)
 
 
 def admit(manager: Manager, request_id: str, prompt: Sequence[int]) -> int:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -21,8 +19,7 @@ from kvcache_core import (
 from kvcache_core.attention import paged_attention
 from kvcache_core.numpy_backend import NumpyStorage
 from kvcache_core.testing.oracle import dense_attention
-
-Array = npt.NDArray[Any]
+from tests.core.support import Array
 
 
 def fill(

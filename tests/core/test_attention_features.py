@@ -8,7 +8,6 @@ from typing import Any
 from unittest import mock
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,9 +36,7 @@ from kvcache_core.errors import InvalidTypeError
 from kvcache_core.hookspecs import CAPABILITIES
 from kvcache_core.numpy_backend import NumpyStorage
 from kvcache_core.testing.features import dense_feature_attention
-from tests.core.test_paged_kernel import hand_built_table, pool_of
-
-Array = npt.NDArray[Any]
+from tests.core.support import Array, hand_built_table, random_pool
 
 needs_numba = pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
 
@@ -68,16 +65,8 @@ def test_the_kernel_equals_the_reference_with_any_features(data: st.DataObject) 
     row_split = data.draw(st.sampled_from([5, 64]), label="row_split")
     seed = data.draw(st.integers(0, 2**16), label="seed")
 
-    needed = sum(-(-length // block_size) for length in lengths)
-    num_blocks = needed + data.draw(st.integers(0, 4), label="spare")
-    order = data.draw(st.permutations(range(num_blocks)), label="order")
-    table, _ = hand_built_table(list(order), lengths, block_size, None)
     rng = np.random.default_rng(seed)
-    shape = {"NHD": (num_blocks, block_size, heads, dim), "HND": (num_blocks, heads, block_size, dim)}.get(
-        layout, (heads, num_blocks, block_size, dim)
-    )
-    keys, keys64 = pool_of(rng.standard_normal(shape), dtype)
-    values, values64 = pool_of(rng.standard_normal(shape), dtype)
+    table, keys, values, keys64, values64 = random_pool(data, lengths, block_size, heads, dim, layout, dtype, None, rng)
     indptr = np.concatenate([[0], np.cumsum(query_counts)]).astype(np.int32)
     query = (rng.standard_normal((int(indptr[-1]), heads * group, dim)) * 3).astype(np.float32)
     sinks = (rng.standard_normal(heads * group) * 3).astype(np.float32) if with_sinks else None

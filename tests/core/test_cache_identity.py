@@ -7,7 +7,7 @@ import pytest
 from kvcache_core import CacheConfig, InvalidConfigError
 from kvcache_core.events import CachedBlockIndex
 from kvcache_core.prefix import PrefixCache, hash_block, namespace_root
-from tests.core.test_prefix_caching import admit, assert_holds, make_manager
+from tests.core.support import admit, assert_holds, make_manager
 
 
 def test_two_namespaces_give_identical_tokens_different_hashes() -> None:

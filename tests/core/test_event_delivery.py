@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytest
 
-from kvcache_core import AllocationRequest, CacheConfig, MemoryPressure, PagedKvCacheManager, create_manager
+from kvcache_core import AllocationRequest, MemoryPressure, PagedKvCacheManager
 from kvcache_core.events import BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
-from kvcache_core.testing.hybrid import pool_hashes
+from kvcache_core.testing.kv_data import pool_hashes
+from tests.core import support
 
 Manager = PagedKvCacheManager[Any]
 BLOCK_SIZE = 4
 PROMPT = tuple(range(1, 2 * BLOCK_SIZE + 2))  # two full blocks and one token
 
 
-def make_manager(num_blocks: int = 16) -> Manager:
-    config = CacheConfig(
-        num_layers=2, num_heads=2, head_dim=4, num_blocks=num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=True
-    )
-    return create_manager("numpy", config)
+make_manager = partial(support.make_manager, num_blocks=16)
 
 
 def compute(manager: Manager, request_id: str, prompt: Sequence[int]) -> None:

@@ -23,10 +23,9 @@ from kvcache_core.event_publisher import (  # noqa: E402
     encode_event_batch,
 )
 from kvcache_core.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent  # noqa: E402
-from kvcache_core.testing.hybrid import pool_hashes  # noqa: E402
+from kvcache_core.testing.kv_data import pool_hashes  # noqa: E402
 from kvcache_core.tiers import DiskTier, HostTier  # noqa: E402
-from tests.core.test_prefix_caching import admit, make_manager  # noqa: E402
-from tests.core.test_tiers import BLOCK_BYTES, prompt_of, tiered  # noqa: E402
+from tests.core.support import BLOCK_BYTES, admit, make_manager, prompt_of, tiered  # noqa: E402
 
 TIMEOUT_MS = 5_000
 SEQ = struct.Struct(">q")

@@ -8,8 +8,8 @@ import pytest
 
 from kvcache_core import InvalidArgumentError, InvalidTypeError
 from kvcache_core.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
-from kvcache_core.testing.hybrid import pool_hashes
-from tests.core.test_prefix_caching import admit, make_manager
+from kvcache_core.testing.kv_data import pool_hashes
+from tests.core.support import admit, make_manager
 
 
 def test_a_replaying_subscriber_holds_exactly_the_pool_hashes_through_evictions_and_gc() -> None:

@@ -4,40 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 
 from kvcache_core import (
     AllocationRequest,
-    CacheConfig,
     MemoryPressure,
     OutOfBlocksError,
-    PagedKvCacheHandle,
-    PagedKvCacheManager,
-    create_manager,
 )
-
-Array = npt.NDArray[Any]
-Manager = PagedKvCacheManager[Array]
-Handle = PagedKvCacheHandle[Array]
+from tests.core import support
+from tests.core.support import Handle, Manager
 
 BLOCK = 4
 
 
-def make_manager(num_blocks: int, **overrides: Any) -> Manager:
-    config = CacheConfig(
-        num_layers=1,
-        num_heads=1,
-        head_dim=2,
-        num_blocks=num_blocks,
-        block_size=BLOCK,
-        enable_prefix_caching=True,
-        **overrides,
-    )
-    return create_manager("numpy", config)
+#: One layer of one head of size 2: the smallest manager.
+make_manager = partial(support.make_manager, num_layers=1, num_heads=1, head_dim=2)
 
 
 def admit(manager: Manager, request_id: str, prompt: Sequence[int]) -> Handle:

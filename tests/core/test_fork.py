@@ -11,16 +11,12 @@ import pytest
 from kvcache_core import (
     AllocationRequest,
     CacheConfig,
-    PagedKvCacheHandle,
-    PagedKvCacheManager,
     SharedBlockWriteError,
 )
 from kvcache_core.numpy_backend import NumpyStorage
 from kvcache_core.testing.oracle import dense_attention
-
-Array = npt.NDArray[Any]
-Manager = PagedKvCacheManager[Array]
-Handle = PagedKvCacheHandle[Array]
+from tests.core import support
+from tests.core.support import Array, Handle, Manager
 
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 4, 4
 
@@ -37,12 +33,15 @@ class CountingStorage(NumpyStorage):
         super().copy_blocks(source, destination)
 
 
-def make_manager(num_blocks: int = 32, **overrides: Any) -> tuple[Manager, CountingStorage]:
-    config = CacheConfig(
-        num_layers=LAYERS, num_heads=HEADS, head_dim=DIM, num_blocks=num_blocks, block_size=BLOCK, **overrides
+def counting_manager(
+    num_blocks: int = 32, *, enable_prefix_caching: bool = False, **overrides: Any
+) -> tuple[Manager, CountingStorage]:
+    """A manager over a ``CountingStorage`` and that storage."""
+    manager = support.make_manager(
+        num_blocks, enable_prefix_caching=enable_prefix_caching, storage=CountingStorage, **overrides
     )
-    storage = CountingStorage(config)
-    return PagedKvCacheManager(storage, backend="numpy"), storage
+    assert isinstance(manager.storage, CountingStorage)
+    return manager, manager.storage
 
 
 def write_random(manager: Manager, slots: npt.NDArray[np.int64], seed: int) -> list[tuple[Array, Array]]:
@@ -62,7 +61,7 @@ def grow(manager: Manager, handle: Handle, count: int, seed: int) -> list[tuple[
 
 
 def test_fork_shares_every_block_holding_tokens_and_copies_nothing() -> None:
-    manager, storage = make_manager()
+    manager, storage = counting_manager()
     parent = manager.allocate(AllocationRequest("p", initial_tokens=20))  # 5 blocks reserved
     grow(manager, parent, 6, seed=1)  # tokens in 2 of them
     used = manager.stats().used_blocks
@@ -83,7 +82,7 @@ def test_fork_shares_every_block_holding_tokens_and_copies_nothing() -> None:
 
 
 def test_the_first_write_into_a_shared_block_copies_exactly_that_block() -> None:
-    manager, storage = make_manager()
+    manager, storage = counting_manager()
     parent = manager.allocate(AllocationRequest("p"))
     grow(manager, parent, 10, seed=1)  # blocks 0, 1 full; block 2 holds 2 tokens
     child = manager.fork(parent, "c")
@@ -105,7 +104,7 @@ def test_the_first_write_into_a_shared_block_copies_exactly_that_block() -> None
 
 
 def test_forked_requests_diverge_without_seeing_each_others_writes() -> None:
-    manager, _ = make_manager()
+    manager, _ = counting_manager()
     parent = manager.allocate(AllocationRequest("p"))
     prefix = grow(manager, parent, 7, seed=1)
     child = manager.fork(parent, "c")
@@ -125,7 +124,7 @@ def test_forked_requests_diverge_without_seeing_each_others_writes() -> None:
 
 
 def test_a_fork_at_a_block_boundary_copies_nothing() -> None:
-    manager, storage = make_manager()
+    manager, storage = counting_manager()
     parent = manager.allocate(AllocationRequest("p"))
     grow(manager, parent, 8, seed=1)
     child = manager.fork(parent, "c")
@@ -136,7 +135,7 @@ def test_a_fork_at_a_block_boundary_copies_nothing() -> None:
 
 
 def test_writable_slots_copies_only_the_shared_blocks_it_covers() -> None:
-    manager, storage = make_manager()
+    manager, storage = counting_manager()
     parent = manager.allocate(AllocationRequest("p"))
     original = grow(manager, parent, 12, seed=1)
     child = manager.fork(parent, "c")
@@ -159,7 +158,7 @@ def test_writable_slots_copies_only_the_shared_blocks_it_covers() -> None:
 
 
 def test_a_write_into_a_shared_block_is_refused_and_changes_nothing() -> None:
-    manager, _ = make_manager()
+    manager, _ = counting_manager()
     parent = manager.allocate(AllocationRequest("p"))
     slots = manager.extend(parent, 6)
     write_random(manager, slots[:4], seed=1)  # two slots are still unwritten at the fork
@@ -177,7 +176,7 @@ def test_a_write_into_a_shared_block_is_refused_and_changes_nothing() -> None:
 
 
 def test_reference_counts_stay_exact_through_forks_writes_and_deallocations() -> None:
-    manager, storage = make_manager(num_blocks=40)
+    manager, storage = counting_manager(num_blocks=40)
     root = manager.allocate(AllocationRequest("root"))
     grow(manager, root, 9, seed=0)
     handles = {"root": root}
@@ -202,7 +201,7 @@ def test_reference_counts_stay_exact_through_forks_writes_and_deallocations() ->
 
 
 def test_attention_over_forked_requests_reads_each_ones_own_tokens() -> None:
-    manager, _ = make_manager()
+    manager, _ = counting_manager()
     parent = manager.allocate(AllocationRequest("p"))
     grow(manager, parent, 6, seed=1)
     child = manager.fork(parent, "c")
@@ -217,7 +216,7 @@ def test_attention_over_forked_requests_reads_each_ones_own_tokens() -> None:
 
 
 def test_a_forked_prefix_caching_request_caches_its_own_continuation() -> None:
-    manager, _ = make_manager(enable_prefix_caching=True)
+    manager, _ = counting_manager(enable_prefix_caching=True)
     prompt = tuple(range(10))
     parent = manager.allocate(AllocationRequest("p", initial_tokens=10, prompt_token_ids=prompt))
     write_random(manager, manager.extend(parent, 10), seed=1)

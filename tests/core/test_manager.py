@@ -2,33 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 
 from kvcache_core import (
     AllocationRequest,
-    CacheConfig,
     Device,
     InvalidHandleError,
     KvCacheHandle,
     MemoryPressure,
     OutOfBlocksError,
-    PagedKvCacheManager,
     PageTable,
-    create_manager,
 )
+from tests.core import support
+from tests.core.support import Array
 
-Array = npt.NDArray[Any]
-
-
-def make_manager(num_blocks: int = 32, block_size: int = 4, **overrides: Any) -> PagedKvCacheManager[Array]:
-    config = CacheConfig(
-        num_layers=2, num_heads=2, head_dim=4, num_blocks=num_blocks, block_size=block_size, **overrides
-    )
-    return create_manager("numpy", config)
+make_manager = partial(support.make_manager, num_blocks=32, enable_prefix_caching=False)
 
 
 def random_kv(count: int, seed: int = 0, dtype: str = "float32") -> tuple[Array, Array]:

@@ -9,7 +9,6 @@ from typing import Any
 from unittest import mock
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,56 +25,13 @@ from kvcache_core import (
     paged_kernel,
 )
 from kvcache_core.attention import paged_attention
-
-Array = npt.NDArray[Any]
+from tests.core.support import Array, hand_built_table, random_pool
 
 needs_numba = pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
 
 #: The kernel's output is float32 whatever the pool: it matches the reference computed in
 #: float64 on the same (decoded) values to this tolerance.
 ATOL = RTOL = 1e-5
-
-
-def bfloat16_bits(values: Array) -> tuple[Array, Array]:
-    """``values`` rounded down to bfloat16: ``(uint16 bits, the float64 values they hold)``."""
-    bits = (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
-def pool_of(values: Array, dtype: str) -> tuple[Array, Array]:
-    """A pool of ``dtype`` holding ``values``: ``(what the kernel reads, float64 values)``."""
-    if dtype == "bfloat16":
-        return bfloat16_bits(values)
-    if dtype == "float16":
-        half = values.astype(np.float16)
-        return half.view(np.uint16), half.astype(np.float64)
-    single = values.astype(np.float32)
-    return single, single.astype(np.float64)
-
-
-def hand_built_table(
-    order: list[int], lengths: list[int], block_size: int, window: int | None
-) -> tuple[PageTable, int]:
-    """Requests of ``lengths`` tokens whose blocks are taken from ``order`` in turn
-    (any physical order: any number of runs); returns the table and the blocks used."""
-    indices: list[int] = []
-    indptr = [0]
-    rows: list[list[int]] = []
-    for length in lengths:
-        count = -(-length // block_size)
-        blocks = order[len(indices) : len(indices) + count]
-        indices.extend(blocks)
-        indptr.append(len(indices))
-        rows.append(blocks)
-    padded = np.zeros((len(lengths), max(len(row) for row in rows)), dtype=np.int32)
-    for index, row in enumerate(rows):
-        padded[index, : len(row)] = row
-    last = [length - (-(-length // block_size) - 1) * block_size for length in lengths]
-    table = PageTable(
-        np.asarray(indptr), np.asarray(indices), np.asarray(last), padded, np.asarray(lengths), block_size,
-        sliding_window=window,
-    )  # fmt: skip
-    return table, len(indices)
 
 
 @needs_numba
@@ -99,16 +55,10 @@ def test_the_kernel_equals_the_reference_on_any_batch(data: st.DataObject) -> No
     row_split = data.draw(st.sampled_from([5, 64]), label="row_split")
     seed = data.draw(st.integers(0, 2**16), label="seed")
 
-    needed = sum(-(-length // block_size) for length in lengths)
-    num_blocks = needed + data.draw(st.integers(0, 4), label="spare")
-    order = data.draw(st.permutations(range(num_blocks)), label="order")
-    table, _ = hand_built_table(list(order), lengths, block_size, window)
     rng = np.random.default_rng(seed)
-    shape = {"NHD": (num_blocks, block_size, heads, dim), "HND": (num_blocks, heads, block_size, dim)}.get(
-        layout, (heads, num_blocks, block_size, dim)
+    table, keys, values, keys64, values64 = random_pool(
+        data, lengths, block_size, heads, dim, layout, dtype, window, rng
     )
-    keys, keys64 = pool_of(rng.standard_normal(shape), dtype)
-    values, values64 = pool_of(rng.standard_normal(shape), dtype)
     indptr = np.concatenate([[0], np.cumsum(query_counts)]).astype(np.int32)
     query = rng.standard_normal((int(indptr[-1]), heads * group, dim)).astype(np.float32)
     scale = float(rng.uniform(0.05, 0.5))

@@ -19,7 +19,7 @@ from kvcache_core import CacheConfig, OutOfBlocksError, UnsupportedConfigError, 
 from kvcache_core.errors import CacheFileError, CorruptCacheFileError, IncompatibleCacheFileError
 from kvcache_core.events import CacheEvent
 from kvcache_core.prefix import PrefixCache
-from tests.core.test_prefix_caching import Manager, admit, assert_holds, make_manager
+from tests.core.support import Manager, admit, assert_holds, make_manager
 
 PROMPT = list(range(500, 517))  # 4 full blocks of 4 and one token
 

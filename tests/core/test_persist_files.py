@@ -23,9 +23,7 @@ from kvcache_core.errors import CacheFileError, CorruptCacheFileError, InvalidAr
 from kvcache_core.persist import cached_records, read_blocks, write_blocks
 from kvcache_core.tiers import DiskTier, HostTier
 from tests.core.cache_files import (
-    BLOCK,
     PROMPT,
-    Manager,
     admit,
     bounded,
     config,
@@ -34,6 +32,7 @@ from tests.core.cache_files import (
     saved,
     snapshot,
 )
+from tests.core.support import BLOCK, Manager
 
 VICTIM = b"a file the process may write, which no save may touch\n"
 

@@ -7,73 +7,13 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 
-from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheHandle, PagedKvCacheManager, create_manager
+from kvcache_core import AllocationRequest, CacheConfig, create_manager
 from kvcache_core.prefix import PrefixCache, hash_block
-
-Array = npt.NDArray[Any]
-Manager = PagedKvCacheManager[Array]
-Handle = PagedKvCacheHandle[Array]
-
-LAYERS, HEADS, DIM = 2, 2, 4
-
-
-def make_manager(num_blocks: int = 64, block_size: int = 4, **overrides: Any) -> Manager:
-    config = CacheConfig(
-        num_layers=LAYERS,
-        num_heads=HEADS,
-        head_dim=DIM,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        enable_prefix_caching=True,
-        **overrides,
-    )
-    return create_manager("numpy", config)
-
-
-def token_kv(tokens: Sequence[int], position: int, layer: int) -> tuple[Array, Array]:
-    """The K/V a model would compute for ``tokens[position]``: a function of the prefix."""
-    digest = hashlib.sha256(repr((tuple(tokens[: position + 1]), layer)).encode()).digest()
-    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
-    pair = rng.standard_normal((2, HEADS, DIM)).astype(np.float32)
-    return pair[0], pair[1]
-
-
-def compute(manager: Manager, handle: Handle, tokens: Sequence[int], count: int) -> None:
-    """Extend by ``count`` tokens of ``tokens`` (from the current length) and write their
-    K/V into every layer, as a prefill would."""
-    start = handle.num_tokens()
-    slots = manager.extend(handle, count)
-    for layer in range(LAYERS):
-        pairs = [token_kv(tokens, position, layer) for position in range(start, start + count)]
-        keys = np.stack([pair[0] for pair in pairs]) if pairs else np.zeros((0, HEADS, DIM), np.float32)
-        values = np.stack([pair[1] for pair in pairs]) if pairs else np.zeros((0, HEADS, DIM), np.float32)
-        manager.write(layer, slots, keys, values)
-
-
-def admit(manager: Manager, request_id: str, prompt: Sequence[int], **fields: Any) -> Handle:
-    """Allocate with the prompt and compute what the cache did not supply."""
-    handle = manager.allocate(
-        AllocationRequest(request_id, initial_tokens=len(prompt), prompt_token_ids=tuple(prompt), **fields)
-    )
-    compute(manager, handle, prompt, len(prompt) - handle.num_tokens())
-    return handle
-
-
-def assert_holds(manager: Manager, handle: Handle, tokens: Sequence[int]) -> None:
-    """Every layer of ``handle`` holds the K/V of ``tokens`` (up to its length)."""
-    for layer in range(LAYERS):
-        keys, values = manager.gather(handle, layer)
-        assert keys.shape[0] == handle.num_tokens()
-        for position in range(handle.num_tokens()):
-            expected_keys, expected_values = token_kv(tokens, position, layer)
-            assert np.array_equal(keys[position], expected_keys), (handle.request_id, layer, position)
-            assert np.array_equal(values[position], expected_values), (handle.request_id, layer, position)
+from tests.core.support import DIM, HEADS, LAYERS, Manager, admit, assert_holds, compute, make_manager, token_kv
 
 
 def full_blocks_in_common(prompt: Sequence[int], others: Sequence[Sequence[int]], block_size: int) -> int:

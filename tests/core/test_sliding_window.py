@@ -3,42 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from functools import partial
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 
 from kvcache_core import (
     AllocationRequest,
     BlockTable,
-    CacheConfig,
     InvalidArgumentError,
-    PagedKvCacheHandle,
-    PagedKvCacheManager,
-    create_manager,
 )
 from kvcache_core.attention import paged_attention
 from kvcache_core.testing.oracle import dense_attention
-
-Array = npt.NDArray[Any]
-Manager = PagedKvCacheManager[Array]
-Handle = PagedKvCacheHandle[Array]
+from tests.core import support
+from tests.core.support import Manager
 
 LAYERS, HEADS, DIM, GROUP = 1, 2, 4, 2
 
 
-def make_manager(window: int, block_size: int, num_blocks: int, **overrides: Any) -> Manager:
-    config = CacheConfig(
-        num_layers=LAYERS,
-        num_heads=HEADS,
-        head_dim=DIM,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        sliding_window=window,
-        **overrides,
-    )
-    return create_manager("numpy", config)
+make_manager = partial(support.make_manager, num_layers=LAYERS, enable_prefix_caching=False)
 
 
 class History:
@@ -70,7 +53,7 @@ class History:
 @pytest.mark.parametrize(("window", "block_size"), [(1, 4), (5, 4), (8, 4), (16, 16), (17, 16), (3, 1)])
 def test_a_growing_request_never_holds_more_than_the_window_needs(window: int, block_size: int) -> None:
     limit = -(-window // block_size) + 1
-    manager = make_manager(window, block_size, num_blocks=limit)  # no room for more
+    manager = make_manager(block_size=block_size, sliding_window=window, num_blocks=limit)  # no room for more
     history = History(manager, "a", seed=window)
     for _ in range(6 * window + 3 * block_size):
         history.grow(1)
@@ -86,7 +69,7 @@ def test_a_growing_request_never_holds_more_than_the_window_needs(window: int, b
 @pytest.mark.parametrize("layout", ["NHD", "HND", "heads_first"])
 @pytest.mark.parametrize(("window", "block_size"), [(5, 4), (8, 4), (3, 2)])
 def test_decode_attention_sees_only_the_last_window_tokens(layout: str, window: int, block_size: int) -> None:
-    manager = make_manager(window, block_size, num_blocks=16, kv_layout=layout)
+    manager = make_manager(block_size=block_size, sliding_window=window, num_blocks=16, kv_layout=layout)
     history = History(manager, "a", seed=1)
     for _ in range(23):
         history.grow(1)
@@ -96,7 +79,7 @@ def test_decode_attention_sees_only_the_last_window_tokens(layout: str, window: 
 @pytest.mark.parametrize("causal", [True, False])
 def test_prefill_attention_honours_each_querys_own_window(causal: bool) -> None:
     window, block_size = 6, 4
-    manager = make_manager(window, block_size, num_blocks=32)
+    manager = make_manager(block_size=block_size, sliding_window=window, num_blocks=32)
     history = History(manager, "a", seed=2)
     history.grow(9)
     history.check_attention(9, causal=causal, window=window)
@@ -108,7 +91,7 @@ def test_prefill_attention_honours_each_querys_own_window(causal: bool) -> None:
 
 
 def test_the_reference_takes_the_window_as_an_argument_or_from_the_page_table() -> None:
-    manager = make_manager(window=5, block_size=4, num_blocks=16)
+    manager = make_manager(sliding_window=5, block_size=4, num_blocks=16)
     history = History(manager, "a", seed=3)
     history.grow(11)
     with_window = manager.page_table([history.handle])
@@ -128,7 +111,7 @@ def test_the_reference_takes_the_window_as_an_argument_or_from_the_page_table() 
 
 
 def test_the_page_table_lists_held_blocks_from_the_first_one() -> None:
-    manager = make_manager(window=4, block_size=4, num_blocks=16)
+    manager = make_manager(sliding_window=4, block_size=4, num_blocks=16)
     history = History(manager, "a", seed=4)
     history.grow(14)
     history.grow(1)  # position 14: its window starts at 11, in block 2
@@ -161,7 +144,7 @@ def test_released_blocks_are_recorded_in_the_block_table() -> None:
 
 
 def test_key_cache_is_none_when_the_window_released_every_block() -> None:
-    manager = make_manager(window=1, block_size=4, num_blocks=16, enable_prefix_caching=True)
+    manager = make_manager(sliding_window=1, block_size=4, num_blocks=16, enable_prefix_caching=True)
     prompt = tuple(range(9))
     first = manager.allocate(AllocationRequest("a", initial_tokens=9, prompt_token_ids=prompt))
     slots = manager.extend(first, 9)
@@ -179,7 +162,7 @@ def test_key_cache_is_none_when_the_window_released_every_block() -> None:
 
 
 def test_a_page_table_without_the_pools_window_is_refused() -> None:
-    manager = make_manager(window=4, block_size=4, num_blocks=8)
+    manager = make_manager(sliding_window=4, block_size=4, num_blocks=8)
     history = History(manager, "a", seed=5)
     history.grow(6)
     stripped = dataclasses.replace(manager.page_table([history.handle]), sliding_window=None)
@@ -188,7 +171,7 @@ def test_a_page_table_without_the_pools_window_is_refused() -> None:
 
 
 def test_a_windowed_request_survives_fork_and_swap() -> None:
-    manager = make_manager(window=5, block_size=4, num_blocks=16)
+    manager = make_manager(sliding_window=5, block_size=4, num_blocks=16)
     history = History(manager, "a", seed=6)
     history.grow(17)
     child = manager.fork(history.handle, "c")

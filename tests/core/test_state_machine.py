@@ -46,11 +46,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcache_core import (
     AllocationRequest,
-    CacheConfig,
     MemoryPressure,
-    PagedKvCacheHandle,
-    PagedKvCacheManager,
-    create_manager,
 )
 from kvcache_core.allocator import Placement
 from kvcache_core.errors import (
@@ -65,10 +61,7 @@ from kvcache_core.errors import (
 from kvcache_core.numpy_backend import NumpyStorage
 from kvcache_core.testing.oracle import dense_attention
 from kvcache_core.testing.world import assert_same_state, snapshot
-
-Array = npt.NDArray[Any]
-Manager = PagedKvCacheManager[Array]
-Handle = PagedKvCacheHandle[Array]
+from tests.core.support import Array, Handle, Manager, make_manager
 
 LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 4, 4, 24
 QUERY_GROUP = 2  # query heads per KV head in the attention checks (GQA)
@@ -170,20 +163,17 @@ class CacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.caching = "prefix_caching" in self.policies
         self.window = WINDOW if "sliding_window" in self.policies else None
-        config = CacheConfig(
+        self.manager: Manager = make_manager(
+            NUM_BLOCKS,
+            BLOCK,
             num_layers=LAYERS,
             num_heads=HEADS,
             head_dim=DIM,
-            num_blocks=NUM_BLOCKS,
-            block_size=BLOCK,
             kv_layout=self.kv_layout,
             enable_prefix_caching=self.caching,
             sliding_window=self.window,
-        )
-        self.manager: Manager = (
-            create_manager("numpy", config)
-            if self.placement == "contiguous"
-            else PagedKvCacheManager(NumpyStorage(config), backend="numpy", placement=self.placement)
+            placement=self.placement,
+            storage=None if self.placement == "contiguous" else NumpyStorage,
         )
         self.model: dict[str, ModelRequest] = {}
         self.dead: list[Handle] = []

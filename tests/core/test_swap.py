@@ -4,37 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from functools import partial
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 
 from kvcache_core import (
     AllocationRequest,
-    CacheConfig,
     InvalidHandleError,
     NotSwappedOutError,
     OutOfBlocksError,
-    PagedKvCacheHandle,
-    PagedKvCacheManager,
     SwappedOutError,
     UnknownRequestError,
-    create_manager,
 )
-
-Array = npt.NDArray[Any]
-Manager = PagedKvCacheManager[Array]
-Handle = PagedKvCacheHandle[Array]
+from tests.core import support
+from tests.core.support import Array, Handle, Manager
 
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 4, 4
 
 
-def make_manager(num_blocks: int = 16, **overrides: Any) -> Manager:
-    config = CacheConfig(
-        num_layers=LAYERS, num_heads=HEADS, head_dim=DIM, num_blocks=num_blocks, block_size=BLOCK, **overrides
-    )
-    return create_manager("numpy", config)
+make_manager = partial(support.make_manager, num_blocks=16, enable_prefix_caching=False)
 
 
 def grow(manager: Manager, handle: Handle, count: int, seed: int, dtype: str = "float32") -> None:

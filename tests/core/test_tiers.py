@@ -6,7 +6,6 @@ import errno
 import os
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -22,30 +21,10 @@ from kvcache_core import (
 )
 from kvcache_core.errors import TierError
 from kvcache_core.events import CachedBlockIndex
-from kvcache_core.testing.hybrid import pool_hashes
+from kvcache_core.testing.kv_data import pool_hashes
 from kvcache_core.testing.world import assert_same_state, snapshot
-from kvcache_core.tiers import DiskTier, HostTier, OffloadTier, create_tier
-from tests.core.test_prefix_caching import DIM, HEADS, LAYERS, Manager, admit, assert_holds
-
-BLOCK = 4
-BLOCK_BYTES = 2 * LAYERS * HEADS * DIM * 4 * BLOCK
-
-
-def tiered(num_blocks: int, *tiers: OffloadTier, **overrides: Any) -> Manager:
-    config = CacheConfig(
-        num_layers=LAYERS,
-        num_heads=HEADS,
-        head_dim=DIM,
-        num_blocks=num_blocks,
-        block_size=BLOCK,
-        enable_prefix_caching=True,
-        **overrides,
-    )
-    return create_manager("numpy", config, tiers=list(tiers))
-
-
-def prompt_of(seed: int, blocks: int) -> list[int]:
-    return [seed * 1000 + position for position in range(blocks * BLOCK + 1)]
+from kvcache_core.tiers import DiskTier, HostTier, create_tier
+from tests.core.support import BLOCK, BLOCK_BYTES, admit, assert_holds, counting, prompt_of, tiered
 
 
 def test_an_evicted_prefix_comes_back_from_the_host_tier_bit_exact() -> None:
@@ -259,25 +238,6 @@ def test_namespaced_tiers_serve_only_their_own_chains() -> None:
     assert manager.tier_stats()[0].blocks == 3
     assert admit(manager, "salted", prompt, cache_salt="tenant-2").num_cached_tokens() == 0
     assert admit(manager, "same", prompt).num_cached_tokens() == 12
-
-
-def counting(manager: Manager) -> list[str]:
-    """Record the manager's host transfers (``to_host n`` / ``from_host n``) from now on."""
-    storage = manager.storage
-    calls: list[str] = []
-    to_host, from_host = storage.blocks_to_host, storage.blocks_from_host
-
-    def counting_to_host(blocks: Any) -> Any:
-        calls.append(f"to_host {len(blocks)}")
-        return to_host(blocks)
-
-    def counting_from_host(blocks: Any, keys: Any, values: Any) -> None:
-        calls.append(f"from_host {len(blocks)}")
-        from_host(blocks, keys, values)
-
-    setattr(storage, "blocks_to_host", counting_to_host)  # noqa: B010 -- patch this instance only
-    setattr(storage, "blocks_from_host", counting_from_host)  # noqa: B010
-    return calls
 
 
 def test_a_request_promotes_with_one_transfer_and_an_eviction_demotes_with_one(tmp_path: Path) -> None:

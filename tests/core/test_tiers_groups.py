@@ -29,12 +29,11 @@ from kvcache_core.events import CachedBlockIndex
 from kvcache_core.persist import BlockRecord, record_key, split_key
 from kvcache_core.prefix import hash_block
 from kvcache_core.testing.faults import FaultyStorage, InjectedFaultError
-from kvcache_core.testing.hybrid import pool_hashes, tier_hashes
+from kvcache_core.testing.hybrid import tier_hashes
+from kvcache_core.testing.kv_data import pool_hashes
 from kvcache_core.testing.world import assert_same_state, snapshot, untyped
 from kvcache_core.tiers import DiskTier, HostTier, OffloadTier
-from tests.core.test_prefix_caching import DIM, HEADS, Handle, Manager, token_kv
-from tests.core.test_tiers import counting
-from tests.core.test_tiers_properties import Workload
+from tests.core.support import DIM, HEADS, Handle, Manager, Workload, counting, token_kv
 
 BLOCK = 4
 WINDOW = 6

@@ -6,7 +6,6 @@ pool's size, and never delete an array a caller still holds."""
 # pyright: reportUnknownMemberType=false, reportUnknownVariableType=false, reportUnknownArgumentType=false
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 import weakref
@@ -19,17 +18,15 @@ import numpy as np
 import pytest
 
 import kvcache_jax
-from kvcache_core import KV_LAYOUTS, AllocationRequest, CacheConfig, PagedKvCacheManager
+from kvcache_core import KV_LAYOUTS, AllocationRequest
 from kvcache_jax import DeletedPoolError, JaxStorage
+from tests.jax.support import Manager, make_manager, storage_of
 
-Manager = PagedKvCacheManager[jax.Array]
 
-
-def make_manager(kv_layout: str = "NHD", num_blocks: int = 16, **fields: Any) -> tuple[Manager, JaxStorage]:
-    config = CacheConfig(num_layers=2, num_heads=2, head_dim=4, num_blocks=num_blocks, block_size=4)
-    config = dataclasses.replace(config, kv_layout=kv_layout, **fields)
-    storage = JaxStorage(config)
-    return PagedKvCacheManager(storage, backend="jax"), storage
+def manager_and_storage(kv_layout: str = "NHD", num_blocks: int = 16, **fields: Any) -> tuple[Manager, JaxStorage]:
+    """A manager of ``num_blocks`` blocks over a ``JaxStorage``, and that storage."""
+    manager = make_manager(kv_layout=kv_layout, num_blocks=num_blocks, **fields)
+    return manager, storage_of(manager)
 
 
 def pointer(array: jax.Array) -> int:
@@ -43,7 +40,7 @@ def write_ones(manager: Manager, slots: Any, layer: int = 0, value: float = 1.0)
 
 @pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 def test_a_write_nobody_watches_updates_the_pool_buffer_in_place(kv_layout: str) -> None:
-    manager, storage = make_manager(kv_layout)
+    manager, storage = manager_and_storage(kv_layout)
     handle = manager.allocate(AllocationRequest("a"))
     write_ones(manager, manager.extend(handle, 3))  # compiled and settled
     key_pointer, value_pointer = pointer(storage.key_cache(0)), pointer(storage.value_cache(0))
@@ -74,7 +71,7 @@ def test_the_pure_write_jitted_with_donation_deletes_its_input_and_reuses_its_bu
 
 
 def test_key_cache_hands_out_the_pool_array_itself() -> None:
-    manager, storage = make_manager()
+    manager, storage = manager_and_storage()
     handle = manager.allocate(AllocationRequest("a"))
     assert storage.key_cache(1) is storage.key_cache(1)
     assert handle.key_cache(1) is storage.key_cache(1)
@@ -83,7 +80,7 @@ def test_key_cache_hands_out_the_pool_array_itself() -> None:
 
 @pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 def test_a_reference_taken_before_a_write_stays_readable_with_its_old_contents(kv_layout: str) -> None:
-    manager, storage = make_manager(kv_layout)
+    manager, storage = manager_and_storage(kv_layout)
     handle = manager.allocate(AllocationRequest("a"))
     slots = manager.extend(handle, 3)
     write_ones(manager, slots)
@@ -109,7 +106,7 @@ def test_a_reference_taken_before_a_write_stays_readable_with_its_old_contents(k
 
 
 def test_a_numpy_view_of_the_pool_keeps_its_contents_through_a_write() -> None:
-    manager, storage = make_manager()
+    manager, storage = manager_and_storage()
     handle = manager.allocate(AllocationRequest("a"))
     slots = manager.extend(handle, 2)
     view = np.asarray(storage.key_cache(0))
@@ -119,7 +116,7 @@ def test_a_numpy_view_of_the_pool_keeps_its_contents_through_a_write() -> None:
 
 
 def test_block_copies_and_host_writes_are_in_place_and_spare_held_arrays() -> None:
-    manager, storage = make_manager()
+    manager, storage = manager_and_storage()
     first = manager.allocate(AllocationRequest("a"))
     write_ones(manager, manager.extend(first, 8), layer=1)
     second = manager.allocate(AllocationRequest("b", initial_tokens=8))
@@ -143,7 +140,7 @@ def test_block_copies_and_host_writes_are_in_place_and_spare_held_arrays() -> No
 
 
 def test_a_pool_donated_elsewhere_raises_until_the_result_is_handed_back() -> None:
-    manager, storage = make_manager()
+    manager, storage = manager_and_storage()
     handle = manager.allocate(AllocationRequest("a"))
     slots = manager.extend(handle, 2)
 
@@ -184,7 +181,7 @@ def test_write_cost_does_not_follow_the_pool_size(capsys: pytest.CaptureFixture[
     about the same (printed, not asserted: times on a shared machine are noise)."""
     seconds: list[float] = []
     for num_blocks in (1 << 16, 1 << 20):  # K and V: 2 x 4 tokens x 2 heads x 4 x 4 B = 256 B a block
-        manager, storage = make_manager(num_blocks=num_blocks, num_layers=1)
+        manager, storage = manager_and_storage(num_blocks=num_blocks, num_layers=1)
         handle = manager.allocate(AllocationRequest("a"))
         slots = manager.extend(handle, 4)
         median_write_seconds(manager, slots, 2)

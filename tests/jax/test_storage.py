@@ -6,7 +6,6 @@ the same kvcache errors as the NumPy storage, changing nothing."""
 # pyright: reportUnknownMemberType=false, reportUnknownVariableType=false, reportUnknownArgumentType=false
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,27 +24,14 @@ from kvcache_core import (
     DTypeMismatchError,
     LayerIndexError,
     PagedKvCacheHandle,
-    PagedKvCacheManager,
     ShapeMismatchError,
     create_manager,
 )
 from kvcache_jax import DeletedPoolError, JaxStorage
+from tests.jax.support import Manager, make_manager, storage_of
 
 HostArray = npt.NDArray[Any]
-Manager = PagedKvCacheManager[jax.Array]
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-def make_manager(dtype: str = "float32", kv_layout: str = "NHD", **fields: Any) -> Manager:
-    config = CacheConfig(num_layers=2, num_heads=2, head_dim=4, num_blocks=12, block_size=4)
-    config = dataclasses.replace(config, dtype=dtype, kv_layout=kv_layout, **fields)
-    return PagedKvCacheManager(JaxStorage(config), backend="jax")
-
-
-def storage_of(manager: Manager) -> JaxStorage:
-    storage = manager.storage
-    assert isinstance(storage, JaxStorage)
-    return storage
 
 
 def host_values(shape: tuple[int, ...], seed: int, dtype: str) -> HostArray:

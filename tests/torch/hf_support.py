@@ -15,11 +15,13 @@ from typing import Any
 
 import pytest
 
+from kvcache_core import PagedKvCacheManager, create_manager
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvcache_torch.hf import ATTN_IMPLEMENTATION  # noqa: E402  # after the skips: it imports both
+from kvcache_torch.hf import ATTN_IMPLEMENTATION, cache_config_for  # noqa: E402  # after the skips: it imports both
 
 Tensor = Any  # torch.Tensor, imported lazily above
 Model = Any  # a transformers PreTrainedModel
@@ -131,3 +133,19 @@ def forward(model: Model, ids: Tensor, mask: Tensor, seen: int, cache: Any) -> T
     with torch.no_grad():
         output = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, cache=cache, use_cache=True)
     return output.logits
+
+
+def make_manager(
+    model: Model, num_blocks: int = 96, block_size: int = 4, *, hybrid: bool | None = None
+) -> PagedKvCacheManager[Tensor]:
+    """A torch manager of ``cache_config_for(model)``. ``hybrid=None`` makes the pool hybrid
+    for the paged attention implementation only."""
+    # The contiguous path reads every position back: its pool keeps every layer's blocks.
+    paged: bool = model.config._attn_implementation == ATTN_IMPLEMENTATION  # pyright: ignore[reportPrivateUsage]
+    manager: PagedKvCacheManager[Tensor] = create_manager(
+        "torch",
+        cache_config_for(
+            model, num_blocks=num_blocks, block_size=block_size, hybrid=paged if hybrid is None else hybrid
+        ),
+    )
+    return manager

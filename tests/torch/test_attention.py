@@ -28,7 +28,7 @@ from kvcache_core.attention import paged_attention as numpy_reference
 from kvcache_core.testing.oracle import dense_attention_batch
 from kvcache_torch import TorchStorage, paged_attention
 from kvcache_torch import attention as attention_module
-from tests.torch.conftest import DTYPES, LAYOUTS, TOLERANCES, TORCH_DTYPES, Filled, Manager, fill, make_manager
+from tests.torch.support import DTYPES, LAYOUTS, TOLERANCES, TORCH_DTYPES, Filled, Manager, fill, make_manager
 
 #: fp32 paged attention equals the dense oracle to this maximum absolute difference.
 FP32_ATOL = 1e-5

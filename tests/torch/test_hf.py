@@ -49,6 +49,7 @@ from tests.torch.hf_support import (  # noqa: E402
     build_model,
     forward,
     generate,
+    make_manager,
     max_logit_difference,
     model_pair,
     one_thread,  # noqa: F401  # pyright: ignore[reportUnusedImport]  # a fixture, used by pytestmark
@@ -61,15 +62,6 @@ IMPLEMENTATIONS = ("paged", "sdpa")
 #: Models whose attention is not behind transformers' AttentionInterface: they keep their own
 #: attention whatever is set, so PagedCache serves them through its contiguous path.
 FIXED_ATTENTION = frozenset({"falcon"})
-
-
-def make_manager(model: Model, num_blocks: int = 96, block_size: int = 4) -> PagedKvCacheManager[Tensor]:
-    # The contiguous path reads every position back: its pool keeps every layer's blocks.
-    paged = model.config._attn_implementation == ATTN_IMPLEMENTATION  # pyright: ignore[reportPrivateUsage]
-    manager: PagedKvCacheManager[Tensor] = create_manager(
-        "torch", cache_config_for(model, num_blocks=num_blocks, block_size=block_size, hybrid=paged)
-    )
-    return manager
 
 
 @pytest.mark.parametrize(

@@ -13,11 +13,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from functools import partial
 from typing import Any
 
 import pytest
 
-from kvcache_core import PagedKvCacheManager, UnsupportedConfigError, create_manager
+from kvcache_core import UnsupportedConfigError, create_manager
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
 torch = pytest.importorskip("torch")
@@ -28,6 +29,7 @@ from kvcache_torch.hf import (  # noqa: E402  # after the skips: it imports torc
     PagedCache,
     cache_config_for,
 )
+from tests.torch import hf_support  # noqa: E402
 from tests.torch.hf_support import (  # noqa: E402
     COMMON_CONFIG,
     TOLERANCE,
@@ -103,11 +105,7 @@ def hybrid_pair(architecture: str) -> tuple[Model, Model]:
     return _MODELS[architecture]
 
 
-def make_manager(model: Model, num_blocks: int = 160, block_size: int = 4) -> PagedKvCacheManager[Tensor]:
-    manager: PagedKvCacheManager[Tensor] = create_manager(
-        "torch", cache_config_for(model, num_blocks=num_blocks, block_size=block_size)
-    )
-    return manager
+make_manager = partial(hf_support.make_manager, num_blocks=160, hybrid=True)
 
 
 @pytest.fixture(autouse=True)

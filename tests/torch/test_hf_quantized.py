@@ -18,35 +18,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for  # noqa: E402
+from tests.torch.hf_support import Model, build_model  # noqa: E402
 
-Model = Any  # a transformers PreTrainedModel
-ARCHITECTURES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-}
-COMMON_CONFIG: dict[str, Any] = {
-    "vocab_size": 101,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "initializer_range": 0.2,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": None,
-}
+#: The architectures run with a quantized pool (of ``tests.torch.hf_support.ARCHITECTURES``).
+QUANTIZED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 #: The first step's logits may move by this fraction of their largest magnitude.
 FIRST_STEP_BOUNDS = {"int8": 0.05, "float8_e4m3fn": 0.15}
-
-
-def build(architecture: str) -> Model:
-    config_name, model_name = ARCHITECTURES[architecture]
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**COMMON_CONFIG)).eval()
-    return model
 
 
 def generate(model: Model, ids: Any, cache: PagedCache | None = None) -> Any:
@@ -65,7 +42,7 @@ def generate(model: Model, ids: Any, cache: PagedCache | None = None) -> Any:
 
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
 def test_cache_config_for_a_quantized_dtype_computes_in_the_models_dtype(dtype: str) -> None:
-    model = build("llama")
+    model = build_model("llama")
     config = cache_config_for(model, dtype=dtype, max_tokens=64)
     assert (config.dtype, config.io_dtype) == (dtype, "float32")
     half = cache_config_for(model.to(torch.bfloat16), dtype=dtype, max_tokens=64)
@@ -73,13 +50,13 @@ def test_cache_config_for_a_quantized_dtype_computes_in_the_models_dtype(dtype: 
     assert cache_config_for(model.config, dtype=dtype, max_tokens=64).io_dtype == "float32"
 
 
-@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("architecture", QUANTIZED_ARCHITECTURES)
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("implementation", [ATTN_IMPLEMENTATION, "sdpa"])
 def test_generate_on_a_quantized_pool_starts_like_the_float32_dynamic_cache(
     architecture: str, dtype: str, implementation: str
 ) -> None:
-    reference = build(architecture)
+    reference = build_model(architecture)
     reference.set_attn_implementation("sdpa")
     model = copy.deepcopy(reference)
     model.set_attn_implementation(implementation)

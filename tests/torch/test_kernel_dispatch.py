@@ -11,7 +11,7 @@ import torch
 
 from kvcache_core import paged_kernel
 from kvcache_core.testing.oracle import dense_attention
-from tests.torch.conftest import DTYPES, LAYOUTS, TOLERANCES, TORCH_DTYPES, fill, make_manager
+from tests.torch.support import DTYPES, LAYOUTS, TOLERANCES, TORCH_DTYPES, fill, make_manager
 
 needs_numba = pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
 

@@ -26,7 +26,7 @@ from kvcache_core import (
 )
 from kvcache_core.demo import DemoOptions, run_demo
 from kvcache_torch import TorchStorage
-from tests.torch.conftest import DTYPES, LAYOUTS, NO_CUDA, TORCH_DTYPES, Manager, fill, make_manager, random_kv
+from tests.torch.support import DTYPES, LAYOUTS, NO_CUDA, TORCH_DTYPES, Manager, fill, make_manager, random_kv
 
 CONFIG = CacheConfig(num_layers=2, num_heads=2, head_dim=8, num_blocks=16, block_size=4)
 

@@ -15,7 +15,7 @@ import torch
 
 from kvcache_core import InvalidArgumentError, InvalidTypeError, paged_kernel
 from kvcache_torch import threads
-from tests.torch.conftest import fill, make_manager
+from tests.torch.support import fill, make_manager
 
 openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 needs_openmp = pytest.mark.skipif(not openmp, reason="torch's CPU parallel backend is not OpenMP here")
@@ -104,7 +104,7 @@ FORKED_CHILD = """
 import os, sys
 import torch
 from kvcache_core import paged_kernel
-from tests.torch.conftest import fill, make_manager
+from tests.torch.support import fill, make_manager
 
 paged_kernel.MIN_THREAD_WORK = 1  # two threads even for this small batch
 manager = make_manager(kv_layout="heads_first", num_blocks=320)

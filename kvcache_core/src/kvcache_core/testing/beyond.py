@@ -18,6 +18,7 @@ from kvcache_core.events import CachedBlockIndex
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing.backend import BackendUnderTest
+from kvcache_core.testing.kv_data import pool_hashes as pool_hashes  # re-exported: importable from here as before
 from kvcache_core.testing.world import assert_same_state, snapshot
 from kvcache_core.tiers import DiskTier, HostTier
 
@@ -50,11 +51,6 @@ def expected_keys(manager: Manager, prompt: tuple[int, ...], layer: int) -> Any:
     rows = np.asarray(prompt, dtype=np.float64) + np.arange(len(prompt)) / 64 + layer
     host = np.broadcast_to(rows[:, None, None], (len(rows), config.num_heads, config.head_dim))
     return BackendUnderTest.representable(np.ascontiguousarray(host), config.dtype)
-
-
-def pool_hashes(manager: Manager) -> frozenset[bytes]:
-    prefix = manager.prefix_cache
-    return frozenset() if prefix is None else frozenset(entry.block_hash for entry in prefix.entries())
 
 
 class BeyondPoolCases:

@@ -41,6 +41,7 @@ from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.page_table import PageTable
 from kvcache_core.protocols import SlotArray
 from kvcache_core.testing.backend import BackendUnderTest
+from kvcache_core.testing.kv_data import sevens
 from kvcache_core.testing.world import (
     CONFIG,
     NUM_SLOTS,
@@ -107,7 +108,7 @@ def other_dtype(world: World) -> str:
 
 def kv(world: World, rows: int = 2, heads: int = 2, dim: int = 4, dtype: str | None = None) -> Any:
     """A native K or V array full of 7s, unlike anything in the pool (the pool's dtype by default)."""
-    return BackendUnderTest.native(world.manager, np.full((rows, heads, dim), 7.0), dtype)
+    return sevens(world.manager, (rows, heads, dim), dtype)
 
 
 def write_good_kv(world: World, layer: object = 0, slots: object = None) -> None:

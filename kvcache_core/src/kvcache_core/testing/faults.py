@@ -20,7 +20,6 @@ it checks that
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,6 +35,7 @@ from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.page_table import PageTable
 from kvcache_core.protocols import KvStorage, SlotArray
 from kvcache_core.testing.backend import BackendUnderTest
+from kvcache_core.testing.kv_data import keyed_kv
 
 __all__ = [
     "STORAGE_CALLS",
@@ -218,10 +218,7 @@ PROMPT = tuple(range(101, 111))  # 10 tokens: two full blocks of 4 and two token
 
 def _kv_of(key: object, heads: int, dim: int, layer: int) -> tuple[FloatArray, FloatArray]:
     """K/V determined by ``key`` and the layer, exact in every float dtype (multiples of 1/8)."""
-    digest = hashlib.sha256(repr((key, layer)).encode()).digest()
-    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
-    pair = np.round(rng.standard_normal((2, heads, dim)) * 8) / 8
-    return pair[0], pair[1]
+    return keyed_kv((key, layer), (heads, dim))
 
 
 @dataclass

@@ -39,6 +39,8 @@ from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.persist import split_key
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 from kvcache_core.testing.catalogue import BadCall, check_bad_call
+from kvcache_core.testing.kv_data import pool_hashes as pool_hashes  # re-exported: importable from here as before
+from kvcache_core.testing.kv_data import sevens
 from kvcache_core.testing.oracle import dense_attention
 from kvcache_core.testing.world import esc, untyped
 from kvcache_core.tiers import DiskTier, HostTier, OffloadTier
@@ -97,11 +99,6 @@ def tier_hashes(tier: OffloadTier) -> frozenset[bytes]:
     return frozenset(split_key(key)[0] for key in tier.hashes())
 
 
-def pool_hashes(manager: Manager) -> frozenset[bytes]:
-    prefix = manager.prefix_cache
-    return frozenset() if prefix is None else frozenset(entry.block_hash for entry in prefix.entries())
-
-
 def source_handle(manager: Manager) -> Handle:
     handle = manager.get_handle("again")
     assert handle is not None
@@ -150,7 +147,7 @@ def _query(world: HybridWorld, rows: int = 1) -> Any:
 
 def _kv(world: HybridWorld, rows: int) -> Any:
     config = world.manager.config
-    return BackendUnderTest.native(world.manager, np.full((rows, config.num_heads, config.head_dim), 7.0))
+    return sevens(world.manager, (rows, config.num_heads, config.head_dim))
 
 
 HYBRID_CASES: list[BadCall[HybridWorld]] = [

@@ -25,6 +25,7 @@ from kvcache_core.errors import (
 from kvcache_core.protocols import SlotArray
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.catalogue import BadCall
+from kvcache_core.testing.kv_data import sevens
 from kvcache_core.testing.world import PROMPT, PolicyWorld, esc, fill_pool, untyped
 
 __all__ = ["POLICY_CASES"]
@@ -35,7 +36,7 @@ PREFIX = ("prefix_caching", "eviction")
 
 def kv(world: PolicyWorld, rows: int) -> Any:
     """Native K or V ``[rows, 2, 4]`` full of 7s."""
-    return BackendUnderTest.native(world.manager, np.full((rows, 2, 4), 7.0))
+    return sevens(world.manager, (rows, 2, 4))
 
 
 def shared_slot(world: PolicyWorld) -> SlotArray:

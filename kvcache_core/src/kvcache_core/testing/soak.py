@@ -12,7 +12,6 @@ every request is deallocated and nothing may remain in use.
 from __future__ import annotations
 
 import functools
-import hashlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from kvcache_core.errors import OutOfBlocksError
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing.backend import BackendUnderTest
+from kvcache_core.testing.kv_data import keyed_kv
 
 __all__ = ["SoakReport", "run_soak"]
 
@@ -42,10 +42,7 @@ CHECK_EVERY = 16  # worker operations between two invariant checks  # generated 
 @functools.lru_cache(maxsize=1 << 16)
 def _kv(key: tuple[object, ...], heads: int, dim: int, num_layers: int) -> tuple[FloatArray, FloatArray]:
     """``[num_layers, heads, dim]`` keys and values determined by ``key`` (multiples of 1/8)."""
-    digest = hashlib.sha256(repr(key).encode()).digest()
-    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
-    pair = np.round(rng.standard_normal((2, num_layers, heads, dim)) * 8) / 8
-    return pair[0], pair[1]
+    return keyed_kv(key, (num_layers, heads, dim))
 
 
 @dataclass
