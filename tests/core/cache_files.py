@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from kvcache_core import AllocationRequest, CacheConfig
+from kvcache_core.persist import cached_records, write_blocks
 from kvcache_core.tiers import OffloadTier
-from tests.core.support import DIM, HEADS, LAYERS, Array, Manager, make_config, make_manager
+from tests.core.support import BLOCK, DIM, HEADS, LAYERS, Array, Manager, make_config, make_manager
 
 #: Four full blocks and one token.
 PROMPT = tuple(range(500, 517))
@@ -112,3 +113,13 @@ def fifo_at(path: Path) -> Generator[Path, None, None]:
     finally:
         with contextlib.suppress(OSError):  # ENXIO: nobody reads it, as it should be
             os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def write_repeatedly(path: str, blocks: int, times: int) -> None:
+    """Write a file of ``blocks`` cached blocks to ``path``, ``times`` times (what a child
+    process of the concurrent-save tests runs)."""
+    source = pool()
+    admit(source, "r", [blocks * 100 + token for token in range(blocks * BLOCK + 1)])
+    records = cached_records(source._access)  # pyright: ignore[reportPrivateUsage]
+    for _ in range(times):
+        write_blocks(path, config(), records)

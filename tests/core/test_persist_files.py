@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import errno
 import json
-import multiprocessing
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -20,7 +20,7 @@ pytest.importorskip("safetensors")
 from kvcache_core import safe_files
 from kvcache_core.cache_file_header import MAX_HEADER_BYTES
 from kvcache_core.errors import CacheFileError, CorruptCacheFileError, InvalidArgumentError
-from kvcache_core.persist import cached_records, read_blocks, write_blocks
+from kvcache_core.persist import cached_records, read_blocks
 from kvcache_core.tiers import DiskTier, HostTier
 from tests.core.cache_files import (
     PROMPT,
@@ -195,28 +195,30 @@ def test_threads_saving_to_one_path_always_leave_a_whole_file_for_a_concurrent_l
     assert sorted(entry.name for entry in tmp_path.iterdir()) == ["prefix.safetensors"]
 
 
-def _write_repeatedly(path: str, blocks: int, times: int) -> None:
-    """A child process: write a file of ``blocks`` blocks ``times`` times (exit 1 on error)."""
-    source = pool()
-    admit(source, "r", [blocks * 100 + token for token in range(blocks * BLOCK + 1)])
-    records = cached_records(source._access)  # pyright: ignore[reportPrivateUsage]
-    for _ in range(times):
-        write_blocks(path, config(), records)
+#: A child process: write a file of ``blocks`` blocks ``times`` times (exit 1 on error).
+WRITER = """
+import sys
+from tests.core.cache_files import write_repeatedly
+write_repeatedly(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+"""
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_processes_saving_to_one_path_always_leave_a_whole_file_for_a_concurrent_loader(tmp_path: Path) -> None:
     path = tmp_path / "prefix.safetensors"
     saved(tmp_path)
-    context = multiprocessing.get_context("fork")
-    writers = [context.Process(target=_write_repeatedly, args=(str(path), blocks, 40)) for blocks in (4, 2)]
-    for writer in writers:
-        writer.start()
+    # Fresh interpreters, not forks: a fork of a process where JAX or torch runs threads may deadlock.
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(path), str(blocks), "40"], cwd=ROOT, stderr=subprocess.PIPE, text=True
+        )
+        for blocks in (4, 2)
+    ]
     counts: list[int] = []
-    while any(writer.is_alive() for writer in writers) or not counts:
+    while any(writer.poll() is None for writer in writers) or not counts:
         counts.append(len(read_blocks(path, config())))
-    for writer in writers:
-        writer.join()
-    assert [writer.exitcode for writer in writers] == [0, 0]
+    errors = [writer.communicate()[1] for writer in writers]
+    assert [writer.returncode for writer in writers] == [0, 0], errors
     assert set(counts) <= {4, 2}
     assert sorted(entry.name for entry in tmp_path.iterdir()) == ["prefix.safetensors"]
 
