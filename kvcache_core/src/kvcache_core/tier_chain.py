@@ -57,12 +57,9 @@ class TierChain:
         events: the manager's event hub.
 
     Raises:
-        InvalidTypeError: ``tiers`` is not a sequence, or holds an object that is not an
-            :class:`OffloadTier`.
-        UnsupportedConfigError: tiers without prefix caching.
-        TierError: two tiers of one name, a tier bound to another live manager, or one
-            whose ``name`` or ``bind`` fails (a tier that cannot hold a block of
-            ``config``); no tier stays bound.
+        InvalidTypeError, UnsupportedConfigError, TierError: as
+            :class:`~kvcache_core.guarded_tiers.GuardedTiers`, which binds the tiers (no
+            tier stays bound).
     """
 
     def __init__(self, tiers: Iterable[OffloadTier], config: CacheConfig, events: EventHub) -> None:
