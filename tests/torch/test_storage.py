@@ -22,9 +22,9 @@ from kvcache_core import (
     available_backends,
     create_manager,
     get_backend,
-    host_form,
 )
-from kvcache_core.demo import DemoOptions, run_demo
+from kvcache_core.cli.demo import DemoOptions, run_demo
+from kvcache_core.offload import host_form
 from kvcache_torch import TorchStorage
 from tests.torch.support import DTYPES, LAYOUTS, NO_CUDA, TORCH_DTYPES, Manager, fill, make_manager, random_kv
 

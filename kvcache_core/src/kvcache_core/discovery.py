@@ -18,12 +18,14 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import pluggy
 
-from kvcache_core.allocator import Placement
-from kvcache_core.config import CacheConfig
+from kvcache_core.backends.numpy import NumpyArray
+from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec
+from kvcache_core.contract.protocols import KvStorage
 from kvcache_core.errors import (
     BackendConflictError,
     BackendNotFoundError,
@@ -32,11 +34,9 @@ from kvcache_core.errors import (
     KvCachePluginWarning,
     UnsupportedConfigError,
 )
-from kvcache_core.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.numpy_backend import NumpyArray
-from kvcache_core.protocols import KvStorage
-from kvcache_core.tiers import OffloadTier
+from kvcache_core.offload.tiers import OffloadTier
+from kvcache_core.paging.allocator import Placement
 
 if TYPE_CHECKING:  # the array types of the built-in backends, for create_manager's overloads only
     import jax
@@ -292,8 +292,8 @@ def create_manager(
         config: the pool's configuration.
         placement: the allocator's placement policy (see :class:`BlockAllocator`).
         tiers: offload tiers behind the pool, fastest first, a list or tuple of
-            :class:`~kvcache_core.tiers.OffloadTier` (:class:`~kvcache_core.tiers.HostTier`,
-            :class:`~kvcache_core.tiers.DiskTier`, ...; see :mod:`kvcache_core.tiers`).
+            :class:`~kvcache_core.offload.tiers.OffloadTier` (:class:`~kvcache_core.offload.tiers.HostTier`,
+            :class:`~kvcache_core.offload.tiers.DiskTier`, ...; see :mod:`kvcache_core.offload.tiers`).
         **options: passed to the backend's storage factory (backend-specific).
 
     Every argument is checked before the pool is made; if the manager cannot be built on
@@ -347,7 +347,13 @@ def create_manager(
     manager: PagedKvCacheManager[Any]
     try:
         if spec.manager_factory is not None:
-            manager = spec.manager_factory(storage, backend=spec.name, placement=placement, **extra)
+            made = spec.manager_factory(storage, backend=spec.name, placement=placement, **extra)
+            if not isinstance(made, PagedKvCacheManager):
+                raise InvalidTypeError(
+                    f"backend {spec.name!r}: manager_factory must return a PagedKvCacheManager "
+                    f"(or a subclass), got {type(made).__name__}"
+                )
+            manager = cast("PagedKvCacheManager[Any]", made)
         else:
             manager = PagedKvCacheManager[Any](storage, backend=spec.name, placement=placement, **extra)
     except BaseException:

@@ -10,8 +10,8 @@ import importlib.util
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvcache_core.config import KV_LAYOUTS, CacheConfig
-from kvcache_core.hookspecs import BackendSpec, hookimpl
+from kvcache_core.contract.config import KV_LAYOUTS, CacheConfig
+from kvcache_core.contract.hookspecs import BackendSpec, hookimpl
 
 if TYPE_CHECKING:
     import torch

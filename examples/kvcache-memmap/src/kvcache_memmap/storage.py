@@ -16,9 +16,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kvcache_core import BackendSpec, CacheConfig, hookimpl
-from kvcache_core.config import QUANTIZED_DTYPES
-from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError, UnsupportedConfigError
-from kvcache_core.numpy_backend import (
+from kvcache_core.backends.numpy import (
     ATTENTION_CAPABILITIES,
     NUMPY_COMPUTE_DTYPES,
     NUMPY_DTYPES,
@@ -27,6 +25,8 @@ from kvcache_core.numpy_backend import (
     NumpyArray,
     NumpyStorage,
 )
+from kvcache_core.contract.config import QUANTIZED_DTYPES
+from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError, UnsupportedConfigError
 from kvcache_memmap._lock import PoolLock, acquire_lock, lock_pool_file, same_file
 from kvcache_memmap._paths import PoolPaths, check_file, create_file, path_error, read_small_file, resolve_paths
 from kvcache_memmap.errors import PoolPathError, PoolPathNotFoundError
@@ -82,7 +82,7 @@ class _FileLayout:
 class MemmapStorage(NumpyStorage):
     """A kvcache pool in a memory-mapped file.
 
-    A quantized pool (``int8``, ``float8_e4m3fn``: :mod:`kvcache_core.quantization`) keeps its
+    A quantized pool (``int8``, ``float8_e4m3fn``: :mod:`kvcache_core.contract.quantization`) keeps its
     raw blocks and, after them in the same file, their float32 scales, so a reopened pool
     decodes what was written.
 

@@ -1,0 +1,8 @@
+"""Offload: everything that leaves the pool or the process.
+
+The portable record format (:mod:`.host_form`, :mod:`.file_tensors`, :mod:`.file_header`), the
+tiers (:mod:`.tiers`), their guard (:mod:`.guarded_tiers`) and the stack of tiers under a pool
+(:mod:`.tier_stack`), the prefix-cache file (:mod:`.prefix_file`), cache events and their
+publisher (:mod:`.events`, :mod:`.publisher`), and the file and JSON rules they share
+(:mod:`.safe_files`, :mod:`.strict_json`). Imports the contract and paging, never the manager.
+"""
