@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from kvcache_core import host_form, paged_kernel, quantization
 from kvcache_core.attention import paged_attention
-from kvcache_core.attention_features import ATTENTION_CAPABILITIES, combined_window
+from kvcache_core.attention_features import combined_window
 from kvcache_core.config import KV_LAYOUTS, CacheConfig
 from kvcache_core.errors import (
     ArrayTypeError,
@@ -24,7 +24,7 @@ from kvcache_core.errors import (
     ShapeMismatchError,
     UnsupportedConfigError,
 )
-from kvcache_core.hookspecs import BackendSpec, hookimpl
+from kvcache_core.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES, BackendSpec, hookimpl
 from kvcache_core.page_table import PageTable
 
 __all__ = [
@@ -43,10 +43,6 @@ PREFERRED_LAYOUT = "heads_first"
 
 NumpyArray = npt.NDArray[Any]
 IntArray = npt.NDArray[np.int64]
-
-#: The cache policies of core (fork, prefix caching, ...) this storage supports: all of them,
-#: through ``copy_blocks``, ``blocks_to_host`` / ``blocks_from_host`` and windowed attention.
-POLICY_CAPABILITIES = frozenset({"fork", "prefix_caching", "swap", "eviction", "sliding_window"})
 
 # dtype -> its name, filled on first use.
 _DTYPE_NAMES: dict[np.dtype[Any], str] = {}
@@ -73,7 +69,7 @@ class NumpyStorage:
 
     Attributes:
         attention_features: the attention capabilities :meth:`paged_attention` serves
-            (all of :data:`~kvcache_core.attention_features.ATTENTION_CAPABILITIES`).
+            (all of :data:`~kvcache_core.hookspecs.ATTENTION_CAPABILITIES`).
     """
 
     attention_features: frozenset[str] = ATTENTION_CAPABILITIES

@@ -18,11 +18,10 @@ import numpy as np
 from kvcache_core import BackendSpec, CacheConfig, hookimpl
 from kvcache_core.config import QUANTIZED_DTYPES
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError, UnsupportedConfigError
+from kvcache_core.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES
 from kvcache_core.numpy_backend import (
-    ATTENTION_CAPABILITIES,
     NUMPY_COMPUTE_DTYPES,
     NUMPY_DTYPES,
-    POLICY_CAPABILITIES,
     PREFERRED_LAYOUT,
     NumpyArray,
     NumpyStorage,
