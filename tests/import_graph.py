@@ -66,21 +66,25 @@ def imports_of(source: str, module: str, *, is_package: bool = False, known: Set
     return found
 
 
-def import_graph(package_dir: Path, package: str) -> dict[str, set[str]]:
+def import_graph(package_dir: Path, package: str, *, known: Set[str] = frozenset()) -> dict[str, set[str]]:
     """Each module of ``package`` (its sources in ``package_dir``) -> the modules it imports.
 
     Every module of the package is a key (``package`` itself for its ``__init__``); the
     values hold every module imported, inside the package or outside it, at any depth of
-    the source (module level, functions, ``TYPE_CHECKING`` blocks).
+    the source (module level, functions, ``TYPE_CHECKING`` blocks). ``known`` names modules
+    of other packages (the keys of their graphs), so that ``from other import module``
+    counts as ``other.module`` rather than ``other``.
 
     Raises:
         SyntaxError: a module does not parse.
         ValueError: a relative import climbs above the top package.
     """
     modules = module_names(package_dir, package)
-    known = frozenset(modules)
+    every_known = frozenset(modules) | known
     return {
-        name: imports_of(path.read_text(encoding="utf-8"), name, is_package=path.name == "__init__.py", known=known)
+        name: imports_of(
+            path.read_text(encoding="utf-8"), name, is_package=path.name == "__init__.py", known=every_known
+        )
         for name, path in modules.items()
     }
 

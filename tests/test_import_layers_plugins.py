@@ -62,6 +62,12 @@ def test_the_graph_reads_module_level_lazy_type_only_and_relative_imports(tmp_pa
     }
 
 
+def test_modules_of_other_packages_named_as_known_are_resolved(tmp_path: Path) -> None:
+    package = write_package(tmp_path, {"__init__.py": "", "api.py": "from other import tool, VERSION\n"})
+    assert import_graph(package, "pkg")["pkg.api"] == {"other"}
+    assert import_graph(package, "pkg", known={"other.tool"})["pkg.api"] == {"other", "other.tool"}
+
+
 def test_a_cycle_closed_by_a_lazy_import_is_found(tmp_path: Path) -> None:
     package = write_package(
         tmp_path,
