@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheHandle, PagedKvCacheManager
-from kvcache_core.allocator import Placement
+from kvcache_core.paging.allocator import Placement
 
 __all__ = [
     "ATOL",

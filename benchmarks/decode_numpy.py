@@ -71,7 +71,7 @@ from kvcache_core import (
     PagedKvCacheManager,
     create_manager,
 )
-from kvcache_core.numpy_backend import NumpyStorage
+from kvcache_core.backends.numpy import NumpyStorage
 
 Array = npt.NDArray[Any]
 Manager = PagedKvCacheManager[Array]

@@ -7,7 +7,7 @@ What is compared, in one process, on the same K/V and queries (fp32, CPU):
   every layer, scatters the new token's K/V of all requests with one
   ``step.write(layer, K, V)`` and runs ``step.attention(layer, q)``, which reads the pool
   in place: on CPU one call of the compiled kernel of
-  ``kvcache_core.paged_kernel`` (numba) for the whole batch, else per-run views of the pool.
+  ``kvcache_core.attention.kernel`` (numba) for the whole batch, else per-run views of the pool.
 * **DynamicCache** -- transformers' default path: ``DynamicCache.update`` (which
   concatenates the new token onto each layer's K/V) and the function transformers runs for
   ``attn_implementation="sdpa"`` (``sdpa_attention_forward``), with the mask transformers

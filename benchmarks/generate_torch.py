@@ -19,7 +19,7 @@ What is compared, in one process, on the same random-weight model and prompt (fp
   cache could gain over DynamicCache on this model and workload (its tokens are meaningless,
   only its time is used).
 
-On CPU our attention is the compiled kernel of ``kvcache_core.paged_kernel`` (numba): one
+On CPU our attention is the compiled kernel of ``kvcache_core.attention.kernel`` (numba): one
 call per layer for the whole batch.
 
 The model is a small Llama-like decoder with grouped-query attention (printed at start).
@@ -63,7 +63,8 @@ import torch  # after the offline switch, which transformers reads on import
 import transformers
 from _bench import draw_lengths, print_environment
 
-from kvcache_core import PagedKvCacheManager, create_manager, paged_kernel
+from kvcache_core import (PagedKvCacheManager, create_manager)
+from kvcache_core.attention import kernel as paged_kernel
 from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for
 
 LOGIT_TOLERANCE = 1e-3  # fp32 through a whole model: the two paths differ in the last bits only

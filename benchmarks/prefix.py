@@ -56,7 +56,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, create_manager
-from kvcache_core.tiers import DiskTier, HostTier, OffloadTier
+from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier
 
 Array = npt.NDArray[Any]
 

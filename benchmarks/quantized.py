@@ -20,7 +20,7 @@ Three parts, in one process, on the torch backend (CPU):
 3. **Speed** -- a decode step's attention (one layer, ``manager.paged_attention``) over
    ``--context`` tokens (4096 by default) for ``--batch`` requests, int8 and fp8 pools against
    the float32 pool, medians of interleaved rounds. On CPU all three run the compiled kernel
-   of ``kvcache_core.paged_kernel``, which decodes int8/fp8 per tile of 32 keys.
+   of ``kvcache_core.attention.kernel``, which decodes int8/fp8 per tile of 32 keys.
 
 4. **generate** -- ``model.generate`` of ``--new-tokens`` greedy tokens on three random-weight
    architectures (Llama, Qwen2, Qwen3) through ``PagedCache`` over int8 and fp8 pools

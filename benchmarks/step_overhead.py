@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import int_list, relative_spread
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, PageTable, Step
-from kvcache_core.numpy_backend import NumpyStorage
+from kvcache_core.backends.numpy import NumpyStorage
 
 
 class NullKernelStorage(NumpyStorage):

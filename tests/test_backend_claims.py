@@ -8,8 +8,10 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from kvcache_core import attention_features, numpy_backend
-from kvcache_core.hookspecs import (
+from kvcache_core.attention import features as attention_features
+
+from kvcache_core.backends import numpy as numpy_backend
+from kvcache_core.contract.hookspecs import (
     ATTENTION_CAPABILITIES,
     CAPABILITIES,
     IMMUTABLE_ARRAYS,
@@ -34,8 +36,8 @@ class Claim(NamedTuple):
 
 CLAIMS = {
     "numpy": Claim(
-        "kvcache_core.numpy_backend",
-        "kvcache_core.numpy_backend:NumpyStorage",
+        "kvcache_core.backends.numpy",
+        "kvcache_core.backends.numpy:NumpyStorage",
         POLICIES | ATTENTION,
         numpy_backend.NUMPY_DTYPES,
         ("cpu",),

@@ -33,7 +33,7 @@ class TestKit(KvCacheConformance):
 FAULTY_PLUGIN = """
 import numpy as np
 from kvcache_core import BackendSpec, PagedKvCacheManager, hookimpl
-from kvcache_core.numpy_backend import NumpyStorage
+from kvcache_core.backends.numpy import NumpyStorage
 
 
 class LossyStorage(NumpyStorage):

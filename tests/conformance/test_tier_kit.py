@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from kvcache_core.persist import BlockRecord
+from kvcache_core.offload.prefix_file import BlockRecord
 from kvcache_core.testing.tiers import TierCases, TierFactory, disk_tier_factory
 
 if TYPE_CHECKING:
-    from kvcache_core.config import CacheConfig
+    from kvcache_core.contract.config import CacheConfig
 
 
 class TestDiskTierBehindEveryBackend(TierCases):

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from kvcache_core import AllocationRequest, CacheConfig
-from kvcache_core.persist import cached_records, write_blocks
-from kvcache_core.tiers import OffloadTier
+from kvcache_core.offload.prefix_file import cached_records, write_blocks
+from kvcache_core.offload.tiers import OffloadTier
 from tests.core.support import BLOCK, DIM, HEADS, LAYERS, Array, Manager, make_config, make_manager
 
 #: Four full blocks and one token.

@@ -27,13 +27,13 @@ from kvcache_core import (
     PageTable,
     create_manager,
 )
-from kvcache_core.allocator import Placement
-from kvcache_core.events import CachedBlockIndex
+from kvcache_core.paging.allocator import Placement
+from kvcache_core.offload.events import CachedBlockIndex
 from kvcache_core.testing.hybrid import tier_hashes
 from kvcache_core.testing.kv_data import pool_hashes
 
 if TYPE_CHECKING:
-    from kvcache_core.tiers import OffloadTier
+    from kvcache_core.offload.tiers import OffloadTier
 
 Array = npt.NDArray[Any]
 Manager = PagedKvCacheManager[Array]

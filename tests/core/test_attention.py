@@ -16,8 +16,8 @@ from kvcache_core import (
     PageTable,
     create_manager,
 )
-from kvcache_core.attention import paged_attention
-from kvcache_core.numpy_backend import NumpyStorage
+from kvcache_core.attention.reference import paged_attention
+from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.testing.oracle import dense_attention
 from tests.core.support import Array
 
@@ -221,7 +221,7 @@ def test_decode_allocates_far_less_than_the_context(layout: str) -> None:
 
 def test_long_prefill_split_into_query_chunks_equals_dense(monkeypatch: pytest.MonkeyPatch) -> None:
     """The score buffer is bounded by chunking query rows; chunks must not change results."""
-    import kvcache_core.attention as attention_module
+    import kvcache_core.attention.reference as attention_module
 
     monkeypatch.setattr(attention_module, "_SCORE_BUDGET", 2 * 30 * 3)  # a few rows per chunk
     rng = np.random.default_rng(8)

@@ -13,7 +13,7 @@ import pytest
 
 from kvcache_core import Step
 from kvcache_core.cli import main
-from kvcache_core.demo import DemoOptions, run_demo
+from kvcache_core.cli.demo import DemoOptions, run_demo
 
 
 def test_demo_serves_every_request_and_passes_its_check() -> None:

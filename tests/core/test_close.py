@@ -13,7 +13,7 @@ from kvcache_core import (
     PagedKvCacheManager,
     create_manager,
 )
-from kvcache_core.numpy_backend import NumpyStorage
+from kvcache_core.backends.numpy import NumpyStorage
 
 CONFIG = CacheConfig(num_layers=2, num_heads=2, head_dim=4, num_blocks=8, block_size=4)
 

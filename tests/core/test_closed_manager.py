@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcache_core import AllocationRequest, CacheConfig, ManagerClosedError, MemoryPressure, create_manager
-from kvcache_core.events import CacheEvent
+from kvcache_core.offload.events import CacheEvent
 
 CONFIG = CacheConfig(num_layers=2, num_heads=2, head_dim=4, num_blocks=8, block_size=4)
 

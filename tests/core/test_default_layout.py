@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcache_core import BackendSpec, CacheConfig, InvalidArgumentError, InvalidConfigError, create_manager
-from kvcache_core.numpy_backend import PREFERRED_LAYOUT, NumpyStorage
+from kvcache_core.backends.numpy import PREFERRED_LAYOUT, NumpyStorage
 
 
 def geometry(kv_layout: str | None = None) -> CacheConfig:

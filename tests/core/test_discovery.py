@@ -32,7 +32,7 @@ AddDistribution = Callable[[Path, str, str, str, str, str], None]
 
 GOOD_PLUGIN = """
 from kvcache_core import BackendSpec, hookimpl
-from kvcache_core.numpy_backend import NumpyStorage
+from kvcache_core.backends.numpy import NumpyStorage
 
 class FakeStorage(NumpyStorage):
     pass
@@ -74,7 +74,7 @@ def test_numpy_is_registered_through_the_entry_point_of_kvcache_core() -> None:
     refresh_backends()
     info = {i.name: i for i in installed_backends()}["numpy"]
     assert info.distribution == "kvcache-core"
-    assert info.entry_point == "numpy = kvcache_core.numpy_backend"
+    assert info.entry_point == "numpy = kvcache_core.backends.numpy"
     assert "numpy" in available_backends()
     assert any(name.endswith(":numpy") for name, _ in get_plugin_manager().list_name_plugin())
 
@@ -247,8 +247,8 @@ def test_a_storage_factory_of_the_wrong_type_is_named_as_broken(
 
 
 def test_the_capability_vocabulary_is_one_list() -> None:
-    from kvcache_core.hookspecs import CAPABILITIES
-    from kvcache_core.numpy_backend import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES
+    from kvcache_core.contract.hookspecs import CAPABILITIES
+    from kvcache_core.backends.numpy import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES
     from kvcache_core.testing._plugin import POLICY_CAPABILITIES as KIT_POLICIES
     from kvcache_core.testing.backend import CAPABILITIES as KIT_CAPABILITIES
 

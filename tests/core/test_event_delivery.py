@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvcache_core import AllocationRequest, MemoryPressure, PagedKvCacheManager
-from kvcache_core.events import BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
+from kvcache_core.offload.events import BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
 from kvcache_core.testing.kv_data import pool_hashes
 from tests.core import support
 

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 msgpack = pytest.importorskip("msgpack")
 pytest.importorskip("zmq")
 
-from kvcache_core.config import MAX_POOL_SLOTS, MAX_TOKEN_ID  # noqa: E402
+from kvcache_core.contract.config import MAX_POOL_SLOTS, MAX_TOKEN_ID  # noqa: E402
 from kvcache_core.errors import CorruptEventBatchError, InvalidArgumentError, InvalidTypeError  # noqa: E402
-from kvcache_core.event_publisher import decode_event_batch, encode_event_batch  # noqa: E402
-from kvcache_core.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent  # noqa: E402
+from kvcache_core.offload.publisher import decode_event_batch, encode_event_batch  # noqa: E402
+from kvcache_core.offload.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent  # noqa: E402
 
 HASH = b"h" * 32
 #: Decoding may take this many bytes of memory per payload byte, plus FIXED_BYTES: a Python

@@ -10,7 +10,7 @@ import pytest
 
 from kvcache_core.discovery import get_backend
 from kvcache_core.handle import RequestState
-from kvcache_core.sequences import SequenceBlocks
+from kvcache_core.paging.sequences import SequenceBlocks
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.faults import STORAGE_CALLS, run_fault_injection
 

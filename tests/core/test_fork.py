@@ -13,7 +13,7 @@ from kvcache_core import (
     CacheConfig,
     SharedBlockWriteError,
 )
-from kvcache_core.numpy_backend import NumpyStorage
+from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.testing.oracle import dense_attention
 from tests.core import support
 from tests.core.support import Array, Handle, Manager

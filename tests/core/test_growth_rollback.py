@@ -17,7 +17,7 @@ from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing.faults import CallInjector, FaultyStorage, InjectedFaultError
 from kvcache_core.testing.tiers import FaultyTier, Interrupted
 from kvcache_core.testing.world import Snapshot, assert_same_state, snapshot
-from kvcache_core.tiers import HostTier
+from kvcache_core.offload.tiers import HostTier
 
 Manager = PagedKvCacheManager[Any]
 BLOCK = 4

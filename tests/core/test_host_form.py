@@ -1,4 +1,4 @@
-"""Core's host form of pool blocks (``kvcache_core.host_form``) at the edges where blocks
+"""Core's host form of pool blocks (``kvcache_core.offload.host_form``) at the edges where blocks
 come from outside: prefix-cache files (every tensor's stored dtype checked against the
 header, quantized scales checked, version-1 files still read) and offload tiers' records."""
 
@@ -18,7 +18,8 @@ pytest.importorskip("safetensors")
 
 from safetensors.numpy import load, save
 
-from kvcache_core import AllocationRequest, CacheConfig, create_manager, host_form
+from kvcache_core import (AllocationRequest, CacheConfig, create_manager)
+from kvcache_core.offload import host_form
 from kvcache_core.errors import (
     CorruptCacheFileError,
     DTypeMismatchError,
@@ -27,9 +28,9 @@ from kvcache_core.errors import (
     ShapeMismatchError,
 )
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.persist import BlockRecord, block_checksum, read_blocks, write_blocks
+from kvcache_core.offload.prefix_file import BlockRecord, block_checksum, read_blocks, write_blocks
 from kvcache_core.testing.world import assert_same_state, snapshot
-from kvcache_core.tiers import HostTier
+from kvcache_core.offload.tiers import HostTier
 
 Manager = PagedKvCacheManager[Any]
 HostArray = npt.NDArray[Any]
@@ -345,7 +346,7 @@ def test_host_arrays_of_another_dtype_or_shape_are_refused_by_name() -> None:
 
 
 def test_every_pool_dtype_has_a_host_form() -> None:
-    from kvcache_core.config import DTYPE_SIZES
+    from kvcache_core.contract.config import DTYPE_SIZES
 
     assert set(host_form.HOST_DTYPES) == set(DTYPE_SIZES)
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvcache_core.events import EventHub, OperationLock
+from kvcache_core.offload.events import EventHub, OperationLock
 
 
 class InterruptedLock:

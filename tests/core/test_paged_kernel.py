@@ -13,18 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache_core import (
-    KV_LAYOUTS,
-    AllocationRequest,
-    CacheConfig,
-    InvalidArgumentError,
-    InvalidTypeError,
-    PageTable,
-    UnsupportedConfigError,
-    create_manager,
-    paged_kernel,
-)
-from kvcache_core.attention import paged_attention
+from kvcache_core import (KV_LAYOUTS, AllocationRequest, CacheConfig, InvalidArgumentError, InvalidTypeError, PageTable, UnsupportedConfigError, create_manager)
+from kvcache_core.attention import kernel as paged_kernel
+from kvcache_core.attention.reference import paged_attention
 from tests.core.support import Array, hand_built_table, random_pool
 
 needs_numba = pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
@@ -177,7 +168,7 @@ def test_without_numba_the_kernel_is_unavailable_and_the_reference_runs(monkeypa
     """As on a machine where numba is not installed: its import fails."""
     monkeypatch.delenv(paged_kernel.DISABLE_ENV, raising=False)
     monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
-    monkeypatch.delitem(sys.modules, "kvcache_core._paged_kernel_jit", raising=False)
+    monkeypatch.delitem(sys.modules, "kvcache_core.attention._kernel_jit", raising=False)
     monkeypatch.setattr(paged_kernel, "_jit_module", None)
     monkeypatch.setattr(paged_kernel, "_jit_missing", False)
     assert not paged_kernel.kernel_available()

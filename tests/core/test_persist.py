@@ -17,8 +17,8 @@ pytest.importorskip("safetensors")
 
 from kvcache_core import CacheConfig, OutOfBlocksError, UnsupportedConfigError, create_manager
 from kvcache_core.errors import CacheFileError, CorruptCacheFileError, IncompatibleCacheFileError
-from kvcache_core.events import CacheEvent
-from kvcache_core.prefix import PrefixCache
+from kvcache_core.offload.events import CacheEvent
+from kvcache_core.paging.prefix import PrefixCache
 from tests.core.support import Manager, admit, assert_holds, make_manager
 
 PROMPT = list(range(500, 517))  # 4 full blocks of 4 and one token

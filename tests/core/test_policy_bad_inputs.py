@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvcache_core import AllocationRequest, BlockTable, CacheConfig, PageTable
-from kvcache_core.attention import paged_attention
+from kvcache_core.attention.reference import paged_attention
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError
 from kvcache_core.testing._plugin import POLICY_CAPABILITIES
 from kvcache_core.testing.catalogue import MANAGER_CASES

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvcache_core import AllocationRequest, CacheConfig, create_manager
-from kvcache_core.prefix import PrefixCache, hash_block
+from kvcache_core.paging.prefix import PrefixCache, hash_block
 from tests.core.support import DIM, HEADS, LAYERS, Manager, admit, assert_holds, compute, make_manager, token_kv
 
 
@@ -164,7 +164,7 @@ def test_hash_is_sha256_over_a_fixed_encoding_and_the_same_in_every_process() ->
     assert len(digest) == 32
     assert hash_block(digest, [5, 6, 7, 8], None) != hash_block(None, [5, 6, 7, 8], None)
     assert hash_block(None, [1, 2, 3, 4], None) != hash_block(None, [1, 2, 3, 4], b"")
-    script = "from kvcache_core.prefix import hash_block; print(hash_block(None, [1, 2, 3, 4], b'salt').hex())"
+    script = "from kvcache_core.paging.prefix import hash_block; print(hash_block(None, [1, 2, 3, 4], b'salt').hex())"
     for seed in ("1", "2"):
         result = subprocess.run(
             [sys.executable, "-c", script],
@@ -180,7 +180,7 @@ def test_a_forced_hash_collision_is_a_miss_and_never_maps_other_tokens(monkeypat
     def constant_hash(parent: bytes | None, token_ids: Sequence[int], salt: bytes | None) -> bytes:
         return b"\x00" * 32
 
-    monkeypatch.setattr("kvcache_core.prefix.hash_block", constant_hash)
+    monkeypatch.setattr("kvcache_core.paging.prefix.hash_block", constant_hash)
     manager = make_manager()
     first = list(range(9))
     other = list(range(100, 109))
@@ -201,7 +201,7 @@ def test_an_entry_matches_only_its_own_parent_tokens_and_salt(monkeypatch: pytes
     def parentless_hash(parent: bytes | None, token_ids: Sequence[int], salt: bytes | None) -> bytes:
         return hashlib.sha256(bytes(token_ids)).digest()
 
-    monkeypatch.setattr("kvcache_core.prefix.hash_block", parentless_hash)
+    monkeypatch.setattr("kvcache_core.paging.prefix.hash_block", parentless_hash)
     cache = PrefixCache()
     root_a, _ = cache.find_or_create(None, (1, 2), None)
     root_b, _ = cache.find_or_create(None, (3, 4), None)

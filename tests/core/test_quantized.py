@@ -12,7 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvcache_core import AllocationRequest, CacheConfig, create_manager, paged_kernel
+from kvcache_core import (AllocationRequest, CacheConfig, create_manager)
+from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -21,8 +22,8 @@ from kvcache_core.errors import (
     ShapeMismatchError,
     UnsupportedConfigError,
 )
-from kvcache_core.numpy_backend import NumpyStorage
-from kvcache_core.quantization import (
+from kvcache_core.backends.numpy import NumpyStorage
+from kvcache_core.contract.quantization import (
     dequantize,
     dequantize_host,
     grow_running_scales,
@@ -30,7 +31,7 @@ from kvcache_core.quantization import (
     quantize,
     unpack_host,
 )
-from kvcache_core.tiers import HostTier
+from kvcache_core.offload.tiers import HostTier
 
 
 def pool(**fields: Any) -> CacheConfig:

@@ -21,7 +21,7 @@ from kvcache_core import (
     create_manager,
 )
 from kvcache_core.cli import main
-from kvcache_core.numpy_backend import NumpyStorage
+from kvcache_core.backends.numpy import NumpyStorage
 
 FloatArray = npt.NDArray[np.float32]
 CONFIG = CacheConfig(num_layers=2, num_heads=2, head_dim=4, num_blocks=8, block_size=4)

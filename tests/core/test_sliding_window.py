@@ -13,7 +13,7 @@ from kvcache_core import (
     BlockTable,
     InvalidArgumentError,
 )
-from kvcache_core.attention import paged_attention
+from kvcache_core.attention.reference import paged_attention
 from kvcache_core.testing.oracle import dense_attention
 from tests.core import support
 from tests.core.support import Manager

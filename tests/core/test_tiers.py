@@ -20,10 +20,10 @@ from kvcache_core import (
     create_manager,
 )
 from kvcache_core.errors import TierError
-from kvcache_core.events import CachedBlockIndex
+from kvcache_core.offload.events import CachedBlockIndex
 from kvcache_core.testing.kv_data import pool_hashes
 from kvcache_core.testing.world import assert_same_state, snapshot
-from kvcache_core.tiers import DiskTier, HostTier, create_tier
+from kvcache_core.offload.tiers import DiskTier, HostTier, create_tier
 from tests.core.support import BLOCK, BLOCK_BYTES, admit, assert_holds, counting, prompt_of, tiered
 
 
@@ -268,7 +268,7 @@ def test_a_salted_chain_is_promoted_only_for_its_salt() -> None:
 
 def test_a_third_party_tier_registered_by_entry_point_is_built_and_serves(plugin_dir: Path) -> None:
     (plugin_dir / "kvtest_remote_tier.py").write_text(
-        "from kvcache_core.tiers import HostTier\n\n"
+        "from kvcache_core.offload.tiers import HostTier\n\n"
         "def make(max_bytes, **options):\n"
         "    return HostTier(max_bytes, name='remote')\n\n"
         "def broken(max_bytes, **options):\n"
@@ -278,7 +278,7 @@ def test_a_third_party_tier_registered_by_entry_point_is_built_and_serves(plugin
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: remote-tier\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(
-        "[kvcache_core.tiers]\nremote = kvtest_remote_tier:make\nbroken = kvtest_remote_tier:broken\n"
+        "[kvcache_core.offload.tiers]\nremote = kvtest_remote_tier:make\nbroken = kvtest_remote_tier:broken\n"
     )
     remote = create_tier("remote", 64 * BLOCK_BYTES)
     assert remote.name == "remote"

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("safetensors")
 
-from kvcache_core.tiers import DiskTier, HostTier
+from kvcache_core.offload.tiers import DiskTier, HostTier
 from tests.core.support import BLOCK_BYTES, Workload, admit, assert_holds, tiered
 
 #: An operation: ("admit", prefix, suffix length, salt), ("release", index), ("gc",).

@@ -20,11 +20,11 @@ pytest.importorskip("safetensors")
 from kvcache_core import AllocationRequest, CacheConfig, InvalidTypeError, create_manager
 from kvcache_core.errors import InvalidArgumentError, TierError
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.persist import BlockRecord
+from kvcache_core.offload.prefix_file import BlockRecord
 from kvcache_core.testing.faults import CallInjector, FaultyStorage, InjectedFaultError
 from kvcache_core.testing.tiers import FaultyTier
 from kvcache_core.testing.world import assert_same_state, snapshot
-from kvcache_core.tiers import DiskTier, HostTier, OffloadTier, create_tier
+from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier, create_tier
 
 Manager = PagedKvCacheManager[Any]
 BLOCK = 4
@@ -306,7 +306,7 @@ READ_ONLY_SCRIPT = """
 import json, subprocess, sys, warnings
 import numpy as np
 from kvcache_core import AllocationRequest, CacheConfig, create_manager
-from kvcache_core.tiers import DiskTier
+from kvcache_core.offload.tiers import DiskTier
 
 directory = sys.argv[1]
 config = CacheConfig(num_layers=1, num_heads=1, head_dim=4, num_blocks=8, block_size=4, enable_prefix_caching=True)

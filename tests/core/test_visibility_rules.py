@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcache_core import LayerSpec
-from kvcache_core.attention_features import visible_key_range
-from kvcache_core.groups import group_serves_layer
+from kvcache_core.attention.features import visible_key_range
+from kvcache_core.contract.groups import group_serves_layer
 
 sizes = st.one_of(st.none(), st.integers(min_value=1, max_value=9))
 

@@ -27,7 +27,7 @@ from kvcache_core import (
     PagedKvCacheManager,
     ShapeMismatchError,
 )
-from kvcache_core.attention import paged_attention as numpy_reference
+from kvcache_core.attention.reference import paged_attention as numpy_reference
 from kvcache_core.testing.oracle import dense_attention_batch
 from kvcache_jax import JaxStorage
 

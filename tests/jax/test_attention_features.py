@@ -16,7 +16,7 @@ import pytest
 
 import kvcache_jax
 from kvcache_core import AllocationRequest, CacheConfig, InvalidArgumentError, ShapeMismatchError, create_manager
-from kvcache_core.attention import paged_attention as numpy_reference
+from kvcache_core.attention.reference import paged_attention as numpy_reference
 
 
 def _filled() -> tuple[Any, Any, Any]:

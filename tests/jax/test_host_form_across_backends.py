@@ -1,6 +1,6 @@
 """Prefix caches of every dtype move torch -> JAX -> memmap -> NumPy -> torch through files
 (each hop on the backends holding the dtype), bfloat16 also through the NumPy side and a
-disk tier, bit for bit: every backend hands over core's host form (``kvcache_core.host_form``;
+disk tier, bit for bit: every backend hands over core's host form (``kvcache_core.offload.host_form``;
 bfloat16 as ``uint16`` bit patterns)."""
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from kvcache_core import AllocationRequest, CacheConfig, UnsupportedConfigError, create_manager, host_form
+from kvcache_core import (AllocationRequest, CacheConfig, UnsupportedConfigError, create_manager)
+from kvcache_core.offload import host_form
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.persist import read_blocks, write_blocks
+from kvcache_core.offload.prefix_file import read_blocks, write_blocks
 from kvcache_core.testing.backend import BackendUnderTest
-from kvcache_core.tiers import DiskTier
+from kvcache_core.offload.tiers import DiskTier
 
 Manager = PagedKvCacheManager[Any]
 HostPair = tuple[npt.NDArray[Any], npt.NDArray[Any]]

@@ -22,7 +22,7 @@ from kvcache_core import (
     SequenceTooLongError,
     create_manager,
 )
-from kvcache_core.numpy_backend import NumpyStorage
+from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_jax import JaxStorage
 
 HostArray = npt.NDArray[Any]

@@ -12,7 +12,7 @@ import inspect
 import jax
 
 from kvcache_core import CacheConfig, KvCacheHandle, KvCacheManager, KvStorage, PagedKvCacheManager
-from kvcache_core.config import AllocationRequest
+from kvcache_core.contract.config import AllocationRequest
 from kvcache_jax import JaxStorage
 
 CONFIG = CacheConfig(num_layers=1, num_heads=2, head_dim=4, num_blocks=4, block_size=4)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvcache_core import AllocationRequest, PagedKvCacheHandle, PagedKvCacheManager, create_manager
-from kvcache_core.allocator import Placement
+from kvcache_core.paging.allocator import Placement
 from kvcache_torch import TorchStorage
 from tests.core.support import make_config
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvcache_core import AllocationRequest, CacheConfig, InvalidArgumentError, create_manager
-from kvcache_core.attention import paged_attention as numpy_reference
+from kvcache_core.attention.reference import paged_attention as numpy_reference
 
 torch = pytest.importorskip("torch")
 

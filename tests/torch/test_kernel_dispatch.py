@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache_core import paged_kernel
+from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.testing.oracle import dense_attention
 from tests.torch.support import DTYPES, LAYOUTS, TOLERANCES, TORCH_DTYPES, fill, make_manager
 

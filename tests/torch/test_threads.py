@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache_core import InvalidArgumentError, InvalidTypeError, paged_kernel
+from kvcache_core import (InvalidArgumentError, InvalidTypeError)
+from kvcache_core.attention import kernel as paged_kernel
 from kvcache_torch import threads
 from tests.torch.support import fill, make_manager
 
@@ -103,7 +104,7 @@ def test_cpu_attention_hands_the_kernel_torch_team(monkeypatch: pytest.MonkeyPat
 FORKED_CHILD = """
 import os, sys
 import torch
-from kvcache_core import paged_kernel
+from kvcache_core.attention import kernel as paged_kernel
 from tests.torch.support import fill, make_manager
 
 paged_kernel.MIN_THREAD_WORK = 1  # two threads even for this small batch

@@ -4,10 +4,10 @@ The public names a user needs: the contract (:class:`KvCacheHandle`, :class:`KvC
 :class:`KvStorage`, :class:`BlockTable`), the values (:class:`CacheConfig`,
 :class:`AllocationRequest`, :class:`PageTable`, the stats), the manager and its
 :class:`Step`, discovery (:func:`create_manager`, :class:`BackendSpec`) and the errors.
-Internals stay importable from their modules: the allocator (``kvcache_core.allocator``), the
-prefix cache and its hash (``kvcache_core.prefix``), the NumPy reference attention
-(``kvcache_core.attention``), pluggy plumbing (``kvcache_core.discovery``,
-``kvcache_core.hookspecs``)::
+Internals stay importable from their modules: the allocator (``kvcache_core.paging.allocator``), the
+prefix cache and its hash (``kvcache_core.paging.prefix``), the NumPy reference attention
+(``kvcache_core.attention.reference``), pluggy plumbing (``kvcache_core.discovery``,
+``kvcache_core.contract.hookspecs``)::
 
     from kvcache_core import AllocationRequest, CacheConfig, create_manager
 
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from kvcache_core.block_table import BlockRun, BlockTable
-from kvcache_core.config import DTYPE_SIZES, KV_LAYOUTS, MAX_TOKEN_ID, QUANTIZED_DTYPES, AllocationRequest, CacheConfig
-from kvcache_core.device import Device
+from kvcache_core.contract.block_table import BlockRun, BlockTable
+from kvcache_core.contract.config import DTYPE_SIZES, KV_LAYOUTS, MAX_TOKEN_ID, QUANTIZED_DTYPES, AllocationRequest, CacheConfig
+from kvcache_core.contract.device import Device
 from kvcache_core.discovery import (
     ENTRY_POINT_GROUP,
     BackendInfo,
@@ -66,16 +66,16 @@ from kvcache_core.errors import (
     UnknownRequestError,
     UnsupportedConfigError,
 )
-from kvcache_core.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
-from kvcache_core.groups import KvGroup, LayerSpec
+from kvcache_core.offload.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
+from kvcache_core.contract.groups import KvGroup, LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
-from kvcache_core.hookspecs import CAPABILITIES, BackendSpec, hookimpl
+from kvcache_core.contract.hookspecs import CAPABILITIES, BackendSpec, hookimpl
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.page_table import PageTable
-from kvcache_core.protocols import KvCacheHandle, KvCacheManager, KvStorage
-from kvcache_core.stats import CacheGcStats, CacheHandleStats, CacheManagerStats, MemoryPressure
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.protocols import KvCacheHandle, KvCacheManager, KvStorage
+from kvcache_core.contract.stats import CacheGcStats, CacheHandleStats, CacheManagerStats, MemoryPressure
 from kvcache_core.step import Step
-from kvcache_core.tiers import DiskTier, HostTier, OffloadTier, TierStats
+from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier, TierStats
 
 try:
     __version__ = version("kvcache-core")

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import pluggy
 
-from kvcache_core.allocator import Placement
-from kvcache_core.config import CacheConfig
+from kvcache_core.paging.allocator import Placement
+from kvcache_core.contract.config import CacheConfig
 from kvcache_core.errors import (
     BackendConflictError,
     BackendNotFoundError,
@@ -32,11 +32,11 @@ from kvcache_core.errors import (
     KvCachePluginWarning,
     UnsupportedConfigError,
 )
-from kvcache_core.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec
+from kvcache_core.contract.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.numpy_backend import NumpyArray
-from kvcache_core.protocols import KvStorage
-from kvcache_core.tiers import OffloadTier
+from kvcache_core.backends.numpy import NumpyArray
+from kvcache_core.contract.protocols import KvStorage
+from kvcache_core.offload.tiers import OffloadTier
 
 if TYPE_CHECKING:  # the array types of the built-in backends, for create_manager's overloads only
     import jax
@@ -292,8 +292,8 @@ def create_manager(
         config: the pool's configuration.
         placement: the allocator's placement policy (see :class:`BlockAllocator`).
         tiers: offload tiers behind the pool, fastest first, a list or tuple of
-            :class:`~kvcache_core.tiers.OffloadTier` (:class:`~kvcache_core.tiers.HostTier`,
-            :class:`~kvcache_core.tiers.DiskTier`, ...; see :mod:`kvcache_core.tiers`).
+            :class:`~kvcache_core.offload.tiers.OffloadTier` (:class:`~kvcache_core.offload.tiers.HostTier`,
+            :class:`~kvcache_core.offload.tiers.DiskTier`, ...; see :mod:`kvcache_core.offload.tiers`).
         **options: passed to the backend's storage factory (backend-specific).
 
     Every argument is checked before the pool is made; if the manager cannot be built on

@@ -13,13 +13,13 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.block_table import BlockTable
-from kvcache_core.config import CacheConfig
-from kvcache_core.device import Device
+from kvcache_core.contract.block_table import BlockTable
+from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.device import Device
 from kvcache_core.errors import InvalidHandleError, ManagerClosedError, SwappedOutError
-from kvcache_core.prefix import PrefixEntry
-from kvcache_core.protocols import KvStorage
-from kvcache_core.stats import CacheHandleStats
+from kvcache_core.paging.prefix import PrefixEntry
+from kvcache_core.contract.protocols import KvStorage
+from kvcache_core.contract.stats import CacheHandleStats
 
 __all__ = ["PagedKvCacheHandle", "RequestState", "SwapRecord", "next_generation"]
 
@@ -119,7 +119,7 @@ class RequestState(Generic[ArrayT]):
         self.config: CacheConfig = storage.config if config is None else config
         self.lock = lock
         self.cache_id = uuid.uuid4().hex
-        # One block table per KV-cache group (see kvcache_core.groups); all of one length.
+        # One block table per KV-cache group (see kvcache_core.contract.groups); all of one length.
         self.tables = [BlockTable(self.config.block_size) for _ in range(self.config.num_groups)]
         self.valid = True
         self.max_sequence_length = max_sequence_length

@@ -3,7 +3,7 @@
 Policies, the same for every backend (they move bytes only through ``KvStorage``):
 
 * **prefix caching** (``CacheConfig(enable_prefix_caching=True)``): a full block whose K/V
-  are written is hashed (chained with its prefix, see :mod:`kvcache_core.prefix`);
+  are written is hashed (chained with its prefix, see :mod:`kvcache_core.paging.prefix`);
   ``allocate`` maps the cached full blocks of ``AllocationRequest.prompt_token_ids`` and
   starts the sequence after them. Blocks nobody references stay cached until evicted,
   least recently used first; blocks without a hash are always reused first.
@@ -14,7 +14,7 @@ Policies, the same for every backend (they move bytes only through ``KvStorage``
 * **sliding window** (``CacheConfig(sliding_window=W)``): blocks wholly older than the
   window of the next token are released as a request grows; attention masks the rest.
 * **hybrid models** (``CacheConfig(layer_specs=...)``): layers that keep the same blocks
-  form KV-cache groups (:mod:`kvcache_core.groups`); a request has a block table per
+  form KV-cache groups (:mod:`kvcache_core.contract.groups`); a request has a block table per
   group over the one pool, every policy above runs over all of them, and a prefix hit
   maps blocks in every group or in none.
 
@@ -22,13 +22,13 @@ Every public method takes the manager's lock, validates everything first and onl
 changes state, so a call that raises leaves every table and count as it was.
 
 Where the parts live: the per-block records (allocator, prefix-cache registrations,
-written and handed-out slots, ownership epoch) in :mod:`kvcache_core.block_pool`; hash-chain
-tracking in :mod:`kvcache_core.chains`; allocation, growth, copy-on-write, window release,
-truncation, fork and swap of a request's table in :mod:`kvcache_core.sequences`; argument
-checks in :mod:`kvcache_core.checks`; the invariant audit in :mod:`kvcache_core.audit`; the
-figures in :mod:`kvcache_core.figures`; per-layer specs and KV-cache groups in
-:mod:`kvcache_core.groups`; the step, write, gather and attention in
-:mod:`kvcache_core.data_path`. This module keeps the public API and the request lifecycle.
+written and handed-out slots, ownership epoch) in :mod:`kvcache_core.paging.block_pool`; hash-chain
+tracking in :mod:`kvcache_core.paging.chains`; allocation, growth, copy-on-write, window release,
+truncation, fork and swap of a request's table in :mod:`kvcache_core.paging.sequences`; argument
+checks in :mod:`kvcache_core.paging.checks`; the invariant audit in :mod:`kvcache_core.paging.audit`; the
+figures in :mod:`kvcache_core.paging.figures`; per-layer specs and KV-cache groups in
+:mod:`kvcache_core.contract.groups`; the step, write, gather and attention in
+:mod:`kvcache_core._data_path`. This module keeps the public API and the request lifecycle.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvcache_core.allocator import BlockAllocator, Placement
-from kvcache_core.audit import audit
-from kvcache_core.beyond_pool import BeyondPool
-from kvcache_core.block_pool import BlockPool
-from kvcache_core.chains import PrefixChains
-from kvcache_core.checks import ArgumentChecks
-from kvcache_core.config import AllocationRequest, CacheConfig, check_count, check_token_ids
+from kvcache_core.paging.allocator import BlockAllocator, Placement
+from kvcache_core.paging.audit import audit
+from kvcache_core._beyond_pool import BeyondPool
+from kvcache_core.paging.block_pool import BlockPool
+from kvcache_core.paging.chains import PrefixChains
+from kvcache_core.paging.checks import ArgumentChecks
+from kvcache_core.contract.config import AllocationRequest, CacheConfig, check_count, check_token_ids
 from kvcache_core.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
@@ -56,16 +56,16 @@ from kvcache_core.errors import (
     SwappedOutError,
     UnknownRequestError,
 )
-from kvcache_core.events import AllBlocksCleared, EventHub, OperationLock
-from kvcache_core.figures import manager_stats
+from kvcache_core.offload.events import AllBlocksCleared, EventHub, OperationLock
+from kvcache_core.paging.figures import manager_stats
 from kvcache_core.handle import PagedKvCacheHandle, RequestState
-from kvcache_core.pool_access import PoolAccess
-from kvcache_core.prefix import PrefixCache
-from kvcache_core.protocols import KvCacheHandle, KvStorage, SlotArray
-from kvcache_core.sequences import SequenceBlocks
-from kvcache_core.stats import CacheGcStats, CacheManagerStats, MemoryPressure
-from kvcache_core.tier_chain import TierChain
-from kvcache_core.tiers import OffloadTier
+from kvcache_core._pool_access import PoolAccess
+from kvcache_core.paging.prefix import PrefixCache
+from kvcache_core.contract.protocols import KvCacheHandle, KvStorage, SlotArray
+from kvcache_core.paging.sequences import SequenceBlocks
+from kvcache_core.contract.stats import CacheGcStats, CacheManagerStats, MemoryPressure
+from kvcache_core.offload.tier_stack import TierChain
+from kvcache_core.offload.tiers import OffloadTier
 
 __all__ = ["InvariantError", "PagedKvCacheManager"]
 
@@ -97,7 +97,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         backend: the backend's name, for messages and ``kvcache backends``.
         placement: ``"contiguous"`` (default: requests keep their blocks in long runs) or
             ``"fifo"`` (least recently freed block first, for comparison).
-        tiers: offload tiers behind the pool, fastest first (see :mod:`kvcache_core.tiers`):
+        tiers: offload tiers behind the pool, fastest first (see :mod:`kvcache_core.offload.tiers`):
             evicted cached blocks are demoted to them, prompt hits promote them back.
         config: the pool's config when it has KV-cache groups (``layer_specs``): the
             storage is then built from ``config.storage_config()``; ``None``: the
@@ -516,7 +516,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
 
     def check_invariants(self) -> None:
         """Verify the pool's records against each other (what is checked:
-        :func:`kvcache_core.audit.audit`).
+        :func:`kvcache_core.paging.audit.audit`).
 
         Raises:
             ManagerClosedError: the manager is closed (its records describe a released pool).

@@ -24,11 +24,11 @@ from typing import Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.attention import check_attention_call
-from kvcache_core.attention_features import ArrayCheck
+from kvcache_core.attention.reference import check_attention_call
+from kvcache_core.attention.features import ArrayCheck
 from kvcache_core.errors import ShapeMismatchError
-from kvcache_core.page_table import PageTable
-from kvcache_core.protocols import SlotArray
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.protocols import SlotArray
 
 __all__ = ["Step", "StepHooks"]
 
@@ -55,7 +55,7 @@ class StepHooks(Generic[ArrayT]):
         attention: ``(storage layer, query, page_table, qo_indptr, scale, causal, **features)``:
             the kernel (``features``: the attention features the call sets).
         attention_features: the attention capabilities the storage serves
-            (:mod:`kvcache_core.attention_features`).
+            (:mod:`kvcache_core.attention.features`).
         backend: the backend's name, for messages.
     """
 
@@ -187,7 +187,7 @@ class Step(Generic[ArrayT]):
             causal: each new token sees keys up to its own position (and, with a sliding
                 window, only the window's).
             window, softcap, sinks, chunk: this layer's attention features (see
-                :mod:`kvcache_core.attention_features`): a window ``W`` (combined with
+                :mod:`kvcache_core.attention.features`): a window ``W`` (combined with
                 the pool's or the layer's group's), logit softcapping,
                 ``[num_query_heads]`` sinks of the query's dtype, chunked local attention
                 ``C`` (by default the layer's ``LayerSpec.chunk``).

@@ -1,6 +1,6 @@
 """Paged attention as a pure, jittable JAX function: decode and prefill, causal,
 grouped-query, ragged batches, sliding window, block tables as int32 arrays, and the
-attention features of :mod:`kvcache_core.attention_features` (a layer's window, logit
+attention features of :mod:`kvcache_core.attention.features` (a layer's window, logit
 softcapping, attention sinks, chunked local attention).
 
 The context is never gathered whole. A loop walks the batch's block tables a few blocks
@@ -23,8 +23,8 @@ import numpy as np
 from jax import lax
 from jax.core import Tracer
 
-from kvcache_core.attention import check_scale
-from kvcache_core.attention_features import (
+from kvcache_core.attention.reference import check_scale
+from kvcache_core.attention.features import (
     check_chunk,
     check_finite_logits,
     check_softcap,
@@ -32,7 +32,7 @@ from kvcache_core.attention_features import (
     combined_window,
 )
 from kvcache_core.errors import ShapeMismatchError
-from kvcache_core.scalars import check_count, check_optional_count
+from kvcache_core.contract.scalars import check_count, check_optional_count
 from kvcache_jax.buckets import bucket
 from kvcache_jax.scatter import BLOCK_AXIS, pool_geometry
 
@@ -144,7 +144,7 @@ def paged_attention(
         chunk: ``C`` (static): a row at ``p`` sees only keys ``k`` with ``k // C == p // C``
             (positions as above: absolute only without a sliding window).
         key_scales, value_scales: a quantized pool's scales of this layer, ``[num_heads,
-            num_blocks, block_size]`` float32 (:mod:`kvcache_core.quantization`): the pools
+            num_blocks, block_size]`` float32 (:mod:`kvcache_core.contract.quantization`): the pools
             hold raw int8 / float8 values and ``raw * scale`` is the value; each loop step
             decodes only the blocks it reads. Both or neither.
 

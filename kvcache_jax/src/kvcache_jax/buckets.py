@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.page_table import PageTable
+from kvcache_core.contract.page_table import PageTable
 
 __all__ = ["MIN_BLOCK_BUCKET", "PaddedBatch", "bucket", "pad_batch", "pad_blocks", "pad_slots"]
 

@@ -1,6 +1,6 @@
 """Quantized JAX pools (``jnp.int8``, ``jnp.float8_e4m3fn``): :class:`QuantizedJaxStorage`.
 
-The encodings and their scales are core's (:mod:`kvcache_core.quantization`): int8 with one
+The encodings and their scales are core's (:mod:`kvcache_core.contract.quantization`): int8 with one
 scale per token per KV head from its maximum, float8 e4m3 with one scale per KV head per
 layer (calibrated, or grown by the running maximum), each token recording its scale. The
 pools hold the raw values and are moved by :class:`~kvcache_jax.JaxStorage`'s programs; the
@@ -28,10 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core import host_form, quantization
-from kvcache_core.config import CacheConfig
+from kvcache_core.offload import host_form
+
+from kvcache_core.contract import quantization
+from kvcache_core.contract.config import CacheConfig
 from kvcache_core.errors import UnsupportedConfigError
-from kvcache_core.scalars import FLOAT32_TINY
+from kvcache_core.contract.scalars import FLOAT32_TINY
 from kvcache_jax.sharding import REPLICATED, Placement, shard_over_heads
 from kvcache_jax.spec import QUANTIZED_POOL_DTYPES
 from kvcache_jax.storage import JaxStorage
@@ -77,7 +79,7 @@ def _grow(scales: jax.Array, values: jax.Array) -> jax.Array:
 
 
 def _flush_tiny(scales: jax.Array) -> jax.Array:
-    """Scales below ``FLOAT32_TINY`` set to 0, as core's :func:`~kvcache_core.quantization.flush_tiny_scales`."""
+    """Scales below ``FLOAT32_TINY`` set to 0, as core's :func:`~kvcache_core.contract.quantization.flush_tiny_scales`."""
     return jnp.where(scales >= jnp.float32(FLOAT32_TINY), scales, jnp.float32(0))
 
 
@@ -264,7 +266,7 @@ class QuantizedJaxStorage(JaxStorage):
 
     def blocks_to_host(self, blocks: IndexArray) -> tuple[HostArray, HostArray]:
         """Packed host copies ``uint8 [layers, n, block_size, heads, dim + 4]``: raw bytes and
-        scale of each token head (:func:`kvcache_core.quantization.unpack_host`)."""
+        scale of each token head (:func:`kvcache_core.contract.quantization.unpack_host`)."""
         raw_keys, raw_values = self._elements_to_host(blocks)
         return (
             quantization.pack_host(raw_keys, self._host_scales(0, blocks)),

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvcache_core.config import KV_LAYOUTS
+from kvcache_core.contract.config import KV_LAYOUTS
 from kvcache_core.errors import InvalidArgumentError, ShapeMismatchError
 
 __all__ = [

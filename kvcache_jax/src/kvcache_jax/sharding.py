@@ -18,7 +18,7 @@ from typing import Any, cast
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from kvcache_core.config import CacheConfig
+from kvcache_core.contract.config import CacheConfig
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, UnsupportedConfigError
 from kvcache_jax.scatter import HEADS_AXIS
 

@@ -24,9 +24,9 @@ import numpy as np
 import numpy.typing as npt
 from jax.core import Tracer
 
-from kvcache_core import host_form
-from kvcache_core.attention_features import combined_window
-from kvcache_core.config import CacheConfig
+from kvcache_core.offload import host_form
+from kvcache_core.attention.features import combined_window
+from kvcache_core.contract.config import CacheConfig
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -34,7 +34,7 @@ from kvcache_core.errors import (
     ShapeMismatchError,
     UnsupportedConfigError,
 )
-from kvcache_core.page_table import PageTable
+from kvcache_core.contract.page_table import PageTable
 from kvcache_jax.buckets import PaddedBatch, bucket, pad_batch, pad_blocks, pad_slots
 from kvcache_jax.programs import Pools, programs_for
 from kvcache_jax.sharding import Placement, resolve_placement
@@ -274,7 +274,7 @@ class JaxStorage:
 
     def blocks_to_host(self, blocks: IndexArray) -> tuple[HostArray, HostArray]:
         """Host copies ``[layers, n, block_size, heads, dim]`` of keys and values in core's
-        host form (:mod:`kvcache_core.host_form`): bfloat16 as its ``uint16`` bit patterns."""
+        host form (:mod:`kvcache_core.offload.host_form`): bfloat16 as its ``uint16`` bit patterns."""
         keys, values = self._elements_to_host(blocks)
         form = host_form.host_dtype(self._config.dtype)
         return keys.view(form), values.view(form)
@@ -298,7 +298,7 @@ class JaxStorage:
         return self.to_numpy(keys)[:, :count], self.to_numpy(values)[:, :count]
 
     def blocks_from_host(self, blocks: IndexArray, keys: HostArray, values: HostArray) -> None:
-        """Write host-form copies (:mod:`kvcache_core.host_form`, from any backend) into
+        """Write host-form copies (:mod:`kvcache_core.offload.host_form`, from any backend) into
         ``blocks``, in place, bit for bit.
 
         Raises:
@@ -360,7 +360,7 @@ class JaxStorage:
     ) -> jax.Array:
         """Jitted paged attention over this layer's pool (see :func:`kvcache_jax.paged_attention`),
         with the page table's sliding window and the attention features of
-        :mod:`kvcache_core.attention_features`; arguments validated by the manager. Output
+        :mod:`kvcache_core.attention.features`; arguments validated by the manager. Output
         ``[total_q, query_heads, dim]``, heads split as the pool's."""
         batch, (block_tables, seq_lens, indptr) = self._batch(page_table, qo_indptr)
         scales = self._attention_scales(layer)

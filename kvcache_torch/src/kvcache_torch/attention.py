@@ -1,10 +1,10 @@
 """Paged attention in torch: decode and prefill, causal, grouped-query, ragged batch,
 optionally over a sliding window, with the attention features of
-:mod:`kvcache_core.attention_features` (a layer's window, logit softcapping, attention
+:mod:`kvcache_core.attention.features` (a layer's window, logit softcapping, attention
 sinks, chunked local attention) given per call.
 
 On CPU, for float32, float16 and bfloat16 pools, it is one call of the compiled kernel of
-:mod:`kvcache_core.paged_kernel` per layer for the whole batch: the pool and the page
+:mod:`kvcache_core.attention.kernel` per layer for the whole batch: the pool and the page
 table are handed over as zero-copy NumPy views, the kernel uses ``torch.get_num_threads()``
 threads of torch's own OpenMP team (:mod:`kvcache_torch.threads`). What follows is the torch path, used on other devices, for other dtypes, and on
 CPU when numba is missing or ``KVCACHE_DISABLE_NUMBA`` is set.
@@ -49,9 +49,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcache_core import paged_kernel
-from kvcache_core.attention import check_scale, validate_query_indptr
-from kvcache_core.attention_features import (
+from kvcache_core.attention import kernel as paged_kernel
+from kvcache_core.attention.reference import check_scale, validate_query_indptr
+from kvcache_core.attention.features import (
     check_chunk,
     check_chunk_positions,
     check_finite_logits,
@@ -59,7 +59,7 @@ from kvcache_core.attention_features import (
     check_window,
     combined_window,
 )
-from kvcache_core.config import KV_LAYOUTS
+from kvcache_core.contract.config import KV_LAYOUTS
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -67,7 +67,7 @@ from kvcache_core.errors import (
     ShapeMismatchError,
     UnsupportedConfigError,
 )
-from kvcache_core.page_table import PageTable
+from kvcache_core.contract.page_table import PageTable
 from kvcache_torch.threads import torch_team
 
 __all__ = ["attend_pool", "paged_attention"]
@@ -473,7 +473,7 @@ def paged_attention(
             last ``W`` tokens). ``None`` takes the page table's
             :attr:`~kvcache_core.PageTable.sliding_window` (``None`` there too: no window).
         window, softcap, sinks, chunk: the attention features of
-            :mod:`kvcache_core.attention_features` (``sinks`` a ``[num_query_heads]``
+            :mod:`kvcache_core.attention.features` (``sinks`` a ``[num_query_heads]``
             tensor of the query's dtype and device).
 
     Returns:
@@ -485,7 +485,7 @@ def paged_attention(
         ShapeMismatchError: shapes that do not fit together.
         InvalidArgumentError: bad ``qo_indptr``, ``scale`` (not a normal float32 > 0),
             ``kv_layout``, ``sliding_window`` (not an int from 1 to ``INT32_MAX``, or unlike
-            the page table's), a bad feature (see :mod:`kvcache_core.attention_features`;
+            the page table's), a bad feature (see :mod:`kvcache_core.attention.features`;
             non-finite ``sinks`` too), or a page table naming blocks outside the pool.
     """
     for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):

@@ -19,7 +19,7 @@ VALUE_DTYPES: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.float32}
 
 #: The same-width integer dtype whose NumPy arrays carry a dtype NumPy lacks, bit for bit:
 #: bfloat16 blocks leave as their 16-bit patterns (core's host form, ``uint16`` in NumPy;
-#: :mod:`kvcache_core.host_form`), never through float values.
+#: :mod:`kvcache_core.offload.host_form`), never through float values.
 BIT_DTYPES: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
 
 

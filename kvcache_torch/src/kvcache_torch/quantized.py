@@ -1,10 +1,10 @@
 """Quantized torch pools (``int8``, ``float8_e4m3fn``): encoding at write time and the torch
 attention path that dequantizes while it reads.
 
-The encodings and their scales are core's (:mod:`kvcache_core.quantization`): int8 with one
+The encodings and their scales are core's (:mod:`kvcache_core.contract.quantization`): int8 with one
 scale per token per KV head from its maximum, float8 e4m3 with one scale per KV head per
 layer (calibrated, or grown by the running maximum), each token recording its scale. On CPU
-the compiled kernel of :mod:`kvcache_core.paged_kernel` attends a quantized pool in place;
+the compiled kernel of :mod:`kvcache_core.attention.kernel` attends a quantized pool in place;
 :func:`attend_quantized` is the path elsewhere (CUDA, or numba missing).
 """
 
@@ -17,9 +17,9 @@ import numpy.typing as npt
 import torch
 
 from kvcache_core.errors import InvalidArgumentError
-from kvcache_core.page_table import PageTable
-from kvcache_core.quantization import QUANTIZED_RANGE, non_finite_message
-from kvcache_core.scalars import FLOAT32_TINY
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.quantization import QUANTIZED_RANGE, non_finite_message
+from kvcache_core.contract.scalars import FLOAT32_TINY
 
 __all__ = ["attend_quantized", "check_finite", "grow_running_scales", "quantize"]
 
@@ -54,7 +54,7 @@ def grow_running_scales(scales: torch.Tensor, values: torch.Tensor) -> torch.Ten
 
 
 def _flush_tiny(scales: torch.Tensor) -> torch.Tensor:
-    """Scales below ``FLOAT32_TINY`` set to 0, as core's :func:`~kvcache_core.quantization.flush_tiny_scales`."""
+    """Scales below ``FLOAT32_TINY`` set to 0, as core's :func:`~kvcache_core.contract.quantization.flush_tiny_scales`."""
     return torch.where(scales >= FLOAT32_TINY, scales, 0.0)
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from kvcache_core.config import KV_LAYOUTS
-from kvcache_core.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES
+from kvcache_core.contract.config import KV_LAYOUTS
+from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES
 
 __all__ = ["ATTENTION_FEATURES", "CAPABILITIES", "DEVICES", "DTYPES", "LAYOUTS", "PREFERRED_LAYOUT"]
 

@@ -16,11 +16,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcache_core import host_form, paged_kernel, quantization
-from kvcache_core.attention_features import combined_window
-from kvcache_core.config import CacheConfig
+from kvcache_core.offload import host_form
+
+from kvcache_core.attention import kernel as paged_kernel
+
+from kvcache_core.contract import quantization
+from kvcache_core.attention.features import combined_window
+from kvcache_core.contract.config import CacheConfig
 from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, UnsupportedConfigError
-from kvcache_core.page_table import PageTable
+from kvcache_core.contract.page_table import PageTable
 from kvcache_torch import quantized
 from kvcache_torch.attention import attend_pool
 from kvcache_torch.dtypes import BIT_DTYPES, VALUE_DTYPES, dtype_name, torch_dtype
@@ -76,13 +80,13 @@ class TorchStorage:
     reference taken before it. Bytes leave the device only through :meth:`gather`,
     :meth:`blocks_to_host` and :meth:`to_numpy`.
 
-    Host copies (``blocks_to_host``) are core's host form (:mod:`kvcache_core.host_form`),
+    Host copies (``blocks_to_host``) are core's host form (:mod:`kvcache_core.offload.host_form`),
     the same on every backend: a bfloat16 pool's are ``uint16`` bit patterns, so a round
     trip is bit-identical and they load into a JAX or NumPy-side pool as they are;
     ``to_numpy`` gives bfloat16 values as float32 (exact). On CUDA copies are staged
     through pinned host memory.
 
-    A quantized pool (``int8``, ``float8_e4m3fn``: :mod:`kvcache_core.quantization`) holds raw
+    A quantized pool (``int8``, ``float8_e4m3fn``: :mod:`kvcache_core.contract.quantization`) holds raw
     values in the pool and their scales in :attr:`scales` ``[num_layers, 2, num_heads,
     num_blocks, block_size]`` float32 on the same device, moved with their blocks; ``write``
     takes and ``gather`` and attention return the config's compute dtype; host copies are
@@ -90,7 +94,7 @@ class TorchStorage:
 
     Attributes:
         attention_features: the attention capabilities :meth:`paged_attention` serves
-            (all of :data:`~kvcache_core.hookspecs.ATTENTION_CAPABILITIES`).
+            (all of :data:`~kvcache_core.contract.hookspecs.ATTENTION_CAPABILITIES`).
 
     Raises:
         UnsupportedConfigError: a dtype the backend does not hold, or a device not present.
@@ -273,7 +277,7 @@ class TorchStorage:
         return self._host_copy(picked[:, 0]), self._host_copy(picked[:, 1])
 
     def blocks_from_host(self, blocks: IntArray, keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> None:
-        """Write host-form copies (:mod:`kvcache_core.host_form`, from any backend) into ``blocks``.
+        """Write host-form copies (:mod:`kvcache_core.offload.host_form`, from any backend) into ``blocks``.
 
         Raises:
             ArrayTypeError: not NumPy arrays.
@@ -364,7 +368,7 @@ class TorchStorage:
         chunk: int | None = None,
     ) -> torch.Tensor:
         """Attention over the layer's pool, read in place (arguments validated by the
-        manager), with the attention features of :mod:`kvcache_core.attention_features`.
+        manager), with the attention features of :mod:`kvcache_core.attention.features`.
         A quantized pool is dequantized while read: on CPU by the compiled kernel, tile by
         tile, elsewhere by :func:`kvcache_torch.quantized.attend_quantized`, run by run."""
         if self._scales is not None:

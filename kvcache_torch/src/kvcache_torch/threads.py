@@ -2,7 +2,7 @@
 
 torch runs its CPU operators on an OpenMP team, and after each parallel operator the
 team's threads keep spinning for a while, waiting for the next one (libgomp's default
-wait policy). The kernel's default team (:func:`kvcache_core.paged_kernel.python_team`)
+wait policy). The kernel's default team (:func:`kvcache_core.attention.kernel.python_team`)
 is a second set of threads: inside a model, where every attention call follows torch's
 projections, its worker shares a core with a spinning torch thread, and the call took
 twice as long (1.25 ms against 0.61 ms alone for an 8-request ragged decode layer on 2
@@ -31,7 +31,7 @@ from typing import Final
 
 import torch
 
-from kvcache_core.paged_kernel import ThreadTeam, check_team_call, python_team
+from kvcache_core.attention.kernel import ThreadTeam, check_team_call, python_team
 
 __all__ = ["OPENMP_ENTRY", "openmp_runtime", "torch_team"]
 
@@ -73,8 +73,8 @@ def openmp_runtime() -> str | None:
 
 
 class _OpenMPTeam:
-    """A :data:`~kvcache_core.paged_kernel.ThreadTeam` over ``GOMP_parallel`` (a call
-    checks its arguments as :func:`~kvcache_core.paged_kernel.check_team_call` does)."""
+    """A :data:`~kvcache_core.attention.kernel.ThreadTeam` over ``GOMP_parallel`` (a call
+    checks its arguments as :func:`~kvcache_core.attention.kernel.check_team_call` does)."""
 
     def __init__(self, entry: Callable[..., None]) -> None:
         self._entry = entry

@@ -11,7 +11,7 @@ from kvcache_core import (
     PagedKvCacheManager,
     create_manager,
 )
-from kvcache_core.numpy_backend import NumpyArray, NumpyStorage
+from kvcache_core.backends.numpy import NumpyArray, NumpyStorage
 
 config = CacheConfig(num_layers=1, num_heads=1, head_dim=4, num_blocks=8)
 storage: KvStorage[NumpyArray] = NumpyStorage(config)

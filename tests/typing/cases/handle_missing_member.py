@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvcache_core import BlockTable, CacheHandleStats, Device, KvCacheHandle
-from kvcache_core.numpy_backend import NumpyArray
+from kvcache_core.backends.numpy import NumpyArray
 
 
 class IncompleteHandle:

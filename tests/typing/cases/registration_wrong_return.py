@@ -14,8 +14,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core import BackendSpec, CacheConfig, PageTable, hookimpl
-from kvcache_core.numpy_backend import NumpyArray, NumpyStorage
-from kvcache_core.protocols import BlockArray, SlotArray
+from kvcache_core.backends.numpy import NumpyArray, NumpyStorage
+from kvcache_core.contract.protocols import BlockArray, SlotArray
 
 
 class ListGatherStorage:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvcache_core import CacheConfig, KvStorage
-from kvcache_core.numpy_backend import NumpyArray, NumpyStorage
+from kvcache_core.backends.numpy import NumpyArray, NumpyStorage
 from kvcache_memmap import MemmapStorage
 
 config = CacheConfig(num_layers=1, num_heads=1, head_dim=4, num_blocks=8)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvcache_core import CacheConfig, KvStorage
-from kvcache_core.numpy_backend import NumpyArray, NumpyStorage
+from kvcache_core.backends.numpy import NumpyArray, NumpyStorage
 
 
 class NoCopyStorage:

@@ -16,10 +16,10 @@ from typing import Any, Literal
 import numpy as np
 
 from kvcache_core import BackendSpec, CacheConfig, hookimpl
-from kvcache_core.config import QUANTIZED_DTYPES
+from kvcache_core.contract.config import QUANTIZED_DTYPES
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError, UnsupportedConfigError
-from kvcache_core.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES
-from kvcache_core.numpy_backend import (
+from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES
+from kvcache_core.backends.numpy import (
     NUMPY_COMPUTE_DTYPES,
     NUMPY_DTYPES,
     PREFERRED_LAYOUT,
@@ -81,7 +81,7 @@ class _FileLayout:
 class MemmapStorage(NumpyStorage):
     """A kvcache pool in a memory-mapped file.
 
-    A quantized pool (``int8``, ``float8_e4m3fn``: :mod:`kvcache_core.quantization`) keeps its
+    A quantized pool (``int8``, ``float8_e4m3fn``: :mod:`kvcache_core.contract.quantization`) keeps its
     raw blocks and, after them in the same file, their float32 scales, so a reopened pool
     decodes what was written.
 

@@ -21,7 +21,7 @@ bad inputs (:mod:`~kvcache_core.testing.catalogue`, the policies' in
 :mod:`~kvcache_core.testing.policy_catalogue`) and threads. Runs are repeatable
 (``--kvcache-seed``, default 0, no Hypothesis example database) and every failure ends
 with a ``reproduce:`` command to paste. :class:`TierCases` is the same for offload tiers:
-any :class:`~kvcache_core.tiers.OffloadTier` runs it (with a fault injected at every tier
+any :class:`~kvcache_core.offload.tiers.OffloadTier` runs it (with a fault injected at every tier
 and storage call) by subclassing it with a ``kvcache_tier_factory`` fixture;
 ``KvCacheConformance`` runs it with ``HostTier``. For a backend's own attention tests,
 :func:`kvcache_core.testing.oracle.dense_attention` is textbook dense attention in float64.

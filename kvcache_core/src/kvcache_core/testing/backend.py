@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.config import QUANTIZED_DTYPES, AllocationRequest, CacheConfig
+from kvcache_core.contract.config import QUANTIZED_DTYPES, AllocationRequest, CacheConfig
 from kvcache_core.discovery import create_manager
 from kvcache_core.handle import PagedKvCacheHandle
-from kvcache_core.hookspecs import CAPABILITIES as CAPABILITY_DESCRIPTIONS
-from kvcache_core.hookspecs import BackendSpec
+from kvcache_core.contract.hookspecs import CAPABILITIES as CAPABILITY_DESCRIPTIONS
+from kvcache_core.contract.hookspecs import BackendSpec
 from kvcache_core.manager import PagedKvCacheManager
 
 __all__ = ["CAPABILITIES", "TOLERANCES", "BackendUnderTest", "grow_side_by_side", "write_random"]
@@ -21,7 +21,7 @@ __all__ = ["CAPABILITIES", "TOLERANCES", "BackendUnderTest", "grow_side_by_side"
 FloatArray = npt.NDArray[np.float64]
 
 #: Capabilities the kit knows; a backend claims them in ``BackendSpec.capabilities``. Their
-#: meanings and the storage methods each relies on: :data:`kvcache_core.hookspecs.CAPABILITIES`.
+#: meanings and the storage methods each relies on: :data:`kvcache_core.contract.hookspecs.CAPABILITIES`.
 CAPABILITIES = frozenset(CAPABILITY_DESCRIPTIONS)
 
 #: ``(rtol, atol)`` for attention outputs compared with the float64 NumPy reference.

@@ -18,7 +18,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
-from kvcache_core.config import AllocationRequest
+from kvcache_core.contract.config import AllocationRequest
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -38,8 +38,8 @@ from kvcache_core.errors import (
 )
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.page_table import PageTable
-from kvcache_core.protocols import SlotArray
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.protocols import SlotArray
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.kv_data import sevens
 from kvcache_core.testing.world import (

@@ -27,13 +27,13 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.attention_features import storage_attention_features
-from kvcache_core.config import AllocationRequest, CacheConfig
-from kvcache_core.groups import LayerSpec
+from kvcache_core.attention.features import storage_attention_features
+from kvcache_core.contract.config import AllocationRequest, CacheConfig
+from kvcache_core.contract.groups import LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.page_table import PageTable
-from kvcache_core.protocols import KvStorage, SlotArray
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.protocols import KvStorage, SlotArray
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.kv_data import keyed_kv
 

@@ -1,5 +1,5 @@
 """The kit's attention-feature cases: a layer's sliding window, logit softcapping,
-attention sinks and chunked local attention (:mod:`kvcache_core.attention_features`),
+attention sinks and chunked local attention (:mod:`kvcache_core.attention.features`),
 alone and together, in decode, prefill, chunked prefill, ragged and non-causal batches,
 through :meth:`~kvcache_core.PagedKvCacheManager.paged_attention` and
 :meth:`~kvcache_core.Step.attention`, against a dense float64 reference.
@@ -17,8 +17,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvcache_core.attention_features import ATTENTION_CAPABILITIES, FEATURE_CAPABILITIES, storage_attention_features
-from kvcache_core.config import AllocationRequest, CacheConfig
+from kvcache_core.attention.features import ATTENTION_CAPABILITIES, FEATURE_CAPABILITIES, storage_attention_features
+from kvcache_core.contract.config import AllocationRequest, CacheConfig
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -26,10 +26,10 @@ from kvcache_core.errors import (
     KvCacheError,
     ShapeMismatchError,
 )
-from kvcache_core.groups import LayerSpec
+from kvcache_core.contract.groups import LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.scalars import INT32_MAX
+from kvcache_core.contract.scalars import INT32_MAX
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 from kvcache_core.testing.catalogue import BadCall, check_bad_call
 from kvcache_core.testing.feature_catalogue import FEATURE_VALUE_CASES
@@ -60,7 +60,7 @@ def dense_feature_attention(
         query: ``[q, query_heads, dim]``, the request's last ``q`` positions.
         keys, values: ``[n, kv_heads, dim]``, positions ``0 .. n - 1``.
         scale, causal, window, softcap, sinks, chunk: as
-            :mod:`kvcache_core.attention_features` defines them.
+            :mod:`kvcache_core.attention.features` defines them.
 
     Returns:
         ``[q, query_heads, dim]``.

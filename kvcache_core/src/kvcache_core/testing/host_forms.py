@@ -1,6 +1,6 @@
 """The kit's host-form cases: every dtype a backend claims in ``BackendSpec.dtypes``
 (float32, float16, bfloat16, int8 and float8 with their scales, ...) leaves the pool in
-core's host form (:mod:`kvcache_core.host_form`, the same on every backend) and comes back
+core's host form (:mod:`kvcache_core.offload.host_form`, the same on every backend) and comes back
 bit-exact: through a prefix-cache file saved by the backend, read on the NumPy side (into
 the NumPy reference pool where it holds the dtype) and saved again, and through a
 ``HostTier`` and a ``DiskTier``. Host copies of another dtype are refused, never cast.
@@ -16,16 +16,16 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvcache_core import host_form
-from kvcache_core.config import AllocationRequest, CacheConfig
-from kvcache_core.device import Device
+from kvcache_core.offload import host_form
+from kvcache_core.contract.config import AllocationRequest, CacheConfig
+from kvcache_core.contract.device import Device
 from kvcache_core.discovery import create_manager
 from kvcache_core.errors import DTypeMismatchError, KvCacheError
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.persist import read_blocks, write_blocks
+from kvcache_core.offload.prefix_file import read_blocks, write_blocks
 from kvcache_core.testing.backend import BackendUnderTest
-from kvcache_core.tiers import DiskTier, HostTier
+from kvcache_core.offload.tiers import DiskTier, HostTier
 
 __all__ = ["HostFormCases"]
 

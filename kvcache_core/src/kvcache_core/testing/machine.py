@@ -27,11 +27,11 @@ from hypothesis import seed
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from kvcache_core.config import AllocationRequest, CacheConfig
-from kvcache_core.device import Device
+from kvcache_core.contract.config import AllocationRequest, CacheConfig
+from kvcache_core.contract.device import Device
 from kvcache_core.discovery import create_manager
 from kvcache_core.errors import KvCacheError, OutOfBlocksError
-from kvcache_core.groups import LayerSpec
+from kvcache_core.contract.groups import LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing._plugin import KitSettings

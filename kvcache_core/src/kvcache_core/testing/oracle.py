@@ -3,7 +3,7 @@
 What paged attention must equal, written the obvious way so that it is easy to trust:
 every query row scores every key it may see, softmax, weighted sum of values. No pool, no
 page table, no blocks (for the NumPy paged reference that reads a pool through a page
-table, see :func:`kvcache_core.attention.paged_attention`; that one is a backend's
+table, see :func:`kvcache_core.attention.reference.paged_attention`; that one is a backend's
 reference path, this one is what the tests hold every path to).
 
 Positions: key ``j`` of a request sits at ``key_start + j`` (``key_start`` > 0 when a

@@ -10,8 +10,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvcache_core.attention import paged_attention as reference_attention
-from kvcache_core.config import AllocationRequest
+from kvcache_core.attention.reference import paged_attention as reference_attention
+from kvcache_core.contract.config import AllocationRequest
 from kvcache_core.errors import OutOfBlocksError
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest, grow_side_by_side, write_random
 from kvcache_core.testing.catalogue import BadCall, check_bad_call

@@ -6,7 +6,7 @@ bit-exact against what was written, so for standard Gaussian K/V the relative Fr
 error ``||got - expected|| / ||expected||`` of ``gather`` (against the values written) and
 of paged attention (against the float64 reference over the values written) must stay
 within the dtype's bound. What *is* bit-exact: the raw bytes and scales of a block
-(``blocks_to_host``, :func:`kvcache_core.quantization.unpack_host`) through
+(``blocks_to_host``, :func:`kvcache_core.contract.quantization.unpack_host`) through
 ``copy_blocks``, fork with copy-on-write, swap out/in and a prefix-cache hit. Bad input
 (NaN or an infinity, K/V of another dtype than the compute dtype) is refused and changes
 nothing; a quantized dtype the backend does not claim is refused at ``create_manager``.
@@ -21,12 +21,12 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvcache_core.attention import paged_attention as reference_attention
-from kvcache_core.config import QUANTIZED_DTYPES, AllocationRequest, CacheConfig
+from kvcache_core.attention.reference import paged_attention as reference_attention
+from kvcache_core.contract.config import QUANTIZED_DTYPES, AllocationRequest, CacheConfig
 from kvcache_core.discovery import create_manager
 from kvcache_core.errors import DTypeMismatchError, InvalidArgumentError, UnsupportedConfigError
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.protocols import KvCacheHandle
+from kvcache_core.contract.protocols import KvCacheHandle
 from kvcache_core.testing.backend import BackendUnderTest
 
 __all__ = ["QUANTIZED_TOLERANCES", "QuantizedCases"]

@@ -14,8 +14,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvcache_core import host_form
-from kvcache_core.config import AllocationRequest, CacheConfig
+from kvcache_core.offload import host_form
+from kvcache_core.contract.config import AllocationRequest, CacheConfig
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing.backend import BackendUnderTest
 
@@ -131,7 +131,7 @@ class _Checker:
 
     def host_form(self, method: str, value: object, shape: tuple[int, ...], what: str) -> None:
         """``value`` must be a NumPy array of ``shape`` in core's host form of the pool's
-        dtype, exactly (:mod:`kvcache_core.host_form`: bfloat16 as ``uint16`` bit patterns)."""
+        dtype, exactly (:mod:`kvcache_core.offload.host_form`: bfloat16 as ``uint16`` bit patterns)."""
         if not isinstance(value, np.ndarray):
             self.problem(method, f"returned {what} {_describe(value)}, expected a numpy.ndarray")
             return
@@ -143,7 +143,7 @@ class _Checker:
             self.problem(
                 method,
                 f"returned {what} a numpy array of dtype {array.dtype}, expected {expected}: the host form of a "
-                f"{self.config.dtype} pool (kvcache_core.host_form), the same on every backend",
+                f"{self.config.dtype} pool (kvcache_core.offload.host_form), the same on every backend",
             )
 
     def none(self, method: str, value: object) -> None:

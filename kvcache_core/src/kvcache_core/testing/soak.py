@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.config import AllocationRequest
+from kvcache_core.contract.config import AllocationRequest
 from kvcache_core.errors import OutOfBlocksError
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager

@@ -1,4 +1,4 @@
-"""The kit for offload tiers: :class:`TierCases` runs any :class:`~kvcache_core.tiers.OffloadTier`
+"""The kit for offload tiers: :class:`TierCases` runs any :class:`~kvcache_core.offload.tiers.OffloadTier`
 (``HostTier``, ``DiskTier``, a third party's) behind every backend, with a fault injected at
 every call of a tier and of the storage.
 
@@ -37,13 +37,13 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from kvcache_core.config import CacheConfig
+from kvcache_core.contract.config import CacheConfig
 from kvcache_core.errors import TierError
-from kvcache_core.events import EventHub
-from kvcache_core.groups import LayerSpec
-from kvcache_core.guarded_tiers import GuardedTiers
+from kvcache_core.offload.events import EventHub
+from kvcache_core.contract.groups import LayerSpec
+from kvcache_core.offload.guarded_tiers import GuardedTiers
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.persist import BlockRecord
+from kvcache_core.offload.prefix_file import BlockRecord
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.faults import (
     PROMPT,
@@ -53,7 +53,7 @@ from kvcache_core.testing.faults import (
     InjectedFaultError,
     check_after_fault,
 )
-from kvcache_core.tiers import DiskTier, HostTier, OffloadTier
+from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier
 
 __all__ = [
     "TIER_CALLS",
@@ -64,7 +64,7 @@ __all__ = [
     "run_tier_fault_injection",
 ]
 
-#: The members of :class:`~kvcache_core.tiers.OffloadTier` the manager calls; each call of
+#: The members of :class:`~kvcache_core.offload.tiers.OffloadTier` the manager calls; each call of
 #: one is an injection point (``contains`` is ``key in tier``).
 TIER_CALLS = ("name", "max_bytes", "used_bytes", "bind", "put", "peek", "discard", "hashes", "contains", "clear")
 
@@ -81,7 +81,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 class FaultyTier(CallInjector):
-    """An :class:`~kvcache_core.tiers.OffloadTier` wrapper whose ``fail_at``-th call fails.
+    """An :class:`~kvcache_core.offload.tiers.OffloadTier` wrapper whose ``fail_at``-th call fails.
 
     Calls of :data:`TIER_CALLS` are counted in the shared ``counter`` (so the calls of
     several tiers are numbered together). The armed call raises ``counter.fault`` before
@@ -417,12 +417,12 @@ def run_tier_fault_injection(
 
 
 def host_tier_factory(max_bytes: int, name: str) -> OffloadTier:
-    """A :class:`~kvcache_core.tiers.HostTier` (the kit's default tier)."""
+    """A :class:`~kvcache_core.offload.tiers.HostTier` (the kit's default tier)."""
     return HostTier(max_bytes, name=name)
 
 
 def disk_tier_factory(directory: Path) -> TierFactory:
-    """A factory of :class:`~kvcache_core.tiers.DiskTier` objects, each in a new
+    """A factory of :class:`~kvcache_core.offload.tiers.DiskTier` objects, each in a new
     directory under ``directory``."""
 
     def make(max_bytes: int, name: str) -> OffloadTier:
@@ -434,7 +434,7 @@ def disk_tier_factory(directory: Path) -> TierFactory:
 class TierCases:
     """Cases any offload tier runs behind every backend: subclass it and give the
     ``kvcache_tier_factory`` fixture (``factory(max_bytes, name)`` -> a new tier); by
-    default it makes :class:`~kvcache_core.tiers.HostTier` objects."""
+    default it makes :class:`~kvcache_core.offload.tiers.HostTier` objects."""
 
     #: Whether the fault-injection case also fails each storage call of the script (a tier
     #: kit run beside KvCacheConformance, which runs them with HostTier, may leave them out).

@@ -13,7 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.modeling_utils import AttentionInterface
 
 from kvcache_core import InvalidArgumentError, ShapeMismatchError, UnsupportedConfigError
-from kvcache_core.attention_features import visible_key_range
+from kvcache_core.attention.features import visible_key_range
 from kvcache_torch.hf.forward_pass import take_handoff
 from kvcache_torch.hf.model_config import ATTN_IMPLEMENTATION, layer_specs
 

@@ -20,8 +20,8 @@ from kvcache_core import (
     ShapeMismatchError,
     UnsupportedConfigError,
 )
-from kvcache_core.config import check_count
-from kvcache_core.groups import group_serves_layer
+from kvcache_core.contract.config import check_count
+from kvcache_core.contract.groups import group_serves_layer
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.attention import attend_new_tokens
 from kvcache_torch.hf.forward_pass import ForwardStep, Handoff, LayerProgress, drop_handoff, hand_off

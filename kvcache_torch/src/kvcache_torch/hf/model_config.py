@@ -21,7 +21,7 @@ from kvcache_core import (
     LayerSpec,
     UnsupportedConfigError,
 )
-from kvcache_core.config import check_count
+from kvcache_core.contract.config import check_count
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.guard import refuse_unless_interface
 
@@ -178,7 +178,7 @@ def cache_config_for(
         block_size: tokens per block.
         dtype: ``"float32"``, ``torch.bfloat16``, ...; by default the model's weights' dtype
             (for a config, its ``dtype``; float32 when it has none). ``"int8"`` or
-            ``"float8_e4m3fn"`` give a quantized pool (:mod:`kvcache_core.quantization`, about a
+            ``"float8_e4m3fn"`` give a quantized pool (:mod:`kvcache_core.contract.quantization`, about a
             quarter of float32's bytes) that computes in the model's dtype.
         device: where the pool lives (``"cpu"``, ``"cuda:0"``); by default the model's
             device (for a config, the CPU).

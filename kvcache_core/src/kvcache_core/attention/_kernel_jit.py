@@ -1,0 +1,595 @@
+"""The numba-compiled loops of the CPU paged-attention kernel.
+
+numba carries no type information, so this module holds the compiled code only and
+nothing imports it but :mod:`kvcache_core.attention.kernel`, the typed wrapper that checks,
+plans and converts every argument. Nothing here validates anything: an index out of
+range reads the wrong memory (bounds checks are off, as in any compiled kernel).
+
+The wrapper attends every query of a batch for one layer in one call. Its work is a list
+of items ``(request, kv_head, first_row, last_row, first_key, last_key, partial_row)``;
+each thread runs :func:`attend_share`, which claims items one by one from a shared atomic
+counter, without the GIL. The rows of a ``(request, kv_head)`` pair
+are its queries times the query heads of that KV head (``row = query * group + g``), so
+each key and value row is read once for the whole group. An item walks its keys in
+tiles of ``KEY_TILE`` following the block table, with an online softmax in float32: the
+running maximum and sum of each row rescale its accumulator when the maximum grows.
+An item with ``partial_row < 0`` writes its normalised rows into the output; otherwise
+it is one KV split of a long context (FlashDecoding) and writes its unnormalised
+accumulator, maximum and sum into the partial buffers, which :func:`merge_splits`
+merges with a log-sum-exp.
+
+Pools are ``[rows, head_dim]`` views of one layer's K or V, one row per (block, token in
+block, head), with the strides of those three in rows. A float32 pool is read in place:
+the products read its rows where they are (four query rows times two keys, or four keys
+times two rows, per pass, so most loads serve several products). Other pools' rows are
+decoded tile by tile (``POOL_FLOAT16`` and ``POOL_BFLOAT16``, handed over as ``uint16``
+bits; the quantized ``POOL_INT8`` and ``POOL_FLOAT8``, int8 or float8 e4m3 as ``uint8``,
+each row times its token head's scale) into float32 tiles that stay in L1, so the
+decoded values exist only there. The pool rows ``PREFETCH_KEYS`` keys ahead are
+prefetched into L2 as the scores are computed: the hardware prefetchers stop at every
+4 KiB page, which a head's keys cross every eight rows of 128 floats. The softmax
+weights' exponentials are computed in vectorised passes (no call per key).
+``cache=True``: the compiled code is kept on disk, so each machine compiles once (once
+for float pools, once for quantized ones).
+"""
+
+from __future__ import annotations
+
+# numba publishes no type information: the decorated functions are untyped by nature.
+# pyright: reportUntypedFunctionDecorator=false, reportUnknownVariableType=false
+# pyright: reportUnknownArgumentType=false, reportUnknownMemberType=false
+# pyright: reportMissingParameterType=false, reportUnknownParameterType=false
+import math
+from typing import Any
+
+import numpy as np
+from llvmlite import ir  # type: ignore[import-untyped]
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = [
+    "KEY_TILE",
+    "POOL_BFLOAT16",
+    "POOL_FLOAT8",
+    "POOL_FLOAT16",
+    "POOL_FLOAT32",
+    "POOL_INT8",
+    "ROW_TILE",
+    "attend_share",
+    "merge_splits",
+]
+
+#: Element kinds of a pool, as the kernel reads it.
+POOL_FLOAT32 = 0
+POOL_FLOAT16 = 1
+POOL_BFLOAT16 = 2
+#: Quantized pools, as their bytes: ``value = decoded byte * scale`` of the token head.
+POOL_INT8 = 3
+POOL_FLOAT8 = 4
+
+#: Query rows attended together (their K/V rows are read once for all of them).
+ROW_TILE = 16
+#: Keys per online-softmax step: their K (then V) rows are copied or decoded into one float32
+#: tile of ``KEY_TILE x head_dim`` (16 KiB at 128), read from L1 by every query row.
+KEY_TILE = 32
+#: How far ahead (in keys) the pool rows are prefetched: about two tiles' work covers a load
+#: from memory (measured best at 64; none or a whole tile at once ran 1.7x slower).
+PREFETCH_KEYS = 64
+
+# Helpers are inlined: a call between compiled functions (reference counts of its array
+# arguments) measured 10x the cost of the 4 x 128 products it made.
+# Reassociation lets LLVM vectorise the dot products; no "nnan"/"ninf": -inf is a real value
+# here (the running maximum before the first key).
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+_F16_TO_F32 = np.float32(2.0**112)  # a half's bits shifted into a float32, times this, is its value
+_F16_OVERFLOW = np.float32(65536.0)  # ... and at least this for an infinity or NaN
+_F8_TO_F32 = np.float32(2.0**120)  # an e4m3 byte's bits shifted into a float32, times this, is its value
+# exp(x) for x <= 0: x = n ln 2 + r, 2**n built from its float32 bits. Below this, weights are
+# under 2**-125 (a difference from 0 far under float32's resolution next to the maximum's 1).
+_EXP_LOWEST = np.float32(-87.0)
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HIGH = np.float32(0.693359375)  # ln 2 in two parts: n * _LN2_HIGH is exact
+_LN2_LOW = np.float32(-2.1219444005469057e-4)
+_C3, _C4, _C5 = np.float32(1.0 / 6.0), np.float32(1.0 / 24.0), np.float32(1.0 / 120.0)
+_C6, _C7 = np.float32(1.0 / 720.0), np.float32(1.0 / 5040.0)
+
+
+def _prefetch_row_typer(typingctx, array, row):  # type: ignore[no-untyped-def]
+    """Ask the CPU to bring row ``row`` of a 2-D C array (its first 1 KiB) into the L2 cache
+    (``prefetcht1``): the hardware prefetcher stops at every 4 KiB page, a paged pool's
+    keys cross one every few rows."""
+    if not (isinstance(array, types.Array) and array.ndim == 2 and isinstance(row, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, arguments):  # type: ignore[no-untyped-def]
+        array_type = signature.args[0]
+        rows = context.make_array(array_type)(context, builder, arguments[0])
+        index = context.cast(builder, arguments[1], signature.args[1], types.intp)
+        zero = context.get_constant(types.intp, 0)
+        first = cgutils.get_item_pointer(  # type: ignore[no-untyped-call]
+            context, builder, array_type, rows, [index, zero], wraparound=False
+        )
+        start = builder.bitcast(first, ir.IntType(8).as_pointer())
+        row_bytes = builder.extract_value(rows.strides, 0)
+        int32 = ir.IntType(32)
+        prefetch = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, ir.FunctionType(ir.VoidType(), [start.type, int32, int32, int32]), "llvm.prefetch.p0"
+        )
+        for line in range(16):  # (address, read, locality 2: L2, data cache) per 64-byte line
+            offset = context.get_constant(types.intp, 64 * line)
+            with builder.if_then(builder.icmp_signed("<", offset, row_bytes), likely=True):
+                builder.call(prefetch, [builder.gep(start, [offset]), int32(0), int32(2), int32(1)])
+        return context.get_dummy_value()
+
+    return types.void(array, row), codegen
+
+
+def _claim_typer(typingctx, counter):  # type: ignore[no-untyped-def]
+    """``counter[0]``, incremented atomically: the next item a thread takes."""
+    if not (isinstance(counter, types.Array) and counter.ndim == 1 and counter.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, arguments):  # type: ignore[no-untyped-def]
+        array = context.make_array(signature.args[0])(context, builder, arguments[0])
+        return builder.atomic_rmw("add", array.data, context.get_constant(types.int64, 1), "monotonic")
+
+    return types.int64(counter), codegen
+
+
+#: ``_claim(counter)`` in compiled code.
+_claim: Any = intrinsic(_claim_typer)
+#: ``_prefetch_row(array, row)`` in compiled code (typed ``Any``: numba's intrinsic wrapper
+#: declares the typing context as a parameter).
+_prefetch_row: Any = intrinsic(_prefetch_row_typer)
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+def _pool_rows(block_row, first_key, keys, block_size, strides, scale_strides, head, rows_at, scales_at):  # type: ignore[no-untyped-def]
+    """The pool rows (``rows_at``) and scale indices (``scales_at``) of keys ``[first_key,
+    first_key + keys)`` of one head, following the block table row ``block_row``."""
+    block_index = first_key // block_size
+    offset = first_key - block_index * block_size
+    head_row = head * strides[2]
+    head_scale = head * scale_strides[2]
+    for c in range(keys):
+        block = block_row[block_index]
+        rows_at[c] = block * strides[0] + offset * strides[1] + head_row
+        scales_at[c] = block * scale_strides[0] + offset * scale_strides[1] + head_scale
+        offset += 1
+        if offset == block_size:
+            offset = 0
+            block_index += 1
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+def _decode_tile(pool, kind, rows_at, scales_at, first, keys, tile, bits, scales):  # type: ignore[no-untyped-def]
+    """Decode the pool rows ``rows_at[first : first + keys]`` (16-bit or quantized bits) into
+    ``tile [KEY_TILE, dim]`` float32 (``bits`` is its uint32 view)."""
+    dim = tile.shape[1]
+    for c in range(keys):
+        row = rows_at[first + c]
+        if kind >= POOL_INT8:  # POOL_INT8, POOL_FLOAT8
+            row_scale = scales[scales_at[first + c]]
+            if kind == POOL_INT8:
+                for d in range(dim):  # the byte read as a signed int8
+                    tile[c, d] = np.float32(np.int32(np.uint32(pool[row, d]) ^ np.uint32(128)) - np.int32(128))
+            else:  # e4m3 without NaN (never written): exponent and mantissa shifted under float32's
+                for d in range(dim):
+                    byte = np.uint32(pool[row, d])
+                    bits[c, d] = ((byte & np.uint32(0x7F)) << np.uint32(20)) | (
+                        (byte & np.uint32(0x80)) << np.uint32(24)
+                    )
+                for d in range(dim):
+                    tile[c, d] *= _F8_TO_F32
+            for d in range(dim):
+                tile[c, d] *= row_scale
+        elif kind == POOL_BFLOAT16:
+            for d in range(dim):
+                bits[c, d] = np.uint32(pool[row, d]) << np.uint32(16)
+        else:
+            for d in range(dim):
+                bits[c, d] = (np.uint32(pool[row, d]) & np.uint32(0x7FFF)) << np.uint32(13)
+            for d in range(dim):
+                tile[c, d] *= _F16_TO_F32  # exact for normal and subnormal halves
+            for d in range(dim):
+                extra = (np.uint32(pool[row, d]) & np.uint32(0x8000)) << np.uint32(16)
+                if tile[c, d] >= _F16_OVERFLOW:
+                    extra |= np.uint32(0x7F800000)
+                bits[c, d] |= extra
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+def _key_scores(queries, rows, key_rows, rows_at, first, keys, scores, ahead):  # type: ignore[no-untyped-def]
+    """``scores[j, c]`` = query row ``j`` times key row ``key_rows[rows_at[first + c]]``,
+    four query rows times two keys per pass (each element loaded once for all of them, the
+    products stay in registers); ``ahead = (in_place, pools, raw_pools, pool_rows, next,
+    end)``: each pass prefetches the rows ``pool_rows[next + c]`` below ``end`` of the pools
+    (float32, read in place) or of the raw ones."""
+    in_place, pools, raw_pools, pool_rows, upcoming, end = ahead
+    # Unpacked once: taking an array out of a tuple inside the loop costs two atomic
+    # reference-count updates per key.
+    key_pool, value_pool = pools
+    key_raw, value_raw = raw_pools
+    dim = queries.shape[1]
+    c = 0
+    while c < keys:
+        pair = c + 1 < keys
+        for later in range(upcoming + c, min(upcoming + c + 2, end)):
+            if in_place:
+                _prefetch_row(key_pool, pool_rows[later])
+                _prefetch_row(value_pool, pool_rows[later])
+            else:
+                _prefetch_row(key_raw, pool_rows[later])
+                _prefetch_row(value_raw, pool_rows[later])
+        a0 = rows_at[first + c]
+        a1 = rows_at[first + c + 1] if pair else a0
+        j = 0
+        while j + 4 <= rows:
+            t00 = t01 = t10 = t11 = t20 = t21 = t30 = t31 = np.float32(0.0)
+            for d in range(dim):
+                k0, k1 = key_rows[a0, d], key_rows[a1, d]
+                q0, q1, q2, q3 = queries[j, d], queries[j + 1, d], queries[j + 2, d], queries[j + 3, d]
+                t00 += q0 * k0
+                t01 += q0 * k1
+                t10 += q1 * k0
+                t11 += q1 * k1
+                t20 += q2 * k0
+                t21 += q2 * k1
+                t30 += q3 * k0
+                t31 += q3 * k1
+            scores[j, c], scores[j + 1, c], scores[j + 2, c], scores[j + 3, c] = t00, t10, t20, t30
+            if pair:
+                scores[j, c + 1], scores[j + 1, c + 1], scores[j + 2, c + 1], scores[j + 3, c + 1] = t01, t11, t21, t31
+            j += 4
+        while j < rows:
+            t0 = t1 = np.float32(0.0)
+            for d in range(dim):
+                t0 += queries[j, d] * key_rows[a0, d]
+                t1 += queries[j, d] * key_rows[a1, d]
+            scores[j, c] = t0
+            if pair:
+                scores[j, c + 1] = t1
+            j += 1
+        c += 2
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+def _softmax_step(rows, keys, tile_key, work, softcap):  # type: ignore[no-untyped-def]
+    """Turn the scores of keys ``[tile_key, tile_key + keys)`` into weights (0 where a row
+    may not see a key), rescaling each row's accumulator and sum when its maximum grows."""
+    scores, acc, row_max, row_sum, row_low, row_high, powers, power_values = work
+    dim = acc.shape[1]
+    for j in range(rows):
+        low = max(row_low[j], tile_key) - tile_key
+        high = min(row_high[j], tile_key + keys) - tile_key
+        if low >= high:
+            for c in range(keys):
+                scores[j, c] = 0.0
+            continue
+        if softcap > 0.0:  # logit softcapping, before the mask
+            inverse_cap = np.float32(1.0) / softcap
+            for c in range(low, high):
+                scores[j, c] = np.float32(math.tanh(scores[j, c] * inverse_cap)) * softcap
+        new_max = row_max[j]
+        for c in range(low, high):
+            new_max = max(new_max, scores[j, c])
+        if new_max > row_max[j]:
+            shrink = np.float32(math.exp(row_max[j] - new_max))
+            row_sum[j] *= shrink
+            for d in range(dim):
+                acc[j, d] *= shrink
+            row_max[j] = new_max
+        # exp(s - max) in two vectorised passes: 2**n through its float32 bits, exp(r) of the
+        # rest (|r| <= ln 2 / 2) by its Taylor series to r**7 (relative error under 1e-8).
+        # The passes run over the whole tile (an index from 0 is known non-negative, which
+        # LLVM needs to vectorise) and a select keeps the keys the row sees.
+        for c in range(keys):
+            x = min(max(scores[j, c] - new_max, _EXP_LOWEST), np.float32(0.0))
+            n = np.floor(x * _LOG2E + np.float32(0.5))
+            r = x - n * _LN2_HIGH - n * _LN2_LOW
+            p = r * (_C4 + r * (_C5 + r * (_C6 + r * _C7)))
+            scores[j, c] = np.float32(1.0) + r * (np.float32(1.0) + r * (np.float32(0.5) + r * (_C3 + p)))
+            powers[c] = np.int32((n + np.float32(127.0)) * np.float32(8388608.0))
+        total = np.float32(0.0)
+        for c in range(keys):
+            weight = scores[j, c] * power_values[c] if low <= c < high else np.float32(0.0)
+            scores[j, c] = weight
+            total += weight
+        row_sum[j] += total
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+def _add_values(rows, value_rows, rows_at, first, keys, scores, acc):  # type: ignore[no-untyped-def]
+    """``acc[j] += sum_c scores[j, c] * value_rows[rows_at[first + c]]``: four keys times two
+    query rows per pass, so each accumulator element is loaded and stored once for four keys."""
+    dim = acc.shape[1]
+    c = 0
+    while c + 4 <= keys:
+        v0, v1, v2, v3 = rows_at[first + c], rows_at[first + c + 1], rows_at[first + c + 2], rows_at[first + c + 3]
+        j = 0
+        while j + 2 <= rows:
+            w0, w1, w2, w3 = scores[j, c], scores[j, c + 1], scores[j, c + 2], scores[j, c + 3]
+            u0, u1, u2, u3 = scores[j + 1, c], scores[j + 1, c + 1], scores[j + 1, c + 2], scores[j + 1, c + 3]
+            for d in range(dim):
+                e0, e1, e2, e3 = value_rows[v0, d], value_rows[v1, d], value_rows[v2, d], value_rows[v3, d]
+                acc[j, d] += w0 * e0 + w1 * e1 + w2 * e2 + w3 * e3
+                acc[j + 1, d] += u0 * e0 + u1 * e1 + u2 * e2 + u3 * e3
+            j += 2
+        if j < rows:
+            w0, w1, w2, w3 = scores[j, c], scores[j, c + 1], scores[j, c + 2], scores[j, c + 3]
+            for d in range(dim):
+                e0, e1, e2, e3 = value_rows[v0, d], value_rows[v1, d], value_rows[v2, d], value_rows[v3, d]
+                acc[j, d] += w0 * e0 + w1 * e1 + w2 * e2 + w3 * e3
+        c += 4
+    while c < keys:
+        at = rows_at[first + c]
+        for j in range(rows):
+            weight = scores[j, c]
+            for d in range(dim):
+                acc[j, d] += weight * value_rows[at, d]
+        c += 1
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+def _visible(position, first_key, last_key, causal, window, chunk):  # type: ignore[no-untyped-def]
+    """The keys ``[low, high)`` of ``[first_key, last_key)`` the query at ``position`` sees."""
+    low, high = first_key, last_key
+    if causal:
+        high = min(high, position + 1)
+    if window > 0:
+        low = max(low, position - window + 1)
+    if chunk > 0:  # chunked local attention: the query's own chunk only
+        chunk_start = position // chunk * chunk
+        low = max(low, chunk_start)
+        high = min(high, chunk_start + chunk)
+    return low, high
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+def _attend_item(  # type: ignore[no-untyped-def]
+    item,
+    query,
+    pools,
+    raw_pools,
+    pool_kind,
+    strides,
+    block_tables,
+    seq_lens,
+    qo_indptr,
+    group,
+    block_size,
+    scale,
+    causal,
+    window,
+    out,
+    partials,
+    queries,
+    work,
+    tiles,
+    features,
+    scaling,
+):
+    """Attend the rows ``[item[2], item[3])`` of one ``(request, kv_head)`` over its keys
+    ``[item[4], item[5])``, from ``pools = (key_rows, value_rows)`` (float32) or ``raw_pools``
+    (their bits) as ``pool_kind`` says; ``queries``, ``work`` (see :func:`_softmax_step`) and ``tiles =
+    (rows_at, scales_at, tile_rows, key_tile, key_bits, value_tile, value_bits)`` are the
+    thread's buffers; ``partials = (partial_acc, partial_stats)``. Attention features:
+    ``features = (softcap, sinks, chunk)``: ``softcap`` (0: none), ``sinks [query_heads]``
+    (empty: none), ``chunk`` (0: none); ``scaling = (key_scales, value_scales,
+    scale_strides)`` of a quantized pool. (Packed in tuples: CPython compiles a call of more
+    than 30 arguments as a ``*args`` call, which numba cannot inline.)"""
+    softcap, sinks, chunk = features
+    in_place = pool_kind == POOL_FLOAT32
+    key_scales, value_scales, scale_strides = scaling
+    partial_acc, partial_stats = partials
+    rows_at, scales_at, tile_rows, key_tile, key_bits, value_tile, value_bits = tiles
+    scores, acc, row_max, row_sum, row_low, row_high = work[0], work[1], work[2], work[3], work[4], work[5]
+    request, head, first_row, last_row = item[0], item[1], item[2], item[3]
+    first_key, last_key, partial_row = item[4], item[5], item[6]
+    dim = query.shape[2]
+    query_start = qo_indptr[request]
+    num_queries = qo_indptr[request + 1] - query_start
+    seq_len = seq_lens[request]
+    block_row = block_tables[request]
+    # The keys any row of the item sees, and their pool rows, once for all its row tiles.
+    item_low, item_high = last_key, first_key
+    for r in range(first_row, last_row):
+        low, high = _visible(seq_len - num_queries + r // group, first_key, last_key, causal, window, chunk)
+        item_low, item_high = min(item_low, low), max(item_high, high)
+    item_keys = max(0, item_high - item_low)
+    _pool_rows(block_row, item_low, item_keys, block_size, strides, scale_strides, head, rows_at, scales_at)
+    for tile_row in range(first_row, last_row, ROW_TILE):
+        rows = min(ROW_TILE, last_row - tile_row)
+        low_all = last_key
+        high_all = first_key
+        for j in range(rows):
+            r = tile_row + j
+            q_index = r // group
+            q_head = head * group + (r - q_index * group)
+            low, high = _visible(seq_len - num_queries + q_index, first_key, last_key, causal, window, chunk)
+            row_low[j] = low
+            row_high[j] = high
+            low_all = min(low_all, low)
+            high_all = max(high_all, high)
+            for d in range(dim):
+                queries[j, d] = query[query_start + q_index, q_head, d] * scale
+                acc[j, d] = 0.0
+            row_max[j] = -np.inf
+            row_sum[j] = 0.0
+        for tile_key in range(low_all, high_all, KEY_TILE):
+            keys = min(KEY_TILE, high_all - tile_key)
+            first = tile_key - item_low
+            ahead = (in_place, pools, raw_pools, rows_at, first + PREFETCH_KEYS, item_keys)
+            if in_place:  # float32: the rows read where they are
+                key_source, value_source, source_rows, source_first = pools[0], pools[1], rows_at, first
+            else:
+                _decode_tile(raw_pools[0], pool_kind, rows_at, scales_at, first, keys, key_tile, key_bits, key_scales)
+                _decode_tile(
+                    raw_pools[1], pool_kind, rows_at, scales_at, first, keys, value_tile, value_bits, value_scales
+                )
+                key_source, value_source, source_rows, source_first = key_tile, value_tile, tile_rows, 0
+            _key_scores(queries, rows, key_source, source_rows, source_first, keys, scores, ahead)
+            _softmax_step(rows, keys, tile_key, work, softcap)
+            _add_values(rows, value_source, source_rows, source_first, keys, scores, acc)
+        for j in range(rows):
+            r = tile_row + j
+            if partial_row < 0:
+                q_index = r // group
+                q_head = head * group + (r - q_index * group)
+                total = row_sum[j]
+                if sinks.shape[0] > 0:  # the sink joins the denominator, adds no value
+                    total += np.float32(math.exp(sinks[q_head] - row_max[j]))
+                inverse = np.float32(1.0) / total
+                for d in range(dim):
+                    out[query_start + q_index, q_head, d] = acc[j, d] * inverse
+            else:
+                target = partial_row + r - first_row
+                for d in range(dim):
+                    partial_acc[target, d] = acc[j, d]
+                partial_stats[target, 0] = row_max[j]
+                partial_stats[target, 1] = row_sum[j]
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def attend_share(  # type: ignore[no-untyped-def]
+    query,
+    key_rows,
+    value_rows,
+    key_raw,
+    value_raw,
+    pool_kind,
+    strides,
+    block_tables,
+    seq_lens,
+    qo_indptr,
+    items,
+    claimed,
+    group,
+    block_size,
+    scale,
+    causal,
+    window,
+    out,
+    partial_acc,
+    partial_stats,
+    softcap,
+    sinks,
+    chunk,
+    key_scales,
+    value_scales,
+    scale_strides,
+):
+    """Run items of ``items [n, 7]`` int64 without the GIL until none is left: each thread
+    of a call claims the next one from ``claimed [1]`` int64 (0 at the start, shared).
+
+    The pools are ``[pool rows, dim]`` (one row per token head) with the row strides
+    ``strides`` of (block, token in block, head): ``key_rows``/``value_rows`` float32 for
+    ``POOL_FLOAT32``, ``key_raw``/``value_raw`` the bits of the other kinds (``uint16`` or
+    ``uint8``); the pair not used is any array of its type (so one compiled version serves
+    float32, float16 and bfloat16 pools, one the quantized ones); ``query [tokens,
+    query_heads, dim]`` and ``out`` (same shape) are float32; ``partial_acc [p, dim]`` and
+    ``partial_stats [p, 2]`` (maximum, sum) float32; the attention features ``softcap``
+    (float, 0: none), ``sinks [query_heads]`` float32 (empty: none) and ``chunk`` (int, 0:
+    none). For ``POOL_INT8`` and ``POOL_FLOAT8``: ``key_scales``/``value_scales`` flat
+    float32 scales with element strides ``scale_strides`` (block, token, head); other kinds
+    ignore them."""
+    dim = query.shape[2]
+    longest = 1
+    for position in range(items.shape[0]):
+        longest = max(longest, items[position, 5] - items[position, 4])
+    queries = np.empty((ROW_TILE, dim), np.float32)
+    powers = np.empty(KEY_TILE, np.int32)
+    work = (
+        np.empty((ROW_TILE, KEY_TILE), np.float32),  # scores, then weights
+        np.empty((ROW_TILE, dim), np.float32),  # accumulators
+        np.empty(ROW_TILE, np.float32),  # running maxima
+        np.empty(ROW_TILE, np.float32),  # running sums
+        np.empty(ROW_TILE, np.int64),  # first key of each row
+        np.empty(ROW_TILE, np.int64),  # last key + 1
+        powers,
+        powers.view(np.float32),
+    )
+    key_bits = np.empty((KEY_TILE, dim), np.uint32)
+    value_bits = np.empty((KEY_TILE, dim), np.uint32)
+    tiles = (
+        np.empty(longest, np.int64),  # pool row of each key of an item
+        np.empty(longest, np.int64),  # its scale's index
+        np.arange(KEY_TILE),
+        key_bits.view(np.float32),
+        key_bits,
+        value_bits.view(np.float32),
+        value_bits,
+    )
+    while True:
+        position = _claim(claimed)
+        if position >= items.shape[0]:
+            break
+        _attend_item(
+            items[position],
+            query,
+            (key_rows, value_rows),
+            (key_raw, value_raw),
+            pool_kind,
+            strides,
+            block_tables,
+            seq_lens,
+            qo_indptr,
+            group,
+            block_size,
+            scale,
+            causal,
+            window,
+            out,
+            (partial_acc, partial_stats),
+            queries,
+            work,
+            tiles,
+            (softcap, sinks, chunk),
+            (key_scales, value_scales, scale_strides),
+        )
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def merge_splits(qo_indptr, merges, group, out, partial_acc, partial_stats, sinks):  # type: ignore[no-untyped-def]
+    """Merge the KV splits with a log-sum-exp: ``merges [m, 5]`` int64 rows ``(request,
+    kv_head, rows, first_partial_row, splits)``, split ``s`` of row ``r`` at partial row
+    ``first + s * rows + r``; the normalised rows go into ``out``. ``sinks
+    [query_heads]`` (empty: none) join each row's denominator."""
+    dim = out.shape[2]
+    merged = np.empty(dim, np.float32)
+    for merge in range(merges.shape[0]):
+        request, head, rows, first, splits = (
+            merges[merge, 0],
+            merges[merge, 1],
+            merges[merge, 2],
+            merges[merge, 3],
+            merges[merge, 4],
+        )
+        query_start = qo_indptr[request]
+        for r in range(rows):
+            q_index = r // group
+            q_head = head * group + (r - q_index * group)
+            top = -np.inf
+            for s in range(splits):
+                at = first + s * rows + r
+                if partial_stats[at, 1] > 0.0:
+                    top = max(top, partial_stats[at, 0])
+            if sinks.shape[0] > 0:
+                top = max(top, sinks[q_head])
+            total = np.float32(0.0)
+            for d in range(dim):
+                merged[d] = 0.0
+            for s in range(splits):
+                at = first + s * rows + r
+                if partial_stats[at, 1] > 0.0:
+                    weight = np.float32(math.exp(partial_stats[at, 0] - top))
+                    total += weight * partial_stats[at, 1]
+                    for d in range(dim):
+                        merged[d] += weight * partial_acc[at, d]
+            if sinks.shape[0] > 0:  # the sink joins the denominator, adds no value
+                total += np.float32(math.exp(sinks[q_head] - top))
+            inverse = np.float32(1.0) / total
+            for d in range(dim):
+                out[query_start + q_index, q_head, d] = merged[d] * inverse

@@ -1,0 +1,513 @@
+"""The compiled CPU paged-attention kernel: one call per layer for a whole batch.
+
+The NumPy and torch backends hand their pools here on CPU (zero-copy: a ``[rows,
+head_dim]`` view of one layer's K or V and its strides in rows); the kernel itself, numba code, lives in
+:mod:`kvcache_core.attention._kernel_jit` and this module is its typed face. It is used
+only when numba imports and the environment variable ``KVCACHE_DISABLE_NUMBA`` is
+unset (or ``0``); otherwise the backends run their Python/NumPy paths, which stay the
+reference.
+
+What a call does (FlashDecoding on a CPU):
+
+* the rows of a ``(request, kv_head)`` pair -- its queries times the query heads of that
+  KV head -- are attended together, so every key and value row is read once per group;
+* the pairs, and chunks of ``ROW_SPLIT`` rows of long prefills, are the work items; when
+  there are fewer than ``4 x threads`` of them, decode-like pairs of long contexts are
+  split along their keys (at least ``MIN_SPLIT_KEYS`` each) and the splits are merged
+  with a log-sum-exp;
+* the threads claim the items longest first from one atomic counter: the calling thread
+  and a small pool of worker threads, each in compiled code without the GIL (Python
+  threads rather than numba's threading layer: a launch costs ~30 us on a busy machine
+  where libgomp's default wait policy measured 30 ms, and nothing process-wide is
+  configured). A worker the OS keeps waiting delays a call by one item at most, and a
+  batch of less than ``MIN_THREAD_WORK`` runs on the calling thread alone. A framework
+  with a thread pool of its own hands it over as the call's ``team``
+  (:data:`ThreadTeam`): the torch backend runs the shares on torch's OpenMP threads,
+  which after torch's own operators are awake and spinning on the cores a second set of
+  threads would have to share;
+* softmax is online, in float32, whatever the pool's dtype (float32, float16, bfloat16);
+* the attention features of :mod:`kvcache_core.attention.features` (softcap, sinks,
+  chunk; the window is the sliding window) are keyword arguments of
+  :func:`attend_with_kernel`.
+
+The plan of a batch (items, threads, splits) depends only on the page table, the query
+offsets, the geometry and the thread count: it is computed once and reused by every layer
+of the step (cached per :class:`PageTable`, which is immutable).
+
+The first call on a machine compiles the kernel (measured 8 s on a busy 2-core machine,
+once for float32, float16 and bfloat16 pools, once more for quantized ones) and caches it on
+disk (numba
+``cache=True``, in ``__pycache__`` next to the module, or ``NUMBA_CACHE_DIR``); later
+processes import numba and the module in 0.3 s and load the compiled code in 0.4 s.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.attention.features import check_chunk, check_finite_logits, check_softcap, check_window
+from kvcache_core.errors import InvalidTypeError, UnsupportedConfigError
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.scalars import check_count, check_positive_float32
+
+__all__ = [
+    "DISABLE_ENV",
+    "KERNEL_DTYPES",
+    "MIN_SPLIT_KEYS",
+    "MIN_THREAD_WORK",
+    "QUANTIZED_KERNEL_DTYPES",
+    "ROW_SPLIT",
+    "ThreadTeam",
+    "attend_with_kernel",
+    "check_team_call",
+    "kernel_available",
+    "kernel_reads",
+    "max_threads",
+    "python_team",
+]
+
+#: Set to anything but ``""`` or ``"0"`` to switch the kernel off (the backends then run
+#: their reference paths); read at every call.
+DISABLE_ENV: Final = "KVCACHE_DISABLE_NUMBA"
+
+#: Pool dtypes the kernel reads (``bfloat16`` handed over as its ``uint16`` bits).
+KERNEL_DTYPES: Final = ("float32", "float16", "bfloat16")
+#: Quantized pool dtypes the kernel reads too, handed over as ``uint8`` bytes with their scales.
+QUANTIZED_KERNEL_DTYPES: Final = ("int8", "float8_e4m3fn")
+
+#: Rows (queries x group) per work item of a long prefill.
+ROW_SPLIT: Final = 64
+#: Fewest keys in one KV split.
+MIN_SPLIT_KEYS: Final = 512
+
+#: Rough cost of reading one K/V row from memory, in units of one query row's products with it.
+_ROW_READ_COST = 8
+#: Least work (in those units, about 3 ns each) worth a thread of its own: waking a worker and
+#: waiting for it costs some 30-50 us, so a small batch runs on the calling thread alone.
+MIN_THREAD_WORK = 16384
+
+_POOL_KINDS: Final = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "float8_e4m3fn": 4}
+_POOL_ELEMENTS: Final = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.uint16),
+    "bfloat16": np.dtype(np.uint16),
+    "int8": np.dtype(np.uint8),
+    "float8_e4m3fn": np.dtype(np.uint8),
+}
+#: What the float kernels get for the scale arguments they never read (one compiled signature).
+_NO_SCALES: Final = np.zeros(1, dtype=np.float32)
+_NO_SCALES.flags.writeable = False
+_NO_STRIDES: Final = np.zeros(3, dtype=np.int64)
+_NO_STRIDES.flags.writeable = False
+_NO_SINKS: Final = np.zeros(0, dtype=np.float32)
+_NO_SINKS.flags.writeable = False
+#: What the kernel gets for the pools it does not read: float32 rows beside a 16-bit pool's
+#: bits, 16-bit bits beside a float32 pool.
+_NO_ROWS: Final = np.zeros((1, 1), dtype=np.float32)
+_NO_ROWS.flags.writeable = False
+_NO_BITS: Final = np.zeros((1, 1), dtype=np.uint16)
+_NO_BITS.flags.writeable = False
+
+
+_HEADS_AXIS: Final = {"NHD": 2, "HND": 1, "heads_first": 0}
+#: Axes of (block, token in block, head) in each layout.
+_STRIDE_AXES: Final = {"NHD": (0, 1, 2), "HND": (0, 2, 1), "heads_first": (1, 2, 0)}
+
+FloatArray = npt.NDArray[np.float32]
+IndexArray = npt.NDArray[np.int64]
+
+# One launch at a time: each uses every thread it is given, so two at once would oversubscribe.
+_launch_lock = threading.Lock()
+_load_lock = threading.Lock()
+_jit_module: ModuleType | None = None
+_jit_missing = False
+_workers: ThreadPoolExecutor | None = None
+
+
+def _jit() -> ModuleType | None:
+    """The compiled module, imported on first use (importing numba takes a while); ``None``
+    when numba is not installed."""
+    global _jit_module, _jit_missing
+    if _jit_module is None and not _jit_missing:
+        with _load_lock:
+            if _jit_module is None and not _jit_missing:
+                try:
+                    _jit_module = importlib.import_module("kvcache_core.attention._kernel_jit")
+                except ImportError:
+                    _jit_missing = True
+    return _jit_module
+
+
+def kernel_available() -> bool:
+    """Whether the compiled kernel runs here: numba imports and ``KVCACHE_DISABLE_NUMBA``
+    does not switch it off."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return False
+    return _jit() is not None
+
+
+def max_threads() -> int:
+    """The most threads a kernel call uses: the CPUs this process may run on."""
+    affinity: Callable[[int], set[int]] | None = getattr(os, "sched_getaffinity", None)
+    count = len(affinity(0)) if affinity is not None else os.cpu_count()
+    return max(1, count or 1)
+
+
+#: Runs ``share`` on up to ``threads`` threads, the calling thread among them, and returns
+#: once every share it started has returned; the first exception any of them raised is
+#: raised again. Each share claims the call's work items from one counter until none is
+#: left, so a team may start its threads in any order, and a share it has not started
+#: when the calling thread's share returns has nothing left to do (it may be skipped).
+ThreadTeam = Callable[[Callable[[], None], int], None]
+
+
+def check_team_call(share: object, threads: object) -> None:
+    """What every :data:`ThreadTeam` checks of its call.
+
+    Raises:
+        InvalidTypeError: ``share`` is not callable.
+        InvalidArgumentError: ``threads`` is not an int >= 1.
+    """
+    if not callable(share):
+        raise InvalidTypeError(f"a team runs a callable share, got {share!r}")
+    check_count(threads, "the thread count a team runs on", 1)
+
+
+def python_team(share: Callable[[], None], threads: int) -> None:
+    """The default :data:`ThreadTeam`: the calling thread and ``threads - 1`` threads of a
+    pool of Python threads, each running compiled code without the GIL.
+
+    Raises:
+        InvalidTypeError, InvalidArgumentError: see :func:`check_team_call`.
+    """
+    check_team_call(share, threads)
+    pool = _worker_pool()
+    others = [pool.submit(share) for _ in range(threads - 1)]
+    try:
+        share()
+    finally:
+        for future in others:
+            if not future.cancel():  # a worker that never started has nothing left to do
+                future.result()
+
+
+def _worker_pool() -> ThreadPoolExecutor:
+    """The threads that run the shares after the first (started on demand)."""
+    global _workers
+    if _workers is None:
+        with _load_lock:
+            if _workers is None:
+                _workers = ThreadPoolExecutor(max(1, max_threads() - 1), thread_name_prefix="kvcache-attention")
+    return _workers
+
+
+def kernel_reads(dtype: str, key_cache: npt.NDArray[Any], value_cache: npt.NDArray[Any]) -> bool:
+    """Whether the kernel can read these pools in place: a dtype of :data:`KERNEL_DTYPES` or
+    :data:`QUANTIZED_KERNEL_DTYPES`, arrays of its element type (``uint16`` for 16-bit pools,
+    ``uint8`` for quantized ones), the feature axis contiguous, the other strides whole
+    multiples of a feature row (the kernel reads rows of ``head_dim``) and none negative."""
+    element = _POOL_ELEMENTS.get(dtype)
+    if element is None:
+        return False
+    for cache in (key_cache, value_cache):
+        if cache.dtype != element or cache.ndim != 4 or cache.size == 0:
+            return False
+        if cache.strides[3] != cache.itemsize or min(cache.strides) < 0:
+            return False
+        row_bytes = cache.shape[3] * cache.itemsize
+        if any(
+            stride % row_bytes for stride, extent in zip(cache.strides[:3], cache.shape[:3], strict=True) if extent > 1
+        ):
+            return False  # rows that do not start at whole multiples of head_dim
+    return key_cache.shape == value_cache.shape
+
+
+def _pool_rows(cache: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """A read-only ``[rows, head_dim]`` view from the array's first row to its last (no copy):
+    one row per (block, token, head), the kernel's unit of reading."""
+    if cache.flags.c_contiguous:
+        rows: npt.NDArray[Any] = cache.reshape(-1, cache.shape[3])  # a view (and quicker than as_strided)
+        rows.flags.writeable = False
+        return rows
+    row_bytes = cache.shape[3] * cache.itemsize
+    last = sum((extent - 1) * stride for extent, stride in zip(cache.shape, cache.strides, strict=True))
+    return np.lib.stride_tricks.as_strided(
+        cache, shape=(last // row_bytes + 1, cache.shape[3]), strides=(row_bytes, cache.itemsize), writeable=False
+    )
+
+
+def _read_only(array: npt.NDArray[Any], dtype: type[np.generic]) -> npt.NDArray[Any]:
+    """A C-contiguous read-only array of ``dtype`` (a view when it already is one): every
+    call hands numba the same types, so the kernel compiles once."""
+    if array.dtype == dtype and not array.flags.writeable and array.flags.c_contiguous:
+        return array  # a page table's arrays, a plan's: read-only already
+    view: npt.NDArray[Any] = np.ascontiguousarray(array, dtype=dtype).view()
+    view.flags.writeable = False
+    return view
+
+
+@functools.lru_cache(maxsize=64)
+def _row_strides(strides: tuple[int, ...], kv_layout: str, row_bytes: int) -> IndexArray:
+    """Read-only int64 strides in rows of (block, token in block, head) of a pool with byte
+    ``strides`` in ``kv_layout`` (the same few for every call of a run)."""
+    rows = np.asarray([strides[axis] // row_bytes for axis in _STRIDE_AXES[kv_layout]], dtype=np.int64)
+    rows.flags.writeable = False
+    return rows
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The work of one batch: items ``[n, 7]`` (request, kv_head, first_row, last_row,
+    first_key, last_key, partial_row), longest first, for ``threads`` threads; merges ``[m,
+    5]`` (request, kv_head, rows, first_partial_row, splits), partial rows."""
+
+    items: IndexArray
+    threads: int
+    merges: IndexArray
+    partial_rows: int
+
+
+_plans: weakref.WeakKeyDictionary[PageTable, dict[tuple[Any, ...], _Plan]] = weakref.WeakKeyDictionary()
+_plans_lock = threading.Lock()
+
+
+def _plan(
+    page_table: PageTable,
+    qo_indptr: npt.NDArray[np.int32],
+    num_heads: int,
+    group: int,
+    causal: bool,
+    window: int,
+    threads: int,
+    chunk: int = 0,
+) -> _Plan:
+    """Work items and their shares for ``threads`` threads (see the module docstring);
+    ``window`` and ``chunk`` 0 when unset."""
+    seq_lens = page_table.seq_lens.tolist()
+    offsets = qo_indptr.tolist()
+    # (work, request, head, first_row, last_row, first_key, last_key)
+    chunks: list[tuple[int, int, int, int, int, int, int]] = []
+    decode_like: list[tuple[int, int, int]] = []  # (request, rows, first_key) of one-chunk requests
+    for request, seq_len in enumerate(seq_lens):
+        num_queries = offsets[request + 1] - offsets[request]
+        if num_queries == 0:
+            continue
+        rows = num_queries * group
+        for first_row in range(0, rows, ROW_SPLIT):
+            last_row = min(rows, first_row + ROW_SPLIT)
+            last_position = seq_len - num_queries + (last_row - 1) // group
+            first_position = seq_len - num_queries + first_row // group
+            high = last_position + 1 if causal else seq_len
+            low = _first_visible(first_position, window, chunk)
+            work = (high - low) * (_ROW_READ_COST + last_row - first_row)
+            chunks.extend((work, request, head, first_row, last_row, 0, seq_len) for head in range(num_heads))
+        if rows <= ROW_SPLIT:
+            first_key = _first_visible(seq_len - num_queries, window, chunk)
+            decode_like.append((request, rows, first_key))
+    threads = max(1, min(threads, sum(chunk[0] for chunk in chunks) // MIN_THREAD_WORK))
+    split_rows: dict[int, int] = {}
+    if threads > 1 and len(chunks) < 4 * threads and decode_like:
+        wanted = math.ceil(4 * threads / len(chunks))
+        for request, _, first_key in decode_like:
+            splits = min(wanted, (seq_lens[request] - first_key) // MIN_SPLIT_KEYS)
+            if splits > 1:
+                split_rows[request] = splits
+    items: list[tuple[int, list[int]]] = []
+    merges: list[list[int]] = []
+    partial_rows = 0
+    for work, request, head, first_row, last_row, first_key, last_key in chunks:
+        splits = split_rows.get(request, 1)
+        if splits == 1:
+            items.append((work, [request, head, first_row, last_row, first_key, last_key, -1]))
+            continue
+        rows = last_row - first_row
+        merges.append([request, head, rows, partial_rows, splits])
+        low = _first_visible(seq_lens[request] - (offsets[request + 1] - offsets[request]), window, chunk)
+        bounds = np.linspace(low, last_key, splits + 1).astype(np.int64).tolist()
+        for split in range(splits):
+            items.append(
+                (
+                    work // splits,
+                    [request, head, first_row, last_row, bounds[split], bounds[split + 1], partial_rows + split * rows],
+                )
+            )
+        partial_rows += splits * rows
+    items.sort(key=lambda entry: -entry[0])  # longest first: the threads claim them in this order
+    return _Plan(
+        items=_read_only(np.asarray([item for _, item in items], dtype=np.int64).reshape(-1, 7), np.int64),
+        threads=min(threads, len(items)),
+        merges=_read_only(np.asarray(merges, dtype=np.int64).reshape(-1, 5), np.int64),
+        partial_rows=partial_rows,
+    )
+
+
+def _first_visible(position: int, window: int, chunk: int) -> int:
+    """The oldest key the query at ``position`` may see (``window``/``chunk`` 0: unset)."""
+    low = max(0, position - window + 1) if window > 0 else 0
+    return max(low, position // chunk * chunk) if chunk > 0 else low
+
+
+def _cached_plan(page_table: PageTable, qo_indptr: npt.NDArray[np.int32], *key: Any) -> _Plan:
+    """:func:`_plan`, computed once per page table, query offsets and geometry."""
+    full_key = (qo_indptr.tobytes(), *key)
+    with _plans_lock:
+        known = _plans.get(page_table)
+        if known is not None and full_key in known:
+            return known[full_key]
+    plan = _plan(page_table, qo_indptr, *key)
+    with _plans_lock:
+        known = _plans.setdefault(page_table, {})
+        if len(known) > 8:  # one table attended in many ways: keep the latest few
+            known.clear()
+        known[full_key] = plan
+    return plan
+
+
+def attend_with_kernel(
+    query: npt.NDArray[Any],
+    key_cache: npt.NDArray[Any],
+    value_cache: npt.NDArray[Any],
+    page_table: PageTable,
+    qo_indptr: npt.NDArray[np.int32],
+    *,
+    dtype: str,
+    scale: float,
+    causal: bool,
+    kv_layout: str,
+    sliding_window: int | None,
+    num_threads: int | None = None,
+    softcap: float | None = None,
+    sinks: npt.NDArray[Any] | None = None,
+    chunk: int | None = None,
+    key_scales: npt.NDArray[np.float32] | None = None,
+    value_scales: npt.NDArray[np.float32] | None = None,
+    team: ThreadTeam | None = None,
+) -> FloatArray:
+    """Paged attention of a batch in one compiled call, reading the pools in place.
+
+    Arguments are those of :func:`kvcache_core.paged_attention`, already validated (the
+    page table names blocks of these pools, ``qo_indptr`` fits it); the scalars and sinks
+    are checked again here (cheaply), so a bad one is refused by name rather than by numba.
+
+    Args:
+        query: ``[total_queries, num_query_heads, head_dim]``, any float dtype (read as float32).
+        key_cache, value_cache: one layer's pool in ``kv_layout``, accepted by
+            :func:`kernel_reads` for ``dtype`` (a bfloat16 pool as its ``uint16`` bits).
+        page_table: the batch's pages.
+        qo_indptr: ``[B + 1]`` int32 query offsets.
+        dtype: the pool's dtype name, one of :data:`KERNEL_DTYPES` or :data:`QUANTIZED_KERNEL_DTYPES`.
+        scale: score scale.
+        causal: each request's queries are its last tokens and see keys up to their own.
+        kv_layout: ``"NHD"``, ``"HND"`` or ``"heads_first"``.
+        sliding_window: ``W`` (a query at ``p`` sees keys after ``p - W``) or ``None``.
+        num_threads: threads to use, at most :func:`max_threads` (default: that many).
+        softcap: scores become ``tanh(s / softcap) * softcap`` before the mask.
+        sinks: ``[num_query_heads]`` logits joining each head's softmax denominator.
+        chunk: a query at ``p`` sees only keys ``k`` with ``k // chunk == p // chunk``.
+        key_scales, value_scales: for a quantized pool (``int8``, ``float8_e4m3fn``, its
+            caches handed over as ``uint8``), the layer's scales ``[num_heads, num_blocks,
+            block_size]`` float32, C-contiguous; each tile of keys is decoded with them.
+        team: what runs a call's shares on its threads (default :func:`python_team`); a
+            framework with a thread pool of its own hands its pool here (the torch backend
+            hands torch's OpenMP team), so the kernel's threads are the ones that pool keeps
+            awake rather than a second set competing with them for the cores.
+
+    Returns:
+        ``[total_queries, num_query_heads, head_dim]`` float32.
+
+    Raises:
+        UnsupportedConfigError: numba is not installed, or the pools are not readable in
+            place (:func:`kernel_reads`).
+        InvalidTypeError: ``team`` is neither ``None`` nor callable.
+        InvalidArgumentError: ``scale``, ``softcap``, ``sliding_window``, ``chunk`` out of
+            the ranges of :func:`kvcache_core.paged_attention`, or non-finite ``sinks``.
+    """
+    if team is not None and not callable(team):
+        raise InvalidTypeError(f"team must be a ThreadTeam (a callable) or None, got {team!r}")
+    checked_scale = check_positive_float32(scale, "scale")
+    window = check_window(sliding_window, "sliding_window") or 0  # 0: none
+    chunk_size = check_chunk(chunk) or 0
+    cap = check_softcap(softcap)
+    if sinks is not None:
+        check_finite_logits("sinks", np.asarray(sinks))
+    module = _jit()
+    if module is None:
+        raise UnsupportedConfigError("the compiled paged-attention kernel needs numba: pip install numba")
+    if not kernel_reads(dtype, key_cache, value_cache):
+        raise UnsupportedConfigError(
+            f"the kernel cannot read {dtype} pools of dtype {key_cache.dtype}, strides {key_cache.strides} in place"
+        )
+    quantized = dtype in QUANTIZED_KERNEL_DTYPES
+    if quantized and (key_scales is None or value_scales is None):
+        raise UnsupportedConfigError(f"a {dtype} pool is read with its key_scales and value_scales")
+    total_queries, query_heads, head_dim = query.shape
+    out: FloatArray = np.empty((total_queries, query_heads, head_dim), dtype=np.float32)
+    if total_queries == 0:
+        return out
+    num_heads = key_cache.shape[_HEADS_AXIS[kv_layout]]
+    group = query_heads // num_heads
+    limit = max_threads()
+    threads = limit if num_threads is None else max(1, min(num_threads, limit))
+    plan = _cached_plan(page_table, qo_indptr, num_heads, group, causal, window, threads, chunk_size)
+    strides = _row_strides(key_cache.strides, kv_layout, head_dim * key_cache.itemsize)
+    partial_acc = np.empty((plan.partial_rows, head_dim), dtype=np.float32)
+    partial_stats = np.empty((plan.partial_rows, 2), dtype=np.float32)
+    attend: Callable[..., None] = module.attend_share
+    merge: Callable[..., None] = module.merge_splits
+    # float32 pools are read in place as float32 rows, the others as their bits; the pair not
+    # used is a stand-in, so one compiled version serves every float pool (one every quantized).
+    if dtype == "float32":
+        pools = (_pool_rows(key_cache), _pool_rows(value_cache), _NO_BITS, _NO_BITS)
+    else:
+        pools = (_NO_ROWS, _NO_ROWS, _pool_rows(key_cache), _pool_rows(value_cache))
+    arguments = (
+        _read_only(query, np.float32),
+        *pools,
+        _POOL_KINDS[dtype],
+        strides,
+        _read_only(page_table.block_tables, np.int32),
+        _read_only(page_table.seq_lens, np.int32),
+        _read_only(qo_indptr, np.int32),
+    )
+    options = (group, page_table.block_size, checked_scale, bool(causal), window, out, partial_acc, partial_stats)
+    # The attention features: softcap 0 and chunk 0 mean none, an empty sinks array no sinks.
+    head_sinks = _NO_SINKS if sinks is None else _read_only(np.asarray(sinks), np.float32)
+    features: tuple[Any, ...] = (0.0 if cap is None else cap, head_sinks, chunk_size)
+    # A quantized pool's scales (flat, with element strides block, token, head); empty otherwise.
+    if quantized and key_scales is not None and value_scales is not None:
+        scale_options = (
+            _read_only(key_scales, np.float32).reshape(-1),
+            _read_only(value_scales, np.float32).reshape(-1),
+            _read_only(np.asarray([key_scales.shape[2], 1, key_scales.shape[1] * key_scales.shape[2]]), np.int64),
+        )
+    else:
+        scale_options = (_NO_SCALES, _NO_SCALES, _NO_STRIDES)
+    features = (*features, *scale_options)
+    # The threads claim items from one counter: a worker the OS leaves waiting (a busy
+    # machine) delays the call by the item it holds at most, not by a share of its own.
+    claimed = np.zeros(1, dtype=np.int64)
+
+    def share() -> None:
+        attend(*arguments, plan.items, claimed, *options, *features)
+
+    with _launch_lock:
+        if plan.threads > 1:
+            (team or python_team)(share, plan.threads)
+        else:
+            share()
+        if plan.merges.shape[0]:
+            merge(arguments[9], plan.merges, group, out, partial_acc, partial_stats, head_sinks)
+    return out

@@ -1,0 +1,579 @@
+"""Value types that configure a cache and ask for one: :class:`CacheConfig`, :class:`AllocationRequest`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.contract.device import Device
+from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerIndexError
+from kvcache_core.contract.groups import KvGroup, LayerSpec, layer_slot, plan_groups
+from kvcache_core.contract.scalars import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    IntLike,
+    RealLike,
+    as_integer,
+    check_count,
+    check_flag,
+    check_positive_float32,
+    check_real,
+    shown,
+)
+
+__all__ = [
+    "DTYPE_SIZES",
+    "KV_LAYOUTS",
+    "MAX_POOL_SLOTS",
+    "MAX_KV_SCALE",
+    "MAX_TOKEN_ID",
+    "QUANTIZED_DTYPES",
+    "QUANTIZED_RANGE",
+    "AllocationRequest",
+    "CacheConfig",
+    "check_count",
+    "check_token_ids",
+]
+
+#: Bytes per element of every dtype name a backend may claim. Each backend holds only the
+#: dtypes it lists in ``BackendSpec.dtypes``: NumPy has no bfloat16, so the built-in ``numpy``
+#: backend holds float16, float32 and float64; ``torch`` and ``jax`` hold float32, float16 and
+#: bfloat16 (host copies of blocks are in one form per dtype on every backend, bfloat16 as
+#: its bit patterns: :mod:`kvcache_core.offload.host_form`).
+DTYPE_SIZES: Final[dict[str, int]] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+}
+
+#: Pool dtypes that hold K/V quantized, with scales beside their blocks
+#: (:mod:`kvcache_core.contract.quantization`): ``"int8"`` (symmetric, one scale per token per KV
+#: head) and ``"float8_e4m3fn"`` (one scale per KV head per layer).
+QUANTIZED_DTYPES: Final[tuple[str, ...]] = ("int8", "float8_e4m3fn")
+
+#: The largest magnitude each quantized dtype holds: ``raw`` spans ``[-range, range]``.
+QUANTIZED_RANGE: Final[dict[str, float]] = {"int8": 127.0, "float8_e4m3fn": 448.0}
+
+#: The largest calibrated float8 scale (``CacheConfig.kv_scales``): ``448 * scale``, the
+#: largest value it decodes to, stays a finite float32.
+MAX_KV_SCALE: Final = FLOAT32_MAX / QUANTIZED_RANGE["float8_e4m3fn"]
+
+#: The compute dtypes a quantized pool may take: what ``write`` takes and attention returns.
+COMPUTE_DTYPES: Final[tuple[str, ...]] = ("float32", "float16", "bfloat16")
+
+#: Bytes of the scale kept per token per KV head (K and V each) in a quantized pool: float32.
+SCALE_BYTES: Final = 4
+
+#: Pool layouts. ``"NHD"`` is ``[num_blocks, block_size, num_heads, head_dim]`` (vLLM,
+#: FlashInfer); ``"HND"`` is ``[num_blocks, num_heads, block_size, head_dim]``;
+#: ``"heads_first"`` is ``[num_heads, num_blocks, block_size, head_dim]`` (JAX Pallas).
+KV_LAYOUTS: Final[tuple[str, ...]] = ("NHD", "HND", "heads_first")
+
+
+#: The largest token id accepted (token ids are hashed as 64-bit integers).
+MAX_TOKEN_ID: Final = 2**63 - 1
+
+
+#: The most slots (``num_blocks * block_size``) a pool may have: page tables are int32.
+MAX_POOL_SLOTS: Final = INT32_MAX
+
+
+def check_token_ids(value: object, name: str) -> tuple[int, ...]:
+    """``value`` as a tuple of token ids, if it is a sequence (or 1-D integer array) of
+    ints in ``[0, MAX_TOKEN_ID]``.
+
+    Raises:
+        InvalidArgumentError: anything else; the message names ``name``, the first bad
+            element and the valid range.
+    """
+    if isinstance(value, np.ndarray):
+        array = cast("npt.NDArray[Any]", value)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            raise InvalidArgumentError(
+                f"{name} must be a 1-D integer array, got dtype {array.dtype} shape {array.shape}"
+            )
+        value = array.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InvalidArgumentError(f"{name} must be a sequence of ints in [0, {MAX_TOKEN_ID}], got {shown(value)}")
+    items: list[object] = list(cast("Iterable[object]", value))
+    checked: list[int] = []
+    for index, item in enumerate(items):
+        token = as_integer(item)
+        if token is None or not 0 <= token <= MAX_TOKEN_ID:
+            raise InvalidArgumentError(
+                f"{name}[{index}] = {shown(item)} is not a token id: valid ids are ints in [0, {MAX_TOKEN_ID}]"
+            )
+        checked.append(token)
+    return tuple(checked)
+
+
+def _plain_str(value: object) -> object:
+    """A ``str`` subclass (NumPy's ``str_``) as a plain ``str``; anything else unchanged."""
+    return str(value) if isinstance(value, str) else value
+
+
+def _store_fields(instance: Any, arguments: dict[str, Any]) -> None:
+    """Set a frozen dataclass's fields from its written-out ``__init__``'s arguments
+    (``locals()``), then run its ``__post_init__``, which checks and normalizes them."""
+    for name, value in arguments.items():
+        if name != "self":
+            object.__setattr__(instance, name, value)
+    instance.__post_init__()
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class CacheConfig:
+    """Geometry and policy of one paged pool.
+
+    Attributes:
+        num_layers: transformer layers cached (>= 1).
+        num_heads: KV heads per layer (>= 1); query heads may be a multiple (GQA).
+        head_dim: features per head (>= 1).
+        num_blocks: blocks in the pool (>= 1).
+        block_size: tokens per block (>= 1), 16 by default.
+        dtype: element type of the pool, a key of :data:`DTYPE_SIZES`; one of
+            :data:`QUANTIZED_DTYPES` for a quantized pool (its scales live beside its blocks).
+        device: where the pool lives; a :class:`Device` or its text (``"cuda:0"``).
+        kv_layout: pool layout, one of :data:`KV_LAYOUTS`, or ``None`` (the default): the
+            layout the backend runs fastest, which :func:`~kvcache_core.create_manager` (or
+            the backend's storage) resolves; the manager's ``config`` shows the result.
+        enable_prefix_caching: share full prompt blocks between requests: ``allocate`` maps
+            the cached full blocks of ``AllocationRequest.prompt_token_ids``; blocks whose
+            K/V are written stay cached after their requests end, until evicted.
+        sliding_window: ``W``, the tokens each query attends to (its last ``W``, itself
+            included), or ``None`` for all; blocks wholly older than the window are released
+            as a request grows.
+        medium_pressure_threshold, high_pressure_threshold, critical_pressure_threshold:
+            fractions of the pool in use at which :class:`MemoryPressure` rises;
+            ``0 < medium < high < critical <= 1``.
+        model_id: the namespace of this pool's K/V (the model's name and revision, or a
+            fingerprint of its config, dtype and layer specs), or ``None`` for none. It
+            enters the root of every prefix-cache hash chain, so blocks cached, saved or
+            published under one namespace never map into a pool of another.
+        compute_dtype: dtype of the K/V ``write`` takes, of queries and of attention
+            outputs, one of :data:`COMPUTE_DTYPES`; only a quantized pool may differ from
+            :attr:`dtype`. ``None`` (the default): the pool's own dtype, or float32 for a
+            quantized pool. :attr:`io_dtype` is the resolved name.
+        layer_specs: the attention of every layer (``[num_layers]`` :class:`LayerSpec`:
+            full, sliding window ``W`` or chunked ``C``), or ``None``: every layer full, or
+            sliding with :attr:`sliding_window`. Layers that keep the same blocks form
+            KV-cache groups (:attr:`kv_groups`, see :mod:`kvcache_core.contract.groups`), each with
+            its own block table per request over the one pool. Stored as a tuple.
+        kv_scales: calibrated float8 scales, ``[num_layers][2][num_heads]`` (K then V, one
+            per KV head), as vLLM's checkpoints carry, each a normal float32 from
+            ``FLOAT32_TINY`` to :data:`MAX_KV_SCALE` (backends decode in float32); only for
+            ``dtype="float8_e4m3fn"``. ``None``: each scale tracks the running maximum (see
+            :mod:`kvcache_core.contract.quantization`). Stored as nested tuples of floats.
+
+    Every field is stored as a plain Python value (NumPy integers, floats and strings
+    are accepted and converted; a bool is refused where a number is meant). Counts and
+    windows span at most ``INT32_MAX`` (page tables and kernels index in int32).
+
+    Raises:
+        InvalidConfigError: any field out of its range; the message names it and the
+            valid range.
+    """
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    num_blocks: int
+    block_size: int = 16
+    dtype: str = "float32"
+    device: Device = field(default_factory=Device)
+    kv_layout: str | None = None
+    enable_prefix_caching: bool = False
+    sliding_window: int | None = None
+    medium_pressure_threshold: float = 0.6
+    high_pressure_threshold: float = 0.8
+    critical_pressure_threshold: float = 0.95
+    model_id: str | None = None
+    compute_dtype: str | None = None
+    kv_scales: tuple[tuple[tuple[float, ...], ...], ...] | None = None
+    layer_specs: tuple[LayerSpec, ...] | None = None
+    _groups: tuple[KvGroup, ...] = field(default=(), init=False, repr=False, compare=False)
+    _slots: tuple[tuple[int, int], ...] = field(default=(), init=False, repr=False, compare=False)
+    _specs: tuple[LayerSpec, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __init__(
+        self,
+        num_layers: IntLike,
+        num_heads: IntLike,
+        head_dim: IntLike,
+        num_blocks: IntLike,
+        block_size: IntLike = 16,
+        dtype: str = "float32",
+        device: Device | str = "cpu",
+        kv_layout: str | None = None,
+        enable_prefix_caching: bool | np.bool_ = False,
+        sliding_window: IntLike | None = None,
+        medium_pressure_threshold: RealLike = 0.6,
+        high_pressure_threshold: RealLike = 0.8,
+        critical_pressure_threshold: RealLike = 0.95,
+        model_id: str | None = None,
+        compute_dtype: str | None = None,
+        kv_scales: object = None,
+        layer_specs: object = None,
+    ) -> None:
+        # Written out so that ``device`` accepts its text form ("cuda:0") and is stored as
+        # a Device; the dataclass still provides eq, repr, hash and replace().
+        _store_fields(self, locals())
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "head_dim", "num_blocks", "block_size"):
+            count = check_count(getattr(self, name), f"CacheConfig.{name}", 1, INT32_MAX, error=InvalidConfigError)
+            object.__setattr__(self, name, count)
+        for name in ("dtype", "kv_layout", "model_id", "compute_dtype"):
+            object.__setattr__(self, name, _plain_str(getattr(self, name)))
+        if self.num_blocks * self.block_size > MAX_POOL_SLOTS:
+            raise InvalidConfigError(
+                f"CacheConfig has {self.num_blocks} blocks of {self.block_size} tokens = "
+                f"{self.num_blocks * self.block_size} slots; page tables address at most {MAX_POOL_SLOTS}"
+            )
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
+            raise InvalidConfigError(
+                f"CacheConfig.dtype {shown(self.dtype)} is unknown; valid: {', '.join(DTYPE_SIZES)}"
+            )
+        self._check_quantization()
+        try:
+            object.__setattr__(self, "device", Device.parse(self.device))
+        except InvalidArgumentError as exc:
+            raise InvalidConfigError(f"CacheConfig.device: {exc}") from exc
+        if self.kv_layout is not None and (not isinstance(self.kv_layout, str) or self.kv_layout not in KV_LAYOUTS):
+            raise InvalidConfigError(
+                f"CacheConfig.kv_layout {shown(self.kv_layout)} is unknown; valid: {', '.join(KV_LAYOUTS)} "
+                "or None (the backend's preferred layout)"
+            )
+        flag = check_flag(self.enable_prefix_caching, "CacheConfig.enable_prefix_caching", error=InvalidConfigError)
+        object.__setattr__(self, "enable_prefix_caching", flag)
+        if self.sliding_window is not None:
+            window = check_count(
+                self.sliding_window, "CacheConfig.sliding_window", 1, INT32_MAX, error=InvalidConfigError
+            )
+            object.__setattr__(self, "sliding_window", window)
+        self._check_layer_specs()
+        if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
+            raise InvalidConfigError(
+                f"CacheConfig.model_id must be a non-empty str or None, got {shown(self.model_id)}"
+            )
+        self._check_thresholds()
+
+    def _check_thresholds(self) -> None:
+        """Validate the pressure thresholds and store them as floats."""
+        names = ("medium_pressure_threshold", "high_pressure_threshold", "critical_pressure_threshold")
+        given = [getattr(self, name) for name in names]
+        message = (
+            "pressure thresholds must be numbers with 0 < medium < high < critical <= 1, got "
+            f"medium={shown(given[0])}, high={shown(given[1])}, critical={shown(given[2])}"
+        )
+        try:
+            medium, high, critical = (
+                check_real(value, f"CacheConfig.{name}") for value, name in zip(given, names, strict=True)
+            )
+        except InvalidArgumentError as exc:
+            raise InvalidConfigError(message) from exc
+        if not 0.0 < medium < high < critical <= 1.0:
+            raise InvalidConfigError(message)
+        for name, value in zip(names, (medium, high, critical), strict=True):
+            object.__setattr__(self, name, value)
+
+    def _check_layer_specs(self) -> None:
+        """Validate ``layer_specs`` and work out the KV-cache groups."""
+        specs = self.layer_specs
+        if specs is not None:
+            if isinstance(specs, (str, bytes)) or not isinstance(specs, Iterable):
+                raise InvalidConfigError(
+                    f"CacheConfig.layer_specs must be a sequence of LayerSpec (one per layer) or None, got {shown(specs)}"
+                )
+            items = tuple(cast("Iterable[object]", specs))
+            for layer, spec in enumerate(items):
+                if not isinstance(spec, LayerSpec):
+                    raise InvalidConfigError(f"CacheConfig.layer_specs[{layer}] must be a LayerSpec, got {shown(spec)}")
+            if self.sliding_window is not None:
+                raise InvalidConfigError(
+                    f"CacheConfig has sliding_window={self.sliding_window} and layer_specs: give each sliding "
+                    "layer its window in layer_specs (sliding_window means every layer)"
+                )
+            specs = cast("tuple[LayerSpec, ...]", items)
+            object.__setattr__(self, "layer_specs", specs)
+        groups = plan_groups(self.num_layers, specs, self.sliding_window)
+        object.__setattr__(self, "_groups", groups)
+        object.__setattr__(self, "_slots", layer_slot(groups, self.num_layers))
+        object.__setattr__(self, "_specs", specs or (LayerSpec(window=self.sliding_window),) * self.num_layers)
+
+    @property
+    def kv_groups(self) -> tuple[KvGroup, ...]:
+        """The KV-cache groups: one group of every layer without :attr:`layer_specs`."""
+        return self._groups
+
+    @property
+    def num_groups(self) -> int:
+        """How many KV-cache groups (block tables per request) the pool keeps."""
+        return len(self._groups)
+
+    @property
+    def pool_layers(self) -> int:
+        """Layers the storage holds per block: every layer, or a group's layers."""
+        return len(self._groups[0].layers)
+
+    def layer_spec(self, layer: int) -> LayerSpec:
+        """The attention spec of a (checked) layer."""
+        return self._specs[layer]
+
+    def layer_place(self, layer: object) -> tuple[int, int]:
+        """``(group, storage layer)`` of ``layer``.
+
+        Raises:
+            LayerIndexError: ``layer`` outside ``0 .. num_layers - 1``.
+        """
+        return self._slots[self.check_layer(layer)]
+
+    def storage_config(self) -> CacheConfig:
+        """The config the storage is built from: this one, or with KV-cache groups one of
+        :attr:`pool_layers` layers and no specs (the manager maps layers and windows)."""
+        if self.layer_specs is None:
+            return self
+        scales = None
+        if self.kv_scales is not None:  # a storage layer serves a layer of every group: the largest scale
+            stacked = np.asarray(self.kv_scales)
+            per_slot = [
+                stacked[[group.layers[slot] for group in self._groups]].max(axis=0) for slot in range(self.pool_layers)
+            ]
+            scales = tuple(tuple(tuple(float(x) for x in kv) for kv in layer.tolist()) for layer in per_slot)
+        return dataclasses.replace(self, num_layers=self.pool_layers, layer_specs=None, kv_scales=scales)
+
+    def _check_quantization(self) -> None:
+        """Validate ``compute_dtype`` and ``kv_scales`` against ``dtype``."""
+        compute = self.compute_dtype
+        if self.dtype in QUANTIZED_DTYPES:
+            if compute is not None and (not isinstance(compute, str) or compute not in COMPUTE_DTYPES):
+                raise InvalidConfigError(
+                    f"CacheConfig.compute_dtype {shown(compute)} is not a compute dtype of a {self.dtype} pool; "
+                    f"valid: {', '.join(COMPUTE_DTYPES)} (or None for float32)"
+                )
+        elif compute is not None and compute != self.dtype:
+            raise InvalidConfigError(
+                f"CacheConfig.compute_dtype {shown(compute)} differs from dtype {self.dtype!r}: only a quantized pool "
+                f"({', '.join(QUANTIZED_DTYPES)}) computes in another dtype; pass None or {self.dtype!r}"
+            )
+        if self.kv_scales is None:
+            return
+        if self.dtype != "float8_e4m3fn":
+            raise InvalidConfigError(
+                f"CacheConfig.kv_scales are calibrated float8 scales: only for dtype 'float8_e4m3fn', "
+                f"got dtype {self.dtype!r}"
+            )
+        expected = (self.num_layers, 2, self.num_heads)
+        try:  # an object array keeps each element as given: bools and strings are refused below
+            leaves: npt.NDArray[Any] = np.asarray(self.kv_scales, dtype=object)
+        except (TypeError, ValueError) as exc:
+            raise InvalidConfigError(
+                f"CacheConfig.kv_scales must be numbers of shape {expected} ([layers][K, V][kv heads]): {exc}"
+            ) from exc
+        if leaves.shape != expected:
+            raise InvalidConfigError(
+                f"CacheConfig.kv_scales must have shape {expected} ([layers][K, V][kv heads]), got {leaves.shape}"
+            )
+        # Used as float32 by every backend: each must be a normal float32 whose largest
+        # decoded value, 448 * scale, stays finite.
+        scales = np.empty(expected, dtype=np.float64)
+        for index in np.ndindex(expected):
+            scales[index] = check_positive_float32(
+                leaves[index], f"CacheConfig.kv_scales{list(index)}", MAX_KV_SCALE, error=InvalidConfigError
+            )
+        nested = tuple(tuple(tuple(float(x) for x in kv) for kv in layer) for layer in scales.tolist())
+        object.__setattr__(self, "kv_scales", nested)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pool holds K/V quantized (:data:`QUANTIZED_DTYPES`), with scales."""
+        return self.dtype in QUANTIZED_DTYPES
+
+    @property
+    def io_dtype(self) -> str:
+        """The dtype ``write`` takes, queries have and attention returns: :attr:`compute_dtype`,
+        else the pool's dtype (float32 for a quantized pool)."""
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return "float32" if self.dtype in QUANTIZED_DTYPES else self.dtype
+
+    def check_layer(self, layer: object) -> int:
+        """``layer`` as an int, if ``0 <= layer < num_layers`` (NumPy integers accepted).
+
+        Raises:
+            LayerIndexError: anything else; the message names the value and the range.
+        """
+        index = as_integer(layer)
+        if index is None or not 0 <= index < self.num_layers:
+            raise LayerIndexError(f"layer {shown(layer)} is out of range: valid layers are 0 to {self.num_layers - 1}")
+        return index
+
+    @property
+    def layout(self) -> str:
+        """The resolved :attr:`kv_layout`.
+
+        Raises:
+            InvalidConfigError: ``kv_layout`` is ``None`` (not resolved by a backend yet).
+        """
+        if self.kv_layout is None:
+            raise InvalidConfigError(
+                "CacheConfig.kv_layout is None (the backend's preferred layout), not resolved yet: "
+                "create_manager resolves it, or call config.with_layout(layout)"
+            )
+        return self.kv_layout
+
+    def with_layout(self, preferred: str) -> CacheConfig:
+        """This config with ``kv_layout`` resolved: itself when a layout is set, else a
+        copy with ``preferred`` (a backend's fastest layout).
+
+        Raises:
+            InvalidConfigError: ``preferred`` is not one of :data:`KV_LAYOUTS`.
+        """
+        if self.kv_layout is not None:
+            return self
+        if preferred not in KV_LAYOUTS:
+            raise InvalidConfigError(f"preferred layout {preferred!r} is unknown; valid: {', '.join(KV_LAYOUTS)}")
+        return dataclasses.replace(self, kv_layout=preferred)
+
+    @property
+    def dtype_size(self) -> int:
+        """Bytes per element of :attr:`dtype`."""
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in the pool: keys and values of every layer (with their
+        scales in a quantized pool)."""
+        scale_bytes = SCALE_BYTES if self.dtype in QUANTIZED_DTYPES else 0
+        return 2 * self.num_layers * self.num_heads * (self.head_dim * self.dtype_size + scale_bytes)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes in the pool: ``block_size`` tokens of every layer (of a
+        group's layers with KV-cache groups), K and V."""
+        return self.block_size * self.bytes_per_token * self.pool_layers // self.num_layers
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens the whole pool can hold."""
+        return self.num_blocks * self.block_size
+
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one layer's key (or value) pool in :attr:`kv_layout`: ``"NHD"``
+        ``[num_blocks, block_size, num_heads, head_dim]``, ``"HND"`` ``[num_blocks, num_heads,
+        block_size, head_dim]``, ``"heads_first"`` ``[num_heads, num_blocks, block_size, head_dim]``.
+
+        Raises:
+            InvalidConfigError: ``kv_layout`` is ``None`` (not resolved by a backend yet).
+        """
+        layout = self.layout
+        blocks, tokens, heads, dim = self.num_blocks, self.block_size, self.num_heads, self.head_dim
+        if layout == "NHD":
+            return (blocks, tokens, heads, dim)
+        if layout == "HND":
+            return (blocks, heads, tokens, dim)
+        return (heads, blocks, tokens, dim)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class AllocationRequest:
+    """What a new request asks of the manager.
+
+    Attributes:
+        request_id: a non-empty id, unique among live requests.
+        initial_tokens: tokens to reserve blocks for at once (>= 0); the sequence itself
+            starts empty and grows with :meth:`KvCacheManager.extend`.
+        max_sequence_length: the most tokens this request will ever hold, or ``None`` if
+            unknown; when given, the allocator keeps room after the request's blocks so it
+            grows as one run, and ``extend`` refuses to go past it.
+        prompt_token_ids: the prompt's token ids, ints in ``[0, MAX_TOKEN_ID]`` (a sequence or
+            a 1-D integer NumPy array); stored as a tuple. With prefix caching, ``allocate`` maps
+            the cached full blocks of the prompt, and the prompt's later blocks become
+            cacheable once written.
+        priority: larger is more important; recorded on the handle.
+        cache_salt: ``str`` or ``bytes`` mixed into every block hash of this request, so
+            requests with different salts (tenants) never share cached blocks; ``None`` for
+            no salt. A ``str`` is hashed as its UTF-8 bytes.
+
+    Fields are stored as plain Python values (NumPy integers and strings are accepted and
+    converted); ``initial_tokens`` and ``max_sequence_length`` are at most ``INT32_MAX``.
+
+    Raises:
+        InvalidArgumentError: a field out of its range; the message names it.
+    """
+
+    request_id: str
+    initial_tokens: int = 0
+    max_sequence_length: int | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    priority: int = 0
+    cache_salt: str | bytes | None = None
+
+    def __init__(
+        self,
+        request_id: str,
+        initial_tokens: IntLike = 0,
+        max_sequence_length: IntLike | None = None,
+        prompt_token_ids: Sequence[IntLike] | npt.NDArray[np.integer[Any]] | None = None,
+        priority: IntLike = 0,
+        cache_salt: str | bytes | None = None,
+    ) -> None:
+        # Written out so that NumPy integers and arrays type-check; stored as Python values.
+        _store_fields(self, locals())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise InvalidArgumentError(
+                f"AllocationRequest.request_id must be a non-empty str, got {shown(self.request_id)}"
+            )
+        object.__setattr__(self, "request_id", str(self.request_id))
+        initial = check_count(self.initial_tokens, "AllocationRequest.initial_tokens", 0, INT32_MAX)
+        object.__setattr__(self, "initial_tokens", initial)
+        if self.max_sequence_length is not None:
+            longest = check_count(self.max_sequence_length, "AllocationRequest.max_sequence_length", 1, INT32_MAX)
+            object.__setattr__(self, "max_sequence_length", longest)
+            if self.initial_tokens > self.max_sequence_length:
+                raise InvalidArgumentError(
+                    f"AllocationRequest.initial_tokens={self.initial_tokens} exceeds "
+                    f"max_sequence_length={self.max_sequence_length}"
+                )
+        if self.prompt_token_ids is not None:
+            tokens = check_token_ids(self.prompt_token_ids, "AllocationRequest.prompt_token_ids")
+            if self.max_sequence_length is not None and len(tokens) > self.max_sequence_length:
+                raise InvalidArgumentError(
+                    f"AllocationRequest.prompt_token_ids holds {len(tokens)} tokens, more than "
+                    f"max_sequence_length={self.max_sequence_length}"
+                )
+            object.__setattr__(self, "prompt_token_ids", tokens)
+        priority = as_integer(self.priority)
+        if priority is None:
+            raise InvalidArgumentError(f"AllocationRequest.priority must be an int, got {shown(self.priority)}")
+        object.__setattr__(self, "priority", priority)
+        if self.cache_salt is not None and not isinstance(self.cache_salt, (str, bytes)):
+            raise InvalidArgumentError(
+                f"AllocationRequest.cache_salt must be a str, bytes or None, got {type(self.cache_salt).__name__} "
+                f"{self.cache_salt!r}"
+            )
+        if self.cache_salt is not None:  # NumPy's str_ and bytes_ as plain str and bytes
+            plain = str(self.cache_salt) if isinstance(self.cache_salt, str) else bytes(self.cache_salt)
+            object.__setattr__(self, "cache_salt", plain)
+        if isinstance(self.cache_salt, str):
+            try:
+                self.cache_salt.encode()
+            except UnicodeEncodeError as exc:
+                raise InvalidArgumentError(
+                    f"AllocationRequest.cache_salt {self.cache_salt!r} cannot be encoded as UTF-8: {exc.reason}"
+                ) from exc
+
+    def salt_bytes(self) -> bytes | None:
+        """:attr:`cache_salt` as the bytes that are hashed (UTF-8 for a ``str``)."""
+        salt = self.cache_salt
+        return salt.encode() if isinstance(salt, str) else salt

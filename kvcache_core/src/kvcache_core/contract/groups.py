@@ -1,0 +1,161 @@
+"""Per-layer attention specs and the KV-cache groups they form (hybrid models).
+
+Many decoders mix attention kinds across layers: sliding-window layers between
+full-attention ones (Gemma 2 and 3, gpt-oss, Cohere 2, Qwen2 with ``use_sliding_window``),
+chunked local attention (Llama 4). ``CacheConfig(layer_specs=...)`` names the
+:class:`LayerSpec` of every layer. What a layer *keeps* decides its blocks: a full or
+chunked layer keeps every block of a request, a sliding layer of window ``W`` only the
+blocks its window still sees (``ceil(W / block_size) + 1`` once the request is long).
+
+Layers that keep the same blocks form a **KV-cache group**; each request has one block
+table per group, and the blocks of every group come from one pool. So that one block's
+memory serves every group alike, all groups have the same number of layers, ``g``: the
+greatest common divisor of the layer counts of the distinct kinds, each kind's layers
+split in layer order into groups of ``g``. The storage is built for ``g`` layers
+(:meth:`CacheConfig.storage_config`); layer ``i`` of a group lives in the storage's layer
+``i``, in that group's blocks. Gemma 2's 13 sliding and 13 full layers are two groups of
+13; a 5:1 pattern of 25 sliding and 5 full layers is six groups of 5.
+
+A pool without ``layer_specs`` is one group of every layer (with the pool's
+``sliding_window``, if any): nothing changes for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvcache_core.errors import InvalidConfigError, LayerIndexError
+from kvcache_core.contract.scalars import INT32_MAX, IntLike, as_integer, check_optional_count, shown
+
+__all__ = [
+    "KvGroup",
+    "LayerSpec",
+    "check_group",
+    "first_visible_block",
+    "group_serves_layer",
+    "layer_slot",
+    "plan_groups",
+]
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class LayerSpec:
+    """The attention of one layer: full (the default), a sliding window ``W`` (each query
+    sees its last ``W`` positions, itself included) or chunked local attention ``C`` (a
+    query at ``p`` sees the positions of its chunk, ``C * (p // C)`` to ``p``).
+
+    ``window`` and ``chunk`` are stored as ``int`` (NumPy integers are accepted) and span
+    at most ``INT32_MAX`` positions (page tables and kernels hold positions in int32).
+
+    Raises:
+        InvalidConfigError: a window or chunk that is not an int in ``[1, INT32_MAX]``, or
+            both set.
+    """
+
+    window: int | None = None
+    chunk: int | None = None
+
+    def __init__(self, window: IntLike | None = None, chunk: IntLike | None = None) -> None:
+        # Written out so that NumPy integers type-check; stored as ints.
+        object.__setattr__(self, "window", window)
+        object.__setattr__(self, "chunk", chunk)
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        for name in ("window", "chunk"):
+            value = check_optional_count(
+                getattr(self, name), f"LayerSpec.{name}", 1, INT32_MAX, error=InvalidConfigError
+            )
+            object.__setattr__(self, name, value)
+        if self.window is not None and self.chunk is not None:
+            raise InvalidConfigError(
+                f"LayerSpec has window={self.window} and chunk={self.chunk}: a layer is full, sliding or chunked"
+            )
+
+    @property
+    def kind(self) -> str:
+        """``"full"``, ``"sliding"`` or ``"chunked"``."""
+        return "sliding" if self.window is not None else "chunked" if self.chunk is not None else "full"
+
+
+@dataclass(frozen=True, slots=True)
+class KvGroup:
+    """One KV-cache group: layers that keep the same blocks of every request.
+
+    Attributes:
+        index: the group's number (groups are numbered by their first layer).
+        window: the sliding window its layers share, ``None`` for full or chunked layers
+            (those keep every block).
+        layers: its model layers, ascending; layer ``layers[i]`` lives in the storage's
+            layer ``i``.
+    """
+
+    index: int
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def plan_groups(
+    num_layers: int, specs: tuple[LayerSpec, ...] | None, sliding_window: int | None
+) -> tuple[KvGroup, ...]:
+    """The KV-cache groups of a pool (see the module docstring).
+
+    Raises:
+        InvalidConfigError: ``specs`` not one :class:`LayerSpec` per layer.
+    """
+    if specs is None:
+        return (KvGroup(0, sliding_window, tuple(range(num_layers))),)
+    if len(specs) != num_layers:
+        raise InvalidConfigError(
+            f"CacheConfig.layer_specs names {len(specs)} layers, the pool has num_layers={num_layers}: "
+            "give one LayerSpec per layer"
+        )
+    by_window: dict[int | None, list[int]] = {}
+    for layer, spec in enumerate(specs):
+        by_window.setdefault(spec.window, []).append(layer)
+    size = math.gcd(*(len(layers) for layers in by_window.values()))
+    chunks = [
+        (window, tuple(layers[start : start + size]))
+        for window, layers in by_window.items()
+        for start in range(0, len(layers), size)
+    ]
+    chunks.sort(key=lambda chunk: chunk[1][0])
+    return tuple(KvGroup(index, window, layers) for index, (window, layers) in enumerate(chunks))
+
+
+def first_visible_block(window: int | None, length: int, block_size: int) -> int:
+    """The first logical block the token at position ``length`` sees through a sliding
+    ``window`` (0 without one): the blocks before it are the ones a sliding group releases."""
+    if window is None or length < window:
+        return 0
+    return (length - window + 1) // block_size
+
+
+def group_serves_layer(kept_window: int | None, spec: LayerSpec) -> bool:
+    """Whether a KV-cache group that keeps the last ``kept_window`` positions of each request
+    (``None``: every position) holds every position a layer of ``spec`` attends to: a group
+    keeping every position serves any layer, one keeping ``W`` only a sliding layer whose
+    window is at most ``W`` (a full or chunked layer needs every position)."""
+    return kept_window is None or (spec.window is not None and spec.window <= kept_window)
+
+
+def layer_slot(groups: tuple[KvGroup, ...], num_layers: int) -> tuple[tuple[int, int], ...]:
+    """Per model layer: ``(group, storage layer)``."""
+    where = [(0, 0)] * num_layers
+    for group in groups:
+        for slot, layer in enumerate(group.layers):
+            where[layer] = (group.index, slot)
+    return tuple(where)
+
+
+def check_group(group: object, count: int) -> int:
+    """``group`` as an int in ``[0, count)``.
+
+    Raises:
+        LayerIndexError: anything else; the message names the value and the range.
+    """
+    index = as_integer(group)
+    if index is None or not 0 <= index < count:
+        raise LayerIndexError(f"KV-cache group {shown(group)} is out of range: valid groups are 0 to {count - 1}")
+    return index

@@ -1,0 +1,234 @@
+"""The page table of a batch: FlashInfer's CSR form plus vLLM's padded block tables."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.contract.block_table import BlockRun, BlockTable
+from kvcache_core.errors import InvalidArgumentError
+from kvcache_core.contract.scalars import INT32_MAX, check_count, check_optional_count
+
+__all__ = ["INDEX_MAX", "IndexArray", "PageTable"]
+
+IndexArray = npt.NDArray[np.int32]
+
+#: The largest value a page-table entry (block id, length, offset) can hold: int32.
+INDEX_MAX: Final = int(np.iinfo(np.int32).max)
+
+
+def _int32(values: object, name: str, ndim: int) -> IndexArray:
+    """A read-only int32 copy of ``values``, after checking that every entry fits."""
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"PageTable.{name} must be an integer array, got {values!r}") from exc
+    if array.dtype.kind not in "iu" and array.size:
+        raise InvalidArgumentError(f"PageTable.{name} must hold integers, got dtype {array.dtype}")
+    if array.ndim != ndim:
+        raise InvalidArgumentError(f"PageTable.{name} must be {ndim}-D, got shape {array.shape}")
+    if array.size:
+        low, high = int(array.min()), int(array.max())  # exact for any integer dtype
+        if low < 0 or high > INDEX_MAX:
+            raise InvalidArgumentError(
+                f"PageTable.{name} holds {low if low < 0 else high}: entries must be in [0, {INDEX_MAX}]"
+            )
+    # A read-only base under a view: nobody can make the table's arrays writeable again.
+    base: IndexArray = np.array(array, dtype=np.int32, order="C")
+    base.flags.writeable = False
+    view: IndexArray = base.view()
+    return view
+
+
+@dataclass(frozen=True, eq=False)
+class PageTable:
+    """Where the K/V of a batch of ``B`` requests live in the pool.
+
+    CSR form (FlashInfer): the pages of request ``b`` are
+    ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``, the last one holding
+    ``kv_last_page_len[b]`` tokens (0 only for an empty sequence). Padded form (vLLM):
+    ``block_tables[b, :ceil(seq_lens[b] / block_size)]``, padded with 0 beyond (padding is
+    masked by ``seq_lens``). All arrays are int32, range-checked (``[0, INDEX_MAX]``) and
+    read-only: a page table cannot be edited after it is built.
+
+    Sliding window: a request whose window released its leading blocks is listed from its
+    first *held* block, and ``seq_lens[b]`` counts the tokens from that block's first slot
+    (``sequence_length - first_logical * block_size``). Positions are relative to that slot,
+    which is all attention needs: query ``i`` of ``q`` sits at ``seq_lens[b] - q + i`` and,
+    with :attr:`sliding_window` ``W``, sees only keys at positions ``p`` with
+    ``query_position - W < p``: the last ``W`` tokens including itself. A kernel must honour
+    :attr:`sliding_window` (the held blocks may still hold up to ``block_size - 1`` tokens
+    older than the window, and a prefill's early queries see fewer keys than its late ones).
+
+    Attributes:
+        kv_indptr: ``[B + 1]``.
+        kv_indices: ``[kv_indptr[B]]`` physical block ids.
+        kv_last_page_len: ``[B]``.
+        block_tables: ``[B, max_blocks]``.
+        seq_lens: ``[B]`` tokens per request.
+        block_size: tokens per block.
+        request_ids: the requests, in batch order.
+        sliding_window: ``W`` to let each query see only the last ``W`` positions (itself
+            included), or ``None`` for no window.
+        generations: the ownership generation of each request when the table was taken
+            (set by the manager, empty otherwise): a manager refuses a table once one of
+            its requests was released, swapped or had a block replaced since.
+        group: the KV-cache group whose blocks it lists (0 without groups): a manager
+            refuses it for a layer of another group.
+
+    Raises:
+        InvalidArgumentError: arrays that do not describe a consistent batch.
+    """
+
+    kv_indptr: IndexArray
+    kv_indices: IndexArray
+    kv_last_page_len: IndexArray
+    block_tables: IndexArray
+    seq_lens: IndexArray
+    block_size: int
+    request_ids: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    generations: tuple[int, ...] = ()
+    group: int = 0
+    _runs: tuple[tuple[BlockRun, ...], ...] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name, ndim in (
+            ("kv_indptr", 1),
+            ("kv_indices", 1),
+            ("kv_last_page_len", 1),
+            ("block_tables", 2),
+            ("seq_lens", 1),
+        ):
+            object.__setattr__(self, name, _int32(getattr(self, name), name, ndim))
+        object.__setattr__(self, "block_size", check_count(self.block_size, "PageTable.block_size", 1, INT32_MAX))
+        batch = self.seq_lens.shape[0]
+        indptr = self.kv_indptr
+        if indptr.shape[0] != batch + 1 or indptr[0] != 0 or np.any(np.diff(indptr) < 0):
+            raise InvalidArgumentError(
+                f"PageTable.kv_indptr must be {batch + 1} non-decreasing offsets from 0, got {indptr.tolist()}"
+            )
+        if int(indptr[-1]) != self.kv_indices.shape[0]:
+            raise InvalidArgumentError(
+                f"PageTable.kv_indptr ends at {int(indptr[-1])}, but kv_indices has {self.kv_indices.shape[0]} entries"
+            )
+        pages = np.diff(indptr)
+        needed = (self.seq_lens.astype(np.int64) + self.block_size - 1) // self.block_size
+        if np.any(self.seq_lens < 0) or not np.array_equal(pages, needed):
+            raise InvalidArgumentError(
+                f"PageTable pages per request {pages.tolist()} do not match seq_lens "
+                f"{self.seq_lens.tolist()} at block_size {self.block_size}"
+            )
+        expected_last = np.where(self.seq_lens > 0, self.seq_lens - (needed - 1) * self.block_size, 0)
+        if self.kv_last_page_len.shape[0] != batch or not np.array_equal(self.kv_last_page_len, expected_last):
+            raise InvalidArgumentError(
+                f"PageTable.kv_last_page_len {self.kv_last_page_len.tolist()} does not match seq_lens"
+            )
+        if self.block_tables.shape[0] != batch or (batch and self.block_tables.shape[1] < int(pages.max(initial=0))):
+            raise InvalidArgumentError(
+                f"PageTable.block_tables shape {self.block_tables.shape} cannot hold {batch} requests "
+                f"of up to {int(pages.max(initial=0))} blocks"
+            )
+        window = check_optional_count(self.sliding_window, "PageTable.sliding_window", 1, INT32_MAX)
+        object.__setattr__(self, "sliding_window", window)
+        object.__setattr__(self, "group", check_count(self.group, "PageTable.group", 0))
+        if self.request_ids and len(self.request_ids) != batch:
+            raise InvalidArgumentError(
+                f"PageTable.request_ids names {len(self.request_ids)} requests for a batch of {batch}"
+            )
+        if self.generations and (
+            len(self.generations) != batch
+            or len(self.request_ids) != batch
+            or not all(isinstance(g, int) and not isinstance(g, bool) for g in self.generations)
+        ):
+            raise InvalidArgumentError(
+                f"PageTable.generations must give one int per request of request_ids ({batch}), "
+                f"got {self.generations!r}"
+            )
+
+    @classmethod
+    def from_block_tables(
+        cls,
+        tables: Sequence[BlockTable],
+        request_ids: Sequence[str] = (),
+        block_size: int | None = None,
+        sliding_window: int | None = None,
+        generations: Sequence[int] = (),
+        group: int = 0,
+    ) -> PageTable:
+        """Build the page table of requests with these block tables (only the held blocks
+        their tokens occupy are listed, from the first held one). ``block_size`` is needed
+        for an empty batch.
+
+        Raises:
+            InvalidArgumentError: tables with different block sizes (or other than
+                ``block_size``), or an empty batch without ``block_size``.
+        """
+        sizes = {table.block_size for table in tables}
+        if block_size is not None:
+            sizes.add(block_size)
+        if len(sizes) > 1:
+            raise InvalidArgumentError(f"tables mix block sizes {sorted(sizes)}")
+        if not sizes:
+            raise InvalidArgumentError("an empty batch needs its block_size")
+        block_size = sizes.pop()
+        held = [table.held_tokens() for table in tables]
+        counts = np.asarray([-(-tokens // block_size) for tokens in held], dtype=np.int64).reshape(len(held))
+        # The used blocks of every table read in one C loop, then one masked fill of the
+        # padded form: no Python loop over the blocks themselves.
+        rows = [table.physical_blocks[:count] for table, count in zip(tables, counts.tolist(), strict=True)]
+        indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        indices = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(indptr[-1]))
+        seq_lens = np.asarray(held, dtype=np.int64).reshape(len(rows))
+        last = np.where(seq_lens > 0, seq_lens - (counts - 1) * block_size, 0).astype(np.int64)
+        width = int(counts.max(initial=0))
+        padded = np.zeros((len(rows), width), dtype=np.int64)
+        padded[np.arange(width) < counts[:, None]] = indices  # row-major: the CSR order
+        # int64 here; __post_init__ range-checks and stores read-only int32 copies.
+        return cls(
+            cast("IndexArray", indptr),
+            cast("IndexArray", indices),
+            cast("IndexArray", last),
+            cast("IndexArray", padded),
+            cast("IndexArray", seq_lens),
+            block_size,
+            tuple(request_ids),
+            sliding_window,
+            tuple(generations),
+            group,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        """Requests in the batch."""
+        return int(self.seq_lens.shape[0])
+
+    def blocks(self, index: int) -> IndexArray:
+        """Physical blocks of request ``index`` (a view of :attr:`kv_indices`)."""
+        return self.kv_indices[self.kv_indptr[index] : self.kv_indptr[index + 1]]
+
+    def runs(self, index: int) -> tuple[BlockRun, ...]:
+        """Runs of physically consecutive blocks of request ``index``, in logical order."""
+        runs = self._runs
+        if runs is None:  # computed once; a racing thread computes the same value
+            runs = tuple(self._compute_runs(b) for b in range(self.batch_size))
+            object.__setattr__(self, "_runs", runs)
+        return runs[index]
+
+    def _compute_runs(self, index: int) -> tuple[BlockRun, ...]:
+        blocks = self.blocks(index).astype(np.int64)
+        if blocks.size == 0:
+            return ()
+        breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+        firsts = np.concatenate(([0], breaks))
+        lengths = np.diff(np.concatenate((firsts, [blocks.size])))
+        return tuple(
+            BlockRun(int(blocks[first]), int(length), int(first))
+            for first, length in zip(firsts, lengths, strict=False)
+        )

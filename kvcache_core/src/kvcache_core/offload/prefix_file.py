@@ -1,0 +1,548 @@
+"""A portable on-disk format for prefix-cached blocks: ``manager.save_prefix_cache(path)``
+and ``manager.load_prefix_cache(path)``.
+
+Requires the ``tiers`` extra (``pip install "kvcache-core[tiers]"``: safetensors).
+
+One file, in the safetensors format (no pickle anywhere): two tensors, ``keys`` and
+``values``, ``[pool_layers, n, block_size, num_heads, width]`` whatever the pool's layout,
+in core's host form of the pool's dtype (what ``KvStorage.blocks_to_host`` gives on every
+backend, :mod:`kvcache_core.offload.host_form`: bfloat16 as ``uint16`` bit patterns, quantized
+blocks as packed ``uint8``), and a JSON header in the safetensors metadata under
+``"kvcache"``::
+
+    {"format": "kvcache-prefix-cache", "version": 2, "namespace": model_id or null,
+     "geometry": {"num_layers", "num_heads", "head_dim", "block_size"}, "dtype": pool dtype,
+     "tensor_dtype": the NumPy dtype of the stored tensors, the host form of "dtype",
+     "layout": the saving pool's layout (for information: data is layout-free),
+     "hash_algorithm": "sha256:kvcache-core/block-hash/v1",
+     "blocks": [{"hash", "parent" (hex or null), "salt" (hex or null), "token_ids",
+                 "checksum": sha256 of the block's keys then values bytes,
+                 "group": its KV-cache group}, ...]}
+
+A pool with KV-cache groups (``CacheConfig.layer_specs``) saves one block per hash and
+group (a block holds one group's layers), and its geometry names the groups
+(``"kv_groups"``: ``[window, layers]`` each), so it loads only into a pool of the same
+groups. Blocks come parents first. So a file saved by one backend and layout loads into any other
+with the same namespace, geometry and dtype. Loading checks everything before it touches
+the pool (format, version, namespace, geometry, dtype, every tensor's stored dtype against
+the header's (nothing is cast), shapes, every checksum, a quantized block's scales finite
+and >= 0, every hash recomputed from its parent, salt and tokens) and refuses with a specific
+:class:`~kvcache_core.errors.KvCacheError`, loading nothing; every header field is
+parsed strictly (types, ranges, nesting depth). Files are handled by
+:mod:`kvcache_core.offload.safe_files`: writing goes to a temporary file created exclusively under
+an unpredictable name in the same directory, flushed to disk, then renamed (a reader never
+sees half a file, a symbolic link is never followed); loading reads a regular file only,
+no further than its header declares.
+
+Version 1 files (no ``"tensor_dtype"``) still load: their tensors were the host form too,
+except bfloat16, stored as float32 values (torch) or safetensors ``BF16`` (JAX); both are
+read back exactly, and a float32 value that is not a bfloat16 value is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.offload.file_header import block_entry, kvcache_header, read_container, same_json, shown
+from kvcache_core.contract.config import SCALE_BYTES
+from kvcache_core.errors import (
+    CorruptCacheFileError,
+    IncompatibleCacheFileError,
+    InvalidArgumentError,
+    OutOfBlocksError,
+    UnsupportedConfigError,
+)
+from kvcache_core.offload.file_tensors import block_in_host_form, load_tensors, stack_blocks
+from kvcache_core._pool_access import PoolAccess
+from kvcache_core.paging.prefix import PrefixEntry, hash_block, namespace_root
+from kvcache_core.offload.safe_files import file_path, write_file_atomically
+
+if TYPE_CHECKING:
+    from kvcache_core.contract.config import CacheConfig
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "HASH_ALGORITHM",
+    "BlockRecord",
+    "install_cached_blocks",
+    "load_prefix_cache",
+    "read_blocks",
+    "record_key",
+    "save_prefix_cache",
+    "split_key",
+    "write_blocks",
+]
+
+FORMAT_NAME = "kvcache-prefix-cache"
+FORMAT_VERSION = 2
+#: The versions this kvcache reads (1: no ``"tensor_dtype"``; see the module docstring).
+READABLE_VERSIONS = (1, 2)
+HASH_ALGORITHM = "sha256:kvcache-core/block-hash/v1"
+_METADATA_KEY = "kvcache"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord:
+    """One cached block off the pool: its place in a hash chain and its K/V.
+
+    Attributes:
+        block_hash: its 32-byte hash.
+        parent_hash: the previous block's hash, ``None`` for a prompt's first block.
+        salt: the salt hashed with it.
+        token_ids: its ``block_size`` token ids.
+        keys, values: ``[pool_layers, block_size, num_heads, head_dim]`` host arrays.
+        group: the KV-cache group whose layers it holds (0 without groups).
+    """
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    salt: bytes | None
+    token_ids: tuple[int, ...]
+    keys: npt.NDArray[Any]
+    values: npt.NDArray[Any]
+    group: int = 0
+
+    @classmethod
+    def of_entry(
+        cls, entry: PrefixEntry, keys: npt.NDArray[Any], values: npt.NDArray[Any], group: int = 0
+    ) -> BlockRecord:
+        """The record of a cached block of the prefix-cache entry ``entry``, whose K/V were
+        copied to the host."""
+        parent = None if entry.parent is None else entry.parent.block_hash
+        return cls(entry.block_hash, parent, entry.salt, entry.token_ids, keys, values, group)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V it holds."""
+        return int(self.keys.nbytes + self.values.nbytes)
+
+    @property
+    def key(self) -> bytes:
+        """What an offload tier files it under: :func:`record_key` of its hash and group
+        (the bare hash in group 0, so a pool without groups keys blocks by hash)."""
+        return record_key(self.block_hash, self.group)
+
+
+def record_key(block_hash: bytes, group: int) -> bytes:
+    """The key of the record of ``block_hash`` in KV-cache group ``group``: the 32-byte hash
+    itself for group 0, the hash followed by the group as two big-endian bytes for the
+    others. Two groups' records of one hash never share a key.
+
+    Raises:
+        InvalidArgumentError: ``block_hash`` is not 32 bytes, or ``group`` not an int in
+            ``[0, 65535]``.
+    """
+    if not isinstance(block_hash, bytes) or len(block_hash) != 32:
+        raise InvalidArgumentError(f"a block hash is 32 bytes, got {block_hash!r}")
+    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < 1 << 16:
+        raise InvalidArgumentError(f"a KV-cache group is an int in [0, 65535], got {group!r}")
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "big")
+
+
+def split_key(key: bytes) -> tuple[bytes, int]:
+    """``(block_hash, group)`` of a key :func:`record_key` made.
+
+    Raises:
+        InvalidArgumentError: ``key`` is not 32 or 34 bytes.
+    """
+    if not isinstance(key, bytes) or len(key) not in (32, 34):
+        raise InvalidArgumentError(f"a record key is 32 bytes (group 0) or 34 (other groups), got {key!r}")
+    return (key[:32], int.from_bytes(key[32:], "big")) if len(key) == 34 else (key, 0)
+
+
+def block_checksum(keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> str:
+    """SHA-256 (hex) of one block's key bytes then value bytes."""
+    digest = hashlib.sha256(np.ascontiguousarray(keys).tobytes())
+    digest.update(np.ascontiguousarray(values).tobytes())
+    return digest.hexdigest()
+
+
+def _hex(value: bytes | None) -> str | None:
+    return None if value is None else value.hex()
+
+
+def _geometry(config: CacheConfig) -> dict[str, Any]:
+    geometry: dict[str, Any] = {
+        "num_layers": config.num_layers,
+        "num_heads": config.num_heads,
+        "head_dim": config.head_dim,
+        "block_size": config.block_size,
+    }
+    if config.num_groups > 1:
+        geometry["kv_groups"] = [[group.window, list(group.layers)] for group in config.kv_groups]
+    return geometry
+
+
+# -- the file -----------------------------------------------------------------------------
+
+
+def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: list[BlockRecord]) -> int:
+    """Write ``records`` (parents before children) to ``path`` in the portable format,
+    through a temporary name renamed when complete.
+
+    The temporary file is created exclusively under an unpredictable name (see
+    :mod:`kvcache_core.offload.safe_files`): a symbolic link is never followed, and of saves to one
+    path from many threads or processes the last rename wins, whole.
+
+    Returns:
+        The bytes written.
+
+    Raises:
+        InvalidTypeError, InvalidArgumentError: ``path`` is not a str or os.PathLike, or is
+            empty or holds a NUL character.
+        CacheFileError: the file cannot be written (no permission, no such directory, disk
+            full); ``path`` is as it was and nothing is left beside it.
+        ArrayTypeError, DTypeMismatchError, ShapeMismatchError: a record's keys or values
+            are not one block in the host form of ``config.dtype`` (nothing is written).
+    """
+    from safetensors.numpy import save  # the [tiers] extra
+
+    target = file_path(path)
+    keys, values = stack_blocks(config, [(record.keys, record.values) for record in records])
+    header = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "namespace": config.model_id,
+        "geometry": _geometry(config),
+        "dtype": config.dtype,
+        "tensor_dtype": keys.dtype.name,
+        "layout": config.kv_layout,
+        "hash_algorithm": HASH_ALGORITHM,
+        "blocks": [
+            {
+                "hash": record.block_hash.hex(),
+                "parent": _hex(record.parent_hash),
+                "salt": _hex(record.salt),
+                "token_ids": list(record.token_ids),
+                "checksum": block_checksum(record.keys, record.values),
+                "group": record.group,
+            }
+            for record in records
+        ],
+    }
+    data = save(
+        {"keys": np.ascontiguousarray(keys), "values": np.ascontiguousarray(values)},
+        metadata={_METADATA_KEY: json.dumps(header, separators=(",", ":"))},
+    )
+    return write_file_atomically(target, data, what="the cache file")
+
+
+def read_blocks(
+    path: str | os.PathLike[str], config: CacheConfig, *, chained: bool = True, size: int | None = None
+) -> list[BlockRecord]:
+    """Read and check a file :func:`write_blocks` wrote, for a pool of ``config``.
+
+    With ``chained`` (a saved prefix cache), every parent must be an earlier block of the
+    file; without it (one block of a disk tier), parents may be anywhere. With ``size``
+    (the bytes :func:`write_blocks` returned), a file of another size is refused unread.
+
+    Only a regular file is read (a symbolic link as the last component, a FIFO, a device
+    or a directory is refused without blocking), and no more of it than its header
+    declares, once that header was checked against the file's size. Every field of the
+    header is checked strictly (types, ranges, nesting depth) and every block (checksum,
+    and its hash recomputed from its parent hash, salt and tokens under
+    ``config.model_id``'s namespace) before anything is returned.
+
+    Raises:
+        InvalidTypeError, InvalidArgumentError: ``path`` is not a str or os.PathLike, or is
+            empty or holds a NUL character.
+        CacheFileError: the file cannot be read, or is not a regular file.
+        CorruptCacheFileError: truncated, a header that does not parse or holds a value of
+            the wrong type or out of range, a checksum or hash that does not match (the
+            message names the block).
+        IncompatibleCacheFileError: another format, an unknown version, another namespace,
+            geometry or dtype.
+    """
+    source = Path(file_path(path))
+    table, data = read_container(str(source), size)
+    header = kvcache_header(table, str(source), _METADATA_KEY)
+    _check_compatible(header, config, source)
+    keys, values = load_tensors(data, header, config, source)
+    listed = header.get("blocks")
+    if not isinstance(listed, list):
+        raise CorruptCacheFileError(f"{str(source)!r}: the header's 'blocks' is not a list")
+    blocks = cast("list[object]", listed)
+    # issue 14: a quantized pool's host blocks are packed uint8, raw bytes + a float32 scale
+    width = config.head_dim + (SCALE_BYTES if config.quantized else 0)
+    expected = (config.pool_layers, len(blocks), config.block_size, config.num_heads, width)
+    if keys.shape != expected or values.shape != expected:
+        raise CorruptCacheFileError(
+            f"{str(source)!r}: keys {keys.shape} and values {values.shape} do not match the header's "
+            f"{len(blocks)} blocks, expected {expected}"
+        )
+    root = namespace_root(config.model_id)
+    seen: set[bytes] = set()
+    records: list[BlockRecord] = []
+    for index, fields in enumerate(blocks):
+        record = _record(fields, index, keys[:, index], values[:, index], config, source)
+        if chained and record.parent_hash is not None and record.parent_hash not in seen:
+            raise CorruptCacheFileError(
+                f"{str(source)!r}: block {index}'s parent {record.parent_hash.hex()[:16]}... is not an earlier block"
+            )
+        parent = root if record.parent_hash is None else record.parent_hash
+        if hash_block(parent, record.token_ids, record.salt) != record.block_hash:
+            raise CorruptCacheFileError(
+                f"{str(source)!r}: block {index}'s hash does not match its parent, salt and token ids"
+            )
+        seen.add(record.block_hash)
+        records.append(record)
+    return records
+
+
+def _check_compatible(header: Mapping[str, Any], config: CacheConfig, source: Path) -> None:
+    name = f"{str(source)!r}"
+    if not same_json(header.get("format"), FORMAT_NAME):
+        raise IncompatibleCacheFileError(f"{name} is not a {FORMAT_NAME} file (format {shown(header.get('format'))})")
+    if not any(same_json(header.get("version"), version) for version in READABLE_VERSIONS):
+        raise IncompatibleCacheFileError(
+            f"{name} has format version {shown(header.get('version'))}; this kvcache reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
+        )
+    if not same_json(header.get("hash_algorithm"), HASH_ALGORITHM):
+        raise IncompatibleCacheFileError(
+            f"{name} hashes with {shown(header.get('hash_algorithm'))}; this kvcache uses {HASH_ALGORITHM!r}"
+        )
+    if not same_json(header.get("namespace"), config.model_id):
+        raise IncompatibleCacheFileError(
+            f"{name} holds blocks of namespace {shown(header.get('namespace'))}; this pool's model_id is "
+            f"{config.model_id!r}"
+        )
+    if not same_json(header.get("geometry"), _geometry(config)):
+        raise IncompatibleCacheFileError(
+            f"{name} has geometry {shown(header.get('geometry'))}; this pool's is {_geometry(config)!r}"
+        )
+    if not same_json(header.get("dtype"), config.dtype):
+        raise IncompatibleCacheFileError(
+            f"{name} holds {shown(header.get('dtype'))} blocks; this pool is {config.dtype!r}"
+        )
+    layout = header.get("layout")
+    if layout is not None and not isinstance(layout, str):
+        raise CorruptCacheFileError(f"{name}: the header's layout {shown(layout)} is not a str or null")
+
+
+def _record(
+    fields: object,
+    index: int,
+    keys: npt.NDArray[Any],
+    values: npt.NDArray[Any],
+    config: CacheConfig,
+    source: Path,
+) -> BlockRecord:
+    entry = block_entry(fields, index, config, str(source))
+    if block_checksum(keys, values) != entry.checksum:
+        raise CorruptCacheFileError(f"{str(source)!r}: block {index}'s data does not match its checksum")
+    keys, values = block_in_host_form(config, keys, values, f"{str(source)!r}: block {index}")
+    return BlockRecord(entry.block_hash, entry.parent_hash, entry.salt, entry.token_ids, keys, values, entry.group)
+
+
+# -- the manager's side -------------------------------------------------------------------
+
+
+def cached_records(pool: PoolAccess) -> list[BlockRecord]:
+    """Every block hash the pool holds, parents first, with its K/V copied to the host in
+    one ``blocks_to_host`` call (:func:`chain_order` then keeps those whose whole chain is
+    held). Call with the manager's lock held."""
+    prefix = pool.prefix
+    if prefix is None:
+        return []
+    entries = list(prefix.entries())
+    depth: dict[int, int] = {}
+
+    def depth_of(entry: PrefixEntry) -> int:
+        # Iterative: a chain may be longer than the interpreter's recursion limit.
+        path: list[PrefixEntry] = []
+        node: PrefixEntry | None = entry
+        while node is not None and id(node) not in depth:
+            path.append(node)
+            node = node.parent
+        above = -1 if node is None else depth[id(node)]
+        for step in reversed(path):
+            above += 1
+            depth[id(step)] = above
+        return depth[id(entry)]
+
+    entries.sort(key=depth_of)
+    picked: list[tuple[PrefixEntry, int]] = []  # one block per entry and KV-cache group
+    for entry in entries:
+        by_group: dict[int, int] = {}
+        for block in entry.blocks:
+            by_group.setdefault(int(pool.group_of[block]), block)
+        picked.extend((entry, block) for _, block in sorted(by_group.items()))
+    if not picked:
+        return []
+    keys, values = pool.storage.blocks_to_host(np.asarray([block for _, block in picked], dtype=np.int64))
+    return [
+        BlockRecord.of_entry(entry, keys[:, index], values[:, index], int(pool.group_of[block]))
+        for index, (entry, block) in enumerate(picked)
+    ]
+
+
+def install_cached_blocks(pool: PoolAccess, records: list[BlockRecord]) -> int:
+    """Put ``records`` (parents first) into the pool as cached blocks, findable by later
+    requests: one ``blocks_from_host`` call. Call with the manager's lock held.
+
+    Records already cached (their hash in their KV-cache group), and records whose parent
+    is neither cached nor among the records, are skipped. Only free blocks are used (nothing cached is evicted for them);
+    with offload tiers, the records past them go to the first tier.
+
+    Transactional: whatever the storage raises, the blocks taken go back and nothing is
+    registered.
+
+    Returns:
+        The blocks installed.
+
+    Raises:
+        OutOfBlocksError: without tiers, fewer free blocks than the records need (nothing
+            installed).
+    """
+    prefix = pool.prefix
+    assert prefix is not None
+    known: dict[bytes, PrefixEntry | None] = {}  # hash -> its live entry (None: to be installed)
+    todo: list[BlockRecord] = []
+    seen: set[tuple[bytes, int]] = set()
+    for record in records:
+        if (record.block_hash, record.group) in seen:
+            continue
+        seen.add((record.block_hash, record.group))
+        existing = known.get(record.block_hash) or prefix.get(record.block_hash)
+        if existing is not None:
+            known[record.block_hash] = existing
+            if any(pool.group_of[block] == record.group for block in existing.blocks):
+                continue  # cached in its group already
+        elif record.parent_hash is not None and record.parent_hash not in known:
+            parent_entry = prefix.get(record.parent_hash)
+            if parent_entry is None:
+                continue  # an orphan: nothing could reach it
+            known[record.parent_hash] = parent_entry
+        known.setdefault(record.block_hash, None)
+        todo.append(record)
+    free = pool.allocator.free_block_count()
+    overflow: list[BlockRecord] = []
+    if len(todo) > free and pool.tiers:  # the chains' tails go to the offload tiers
+        todo, overflow = todo[:free], todo[free:]
+    if len(todo) > free:
+        raise OutOfBlocksError(
+            f"cannot install {len(todo)} cached blocks: {max(free, 0)} of {pool.config.num_blocks} blocks are "
+            f"free (cached blocks are not evicted for them); free some with gc() or deallocate"
+        )
+    if not todo:
+        return pool.tiers.store(overflow)
+    allocator = pool.allocator
+    blocks = allocator.allocate(len(todo))
+    pool.group_of[blocks] = [record.group for record in todo]
+    try:
+        pool.storage.blocks_from_host(
+            np.asarray(blocks, dtype=np.int64),
+            np.stack([record.keys for record in todo], axis=1),
+            np.stack([record.values for record in todo], axis=1),
+        )
+    except BaseException:
+        allocator.release(blocks[::-1], blocks[-1])
+        raise
+    block_size = pool.config.block_size
+    installed: list[int] = []
+    for block, record in zip(blocks, todo, strict=True):
+        entry = known[record.block_hash]  # live already: another group's block holds it
+        if entry is None:
+            parent = None if record.parent_hash is None else known[record.parent_hash]
+            if record.parent_hash is not None and parent is None:
+                allocator.release([block], block)  # its parent was skipped: nothing could reach it
+                continue
+            entry, _ = prefix.find_or_create(parent, record.token_ids, record.salt)
+        if entry is None:  # a collision: the hash is taken by other tokens
+            allocator.release([block], block)
+            continue
+        slots = slice(block * block_size, (block + 1) * block_size)
+        pool.issued[slots] = True
+        if pool.written is not None:
+            pool.written[:, slots] = True
+        pool.swapped_blocks.pop(block, None)
+        pool.register(block, entry)
+        known[record.block_hash] = entry
+        installed.append(block)
+    # Children first into the evictor, so a chain is evicted from its tail.
+    if installed:
+        allocator.release(installed[::-1], installed[-1], pool.keep_cached)
+    return len(installed) + pool.tiers.store(overflow)
+
+
+def chain_order(records: list[BlockRecord]) -> list[BlockRecord]:
+    """``records`` without duplicates (one per hash and KV-cache group), parents before
+    children, keeping only those whose whole chain (up to a first block) is among them."""
+    by_hash = {record.block_hash: record for record in records}
+    unique = {(record.block_hash, record.group): record for record in records}  # one per hash and group
+    depth: dict[bytes, int | None] = {}  # None: its chain does not reach a first block
+
+    def depth_of(block_hash: bytes) -> int | None:
+        # Iterative: a chain may be longer than the interpreter's recursion limit.
+        path: list[bytes] = []
+        on_path: set[bytes] = set()
+        node: bytes | None = block_hash
+        while node is not None and node not in depth and node in by_hash and node not in on_path:
+            path.append(node)
+            on_path.add(node)
+            node = by_hash[node].parent_hash
+        # Stopped past a first block (None), at a known hash, or (depth None) at a hash missing
+        # from the records or at a (forged) cycle.
+        above: int | None = -1 if node is None else depth.get(node)
+        for step in reversed(path):
+            above = None if above is None else above + 1
+            depth[step] = above
+        return depth[block_hash]
+
+    ranked = [(rank, record) for record in unique.values() if (rank := depth_of(record.block_hash)) is not None]
+    ranked.sort(key=lambda item: item[0])
+    return [record for _, record in ranked]
+
+
+def save_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
+    """Write every cached prefix block of ``manager``, in its pool and in its offload tiers,
+    to ``path`` (see the module docstring).
+
+    Returns:
+        The blocks written.
+
+    Raises:
+        InvalidTypeError: ``path`` is not a ``str`` or ``os.PathLike``.
+        InvalidArgumentError: ``path`` is empty or holds a NUL character.
+        UnsupportedConfigError: the pool has no prefix caching.
+        CacheFileError: the file cannot be written (nothing is left behind).
+    """
+    file_path(path)
+    if pool.prefix is None:
+        raise UnsupportedConfigError("save_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
+    records = chain_order(cached_records(pool) + pool.tiers.records())
+    write_blocks(path, pool.config, records)
+    return len(records)
+
+
+def load_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
+    """Map the blocks of a file :func:`save_prefix_cache` wrote into ``manager``'s prefix
+    cache (as cached blocks: later prompts hit them). Blocks already cached are skipped.
+
+    Returns:
+        The blocks loaded.
+
+    Raises:
+        InvalidTypeError: ``path`` is not a ``str`` or ``os.PathLike``.
+        InvalidArgumentError: ``path`` is empty or holds a NUL character.
+        UnsupportedConfigError: the pool has no prefix caching.
+        CacheFileError, CorruptCacheFileError, IncompatibleCacheFileError: see
+            :func:`read_blocks`; nothing is loaded.
+        OutOfBlocksError: without offload tiers, fewer free blocks than the file's new
+            blocks; nothing is loaded. (With tiers, the blocks past the free ones go to them.)
+    """
+    file_path(path)
+    if pool.prefix is None:
+        raise UnsupportedConfigError("load_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
+    return install_cached_blocks(pool, read_blocks(path, pool.config))

@@ -1,0 +1,51 @@
+"""The figures of a whole pool: what ``PagedKvCacheManager.stats`` reports."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvcache_core.paging.block_pool import BlockPool
+from kvcache_core.paging.chains import PrefixChains
+from kvcache_core.handle import RequestState
+from kvcache_core.contract.stats import CacheManagerStats, MemoryPressure
+
+__all__ = ["manager_stats"]
+
+
+def manager_stats(
+    pool: BlockPool,
+    chains: PrefixChains,
+    requests: Mapping[str, RequestState[Any]],
+    pressure: MemoryPressure,
+    allocation_count: int,
+) -> CacheManagerStats:
+    """The figures of a manager's pool; tokens and blocks count every KV-cache group."""
+    config = pool.config
+    used = pool.allocator.used_block_count()
+    tokens = sum(table.held_tokens() for state in requests.values() for table in state.tables)
+    capacity = used * config.block_size
+    swapped = [state.swap for state in requests.values() if state.swap is not None]
+    return CacheManagerStats(
+        total_memory_bytes=config.num_blocks * config.bytes_per_block,
+        used_memory_bytes=used * config.bytes_per_block,
+        active_caches=len(requests),
+        total_blocks=config.num_blocks,
+        free_blocks=pool.allocator.free_block_count(),
+        used_blocks=used,
+        tokens_stored=tokens,
+        utilization=tokens / capacity if capacity else 0.0,
+        cache_hit_rate=chains.hits / chains.queries if chains.queries else 0.0,
+        eviction_count=pool.eviction_count,
+        allocation_count=allocation_count,
+        allocation_failures=pool.allocation_failures,
+        pressure=pressure,
+        cached_blocks=pool.allocator.cached_block_count(),
+        prefix_cache_queries=chains.queries,
+        prefix_cache_hits=chains.hits,
+        hash_collisions=chains.collisions,
+        copy_on_write_count=pool.copy_on_write_count,
+        swapped_out_requests=len(swapped),
+        swapped_out_blocks=sum(record.num_blocks for record in swapped),
+        swapped_out_memory_bytes=sum(record.memory_bytes for record in swapped),
+    )
