@@ -45,8 +45,8 @@ import numpy.typing as npt
 from _bench import draw_lengths, int_list
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheHandle, PagedKvCacheManager
-from kvcache_core.paging.allocator import Placement
 from kvcache_core.backends.numpy import NumpyStorage
+from kvcache_core.paging.allocator import Placement
 
 Array = npt.NDArray[Any]
 

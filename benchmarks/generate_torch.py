@@ -63,7 +63,7 @@ import torch  # after the offline switch, which transformers reads on import
 import transformers
 from _bench import draw_lengths, print_environment
 
-from kvcache_core import (PagedKvCacheManager, create_manager)
+from kvcache_core import PagedKvCacheManager, create_manager
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for
 

@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 import pytest
 
 from kvcache_core.attention import features as attention_features
-
 from kvcache_core.backends import numpy as numpy_backend
 from kvcache_core.contract.hookspecs import (
     ATTENTION_CAPABILITIES,

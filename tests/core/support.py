@@ -27,8 +27,8 @@ from kvcache_core import (
     PageTable,
     create_manager,
 )
-from kvcache_core.paging.allocator import Placement
 from kvcache_core.offload.events import CachedBlockIndex
+from kvcache_core.paging.allocator import Placement
 from kvcache_core.testing.hybrid import tier_hashes
 from kvcache_core.testing.kv_data import pool_hashes
 

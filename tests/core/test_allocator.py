@@ -15,8 +15,8 @@ from kvcache_core import (
     PagedKvCacheManager,
     create_manager,
 )
-from kvcache_core.paging.allocator import BlockAllocator, FreeBlockQueue
 from kvcache_core.backends.numpy import NumpyArray, NumpyStorage
+from kvcache_core.paging.allocator import BlockAllocator, FreeBlockQueue
 
 
 def test_free_queue_pops_in_free_order_and_removes_any_member() -> None:

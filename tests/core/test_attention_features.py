@@ -12,9 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache_core import (KV_LAYOUTS, AllocationRequest, CacheConfig, InvalidArgumentError, PagedKvCacheManager, UnsupportedConfigError, create_manager)
+from kvcache_core import (
+    KV_LAYOUTS,
+    AllocationRequest,
+    CacheConfig,
+    InvalidArgumentError,
+    PagedKvCacheManager,
+    UnsupportedConfigError,
+    create_manager,
+)
 from kvcache_core.attention import kernel as paged_kernel
-from kvcache_core.attention.reference import paged_attention
 from kvcache_core.attention.features import (
     ATTENTION_CAPABILITIES,
     FEATURE_CAPABILITIES,
@@ -24,9 +31,10 @@ from kvcache_core.attention.features import (
     combined_window,
     storage_attention_features,
 )
-from kvcache_core.errors import InvalidTypeError
-from kvcache_core.contract.hookspecs import CAPABILITIES
+from kvcache_core.attention.reference import paged_attention
 from kvcache_core.backends.numpy import NumpyStorage
+from kvcache_core.contract.hookspecs import CAPABILITIES
+from kvcache_core.errors import InvalidTypeError
 from kvcache_core.testing.features import dense_feature_attention
 from tests.core.support import Array, hand_built_table, random_pool
 

@@ -24,14 +24,14 @@ from kvcache_core import (
     InvalidTypeError,
     create_manager,
 )
+from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.config import MAX_KV_SCALE
 from kvcache_core.contract.groups import LayerSpec
-from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.scalars import FLOAT32_TINY, INT32_MAX
-from kvcache_core.testing.world import esc, untyped
 from kvcache_core.offload.tiers import DiskTier, HostTier
+from kvcache_core.testing.world import esc, untyped
 
 GEOMETRY: dict[str, Any] = {"num_layers": 2, "num_heads": 2, "head_dim": 4, "num_blocks": 8, "block_size": 4}
 

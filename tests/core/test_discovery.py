@@ -247,8 +247,8 @@ def test_a_storage_factory_of_the_wrong_type_is_named_as_broken(
 
 
 def test_the_capability_vocabulary_is_one_list() -> None:
-    from kvcache_core.contract.hookspecs import CAPABILITIES
     from kvcache_core.backends.numpy import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES
+    from kvcache_core.contract.hookspecs import CAPABILITIES
     from kvcache_core.testing._plugin import POLICY_CAPABILITIES as KIT_POLICIES
     from kvcache_core.testing.backend import CAPABILITIES as KIT_CAPABILITIES
 

@@ -17,8 +17,8 @@ pytest.importorskip("zmq")
 
 from kvcache_core.contract.config import MAX_POOL_SLOTS, MAX_TOKEN_ID  # noqa: E402
 from kvcache_core.errors import CorruptEventBatchError, InvalidArgumentError, InvalidTypeError  # noqa: E402
-from kvcache_core.offload.publisher import decode_event_batch, encode_event_batch  # noqa: E402
 from kvcache_core.offload.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent  # noqa: E402
+from kvcache_core.offload.publisher import decode_event_batch, encode_event_batch  # noqa: E402
 
 HASH = b"h" * 32
 #: Decoding may take this many bytes of memory per payload byte, plus FIXED_BYTES: a Python

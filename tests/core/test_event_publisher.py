@@ -16,15 +16,15 @@ pytest.importorskip("msgpack")
 
 from kvcache_core import InvalidArgumentError, InvalidTypeError, KvCacheError  # noqa: E402
 from kvcache_core.errors import PublisherClosedError  # noqa: E402
+from kvcache_core.offload.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent  # noqa: E402
 from kvcache_core.offload.publisher import (  # noqa: E402
     END_OF_REPLAY,
     ZmqEventPublisher,
     decode_event_batch,
     encode_event_batch,
 )
-from kvcache_core.offload.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent  # noqa: E402
-from kvcache_core.testing.kv_data import pool_hashes  # noqa: E402
 from kvcache_core.offload.tiers import DiskTier, HostTier  # noqa: E402
+from kvcache_core.testing.kv_data import pool_hashes  # noqa: E402
 from tests.core.support import BLOCK_BYTES, admit, make_manager, prompt_of, tiered  # noqa: E402
 
 TIMEOUT_MS = 5_000

@@ -14,10 +14,10 @@ pytest.importorskip("safetensors")
 
 from kvcache_core import AllocationRequest, CacheConfig, LayerSpec, create_manager
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.offload.tiers import HostTier
 from kvcache_core.testing.faults import CallInjector, FaultyStorage, InjectedFaultError
 from kvcache_core.testing.tiers import FaultyTier, Interrupted
 from kvcache_core.testing.world import Snapshot, assert_same_state, snapshot
-from kvcache_core.offload.tiers import HostTier
 
 Manager = PagedKvCacheManager[Any]
 BLOCK = 4

@@ -18,8 +18,7 @@ pytest.importorskip("safetensors")
 
 from safetensors.numpy import load, save
 
-from kvcache_core import (AllocationRequest, CacheConfig, create_manager)
-from kvcache_core.offload import host_form
+from kvcache_core import AllocationRequest, CacheConfig, create_manager
 from kvcache_core.errors import (
     CorruptCacheFileError,
     DTypeMismatchError,
@@ -28,9 +27,10 @@ from kvcache_core.errors import (
     ShapeMismatchError,
 )
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.offload import host_form
 from kvcache_core.offload.prefix_file import BlockRecord, block_checksum, read_blocks, write_blocks
-from kvcache_core.testing.world import assert_same_state, snapshot
 from kvcache_core.offload.tiers import HostTier
+from kvcache_core.testing.world import assert_same_state, snapshot
 
 Manager = PagedKvCacheManager[Any]
 HostArray = npt.NDArray[Any]

@@ -17,8 +17,8 @@ from kvcache_core import (
     PagedKvCacheManager,
     create_manager,
 )
-from kvcache_core.discovery import get_backend
 from kvcache_core.contract.groups import plan_groups
+from kvcache_core.discovery import get_backend
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.machine import POLICIES, ReferenceMachine
 from kvcache_core.testing.world import untyped

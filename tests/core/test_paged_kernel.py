@@ -13,7 +13,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache_core import (KV_LAYOUTS, AllocationRequest, CacheConfig, InvalidArgumentError, InvalidTypeError, PageTable, UnsupportedConfigError, create_manager)
+from kvcache_core import (
+    KV_LAYOUTS,
+    AllocationRequest,
+    CacheConfig,
+    InvalidArgumentError,
+    InvalidTypeError,
+    PageTable,
+    UnsupportedConfigError,
+    create_manager,
+)
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.attention.reference import paged_attention
 from tests.core.support import Array, hand_built_table, random_pool

@@ -17,9 +17,9 @@ import pytest
 
 pytest.importorskip("safetensors")
 
+from kvcache_core.errors import CacheFileError, CorruptCacheFileError, InvalidArgumentError
 from kvcache_core.offload import safe_files
 from kvcache_core.offload.file_header import MAX_HEADER_BYTES
-from kvcache_core.errors import CacheFileError, CorruptCacheFileError, InvalidArgumentError
 from kvcache_core.offload.prefix_file import cached_records, read_blocks
 from kvcache_core.offload.tiers import DiskTier, HostTier
 from tests.core.cache_files import (

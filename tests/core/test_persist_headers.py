@@ -13,8 +13,8 @@ pytest.importorskip("safetensors")
 
 from kvcache_core import MAX_TOKEN_ID
 from kvcache_core.errors import CorruptCacheFileError, IncompatibleCacheFileError, KvCacheError
-from kvcache_core.paging.prefix import hash_block, namespace_root
 from kvcache_core.offload.strict_json import json_depth, parse_json
+from kvcache_core.paging.prefix import hash_block, namespace_root
 from tests.core.cache_files import pool, read_file, saved, snapshot, write_file
 
 RAW = "__raw__"  # a placeholder replaced by raw JSON text once the header is encoded

@@ -12,16 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvcache_core import (AllocationRequest, CacheConfig, create_manager)
+from kvcache_core import AllocationRequest, CacheConfig, create_manager
 from kvcache_core.attention import kernel as paged_kernel
-from kvcache_core.errors import (
-    ArrayTypeError,
-    DTypeMismatchError,
-    InvalidArgumentError,
-    InvalidConfigError,
-    ShapeMismatchError,
-    UnsupportedConfigError,
-)
 from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.contract.quantization import (
     dequantize,
@@ -30,6 +22,14 @@ from kvcache_core.contract.quantization import (
     pack_host,
     quantize,
     unpack_host,
+)
+from kvcache_core.errors import (
+    ArrayTypeError,
+    DTypeMismatchError,
+    InvalidArgumentError,
+    InvalidConfigError,
+    ShapeMismatchError,
+    UnsupportedConfigError,
 )
 from kvcache_core.offload.tiers import HostTier
 

@@ -20,8 +20,8 @@ from kvcache_core import (
     PageTable,
     create_manager,
 )
-from kvcache_core.cli import main
 from kvcache_core.backends.numpy import NumpyStorage
+from kvcache_core.cli import main
 
 FloatArray = npt.NDArray[np.float32]
 CONFIG = CacheConfig(num_layers=2, num_heads=2, head_dim=4, num_blocks=8, block_size=4)

@@ -48,7 +48,7 @@ from kvcache_core import (
     AllocationRequest,
     MemoryPressure,
 )
-from kvcache_core.paging.allocator import Placement
+from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
@@ -58,7 +58,7 @@ from kvcache_core.errors import (
     SharedBlockWriteError,
     UnknownRequestError,
 )
-from kvcache_core.backends.numpy import NumpyStorage
+from kvcache_core.paging.allocator import Placement
 from kvcache_core.testing.oracle import dense_attention
 from kvcache_core.testing.world import assert_same_state, snapshot
 from tests.core.support import Array, Handle, Manager, make_manager

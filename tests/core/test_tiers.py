@@ -21,9 +21,9 @@ from kvcache_core import (
 )
 from kvcache_core.errors import TierError
 from kvcache_core.offload.events import CachedBlockIndex
+from kvcache_core.offload.tiers import DiskTier, HostTier, create_tier
 from kvcache_core.testing.kv_data import pool_hashes
 from kvcache_core.testing.world import assert_same_state, snapshot
-from kvcache_core.offload.tiers import DiskTier, HostTier, create_tier
 from tests.core.support import BLOCK, BLOCK_BYTES, admit, assert_holds, counting, prompt_of, tiered
 
 

@@ -27,12 +27,12 @@ from kvcache_core import (
 )
 from kvcache_core.offload.events import CachedBlockIndex
 from kvcache_core.offload.prefix_file import BlockRecord, record_key, split_key
+from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier
 from kvcache_core.paging.prefix import hash_block
 from kvcache_core.testing.faults import FaultyStorage, InjectedFaultError
 from kvcache_core.testing.hybrid import tier_hashes
 from kvcache_core.testing.kv_data import pool_hashes
 from kvcache_core.testing.world import assert_same_state, snapshot, untyped
-from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier
 from tests.core.support import DIM, HEADS, Handle, Manager, Workload, counting, token_kv
 
 BLOCK = 4

@@ -12,10 +12,10 @@ pytest.importorskip("safetensors")
 
 from kvcache_core.discovery import get_backend
 from kvcache_core.offload.guarded_tiers import GuardedTiers
+from kvcache_core.offload.tier_stack import TierChain
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.faults import InjectedFaultError
 from kvcache_core.testing.tiers import TIER_CALLS, Interrupted, host_tier_factory, run_tier_fault_injection
-from kvcache_core.offload.tier_stack import TierChain
 
 
 def numpy_backend() -> BackendUnderTest:

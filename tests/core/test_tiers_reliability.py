@@ -21,10 +21,10 @@ from kvcache_core import AllocationRequest, CacheConfig, InvalidTypeError, creat
 from kvcache_core.errors import InvalidArgumentError, TierError
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.offload.prefix_file import BlockRecord
+from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier, create_tier
 from kvcache_core.testing.faults import CallInjector, FaultyStorage, InjectedFaultError
 from kvcache_core.testing.tiers import FaultyTier
 from kvcache_core.testing.world import assert_same_state, snapshot
-from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier, create_tier
 
 Manager = PagedKvCacheManager[Any]
 BLOCK = 4

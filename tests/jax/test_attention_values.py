@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import kvcache_jax
-from kvcache_core.errors import InvalidArgumentError
 from kvcache_core.contract.scalars import INT32_MAX
+from kvcache_core.errors import InvalidArgumentError
 
 # One request of 5 tokens in blocks 0 and 1 of an NHD pool [4 blocks, 4 tokens, 2 heads, 8].
 KEYS = jnp.asarray(np.random.default_rng(5).standard_normal((4, 4, 2, 8)), jnp.float32)

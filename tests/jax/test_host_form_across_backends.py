@@ -17,12 +17,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from kvcache_core import (AllocationRequest, CacheConfig, UnsupportedConfigError, create_manager)
-from kvcache_core.offload import host_form
+from kvcache_core import AllocationRequest, CacheConfig, UnsupportedConfigError, create_manager
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.offload import host_form
 from kvcache_core.offload.prefix_file import read_blocks, write_blocks
-from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.offload.tiers import DiskTier
+from kvcache_core.testing.backend import BackendUnderTest
 
 Manager = PagedKvCacheManager[Any]
 HostPair = tuple[npt.NDArray[Any], npt.NDArray[Any]]

@@ -23,8 +23,8 @@ from kvcache_core import (
     ShapeMismatchError,
     create_manager,
 )
-from kvcache_core.paging.allocator import Placement
 from kvcache_core.attention.reference import paged_attention as numpy_reference
+from kvcache_core.paging.allocator import Placement
 from kvcache_core.testing.oracle import dense_attention_batch
 from kvcache_torch import TorchStorage, paged_attention
 from kvcache_torch import attention as attention_module

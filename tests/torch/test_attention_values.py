@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache_core.errors import InvalidArgumentError
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.scalars import INT32_MAX
+from kvcache_core.errors import InvalidArgumentError
 from kvcache_torch import paged_attention
 
 # One request of 5 tokens in blocks 0 and 1 of an NHD pool [4 blocks, 4 tokens, 2 heads, 8].

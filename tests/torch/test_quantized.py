@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache_core import (AllocationRequest, CacheConfig, create_manager)
+from kvcache_core import AllocationRequest, CacheConfig, create_manager
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.errors import ShapeMismatchError
 from kvcache_torch.storage import TorchStorage

@@ -21,8 +21,20 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from kvcache_core.contract.block_table import BlockRun, BlockTable
-from kvcache_core.contract.config import DTYPE_SIZES, KV_LAYOUTS, MAX_TOKEN_ID, QUANTIZED_DTYPES, AllocationRequest, CacheConfig
+from kvcache_core.contract.config import (
+    DTYPE_SIZES,
+    KV_LAYOUTS,
+    MAX_TOKEN_ID,
+    QUANTIZED_DTYPES,
+    AllocationRequest,
+    CacheConfig,
+)
 from kvcache_core.contract.device import Device
+from kvcache_core.contract.groups import KvGroup, LayerSpec
+from kvcache_core.contract.hookspecs import CAPABILITIES, BackendSpec, hookimpl
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.protocols import KvCacheHandle, KvCacheManager, KvStorage
+from kvcache_core.contract.stats import CacheGcStats, CacheHandleStats, CacheManagerStats, MemoryPressure
 from kvcache_core.discovery import (
     ENTRY_POINT_GROUP,
     BackendInfo,
@@ -66,16 +78,11 @@ from kvcache_core.errors import (
     UnknownRequestError,
     UnsupportedConfigError,
 )
-from kvcache_core.offload.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
-from kvcache_core.contract.groups import KvGroup, LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
-from kvcache_core.contract.hookspecs import CAPABILITIES, BackendSpec, hookimpl
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.contract.page_table import PageTable
-from kvcache_core.contract.protocols import KvCacheHandle, KvCacheManager, KvStorage
-from kvcache_core.contract.stats import CacheGcStats, CacheHandleStats, CacheManagerStats, MemoryPressure
-from kvcache_core.step import Step
+from kvcache_core.offload.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
 from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier, TierStats
+from kvcache_core.step import Step
 
 try:
     __version__ = version("kvcache-core")

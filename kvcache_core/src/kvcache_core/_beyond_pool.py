@@ -12,12 +12,12 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvcache_core.offload import prefix_file as persist
 from kvcache_core._data_path import DataPath
-from kvcache_core.errors import InvalidTypeError
-from kvcache_core.offload.events import EventCallback, EventHub
 from kvcache_core._pool_access import PoolAccess
 from kvcache_core.contract.stats import MemoryPressure
+from kvcache_core.errors import InvalidTypeError
+from kvcache_core.offload import prefix_file as persist
+from kvcache_core.offload.events import EventCallback, EventHub
 from kvcache_core.offload.tier_stack import TierChain
 from kvcache_core.offload.tiers import TierStats
 

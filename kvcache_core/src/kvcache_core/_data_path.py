@@ -20,25 +20,25 @@ from typing import Any, Generic, TypeGuard, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.attention.reference import check_attention_call, validate_query_indptr
 from kvcache_core.attention.features import storage_attention_features
-from kvcache_core.paging.block_pool import BlockPool, blocks_for
-from kvcache_core.paging.chains import PrefixChains
-from kvcache_core.paging.checks import ArgumentChecks, check_handle_sequence, step_counts, step_token_ids
+from kvcache_core.attention.reference import check_attention_call, validate_query_indptr
 from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.groups import check_group
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.protocols import KvCacheHandle, KvStorage, SlotArray, SlotsLike
+from kvcache_core.contract.stats import MemoryPressure
 from kvcache_core.errors import (
     ForeignHandleError,
     InvalidArgumentError,
     ManagerClosedError,
     StaleStepError,
 )
-from kvcache_core.offload.events import EventHub, OperationLock
-from kvcache_core.contract.groups import check_group
 from kvcache_core.handle import PagedKvCacheHandle, RequestState
-from kvcache_core.contract.page_table import PageTable
-from kvcache_core.contract.protocols import KvCacheHandle, KvStorage, SlotArray, SlotsLike
+from kvcache_core.offload.events import EventHub, OperationLock
+from kvcache_core.paging.block_pool import BlockPool, blocks_for
+from kvcache_core.paging.chains import PrefixChains
+from kvcache_core.paging.checks import ArgumentChecks, check_handle_sequence, step_counts, step_token_ids
 from kvcache_core.paging.sequences import SequenceBlocks
-from kvcache_core.contract.stats import MemoryPressure
 from kvcache_core.step import Step, StepHooks
 
 __all__ = ["DataPath"]

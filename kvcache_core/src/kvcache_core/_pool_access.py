@@ -17,14 +17,14 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
+    from kvcache_core.contract.config import CacheConfig
+    from kvcache_core.contract.protocols import KvStorage
+    from kvcache_core.handle import RequestState
+    from kvcache_core.offload.tier_stack import TierChain
     from kvcache_core.paging.allocator import BlockAllocator
     from kvcache_core.paging.block_pool import BlockPool
     from kvcache_core.paging.chains import PrefixChains
-    from kvcache_core.contract.config import CacheConfig
-    from kvcache_core.handle import RequestState
     from kvcache_core.paging.prefix import PrefixCache, PrefixEntry
-    from kvcache_core.contract.protocols import KvStorage
-    from kvcache_core.offload.tier_stack import TierChain
 
 __all__ = ["PoolAccess"]
 

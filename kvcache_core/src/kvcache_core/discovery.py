@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import pluggy
 
-from kvcache_core.paging.allocator import Placement
+from kvcache_core.backends.numpy import NumpyArray
 from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec
+from kvcache_core.contract.protocols import KvStorage
 from kvcache_core.errors import (
     BackendConflictError,
     BackendNotFoundError,
@@ -32,11 +34,9 @@ from kvcache_core.errors import (
     KvCachePluginWarning,
     UnsupportedConfigError,
 )
-from kvcache_core.contract.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.backends.numpy import NumpyArray
-from kvcache_core.contract.protocols import KvStorage
 from kvcache_core.offload.tiers import OffloadTier
+from kvcache_core.paging.allocator import Placement
 
 if TYPE_CHECKING:  # the array types of the built-in backends, for create_manager's overloads only
     import jax

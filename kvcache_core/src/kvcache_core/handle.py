@@ -16,10 +16,10 @@ import numpy.typing as npt
 from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.device import Device
-from kvcache_core.errors import InvalidHandleError, ManagerClosedError, SwappedOutError
-from kvcache_core.paging.prefix import PrefixEntry
 from kvcache_core.contract.protocols import KvStorage
 from kvcache_core.contract.stats import CacheHandleStats
+from kvcache_core.errors import InvalidHandleError, ManagerClosedError, SwappedOutError
+from kvcache_core.paging.prefix import PrefixEntry
 
 __all__ = ["PagedKvCacheHandle", "RequestState", "SwapRecord", "next_generation"]
 

@@ -39,13 +39,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvcache_core.paging.allocator import BlockAllocator, Placement
-from kvcache_core.paging.audit import audit
 from kvcache_core._beyond_pool import BeyondPool
-from kvcache_core.paging.block_pool import BlockPool
-from kvcache_core.paging.chains import PrefixChains
-from kvcache_core.paging.checks import ArgumentChecks
+from kvcache_core._pool_access import PoolAccess
 from kvcache_core.contract.config import AllocationRequest, CacheConfig, check_count, check_token_ids
+from kvcache_core.contract.protocols import KvCacheHandle, KvStorage, SlotArray
+from kvcache_core.contract.stats import CacheGcStats, CacheManagerStats, MemoryPressure
 from kvcache_core.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
@@ -56,16 +54,18 @@ from kvcache_core.errors import (
     SwappedOutError,
     UnknownRequestError,
 )
-from kvcache_core.offload.events import AllBlocksCleared, EventHub, OperationLock
-from kvcache_core.paging.figures import manager_stats
 from kvcache_core.handle import PagedKvCacheHandle, RequestState
-from kvcache_core._pool_access import PoolAccess
-from kvcache_core.paging.prefix import PrefixCache
-from kvcache_core.contract.protocols import KvCacheHandle, KvStorage, SlotArray
-from kvcache_core.paging.sequences import SequenceBlocks
-from kvcache_core.contract.stats import CacheGcStats, CacheManagerStats, MemoryPressure
+from kvcache_core.offload.events import AllBlocksCleared, EventHub, OperationLock
 from kvcache_core.offload.tier_stack import TierChain
 from kvcache_core.offload.tiers import OffloadTier
+from kvcache_core.paging.allocator import BlockAllocator, Placement
+from kvcache_core.paging.audit import audit
+from kvcache_core.paging.block_pool import BlockPool
+from kvcache_core.paging.chains import PrefixChains
+from kvcache_core.paging.checks import ArgumentChecks
+from kvcache_core.paging.figures import manager_stats
+from kvcache_core.paging.prefix import PrefixCache
+from kvcache_core.paging.sequences import SequenceBlocks
 
 __all__ = ["InvariantError", "PagedKvCacheManager"]
 

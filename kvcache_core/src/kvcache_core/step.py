@@ -24,11 +24,11 @@ from typing import Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.attention.reference import check_attention_call
 from kvcache_core.attention.features import ArrayCheck
-from kvcache_core.errors import ShapeMismatchError
+from kvcache_core.attention.reference import check_attention_call
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import SlotArray
+from kvcache_core.errors import ShapeMismatchError
 
 __all__ = ["Step", "StepHooks"]
 

@@ -23,7 +23,6 @@ import numpy as np
 from jax import lax
 from jax.core import Tracer
 
-from kvcache_core.attention.reference import check_scale
 from kvcache_core.attention.features import (
     check_chunk,
     check_finite_logits,
@@ -31,8 +30,9 @@ from kvcache_core.attention.features import (
     check_window,
     combined_window,
 )
-from kvcache_core.errors import ShapeMismatchError
+from kvcache_core.attention.reference import check_scale
 from kvcache_core.contract.scalars import check_count, check_optional_count
+from kvcache_core.errors import ShapeMismatchError
 from kvcache_jax.buckets import bucket
 from kvcache_jax.scatter import BLOCK_AXIS, pool_geometry
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvcache_core.contract.config import CacheConfig
-from kvcache_core.errors import BackendUnavailableError
 from kvcache_core.contract.hookspecs import BackendSpec, hookimpl
+from kvcache_core.errors import BackendUnavailableError
 from kvcache_jax.spec import CAPABILITIES, DEVICES, DTYPES, LAYOUTS, PREFERRED_LAYOUT
 
 if TYPE_CHECKING:

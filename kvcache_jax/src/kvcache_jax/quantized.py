@@ -28,12 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.offload import host_form
-
 from kvcache_core.contract import quantization
 from kvcache_core.contract.config import CacheConfig
-from kvcache_core.errors import UnsupportedConfigError
 from kvcache_core.contract.scalars import FLOAT32_TINY
+from kvcache_core.errors import UnsupportedConfigError
+from kvcache_core.offload import host_form
 from kvcache_jax.sharding import REPLICATED, Placement, shard_over_heads
 from kvcache_jax.spec import QUANTIZED_POOL_DTYPES
 from kvcache_jax.storage import JaxStorage

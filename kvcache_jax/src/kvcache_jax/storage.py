@@ -24,9 +24,9 @@ import numpy as np
 import numpy.typing as npt
 from jax.core import Tracer
 
-from kvcache_core.offload import host_form
 from kvcache_core.attention.features import combined_window
 from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.page_table import PageTable
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -34,7 +34,7 @@ from kvcache_core.errors import (
     ShapeMismatchError,
     UnsupportedConfigError,
 )
-from kvcache_core.contract.page_table import PageTable
+from kvcache_core.offload import host_form
 from kvcache_jax.buckets import PaddedBatch, bucket, pad_batch, pad_blocks, pad_slots
 from kvcache_jax.programs import Pools, programs_for
 from kvcache_jax.sharding import Placement, resolve_placement

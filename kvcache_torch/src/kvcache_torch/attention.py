@@ -50,7 +50,6 @@ import numpy.typing as npt
 import torch
 
 from kvcache_core.attention import kernel as paged_kernel
-from kvcache_core.attention.reference import check_scale, validate_query_indptr
 from kvcache_core.attention.features import (
     check_chunk,
     check_chunk_positions,
@@ -59,7 +58,9 @@ from kvcache_core.attention.features import (
     check_window,
     combined_window,
 )
+from kvcache_core.attention.reference import check_scale, validate_query_indptr
 from kvcache_core.contract.config import KV_LAYOUTS
+from kvcache_core.contract.page_table import PageTable
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -67,7 +68,6 @@ from kvcache_core.errors import (
     ShapeMismatchError,
     UnsupportedConfigError,
 )
-from kvcache_core.contract.page_table import PageTable
 from kvcache_torch.threads import torch_team
 
 __all__ = ["attend_pool", "paged_attention"]

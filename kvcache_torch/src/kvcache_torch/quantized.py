@@ -16,10 +16,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcache_core.errors import InvalidArgumentError
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.quantization import QUANTIZED_RANGE, non_finite_message
 from kvcache_core.contract.scalars import FLOAT32_TINY
+from kvcache_core.errors import InvalidArgumentError
 
 __all__ = ["attend_quantized", "check_finite", "grow_running_scales", "quantize"]
 

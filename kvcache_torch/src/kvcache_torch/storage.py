@@ -16,15 +16,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcache_core.offload import host_form
-
 from kvcache_core.attention import kernel as paged_kernel
-
-from kvcache_core.contract import quantization
 from kvcache_core.attention.features import combined_window
+from kvcache_core.contract import quantization
 from kvcache_core.contract.config import CacheConfig
-from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, UnsupportedConfigError
 from kvcache_core.contract.page_table import PageTable
+from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, UnsupportedConfigError
+from kvcache_core.offload import host_form
 from kvcache_torch import quantized
 from kvcache_torch.attention import attend_pool
 from kvcache_torch.dtypes import BIT_DTYPES, VALUE_DTYPES, dtype_name, torch_dtype

@@ -38,9 +38,9 @@ from typing import Any, Final, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, UnsupportedConfigError
 from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES
 from kvcache_core.contract.scalars import INT32_MAX, check_optional_count, check_positive_float32
+from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, UnsupportedConfigError
 
 __all__ = [
     "ATTENTION_CAPABILITIES",

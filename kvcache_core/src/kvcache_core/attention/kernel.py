@@ -59,9 +59,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.attention.features import check_chunk, check_finite_logits, check_softcap, check_window
-from kvcache_core.errors import InvalidTypeError, UnsupportedConfigError
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.scalars import check_count, check_positive_float32
+from kvcache_core.errors import InvalidTypeError, UnsupportedConfigError
 
 __all__ = [
     "DISABLE_ENV",

@@ -36,9 +36,9 @@ from kvcache_core.attention.features import (
     combined_window,
 )
 from kvcache_core.contract.config import KV_LAYOUTS
-from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, ShapeMismatchError
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.scalars import check_positive_float32, shown
+from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, ShapeMismatchError
 
 __all__ = ["check_attention_call", "check_scale", "decode_indptr", "paged_attention", "validate_query_indptr"]
 

@@ -21,10 +21,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
+from kvcache_core.contract.protocols import KvCacheHandle
 from kvcache_core.discovery import create_manager
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.contract.protocols import KvCacheHandle
 from kvcache_core.step import Step
 
 __all__ = ["DemoOptions", "DemoReport", "TinyTransformer", "run_demo"]

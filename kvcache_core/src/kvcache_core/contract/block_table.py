@@ -8,8 +8,8 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.errors import InsufficientBlocksError, InvalidArgumentError, InvalidTypeError
 from kvcache_core.contract.scalars import as_integer, check_count, shown
+from kvcache_core.errors import InsufficientBlocksError, InvalidArgumentError, InvalidTypeError
 
 __all__ = ["BlockRun", "BlockTable"]
 

@@ -11,7 +11,6 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract.device import Device
-from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerIndexError
 from kvcache_core.contract.groups import KvGroup, LayerSpec, layer_slot, plan_groups
 from kvcache_core.contract.scalars import (
     FLOAT32_MAX,
@@ -25,6 +24,7 @@ from kvcache_core.contract.scalars import (
     check_real,
     shown,
 )
+from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerIndexError
 
 __all__ = [
     "DTYPE_SIZES",

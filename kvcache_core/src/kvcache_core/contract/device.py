@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcache_core.errors import InvalidArgumentError
 from kvcache_core.contract.scalars import INT32_MAX, check_optional_count, shown
+from kvcache_core.errors import InvalidArgumentError
 
 __all__ = ["DEVICE_KINDS", "Device"]
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvcache_core.errors import InvalidConfigError, LayerIndexError
 from kvcache_core.contract.scalars import INT32_MAX, IntLike, as_integer, check_optional_count, shown
+from kvcache_core.errors import InvalidConfigError, LayerIndexError
 
 __all__ = [
     "KvGroup",

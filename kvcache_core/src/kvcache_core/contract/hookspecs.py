@@ -35,8 +35,8 @@ from kvcache_core.contract.config import CacheConfig
 from kvcache_core.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from kvcache_core.manager import PagedKvCacheManager
     from kvcache_core.contract.protocols import KvStorage
+    from kvcache_core.manager import PagedKvCacheManager
 
 __all__ = [
     "ATTENTION_CAPABILITIES",

@@ -11,8 +11,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract.block_table import BlockRun, BlockTable
-from kvcache_core.errors import InvalidArgumentError
 from kvcache_core.contract.scalars import INT32_MAX, check_count, check_optional_count
+from kvcache_core.errors import InvalidArgumentError
 
 __all__ = ["INDEX_MAX", "IndexArray", "PageTable"]
 

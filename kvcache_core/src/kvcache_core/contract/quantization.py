@@ -39,8 +39,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract.config import QUANTIZED_DTYPES, QUANTIZED_RANGE, SCALE_BYTES, CacheConfig
-from kvcache_core.errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from kvcache_core.contract.scalars import FLOAT32_TINY
+from kvcache_core.errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 
 __all__ = [
     "QUANTIZED_RANGE",

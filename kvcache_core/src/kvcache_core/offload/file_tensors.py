@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.offload import host_form
 from kvcache_core.errors import CorruptCacheFileError, IncompatibleCacheFileError, InvalidArgumentError
+from kvcache_core.offload import host_form
 
 if TYPE_CHECKING:
     from kvcache_core.contract.config import CacheConfig

@@ -27,8 +27,8 @@ from kvcache_core.contract.config import SCALE_BYTES
 from kvcache_core.errors import InvalidTypeError, TierError, UnsupportedConfigError
 from kvcache_core.offload.events import BlockStored, EventHub
 from kvcache_core.offload.prefix_file import BlockRecord, block_checksum, record_key
-from kvcache_core.paging.prefix import hash_block, namespace_root
 from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier, TierStats
+from kvcache_core.paging.prefix import hash_block, namespace_root
 
 if TYPE_CHECKING:
     from kvcache_core.contract.config import CacheConfig

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.offload.file_header import block_entry, kvcache_header, read_container, same_json, shown
+from kvcache_core._pool_access import PoolAccess
 from kvcache_core.contract.config import SCALE_BYTES
 from kvcache_core.errors import (
     CorruptCacheFileError,
@@ -61,10 +61,10 @@ from kvcache_core.errors import (
     OutOfBlocksError,
     UnsupportedConfigError,
 )
+from kvcache_core.offload.file_header import block_entry, kvcache_header, read_container, same_json, shown
 from kvcache_core.offload.file_tensors import block_in_host_form, load_tensors, stack_blocks
-from kvcache_core._pool_access import PoolAccess
-from kvcache_core.paging.prefix import PrefixEntry, hash_block, namespace_root
 from kvcache_core.offload.safe_files import file_path, write_file_atomically
+from kvcache_core.paging.prefix import PrefixEntry, hash_block, namespace_root
 
 if TYPE_CHECKING:
     from kvcache_core.contract.config import CacheConfig

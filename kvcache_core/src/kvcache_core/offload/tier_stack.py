@@ -29,16 +29,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvcache_core.offload import host_form
+from kvcache_core._pool_access import PoolAccess
 from kvcache_core.contract.block_table import BlockTable
-from kvcache_core.errors import TierError
-from kvcache_core.offload.events import EventHub
 from kvcache_core.contract.groups import first_visible_block
+from kvcache_core.errors import TierError
+from kvcache_core.offload import host_form
+from kvcache_core.offload.events import EventHub
 from kvcache_core.offload.guarded_tiers import GuardedTiers, overflow_items
 from kvcache_core.offload.prefix_file import BlockRecord, block_checksum, record_key
-from kvcache_core._pool_access import PoolAccess
-from kvcache_core.paging.prefix import PrefixEntry, hash_block
 from kvcache_core.offload.tiers import OffloadTier, TierStats
+from kvcache_core.paging.prefix import PrefixEntry, hash_block
 
 if TYPE_CHECKING:
     from kvcache_core.contract.config import CacheConfig

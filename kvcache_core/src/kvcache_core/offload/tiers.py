@@ -74,6 +74,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from kvcache_core.contract.scalars import check_count
 from kvcache_core.errors import (
     CacheFileError,
     InvalidArgumentError,
@@ -82,7 +83,6 @@ from kvcache_core.errors import (
 )
 from kvcache_core.offload.prefix_file import BlockRecord, read_blocks, split_key, write_blocks
 from kvcache_core.offload.safe_files import file_path, remove_file
-from kvcache_core.contract.scalars import check_count
 
 if TYPE_CHECKING:
     from kvcache_core.contract.config import CacheConfig

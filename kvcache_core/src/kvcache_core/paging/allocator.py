@@ -35,9 +35,9 @@ from typing import Final, Literal
 import numpy as np
 import numpy.typing as npt
 
+from kvcache_core.contract.scalars import check_count
 from kvcache_core.errors import InvalidArgumentError, OutOfBlocksError
 from kvcache_core.paging.prefix import BlockEvictor
-from kvcache_core.contract.scalars import check_count
 
 __all__ = ["BlockAllocator", "FreeBlockQueue", "Placement"]
 

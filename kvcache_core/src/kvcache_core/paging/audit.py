@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from kvcache_core.paging.block_pool import BlockPool, blocks_for
-from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.errors import InvariantError
 from kvcache_core.handle import RequestState
+from kvcache_core.paging.block_pool import BlockPool, blocks_for
+from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.paging.prefix import same_prefix
 from kvcache_core.paging.sequences import SequenceBlocks
 

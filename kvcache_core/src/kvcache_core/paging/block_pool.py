@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.paging.allocator import BlockAllocator, Placement
 from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.protocols import KvStorage
 from kvcache_core.errors import OutOfBlocksError
 from kvcache_core.handle import RequestState, SwapRecord, next_generation
+from kvcache_core.paging.allocator import BlockAllocator, Placement
 from kvcache_core.paging.prefix import PrefixCache, PrefixEntry
-from kvcache_core.contract.protocols import KvStorage
 
 __all__ = ["BlockPool", "blocks_for"]
 

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.contract.config import AllocationRequest
 from kvcache_core.errors import InvalidArgumentError
 from kvcache_core.handle import RequestState
+from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.prefix import PrefixEntry
 
 __all__ = ["PrefixChains"]

@@ -15,8 +15,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.attention.features import check_finite_logits
-from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.contract.config import check_count, check_token_ids
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.protocols import KvStorage, SlotArray, SlotsLike
+from kvcache_core.contract.scalars import shown
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -29,9 +31,7 @@ from kvcache_core.errors import (
     SwappedOutError,
 )
 from kvcache_core.handle import RequestState
-from kvcache_core.contract.page_table import PageTable
-from kvcache_core.contract.protocols import KvStorage, SlotArray, SlotsLike
-from kvcache_core.contract.scalars import shown
+from kvcache_core.paging.block_pool import BlockPool, blocks_for
 
 __all__ = ["ArgumentChecks", "check_handle_sequence", "step_counts", "step_token_ids"]
 

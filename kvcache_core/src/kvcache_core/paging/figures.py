@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvcache_core.contract.stats import CacheManagerStats, MemoryPressure
+from kvcache_core.handle import RequestState
 from kvcache_core.paging.block_pool import BlockPool
 from kvcache_core.paging.chains import PrefixChains
-from kvcache_core.handle import RequestState
-from kvcache_core.contract.stats import CacheManagerStats, MemoryPressure
 
 __all__ = ["manager_stats"]
 

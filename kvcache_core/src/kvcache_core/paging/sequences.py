@@ -13,15 +13,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.contract.block_table import BlockTable
-from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.contract.config import AllocationRequest
-from kvcache_core.errors import SequenceTooLongError
 from kvcache_core.contract.groups import first_visible_block
-from kvcache_core.handle import RequestState, SwapRecord
-from kvcache_core.paging.prefix import PrefixEntry
 from kvcache_core.contract.protocols import SlotArray
+from kvcache_core.errors import SequenceTooLongError
+from kvcache_core.handle import RequestState, SwapRecord
+from kvcache_core.paging.block_pool import BlockPool, blocks_for
+from kvcache_core.paging.chains import PrefixChains
+from kvcache_core.paging.prefix import PrefixEntry
 
 __all__ = ["AllocationPlan", "GroupGrowth", "GrowthPlan", "SequenceBlocks"]
 

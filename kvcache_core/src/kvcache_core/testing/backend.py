@@ -10,10 +10,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract.config import QUANTIZED_DTYPES, AllocationRequest, CacheConfig
-from kvcache_core.discovery import create_manager
-from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.contract.hookspecs import CAPABILITIES as CAPABILITY_DESCRIPTIONS
 from kvcache_core.contract.hookspecs import BackendSpec
+from kvcache_core.discovery import create_manager
+from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 
 __all__ = ["CAPABILITIES", "TOLERANCES", "BackendUnderTest", "grow_side_by_side", "write_random"]

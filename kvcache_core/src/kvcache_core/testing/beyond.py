@@ -14,13 +14,13 @@ import pytest
 
 from kvcache_core.contract.config import AllocationRequest
 from kvcache_core.errors import CorruptCacheFileError
-from kvcache_core.offload.events import CachedBlockIndex
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.offload.events import CachedBlockIndex
+from kvcache_core.offload.tiers import DiskTier, HostTier
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.kv_data import pool_hashes as pool_hashes  # re-exported: importable from here as before
 from kvcache_core.testing.world import assert_same_state, snapshot
-from kvcache_core.offload.tiers import DiskTier, HostTier
 
 __all__ = ["BeyondPoolCases"]
 

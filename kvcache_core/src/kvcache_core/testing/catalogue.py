@@ -19,6 +19,8 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 
 from kvcache_core.contract.config import AllocationRequest
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.protocols import SlotArray
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -38,8 +40,6 @@ from kvcache_core.errors import (
 )
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.contract.page_table import PageTable
-from kvcache_core.contract.protocols import SlotArray
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.kv_data import sevens
 from kvcache_core.testing.world import (

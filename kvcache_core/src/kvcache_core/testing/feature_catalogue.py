@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvcache_core.errors import InvalidArgumentError
 from kvcache_core.contract.scalars import INT32_MAX
+from kvcache_core.errors import InvalidArgumentError
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.catalogue import BadCall, attend
 from kvcache_core.testing.world import World, esc

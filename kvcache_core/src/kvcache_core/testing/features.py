@@ -19,6 +19,8 @@ import pytest
 
 from kvcache_core.attention.features import ATTENTION_CAPABILITIES, FEATURE_CAPABILITIES, storage_attention_features
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
+from kvcache_core.contract.groups import LayerSpec
+from kvcache_core.contract.scalars import INT32_MAX
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -26,10 +28,8 @@ from kvcache_core.errors import (
     KvCacheError,
     ShapeMismatchError,
 )
-from kvcache_core.contract.groups import LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.contract.scalars import INT32_MAX
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 from kvcache_core.testing.catalogue import BadCall, check_bad_call
 from kvcache_core.testing.feature_catalogue import FEATURE_VALUE_CASES

@@ -16,16 +16,16 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvcache_core.offload import host_form
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
 from kvcache_core.contract.device import Device
 from kvcache_core.discovery import create_manager
 from kvcache_core.errors import DTypeMismatchError, KvCacheError
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.offload import host_form
 from kvcache_core.offload.prefix_file import read_blocks, write_blocks
-from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.offload.tiers import DiskTier, HostTier
+from kvcache_core.testing.backend import BackendUnderTest
 
 __all__ = ["HostFormCases"]
 

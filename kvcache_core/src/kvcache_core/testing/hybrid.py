@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcache_core.paging.block_pool import blocks_for
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
+from kvcache_core.contract.groups import LayerSpec
 from kvcache_core.errors import (
     IncompatibleCacheFileError,
     InvalidArgumentError,
@@ -32,18 +32,18 @@ from kvcache_core.errors import (
     ShapeMismatchError,
     SlotError,
 )
-from kvcache_core.offload.events import CachedBlockIndex
-from kvcache_core.contract.groups import LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.offload.events import CachedBlockIndex
 from kvcache_core.offload.prefix_file import split_key
+from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier
+from kvcache_core.paging.block_pool import blocks_for
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 from kvcache_core.testing.catalogue import BadCall, check_bad_call
 from kvcache_core.testing.kv_data import pool_hashes as pool_hashes  # re-exported: importable from here as before
 from kvcache_core.testing.kv_data import sevens
 from kvcache_core.testing.oracle import dense_attention
 from kvcache_core.testing.world import esc, untyped
-from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier
 
 __all__ = ["HYBRID_CASES", "HybridCases", "HybridWorld", "hybrid_config"]
 

@@ -29,9 +29,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
 from kvcache_core.contract.device import Device
+from kvcache_core.contract.groups import LayerSpec
 from kvcache_core.discovery import create_manager
 from kvcache_core.errors import KvCacheError, OutOfBlocksError
-from kvcache_core.contract.groups import LayerSpec
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing._plugin import KitSettings

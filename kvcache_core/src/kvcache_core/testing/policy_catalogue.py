@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvcache_core.contract.config import MAX_TOKEN_ID, AllocationRequest
+from kvcache_core.contract.protocols import SlotArray
 from kvcache_core.errors import (
     DuplicateRequestError,
     ForeignHandleError,
@@ -22,7 +23,6 @@ from kvcache_core.errors import (
     SwappedOutError,
     UnknownRequestError,
 )
-from kvcache_core.contract.protocols import SlotArray
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.catalogue import BadCall
 from kvcache_core.testing.kv_data import sevens

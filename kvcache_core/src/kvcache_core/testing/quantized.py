@@ -23,10 +23,10 @@ import pytest
 
 from kvcache_core.attention.reference import paged_attention as reference_attention
 from kvcache_core.contract.config import QUANTIZED_DTYPES, AllocationRequest, CacheConfig
+from kvcache_core.contract.protocols import KvCacheHandle
 from kvcache_core.discovery import create_manager
 from kvcache_core.errors import DTypeMismatchError, InvalidArgumentError, UnsupportedConfigError
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.contract.protocols import KvCacheHandle
 from kvcache_core.testing.backend import BackendUnderTest
 
 __all__ = ["QUANTIZED_TOLERANCES", "QuantizedCases"]

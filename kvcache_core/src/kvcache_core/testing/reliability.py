@@ -15,6 +15,7 @@ import numpy.typing as npt
 import pytest
 
 from kvcache_core.contract.config import AllocationRequest
+from kvcache_core.contract.protocols import KvCacheHandle
 from kvcache_core.errors import (
     InvalidArgumentError,
     LayerIndexError,
@@ -28,7 +29,6 @@ from kvcache_core.errors import (
 )
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.contract.protocols import KvCacheHandle
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 from kvcache_core.testing.faults import run_fault_injection
 from kvcache_core.testing.soak import run_soak

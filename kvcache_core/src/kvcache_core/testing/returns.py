@@ -14,9 +14,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvcache_core.offload import host_form
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.offload import host_form
 from kvcache_core.testing.backend import BackendUnderTest
 
 __all__ = ["storage_return_problems"]

@@ -25,16 +25,16 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvcache_core.offload import host_form
 from kvcache_core.attention.reference import paged_attention as reference_attention
 from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
+from kvcache_core.contract.protocols import KvCacheHandle, KvStorage
 from kvcache_core.errors import (
     ManagerClosedError,
     OutOfBlocksError,
 )
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.contract.protocols import KvCacheHandle, KvStorage
+from kvcache_core.offload import host_form
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest, grow_side_by_side, write_random
 from kvcache_core.testing.beyond import BeyondPoolCases
 from kvcache_core.testing.catalogue import MANAGER_CASES, BadCall, check_bad_call, decode_query, kv

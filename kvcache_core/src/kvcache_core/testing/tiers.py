@@ -38,12 +38,13 @@ import numpy as np
 import pytest
 
 from kvcache_core.contract.config import CacheConfig
-from kvcache_core.errors import TierError
-from kvcache_core.offload.events import EventHub
 from kvcache_core.contract.groups import LayerSpec
-from kvcache_core.offload.guarded_tiers import GuardedTiers
+from kvcache_core.errors import TierError
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.offload.events import EventHub
+from kvcache_core.offload.guarded_tiers import GuardedTiers
 from kvcache_core.offload.prefix_file import BlockRecord
+from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.faults import (
     PROMPT,
@@ -53,7 +54,6 @@ from kvcache_core.testing.faults import (
     InjectedFaultError,
     check_after_fault,
 )
-from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier
 
 __all__ = [
     "TIER_CALLS",

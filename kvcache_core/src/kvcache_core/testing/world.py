@@ -23,11 +23,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.protocols import SlotArray
 from kvcache_core.errors import KvCacheError
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.contract.page_table import PageTable
-from kvcache_core.contract.protocols import SlotArray
 from kvcache_core.testing.backend import BackendUnderTest
 
 __all__ = [

@@ -12,15 +12,13 @@ from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
-
-from kvcache_core.offload import host_form
-
 from kvcache_core.attention import kernel as paged_kernel
-
-from kvcache_core.contract import quantization
-from kvcache_core.attention.reference import paged_attention
 from kvcache_core.attention.features import combined_window
+from kvcache_core.attention.reference import paged_attention
+from kvcache_core.contract import quantization
 from kvcache_core.contract.config import KV_LAYOUTS, CacheConfig
+from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES, BackendSpec, hookimpl
+from kvcache_core.contract.page_table import PageTable
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -28,8 +26,7 @@ from kvcache_core.errors import (
     ShapeMismatchError,
     UnsupportedConfigError,
 )
-from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES, BackendSpec, hookimpl
-from kvcache_core.contract.page_table import PageTable
+from kvcache_core.offload import host_form
 
 __all__ = [
     "ATTENTION_CAPABILITIES",
