@@ -1,8 +1,9 @@
 """The ``jax`` backend's plugin: the module the ``kvcache_core.backends`` entry point names.
 
-Discovery imports this module to list backends, so it imports no JAX: the storage
-factory and the availability check import it when a manager is built or the backend is
-asked about.
+Discovery imports this module to list backends, so it imports no JAX: what it registers
+comes from :mod:`kvcache_jax.spec` (JAX-free), and the storage factory imports the
+storages when a manager is built. ``CAPABILITIES``, ``DEVICES``, ``DTYPES`` and
+``PREFERRED_LAYOUT`` stay importable from here.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import importlib.util
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvcache_core.contract.config import KV_LAYOUTS, CacheConfig
+from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.hookspecs import BackendSpec, hookimpl
 from kvcache_core.errors import BackendUnavailableError
+from kvcache_jax.spec import CAPABILITIES, DEVICES, DTYPES, LAYOUTS, PREFERRED_LAYOUT
 
 if TYPE_CHECKING:
     import jax
@@ -21,31 +23,15 @@ if TYPE_CHECKING:
     from kvcache_jax.storage import JaxStorage
 
 __all__ = [
-    "PREFERRED_LAYOUT",
     "CAPABILITIES",
     "DEVICES",
     "DTYPES",
+    "PREFERRED_LAYOUT",
     "is_available",
     "kvcache_register_backends",
     "make_storage",
     "unavailable_reason",
 ]
-
-#: The layout ``CacheConfig(kv_layout=None)`` resolves to on JAX: ``[heads, blocks,
-#: block_size, head_dim]``, what JAX's Pallas paged attention reads.
-PREFERRED_LAYOUT = "heads_first"
-
-#: Device kinds a JAX pool can live on (when JAX has such a device here).
-DEVICES = ("cpu", "cuda", "gpu", "rocm", "tpu")
-#: dtypes of a JAX pool (``kvcache_jax.storage.JAX_DTYPES`` and the quantized ones).
-DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn")  # quantized: QuantizedJaxStorage
-#: What the conformance kit may check: the pool arrays are immutable (``key_cache`` hands
-#: out the current array, never deleted under its holder), and the core policies run
-#: through this storage's block copies and host transfers.
-CAPABILITIES = frozenset(
-    {"immutable_arrays", "fork", "prefix_caching", "swap", "eviction", "sliding_window"}
-    | {"attention_window", "softcap", "sinks", "chunked_attention"}
-)
 
 
 def make_storage(config: CacheConfig, *, mesh: object = None, axis: object = None) -> JaxStorage:
@@ -85,7 +71,7 @@ def kvcache_register_backends() -> Iterator[BackendSpec[jax.Array]]:
         unavailable_reason=unavailable_reason,
         devices=DEVICES,
         dtypes=DTYPES,
-        kv_layouts=KV_LAYOUTS,
+        kv_layouts=LAYOUTS,
         preferred_layout=PREFERRED_LAYOUT,
         description="JAX pool updated in place (donated), jitted paged attention, KV heads sharded over a mesh",
         capabilities=CAPABILITIES,

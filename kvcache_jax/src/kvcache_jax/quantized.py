@@ -29,11 +29,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract import quantization
-from kvcache_core.contract.config import QUANTIZED_DTYPES, CacheConfig
+from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.scalars import FLOAT32_TINY
 from kvcache_core.errors import UnsupportedConfigError
 from kvcache_core.offload import host_form
 from kvcache_jax.sharding import REPLICATED, Placement, shard_over_heads
+from kvcache_jax.spec import QUANTIZED_POOL_DTYPES
 from kvcache_jax.storage import JaxStorage
 
 __all__ = ["QuantizedJaxStorage"]
@@ -176,7 +177,7 @@ class QuantizedJaxStorage(JaxStorage):
         InvalidTypeError, InvalidArgumentError: a bad ``mesh`` or ``axis``.
     """
 
-    POOL_DTYPES: ClassVar[tuple[str, ...]] = QUANTIZED_DTYPES
+    POOL_DTYPES: ClassVar[tuple[str, ...]] = QUANTIZED_POOL_DTYPES
 
     def __init__(self, config: CacheConfig, *, mesh: object = None, axis: object = None) -> None:
         if config.io_dtype not in _COMPUTE_DTYPES:

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 from jax.core import Tracer
 
-from kvcache_core.attention.features import ATTENTION_CAPABILITIES, combined_window
+from kvcache_core.attention.features import combined_window
 from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.errors import (
@@ -38,11 +38,12 @@ from kvcache_core.offload import host_form
 from kvcache_jax.buckets import PaddedBatch, bucket, pad_batch, pad_blocks, pad_slots
 from kvcache_jax.programs import Pools, programs_for
 from kvcache_jax.sharding import Placement, resolve_placement
+from kvcache_jax.spec import ATTENTION_FEATURES, PREFERRED_LAYOUT, VALUE_POOL_DTYPES
 
 __all__ = ["JAX_DTYPES", "DeletedPoolError", "JaxStorage"]
 
 #: The dtypes a JAX pool holds (float64 needs ``jax_enable_x64`` and is not offered).
-JAX_DTYPES = ("float32", "float16", "bfloat16")
+JAX_DTYPES = VALUE_POOL_DTYPES
 
 #: Most slots one pool may have: padding slots past the end must still fit in int32.
 _MAX_SLOTS = (1 << 31) - (1 << 24)
@@ -105,13 +106,11 @@ class JaxStorage:
     """
 
     #: The attention capabilities :meth:`paged_attention` serves (all of them).
-    attention_features: frozenset[str] = ATTENTION_CAPABILITIES
+    attention_features: frozenset[str] = ATTENTION_FEATURES
     #: The pool dtypes this class holds (:class:`kvcache_jax.QuantizedJaxStorage`: int8, float8).
     POOL_DTYPES: ClassVar[tuple[str, ...]] = JAX_DTYPES
 
     def __init__(self, config: CacheConfig, *, mesh: object = None, axis: object = None) -> None:
-        from kvcache_jax.plugin import PREFERRED_LAYOUT
-
         config = config.with_layout(PREFERRED_LAYOUT)  # kv_layout=None: the layout Pallas reads
         if config.dtype not in self.POOL_DTYPES:
             raise UnsupportedConfigError(

@@ -5,17 +5,13 @@ from __future__ import annotations
 import torch
 
 from kvcache_core.errors import UnsupportedConfigError
+from kvcache_torch.spec import DTYPES
 
 __all__ = ["BIT_DTYPES", "TORCH_DTYPES", "VALUE_DTYPES", "dtype_name", "torch_dtype"]
 
-#: Pool dtypes of the backend, by name.
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int8": torch.int8,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
+#: Pool dtypes of the backend, by name: those :data:`kvcache_torch.spec.DTYPES` claims, each
+#: torch's dtype of that name.
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 
 #: The dtype ``to_numpy`` gives a tensor's *values* in, where NumPy lacks the tensor's own:
 #: bfloat16 values as float32, which holds each of them exactly.

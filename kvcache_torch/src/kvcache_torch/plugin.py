@@ -1,7 +1,9 @@
 """Registration of the torch backend under the entry-point group ``kvcache_core.backends``.
 
 Discovery imports this module to list backends, so it imports neither torch nor the rest
-of this package at module level: the storage factory and the availability probe do.
+of this package at module level: what it registers comes from :mod:`kvcache_torch.spec`
+(torch-free), and the storage factory imports the storage when a manager is built.
+``CAPABILITIES``, ``DTYPES`` and ``PREFERRED_LAYOUT`` stay importable from here.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ import importlib.util
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvcache_core.contract.config import KV_LAYOUTS, CacheConfig
+from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.hookspecs import BackendSpec, hookimpl
+from kvcache_torch.spec import CAPABILITIES, DEVICES, DTYPES, LAYOUTS, PREFERRED_LAYOUT
 
 if TYPE_CHECKING:
     import torch
@@ -19,22 +22,6 @@ if TYPE_CHECKING:
     from kvcache_torch.storage import TorchStorage
 
 __all__ = ["CAPABILITIES", "DTYPES", "PREFERRED_LAYOUT", "kvcache_register_backends", "make_storage"]
-
-#: The layout ``CacheConfig(kv_layout=None)`` resolves to: a head's keys are one strided
-#: run per block, read zero-copy by the compiled kernel and by SDPA (a decode step at 4096
-#: tokens measured 1.33x the dense floor with NHD, 1.25x with heads_first).
-PREFERRED_LAYOUT = "heads_first"
-
-#: Pool dtypes the backend claims (keep in step with ``kvcache_torch.dtypes.TORCH_DTYPES``).
-DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn")
-
-#: Optional features of the conformance kit the backend claims: the policies are core's,
-#: over this storage's block copies (fork), host transfers (swap) and windowed attention.
-#: The attention features (window, softcap, sinks, chunk) are served by ``attend_pool``.
-CAPABILITIES = frozenset(
-    {"fork", "prefix_caching", "swap", "eviction", "sliding_window"}
-    | {"attention_window", "softcap", "sinks", "chunked_attention"}
-)
 
 
 def make_storage(config: CacheConfig) -> TorchStorage:
@@ -65,9 +52,9 @@ def kvcache_register_backends() -> Iterator[BackendSpec[torch.Tensor]]:
         storage_factory=make_storage,
         is_available=_torch_installed,
         unavailable_reason=_why_unavailable,
-        devices=("cpu", "cuda"),
+        devices=DEVICES,
         dtypes=DTYPES,
-        kv_layouts=KV_LAYOUTS,
+        kv_layouts=LAYOUTS,
         preferred_layout=PREFERRED_LAYOUT,
         capabilities=CAPABILITIES,
         description="PyTorch backend: pool on any torch device, paged attention over zero-copy block runs",

@@ -17,7 +17,7 @@ import numpy.typing as npt
 import torch
 
 from kvcache_core.attention import kernel as paged_kernel
-from kvcache_core.attention.features import ATTENTION_CAPABILITIES, combined_window
+from kvcache_core.attention.features import combined_window
 from kvcache_core.contract import quantization
 from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.page_table import PageTable
@@ -26,6 +26,7 @@ from kvcache_core.offload import host_form
 from kvcache_torch import quantized
 from kvcache_torch.attention import attend_pool
 from kvcache_torch.dtypes import BIT_DTYPES, VALUE_DTYPES, dtype_name, torch_dtype
+from kvcache_torch.spec import ATTENTION_FEATURES, PREFERRED_LAYOUT
 from kvcache_torch.threads import torch_team
 
 __all__ = ["TorchStorage", "resolve_device"]
@@ -91,17 +92,15 @@ class TorchStorage:
 
     Attributes:
         attention_features: the attention capabilities :meth:`paged_attention` serves
-            (all of :data:`~kvcache_core.attention.features.ATTENTION_CAPABILITIES`).
+            (all of :data:`~kvcache_core.contract.hookspecs.ATTENTION_CAPABILITIES`).
 
     Raises:
         UnsupportedConfigError: a dtype the backend does not hold, or a device not present.
     """
 
-    attention_features: frozenset[str] = ATTENTION_CAPABILITIES
+    attention_features: frozenset[str] = ATTENTION_FEATURES
 
     def __init__(self, config: CacheConfig) -> None:
-        from kvcache_torch.plugin import PREFERRED_LAYOUT
-
         config = config.with_layout(PREFERRED_LAYOUT)  # kv_layout=None: the fastest here
         self._config = config
         self._dtype = torch_dtype(config.dtype)

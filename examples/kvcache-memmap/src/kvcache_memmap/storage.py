@@ -17,15 +17,14 @@ import numpy as np
 
 from kvcache_core import BackendSpec, CacheConfig, hookimpl
 from kvcache_core.backends.numpy import (
-    ATTENTION_CAPABILITIES,
     NUMPY_COMPUTE_DTYPES,
     NUMPY_DTYPES,
-    POLICY_CAPABILITIES,
     PREFERRED_LAYOUT,
     NumpyArray,
     NumpyStorage,
 )
 from kvcache_core.contract.config import QUANTIZED_DTYPES
+from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError, UnsupportedConfigError
 from kvcache_memmap._lock import PoolLock, acquire_lock, lock_pool_file, same_file
 from kvcache_memmap._paths import PoolPaths, check_file, create_file, path_error, read_small_file, resolve_paths

@@ -38,6 +38,7 @@ from typing import Any, Final, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
+from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES
 from kvcache_core.contract.scalars import INT32_MAX, check_optional_count, check_positive_float32
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, UnsupportedConfigError
 
@@ -56,17 +57,14 @@ __all__ = [
     "visible_key_range",
 ]
 
-#: The keyword argument of each feature -> the capability that claims it.
+#: The keyword argument of each feature -> the capability that claims it (one of
+#: :data:`~kvcache_core.contract.hookspecs.ATTENTION_CAPABILITIES`, re-exported here).
 FEATURE_CAPABILITIES: Final[dict[str, str]] = {
     "window": "attention_window",
     "softcap": "softcap",
     "sinks": "sinks",
     "chunk": "chunked_attention",
 }
-
-#: The attention capabilities, as ``BackendSpec.capabilities`` and a storage's
-#: ``attention_features`` name them.
-ATTENTION_CAPABILITIES: Final = frozenset(FEATURE_CAPABILITIES.values())
 
 
 class ArrayCheck(Protocol):

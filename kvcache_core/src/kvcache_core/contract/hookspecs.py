@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import pluggy
 
@@ -37,7 +37,17 @@ from kvcache_core.errors import InvalidArgumentError
 if TYPE_CHECKING:
     from kvcache_core.contract.protocols import KvCacheManager, KvStorage
 
-__all__ = ["CAPABILITIES", "PROJECT_NAME", "BackendHookSpecs", "BackendSpec", "hookimpl", "hookspec"]
+__all__ = [
+    "ATTENTION_CAPABILITIES",
+    "CAPABILITIES",
+    "IMMUTABLE_ARRAYS",
+    "POLICY_CAPABILITIES",
+    "PROJECT_NAME",
+    "BackendHookSpecs",
+    "BackendSpec",
+    "hookimpl",
+    "hookspec",
+]
 
 ArrayT = TypeVar("ArrayT")
 
@@ -71,6 +81,19 @@ CAPABILITIES: dict[str, str] = {
     "immutable_arrays": "key_cache hands out the current pool array of an immutable array library "
     "(JAX), which later writes replace but never delete, instead of a view",
 }
+
+#: The cache policies of core a backend claims once its storage serves them: every paged
+#: pool does through ``copy_blocks``, ``blocks_to_host`` / ``blocks_from_host`` and
+#: ``paged_attention`` over a page table with a sliding window.
+POLICY_CAPABILITIES: Final = frozenset({"fork", "prefix_caching", "swap", "eviction", "sliding_window"})
+
+#: The per-call features of ``paged_attention`` (``window``, ``softcap``, ``sinks``,
+#: ``chunk``), by the capability names a storage's ``attention_features`` lists.
+ATTENTION_CAPABILITIES: Final = frozenset({"attention_window", "softcap", "sinks", "chunked_attention"})
+
+#: The capability of a backend whose arrays are immutable (``key_cache`` hands out the
+#: current pool array, not a view).
+IMMUTABLE_ARRAYS: Final = "immutable_arrays"
 
 
 def _always_available() -> bool:

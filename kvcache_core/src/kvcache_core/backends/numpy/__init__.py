@@ -12,13 +12,12 @@ from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
-
 from kvcache_core.attention import kernel as paged_kernel
-from kvcache_core.attention.features import ATTENTION_CAPABILITIES, combined_window
+from kvcache_core.attention.features import combined_window
 from kvcache_core.attention.reference import paged_attention
 from kvcache_core.contract import quantization
 from kvcache_core.contract.config import KV_LAYOUTS, CacheConfig
-from kvcache_core.contract.hookspecs import BackendSpec, hookimpl
+from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES, BackendSpec, hookimpl
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.errors import (
     ArrayTypeError,
@@ -46,10 +45,6 @@ PREFERRED_LAYOUT = "heads_first"
 NumpyArray = npt.NDArray[Any]
 IntArray = npt.NDArray[np.int64]
 
-#: The cache policies of core (fork, prefix caching, ...) this storage supports: all of them,
-#: through ``copy_blocks``, ``blocks_to_host`` / ``blocks_from_host`` and windowed attention.
-POLICY_CAPABILITIES = frozenset({"fork", "prefix_caching", "swap", "eviction", "sliding_window"})
-
 # dtype -> its name, filled on first use.
 _DTYPE_NAMES: dict[np.dtype[Any], str] = {}
 
@@ -75,7 +70,7 @@ class NumpyStorage:
 
     Attributes:
         attention_features: the attention capabilities :meth:`paged_attention` serves
-            (all of :data:`~kvcache_core.attention.features.ATTENTION_CAPABILITIES`).
+            (all of :data:`~kvcache_core.contract.hookspecs.ATTENTION_CAPABILITIES`).
     """
 
     attention_features: frozenset[str] = ATTENTION_CAPABILITIES
