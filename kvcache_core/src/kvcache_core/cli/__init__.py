@@ -126,4 +126,3 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except KvCacheError as exc:
         sys.stderr.write(f"kvcache: error: {exc}\n")
         return 2
-

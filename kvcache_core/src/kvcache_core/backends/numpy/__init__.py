@@ -12,6 +12,7 @@ from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
+
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.attention.features import combined_window
 from kvcache_core.attention.reference import paged_attention
