@@ -97,7 +97,7 @@ __all__ = [
 ]
 
 #: The entry-point group third-party tiers register under.
-TIER_ENTRY_POINT_GROUP = "kvcache_core.offload.tiers"
+TIER_ENTRY_POINT_GROUP = "kvcache_core.tiers"
 
 
 @dataclass(frozen=True, slots=True)
