@@ -64,14 +64,9 @@ from _bench import (
     relative_spread,
 )
 
-from kvcache_core import (
-    KV_LAYOUTS,
-    AllocationRequest,
-    PagedKvCacheHandle,
-    PagedKvCacheManager,
-    create_manager,
-)
+from kvcache_core import AllocationRequest, PagedKvCacheHandle, PagedKvCacheManager, create_manager
 from kvcache_core.backends.numpy import NumpyStorage
+from kvcache_core.plugin import KV_LAYOUTS
 
 Array = npt.NDArray[Any]
 Manager = PagedKvCacheManager[Array]

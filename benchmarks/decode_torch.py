@@ -99,8 +99,9 @@ from transformers import LlamaConfig, Qwen2Config
 from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.integrations import sdpa_attention
 
-from kvcache_core import KV_LAYOUTS, AllocationRequest, LayerSpec, PagedKvCacheHandle, PagedKvCacheManager
+from kvcache_core import AllocationRequest, LayerSpec, PagedKvCacheHandle, PagedKvCacheManager
 from kvcache_core import create_manager as create_kv_manager
+from kvcache_core.plugin import KV_LAYOUTS
 
 Manager = PagedKvCacheManager[torch.Tensor]
 Handle = PagedKvCacheHandle[torch.Tensor]

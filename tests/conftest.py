@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from kvcache_core import ENTRY_POINT_GROUP, refresh_backends
+from kvcache_core.discovery import refresh_backends
+from kvcache_core.plugin import ENTRY_POINT_GROUP
 
 pytest_plugins = ["pytester"]
 

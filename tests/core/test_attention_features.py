@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache_core import (
-    KV_LAYOUTS,
     AllocationRequest,
     CacheConfig,
     InvalidArgumentError,
@@ -35,6 +34,7 @@ from kvcache_core.attention.reference import paged_attention
 from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.contract.hookspecs import CAPABILITIES
 from kvcache_core.errors import InvalidTypeError
+from kvcache_core.plugin import KV_LAYOUTS
 from kvcache_core.testing.features import dense_feature_attention
 from tests.core.support import Array, hand_built_table, random_pool
 

@@ -17,15 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcache_core import (
-    AllocationRequest,
-    BlockTable,
-    CacheConfig,
-    available_backends,
-    create_manager,
-    get_backend,
-)
-from kvcache_core.discovery import KNOWN_BACKENDS
+from kvcache_core import AllocationRequest, BlockTable, CacheConfig, available_backends, create_manager
+from kvcache_core.discovery import KNOWN_BACKENDS, get_backend
 from kvcache_core.errors import (
     BackendNotFoundError,
     DTypeMismatchError,

@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcache_core import BlockRun, BlockTable, InsufficientBlocksError, InvalidArgumentError
+from kvcache_core import BlockTable, InvalidArgumentError
+from kvcache_core.contract.block_table import BlockRun
+from kvcache_core.errors import InsufficientBlocksError
 
 block_sizes = st.integers(min_value=1, max_value=64)
 lengths = st.integers(min_value=0, max_value=10_000)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache_core import CacheConfig, InvalidConfigError
+from kvcache_core import CacheConfig
+from kvcache_core.errors import InvalidConfigError
 from kvcache_core.offload.events import CachedBlockIndex
 from kvcache_core.paging.prefix import PrefixCache, hash_block, namespace_root
 from tests.core.support import admit, assert_holds, make_manager

@@ -5,15 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcache_core import (
-    AllocationRequest,
-    CacheConfig,
-    InvalidHandleError,
-    ManagerClosedError,
-    PagedKvCacheManager,
-    create_manager,
-)
+from kvcache_core import AllocationRequest, CacheConfig, ManagerClosedError, PagedKvCacheManager, create_manager
 from kvcache_core.backends.numpy import NumpyStorage
+from kvcache_core.errors import InvalidHandleError
 
 CONFIG = CacheConfig(num_layers=2, num_heads=2, head_dim=4, num_blocks=8, block_size=4)
 

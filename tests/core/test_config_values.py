@@ -15,21 +15,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcache_core import (
-    AllocationRequest,
-    CacheConfig,
-    Device,
-    InvalidArgumentError,
-    InvalidConfigError,
-    InvalidTypeError,
-    create_manager,
-)
+from kvcache_core import AllocationRequest, CacheConfig, Device, InvalidArgumentError, create_manager
 from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.config import MAX_KV_SCALE
 from kvcache_core.contract.groups import LayerSpec
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.scalars import FLOAT32_TINY, INT32_MAX
+from kvcache_core.errors import InvalidConfigError, InvalidTypeError
 from kvcache_core.offload.tiers import DiskTier, HostTier
 from kvcache_core.testing.world import esc, untyped
 

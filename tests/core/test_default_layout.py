@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache_core import BackendSpec, CacheConfig, InvalidArgumentError, InvalidConfigError, create_manager
+from kvcache_core import CacheConfig, InvalidArgumentError, create_manager
 from kvcache_core.backends.numpy import PREFERRED_LAYOUT, NumpyStorage
+from kvcache_core.errors import InvalidConfigError
+from kvcache_core.plugin import BackendSpec
 
 
 def geometry(kv_layout: str | None = None) -> CacheConfig:

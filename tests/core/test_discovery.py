@@ -12,21 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kvcache_core import (
-    BackendConflictError,
-    BackendNotFoundError,
-    BackendUnavailableError,
-    CacheConfig,
-    KvCachePluginWarning,
-    UnsupportedConfigError,
-    available_backends,
-    create_manager,
-    get_backend,
-    installed_backends,
-    refresh_backends,
-)
+from kvcache_core import CacheConfig, UnsupportedConfigError, available_backends, create_manager
 from kvcache_core.cli import main
-from kvcache_core.discovery import KNOWN_BACKENDS, get_plugin_manager
+from kvcache_core.discovery import KNOWN_BACKENDS, get_backend, get_plugin_manager, installed_backends, refresh_backends
+from kvcache_core.errors import BackendConflictError, BackendNotFoundError, BackendUnavailableError
+from kvcache_core.plugin import KvCachePluginWarning
 
 AddDistribution = Callable[[Path, str, str, str, str, str], None]
 

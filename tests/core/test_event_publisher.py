@@ -14,8 +14,8 @@ import pytest
 zmq = pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
 
-from kvcache_core import InvalidArgumentError, InvalidTypeError, KvCacheError  # noqa: E402
-from kvcache_core.errors import PublisherClosedError  # noqa: E402
+from kvcache_core import InvalidArgumentError, KvCacheError  # noqa: E402
+from kvcache_core.errors import InvalidTypeError, PublisherClosedError  # noqa: E402
 from kvcache_core.offload.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent  # noqa: E402
 from kvcache_core.offload.publisher import (  # noqa: E402
     END_OF_REPLAY,

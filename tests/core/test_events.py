@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from kvcache_core import InvalidArgumentError, InvalidTypeError
+from kvcache_core import InvalidArgumentError
+from kvcache_core.errors import InvalidTypeError
 from kvcache_core.offload.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
 from kvcache_core.testing.kv_data import pool_hashes
 from tests.core.support import admit, make_manager

@@ -8,12 +8,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvcache_core import (
-    AllocationRequest,
-    CacheConfig,
-    SharedBlockWriteError,
-)
+from kvcache_core import AllocationRequest, CacheConfig
 from kvcache_core.backends.numpy import NumpyStorage
+from kvcache_core.errors import SharedBlockWriteError
 from kvcache_core.testing.oracle import dense_attention
 from tests.core import support
 from tests.core.support import Array, Handle, Manager

@@ -8,17 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcache_core import (
-    AllocationRequest,
-    CacheConfig,
-    InvalidConfigError,
-    InvalidTypeError,
-    LayerSpec,
-    PagedKvCacheManager,
-    create_manager,
-)
+from kvcache_core import AllocationRequest, CacheConfig, LayerSpec, PagedKvCacheManager, create_manager
 from kvcache_core.contract.groups import plan_groups
 from kvcache_core.discovery import get_backend
+from kvcache_core.errors import InvalidConfigError, InvalidTypeError
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.machine import POLICIES, ReferenceMachine
 from kvcache_core.testing.world import untyped

@@ -7,15 +7,8 @@ from functools import partial
 import numpy as np
 import pytest
 
-from kvcache_core import (
-    AllocationRequest,
-    Device,
-    InvalidHandleError,
-    KvCacheHandle,
-    MemoryPressure,
-    OutOfBlocksError,
-    PageTable,
-)
+from kvcache_core import AllocationRequest, Device, KvCacheHandle, MemoryPressure, OutOfBlocksError, PageTable
+from kvcache_core.errors import InvalidHandleError
 from tests.core import support
 from tests.core.support import Array
 
@@ -243,7 +236,7 @@ def test_geometry_and_device_of_handles() -> None:
 
 
 def test_a_handle_of_another_manager_is_refused() -> None:
-    from kvcache_core import ForeignHandleError
+    from kvcache_core.errors import ForeignHandleError
 
     first, second = make_manager(), make_manager()
     handle = first.allocate(AllocationRequest("a"))
@@ -261,7 +254,7 @@ def test_paged_requests_take_far_less_memory_than_max_length_reservations() -> N
 
 
 def test_a_page_table_naming_freed_blocks_is_refused() -> None:
-    from kvcache_core import SlotError, StalePageTableError
+    from kvcache_core.errors import SlotError, StalePageTableError
 
     manager = make_manager()
     first = manager.allocate(AllocationRequest("a"))

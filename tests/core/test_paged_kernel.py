@@ -14,17 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache_core import (
-    KV_LAYOUTS,
     AllocationRequest,
     CacheConfig,
     InvalidArgumentError,
-    InvalidTypeError,
     PageTable,
     UnsupportedConfigError,
     create_manager,
 )
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.attention.reference import paged_attention
+from kvcache_core.errors import InvalidTypeError
+from kvcache_core.plugin import KV_LAYOUTS
 from tests.core.support import Array, hand_built_table, random_pool
 
 needs_numba = pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")

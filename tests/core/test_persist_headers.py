@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("safetensors")
 
-from kvcache_core import MAX_TOKEN_ID
+from kvcache_core.contract.config import MAX_TOKEN_ID
 from kvcache_core.errors import CorruptCacheFileError, IncompatibleCacheFileError, KvCacheError
 from kvcache_core.offload.strict_json import json_depth, parse_json
 from kvcache_core.paging.prefix import hash_block, namespace_root

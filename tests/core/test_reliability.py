@@ -10,18 +10,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvcache_core import (
-    AllocationRequest,
-    BlockTable,
-    CacheConfig,
-    InvalidArgumentError,
-    InvalidConfigError,
-    InvalidTypeError,
-    PageTable,
-    create_manager,
-)
+from kvcache_core import AllocationRequest, BlockTable, CacheConfig, InvalidArgumentError, PageTable, create_manager
 from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.cli import main
+from kvcache_core.errors import InvalidConfigError, InvalidTypeError
 
 FloatArray = npt.NDArray[np.float32]
 CONFIG = CacheConfig(num_layers=2, num_heads=2, head_dim=4, num_blocks=8, block_size=4)

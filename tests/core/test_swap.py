@@ -9,14 +9,8 @@ from functools import partial
 import numpy as np
 import pytest
 
-from kvcache_core import (
-    AllocationRequest,
-    InvalidHandleError,
-    NotSwappedOutError,
-    OutOfBlocksError,
-    SwappedOutError,
-    UnknownRequestError,
-)
+from kvcache_core import AllocationRequest, OutOfBlocksError, UnknownRequestError
+from kvcache_core.errors import InvalidHandleError, NotSwappedOutError, SwappedOutError
 from tests.core import support
 from tests.core.support import Array, Handle, Manager
 

@@ -11,15 +11,8 @@ import pytest
 
 pytest.importorskip("safetensors")
 
-from kvcache_core import (
-    AllocationRequest,
-    CacheConfig,
-    InvalidArgumentError,
-    InvalidTypeError,
-    UnsupportedConfigError,
-    create_manager,
-)
-from kvcache_core.errors import TierError
+from kvcache_core import AllocationRequest, CacheConfig, InvalidArgumentError, UnsupportedConfigError, create_manager
+from kvcache_core.errors import InvalidTypeError, TierError
 from kvcache_core.offload.events import CachedBlockIndex
 from kvcache_core.offload.tiers import DiskTier, HostTier, create_tier
 from kvcache_core.testing.kv_data import pool_hashes

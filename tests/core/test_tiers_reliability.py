@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("safetensors")
 
-from kvcache_core import AllocationRequest, CacheConfig, InvalidTypeError, create_manager
-from kvcache_core.errors import InvalidArgumentError, TierError
+from kvcache_core import AllocationRequest, CacheConfig, create_manager
+from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, TierError
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.offload.prefix_file import BlockRecord
 from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier, create_tier

@@ -26,7 +26,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import kvcache_jax
 from kvcache_core import (
-    KV_LAYOUTS,
     AllocationRequest,
     CacheConfig,
     InvalidArgumentError,
@@ -36,6 +35,7 @@ from kvcache_core import (
     create_manager,
 )
 from kvcache_core.discovery import get_backend
+from kvcache_core.plugin import KV_LAYOUTS
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.quantized import QuantizedCases
 from kvcache_jax import JaxStorage, QuantizedJaxStorage

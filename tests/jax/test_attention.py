@@ -19,15 +19,10 @@ import numpy.typing as npt
 import pytest
 
 import kvcache_jax
-from kvcache_core import (
-    KV_LAYOUTS,
-    AllocationRequest,
-    CacheConfig,
-    InvalidArgumentError,
-    PagedKvCacheManager,
-    ShapeMismatchError,
-)
+from kvcache_core import AllocationRequest, CacheConfig, InvalidArgumentError, PagedKvCacheManager
 from kvcache_core.attention.reference import paged_attention as numpy_reference
+from kvcache_core.errors import ShapeMismatchError
+from kvcache_core.plugin import KV_LAYOUTS
 from kvcache_core.testing.oracle import dense_attention_batch
 from kvcache_jax import JaxStorage
 

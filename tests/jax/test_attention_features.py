@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import kvcache_jax
-from kvcache_core import AllocationRequest, CacheConfig, InvalidArgumentError, ShapeMismatchError, create_manager
+from kvcache_core import AllocationRequest, CacheConfig, InvalidArgumentError, create_manager
 from kvcache_core.attention.reference import paged_attention as numpy_reference
+from kvcache_core.errors import ShapeMismatchError
 
 
 def _filled() -> tuple[Any, Any, Any]:

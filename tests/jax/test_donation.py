@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import kvcache_jax
-from kvcache_core import KV_LAYOUTS, AllocationRequest
+from kvcache_core import AllocationRequest
+from kvcache_core.plugin import KV_LAYOUTS
 from kvcache_jax import DeletedPoolError, JaxStorage
 from tests.jax.support import Manager, make_manager, storage_of
 

@@ -17,16 +17,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from kvcache_core import (
-    BackendUnavailableError,
-    CacheConfig,
-    InvalidArgumentError,
-    InvalidTypeError,
-    UnsupportedConfigError,
-    available_backends,
-    create_manager,
-    installed_backends,
-)
+from kvcache_core import CacheConfig, InvalidArgumentError, UnsupportedConfigError, available_backends, create_manager
+from kvcache_core.discovery import installed_backends
+from kvcache_core.errors import BackendUnavailableError, InvalidTypeError
 from kvcache_jax import JaxStorage
 from kvcache_jax.plugin import make_storage
 

@@ -204,7 +204,7 @@ def test_policy_operations_match_the_numpy_backend(fields: dict[str, Any], seed:
 
 
 def test_the_jax_backend_claims_the_policies_it_passes() -> None:
-    from kvcache_core import get_backend
+    from kvcache_core.discovery import get_backend
 
     assert {"fork", "prefix_caching", "swap", "eviction", "sliding_window", "immutable_arrays"} <= set(
         get_backend("jax").capabilities

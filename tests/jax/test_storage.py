@@ -16,17 +16,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvcache_core import (
-    KV_LAYOUTS,
-    AllocationRequest,
-    ArrayTypeError,
-    CacheConfig,
-    DTypeMismatchError,
-    LayerIndexError,
-    PagedKvCacheHandle,
-    ShapeMismatchError,
-    create_manager,
-)
+from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheHandle, create_manager
+from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, LayerIndexError, ShapeMismatchError
+from kvcache_core.plugin import KV_LAYOUTS
 from kvcache_jax import DeletedPoolError, JaxStorage
 from tests.jax.support import Manager, make_manager, storage_of
 

@@ -14,16 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache_core import (
-    ArrayTypeError,
-    CacheConfig,
-    DTypeMismatchError,
-    InvalidArgumentError,
-    PageTable,
-    ShapeMismatchError,
-    create_manager,
-)
+from kvcache_core import CacheConfig, InvalidArgumentError, PageTable, create_manager
 from kvcache_core.attention.reference import paged_attention as numpy_reference
+from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, ShapeMismatchError
 from kvcache_core.paging.allocator import Placement
 from kvcache_core.testing.oracle import dense_attention_batch
 from kvcache_torch import TorchStorage, paged_attention

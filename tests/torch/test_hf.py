@@ -19,16 +19,13 @@ import pytest
 
 from kvcache_core import (
     CacheConfig,
-    DTypeMismatchError,
     InvalidArgumentError,
-    InvalidTypeError,
-    LayerIndexError,
     OutOfBlocksError,
     PagedKvCacheManager,
-    ShapeMismatchError,
     UnsupportedConfigError,
     create_manager,
 )
+from kvcache_core.errors import DTypeMismatchError, InvalidTypeError, LayerIndexError, ShapeMismatchError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
 torch = pytest.importorskip("torch")

@@ -13,17 +13,15 @@ import torch
 
 from kvcache_core import (
     AllocationRequest,
-    ArrayTypeError,
     CacheConfig,
-    DTypeMismatchError,
     KvStorage,
-    ShapeMismatchError,
     UnsupportedConfigError,
     available_backends,
     create_manager,
-    get_backend,
 )
 from kvcache_core.cli.demo import DemoOptions, run_demo
+from kvcache_core.discovery import get_backend
+from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, ShapeMismatchError
 from kvcache_core.offload import host_form
 from kvcache_torch import TorchStorage
 from tests.torch.support import DTYPES, LAYOUTS, NO_CUDA, TORCH_DTYPES, Manager, fill, make_manager, random_kv

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache_core import InvalidArgumentError, InvalidTypeError
+from kvcache_core import InvalidArgumentError
 from kvcache_core.attention import kernel as paged_kernel
+from kvcache_core.errors import InvalidTypeError
 from kvcache_torch import threads
 from tests.torch.support import fill, make_manager
 

@@ -1,13 +1,14 @@
 """kvcache-core: the paged key/value cache of transformer inference.
 
-The public names a user needs: the contract (:class:`KvCacheHandle`, :class:`KvCacheManager`,
-:class:`KvStorage`, :class:`BlockTable`), the values (:class:`CacheConfig`,
-:class:`AllocationRequest`, :class:`PageTable`, the stats), the manager and its
-:class:`Step`, discovery (:func:`create_manager`, :class:`BackendSpec`) and the errors.
-Internals stay importable from their modules: the allocator (``kvcache_core.paging.allocator``), the
-prefix cache and its hash (``kvcache_core.paging.prefix``), the NumPy reference attention
-(``kvcache_core.attention.reference``), pluggy plumbing (``kvcache_core.discovery``,
-``kvcache_core.contract.hookspecs``)::
+This is the user's face: the configuration values (:class:`CacheConfig`,
+:class:`AllocationRequest`, :class:`LayerSpec`, :class:`Device`), :func:`create_manager` and
+:func:`available_backends`, the manager, its :class:`Step` and handles, block and page tables,
+the protocols, stats, offload tiers, the cached-block index of the event stream, the base
+error and the errors a caller handles. Backend and tier authors use
+:mod:`kvcache_core.plugin`; every error is in :mod:`kvcache_core.errors`; the parts live in
+subpackages (``contract``, ``attention``, ``paging``, ``offload``, ``backends``), described in
+ARCHITECTURE.md. Names that left this face keep importing from here for one minor version,
+with a :class:`DeprecationWarning` naming their new home::
 
     from kvcache_core import AllocationRequest, CacheConfig, create_manager
 
@@ -21,67 +22,26 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from kvcache_core import _moved
-from kvcache_core.contract.block_table import BlockRun, BlockTable
-from kvcache_core.contract.config import (
-    DTYPE_SIZES,
-    KV_LAYOUTS,
-    MAX_TOKEN_ID,
-    QUANTIZED_DTYPES,
-    AllocationRequest,
-    CacheConfig,
-)
+from kvcache_core.contract.block_table import BlockTable
+from kvcache_core.contract.config import AllocationRequest, CacheConfig
 from kvcache_core.contract.device import Device
-from kvcache_core.contract.groups import KvGroup, LayerSpec
-from kvcache_core.contract.hookspecs import CAPABILITIES, BackendSpec, hookimpl
+from kvcache_core.contract.groups import LayerSpec
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvCacheHandle, KvCacheManager, KvStorage
-from kvcache_core.contract.stats import CacheGcStats, CacheHandleStats, CacheManagerStats, MemoryPressure
-from kvcache_core.discovery import (
-    ENTRY_POINT_GROUP,
-    BackendInfo,
-    available_backends,
-    create_manager,
-    get_backend,
-    installed_backends,
-    refresh_backends,
-)
+from kvcache_core.contract.stats import CacheManagerStats, MemoryPressure
+from kvcache_core.discovery import available_backends, create_manager
 from kvcache_core.errors import (
-    ArrayTypeError,
-    BackendConflictError,
-    BackendNotFoundError,
-    BackendUnavailableError,
-    CacheFileError,
-    CorruptCacheFileError,
-    DTypeMismatchError,
-    DuplicateRequestError,
-    ForeignHandleError,
-    IncompatibleCacheFileError,
-    InsufficientBlocksError,
     InvalidArgumentError,
-    InvalidConfigError,
-    InvalidHandleError,
-    InvalidTypeError,
-    InvariantError,
     KvCacheError,
-    KvCachePluginWarning,
-    LayerIndexError,
     ManagerClosedError,
-    NotSwappedOutError,
     OutOfBlocksError,
     SequenceTooLongError,
-    ShapeMismatchError,
-    SharedBlockWriteError,
-    SlotError,
-    StalePageTableError,
-    StaleStepError,
-    SwappedOutError,
-    TierError,
     UnknownRequestError,
     UnsupportedConfigError,
 )
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.offload.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
+from kvcache_core.offload.events import CachedBlockIndex
 from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier, TierStats
 from kvcache_core.step import Step
 
@@ -93,78 +53,38 @@ except PackageNotFoundError:  # running from an uninstalled tree
     __version__ = "0+unknown"
 
 __all__ = [
-    "DTYPE_SIZES",
-    "QUANTIZED_DTYPES",
-    "ENTRY_POINT_GROUP",
-    "KV_LAYOUTS",
-    "MAX_TOKEN_ID",
     "AllocationRequest",
-    "ArrayTypeError",
-    "BackendConflictError",
-    "BackendInfo",
-    "BackendNotFoundError",
-    "BackendSpec",
-    "BackendUnavailableError",
-    "CAPABILITIES",
-    "BlockRun",
     "BlockTable",
     "CacheConfig",
-    "KvGroup",
-    "LayerSpec",
-    "CacheGcStats",
-    "CacheHandleStats",
     "CacheManagerStats",
-    "DTypeMismatchError",
+    "CachedBlockIndex",
     "Device",
-    "DuplicateRequestError",
-    "ForeignHandleError",
-    "InsufficientBlocksError",
+    "DiskTier",
+    "HostTier",
     "InvalidArgumentError",
-    "InvalidConfigError",
-    "InvalidHandleError",
-    "InvalidTypeError",
-    "InvariantError",
     "KvCacheError",
     "KvCacheHandle",
     "KvCacheManager",
-    "KvCachePluginWarning",
     "KvStorage",
-    "LayerIndexError",
+    "LayerSpec",
     "ManagerClosedError",
     "MemoryPressure",
-    "NotSwappedOutError",
+    "OffloadTier",
     "OutOfBlocksError",
     "PageTable",
     "PagedKvCacheHandle",
     "PagedKvCacheManager",
     "SequenceTooLongError",
-    "ShapeMismatchError",
-    "SharedBlockWriteError",
-    "SlotError",
-    "StalePageTableError",
     "Step",
-    "StaleStepError",
-    "SwappedOutError",
+    "TierStats",
     "UnknownRequestError",
     "UnsupportedConfigError",
     "__version__",
     "available_backends",
     "create_manager",
-    "get_backend",
-    "hookimpl",
-    "installed_backends",
-    "refresh_backends",
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
-    "CacheEvent",
-    "CachedBlockIndex",
-    "CacheFileError",
-    "CorruptCacheFileError",
-    "IncompatibleCacheFileError",
-    "TierError",
-    "DiskTier",
-    "HostTier",
-    "OffloadTier",
-    "TierStats",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """A name that left this face: its value from its new home, with a DeprecationWarning."""
+    return _moved.moved_name(name)

@@ -24,7 +24,7 @@ import pluggy
 
 from kvcache_core.backends.numpy import NumpyArray
 from kvcache_core.contract.config import CacheConfig
-from kvcache_core.contract.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec
+from kvcache_core.contract.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, BackendHookSpecs, BackendSpec
 from kvcache_core.contract.protocols import KvStorage
 from kvcache_core.errors import (
     BackendConflictError,
@@ -53,9 +53,6 @@ __all__ = [
     "installed_backends",
     "refresh_backends",
 ]
-
-#: The entry-point group backends register under.
-ENTRY_POINT_GROUP = "kvcache_core.backends"
 
 #: Backends this project publishes, with the command that installs each.
 KNOWN_BACKENDS: dict[str, str] = {

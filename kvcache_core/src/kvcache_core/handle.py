@@ -8,6 +8,7 @@ from typing import Generic, TypeVar
 from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.device import Device
 from kvcache_core.contract.stats import CacheHandleStats
+from kvcache_core import _moved
 from kvcache_core.paging.request_state import RequestState
 
 __all__ = ["PagedKvCacheHandle"]
@@ -180,3 +181,8 @@ class PagedKvCacheHandle(Generic[ArrayT]):
             f"PagedKvCacheHandle(request_id={state.request_id!r}, tokens={state.table.sequence_length}, "
             f"blocks={state.table.num_blocks()}, {status})"
         )
+
+
+def __getattr__(name: str) -> object:
+    """Names that moved to :mod:`kvcache_core.paging.request_state`, with a DeprecationWarning."""
+    return _moved.moved_attribute(__name__, name)

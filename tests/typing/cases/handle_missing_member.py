@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kvcache_core import BlockTable, CacheHandleStats, Device, KvCacheHandle
+from kvcache_core import BlockTable, Device, KvCacheHandle
 from kvcache_core.backends.numpy import NumpyArray
+from kvcache_core.contract.stats import CacheHandleStats
 
 
 class IncompleteHandle:

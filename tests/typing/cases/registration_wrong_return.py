@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core import BackendSpec, CacheConfig, PageTable, hookimpl
+from kvcache_core import CacheConfig, PageTable
 from kvcache_core.backends.numpy import NumpyArray, NumpyStorage
 from kvcache_core.contract.protocols import BlockArray, SlotArray
+from kvcache_core.plugin import BackendSpec, hookimpl
 
 
 class ListGatherStorage:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ATTENTION_CAPABILITIES",
     "CAPABILITIES",
+    "ENTRY_POINT_GROUP",
     "IMMUTABLE_ARRAYS",
     "POLICY_CAPABILITIES",
     "PROJECT_NAME",
@@ -53,6 +54,9 @@ ArrayT = TypeVar("ArrayT")
 
 #: The pluggy project name.
 PROJECT_NAME = "kvcache"
+
+#: The entry-point group backends register under.
+ENTRY_POINT_GROUP = "kvcache_core.backends"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -41,7 +41,7 @@ tier instead of dropped, and a prompt that hits a demoted block promotes it back
   tier's writes and reads are paid by the ``allocate`` or ``extend`` that evicts or hits.
 
 A tier is any object with the :class:`OffloadTier` members; a distribution registers one
-under the entry-point group ``kvcache_core.offload.tiers`` (the entry point's name is the tier's
+under the entry-point group ``kvcache_core.tiers`` (the entry point's name is the tier's
 kind, the object it loads a factory taking ``max_bytes`` and keyword options), and
 :func:`create_tier` builds built-in and registered tiers by kind. :class:`HostTier` keeps
 blocks in host memory; :class:`DiskTier` keeps one file per block in the portable format

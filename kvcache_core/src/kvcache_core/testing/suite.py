@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from kvcache_core.attention.features import FEATURE_CAPABILITIES, storage_attention_features
 from kvcache_core.attention.reference import paged_attention as reference_attention
 from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
@@ -66,8 +67,15 @@ def _protocol_members(protocol: type) -> dict[str, Any]:
     return members
 
 
-def _signature_problem(protocol_member: Any, implementation: Any) -> str | None:
-    """Why ``implementation`` cannot be called as ``protocol_member`` is, or ``None``."""
+def _signature_problem(
+    protocol_member: Any, implementation: Any, unclaimed: frozenset[str] = frozenset()
+) -> str | None:
+    """Why ``implementation`` cannot be called as ``protocol_member`` is, or ``None``.
+
+    ``unclaimed``: optional parameters of the Protocol that serve a capability the storage does
+    not claim; the manager never passes them, so the implementation need not accept them
+    (protocols grow additively: a storage written before a feature keeps passing).
+    """
     if isinstance(protocol_member, property):
         return None
     if not callable(implementation):
@@ -82,7 +90,7 @@ def _signature_problem(protocol_member: Any, implementation: Any) -> str | None:
         if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
             if parameter.default is parameter.empty:
                 positional.append(object())
-        elif parameter.kind is parameter.KEYWORD_ONLY:
+        elif parameter.kind is parameter.KEYWORD_ONLY and parameter.default is parameter.empty:
             keywords[parameter.name] = object()
     try:
         signature.bind(*positional, **keywords)
@@ -90,6 +98,8 @@ def _signature_problem(protocol_member: Any, implementation: Any) -> str | None:
         return f"cannot be called like the Protocol's {signature}: {exc}"
     # Every optional parameter of the Protocol must be accepted too.
     for parameter in list(inspect.signature(protocol_member).parameters.values())[1:]:
+        if parameter.name in unclaimed:
+            continue
         if parameter.default is not parameter.empty and parameter.kind is not parameter.VAR_KEYWORD:
             try:
                 signature.bind_partial(**{parameter.name: object()})
@@ -134,7 +144,11 @@ class KvCacheConformance(
             if not hasattr(storage, name):
                 problems.append(f"{name}: missing")
                 continue
-            problem = _signature_problem(member, getattr(storage, name))
+            unclaimed = frozenset[str]()
+            if name == "paged_attention":
+                served = storage_attention_features(storage)
+                unclaimed = frozenset(k for k, capability in FEATURE_CAPABILITIES.items() if capability not in served)
+            problem = _signature_problem(member, getattr(storage, name), unclaimed)
             if problem is not None:
                 problems.append(f"{name}: {problem}")
         if problems:

@@ -12,8 +12,9 @@ from transformers.integrations import sdpa_attention
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 from transformers.modeling_utils import AttentionInterface
 
-from kvcache_core import InvalidArgumentError, ShapeMismatchError, UnsupportedConfigError
+from kvcache_core import InvalidArgumentError, UnsupportedConfigError
 from kvcache_core.attention.features import visible_key_range
+from kvcache_core.errors import ShapeMismatchError
 from kvcache_torch.hf.forward_pass import take_handoff
 from kvcache_torch.hf.model_config import ATTN_IMPLEMENTATION, layer_specs
 

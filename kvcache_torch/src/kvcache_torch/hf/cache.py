@@ -11,17 +11,15 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from kvcache_core import (
-    DTypeMismatchError,
     InvalidArgumentError,
-    InvalidTypeError,
     KvCacheError,
     PagedKvCacheHandle,
     PagedKvCacheManager,
-    ShapeMismatchError,
     UnsupportedConfigError,
 )
 from kvcache_core.contract.config import check_count
 from kvcache_core.contract.groups import group_serves_layer
+from kvcache_core.errors import DTypeMismatchError, InvalidTypeError, ShapeMismatchError
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.attention import attend_new_tokens
 from kvcache_torch.hf.forward_pass import ForwardStep, Handoff, LayerProgress, drop_handoff, hand_off

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from kvcache_core import ShapeMismatchError, Step, UnsupportedConfigError
+from kvcache_core import Step, UnsupportedConfigError
+from kvcache_core.errors import ShapeMismatchError
 
 __all__ = ["ForwardStep", "Handoff", "LayerAttend", "LayerProgress", "drop_handoff", "hand_off", "take_handoff"]
 

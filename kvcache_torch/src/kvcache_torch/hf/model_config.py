@@ -11,17 +11,10 @@ from typing import Final, cast
 import torch
 from transformers import PretrainedConfig
 
-from kvcache_core import (
-    DTYPE_SIZES,
-    QUANTIZED_DTYPES,
-    BlockTable,
-    CacheConfig,
-    InvalidArgumentError,
-    InvalidTypeError,
-    LayerSpec,
-    UnsupportedConfigError,
-)
+from kvcache_core import BlockTable, CacheConfig, InvalidArgumentError, LayerSpec, UnsupportedConfigError
 from kvcache_core.contract.config import check_count
+from kvcache_core.errors import InvalidTypeError
+from kvcache_core.plugin import DTYPE_SIZES, QUANTIZED_DTYPES
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.guard import refuse_unless_interface
 

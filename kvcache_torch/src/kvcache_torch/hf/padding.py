@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache_core import ShapeMismatchError
+from kvcache_core.errors import ShapeMismatchError
 
 __all__ = ["left_padded_lengths", "real_tokens", "token_major"]
 

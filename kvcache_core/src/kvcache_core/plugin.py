@@ -1,0 +1,60 @@
+"""The face for backend and tier authors: what a third-party storage or offload tier needs.
+
+A backend registers a :class:`BackendSpec` through a :data:`hookimpl` of
+``kvcache_register_backends`` under the entry-point group :data:`ENTRY_POINT_GROUP`; its
+storage implements :class:`KvStorage` over one of :data:`KV_LAYOUTS` and dtypes of
+:data:`DTYPE_SIZES`, and claims named capabilities (:data:`CAPABILITIES`, composed from
+:data:`POLICY_CAPABILITIES`, :data:`ATTENTION_CAPABILITIES` and :data:`IMMUTABLE_ARRAYS`). A
+storage without a kernel of its own can answer with the NumPy reference
+(:func:`paged_attention`). A tier implements :class:`OffloadTier` and registers a factory
+under :data:`TIER_ENTRY_POINT_GROUP`. The conformance kit (``pytest -p kvcache_core.testing``)
+proves either::
+
+    from kvcache_core.plugin import BackendSpec, KvStorage, hookimpl
+
+    @hookimpl
+    def kvcache_register_backends() -> list[BackendSpec]:
+        return [BackendSpec(name="mine", storage_factory=MyStorage, kv_layouts=("HND",))]
+"""
+
+from __future__ import annotations
+
+from kvcache_core.attention.reference import check_attention_call, paged_attention
+from kvcache_core.contract.config import DTYPE_SIZES, KV_LAYOUTS, QUANTIZED_DTYPES, CacheConfig
+from kvcache_core.contract.device import Device
+from kvcache_core.contract.hookspecs import (
+    ATTENTION_CAPABILITIES,
+    CAPABILITIES,
+    ENTRY_POINT_GROUP,
+    IMMUTABLE_ARRAYS,
+    POLICY_CAPABILITIES,
+    BackendSpec,
+    hookimpl,
+)
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.protocols import KvStorage
+from kvcache_core.errors import KvCachePluginWarning
+from kvcache_core.offload.tiers import TIER_ENTRY_POINT_GROUP, OffloadTier, TierStats
+
+__all__ = [
+    "ATTENTION_CAPABILITIES",
+    "CAPABILITIES",
+    "DTYPE_SIZES",
+    "ENTRY_POINT_GROUP",
+    "IMMUTABLE_ARRAYS",
+    "KV_LAYOUTS",
+    "POLICY_CAPABILITIES",
+    "QUANTIZED_DTYPES",
+    "TIER_ENTRY_POINT_GROUP",
+    "BackendSpec",
+    "CacheConfig",
+    "Device",
+    "KvCachePluginWarning",
+    "KvStorage",
+    "OffloadTier",
+    "PageTable",
+    "TierStats",
+    "check_attention_call",
+    "hookimpl",
+    "paged_attention",
+]
