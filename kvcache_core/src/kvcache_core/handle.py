@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
+from kvcache_core import _moved
 from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.device import Device
 from kvcache_core.contract.stats import CacheHandleStats
-from kvcache_core import _moved
 from kvcache_core.paging.request_state import RequestState
 
 __all__ = ["PagedKvCacheHandle"]
