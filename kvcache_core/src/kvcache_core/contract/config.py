@@ -29,8 +29,8 @@ from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerI
 __all__ = [
     "DTYPE_SIZES",
     "KV_LAYOUTS",
-    "MAX_POOL_SLOTS",
     "MAX_KV_SCALE",
+    "MAX_POOL_SLOTS",
     "MAX_TOKEN_ID",
     "QUANTIZED_DTYPES",
     "QUANTIZED_RANGE",

@@ -21,10 +21,10 @@ from kvcache_core.errors import InvalidArgumentError, KvCacheError
 
 __all__ = [
     "FLOAT32_MAX",
-    "IntLike",
-    "RealLike",
     "FLOAT32_TINY",
     "INT32_MAX",
+    "IntLike",
+    "RealLike",
     "as_integer",
     "check_count",
     "check_flag",

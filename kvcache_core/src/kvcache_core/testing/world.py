@@ -46,9 +46,9 @@ __all__ = [
     "make_world",
     "probe",
     "probe_policies",
-    "world_policies",
     "snapshot",
     "untyped",
+    "world_policies",
 ]
 
 NumpyArray = npt.NDArray[Any]
