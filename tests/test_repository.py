@@ -124,8 +124,12 @@ def test_the_top_level_names_are_the_public_api_only() -> None:
     }
     assert internals.isdisjoint(kvcache_core.__all__), sorted(internals & set(kvcache_core.__all__))
     assert all(hasattr(kvcache_core, name) for name in kvcache_core.__all__)
-    for name in ("CacheConfig", "create_manager", "PagedKvCacheManager", "Step", "BackendSpec", "KvCacheError"):
+    for name in ("CacheConfig", "create_manager", "PagedKvCacheManager", "Step", "KvCacheError"):
         assert name in kvcache_core.__all__, name
+    import kvcache_core.plugin
+
+    for name in ("BackendSpec", "hookimpl", "KvStorage", "CAPABILITIES", "KV_LAYOUTS"):
+        assert name in kvcache_core.plugin.__all__, name
 
 
 #: The folders of the repository's tests (each a tree of test files, support modules and conftests).

@@ -46,7 +46,8 @@ def test_kvcache_backends_warns_naming_the_broken_distribution_and_lists_the_res
 def test_the_other_backends_still_work_beside_it(broken_site: Path) -> None:
     code = (
         "import warnings\n"
-        "from kvcache_core import CacheConfig, KvCachePluginWarning, available_backends, create_manager\n"
+        "from kvcache_core import CacheConfig, available_backends, create_manager\n"
+        "from kvcache_core.plugin import KvCachePluginWarning\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    names = available_backends()\n"

@@ -32,7 +32,8 @@ class TestKit(KvCacheConformance):
 
 FAULTY_PLUGIN = """
 import numpy as np
-from kvcache_core import BackendSpec, PagedKvCacheManager, hookimpl
+from kvcache_core import PagedKvCacheManager
+from kvcache_core.plugin import BackendSpec, hookimpl
 from kvcache_core.backends.numpy import NumpyStorage
 
 

@@ -21,7 +21,7 @@ from kvcache_core.plugin import KvCachePluginWarning
 AddDistribution = Callable[[Path, str, str, str, str, str], None]
 
 GOOD_PLUGIN = """
-from kvcache_core import BackendSpec, hookimpl
+from kvcache_core.plugin import BackendSpec, hookimpl
 from kvcache_core.backends.numpy import NumpyStorage
 
 class FakeStorage(NumpyStorage):
@@ -34,7 +34,7 @@ def kvcache_register_backends():
 """
 
 UNAVAILABLE_PLUGIN = """
-from kvcache_core import BackendSpec, hookimpl
+from kvcache_core.plugin import BackendSpec, hookimpl
 
 @hookimpl
 def kvcache_register_backends():
@@ -45,7 +45,7 @@ def kvcache_register_backends():
 IMPORT_ERROR_PLUGIN = "import a_module_that_does_not_exist_anywhere\n"
 
 HOOK_ERROR_PLUGIN = """
-from kvcache_core import hookimpl
+from kvcache_core.plugin import hookimpl
 
 @hookimpl
 def kvcache_register_backends():
@@ -204,7 +204,7 @@ def test_the_placement_policy_is_chosen_at_creation() -> None:
 EXIT_PLUGIN = "import sys\nsys.exit(3)\n"
 
 WRONG_FACTORY_PLUGIN = """
-from kvcache_core import BackendSpec, hookimpl
+from kvcache_core.plugin import BackendSpec, hookimpl
 
 @hookimpl
 def kvcache_register_backends():

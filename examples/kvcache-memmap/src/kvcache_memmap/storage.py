@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvcache_core import CacheConfig
 from kvcache_core.backends.numpy import (
     NUMPY_COMPUTE_DTYPES,
     NUMPY_DTYPES,
@@ -23,10 +22,15 @@ from kvcache_core.backends.numpy import (
     NumpyArray,
     NumpyStorage,
 )
-from kvcache_core.contract.config import QUANTIZED_DTYPES
-from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError, UnsupportedConfigError
-from kvcache_core.plugin import BackendSpec, hookimpl
+from kvcache_core.plugin import (
+    ATTENTION_CAPABILITIES,
+    POLICY_CAPABILITIES,
+    QUANTIZED_DTYPES,
+    BackendSpec,
+    CacheConfig,
+    hookimpl,
+)
 from kvcache_memmap._lock import PoolLock, acquire_lock, lock_pool_file, same_file
 from kvcache_memmap._paths import PoolPaths, check_file, create_file, path_error, read_small_file, resolve_paths
 from kvcache_memmap.errors import PoolPathError, PoolPathNotFoundError

@@ -4,11 +4,11 @@ A backend distribution registers a module under the entry-point group
 ``kvcache_core.backends`` (the entry point's name is the backend's name) whose hook
 yields its spec::
 
-    from kvcache_core import BackendSpec, hookimpl
+    from kvcache_core.plugin import BackendSpec, hookimpl
 
     from collections.abc import Iterator
 
-    from kvcache_core import BackendSpec, hookimpl
+    from kvcache_core.plugin import BackendSpec, hookimpl
 
     @hookimpl
     def kvcache_register_backends() -> Iterator[BackendSpec[MyArray]]:
