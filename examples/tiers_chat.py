@@ -10,8 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcache_core import AllocationRequest, CacheConfig, CachedBlockIndex, create_manager
-from kvcache_core.offload.tiers import DiskTier, HostTier
+from kvcache_core import AllocationRequest, CacheConfig, CachedBlockIndex, DiskTier, HostTier, create_manager
 
 config = CacheConfig(
     num_layers=2, num_heads=2, head_dim=16, num_blocks=16, block_size=8, enable_prefix_caching=True, model_id="demo@1"
