@@ -33,16 +33,25 @@ Run, from the repository root::
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy.typing as npt
-from _bench import draw_lengths, int_list
+from _harness import (
+    BenchParser,
+    Stopwatch,
+    draw_lengths,
+    print_environment,
+    run,
+    seed_list,
+    take_turns,
+    timed_call,
+)
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheHandle, PagedKvCacheManager
 from kvcache_core.backends.numpy import NumpyStorage
@@ -106,9 +115,8 @@ def grow(policy: Policy, lengths: Sequence[int], arrival: str, block_size: int, 
     handles: list[PagedKvCacheHandle[Array] | None] = [None] * len(lengths)
     step_s: list[float] = []
     block_step_s: list[float] = []
-    for step in range(longest):
-        free_before = manager.stats().free_blocks
-        started = time.perf_counter()
+
+    def one_step(step: int) -> None:
         for request, (start, length) in enumerate(zip(starts, lengths, strict=True)):
             if not start <= step < start + length:
                 continue
@@ -119,7 +127,10 @@ def grow(policy: Policy, lengths: Sequence[int], arrival: str, block_size: int, 
                 )
                 handles[request] = handle
             manager.extend(handle, 1)
-        elapsed = time.perf_counter() - started
+
+    for step in range(longest):
+        free_before = manager.stats().free_blocks
+        elapsed, _ = timed_call(functools.partial(one_step, step))
         step_s.append(elapsed)
         if manager.stats().free_blocks != free_before:
             block_step_s.append(elapsed)
@@ -151,6 +162,46 @@ def summarise(growths: Sequence[Growth]) -> Summary:
     )
 
 
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, with the ``--quick`` defaults applied."""
+    parser = BenchParser(__doc__, quick="seeds 0,1 only")
+    parser.lengths(count=16, min_length=128, max_length=4096, count_flag="--requests")
+    parser.geometry(block_size=16)
+    parser.flag("--headroom", 0.25, type=float, help="spare pool fraction")
+    parser.require(lambda args: args.headroom >= 0, "--headroom must be >= 0")
+    parser.flag("--seeds", ([0, 1, 2, 3, 4], [0, 1]), type=seed_list, help="seeds of the lengths")
+    parser.add_argument(
+        "--arrivals", choices=(*ARRIVALS, "both"), default="both", help="arrival pattern (default both)"
+    )
+    parser.add_argument("--verbose", action="store_true", help="print the runs of every request of every seed")
+    return parser.parse(argv)
+
+
+def grow_every_seed(args: argparse.Namespace, arrival: str) -> dict[str, list[Growth]]:
+    """Each seed's lengths grown under every policy, the order rotating so drift in machine
+    speed favours none; every policy's growths, in seed order."""
+    seeds: list[int] = args.seeds
+    lengths_of_seed = iter([draw_lengths(seed, args.requests, args.min_length, args.max_length) for seed in seeds])
+    growths: dict[str, list[Growth]] = {policy.name: [] for policy in POLICIES}
+
+    def collect(results: Mapping[str, Growth], index: int) -> None:
+        for name, growth in results.items():
+            growths[name].append(growth)
+            if args.verbose:
+                print(f"  {arrival} seed {seeds[index]} {name:<27} runs {list(growth.runs)}")
+
+    def policy_growth(policy: Policy) -> Callable[[list[int]], Growth]:
+        return lambda lengths: grow(policy, lengths, arrival, args.block_size, args.headroom)
+
+    take_turns(
+        {policy.name: policy_growth(policy) for policy in POLICIES},
+        rounds=len(seeds),
+        inputs=lengths_of_seed.__next__,
+        check=collect,
+    )
+    return growths
+
+
 def print_table(arrival: str, summaries: dict[str, Summary]) -> None:
     """The policies of one arrival pattern, with ratios against fifo."""
     base = summaries[BASELINE]
@@ -170,66 +221,28 @@ def print_table(arrival: str, summaries: dict[str, Summary]) -> None:
         )
 
 
-def seed_list(text: str) -> list[int]:
-    """``"0,1,2"`` -> ``[0, 1, 2]`` (an argparse type)."""
-    return int_list(text, minimum=0)
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """The command line, with the ``--quick`` defaults applied."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--requests", type=int, default=16, help="requests growing side by side (default 16)")
-    parser.add_argument("--min-length", type=int, default=128, help="shortest final length (default 128)")
-    parser.add_argument("--max-length", type=int, default=4096, help="longest final length (default 4096)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    parser.add_argument("--headroom", type=float, default=0.25, help="spare pool fraction (default 0.25)")
-    parser.add_argument("--seeds", type=seed_list, default=None, help="seeds of the lengths (default 0,1,2,3,4)")
-    parser.add_argument(
-        "--arrivals", choices=(*ARRIVALS, "both"), default="both", help="arrival pattern (default both)"
-    )
-    parser.add_argument("--verbose", action="store_true", help="print the runs of every request of every seed")
-    parser.add_argument("--quick", action="store_true", help="seeds 0,1 only")
-    args = parser.parse_args(argv)
-    if args.seeds is None:
-        args.seeds = [0, 1] if args.quick else [0, 1, 2, 3, 4]
-    if args.requests < 1 or args.block_size < 1 or not 1 <= args.min_length <= args.max_length:
-        parser.error("--requests and --block-size must be >= 1 and 1 <= --min-length <= --max-length")
-    if args.headroom < 0:
-        parser.error("--headroom must be >= 0")
-    return args
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Grow the batches under every policy and print one table per arrival pattern."""
     args = parse_args(argv)
+    print_environment()
     arrivals = ARRIVALS if args.arrivals == "both" else (args.arrivals,)
     print(
         f"{args.requests} requests growing one token per step side by side, lengths uniform in "
         f"[{args.min_length}, {args.max_length}], block_size {args.block_size}, pool {args.headroom:.0%} "
         f"larger than needed, seeds {args.seeds}"
     )
-    started = time.perf_counter()
+    clock = Stopwatch()
     for arrival in arrivals:
-        growths: dict[str, list[Growth]] = {policy.name: [] for policy in POLICIES}
-        seeds: list[int] = args.seeds
-        for seed in seeds:
-            lengths = draw_lengths(seed, args.requests, args.min_length, args.max_length)
-            # Rotate the policy order per seed so drift in machine speed favours none of them.
-            for index in range(len(POLICIES)):
-                policy = POLICIES[(index + seed) % len(POLICIES)]
-                growth = grow(policy, lengths, arrival, args.block_size, args.headroom)
-                growths[policy.name].append(growth)
-                if args.verbose:
-                    print(f"  {arrival} seed {seed} {policy.name:<27} runs {list(growth.runs)}")
+        growths = grow_every_seed(args, arrival)
         print_table(arrival, {name: summarise(found) for name, found in growths.items()})
     print(
         "\nruns: per request at full length (1 = one zero-copy view); fifo/this > 1: fewer runs than fifo."
         "\nus/step: median time of one step (one extend per active request); us/block step: the same over"
         "\nsteps that took a block; this/fifo > 1: slower than fifo."
     )
-    print(f"total {time.perf_counter() - started:.1f} s")
+    print(f"total {clock.seconds():.1f} s")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -23,8 +23,8 @@ What is compared, in one process, with the same inputs:
 
 Before timing, a paged step's output is compared with dense attention over the same
 contexts (``np.allclose`` with the benchmarks' fp32 tolerance); the script exits with
-status 1 if they differ. Times are medians of ``--repeats`` calls, the contenders
-alternating; nothing here asserts a time.
+status 1 if they differ. Times are medians (``--statistic``) of ``--repeats`` calls after one
+untimed call each, the contenders taking turns; nothing here asserts a time.
 
 Run from the repository root::
 
@@ -42,11 +42,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -54,7 +51,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
-from _bench import ATOL, RTOL, Geometry, print_environment, ratio
+from _harness import (
+    BenchParser,
+    Geometry,
+    agree,
+    geometry_of,
+    int_list,
+    layout_list,
+    met,
+    print_environment,
+    ratio,
+    require,
+    run,
+    take_turns,
+)
 
 import kvcache_jax
 from kvcache_core import AllocationRequest, PagedKvCacheHandle, PagedKvCacheManager, create_manager
@@ -66,22 +76,13 @@ Handle = PagedKvCacheHandle[jax.Array]
 MIB = 1 << 20
 
 
-def seconds_of(call: Callable[[], jax.Array]) -> float:
-    """Wall time of one call, until its result is ready."""
-    started = time.perf_counter()
-    call().block_until_ready()
-    return time.perf_counter() - started
-
-
-def alternate(calls: dict[str, Callable[[], jax.Array]], repeats: int) -> dict[str, float]:
-    """Medians of the calls, run in turn ``repeats`` times (each warmed up first)."""
-    for call in calls.values():
-        call().block_until_ready()
-    samples: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            samples[name].append(seconds_of(call))
-    return {name: statistics.median(values) for name, values in samples.items()}
+def alternate(calls: Mapping[str, Callable[[], jax.Array]], args: argparse.Namespace) -> dict[str, float]:
+    """Seconds per call (the chosen statistic) of the calls taking turns ``--repeats`` times,
+    after one untimed call each; a call's time runs until its result is ready."""
+    times = take_turns(
+        calls, rounds=args.repeats, warmup=1, settle=lambda array: array.block_until_ready(), statistic=args.statistic
+    )
+    return {name: times.seconds(name) for name in calls}
 
 
 # -- write cost --------------------------------------------------------------------------
@@ -126,18 +127,18 @@ def write_setup(geometry: Geometry, size_mib: int, batch: int) -> WriteSetup:
     return WriteSetup(manager, storage, handles, slots, tokens, pools)
 
 
-def write_costs(geometry: Geometry, pool_mib: Sequence[int], batch: int, repeats: int) -> dict[str, list[float]]:
-    """Median write times per pool size, donated and copying; the sizes of one contender
-    alternate, so both run under the same conditions."""
-    setups = [write_setup(geometry, size, batch) for size in pool_mib]
+def write_costs(geometry: Geometry, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Write times per pool size, donated and copying; the sizes of one contender take
+    turns, so both run under the same conditions."""
+    setups = [write_setup(geometry, size, args.batch) for size in args.pool_mib]
     copying_program: Callable[..., tuple[jax.Array, jax.Array]] = jax.jit(
         kvcache_jax.write, static_argnames="kv_layout"
     )
     costs: dict[str, list[float]] = {}
-    donated = alternate({str(index): setup.donated for index, setup in enumerate(setups)}, repeats)
+    donated = alternate({str(index): setup.donated for index, setup in enumerate(setups)}, args)
     costs["donated"] = [donated[str(index)] for index in range(len(setups))]
     copying = alternate(
-        {str(index): partial(setup.copying, copying_program) for index, setup in enumerate(setups)}, repeats
+        {str(index): partial(setup.copying, copying_program) for index, setup in enumerate(setups)}, args
     )
     costs["copying"] = [copying[str(index)] for index in range(len(setups))]
     for setup in setups:
@@ -167,33 +168,37 @@ def grown_batch(geometry: Geometry, context: int, batch: int, extra_steps: int) 
     return manager, handles
 
 
-def dense_heads_first(query: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
-    """``query [B, QH, D]`` over contiguous ``[B, H, S, D]`` K/V."""
-    batch, heads, _, dim = keys.shape
+#: The einsum specs of dense decode attention (scores, then output) over contiguous K/V:
+#: heads-first ``[B, H, S, D]`` or token-major ``[B, S, H, D]``.
+DENSE_LAYOUTS = {
+    "heads-first": (1, "bhgd,bhsd->bhgs", "bhgs,bhsd->bhgd"),
+    "token-major": (2, "bhgd,bshd->bhgs", "bhgs,bshd->bhgd"),
+}
+
+
+def dense_attention(layout: str, query: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
+    """``query [B, QH, D]`` over contiguous K/V in ``layout`` (a key of ``DENSE_LAYOUTS``)."""
+    heads_axis, scores_spec, output_spec = DENSE_LAYOUTS[layout]
+    batch, heads, dim = keys.shape[0], keys.shape[heads_axis], keys.shape[3]
     grouped = query.reshape(batch, heads, -1, dim)
-    scores = jnp.einsum("bhgd,bhsd->bhgs", grouped, keys) / math.sqrt(dim)
+    scores = jnp.einsum(scores_spec, grouped, keys) / math.sqrt(dim)
     weights = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bhgs,bhsd->bhgd", weights, values).reshape(query.shape)
+    return jnp.einsum(output_spec, weights, values).reshape(query.shape)
 
 
-def dense_token_major(query: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
-    """``query [B, QH, D]`` over contiguous ``[B, S, H, D]`` K/V."""
-    batch, _, heads, dim = keys.shape
-    grouped = query.reshape(batch, heads, -1, dim)
-    scores = jnp.einsum("bhgd,bshd->bhgs", grouped, keys) / math.sqrt(dim)
-    weights = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bhgs,bshd->bhgd", weights, values).reshape(query.shape)
-
-
-def attention_times(geometry: Geometry, context: int, batch: int, repeats: int) -> dict[str, float] | None:
-    """Medians of a paged decode step and of dense decode attention; ``None`` if their outputs differ.
+def attention_times(geometry: Geometry, context: int, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds of a paged decode step and of dense decode attention.
 
     *paged* is one decode step through the manager: ``begin_step`` grows every request by a
     token, ``step.write`` stores its K/V in the pool (donated, in place) and ``step.attention``
     reads the pool. *dense* is attention alone on K/V already contiguous (no write): a floor.
+
+    Raises:
+        DisagreementError: paged or token-major attention differs from heads-first.
     """
+    batch = args.batch
     warmup = 2  # the verification step and alternate()'s warm-up call of paged
-    manager, handles = grown_batch(geometry, context, batch, extra_steps=warmup + 2 * repeats)
+    manager, handles = grown_batch(geometry, context, batch, extra_steps=warmup + 2 * args.repeats)
     rng = np.random.default_rng(1)
     query = jnp.asarray(rng.standard_normal((batch, geometry.num_query_heads, geometry.head_dim), np.float32))
     new_kv = jnp.asarray(rng.standard_normal((batch, geometry.num_kv_heads, geometry.head_dim), np.float32))
@@ -207,100 +212,86 @@ def attention_times(geometry: Geometry, context: int, batch: int, repeats: int) 
     gathered = [manager.gather(handle, 0) for handle in handles]
     token_major = [jnp.stack([pair[side] for pair in gathered]) for side in (0, 1)]  # [B, S, H, D]
     heads_first = [jnp.transpose(array, (0, 2, 1, 3)).copy() for array in token_major]  # [B, H, S, D]
-    jitted_heads_first: Callable[..., jax.Array] = jax.jit(dense_heads_first)
-    jitted_token_major: Callable[..., jax.Array] = jax.jit(dense_token_major)
+    contiguous = {"heads-first": heads_first, "token-major": token_major}
 
-    def dense_contiguous_heads_first() -> jax.Array:
-        return jitted_heads_first(query, heads_first[0], heads_first[1])
+    def dense(layout: str) -> Callable[[], jax.Array]:
+        jitted: Callable[..., jax.Array] = jax.jit(partial(dense_attention, layout))
+        keys, values = contiguous[layout]
 
-    def dense_contiguous_token_major() -> jax.Array:
-        return jitted_token_major(query, token_major[0], token_major[1])
+        def call() -> jax.Array:
+            return jitted(query, keys, values)
+
+        return call
 
     calls: dict[str, Callable[[], jax.Array]] = {
         "paged": paged,
-        "dense heads-first": dense_contiguous_heads_first,
-        "dense token-major": dense_contiguous_token_major,
+        **{f"dense {name}": dense(name) for name in contiguous},
     }
     reference = np.asarray(calls["dense heads-first"]())
-    for name, output in (("paged", verified), ("dense token-major", np.asarray(dense_contiguous_token_major()))):
-        if not np.allclose(output, reference, rtol=RTOL, atol=ATOL):
-            error = float(np.max(np.abs(output - reference)))
-            print(f"  {name} differs from dense heads-first by {error:.3g} at context {context}")
-            return None
+    for name, output in (("paged", verified), ("dense token-major", np.asarray(calls["dense token-major"]()))):
+        same, error = agree([output], [reference])
+        require(same, f"{name} differs from dense heads-first by {error:.3g} at context {context}")
     # The two dense layouts against each other first; then the faster one against paged
     # (alternating with a much slower contender would slow whichever call follows it).
-    dense = alternate({name: calls[name] for name in ("dense heads-first", "dense token-major")}, repeats)
-    best = min(dense, key=dense.__getitem__)
-    head_to_head = alternate({"paged": calls["paged"], best: calls[best]}, repeats)
-    return {**dense, **head_to_head}
+    dense_times = alternate({name: calls[name] for name in ("dense heads-first", "dense token-major")}, args)
+    best = min(dense_times, key=dense_times.__getitem__)
+    head_to_head = alternate({"paged": calls["paged"], best: calls[best]}, args)
+    return {**dense_times, **head_to_head}
 
 
 # -- report ------------------------------------------------------------------------------
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="smoke mode: fewer contexts and repeats (< 1 min)")
-    parser.add_argument("--contexts", default="1024,4096,8192", help="decode contexts, comma-separated")
-    parser.add_argument("--pool-mib", default="64,1024", help="pool sizes of the write test, MiB (small,large)")
-    parser.add_argument("--batch", type=int, default=4, help="requests per decode step")
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--query-heads", type=int, default=32)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-layouts", default="heads_first,NHD", help="pool layouts of the paged contender")
-    parser.add_argument("--repeats", type=int, default=15, help="timed calls per contender (median)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.contexts, args.repeats, args.kv_layouts = "1024,4096", 5, args.kv_layouts.split(",")[0]
-    return args
+    parser = BenchParser(__doc__, quick="contexts 1024,4096, 5 repeats, the first layout only")
+    parser.geometry(query_heads=32, kv_heads=8, head_dim=128, block_size=16)
+    parser.flag("--contexts", ([1024, 4096, 8192], [1024, 4096]), type=int_list, help="decode contexts")
+    parser.flag("--pool-mib", [64, 1024], type=int_list, help="pool sizes of the write test, MiB (small,large)")
+    parser.flag("--batch", 4, help="requests per decode step")
+    parser.flag(
+        "--kv-layouts", (["heads_first", "NHD"], ["heads_first"]), type=layout_list, help="pool layouts of paged"
+    )
+    parser.timing((15, 5), what="timed calls per contender")
+    return parser.parse(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Print the write costs and the decode steps; ``DisagreementError`` if paged and dense disagree."""
     args = parse_args(argv)
     print_environment()
-    geometry = Geometry(1, args.query_heads, args.kv_heads, args.head_dim, args.block_size)
-    contexts = [int(text) for text in args.contexts.split(",")]
-    pool_mib = [int(text) for text in args.pool_mib.split(",")]
-    layouts = args.kv_layouts.split(",")
+    geometry = geometry_of(args, num_layers=1)
     print(
-        f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cpus); {geometry.num_kv_heads} KV "
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; {geometry.num_kv_heads} KV "
         f"heads, {geometry.num_query_heads} query heads of {geometry.head_dim}, blocks of {geometry.block_size}, "
-        "float32; "
-        f"batch {args.batch}; medians of {args.repeats}"
+        f"float32; batch {args.batch}; {args.statistic}s of {args.repeats}"
     )
 
+    pool_mib: list[int] = args.pool_mib
     print(f"\nwrite of {args.batch} tokens into one layer's pool (K and V) of {' vs '.join(map(str, pool_mib))} MiB")
-    costs = write_costs(geometry, pool_mib, args.batch, args.repeats)
+    costs = write_costs(geometry, args)
     for contender, medians in costs.items():
         sizes = "  ".join(f"{size:>5} MiB {value * 1e3:8.3f} ms" for size, value in zip(pool_mib, medians, strict=True))
         print(f"  {contender:<8} {sizes}   ratio {ratio(medians[-1], medians[0]):>7}")
     donated_ratio = costs["donated"][-1] / costs["donated"][0]
-    print(f"  target: donated ratio <= 1.3 -> {'met' if donated_ratio <= 1.3 else 'NOT met'} ({donated_ratio:.2f})")
+    print(f"  target: donated ratio <= 1.3 -> {met(donated_ratio <= 1.3)} ({donated_ratio:.2f})")
 
-    failed = False
-    for layout in layouts:
+    for layout in args.kv_layouts:
         print(
             f"\ndecode step, {args.batch} requests, pool layout {layout} (paged: write + attention; dense: attention)"
         )
-        for context in contexts:
-            measured = attention_times(replace(geometry, kv_layout=layout), context, args.batch, args.repeats)
-            if measured is None:
-                failed = True
-                continue
+        for context in args.contexts:
+            measured = attention_times(replace(geometry, kv_layout=layout), context, args)
             dense = {name: measured[name] for name in ("dense heads-first", "dense token-major")}
             best_name = min(dense, key=dense.__getitem__)
             paged_over_dense = measured["paged"] / measured[best_name]
             listing = "  ".join(f"{name} {value * 1e3:7.3f} ms" for name, value in measured.items())
-            verdict = ""
-            if context == 4096:
-                verdict = f"  target <= 2x: {'met' if paged_over_dense <= 2 else 'NOT met'}"
+            target = f"  target <= 2x: {met(paged_over_dense <= 2)}" if context == 4096 else ""
             print(
                 f"  context {context:>5}: {listing}  paged/best dense ({best_name}) "
-                f"{ratio(measured['paged'], measured[best_name]):>6}{verdict}"
+                f"{ratio(measured['paged'], measured[best_name]):>6}{target}"
             )
-    return 1 if failed else 0
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

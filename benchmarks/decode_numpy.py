@@ -24,8 +24,8 @@ placement="fifo")``), to show what many short block runs cost attention.
 Before timing, both approaches run one step on the same inputs and their attention
 outputs are compared with ``np.allclose``; the script exits with status 1 if they
 differ (every timed step is checked the same way, outside the timed region). Times are
-medians over ``--repeats`` steps, each a real decode step (contexts grow by one per
-step), alternating the two approaches. Nothing here asserts a time.
+medians (``--statistic``) over ``--repeats`` steps, each a real decode step (contexts grow
+by one per step), alternating the two approaches. Nothing here asserts a time.
 
 Run, from the repository root (the environment keeps glibc from returning large
 buffers to the OS after every step, which otherwise dominates the dense cache's time;
@@ -41,52 +41,44 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from _bench import (
-    ATOL,
-    RTOL,
+from _harness import (
+    BenchParser,
     Geometry,
+    StepInputs,
+    Stopwatch,
+    agreement_check,
     draw_lengths,
+    geometry_of,
     grow_staggered,
     int_list,
     mib,
+    paged_decode_step,
     print_environment,
     ratio,
-    relative_spread,
+    run,
+    take_turns,
 )
 
 from kvcache_core import AllocationRequest, PagedKvCacheHandle, PagedKvCacheManager, create_manager
 from kvcache_core.backends.numpy import NumpyStorage
-from kvcache_core.plugin import KV_LAYOUTS
 
 Array = npt.NDArray[Any]
 Manager = PagedKvCacheManager[Array]
 Handle = PagedKvCacheHandle[Array]
 
-
-@dataclass(frozen=True)
-class StepInputs:
-    """What the model hands the cache in one decode step, per layer.
-
-    ``keys[layer]``/``values[layer]``: ``[batch, kv_heads, head_dim]``;
-    ``queries[layer]``: ``[batch, query_heads, head_dim]``.
-    """
-
-    keys: tuple[Array, ...]
-    values: tuple[Array, ...]
-    queries: tuple[Array, ...]
+#: The untimed first step, which verifies and prints.
+WARMUP_STEPS = 1
 
 
-def step_inputs(rng: np.random.Generator, geometry: Geometry, batch: int) -> StepInputs:
+def step_inputs(rng: np.random.Generator, geometry: Geometry, batch: int) -> StepInputs[Array]:
     """Random new-token K/V and queries for every layer."""
     dtype = np.dtype(geometry.dtype)
     kv_shape = (batch, geometry.num_kv_heads, geometry.head_dim)
@@ -131,7 +123,7 @@ class DenseCache:
         self.keys = keys
         self.values = values
 
-    def step(self, inputs: StepInputs, scale: float) -> list[Array]:
+    def step(self, inputs: StepInputs[Array], scale: float) -> list[Array]:
         """Append each request's new K/V and attend, layer by layer; ``[batch, q_heads, D]`` per layer."""
         outputs: list[Array] = []
         for layer, (layer_keys, layer_values) in enumerate(zip(self.keys, self.values, strict=True)):
@@ -149,19 +141,6 @@ class DenseCache:
     def memory_bytes(self) -> int:
         """Bytes the arrays hold (exactly the tokens stored)."""
         return sum(array.nbytes for layer in (*self.keys, *self.values) for array in layer)
-
-
-# -- ours ---------------------------------------------------------------------------------
-
-
-def paged_step(manager: Manager, handles: Sequence[Handle], inputs: StepInputs) -> list[Array]:
-    """One decode step through the manager's step (planned once); ``[batch, q_heads, D]`` per layer."""
-    step = manager.begin_step(handles, 1)
-    outputs: list[Array] = []
-    for layer in range(manager.config.num_layers):
-        step.write(layer, inputs.keys[layer], inputs.values[layer])
-        outputs.append(step.attention(layer, inputs.queries[layer]))
-    return outputs
 
 
 # -- building both caches with the same contents ------------------------------------------
@@ -221,8 +200,7 @@ def make_manager(geometry: Geometry, num_blocks: int) -> Manager:
 
 def single_request(geometry: Geometry, context: int, extra_steps: int, rng: np.random.Generator) -> Scenario:
     """Scenario (a): one request holding ``context`` tokens."""
-    blocks = math.ceil((context + extra_steps) / geometry.block_size)
-    manager = make_manager(geometry, blocks)
+    manager = make_manager(geometry, geometry.blocks_for(context + extra_steps))
     handle = manager.allocate(AllocationRequest("request-0"))
     slots = manager.extend(handle, context)
     return fill_both(f"1 x {context}", geometry, manager, [handle], [slots], rng)
@@ -237,7 +215,7 @@ def staggered_batch(
     request holds its length and is still decoding; the pool has ``headroom`` more blocks
     than the final lengths plus the benchmark's steps need.
     """
-    needed = sum(math.ceil((length + extra_steps) / geometry.block_size) for length in lengths)
+    needed = sum(geometry.blocks_for(length + extra_steps) for length in lengths)
     manager = make_manager(geometry, math.ceil(needed * (1.0 + headroom)))
     handles, slots = grow_staggered(manager, lengths)
     return fill_both(f"{len(lengths)} mixed", geometry, manager, handles, slots, rng)
@@ -248,54 +226,31 @@ def staggered_batch(
 
 @dataclass(frozen=True)
 class Timing:
-    """Median seconds of one decode step for each approach, and how much the steps varied."""
+    """Seconds of one decode step for each approach (the chosen statistic), and how much the
+    steps varied."""
 
     ours_s: float
     dense_s: float
     spread: float  # the larger interquartile range of the two, as a fraction of its median
 
 
-def outputs_match(ours: Sequence[Array], dense: Sequence[Array]) -> tuple[bool, float]:
-    """Whether every layer's outputs agree, and the largest absolute difference."""
-    worst = max(float(np.max(np.abs(a - b))) for a, b in zip(ours, dense, strict=True))
-    return all(np.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(ours, dense, strict=True)), worst
-
-
-def run_scenario(scenario: Scenario, repeats: int, rng: np.random.Generator) -> Timing:
-    """Verify, then time ``repeats`` steps of each approach (alternating); exit 1 on a mismatch."""
+def run_scenario(scenario: Scenario, args: argparse.Namespace, rng: np.random.Generator) -> Timing:
+    """Verify, then time ``--repeats`` steps of each approach (alternating); ``DisagreementError``
+    on a mismatch."""
     geometry = scenario.geometry
-    scale = geometry.scale
-    batch = len(scenario.handles)
-
-    def ours(inputs: StepInputs) -> list[Array]:
-        return paged_step(scenario.manager, scenario.handles, inputs)
-
-    def dense(inputs: StepInputs) -> list[Array]:
-        return scenario.dense.step(inputs, scale)
-
-    approaches: tuple[tuple[str, Callable[[StepInputs], list[Array]]], ...] = (("ours", ours), ("dense", dense))
-    times: dict[str, list[float]] = {"ours": [], "dense": []}
-    for step in range(repeats + 1):  # step 0: the verification step, untimed
-        inputs = step_inputs(rng, geometry, batch)
-        results: dict[str, list[Array]] = {}
-        order = approaches if step % 2 == 0 else approaches[::-1]
-        for name, function in order:
-            started = time.perf_counter()
-            results[name] = function(inputs)
-            if step:
-                times[name].append(time.perf_counter() - started)
-        same, worst = outputs_match(results["ours"], results["dense"])
-        if step == 0:
-            verdict = "match" if same else "DIFFER"
-            print(
-                f"  verify {scenario.name:>10}: paged and dense attention outputs {verdict} "
-                f"(np.allclose rtol={RTOL:g} atol={ATOL:g}, max |diff| {worst:.2e}, {geometry.num_layers} layers)"
-            )
-        if not same:
-            print(f"error: outputs differ at step {step} of {scenario.name} (max |diff| {worst:.3e})", file=sys.stderr)
-            sys.exit(1)
-    spread = max(relative_spread(times["ours"]), relative_spread(times["dense"]))
-    return Timing(statistics.median(times["ours"]), statistics.median(times["dense"]), spread)
+    competitors: dict[str, Callable[[StepInputs[Array]], list[Array]]] = {
+        "ours": lambda inputs: paged_decode_step(scenario.manager, scenario.handles, inputs),
+        "dense": lambda inputs: scenario.dense.step(inputs, geometry.scale),
+    }
+    times = take_turns(
+        competitors,
+        rounds=args.repeats,
+        warmup=WARMUP_STEPS,
+        inputs=lambda: step_inputs(rng, geometry, len(scenario.handles)),
+        check=agreement_check("ours", {"dense": "dense"}, what=f"{scenario.name} ({geometry.num_layers} layers)"),
+        statistic=args.statistic,
+    )
+    return Timing(times.seconds("ours"), times.seconds("dense"), times.spread())
 
 
 # -- command line -----------------------------------------------------------------------
@@ -303,84 +258,47 @@ def run_scenario(scenario: Scenario, repeats: int, rng: np.random.Generator) -> 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line, with the ``--quick`` defaults applied."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
-    parser.add_argument("--query-heads", type=int, default=32, help="query heads (default 32)")
-    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
-    parser.add_argument("--head-dim", type=int, default=128, help="features per head (default 128)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="NHD", help="layout of our pool (default NHD)")
+    parser = BenchParser(__doc__, quick="contexts 1024,4096, batch up to 1024, 7 repeats")
+    parser.geometry(layers=4, query_heads=32, kv_heads=8, head_dim=128, block_size=16, kv_layout="NHD")
     parser.add_argument(
         "--placement",
         choices=("contiguous", "fifo"),
         default="contiguous",
         help="our allocator's placement (default contiguous; fifo fragments scenario (b) into many runs)",
     )
-    parser.add_argument(
-        "--contexts", type=int_list, default=None, help="scenario (a) contexts (default 1024,4096,8192)"
-    )
-    parser.add_argument("--batch-size", type=int, default=16, help="scenario (b) requests (default 16)")
-    parser.add_argument("--min-length", type=int, default=128, help="scenario (b) shortest request (default 128)")
-    parser.add_argument("--max-length", type=int, default=None, help="scenario (b) longest request (default 4096)")
-    parser.add_argument("--headroom", type=float, default=0.25, help="scenario (b) spare pool fraction (default 0.25)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed steps per scenario (default 15)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of lengths and data (default 0)")
+    parser.flag("--contexts", ([1024, 4096, 8192], [1024, 4096]), type=int_list, help="scenario (a) contexts")
+    parser.lengths(count=16, min_length=128, max_length=(4096, 1024))
+    parser.flag("--headroom", 0.25, type=float, help="scenario (b) spare pool fraction")
+    parser.timing((15, 7))
+    parser.seed()
     parser.add_argument("--skip-batch", action="store_true", help="run scenario (a) only")
-    parser.add_argument(
-        "--quick", action="store_true", help="smaller defaults: contexts 1024,4096, batch up to 1024, 7 repeats"
-    )
-    args = parser.parse_args(argv)
-    if args.contexts is None:
-        args.contexts = [1024, 4096] if args.quick else [1024, 4096, 8192]
-    if args.max_length is None:
-        args.max_length = 1024 if args.quick else 4096
-    if args.repeats is None:
-        args.repeats = 7 if args.quick else 15
-    if args.repeats < 1 or args.layers < 1 or args.batch_size < 1 or not 1 <= args.min_length <= args.max_length:
-        parser.error("--repeats, --layers, --batch-size must be >= 1 and 1 <= --min-length <= --max-length")
-    if args.query_heads % args.kv_heads:
-        parser.error("--query-heads must be a multiple of --kv-heads")
-    return args
+    return parser.parse(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run every scenario and print the table; 1 if the two approaches disagree."""
+    """Run every scenario and print the table; ``DisagreementError`` if the two approaches disagree."""
     args = parse_args(argv)
     print_environment()
-    threads = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
-    print(
-        f"  on a machine other processes share, add OPENBLAS_NUM_THREADS=1 (now {threads}): BLAS threads "
-        "waiting for a busy core can make a step 10x slower"
-    )
-    geometry = Geometry(
-        args.layers,
-        args.query_heads,
-        args.kv_heads,
-        args.head_dim,
-        args.block_size,
-        kv_layout=args.kv_layout,
-        placement=args.placement,
-    )
+    geometry = geometry_of(args)
     print(f"geometry: {geometry.describe()}")
-    print(f"{args.repeats} timed decode steps per scenario after one verification step; medians")
-    print(f"numpy {np.__version__}, {os.cpu_count()} CPUs")
+    print(f"{args.repeats} timed decode steps per scenario after one verification step; {args.statistic}s")
     rng = np.random.default_rng(args.seed)
-    extra_steps = args.repeats + 1
+    extra_steps = args.repeats + WARMUP_STEPS
     rows: list[tuple[str, Timing]] = []
-    started = time.perf_counter()
+    clock = Stopwatch()
     for context in args.contexts:
         scenario = single_request(geometry, context, extra_steps, rng)
-        rows.append((scenario.name, run_scenario(scenario, args.repeats, rng)))
+        rows.append((scenario.name, run_scenario(scenario, args, rng)))
         del scenario
     batch_notes: list[str] = []
     if not args.skip_batch:
         lengths = sorted(draw_lengths(args.seed, args.batch_size, args.min_length, args.max_length))
-        build_started = time.perf_counter()
+        build = Stopwatch()
         scenario = staggered_batch(geometry, lengths, extra_steps, args.headroom, rng)
-        build_s = time.perf_counter() - build_started
+        build_s = build.seconds()
         runs = [len(handle.block_table().runs()) for handle in scenario.handles]
         pool_bytes = scenario.manager.stats().total_memory_bytes
-        rows.append((scenario.name, run_scenario(scenario, args.repeats, rng)))
+        rows.append((scenario.name, run_scenario(scenario, args, rng)))
         manager_stats = scenario.manager.stats()
         tokens = manager_stats.tokens_stored
         batch_notes = [
@@ -410,14 +328,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" | {timing.spread:9.0%}"
         )
     print(
-        "(median of one decode step over all layers; dense/ours > 1 means the paged cache is faster;\n"
+        f"({args.statistic} of one decode step over all layers; dense/ours > 1 means the paged cache is faster;\n"
         " IQR/median: the noisier approach's spread -- rerun or raise --repeats when it is large)"
     )
     for note in batch_notes:
         print(note)
-    print(f"total {time.perf_counter() - started:.1f} s")
+    print(f"total {clock.seconds():.1f} s")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

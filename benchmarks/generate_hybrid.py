@@ -15,9 +15,10 @@ tokens generates ``--new-tokens`` tokens greedily, three ways:
   their last ``W - 1`` tokens.
 
 Printed: one run of each is checked first (same tokens, logits within 1e-3; exit 1
-otherwise), then the median times of ``--repeats`` runs taken in turns and DynamicCache /
-ours, and the KV memory each holds at the end (ours: the pool's ``used_memory_bytes``;
-DynamicCache: the bytes of its key and value tensors). Nothing asserts a time.
+otherwise), then the median times (``--statistic``) of ``--repeats`` runs taken in turns and
+DynamicCache / ours, and the KV memory each holds at the end (ours: the pool's
+``used_memory_bytes``; DynamicCache: the bytes of its key and value tensors). Nothing
+asserts a time.
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 HF_HUB_OFFLINE=1 \\
         .venv/bin/python benchmarks/generate_hybrid.py [--quick]
@@ -26,67 +27,39 @@ DynamicCache: the bytes of its key and value tensors). Nothing asserts a time.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to download
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # after the offline switch, which transformers reads on import
-import transformers
-from _bench import draw_lengths, mib, print_environment
+from _harness import BenchParser, draw_lengths, generation, mib, print_environment, require, run, take_turns
+from _harness.torch_decode import kv_tensor_bytes
 
 from kvcache_core import PagedKvCacheManager, create_manager
-from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for
+from kvcache_torch.hf import PagedCache, cache_config_for
 
-LOGIT_TOLERANCE = 1e-3
-Model = Any
+Model = generation.Model
+
+VOCAB = 512
 
 
 def build(args: argparse.Namespace) -> tuple[Model, Model]:
     """``(ours, reference)``: the same random weights, each with its attention."""
     layer_types = ["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(args.layers)]
-    config = transformers.Qwen2Config(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=args.layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=args.max_length + args.new_tokens,
+    model = generation.random_model(
+        "qwen2",
+        generation.ModelShape(args.layers, hidden=256, intermediate=512, query_heads=8, kv_heads=2, vocab=VOCAB),
+        seed=args.seed,
+        max_positions=args.max_length + args.new_tokens,
+        initializer_range=0.1,
         use_sliding_window=True,
         sliding_window=args.window,
         layer_types=layer_types,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=None,
-        pad_token_id=0,
     )
-    torch.random.manual_seed(args.seed)  # pyright: ignore[reportUnknownMemberType]  # seed untyped in torch
-    reference: Model = transformers.Qwen2ForCausalLM(config)
-    reference.eval()
-    ours: Model = copy.deepcopy(reference)
-    reference.set_attn_implementation("sdpa")
-    ours.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return ours, reference
-
-
-def batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = draw_lengths(args.seed, args.batch_size, args.min_length, args.max_length)
-    longest = max(lengths)
-    generator = torch.Generator().manual_seed(args.seed + 1)
-    ids = torch.zeros((len(lengths), longest), dtype=torch.long)
-    mask = torch.zeros((len(lengths), longest), dtype=torch.long)
-    for row, length in enumerate(lengths):
-        ids[row, longest - length :] = torch.randint(2, 512, (length,), generator=generator)
-        mask[row, longest - length :] = 1
-    return ids, mask
+    return generation.paired_models(model)
 
 
 def generate(model: Model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, **options: Any) -> Any:
@@ -95,33 +68,24 @@ def generate(model: Model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: in
     )
 
 
-def dynamic_bytes(cache: Any) -> int:
-    total = 0
-    for layer in cache.layers:
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(tensor, torch.Tensor):
-                total += tensor.numel() * tensor.element_size()
-    return total
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = BenchParser(__doc__, quick="4 layers, window 32, 2 prompts of 64-128 tokens, 8 new tokens, 1 repeat")
+    parser.geometry(layers=(8, 4))
+    parser.flag("--window", (256, 32), help="sliding window of the even layers")
+    parser.lengths(count=(4, 2), min_length=(1024, 64), max_length=(2048, 128))
+    parser.flag("--new-tokens", (64, 8), help="tokens to generate")
+    parser.timing((3, 1), what="timed runs of each")
+    parser.seed(what="weights, prompts and lengths")
+    return parser.parse(argv)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--window", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--min-length", type=int, default=1024)
-    parser.add_argument("--max-length", type=int, default=2048)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: short prompts, one repeat")
-    args = parser.parse_args()
-    if args.quick:
-        args.layers, args.window, args.min_length, args.max_length = 4, 32, 64, 128
-        args.batch_size, args.new_tokens, args.repeats = 2, 8, 1
+def main(argv: Sequence[str] | None = None) -> int:
+    """Check, time and print; ``DisagreementError`` if ours disagrees with DynamicCache."""
+    args = parse_args(argv)
     print_environment()
     ours_model, reference = build(args)
-    ids, mask = batch(args)
+    lengths = draw_lengths(args.seed, args.batch_size, args.min_length, args.max_length)
+    ids, mask = generation.left_padded_prompts(lengths, VOCAB, args.seed + 1)
     blocks = args.batch_size * 2 * -(-(ids.shape[1] + args.new_tokens) // 16) + 16
     pools: dict[str, PagedKvCacheManager[torch.Tensor]] = {
         "groups": create_manager("torch", cache_config_for(ours_model, num_blocks=blocks)),
@@ -141,25 +105,21 @@ def main() -> int:
     checked, ours_bytes = ours("groups", output_logits=True)
     _, one_group_bytes = ours("one group")
     expected = generate(reference, ids, mask, args.new_tokens, output_logits=True)
-    worst = max(float((a - b).abs().max()) for a, b in zip(checked.logits, expected.logits, strict=True))
-    same = bool(torch.equal(checked.sequences, expected.sequences))
+    same, worst = generation.agreement(checked, expected)
     print(f"check: same tokens as DynamicCache {same}, max |logit difference| {worst:.2e}")
-    if not same or worst > LOGIT_TOLERANCE:
-        return 1
-    reference_bytes = dynamic_bytes(expected.cache)
+    require(same and worst <= generation.LOGIT_TOLERANCE, "ours and DynamicCache disagree")
+    reference_bytes = kv_tensor_bytes(expected.cache)
 
-    samples: dict[str, list[float]] = {"ours": [], "dynamic": []}
-    for repeat in range(args.repeats):
-        turns: list[tuple[str, Callable[[], object]]] = [
-            ("ours", lambda: ours("groups")),
-            ("dynamic", lambda: generate(reference, ids, mask, args.new_tokens)),
-        ]
-        for name, run in turns[repeat % 2 :] + turns[: repeat % 2]:
-            started = time.perf_counter()
-            run()
-            samples[name].append(time.perf_counter() - started)
-    mine, theirs = statistics.median(samples["ours"]), statistics.median(samples["dynamic"])
-    print(f"generate (median of {args.repeats}): ours {mine:.2f} s, DynamicCache {theirs:.2f} s: {theirs / mine:.2f}x")
+    times = take_turns(
+        {"ours": lambda: ours("groups"), "dynamic": lambda: generate(reference, ids, mask, args.new_tokens)},
+        rounds=args.repeats,
+        statistic=args.statistic,
+    )
+    mine, theirs = times.seconds("ours"), times.seconds("dynamic")
+    print(
+        f"generate ({args.statistic} of {args.repeats}): ours {mine:.2f} s, DynamicCache {theirs:.2f} s: "
+        f"{theirs / mine:.2f}x"
+    )
     print(
         f"KV memory at the end: ours {mib(ours_bytes)} (one group: {mib(one_group_bytes)}, "
         f"{ours_bytes / one_group_bytes:.2f}x), DynamicCache {mib(reference_bytes)} (padding included): "
@@ -169,4 +129,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run(main))

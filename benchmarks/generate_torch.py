@@ -31,8 +31,8 @@ Two scenarios, each generating ``--new-tokens`` tokens greedily:
     ``attention_mask``: the ragged batch of a server.
 
 A run with one new token measures the prefill alone, so the tables show prefill, decode
-(the rest, per token) and the whole. Times are medians over ``--repeats`` runs, the
-approaches taking turns (their order rotates). Before timing, one run of each (with
+(the rest, per token) and the whole. Times are medians (``--statistic``) over ``--repeats``
+runs, the approaches taking turns (their order rotates). Before timing, one run of each (with
 ``output_logits``) checks that ours agrees with DynamicCache: the same tokens, logits within
 1e-3; the script exits with status 1 otherwise. Nothing here asserts a time.
 
@@ -50,10 +50,8 @@ import argparse
 import copy
 import functools
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,13 +59,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to downl
 
 import torch  # after the offline switch, which transformers reads on import
 import transformers
-from _bench import draw_lengths, print_environment
+from _harness import BenchParser, Stopwatch, draw_lengths, generation, met, print_environment, require, run, take_turns
 
 from kvcache_core import PagedKvCacheManager, create_manager
 from kvcache_core.attention import kernel as paged_kernel
-from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for
+from kvcache_torch.hf import PagedCache, cache_config_for
 
-LOGIT_TOLERANCE = 1e-3  # fp32 through a whole model: the two paths differ in the last bits only
+Model = generation.Model
 
 # The targets of the issue, checked in the summary (never asserted): DynamicCache / ours,
 # whole generate.
@@ -84,12 +82,10 @@ LABELS = {
 #: The attention implementation of the ceiling: zeros, no mask.
 FREE_ATTENTION = "kvcache_benchmark_free"
 
-Model = Any  # a transformers LlamaForCausalLM
-
 
 @dataclass(frozen=True)
 class Timing:
-    """Median seconds of one approach."""
+    """Seconds of one approach (the chosen statistic)."""
 
     prefill: float
     total: float
@@ -147,27 +143,13 @@ transformers.masking_utils.AttentionMaskInterface.register(FREE_ATTENTION, no_ma
 
 def build_models(args: argparse.Namespace) -> tuple[Model, Model]:
     """The same random-weight model twice: ``(ours, reference)``, each with its attention."""
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.query_heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.query_heads,
-        max_position_embeddings=max(args.prompt_length, args.max_length) + args.new_tokens,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=None,  # never stop early: every run generates every token
-        pad_token_id=0,
+    shape = generation.ModelShape(
+        args.layers, args.hidden, args.intermediate, args.query_heads, args.kv_heads, args.vocab
     )
-    torch.random.manual_seed(args.seed)  # pyright: ignore[reportUnknownMemberType]  # seed untyped in torch
-    reference: Model = transformers.LlamaForCausalLM(config)
-    reference.eval()
-    ours: Model = copy.deepcopy(reference)  # its own config: the attention implementation lives there
-    reference.set_attn_implementation("sdpa")
-    ours.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return ours, reference
+    positions = max(args.prompt_length, args.max_length) + args.new_tokens
+    return generation.paired_models(
+        generation.random_model("llama", shape, seed=args.seed, max_positions=positions, initializer_range=0.1)
+    )
 
 
 def describe(model: Model, args: argparse.Namespace) -> str:
@@ -204,13 +186,7 @@ def single_prompt(args: argparse.Namespace) -> Prompt:
 def ragged_batch(args: argparse.Namespace) -> Prompt:
     """Scenario (b): ``--batch-size`` prompts of random lengths, left-padded (pad id 0)."""
     lengths = tuple(draw_lengths(args.seed, args.batch_size, args.min_length, args.max_length))
-    longest = max(lengths)
-    generator = torch.Generator().manual_seed(args.seed + 1)
-    ids = torch.zeros((len(lengths), longest), dtype=torch.long)
-    mask = torch.zeros((len(lengths), longest), dtype=torch.long)
-    for row, length in enumerate(lengths):
-        ids[row, longest - length :] = torch.randint(2, args.vocab, (length,), generator=generator)
-        mask[row, longest - length :] = 1
+    ids, mask = generation.left_padded_prompts(lengths, args.vocab, args.seed + 1)
     return Prompt(ids, mask, lengths)
 
 
@@ -240,13 +216,12 @@ def check_agreement(
     ours = run_ours(model, manager, prompt, new_tokens, **options)
     expected = run_reference(reference, prompt, new_tokens, **options)
     static = run_reference(reference, prompt, new_tokens, static=True, **options)
-    worst = max(float((a - b).abs().max()) for a, b in zip(ours.logits, expected.logits, strict=True))
-    same_tokens = bool(torch.equal(ours.sequences, expected.sequences))
+    same_tokens, worst = generation.agreement(ours, expected)
     static_tokens = bool(torch.equal(static.sequences, expected.sequences))
-    ok = same_tokens and worst <= LOGIT_TOLERANCE
+    ok = same_tokens and worst <= generation.LOGIT_TOLERANCE
     return ok, (
         f"same tokens as DynamicCache: {same_tokens} (StaticCache: {static_tokens}), max |logit difference| "
-        f"{worst:.2e} (tolerance {LOGIT_TOLERANCE:g})"
+        f"{worst:.2e} (tolerance {generation.LOGIT_TOLERANCE:g})"
     )
 
 
@@ -267,43 +242,30 @@ def kv_bytes(model: Model, manager: PagedKvCacheManager[torch.Tensor], prompt: P
     )
 
 
-def timed(run: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    run()
-    return time.perf_counter() - started
-
-
 def measure(
     models: tuple[Model, Model, Model],
     manager: PagedKvCacheManager[torch.Tensor],
     prompt: Prompt,
-    new_tokens: int,
-    repeats: int,
+    args: argparse.Namespace,
 ) -> dict[str, Timing]:
-    """Median prefill and whole-run times of every approach (``models``: ours, the
-    reference, the ceiling's), taking turns in a rotating order."""
+    """Prefill and whole-run times of every approach (``models``: ours, the reference, the
+    ceiling's), taking turns in a rotating order: first the prefills, then the whole runs."""
     model, reference, ceiling = models
     options: dict[str, Any] = {"do_sample": False}
-    samples: dict[str, dict[int, list[float]]] = {name: {1: [], new_tokens: []} for name in APPROACHES}
-    for repeat in range(repeats):
-        for tokens in (1, new_tokens):
-            turns: list[tuple[str, Callable[[], object]]] = [
-                ("ours", functools.partial(run_ours, model, manager, prompt, tokens, **options)),
-                ("dynamic", functools.partial(run_reference, reference, prompt, tokens, **options)),
-                ("static", functools.partial(run_reference, reference, prompt, tokens, static=True, **options)),
-                ("ceiling", functools.partial(run_ceiling, ceiling, prompt, tokens, **options)),
-            ]
-            shift = repeat % len(turns)
-            for name, run in (*turns[shift:], *turns[:shift]):
-                samples[name][tokens].append(timed(run))
+
+    def turns(tokens: int) -> Mapping[str, Callable[[], object]]:
+        return {
+            f"ours {tokens}": functools.partial(run_ours, model, manager, prompt, tokens, **options),
+            f"dynamic {tokens}": functools.partial(run_reference, reference, prompt, tokens, **options),
+            f"static {tokens}": functools.partial(run_reference, reference, prompt, tokens, static=True, **options),
+            f"ceiling {tokens}": functools.partial(run_ceiling, ceiling, prompt, tokens, **options),
+        }
+
+    times = take_turns(turns(1), turns(args.new_tokens), rounds=args.repeats, statistic=args.statistic)
     return {
-        name: Timing(statistics.median(samples[name][1]), statistics.median(samples[name][new_tokens]), new_tokens)
+        name: Timing(times.seconds(f"{name} 1"), times.seconds(f"{name} {args.new_tokens}"), args.new_tokens)
         for name in APPROACHES
     }
-
-
-def verdict(met: bool) -> str:
-    return "met" if met else "NOT met"
 
 
 def run_scenario(
@@ -313,23 +275,25 @@ def run_scenario(
     prompt: Prompt,
     args: argparse.Namespace,
     target: float,
-) -> int:
-    """Check, time and print one scenario; 1 if ours disagrees with DynamicCache."""
+) -> None:
+    """Check, time and print one scenario.
+
+    Raises:
+        DisagreementError: ours and DynamicCache generated different tokens or logits.
+    """
     print(f"\n{title}")
     tokens = sum(prompt.lengths) + len(prompt.lengths) * (args.new_tokens + args.block_size)
     manager: PagedKvCacheManager[torch.Tensor] = create_manager(
         "torch", cache_config_for(model, max_tokens=tokens, block_size=args.block_size)
     )
     with torch.inference_mode():
-        ok, agreement = check_agreement(model, reference, manager, prompt, args.new_tokens)
-        print(f"  check (one untimed run each): {agreement}")
-        if not ok:
-            print("error: ours and DynamicCache disagree", file=sys.stderr)
-            return 1
+        ok, agreed = check_agreement(model, reference, manager, prompt, args.new_tokens)
+        print(f"  check (one untimed run each): {agreed}")
+        require(ok, "ours and DynamicCache disagree")
         print(f"  {kv_bytes(model, manager, prompt, args.new_tokens)}")
         ceiling = copy.deepcopy(reference)
         ceiling.set_attn_implementation(FREE_ATTENTION)
-        timings = measure((model, reference, ceiling), manager, prompt, args.new_tokens, args.repeats)
+        timings = measure((model, reference, ceiling), manager, prompt, args)
     header = f"  {'':<28}{'prefill':>12}{'decode/token':>15}{'whole generate':>17}"
     print(header)
     print("  " + "-" * (len(header) - 2))
@@ -350,7 +314,7 @@ def run_scenario(
     speedup = timings["dynamic"].total / ours.total
     print(
         f"  (above 1x: ours is faster)  target: whole generate at least {target}x faster than DynamicCache: "
-        f"{speedup:.2f}x, {verdict(speedup >= target)}"
+        f"{speedup:.2f}x, {met(speedup >= target)}"
     )
     ceiling = timings["ceiling"]
     print(
@@ -360,78 +324,51 @@ def run_scenario(
         f"{(ours.decode_per_token - ceiling.decode_per_token) * 1e3:.2f} ms per token on cache and attention, "
         f"DynamicCache {(timings['dynamic'].decode_per_token - ceiling.decode_per_token) * 1e3:.2f} ms"
     )
-    return 0
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--prompt-length", type=int, default=None, help="(a) prompt tokens (default 2048)")
-    parser.add_argument("--batch-size", type=int, default=None, help="(b) prompts (default 8)")
-    parser.add_argument("--min-length", type=int, default=None, help="(b) shortest prompt (default 256)")
-    parser.add_argument("--max-length", type=int, default=None, help="(b) longest prompt (default 2048)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="tokens to generate (default 128)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs of each (default 5)")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    parser.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
-    parser.add_argument("--intermediate", type=int, default=1536, help="MLP size (default 1536)")
-    parser.add_argument("--query-heads", type=int, default=8, help="query heads (default 8)")
-    parser.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
-    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary (default 8192)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block of our pool (default 16)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and lengths (default 0)")
+    parser = BenchParser(__doc__, quick="a 256-token prompt, a batch of 4 of 64-256 tokens, 16 new tokens, 2 repeats")
+    parser.flag("--prompt-length", (2048, 256), help="(a) prompt tokens")
+    parser.lengths(count=(8, 4), min_length=(256, 64), max_length=(2048, 256))
+    parser.flag("--new-tokens", (128, 16), help="tokens to generate")
+    parser.timing((5, 2), what="timed runs of each")
+    parser.geometry(layers=4, hidden=512, query_heads=8, kv_heads=2, block_size=16)
+    parser.flag("--intermediate", 1536, help="MLP size")
+    parser.flag("--vocab", 8192, help="vocabulary")
+    parser.threads()
+    parser.seed(what="weights, prompts and lengths")
     parser.add_argument("--skip-single", action="store_true", help="skip scenario (a)")
     parser.add_argument("--skip-batch", action="store_true", help="skip scenario (b)")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="a smoke run: 256-token prompt, a batch of 4 of 64-256 tokens, 16 new tokens, 2 repeats",
-    )
-    args = parser.parse_args(argv)
-    names = ("prompt_length", "batch_size", "min_length", "max_length", "new_tokens", "repeats")
-    defaults = (256, 4, 64, 256, 16, 2) if args.quick else (2048, 8, 256, 2048, 128, 5)
-    for name, default in zip(names, defaults, strict=True):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    for name in (*names, "layers", "hidden", "query_heads", "kv_heads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.min_length > args.max_length:
-        parser.error("--min-length must be <= --max-length")
-    if args.hidden % args.query_heads or args.query_heads % args.kv_heads:
-        parser.error("--hidden must be a multiple of --query-heads, and --query-heads of --kv-heads")
-    return args
+    return parser.parse(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the scenarios and print the tables; 1 if ours disagrees with DynamicCache."""
+    """Run the scenarios and print the tables; ``DisagreementError`` if ours disagrees with DynamicCache."""
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print_environment()
-    started = time.perf_counter()
+    clock = Stopwatch()
     model, reference = build_models(args)
     print(describe(model, args))
     print(
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
-        f"{os.cpu_count()} CPUs; our CPU attention: {attention_path()}; medians of {args.repeats} runs each, "
-        "taking turns"
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}; "
+        f"our CPU attention: {attention_path()}; {args.statistic}s of {args.repeats} runs each, taking turns"
     )
-    status = 0
     if not args.skip_single:
         title = f"(a) {args.new_tokens} new tokens (greedy) from one {args.prompt_length}-token prompt"
-        status |= run_scenario(title, model, reference, single_prompt(args), args, TARGET_SINGLE_SPEEDUP)
+        run_scenario(title, model, reference, single_prompt(args), args, TARGET_SINGLE_SPEEDUP)
     if not args.skip_batch:
         prompt = ragged_batch(args)
         title = (
             f"(b) {args.new_tokens} new tokens (greedy) for a batch of {len(prompt.lengths)} left-padded prompts "
             f"of {min(prompt.lengths)}-{max(prompt.lengths)} tokens {list(prompt.lengths)} (seed {args.seed})"
         )
-        status |= run_scenario(title, model, reference, prompt, args, TARGET_BATCH_SPEEDUP)
+        run_scenario(title, model, reference, prompt, args, TARGET_BATCH_SPEEDUP)
     if args.quick:
         print("(--quick is a smoke run: short prompts, few tokens; the targets are judged on the default run)")
-    print(f"total {time.perf_counter() - started:.1f} s")
-    return status
+    print(f"total {clock.seconds():.1f} s")
+    return 0
 
 
 def attention_path() -> str:
@@ -442,4 +379,4 @@ def attention_path() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

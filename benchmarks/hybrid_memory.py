@@ -15,15 +15,11 @@ are what the manager decides).
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
+from collections.abc import Sequence
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench import int_list, mib
+from _harness import BenchParser, int_list, mib, print_environment, run
 
 from kvcache_core import AllocationRequest, CacheConfig, LayerSpec, create_manager
 
@@ -65,21 +61,21 @@ def used_bytes(length: int, batch: int, hybrid: bool) -> int:
     return manager.stats().used_memory_bytes * HEAD_DIM
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int_list, default=[8192, 32768, 131072], help="prompt lengths")
-    parser.add_argument("--batch", type=int, default=4, help="requests")
-    parser.add_argument("--quick", action="store_true", help="one short length, one request (for tests)")
-    args = parser.parse_args()
-    if args.quick:
-        args.lengths, args.batch = [8192], 1
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the pool each layout of tables needs, per prompt length."""
+    parser = BenchParser(__doc__, quick="one length, one request")
+    parser.flag("--lengths", ([8192, 32768, 131072], [8192]), type=int_list, help="prompt lengths")
+    parser.flag("--batch", (4, 1), help="requests")
+    args = parser.parse(argv)
+    print_environment()
     print(f"Gemma 2 9B-shaped: {LAYERS} layers (half sliding W={WINDOW}), {KV_HEADS}x{HEAD_DIM} KV, 16-bit")
     print(f"{'tokens':>8} {'groups':>12} {'one table':>12} {'ratio':>7}")
     for length in args.lengths:
         grouped = used_bytes(length, args.batch, hybrid=True)
         plain = used_bytes(length, args.batch, hybrid=False)
         print(f"{length + 64:>8} {mib(grouped):>12} {mib(plain):>12} {grouped / plain:>6.3f}x")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

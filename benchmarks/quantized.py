@@ -44,20 +44,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
 import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench import relative_spread
+from _harness import BenchParser, print_environment, run, take_turns, within
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, create_manager
 
@@ -69,25 +63,19 @@ ERROR_BOUNDS = {"int8": 0.01, "float8_e4m3fn": 0.05}
 MEMORY_BOUNDS = (("int8", "float32", 0.27), ("int8", "float16", 0.53), ("float8_e4m3fn", "float32", 0.26))
 
 
-def parse_arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--context", type=int, default=4096, help="tokens per request (accuracy and speed)")
-    parser.add_argument("--batch", type=int, default=1, help="requests in the timed decode step")
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--query-heads", type=int, default=32)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--prefill", type=int, default=64, help="query positions of the prefill accuracy case")
-    parser.add_argument("--model-tokens", type=int, default=512, help="tokens of the model's forward pass")
-    parser.add_argument("--rounds", type=int, default=15, help="timed rounds (each dtype once per round)")
-    parser.add_argument("--repeats", type=int, default=5, help="calls per timed sample")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens of the generate comparison")
-    parser.add_argument("--new-tokens", type=int, default=24, help="greedy tokens of the generate comparison")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: small sizes, few rounds")
-    args = parser.parse_args()
-    if args.quick:
-        args.context, args.model_tokens, args.rounds, args.repeats, args.prefill = 512, 64, 3, 2, 16
-    return args
+def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = BenchParser(__doc__, quick="small sizes, few rounds")
+    parser.flag("--context", (4096, 512), help="tokens per request (accuracy and speed)")
+    parser.flag("--batch", 1, help="requests in the timed decode step")
+    parser.geometry(kv_heads=8, query_heads=32, head_dim=128)
+    parser.flag("--prefill", (64, 16), help="query positions of the prefill accuracy case")
+    parser.flag("--model-tokens", (512, 64), help="tokens of the model's forward pass")
+    parser.flag("--rounds", (15, 3), help="timed rounds (each dtype once per round)")
+    parser.timing((5, 2), what="calls per timed sample")
+    parser.seed(what="K/V, queries and weights")
+    parser.flag("--prompt", 32, help="prompt tokens of the generate comparison")
+    parser.flag("--new-tokens", 24, help="greedy tokens of the generate comparison")
+    return parser.parse(argv)
 
 
 def pool_config(
@@ -120,8 +108,7 @@ def memory(args: argparse.Namespace) -> list[str]:
     broken: list[str] = []
     for dtype, against, bound in MEMORY_BOUNDS:
         ratio = sizes[dtype] / sizes[against]
-        verdict = "ok" if ratio <= bound else "OVER"
-        print(f"  {dtype} / {against} = {ratio:.4f}x (bound {bound}x) {verdict}")
+        print(f"  {dtype} / {against} = {ratio:.4f}x (bound {bound}x) {within(ratio <= bound)}")
         if ratio > bound:
             broken.append(f"memory {dtype}/{against} {ratio:.4f}x > {bound}x")
     return broken
@@ -186,7 +173,7 @@ def compare(
         bound = ERROR_BOUNDS[dtype]
         shown = ", ".join(f"{case} {error * 100:.3f}%" for case, error in errors.items())
         worst = max(errors.values())
-        verdict = ("ok" if worst <= bound else "OVER") if bounded else "(not bounded)"
+        verdict = within(worst <= bound) if bounded else "(not bounded)"
         print(f"  {name:>12} {dtype:>14}: {shown} (bound {bound * 100:.0f}%) {verdict}")
         if bounded and worst > bound:
             broken.append(f"accuracy {name} {dtype}: {worst * 100:.3f}% > {bound * 100:.0f}%")
@@ -208,6 +195,7 @@ def model_inputs(
     """Q, K, V (after RoPE) of every layer of a random-weight Llama-like model's forward pass:
     ``[layers, tokens, heads, dim]`` each, and a description of the model."""
     import transformers
+    from _harness.generation import ModelShape, random_model
 
     # transformers' attention registry and SDPA function, untyped there: held as Any.
     interface: Any = getattr(transformers, "AttentionInterface")  # noqa: B009
@@ -231,20 +219,15 @@ def model_inputs(
         return output
 
     interface.register("kvcache_quantized_capture", capture)
-    config = transformers.LlamaConfig(
-        vocab_size=1000,
-        hidden_size=1024,
-        intermediate_size=2048,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        max_position_embeddings=max(args.model_tokens, 16),
+    model = random_model(
+        "llama",
+        ModelShape(layers=2, hidden=1024, intermediate=2048, query_heads=8, kv_heads=2, vocab=1000),
+        seed=args.seed,
+        max_positions=max(args.model_tokens, 16),
         initializer_range=initializer_range,
+        generating=False,
     )
-    torch.random.manual_seed(args.seed)  # pyright: ignore[reportUnknownMemberType]  # seed untyped in torch
-    model: Any = transformers.LlamaForCausalLM(config)
-    model.eval()
+    config = model.config
     model.set_attn_implementation("kvcache_quantized_capture")
     ids = torch.randint(
         0, config.vocab_size, (1, args.model_tokens), generator=torch.Generator().manual_seed(args.seed)
@@ -306,38 +289,25 @@ def speed(args: argparse.Namespace) -> None:
     for dtype in ("float32", *QUANTIZED):
         manager, call = decode_setup(dtype, args)
         managers.append(manager)
-        call()  # compile / warm
         calls[dtype] = call
-    samples: dict[str, list[float]] = {dtype: [] for dtype in calls}
-    order = list(calls)
-    for round_index in range(args.rounds):
-        for dtype in order[round_index % len(order) :] + order[: round_index % len(order)]:
-            started = time.perf_counter()
-            for _ in range(args.repeats):
-                calls[dtype]()
-            samples[dtype].append((time.perf_counter() - started) / args.repeats)
-    base = statistics.median(samples["float32"])
+    # One untimed round compiles and warms every call.
+    times = take_turns(calls, rounds=args.rounds, warmup=1, calls=args.repeats, statistic=args.statistic)
+    base = times.seconds("float32")
     print(
         f"speed: decode attention, {args.batch} request(s) x {args.context} tokens, {args.kv_heads} KV / "
         f"{args.query_heads} query heads of {args.head_dim}, torch CPU, {torch.get_num_threads()} threads; "
-        f"median of {args.rounds} rounds x {args.repeats} calls"
+        f"{args.statistic} of {args.rounds} rounds x {args.repeats} calls"
     )
-    for dtype, times in samples.items():
-        median = statistics.median(times)
+    for dtype in calls:
+        seconds = times.seconds(dtype)
         print(
-            f"  {dtype:>14}: {median * 1e6:9.1f} us  {median / base:.2f}x float32  (spread {relative_spread(times):.0%})"
+            f"  {dtype:>14}: {seconds * 1e6:9.1f} us  {seconds / base:.2f}x float32  (spread {times.spread(dtype):.0%})"
         )
     for manager in managers:
         manager.close()
 
 
 # -- 4. generate ------------------------------------------------------------------------------
-
-GENERATE_ARCHITECTURES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # q/k norms
-}
 
 
 def tensor_bytes(value: object, seen: set[int], depth: int = 0) -> int:
@@ -383,7 +353,7 @@ def generate_row(label: str, result: Any, expected: Any, prompt: int, held_bytes
 
 
 def generate_comparison(args: argparse.Namespace) -> None:
-    import transformers
+    from _harness.generation import ARCHITECTURES, ModelShape, random_model
 
     from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for
 
@@ -400,23 +370,10 @@ def generate_comparison(args: argparse.Namespace) -> None:
         "(2 layers, hidden 256, 4 query / 2 KV heads of 64, vocab 1000, initializer_range 0.05), against float32 "
         "DynamicCache; logit differences up to and including the first divergent step"
     )
-    for architecture, (config_name, model_name) in GENERATE_ARCHITECTURES.items():
-        config = getattr(transformers, config_name)(
-            vocab_size=1000,
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=256,
-            initializer_range=0.05,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=None,
-        )
-        torch.random.manual_seed(args.seed)  # pyright: ignore[reportUnknownMemberType]  # seed untyped in torch
-        model: Any = getattr(transformers, model_name)(config).eval()
+    shape = ModelShape(layers=2, hidden=256, intermediate=512, query_heads=4, kv_heads=2, vocab=1000)
+    for architecture in ARCHITECTURES:
+        model = random_model(architecture, shape, seed=args.seed, max_positions=256, initializer_range=0.05)
+        config = model.config
         ids = torch.randint(3, 1000, (1, args.prompt), generator=torch.Generator().manual_seed(args.seed + 1))
         mask = torch.ones_like(ids)
         model.set_attn_implementation("sdpa")
@@ -453,6 +410,7 @@ def generate_comparison(args: argparse.Namespace) -> None:
 
 def main() -> int:
     args = parse_arguments()
+    print_environment()
     broken = memory(args)
     broken += accuracy(args)
     speed(args)
@@ -464,4 +422,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

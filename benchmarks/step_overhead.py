@@ -1,6 +1,6 @@
 """What the manager adds per layer on top of the storage, for a batched decode step.
 
-One process, interleaved rounds, medians. Per layer of a decode step of 16 requests on the
+One process, interleaved rounds (the order rotating), medians. Per layer of a decode step of 16 requests on the
 NumPy backend, three ways, timed over an attention kernel that does nothing (what remains is
 the caller's overhead, free of the kernel's noise; the three are first checked to agree with
 the real kernel):
@@ -23,63 +23,38 @@ request and the batch's ``page_table`` (the two must give the same slots and tab
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from _harness import BenchParser, int_list, print_environment, require, run, take_turns
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench import int_list, relative_spread
-
-from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, PageTable, Step
+from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, Step
 from kvcache_core.backends.numpy import NumpyStorage
+
+Manager = PagedKvCacheManager[npt.NDArray[Any]]
 
 
 class NullKernelStorage(NumpyStorage):
     """The NumPy storage with an attention kernel that does nothing: what remains of a
     call's time is the caller's overhead, free of the kernel's noise."""
 
-    def paged_attention(
-        self,
-        layer: int,
-        query: npt.NDArray[Any],
-        page_table: PageTable,
-        qo_indptr: npt.NDArray[np.int32],
-        scale: float,
-        causal: bool,
-        *,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: npt.NDArray[Any] | None = None,
-        chunk: int | None = None,
-    ) -> npt.NDArray[Any]:
+    def paged_attention(self, layer: int, query: npt.NDArray[Any], *args: Any, **kwargs: Any) -> npt.NDArray[Any]:
         return query
 
 
-def timed(call: Callable[[], object], repeats: int) -> float:
-    """Seconds per call, best of a short burst (the burst is one sample)."""
-    started = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    return (time.perf_counter() - started) / repeats
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="What the manager adds per layer on top of the storage.")
-    parser.add_argument("--requests", type=int, default=16, help="requests in the decode batch")
-    parser.add_argument("--context", type=int, default=64, help="tokens each request holds")
-    parser.add_argument("--rounds", type=int, default=30, help="interleaved samples per way")
-    parser.add_argument("--batches", type=int_list, default=[16, 64, 256], help="batch sizes of the planning costs")
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    args = parser.parse_args(argv)
-    rounds, repeats = (5, 20) if args.quick else (args.rounds, 200)
+    """Print the per-layer overheads and the planning costs; ``DisagreementError`` if the three
+    ways or the two plannings disagree."""
+    parser = BenchParser(__doc__, quick="5 rounds of 20 calls")
+    parser.flag("--requests", 16, help="requests in the decode batch")
+    parser.flag("--context", 64, help="tokens each request holds")
+    parser.flag("--rounds", (30, 5), help="interleaved samples per way")
+    parser.flag("--calls", (200, 20), help="calls per sample")
+    parser.flag("--batches", [16, 64, 256], type=int_list, help="batch sizes of the planning costs")
+    args = parser.parse(argv)
+    print_environment()
 
     config = CacheConfig(
         num_layers=2, num_heads=2, head_dim=16, num_blocks=args.requests * (args.context // 16 + 2), block_size=16
@@ -90,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     query = rng.standard_normal((args.requests, 4 * config.num_heads, config.head_dim)).astype(np.float32)
     scale = 1.0 / float(np.sqrt(config.head_dim))
 
-    def decode_step(storage: NumpyStorage) -> tuple[PagedKvCacheManager[npt.NDArray[Any]], Step[npt.NDArray[Any]]]:
+    def decode_step(storage: NumpyStorage) -> tuple[Manager, Step[npt.NDArray[Any]]]:
         """A manager over ``storage`` holding the batch's context, and its planned decode step."""
         manager = PagedKvCacheManager(storage, backend="numpy")
         handles = [manager.allocate(AllocationRequest(f"r{index}")) for index in range(args.requests)]
@@ -109,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         ("step", step.attention(0, query)),
         ("raw", manager.paged_attention(0, query, step.page_table, qo_indptr=step.qo_indptr)),
     ):
-        if not np.array_equal(got, reference):
-            print(f"{name}: attention differs from the bare storage call", file=sys.stderr)
-            return 1
+        require(np.array_equal(got, reference), f"{name}: attention differs from the bare storage call")
     # ... and are timed over a kernel that does nothing, so that only their overhead remains.
     storage = NullKernelStorage(config)
     manager, step = decode_step(storage)
@@ -135,42 +108,46 @@ def main(argv: list[str] | None = None) -> int:
     def raw_attention() -> object:
         return manager.paged_attention(0, query, table, qo_indptr=indptr)
 
-    ways = {
-        ("bare", "write"): bare_write,
-        ("step", "write"): step_write,
-        ("raw", "write"): raw_write,
-        ("bare", "attention"): bare_attention,
-        ("step", "attention"): step_attention,
-        ("raw", "attention"): raw_attention,
-    }
-    samples: dict[tuple[str, str], list[float]] = {key: [] for key in ways}
-    for _ in range(rounds):
-        for key, way in ways.items():
-            samples[key].append(timed(way, repeats))
-    median = {key: statistics.median(values) * 1e6 for key, values in samples.items()}
+    times = take_turns(
+        {
+            "bare write": bare_write,
+            "step write": step_write,
+            "raw write": raw_write,
+            "bare attention": bare_attention,
+            "step attention": step_attention,
+            "raw attention": raw_attention,
+        },
+        rounds=args.rounds,
+        calls=args.calls,
+    )
     print(
         f"decode step of {args.requests} requests x {args.context} tokens, NumPy backend, per layer "
         "(medians, us; the attention kernel replaced by a no-op)"
     )
     print(f"  {'':<6}{'write':>10}{'attention':>12}{'overhead over bare':>22}")
     for name in ("bare", "step", "raw"):
-        overhead = sum(median[(name, call)] - median[("bare", call)] for call in ("write", "attention"))
-        spread = max(relative_spread(samples[(name, call)]) for call in ("write", "attention"))
+        overhead = sum(times.us(f"{name} {call}") - times.us(f"bare {call}") for call in ("write", "attention"))
+        spread = times.spread(f"{name} write", f"{name} attention")
         print(
-            f"  {name:<6}{median[(name, 'write')]:>10.1f}{median[(name, 'attention')]:>12.1f}"
+            f"  {name:<6}{times.us(f'{name} write'):>10.1f}{times.us(f'{name} attention'):>12.1f}"
             f"{'' if name == 'bare' else f'{overhead:>19.1f} us'}   (spread up to {spread:.0%})"
         )
-    write_step = median[("step", "write")] - median[("bare", "write")]
-    write_raw = median[("raw", "write")] - median[("bare", "write")]
+    write_step = times.us("step write") - times.us("bare write")
+    write_raw = times.us("raw write") - times.us("bare write")
     print(
         f"  write checks: step {write_step:.1f} us, raw {write_raw:.1f} us ({write_raw / max(write_step, 1e-3):.1f}x)"
     )
-    return plan_costs(args.batches, args.context, rounds, max(2, repeats // 20))
+    plan_costs(args.batches, args.context, args.rounds, max(2, args.calls // 20))
+    return 0
 
 
-def plan_costs(batches: list[int], context: int, rounds: int, repeats: int) -> int:
+def plan_costs(batches: list[int], context: int, rounds: int, calls: int) -> None:
     """Print what planning a decode step costs per request: ``begin_step`` against
-    ``extend`` of each request plus ``page_table``, on managers of equal state."""
+    ``extend`` of each request plus ``page_table``, on managers of equal state.
+
+    Raises:
+        DisagreementError: the two give different slots or tables.
+    """
     print(f"planning a decode step (requests of {context} tokens, one new token each), per request, medians:")
     print(f"  {'batch':>7}{'begin_step':>14}{'extend + page_table':>23}{'ratio':>9}")
     for batch in batches:
@@ -186,26 +163,20 @@ def plan_costs(batches: list[int], context: int, rounds: int, repeats: int) -> i
             np.array_equal(getattr(step.page_table, name), getattr(table, name))
             for name in ("kv_indptr", "kv_indices", "kv_last_page_len", "seq_lens")
         )
-        if not (np.array_equal(step.slots, slots) and same_table):
-            print("begin_step and extend + page_table disagree", file=sys.stderr)
-            return 1
+        require(np.array_equal(step.slots, slots) and same_table, "begin_step and extend + page_table disagree")
 
-        def planned(manager: PagedKvCacheManager[Any] = managers[0], group: list[Any] = handles[0]) -> None:
+        def planned(manager: Manager = managers[0], group: list[Any] = handles[0]) -> None:
             manager.begin_step(group, 1)
 
-        def one_by_one(manager: PagedKvCacheManager[Any] = managers[1], group: list[Any] = handles[1]) -> None:
+        def one_by_one(manager: Manager = managers[1], group: list[Any] = handles[1]) -> None:
             for handle in group:
                 manager.extend(handle, 1)
             manager.page_table(group)
 
-        samples: tuple[list[float], list[float]] = ([], [])
-        for _ in range(rounds):
-            samples[0].append(timed(planned, repeats))
-            samples[1].append(timed(one_by_one, repeats))
-        step_us, extend_us = (statistics.median(values) * 1e6 / batch for values in samples)
+        times = take_turns({"planned": planned, "one by one": one_by_one}, rounds=rounds, calls=calls)
+        step_us, extend_us = times.us("planned") / batch, times.us("one by one") / batch
         print(f"  {batch:>7}{step_us:>11.1f} us{extend_us:>20.1f} us{extend_us / step_us:>8.2f}x")
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run(main))

@@ -1,4 +1,5 @@
-"""Every benchmark still runs: each script's ``--quick`` smoke run exits 0 and prints ratios.
+"""Every benchmark still runs: each script's ``--quick`` smoke run exits 0 and prints ratios;
+and the harness they share (``benchmarks/_harness``) takes turns, checks and refuses as it says.
 
 No time is asserted (shared machines are noisy); the scripts themselves exit 1 when the
 compared implementations disagree, so this also checks they compute the same thing.
@@ -6,6 +7,7 @@ compared implementations disagree, so this also checks they compute the same thi
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -13,19 +15,36 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py") if not path.name.startswith("_"))
 
 
-def bench_helpers() -> Any:
-    """The scripts' shared helpers, ``benchmarks/_bench.py`` (a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("benchmarks_bench", BENCHMARKS / "_bench.py")
+def bench_environment() -> Any:
+    """The harness's environment module, ``benchmarks/_harness/environment.py`` (standard library
+    only; the benchmarks are a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_environment", BENCHMARKS / "_harness" / "environment.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def bench_harness() -> Any:
+    """The harness package the scripts import as ``_harness`` (from their own folder)."""
+    folder = BENCHMARKS / "_harness"
+    spec = importlib.util.spec_from_file_location(
+        "_harness", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its modules import each other relatively
     spec.loader.exec_module(module)
     return module
 
@@ -36,10 +55,13 @@ def test_every_benchmark_is_listed_here() -> None:
         "decode_jax.py",
         "decode_numpy.py",
         "decode_torch.py",
+        "decode_torch_batch.py",
+        "decode_torch_hybrid.py",
         "generate_hybrid.py",
         "generate_torch.py",
         "hybrid_memory.py",
         "prefix.py",
+        "prefix_tiers.py",
         "quantized.py",
         "step_overhead.py",
     ]
@@ -47,7 +69,7 @@ def test_every_benchmark_is_listed_here() -> None:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_quick_run_succeeds_and_prints_ratios(script: str) -> None:
-    environment = {**os.environ, **bench_helpers().RECOMMENDED_ENV, "HF_HUB_OFFLINE": "1"}
+    environment = {**os.environ, **bench_environment().RECOMMENDED_ENV, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), "--quick"],
         capture_output=True,
@@ -60,3 +82,80 @@ def test_benchmark_quick_run_succeeds_and_prints_ratios(script: str) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "x" in result.stdout
     assert any(character.isdigit() for character in result.stdout)
+
+
+def test_take_turns_rotates_the_order_each_round_and_times_after_the_warmup() -> None:
+    harness = bench_harness()
+    order: list[str] = []
+    competitors = {name: functools.partial(order.append, name) for name in ("a", "b", "c")}
+
+    timings = harness.take_turns(competitors, rounds=2, warmup=1)
+
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert {name: len(samples) for name, samples in timings.samples.items()} == {"a": 2, "b": 2, "c": 2}
+
+
+def test_take_turns_checks_every_round_and_stops_at_a_disagreement() -> None:
+    harness = bench_harness()
+    seen: list[tuple[dict[str, int], int]] = []
+
+    def check(results: dict[str, int], index: int) -> None:
+        seen.append((dict(results), index))
+        harness.require(index < 1, "round 1 differs")
+
+    with pytest.raises(harness.DisagreementError, match="round 1 differs"):
+        harness.take_turns({"x": lambda: 7}, rounds=3, warmup=1, check=check)
+    assert seen == [({"x": 7}, 0), ({"x": 7}, 1)]
+
+
+def test_timings_give_the_chosen_statistic() -> None:
+    harness = bench_harness()
+    samples = {"x": [0.003, 0.001, 0.002, 0.010]}
+
+    assert harness.Timings(samples).ms("x") == pytest.approx(2.5)
+    assert harness.Timings(samples, "min").ms("x") == pytest.approx(1.0)
+
+
+def test_agreement_check_refuses_outputs_beyond_the_tolerance() -> None:
+    harness = bench_harness()
+    check = harness.agreement_check("ours", {"dense": "dense"}, what="1 x 8")
+    ours = [np.zeros(4, np.float32)]
+
+    check({"ours": ours, "dense": [np.full(4, 1e-6, np.float32)]}, 1)
+    with pytest.raises(harness.DisagreementError, match=r"ours vs dense by 1\.000e-03"):
+        check({"ours": ours, "dense": [np.full(4, 1e-3, np.float32)]}, 1)
+
+
+def test_run_turns_a_disagreement_into_exit_status_1(capsys: pytest.CaptureFixture[str]) -> None:
+    harness = bench_harness()
+
+    def main() -> int:
+        raise harness.DisagreementError("ours vs dense by 1e-2")
+
+    assert harness.run(main) == 1
+    assert "error: ours vs dense by 1e-2" in capsys.readouterr().err
+
+
+def test_bench_parser_applies_the_quick_or_the_full_default() -> None:
+    parser = bench_harness().BenchParser("A benchmark.", quick="fewer repeats")
+    parser.flag("--repeats", (9, 3), help="timed steps")
+
+    assert parser.parse([]).repeats == 9
+    assert parser.parse(["--quick"]).repeats == 3
+    assert parser.parse(["--quick", "--repeats", "5"]).repeats == 5
+
+
+def test_bench_parser_refuses_query_heads_not_a_multiple_of_kv_heads() -> None:
+    parser = bench_harness().BenchParser("A benchmark.", quick="smaller")
+    parser.geometry(query_heads=32, kv_heads=8)
+
+    with pytest.raises(SystemExit):
+        parser.parse(["--query-heads", "12"])
+
+
+def test_environment_banner_names_the_machine_and_the_libraries(capsys: pytest.CaptureFixture[str]) -> None:
+    bench_environment().print_environment()
+
+    printed = capsys.readouterr().out
+    for expected in ("machine:", "usable cores", "caches", "Python", "numpy", "torch", "numba", "recommended"):
+        assert expected in printed

@@ -1,17 +1,13 @@
-"""What the benchmark scripts share (imported from the scripts' own folder): the recommended
-environment, the tolerance of fp32 paged against dense attention, the cache geometry,
-request lengths and staggered batches, and how figures are printed."""
+"""The cache a benchmark measures: its geometry, the requests' lengths, requests grown side
+by side as a serving engine places them, and one decode step through the manager."""
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import random
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -19,35 +15,9 @@ import numpy.typing as npt
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheHandle, PagedKvCacheManager
 from kvcache_core.paging.allocator import Placement
 
-__all__ = [
-    "ATOL",
-    "RECOMMENDED_ENV",
-    "RTOL",
-    "Geometry",
-    "draw_lengths",
-    "grow_staggered",
-    "int_list",
-    "mib",
-    "print_environment",
-    "ratio",
-    "relative_spread",
-]
+__all__ = ["Geometry", "StepInputs", "draw_lengths", "grow_staggered", "mib", "paged_decode_step"]
 
-#: glibc keeps large buffers instead of returning them to the OS after every step, which
-#: otherwise dominates the time of the caches that reallocate (dense, DynamicCache).
-RECOMMENDED_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
-
-#: fp32 outputs of paged (per-run products, online softmax) and dense attention differ in the
-#: last bits only: ``allclose(paged, dense, rtol=RTOL, atol=ATOL)``.
-RTOL = 1e-4
-ATOL = 1e-5
-
-
-def print_environment() -> None:
-    """Print the recommended environment and whether this process has it."""
-    missing = [key for key, value in RECOMMENDED_ENV.items() if os.environ.get(key) != value]
-    recommended = " ".join(f"{key}={value}" for key, value in RECOMMENDED_ENV.items())
-    print(f"recommended environment: {recommended} ({'set' if not missing else 'NOT set: ' + ', '.join(missing)})")
+Array = TypeVar("Array")
 
 
 @dataclass(frozen=True)
@@ -82,6 +52,10 @@ class Geometry:
     def bytes_per_block(self) -> int:
         """K and V of one block of one layer."""
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that hold ``tokens`` tokens of one request."""
+        return math.ceil(tokens / self.block_size)
 
     def describe(self) -> str:
         """One line: heads, dims, dtype, blocks, layout, placement."""
@@ -135,28 +109,28 @@ def grow_staggered(
     return ready, [np.concatenate(parts) for parts in slot_parts]
 
 
-def int_list(text: str, minimum: int = 1) -> list[int]:
-    """``"1024,4096"`` -> ``[1024, 4096]`` (an argparse type; each value >= ``minimum``)."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < minimum:
-        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
-    return values
+@dataclass(frozen=True)
+class StepInputs(Generic[Array]):
+    """What the model hands the cache in one decode step, per layer: new keys and values
+    ``[batch, kv_heads, head_dim]``, queries ``[batch, query_heads, head_dim]``."""
+
+    keys: tuple[Array, ...]
+    values: tuple[Array, ...]
+    queries: tuple[Array, ...]
 
 
-def ratio(numerator: float, denominator: float) -> str:
-    """``numerator / denominator`` as printed in the tables: ``"1.27x"``."""
-    return f"{numerator / denominator:.2f}x"
-
-
-def relative_spread(samples: Sequence[float]) -> float:
-    """Interquartile range over median (0 with fewer than two samples)."""
-    if len(samples) < 2:
-        return 0.0
-    low, _, high = statistics.quantiles(samples, n=4)
-    return (high - low) / statistics.median(samples)
+def paged_decode_step(
+    manager: PagedKvCacheManager[Array], handles: Sequence[PagedKvCacheHandle[Array]], inputs: StepInputs[Array]
+) -> list[Array]:
+    """One decode step through the manager's step: planned once (every request grows by one
+    token), then per layer one ``step.write`` of the batch's K/V and one ``step.attention``
+    (each layer's window, if any, from the pool's layer specs). ``[batch, q_heads, D]`` per layer."""
+    step = manager.begin_step(handles, 1)
+    outputs: list[Array] = []
+    for layer in range(manager.config.num_layers):
+        step.write(layer, inputs.keys[layer], inputs.values[layer])
+        outputs.append(step.attention(layer, inputs.queries[layer]))
+    return outputs
 
 
 def mib(num_bytes: float) -> str:

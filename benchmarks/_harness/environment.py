@@ -1,0 +1,89 @@
+"""The machine and the libraries a benchmark runs on: printed before every figure, since a
+ratio means nothing without them.
+
+This module imports nothing but the standard library, so a test can read
+``RECOMMENDED_ENV`` without importing the benchmarks' other dependencies.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sys
+from pathlib import Path
+
+__all__ = ["LIBRARIES", "RECOMMENDED_ENV", "THREAD_VARIABLES", "cache_sizes", "cpu_model", "print_environment"]
+
+#: glibc keeps large buffers instead of returning them to the OS after every step, which
+#: otherwise dominates the time of the caches that reallocate (dense, DynamicCache).
+RECOMMENDED_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
+
+#: The distributions whose versions change the figures.
+LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "numba", "transformers")
+
+#: The variables that size the thread pools of BLAS, OpenMP (torch) and numba: on a machine
+#: other processes share, a thread waiting for a busy core can make a step several times slower.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+_CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cache_sizes() -> str:
+    """The first core's caches, ``"L1d 48K, L1i 32K, L2 2048K, L3 307200K"`` (Linux sysfs;
+    ``"unknown"`` elsewhere)."""
+    sizes: list[str] = []
+    try:
+        for index in sorted(_CPU_CACHES.glob("index*")):
+            level = (index / "level").read_text().strip()
+            kind = (index / "type").read_text().strip()
+            suffix = {"Data": "d", "Instruction": "i"}.get(kind, "")
+            sizes.append(f"L{level}{suffix} {(index / 'size').read_text().strip()}")
+    except OSError:
+        return "unknown"
+    return ", ".join(sizes) or "unknown"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), else the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def library_versions() -> str:
+    """``"Python 3.11.7, numpy 2.1.0, torch 2.5.1, jax absent, ..."`` (installed versions,
+    read without importing the libraries)."""
+    parts = [f"Python {platform.python_version()}"]
+    for name in LIBRARIES:
+        try:
+            parts.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            parts.append(f"{name} absent")
+    return ", ".join(parts)
+
+
+def print_environment() -> None:
+    """Print the machine (CPU model, cores, caches), the library versions, the thread
+    variables and the recommended environment and whether this process has it."""
+    print(
+        f"machine: {cpu_model()}, {usable_cores()} usable cores of {os.cpu_count()}, caches {cache_sizes()}, "
+        f"{sys.platform}"
+    )
+    print(f"libraries: {library_versions()}")
+    threads = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in THREAD_VARIABLES)
+    print(f"threads: {threads} (on a shared machine, 1 thread per pool is steadier)")
+    missing = [key for key, value in RECOMMENDED_ENV.items() if os.environ.get(key) != value]
+    recommended = " ".join(f"{key}={value}" for key, value in RECOMMENDED_ENV.items())
+    print(f"recommended environment: {recommended} ({'set' if not missing else 'NOT set: ' + ', '.join(missing)})")

@@ -1,0 +1,132 @@
+"""The timed loop and its statistic: competitors take turns in one process, so whatever
+drifts on the machine (other processes, frequency, caches) hits every one of them alike.
+
+A round runs every competitor once, in an order that rotates by one each round; the first
+``warmup`` rounds are untimed (a new shape pays for allocator growth and kernel set-up);
+``check`` sees every round's results, outside the timed region, and raises
+``DisagreementError`` when the competitors computed different things.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+__all__ = [
+    "STATISTICS",
+    "Stopwatch",
+    "Timings",
+    "relative_spread",
+    "take_turns",
+    "timed_call",
+]
+
+Result = TypeVar("Result")
+
+#: How a list of times becomes one figure: ``"median"`` (the default) or ``"min"`` (the
+#: fastest sample: steadier where other processes share the machine, since they only add time).
+STATISTICS: dict[str, Callable[[Sequence[float]], float]] = {"median": statistics.median, "min": min}
+
+
+def relative_spread(samples: Sequence[float]) -> float:
+    """Interquartile range over median (0 with fewer than two samples)."""
+    if len(samples) < 2:
+        return 0.0
+    low, _, high = statistics.quantiles(samples, n=4)
+    return (high - low) / statistics.median(samples)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds per call of every competitor, one sample per timed round."""
+
+    samples: dict[str, list[float]]
+    statistic: str = "median"
+
+    def seconds(self, name: str) -> float:
+        """The statistic of ``name``'s samples, in seconds."""
+        return STATISTICS[self.statistic](self.samples[name])
+
+    def ms(self, name: str) -> float:
+        """The statistic of ``name``'s samples, in milliseconds."""
+        return self.seconds(name) * 1e3
+
+    def us(self, name: str) -> float:
+        """The statistic of ``name``'s samples, in microseconds."""
+        return self.seconds(name) * 1e6
+
+    def spread(self, *names: str) -> float:
+        """The largest relative spread (IQR / median) of ``names`` (of every competitor if none)."""
+        return max(relative_spread(self.samples[name]) for name in names or tuple(self.samples))
+
+
+def timed_call(call: Callable[[], Result]) -> tuple[float, Result]:
+    """Seconds one call takes, and what it returned."""
+    started = time.perf_counter()
+    result = call()
+    return time.perf_counter() - started, result
+
+
+class Stopwatch:
+    """Wall time since it was made (a script's ``total``, a build's time)."""
+
+    def __init__(self) -> None:
+        self._started = time.perf_counter()
+
+    def seconds(self) -> float:
+        """Seconds since the stopwatch was made."""
+        return time.perf_counter() - self._started
+
+
+def take_turns(
+    *groups: Mapping[str, Callable[..., Result]],
+    rounds: int,
+    warmup: int = 0,
+    calls: int = 1,
+    inputs: Callable[[], object] | None = None,
+    check: Callable[[Mapping[str, Result], int], None] | None = None,
+    settle: Callable[[Result], object] | None = None,
+    statistic: str = "median",
+) -> Timings:
+    """Run ``warmup + rounds`` rounds of every competitor of every group, group after group,
+    each group in an order rotating by one a round (a later group reads what an earlier one
+    wrote: floors after the caches).
+
+    Args:
+        groups: name -> competitor; names are unique across groups.
+        rounds: timed rounds (one sample per competitor each).
+        warmup: untimed rounds first (checked like the others).
+        calls: calls per sample (a burst, for calls too short to time alone); a sample is
+            their mean.
+        inputs: when given, each round draws ``inputs()`` and hands them to every competitor
+            (new K/V and queries of a decode step); else competitors take no argument.
+        check: ``check(results, round)`` after every round, untimed; it raises
+            ``DisagreementError`` when the results differ.
+        settle: applied to a result inside the timed region (JAX: wait until it is ready).
+        statistic: the figure ``Timings`` gives: ``"median"`` or ``"min"``.
+
+    Returns:
+        Every competitor's samples, seconds per call.
+    """
+    samples: dict[str, list[float]] = {name: [] for group in groups for name in group}
+    for index in range(warmup + rounds):
+        arguments = () if inputs is None else (inputs(),)
+        results: dict[str, Result] = {}
+        for group in groups:
+            turns = list(group.items())
+            shift = index % len(turns) if turns else 0
+            for name, competitor in (*turns[shift:], *turns[:shift]):
+                started = time.perf_counter()
+                for _ in range(calls):
+                    results[name] = competitor(*arguments)
+                    if settle is not None:
+                        settle(results[name])
+                elapsed = (time.perf_counter() - started) / calls
+                if index >= warmup:
+                    samples[name].append(elapsed)
+        if check is not None:
+            check(results, index)
+    return Timings(samples, statistic)
