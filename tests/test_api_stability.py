@@ -5,6 +5,7 @@ and every deprecation entry points at something that exists."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import warnings
 from pathlib import Path
 

@@ -25,7 +25,7 @@ _ROW = re.compile(r"^\| (\d+) (\w+) \| (.+) \|$")
 def layer_table(text: str) -> list[tuple[int, str, list[str]]]:
     """The rows of the layer table: ``(rank, layer, module patterns)``; a pattern ending in
     ``*`` names a package and everything in it."""
-    rows = []
+    rows: list[tuple[int, str, list[str]]] = []
     for line in text.splitlines():
         match = _ROW.match(line)
         if match:
@@ -52,7 +52,7 @@ def rank_of(module: str, table: list[tuple[int, str, list[str]]]) -> int | None:
 
 def upward_imports(graph: dict[str, set[str]], table: list[tuple[int, str, list[str]]]) -> list[str]:
     """``"a -> b"`` for every import of a module of a higher layer (or of no layer)."""
-    found = []
+    found: list[str] = []
     for module in sorted(graph):
         own = rank_of(module, table)
         for target in sorted(graph[module]):

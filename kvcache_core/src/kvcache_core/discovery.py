@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import pluggy
 
@@ -350,7 +350,7 @@ def create_manager(
                     f"backend {spec.name!r}: manager_factory must return a PagedKvCacheManager "
                     f"(or a subclass), got {type(made).__name__}"
                 )
-            manager = cast("PagedKvCacheManager[Any]", made)
+            manager = made
         else:
             manager = PagedKvCacheManager[Any](storage, backend=spec.name, placement=placement, **extra)
     except BaseException:

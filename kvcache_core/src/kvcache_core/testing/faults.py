@@ -456,8 +456,9 @@ def _faulty_manager(
     factory = backend.spec.manager_factory
     grouped: dict[str, Any] = {"config": config} if config.num_groups > 1 else {}
     if factory is not None:
-        manager: Manager = factory(storage, backend=backend.name, placement="contiguous", **grouped)
-        return manager
+        made = factory(storage, backend=backend.name, placement="contiguous", **grouped)
+        assert isinstance(made, PagedKvCacheManager), f"{backend.name}'s manager_factory returned {type(made).__name__}"
+        return made
     return PagedKvCacheManager(storage, backend=backend.name, **grouped)
 
 
