@@ -55,9 +55,6 @@ MOVED_MODULES: dict[str, str] = {
         "strict_json": "offload.strict_json",
         "numpy_backend": "backends.numpy",
         "demo": "cli.demo",
-        "data_path": "_data_path",
-        "beyond_pool": "_beyond_pool",
-        "pool_access": "_pool_access",
     }.items()
 }
 
