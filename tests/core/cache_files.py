@@ -120,6 +120,6 @@ def write_repeatedly(path: str, blocks: int, times: int) -> None:
     process of the concurrent-save tests runs)."""
     source = pool()
     admit(source, "r", [blocks * 100 + token for token in range(blocks * BLOCK + 1)])
-    records = cached_records(source._access)  # pyright: ignore[reportPrivateUsage]
+    records = cached_records(source._pool)  # pyright: ignore[reportPrivateUsage]
     for _ in range(times):
         write_blocks(path, config(), records)

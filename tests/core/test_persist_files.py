@@ -128,7 +128,7 @@ def test_a_disk_tier_write_never_follows_a_link_planted_at_its_temporary_name(
     tier.bind(config())
     source = pool()
     admit(source, "r", PROMPT)
-    record = cached_records(source._access)[0]  # pyright: ignore[reportPrivateUsage]
+    record = cached_records(source._pool)[0]  # pyright: ignore[reportPrivateUsage]
     assert tier.put(record) == []
     assert victim.read_bytes() == VICTIM
     peeked = tier.peek(record.key)
@@ -281,7 +281,7 @@ def test_a_disk_tier_file_of_another_size_than_written_is_refused_unread(tmp_pat
     tier.bind(config())
     source = pool()
     admit(source, "r", PROMPT)
-    record = cached_records(source._access)[0]  # pyright: ignore[reportPrivateUsage]
+    record = cached_records(source._pool)[0]  # pyright: ignore[reportPrivateUsage]
     tier.put(record)
     with tier.path_of(record.key).open("ab") as stream:
         stream.write(b"\x00" * 64)
@@ -332,7 +332,7 @@ def test_a_disk_tier_file_that_cannot_be_removed_is_forgotten_with_a_warning(
     tier.bind(config())
     source = pool()
     admit(source, "r", PROMPT)
-    records = cached_records(source._access)  # pyright: ignore[reportPrivateUsage]
+    records = cached_records(source._pool)  # pyright: ignore[reportPrivateUsage]
     for record in records:
         tier.put(record)
     real_unlink = os.unlink

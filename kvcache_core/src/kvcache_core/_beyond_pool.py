@@ -13,13 +13,13 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kvcache_core._data_path import DataPath
-from kvcache_core._pool_access import PoolAccess
 from kvcache_core.contract.stats import MemoryPressure
 from kvcache_core.errors import InvalidTypeError
 from kvcache_core.offload import prefix_file as persist
 from kvcache_core.offload.events import EventCallback, EventHub
 from kvcache_core.offload.tier_stack import TierChain
 from kvcache_core.offload.tiers import TierStats
+from kvcache_core.paging.block_pool import BlockPool
 
 __all__ = ["BeyondPool"]
 
@@ -31,7 +31,7 @@ class BeyondPool(DataPath[ArrayT]):
 
     _events: EventHub
     _tiers: TierChain
-    _access: PoolAccess
+    _pool: BlockPool
 
     # -- listeners, save/load, offload tiers (logic in events.py, persist.py, tiers.py) -------
 
@@ -103,7 +103,7 @@ class BeyondPool(DataPath[ArrayT]):
         """
         with self._lock:
             self._check_open()
-            return persist.save_prefix_cache(self._access, path)
+            return persist.save_prefix_cache(self._pool, self._tiers, path)
 
     def load_prefix_cache(self, path: str | os.PathLike[str]) -> int:
         """Map the blocks of a file :meth:`save_prefix_cache` wrote (by any backend, in any
@@ -119,7 +119,7 @@ class BeyondPool(DataPath[ArrayT]):
         """
         with self._lock:
             self._check_open()
-            return persist.load_prefix_cache(self._access, path)
+            return persist.load_prefix_cache(self._pool, self._tiers, path)
 
     def tier_stats(self) -> list[TierStats]:
         """Each offload tier's figures (blocks, bytes, hits, demotions, evictions), first
@@ -127,6 +127,3 @@ class BeyondPool(DataPath[ArrayT]):
         :mod:`kvcache_core.offload.tiers`)."""
         with self._lock:
             return self._tiers.stats()
-
-    def _demote(self, count: int) -> None:
-        self._tiers.demote(self._access, count)

@@ -40,7 +40,6 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvcache_core._beyond_pool import BeyondPool
-from kvcache_core._pool_access import PoolAccess
 from kvcache_core.contract.config import AllocationRequest, CacheConfig, check_count, check_token_ids
 from kvcache_core.contract.protocols import KvCacheHandle, KvStorage, SlotArray
 from kvcache_core.contract.stats import CacheGcStats, CacheManagerStats, MemoryPressure
@@ -142,9 +141,8 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         if self._pool.prefix is not None:
             self._pool.prefix.listener = self._events
         self._tiers = TierChain(tiers, config, self._events)
-        self._access = PoolAccess(self._pool, self._chains, self._tiers)
         if self._tiers:
-            self._pool.before_evict = self._demote
+            self._pool.eviction_sink = self._tiers  # evicted cached blocks are demoted
         self._pressure = MemoryPressure.LOW
         self._pressure_callback: Callable[[MemoryPressure], object] | None = None
         self._allocation_count = 0
@@ -211,7 +209,7 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
                 )
             state = self._new_state(request.request_id, request.max_sequence_length, request.priority)
             self._sequences.open(state, request, plan)
-            promoted = self._tiers.promote(self._access, state)  # tier blocks continuing the cached prefix
+            promoted = self._tiers.promote(self._pool, self._chains, state)  # tier blocks continuing the cached prefix
             if self._chains.enabled:
                 self._chains.queries += plan.queries
                 self._chains.hits += plan.hits + promoted
