@@ -33,18 +33,24 @@ figures in :mod:`kvcache_core.paging.figures`; per-layer specs and KV-cache grou
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeGuard, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
-from kvcache_core._beyond_pool import BeyondPool
+from kvcache_core._data_path import DataPath
 from kvcache_core.contract.config import AllocationRequest, CacheConfig, check_count, check_token_ids
-from kvcache_core.contract.protocols import KvCacheHandle, KvStorage, SlotArray
+from kvcache_core.contract.groups import check_group
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.protocols import KvCacheHandle, KvStorage, SlotArray, SlotsLike
 from kvcache_core.contract.stats import CacheGcStats, CacheManagerStats, MemoryPressure
 from kvcache_core.errors import (
     DuplicateRequestError,
+    ForeignHandleError,
     InvalidArgumentError,
     InvalidConfigError,
     InvalidTypeError,
@@ -54,18 +60,20 @@ from kvcache_core.errors import (
     UnknownRequestError,
 )
 from kvcache_core.handle import PagedKvCacheHandle
-from kvcache_core.offload.events import AllBlocksCleared, EventHub, OperationLock
+from kvcache_core.offload import prefix_file
+from kvcache_core.offload.events import AllBlocksCleared, EventCallback, EventHub, OperationLock
 from kvcache_core.offload.tier_stack import TierChain
-from kvcache_core.offload.tiers import OffloadTier
+from kvcache_core.offload.tiers import OffloadTier, TierStats
 from kvcache_core.paging.allocator import BlockAllocator, Placement
 from kvcache_core.paging.audit import audit
 from kvcache_core.paging.block_pool import BlockPool
 from kvcache_core.paging.chains import PrefixChains
-from kvcache_core.paging.checks import ArgumentChecks
+from kvcache_core.paging.checks import ArgumentChecks, check_handle_sequence, step_counts, step_token_ids
 from kvcache_core.paging.figures import manager_stats
 from kvcache_core.paging.prefix import PrefixCache
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import SequenceBlocks
+from kvcache_core.step import Step
 
 __all__ = ["InvariantError", "PagedKvCacheManager"]
 
@@ -73,7 +81,7 @@ ArrayT = TypeVar("ArrayT")
 _ManagerT = TypeVar("_ManagerT", bound="PagedKvCacheManager[Any]")
 
 
-class PagedKvCacheManager(BeyondPool[ArrayT]):
+class PagedKvCacheManager(Generic[ArrayT]):
     """Allocates request caches in one paged pool, runs the write/read path and the cache
     policies (prefix caching, fork with copy-on-write, eviction, swapping, sliding window).
 
@@ -143,6 +151,9 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         self._tiers = TierChain(tiers, config, self._events)
         if self._tiers:
             self._pool.eviction_sink = self._tiers  # evicted cached blocks are demoted
+        self._path: DataPath[ArrayT] = DataPath(
+            config, storage, backend, self._lock, self._pool, self._chains, self._sequences, self._checks
+        )
         self._pressure = MemoryPressure.LOW
         self._pressure_callback: Callable[[MemoryPressure], object] | None = None
         self._allocation_count = 0
@@ -278,14 +289,15 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             )
         with self._lock:
             state = self._state_of(handle)
-            plan = self._sequences.plan_growth(state, additional_tokens, ids)
-            if plan.needed > self._pool.available() + plan.freed:
-                copied = f" ({plan.copy_count} to copy shared blocks)" if plan.copy_count else ""
-                raise self._pool.shortage(
+            (slots,) = self._path.grow(
+                [state],
+                [additional_tokens],
+                [ids],
+                lambda needed, copies: (
                     f"cannot extend request {state.request_id!r} by {additional_tokens} tokens: "
-                    f"{plan.needed} more blocks needed{copied}"
-                )
-            slots = self._sequences.grow(state, plan)
+                    f"{needed} more blocks needed" + (f" ({copies} to copy shared blocks)" if copies else "")
+                ),
+            )
             self._update_pressure()
             return slots
 
@@ -525,7 +537,314 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
             self._check_open()
             audit(self._sequences, self._requests)
 
+    # -- data path (the service: kvcache_core._data_path) ----------------------------
+
+    def begin_step(
+        self,
+        handles: Sequence[KvCacheHandle[ArrayT]],
+        new_tokens: Sequence[int] | int,
+        *,
+        token_ids: Sequence[Sequence[int] | None] | None = None,
+    ) -> Step[ArrayT]:
+        """Plan one forward pass: grow every request of the batch, once, with every check.
+
+        Each request grows by its count of new tokens exactly as :meth:`extend` does
+        (copy-on-write of shared blocks, sliding-window release, reserved blocks); the
+        step then holds the new tokens' slots, the batch's page table after the growth
+        and the query offsets. Its per-layer :meth:`Step.write` and
+        :meth:`Step.attention` check only the layer's arrays.
+
+        Args:
+            handles: the batch's requests, each once.
+            new_tokens: tokens each request adds (``[B]``), or one count for all; 0 is
+                allowed (a request that only attends).
+            token_ids: for prefix caching, each request's new token ids (or ``None``),
+                as :meth:`extend` takes them.
+
+        Returns:
+            The step. It is refused (:class:`~kvcache_core.errors.StaleStepError`) once
+            one of its requests is released, swapped out, truncated, forked, extended or
+            planned into another step.
+
+        Raises:
+            InvalidTypeError: ``handles`` is not a sequence of handles.
+            InvalidArgumentError: a request listed twice, counts that are not one int
+                >= 0 per request, or bad ``token_ids``.
+            SequenceTooLongError: a request would pass its ``max_sequence_length``.
+            OutOfBlocksError: the batch's growth needs more free and evictable blocks
+                than there are (checked for the whole batch before anything changes).
+            InvalidHandleError, SwappedOutError, ForeignHandleError: a bad handle.
+        """
+        self._check_open()
+        check_handle_sequence(handles, "begin_step")
+        batch = len(handles)
+        counts = step_counts(new_tokens, batch)
+        ids = step_token_ids(token_ids, counts)
+        with self._lock:
+            states = [self._state_of(handle) for handle in handles]
+            request_ids = tuple(state.request_id for state in states)
+            if len(set(request_ids)) != batch:
+                twice = next(rid for rid in request_ids if request_ids.count(rid) > 1)
+                raise InvalidArgumentError(f"request {twice!r} is listed twice in one step")
+            # All or nothing: a failure taking blocks (a demotion interrupted) or copying
+            # leaves every request of the batch as it was.
+            grown = self._path.grow(
+                states,
+                counts,
+                ids,
+                lambda needed, _: (
+                    f"cannot plan a step of {batch} requests adding {sum(counts)} tokens: {needed} more blocks needed"
+                ),
+            )
+            self._update_pressure()
+            return self._path.step(states, counts, grown)
+
+    def write(self, layer: int, slots: SlotsLike, keys: ArrayT, values: ArrayT) -> None:
+        """Scatter one layer's new K/V into the pool, for any mix of requests.
+
+        Args:
+            layer: ``0 <= layer < num_layers``.
+            slots: ``[n]`` distinct slots from :meth:`extend` or :meth:`writable_slots`
+                (concatenate several requests' slots to write them in one call). With
+                KV-cache groups, the ``[num_groups, n]`` slots they return, or the layer's
+                group's row of them.
+            keys, values: ``[n, num_heads, head_dim]`` native arrays of the pool's dtype.
+
+        With prefix caching, the writes are what makes a full block cacheable (see the
+        class docstring); a block registered in the prefix cache is immutable: rewrite it
+        through :meth:`writable_slots`, which takes it out of the cache first.
+
+        Raises:
+            LayerIndexError, SlotError (outside the pool, in a free block, repeated, or at
+            a position ``extend`` has not handed out yet), SharedBlockWriteError (in a
+            block several requests share, or one the prefix cache serves),
+            SwappedOutError (a slot of a request swapped out since), ShapeMismatchError,
+            DTypeMismatchError, ArrayTypeError.
+        """
+        with self._lock:
+            self._check_open()
+            group, index = self._config.layer_place(layer)
+            self._path.write(index, self._checks.slots(slots, group), keys, values)
+
+    def gather(self, handle: KvCacheHandle[ArrayT], layer: int) -> tuple[ArrayT, ArrayT]:
+        """The request's keys and values as contiguous ``[num_tokens, num_heads, head_dim]``
+        copies, in token order. With a sliding window that released leading blocks, the
+        tokens still held: positions ``first_logical * block_size`` onwards.
+
+        Raises:
+            LayerIndexError, InvalidHandleError, SwappedOutError, ForeignHandleError.
+        """
+        with self._lock:
+            state = self._state_of(handle)
+            return self._path.gather(state, layer)
+
+    def page_table(self, handles: Sequence[KvCacheHandle[ArrayT]], *, group: int = 0) -> PageTable:
+        """The page table of a batch, in the order of ``handles``; with a sliding window it
+        lists each request from its first held block and carries the window. With
+        KV-cache groups, the table of ``group`` (``CacheConfig.kv_groups``; a layer's is
+        ``config.layer_place(layer)[0]``), for the attention of that group's layers.
+
+        The table's arrays are read-only and it carries each request's ownership
+        generation: :meth:`paged_attention` refuses it once one of its requests was
+        released, swapped or had a block replaced (copy-on-write, window release).
+
+        Raises:
+            InvalidTypeError: ``handles`` is not a sequence (list, tuple) of handles.
+            InvalidHandleError, SwappedOutError, ForeignHandleError: for any handle of the
+            batch.
+            LayerIndexError: ``group`` outside ``0 .. num_groups - 1``.
+        """
+        self._check_open()
+        check_handle_sequence(handles, "page_table")
+        index = check_group(group, self._config.num_groups)
+        with self._lock:
+            return self._path.issue_page_table([self._state_of(handle) for handle in handles], index)
+
+    def paged_attention(
+        self,
+        layer: int,
+        query: ArrayT,
+        page_table: PageTable,
+        *,
+        qo_indptr: npt.ArrayLike | None = None,
+        scale: float | None = None,
+        causal: bool = True,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: ArrayT | None = None,
+        chunk: int | None = None,
+    ) -> ArrayT:
+        """Attention of packed queries over the cached K/V of a batch, read in place.
+
+        Args:
+            layer: the layer whose pool to read.
+            query: ``[total_q, num_query_heads, head_dim]``, requests packed in the page
+                table's order; ``num_query_heads`` a multiple of ``num_heads``.
+            page_table: from :meth:`page_table`, taken after the step's writes.
+            qo_indptr: ``[B + 1]`` query offsets (prefill, chunked prefill, mixed
+                batches); ``None`` for decode, one query per request.
+            scale: score scale, ``1 / sqrt(head_dim)`` by default.
+            causal: each request's queries are its last tokens and see keys up to their
+                own position; ``False`` lets every query see the whole sequence. With a
+                sliding window ``W`` (carried by the page table) a query never sees keys
+                ``W`` or more positions before its own; the page table starts at the
+                request's first held block, which the last ``extend`` kept for the
+                windows of the tokens it added (an older token's window may start
+                before it: such a query sees only the held keys).
+            window, softcap, sinks, chunk: this call's (layer's) attention features, see
+                :mod:`kvcache_core.attention.features`: a window ``W`` (combined with
+                the pool's), logit softcapping, ``[num_query_heads]`` sinks of the
+                query's dtype, chunked local attention ``C``.
+
+        Returns:
+            ``[total_q, num_query_heads, head_dim]`` of the query's dtype.
+
+        Raises:
+            LayerIndexError, ShapeMismatchError, DTypeMismatchError, ArrayTypeError,
+            InvalidArgumentError (bad ``qo_indptr``, ``scale``, ``window``, ``softcap`` or
+            ``chunk``, or a page table whose ``sliding_window`` is not the pool's, or of
+            another KV-cache group than the layer's),
+            UnsupportedConfigError (a feature the storage does not serve: the message
+            names the capability), SlotError (the page table names blocks outside the
+            pool or not in use), SwappedOutError (blocks of a request swapped out since
+            the page table was taken).
+        """
+        with self._lock:
+            self._check_open()
+            features = {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk}
+            return self._path.attention(
+                layer, query, scale, causal, features, page_table=page_table, qo_indptr=qo_indptr
+            )
+
+    # -- listeners, save/load, offload tiers ------------------------------------------
+
+    def subscribe(self, callback: EventCallback) -> None:
+        """Call ``callback(event)`` on every :class:`~kvcache_core.offload.events.BlockStored`,
+        :class:`~kvcache_core.offload.events.BlockRemoved` and
+        :class:`~kvcache_core.offload.events.AllBlocksCleared` from now on (see :mod:`kvcache_core.offload.events`).
+
+        Callbacks run when the operation that made the change ends, after its change is
+        complete, with the manager's lock held. An ``Exception`` a callback raises becomes a
+        ``RuntimeWarning``; any other ``BaseException`` (``KeyboardInterrupt``) propagates
+        from that operation once every event reached every subscriber.
+
+        Raises:
+            ManagerClosedError: the manager is closed.
+            InvalidTypeError: ``callback`` is not callable.
+            InvalidArgumentError: ``callback`` is already subscribed.
+        """
+        with self._lock:
+            self._check_open()
+            self._events.subscribe(callback)
+
+    def unsubscribe(self, callback: EventCallback) -> None:
+        """Stop calling ``callback``.
+
+        Raises:
+            ManagerClosedError: the manager is closed.
+            InvalidArgumentError: ``callback`` is not subscribed.
+        """
+        with self._lock:
+            self._check_open()
+            self._events.unsubscribe(callback)
+
+    def set_pressure_callback(self, callback: Callable[[MemoryPressure], object] | None) -> None:
+        """Call ``callback(level)`` on each change of :class:`MemoryPressure` level.
+
+        The callback runs on the thread that caused the change when the operation that
+        caused it ends (after its change is complete), with the manager's lock held (it may
+        call the manager). An ``Exception`` it raises becomes a warning: the operation that
+        changed the level has already succeeded; any other ``BaseException``
+        (``KeyboardInterrupt``) propagates from that operation. ``None`` removes it.
+
+        Raises:
+            ManagerClosedError: the manager is closed.
+            InvalidTypeError: ``callback`` is neither callable nor ``None``.
+        """
+        with self._lock:
+            self._check_open()
+            if callback is not None and not callable(callback):
+                raise InvalidTypeError(f"callback must be callable or None, got {callback!r}")
+            self._pressure_callback = callback
+
+    @property
+    def pressure(self) -> MemoryPressure:
+        """The current memory pressure level: blocks in use (referenced) over the pool.
+        Cached blocks count as reclaimable, not as used: allocation evicts them."""
+        return self._pressure
+
+    def save_prefix_cache(self, path: str | os.PathLike[str]) -> int:
+        """Write every cached prefix block to ``path`` in the portable format of
+        :mod:`kvcache_core.offload.prefix_file` (safetensors data, JSON header, checksums; no pickle).
+
+        Returns:
+            The blocks written.
+
+        Raises:
+            UnsupportedConfigError: no prefix caching. CacheFileError: the file cannot be
+                written (no partial file is left).
+        """
+        with self._lock:
+            self._check_open()
+            return prefix_file.save_prefix_cache(self._pool, self._tiers, path)
+
+    def load_prefix_cache(self, path: str | os.PathLike[str]) -> int:
+        """Map the blocks of a file :meth:`save_prefix_cache` wrote (by any backend, in any
+        layout) into the prefix cache as cached blocks; those already cached are skipped.
+
+        Returns:
+            The blocks loaded.
+
+        Raises:
+            CorruptCacheFileError, IncompatibleCacheFileError, CacheFileError,
+                OutOfBlocksError, UnsupportedConfigError (no prefix caching): nothing is
+                loaded.
+        """
+        with self._lock:
+            self._check_open()
+            return prefix_file.load_prefix_cache(self._pool, self._tiers, path)
+
+    def tier_stats(self) -> list[TierStats]:
+        """Each offload tier's figures (blocks, bytes, hits, demotions, evictions), first
+        to last, in records (one per hash and KV-cache group); empty without tiers (see
+        :mod:`kvcache_core.offload.tiers`)."""
+        with self._lock:
+            return self._tiers.stats()
+
     # -- internals -----------------------------------------------------------------------
+
+    def _state_of(self, handle: object) -> RequestState[ArrayT]:
+        """The state of a resident request's handle of this manager."""
+        self._check_open()
+        as_any = getattr(handle, "as_any", None)  # downcast, as the seed crate does
+        concrete: object = as_any() if callable(as_any) else None
+        if not _is_paged_handle(concrete):
+            raise ForeignHandleError(f"expected a handle from this manager, got {type(handle).__name__}")
+        state: RequestState[Any] = concrete.request_state
+        if state.owner is not self:
+            raise ForeignHandleError(f"the handle of request {state.request_id!r} belongs to another manager")
+        state.check_resident()
+        return state
+
+    def _update_pressure(self) -> None:
+        """Recompute the pressure level; on a change, the callback runs when the operation
+        ends (after its change is complete, as cache events do)."""
+        config = self._config
+        level = MemoryPressure.from_usage(
+            self._pool.allocator.used_block_count() / config.num_blocks,
+            config.medium_pressure_threshold,
+            config.high_pressure_threshold,
+            config.critical_pressure_threshold,
+        )
+        if level == self._pressure:
+            return
+        self._pressure = level
+        callback = self._pressure_callback
+        if callback is not None:
+            self._events.defer(lambda: _notify_pressure(callback, level))
+
+    def _check_open(self) -> None:
+        self._path.check_open()
 
     def _new_state(self, request_id: str, max_sequence_length: int | None, priority: int) -> RequestState[ArrayT]:
         return RequestState(
@@ -556,16 +875,16 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
-        return self._closed
+        return self._path.closed
 
     def close(self) -> None:
         """Release the pool: handles become invalid, the tiers are cleared and freed for
         another manager, the storage's optional ``close()`` runs (once) whatever the tiers
         raise. ``stats()`` still works; other use raises ``ManagerClosedError``."""
         with self._lock:
-            if self._closed:
+            if self._path.closed:
                 return
-            self._closed = True
+            self._path.closed = True
             self._pool.epoch += 1  # page tables and steps taken before are refused
             for state in self._requests.values():
                 state.valid = False
@@ -588,4 +907,17 @@ class PagedKvCacheManager(BeyondPool[ArrayT]):
         return (
             f"PagedKvCacheManager(backend={self._backend!r}, requests={len(self._requests)}, "
             f"used_blocks={self._pool.allocator.used_block_count()}/{self._config.num_blocks})"
+        )
+
+
+def _is_paged_handle(value: object) -> TypeGuard[PagedKvCacheHandle[Any]]:
+    return isinstance(value, PagedKvCacheHandle)
+
+
+def _notify_pressure(callback: Callable[[MemoryPressure], object], level: MemoryPressure) -> None:
+    try:
+        callback(level)
+    except Exception as exc:  # the operation succeeded; do not report it as failed
+        warnings.warn(
+            f"memory pressure callback {callback!r} raised {exc!r} on level {level.name}", RuntimeWarning, stacklevel=2
         )
