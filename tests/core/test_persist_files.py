@@ -22,6 +22,7 @@ from kvcache_core.offload import safe_files
 from kvcache_core.offload.file_header import MAX_HEADER_BYTES
 from kvcache_core.offload.prefix_file import cached_records, read_blocks
 from kvcache_core.offload.tiers import DiskTier, HostTier
+from kvcache_core.testing import inspect
 from tests.core.cache_files import (
     PROMPT,
     admit,
@@ -332,7 +333,7 @@ def test_a_disk_tier_file_that_cannot_be_removed_is_forgotten_with_a_warning(
     tier.bind(config())
     source = pool()
     admit(source, "r", PROMPT)
-    records = cached_records(source._pool)  # pyright: ignore[reportPrivateUsage]
+    records = cached_records(inspect.block_pool(source))
     for record in records:
         tier.put(record)
     real_unlink = os.unlink

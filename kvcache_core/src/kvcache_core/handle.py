@@ -3,14 +3,15 @@ request's cache in a :class:`~kvcache_core.manager.PagedKvCacheManager`."""
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+import warnings
+from typing import Any, Generic, TypeVar
 
 from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.device import Device
 from kvcache_core.contract.stats import CacheHandleStats
 from kvcache_core.paging.request_state import RequestState
 
-__all__ = ["PagedKvCacheHandle"]
+__all__ = ["PagedKvCacheHandle", "handle_state"]
 
 ArrayT = TypeVar("ArrayT")
 
@@ -30,7 +31,14 @@ class PagedKvCacheHandle(Generic[ArrayT]):
 
     @property
     def request_state(self) -> RequestState[ArrayT]:
-        """The shared state (manager plumbing)."""
+        """Deprecated: the shared state (manager plumbing); internal, will be removed in
+        0.4.0 (tests read it with :func:`kvcache_core.testing.inspect.request_state`)."""
+        warnings.warn(
+            "PagedKvCacheHandle.request_state is internal and will be removed in 0.4.0 "
+            "(tests: kvcache_core.testing.inspect.request_state(handle))",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self._state
 
     @property
@@ -71,12 +79,19 @@ class PagedKvCacheHandle(Generic[ArrayT]):
             return [table.copy() for table in self._state.tables]
 
     def block_table_mut(self) -> BlockTable:
-        """The live block table. The manager extends it; a caller changing it directly
-        bypasses the allocator's ownership records.
+        """Deprecated: the live block table (internal, will be removed in 0.4.0; read
+        :meth:`block_table`, a snapshot). A caller changing it bypasses the allocator's
+        ownership records.
 
         Raises:
             ManagerClosedError: the request's manager is closed.
         """
+        warnings.warn(
+            "PagedKvCacheHandle.block_table_mut() is internal and will be removed in 0.4.0; "
+            "use block_table() (a snapshot)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         self._state.check_open()
         return self._state.table
 
@@ -180,3 +195,8 @@ class PagedKvCacheHandle(Generic[ArrayT]):
             f"PagedKvCacheHandle(request_id={state.request_id!r}, tokens={state.table.sequence_length}, "
             f"blocks={state.table.num_blocks()}, {status})"
         )
+
+
+def handle_state(handle: PagedKvCacheHandle[Any]) -> RequestState[Any]:
+    """The request state behind ``handle`` (manager plumbing)."""
+    return handle._state  # pyright: ignore[reportPrivateUsage]

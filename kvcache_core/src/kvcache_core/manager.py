@@ -59,7 +59,7 @@ from kvcache_core.errors import (
     SwappedOutError,
     UnknownRequestError,
 )
-from kvcache_core.handle import PagedKvCacheHandle
+from kvcache_core.handle import PagedKvCacheHandle, handle_state
 from kvcache_core.offload import prefix_file
 from kvcache_core.offload.events import AllBlocksCleared, EventCallback, EventHub, OperationLock
 from kvcache_core.offload.tier_stack import TierChain
@@ -177,12 +177,18 @@ class PagedKvCacheManager(Generic[ArrayT]):
 
     @property
     def allocator(self) -> BlockAllocator:
-        """The block allocator (read it; the manager alone should change it)."""
+        """Deprecated: the block allocator; internal, will be removed in 0.4.0 (figures:
+        :meth:`stats`; tests: :func:`kvcache_core.testing.inspect.allocator`)."""
+        _internal("PagedKvCacheManager.allocator", "stats(); tests: kvcache_core.testing.inspect.allocator(manager)")
         return self._pool.allocator
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
-        """The prefix cache's hash map (``None`` without prefix caching); read it only."""
+        """Deprecated: the prefix cache's hash map; internal, will be removed in 0.4.0 (cache
+        events: :meth:`subscribe`; tests: :func:`kvcache_core.testing.inspect.prefix_cache`)."""
+        _internal(
+            "PagedKvCacheManager.prefix_cache", "subscribe(); tests: kvcache_core.testing.inspect.prefix_cache(manager)"
+        )
         return self._pool.prefix
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -820,7 +826,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
         concrete: object = as_any() if callable(as_any) else None
         if not _is_paged_handle(concrete):
             raise ForeignHandleError(f"expected a handle from this manager, got {type(handle).__name__}")
-        state: RequestState[Any] = concrete.request_state
+        state: RequestState[Any] = handle_state(concrete)
         if state.owner is not self:
             raise ForeignHandleError(f"the handle of request {state.request_id!r} belongs to another manager")
         state.check_resident()
@@ -921,3 +927,7 @@ def _notify_pressure(callback: Callable[[MemoryPressure], object], level: Memory
         warnings.warn(
             f"memory pressure callback {callback!r} raised {exc!r} on level {level.name}", RuntimeWarning, stacklevel=2
         )
+
+
+def _internal(name: str, instead: str) -> None:
+    warnings.warn(f"{name} is internal and will be removed in 0.4.0; use {instead}", DeprecationWarning, stacklevel=3)
