@@ -23,7 +23,7 @@ import numpy as np
 
 from kvcache_core.attention.features import storage_attention_features
 from kvcache_core.attention.reference import check_attention_call, validate_query_indptr
-from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.config import CacheConfig, check_count, check_token_ids
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
 from kvcache_core.errors import InvalidArgumentError, ManagerClosedError, ShapeMismatchError, StaleStepError
@@ -34,7 +34,7 @@ from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import SequenceBlocks
 from kvcache_core.step import Step
 
-__all__ = ["DataPath"]
+__all__ = ["DataPath", "extend_arguments"]
 
 ArrayT = TypeVar("ArrayT")
 
@@ -112,6 +112,48 @@ class DataPath(Generic[ArrayT]):
         if needed > self._pool.available() + sum(plan.freed for plan in plans):
             raise self._pool.shortage(shortage(needed, sum(plan.copy_count for plan in plans)))
         return self._sequences.grow_all(states, plans)
+
+    def extend(self, state: RequestState[ArrayT], count: int, ids: tuple[int, ...] | None) -> SlotArray:
+        """Grow one request (``manager.extend``, arguments checked by :func:`extend_arguments`).
+
+        Raises:
+            SequenceTooLongError, InvalidArgumentError, OutOfBlocksError.
+        """
+        (slots,) = self.grow(
+            [state],
+            [count],
+            [ids],
+            lambda needed, copies: (
+                f"cannot extend request {state.request_id!r} by {count} tokens: {needed} more blocks needed"
+                + (f" ({copies} to copy shared blocks)" if copies else "")
+            ),
+        )
+        return slots
+
+    def begin_step(
+        self, states: list[RequestState[ArrayT]], counts: list[int], ids: list[tuple[int, ...] | None]
+    ) -> Step[ArrayT]:
+        """Plan a step (``manager.begin_step``): grow every request of the batch, all or
+        nothing, and bind the step to them.
+
+        Raises:
+            InvalidArgumentError: a request listed twice; and what :meth:`grow` raises.
+        """
+        request_ids = [state.request_id for state in states]
+        if len(set(request_ids)) != len(states):
+            twice = next(rid for rid in request_ids if request_ids.count(rid) > 1)
+            raise InvalidArgumentError(f"request {twice!r} is listed twice in one step")
+        # All or nothing: a failure taking blocks (a demotion interrupted) or copying
+        # leaves every request of the batch as it was.
+        grown = self.grow(
+            states,
+            counts,
+            ids,
+            lambda needed, _: (
+                f"cannot plan a step of {len(states)} requests adding {sum(counts)} tokens: {needed} more blocks needed"
+            ),
+        )
+        return self.step(states, counts, grown)
 
     def step(self, states: list[RequestState[ArrayT]], counts: Sequence[int], grown: list[SlotArray]) -> Step[ArrayT]:
         """The step of a batch just grown by ``counts`` tokens (``grown``: their slots)."""
@@ -259,6 +301,21 @@ class DataPath(Generic[ArrayT]):
                     )
 
         return check_current
+
+
+def extend_arguments(additional_tokens: object, token_ids: object) -> tuple[int, tuple[int, ...] | None]:
+    """``manager.extend``'s count and token ids, checked.
+
+    Raises:
+        InvalidArgumentError: not an int >= 0, bad ids, or as many ids as tokens.
+    """
+    count = check_count(additional_tokens, "additional_tokens")
+    ids = None if token_ids is None else check_token_ids(token_ids, "token_ids")
+    if ids is not None and len(ids) != count:
+        raise InvalidArgumentError(
+            f"token_ids holds {len(ids)} ids for additional_tokens={count}; give one id per new token"
+        )
+    return count, ids
 
 
 class _StepRunner(Generic[ArrayT]):

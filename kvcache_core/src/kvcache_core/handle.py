@@ -9,9 +9,10 @@ from typing import Any, Generic, TypeVar
 from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.device import Device
 from kvcache_core.contract.stats import CacheHandleStats
+from kvcache_core.errors import ForeignHandleError
 from kvcache_core.paging.request_state import RequestState
 
-__all__ = ["PagedKvCacheHandle", "handle_state"]
+__all__ = ["PagedKvCacheHandle", "handle_state", "resident_state"]
 
 ArrayT = TypeVar("ArrayT")
 
@@ -200,3 +201,21 @@ class PagedKvCacheHandle(Generic[ArrayT]):
 def handle_state(handle: PagedKvCacheHandle[Any]) -> RequestState[Any]:
     """The request state behind ``handle`` (manager plumbing)."""
     return handle._state  # pyright: ignore[reportPrivateUsage]
+
+
+def resident_state(handle: object, owner: object) -> RequestState[Any]:
+    """The state of ``handle``'s request, checked to belong to ``owner`` and be resident.
+
+    Raises:
+        ForeignHandleError: not a handle of ``owner``'s.
+        InvalidHandleError, SwappedOutError: the request was deallocated, or is swapped out.
+    """
+    as_any = getattr(handle, "as_any", None)  # downcast, as the seed crate does
+    concrete: object = as_any() if callable(as_any) else None
+    if not isinstance(concrete, PagedKvCacheHandle):
+        raise ForeignHandleError(f"expected a handle from this manager, got {type(handle).__name__}")
+    state: RequestState[Any] = concrete._state  # pyright: ignore[reportPrivateUsage, reportUnknownMemberType]
+    if state.owner is not owner:
+        raise ForeignHandleError(f"the handle of request {state.request_id!r} belongs to another manager")
+    state.check_resident()
+    return state
