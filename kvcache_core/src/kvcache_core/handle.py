@@ -4,7 +4,7 @@ request's cache in a :class:`~kvcache_core.manager.PagedKvCacheManager`."""
 from __future__ import annotations
 
 import warnings
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeGuard, TypeVar
 
 from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.device import Device
@@ -212,10 +212,14 @@ def resident_state(handle: object, owner: object) -> RequestState[Any]:
     """
     as_any = getattr(handle, "as_any", None)  # downcast, as the seed crate does
     concrete: object = as_any() if callable(as_any) else None
-    if not isinstance(concrete, PagedKvCacheHandle):
+    if not _is_paged_handle(concrete):
         raise ForeignHandleError(f"expected a handle from this manager, got {type(handle).__name__}")
-    state: RequestState[Any] = concrete._state  # pyright: ignore[reportPrivateUsage, reportUnknownMemberType]
+    state = concrete._state  # pyright: ignore[reportPrivateUsage]
     if state.owner is not owner:
         raise ForeignHandleError(f"the handle of request {state.request_id!r} belongs to another manager")
     state.check_resident()
     return state
+
+
+def _is_paged_handle(value: object) -> TypeGuard[PagedKvCacheHandle[Any]]:
+    return isinstance(value, PagedKvCacheHandle)
