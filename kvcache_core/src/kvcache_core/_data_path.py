@@ -228,10 +228,12 @@ class DataPath(Generic[ArrayT]):
         page_table: object = None,
         qo_indptr: object = None,
         step: Step[ArrayT] | None = None,
+        served: frozenset[str] | None = None,
     ) -> ArrayT:
         """The one attention entry of ``manager.paged_attention`` (``page_table`` and
         ``qo_indptr`` as given, checked here) and :meth:`Step.attention` (``step``: its
-        tables and offsets, checked when it was planned).
+        tables and offsets, checked when it was planned; ``served``: the storage's attention
+        features, read when it was planned).
 
         ``features`` (``window``, ``softcap``, ``sinks``, ``chunk``; ``chunk`` by default the
         layer's) reach the storage only when set and served: a storage that claims no
@@ -266,7 +268,7 @@ class DataPath(Generic[ArrayT]):
             causal,
             self.config.head_dim,
             features,
-            served=storage_attention_features(self.storage),
+            served=storage_attention_features(self.storage) if served is None else served,
             backend=self.backend,
             query_heads=shape[1],
             table_window=table.sliding_window,
@@ -322,11 +324,12 @@ class _StepRunner(Generic[ArrayT]):
     """The data path bound to one step's requests: what its :class:`Step` calls
     (:class:`~kvcache_core.step.StepRunner`), under the manager's lock."""
 
-    __slots__ = ("_check_current", "_path", "_writable_at")
+    __slots__ = ("_check_current", "_path", "_served", "_writable_at")
 
     def __init__(self, path: DataPath[ArrayT], states: list[RequestState[ArrayT]], groups: int) -> None:
         self._path = path
         self._check_current = path.stamp(states)
+        self._served = storage_attention_features(path.storage)
         # Per KV-cache group, the epoch at which the group's slots were last found writable
         # (-1: not yet): a block of the step that is registered in the prefix cache or
         # mapped by another request after planning is never written in place.
@@ -346,4 +349,4 @@ class _StepRunner(Generic[ArrayT]):
         path = self._path
         with path.lock:
             self._check_current()
-            return path.attention(layer, query, scale, causal, features, step=step)
+            return path.attention(layer, query, scale, causal, features, step=step, served=self._served)
