@@ -122,9 +122,6 @@ def test_the_checks_find_what_they_look_for(table: list[tuple[int, str, list[str
 def test_plugins_import_no_internal_module_of_core(package: str) -> None:
     graph = import_graph(PLUGINS[package], package)
     private = sorted(
-        f"{module} -> {target}"
-        for module, targets in graph.items()
-        for target in targets
-        if is_internal(target)
+        f"{module} -> {target}" for module, targets in graph.items() for target in targets if is_internal(target)
     )
     assert private == []

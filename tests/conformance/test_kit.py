@@ -35,6 +35,7 @@ import numpy as np
 from kvcache_core import PagedKvCacheManager
 from kvcache_core.plugin import BackendSpec, hookimpl
 from kvcache_core.backends.numpy import NumpyStorage
+from kvcache_core.testing.inspect import allocator
 
 
 class LossyStorage(NumpyStorage):
@@ -92,7 +93,7 @@ class LeakyManager(PagedKvCacheManager):
         handle = self.get_handle(request_id)
         blocks = handle.block_table().physical_blocks if handle is not None else []
         if blocks:
-            self.allocator.retain(blocks[-1])
+            allocator(self).retain(blocks[-1])
         super().deallocate(request_id)
 
 
@@ -164,6 +165,37 @@ def test_a_broken_backend_fails_with_its_name_the_case_and_how_to_reproduce(
     assert re.search(
         rf"reproduce: pytest \S*{failing_case}\S* -p kvcache_core.testing --kvcache-backend {backend}", output
     )
+
+
+OLD_SIGNATURE_PLUGIN = """
+from kvcache_core import BackendSpec, hookimpl
+from kvcache_core.backends.numpy import NumpyStorage
+
+
+class OldSignatureStorage(NumpyStorage):
+    # Written before the attention features: paged_attention takes none of their keywords.
+    attention_features = frozenset()
+
+    def paged_attention(self, layer, query, page_table, qo_indptr, scale, causal):
+        return super().paged_attention(layer, query, page_table, qo_indptr, scale, causal)
+
+
+@hookimpl
+def kvcache_register_backends():
+    yield BackendSpec(name="oldsig", storage_factory=OldSignatureStorage, description="paged_attention of 0.1")
+"""
+
+
+def test_the_kit_passes_a_storage_whose_paged_attention_predates_the_attention_features(
+    pytester: pytest.Pytester, plugin_dir: Path, add_distribution: AddDistribution
+) -> None:
+    add_distribution(plugin_dir, "kvtest-oldsig", "0.1", "oldsig", "kvtest_oldsig", OLD_SIGNATURE_PLUGIN)
+    result = run_kit(pytester, "--kvcache-backend", "oldsig", "-k", "signature or attention or step")
+
+    outcomes = result.parseoutcomes()
+    assert result.ret == 0, result.stdout.str()
+    assert outcomes["passed"] >= 5
+    assert "failed" not in outcomes
 
 
 def test_kit_failures_show_the_compared_values(pytester: pytest.Pytester, faulty: Path) -> None:

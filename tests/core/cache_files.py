@@ -16,6 +16,7 @@ import numpy as np
 from kvcache_core import AllocationRequest, CacheConfig
 from kvcache_core.offload.prefix_file import cached_records, write_blocks
 from kvcache_core.offload.tiers import OffloadTier
+from kvcache_core.testing import inspect
 from tests.core.support import BLOCK, DIM, HEADS, LAYERS, Array, Manager, make_config, make_manager
 
 #: Four full blocks and one token.
@@ -77,7 +78,7 @@ def write_file(path: Path, header: dict[str, Any] | str, keys: Array, values: Ar
 def snapshot(manager: Manager) -> tuple[object, ...]:
     """What a refused load must leave as it was: the block counts and the cached hashes."""
     stats = manager.stats()
-    prefix = manager.prefix_cache
+    prefix = inspect.prefix_cache(manager)
     hashes = sorted(entry.block_hash for entry in prefix.entries()) if prefix is not None else []
     return stats.free_blocks, stats.cached_blocks, stats.used_blocks, hashes
 
@@ -120,6 +121,6 @@ def write_repeatedly(path: str, blocks: int, times: int) -> None:
     process of the concurrent-save tests runs)."""
     source = pool()
     admit(source, "r", [blocks * 100 + token for token in range(blocks * BLOCK + 1)])
-    records = cached_records(source._access)  # pyright: ignore[reportPrivateUsage]
+    records = cached_records(inspect.block_pool(source))
     for _ in range(times):
         write_blocks(path, config(), records)

@@ -8,6 +8,7 @@ from kvcache_core import CacheConfig
 from kvcache_core.errors import InvalidConfigError
 from kvcache_core.offload.events import CachedBlockIndex
 from kvcache_core.paging.prefix import PrefixCache, hash_block, namespace_root
+from kvcache_core.testing import inspect
 from tests.core.support import admit, assert_holds, make_manager
 
 
@@ -42,9 +43,9 @@ def test_blocks_of_one_namespace_never_map_into_a_pool_of_another() -> None:
     source = make_manager(model_id="model-a")
     admit(source, "r", prompt)
     target = make_manager(model_id="model-b")
-    entries = {entry.block_hash: entry for entry in (source.prefix_cache or PrefixCache()).entries()}
+    entries = {entry.block_hash: entry for entry in (inspect.prefix_cache(source) or PrefixCache()).entries()}
     for entry in entries.values():  # the target's cache cannot find the source's chain
-        assert (target.prefix_cache or PrefixCache()).get(entry.block_hash) is None
+        assert (inspect.prefix_cache(target) or PrefixCache()).get(entry.block_hash) is None
     handle = admit(target, "r", prompt)
     assert handle.num_cached_tokens() == 0
     assert_holds(target, handle, prompt)

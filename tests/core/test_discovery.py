@@ -17,6 +17,7 @@ from kvcache_core.cli import main
 from kvcache_core.discovery import KNOWN_BACKENDS, get_backend, get_plugin_manager, installed_backends, refresh_backends
 from kvcache_core.errors import BackendConflictError, BackendNotFoundError, BackendUnavailableError
 from kvcache_core.plugin import KvCachePluginWarning
+from kvcache_core.testing import inspect
 
 AddDistribution = Callable[[Path, str, str, str, str, str], None]
 
@@ -197,8 +198,8 @@ def test_an_option_the_storage_does_not_take_is_refused_by_name() -> None:
 
 def test_the_placement_policy_is_chosen_at_creation() -> None:
     config = CacheConfig(num_layers=1, num_heads=1, head_dim=2, num_blocks=4)
-    assert create_manager("numpy", config).allocator.placement == "contiguous"
-    assert create_manager("numpy", config, placement="fifo").allocator.placement == "fifo"
+    assert inspect.allocator(create_manager("numpy", config)).placement == "contiguous"
+    assert inspect.allocator(create_manager("numpy", config, placement="fifo")).placement == "fifo"
 
 
 EXIT_PLUGIN = "import sys\nsys.exit(3)\n"

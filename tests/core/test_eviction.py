@@ -15,6 +15,7 @@ from kvcache_core import (
     MemoryPressure,
     OutOfBlocksError,
 )
+from kvcache_core.testing import inspect
 from tests.core import support
 from tests.core.support import Handle, Manager
 
@@ -166,10 +167,10 @@ def test_a_refused_allocation_evicts_nothing() -> None:
     admit(manager, "a", PROMPT_A)
     manager.deallocate("a")
     before = dataclasses.asdict(manager.stats())
-    cached = manager.allocator.cached_blocks()
+    cached = inspect.cached_blocks(manager)
     with pytest.raises(OutOfBlocksError):
         manager.allocate(AllocationRequest("big", initial_tokens=5 * BLOCK))
     after = dataclasses.asdict(manager.stats())
     assert after.pop("allocation_failures") == before.pop("allocation_failures") + 1
     assert after == before
-    assert manager.allocator.cached_blocks() == cached
+    assert inspect.cached_blocks(manager) == cached

@@ -11,6 +11,7 @@ import pytest
 from kvcache_core import AllocationRequest, CacheConfig
 from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.errors import SharedBlockWriteError
+from kvcache_core.testing import inspect
 from kvcache_core.testing.oracle import dense_attention
 from tests.core import support
 from tests.core.support import Array, Handle, Manager
@@ -68,7 +69,7 @@ def test_fork_shares_every_block_holding_tokens_and_copies_nothing() -> None:
     shared = parent.block_table().physical_blocks[:2]
     assert child.block_table().physical_blocks == shared
     assert child.num_tokens() == 6
-    assert [manager.allocator.ref_count(block) for block in shared] == [2, 2]
+    assert [inspect.allocator(manager).ref_count(block) for block in shared] == [2, 2]
     assert manager.stats().used_blocks == used  # the reserved empty blocks stay the parent's
     assert storage.copies == []
     assert manager.stats().copy_on_write_count == 0
@@ -96,7 +97,7 @@ def test_the_first_write_into_a_shared_block_copies_exactly_that_block() -> None
     assert manager.stats().copy_on_write_count == 1
     manager.extend(child, 1)  # the block is the child's alone now: no copy
     assert len(storage.copies) == 1
-    assert manager.allocator.ref_count(partial) == 1
+    assert inspect.allocator(manager).ref_count(partial) == 1
     manager.check_invariants()
 
 

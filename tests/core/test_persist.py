@@ -19,6 +19,7 @@ from kvcache_core import CacheConfig, OutOfBlocksError, UnsupportedConfigError, 
 from kvcache_core.errors import CacheFileError, CorruptCacheFileError, IncompatibleCacheFileError
 from kvcache_core.offload.events import CacheEvent
 from kvcache_core.paging.prefix import PrefixCache
+from kvcache_core.testing import inspect
 from tests.core.support import Manager, admit, assert_holds, make_manager
 
 PROMPT = list(range(500, 517))  # 4 full blocks of 4 and one token
@@ -33,7 +34,7 @@ def saved(tmp_path: Path, **overrides: Any) -> Path:
 
 
 def snapshot(manager: Manager) -> tuple[object, ...]:
-    prefix = manager.prefix_cache or PrefixCache()
+    prefix = inspect.prefix_cache(manager) or PrefixCache()
     stats = manager.stats()
     return (
         stats.free_blocks,

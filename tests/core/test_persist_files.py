@@ -22,6 +22,7 @@ from kvcache_core.offload import safe_files
 from kvcache_core.offload.file_header import MAX_HEADER_BYTES
 from kvcache_core.offload.prefix_file import cached_records, read_blocks
 from kvcache_core.offload.tiers import DiskTier, HostTier
+from kvcache_core.testing import inspect
 from tests.core.cache_files import (
     PROMPT,
     admit,
@@ -128,7 +129,7 @@ def test_a_disk_tier_write_never_follows_a_link_planted_at_its_temporary_name(
     tier.bind(config())
     source = pool()
     admit(source, "r", PROMPT)
-    record = cached_records(source._access)[0]  # pyright: ignore[reportPrivateUsage]
+    record = cached_records(source._pool)[0]  # pyright: ignore[reportPrivateUsage]
     assert tier.put(record) == []
     assert victim.read_bytes() == VICTIM
     peeked = tier.peek(record.key)
@@ -281,7 +282,7 @@ def test_a_disk_tier_file_of_another_size_than_written_is_refused_unread(tmp_pat
     tier.bind(config())
     source = pool()
     admit(source, "r", PROMPT)
-    record = cached_records(source._access)[0]  # pyright: ignore[reportPrivateUsage]
+    record = cached_records(source._pool)[0]  # pyright: ignore[reportPrivateUsage]
     tier.put(record)
     with tier.path_of(record.key).open("ab") as stream:
         stream.write(b"\x00" * 64)
@@ -332,7 +333,7 @@ def test_a_disk_tier_file_that_cannot_be_removed_is_forgotten_with_a_warning(
     tier.bind(config())
     source = pool()
     admit(source, "r", PROMPT)
-    records = cached_records(source._access)  # pyright: ignore[reportPrivateUsage]
+    records = cached_records(inspect.block_pool(source))
     for record in records:
         tier.put(record)
     real_unlink = os.unlink

@@ -13,6 +13,7 @@ import pytest
 
 from kvcache_core import AllocationRequest, CacheConfig, create_manager
 from kvcache_core.paging.prefix import PrefixCache, hash_block
+from kvcache_core.testing import inspect
 from tests.core.support import DIM, HEADS, LAYERS, Manager, admit, assert_holds, compute, make_manager, token_kv
 
 
@@ -59,7 +60,7 @@ def test_sixty_four_requests_sharing_a_1000_token_prompt_hit_every_shared_block(
     assert stats.used_blocks == shared_blocks + own_blocks
     first_blocks = {h.block_table().physical_blocks[:shared_blocks] for h in handles}
     assert len(first_blocks) == 1
-    assert all(manager.allocator.ref_count(block) == 64 for block in next(iter(first_blocks)))
+    assert all(inspect.allocator(manager).ref_count(block) == 64 for block in next(iter(first_blocks)))
     manager.check_invariants()
     for handle, prompt in zip(handles[::9], prompts[::9], strict=True):
         assert_holds(manager, handle, prompt)
@@ -275,7 +276,7 @@ def test_a_prefix_computed_twice_is_cached_twice_and_hits_prefer_blocks_in_use()
     second = manager.allocate(AllocationRequest("b", initial_tokens=13, prompt_token_ids=tuple(prompt)))
     compute(manager, first, prompt, 13)  # both computed before either was cached
     compute(manager, second, prompt, 13)
-    prefix = manager.prefix_cache
+    prefix = inspect.prefix_cache(manager)
     assert prefix is not None
     assert len(prefix) == 6  # three hashes, two blocks each
     manager.deallocate("a")

@@ -59,6 +59,7 @@ from kvcache_core.errors import (
     UnknownRequestError,
 )
 from kvcache_core.paging.allocator import Placement
+from kvcache_core.testing import inspect
 from kvcache_core.testing.oracle import dense_attention
 from kvcache_core.testing.world import assert_same_state, snapshot
 from tests.core.support import Array, Handle, Manager, make_manager
@@ -849,7 +850,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert stats.used_blocks == len(counts)
         if not self.caching:
             assert stats.cached_blocks == 0
-        allocator = self.manager.allocator
+        allocator = inspect.allocator(self.manager)
         assert [allocator.ref_count(block) for block in range(NUM_BLOCKS)] == [counts[b] for b in range(NUM_BLOCKS)]
         assert stats.active_caches == len(self.model)
         swapped = [request for request in self.model.values() if request.swapped]

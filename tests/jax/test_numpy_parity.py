@@ -23,6 +23,7 @@ from kvcache_core import (
     create_manager,
 )
 from kvcache_core.backends.numpy import NumpyStorage
+from kvcache_core.testing import inspect
 from kvcache_jax import JaxStorage
 
 HostArray = npt.NDArray[Any]
@@ -124,8 +125,8 @@ def test_random_operation_sequences_give_bit_identical_pools_and_gathers(dtype: 
         elif action == "deallocate":
             twins.deallocate(str(rng.choice(live)))
         else:
-            in_use = np.flatnonzero(twins.reference.allocator.in_use_mask())
-            free = np.flatnonzero(~twins.reference.allocator.in_use_mask())
+            in_use = np.flatnonzero(inspect.allocator(twins.reference).in_use_mask())
+            free = np.flatnonzero(~inspect.allocator(twins.reference).in_use_mask())
             count = min(len(in_use), len(free), int(rng.integers(1, 4)))
             if count == 0:
                 continue

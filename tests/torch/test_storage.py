@@ -23,6 +23,7 @@ from kvcache_core.cli.demo import DemoOptions, run_demo
 from kvcache_core.discovery import get_backend
 from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, ShapeMismatchError
 from kvcache_core.offload import host_form
+from kvcache_core.testing import inspect
 from kvcache_torch import TorchStorage
 from tests.torch.support import DTYPES, LAYOUTS, NO_CUDA, TORCH_DTYPES, Manager, fill, make_manager, random_kv
 
@@ -257,7 +258,7 @@ def test_blocks_to_host_and_back_are_bit_identical(device: str, dtype: str, layo
     assert keys.dtype == host_form.host_dtype(dtype)  # core's host form: bfloat16 as uint16 bit patterns
     tokens = host_form.host_values(config, keys)[1].reshape(-1, config.num_heads, config.head_dim)[:10]
     assert np.array_equal(tokens, storage.to_numpy(filled.keys[1][0]))
-    free = np.flatnonzero(~manager.allocator.in_use_mask())[: len(blocks)].astype(np.int64)
+    free = np.flatnonzero(~inspect.allocator(manager).in_use_mask())[: len(blocks)].astype(np.int64)
     storage.blocks_from_host(free, keys, values)
     back_keys, back_values = storage.blocks_to_host(free)
     assert np.array_equal(back_keys, keys)
@@ -281,7 +282,7 @@ def test_copy_blocks_copies_every_layer_of_k_and_v(device: str, layout: str) -> 
     filled = fill(manager, [8, 5], seed=6)
     storage = manager.storage
     source = np.asarray(filled.handles[0].block_table().physical_blocks, dtype=np.int64)
-    targets = np.flatnonzero(~manager.allocator.in_use_mask())[: len(source)].astype(np.int64)
+    targets = np.flatnonzero(~inspect.allocator(manager).in_use_mask())[: len(source)].astype(np.int64)
     storage.copy_blocks(source, targets)
     for got, want in zip(storage.blocks_to_host(targets), storage.blocks_to_host(source), strict=True):
         assert np.array_equal(got, want)

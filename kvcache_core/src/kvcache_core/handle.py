@@ -3,15 +3,17 @@ request's cache in a :class:`~kvcache_core.manager.PagedKvCacheManager`."""
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+import warnings
+from typing import Any, Generic, TypeGuard, TypeVar
 
 from kvcache_core import _moved
 from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.device import Device
 from kvcache_core.contract.stats import CacheHandleStats
+from kvcache_core.errors import ForeignHandleError
 from kvcache_core.paging.request_state import RequestState
 
-__all__ = ["PagedKvCacheHandle"]
+__all__ = ["PagedKvCacheHandle", "handle_state", "resident_state"]
 
 ArrayT = TypeVar("ArrayT")
 
@@ -31,7 +33,14 @@ class PagedKvCacheHandle(Generic[ArrayT]):
 
     @property
     def request_state(self) -> RequestState[ArrayT]:
-        """The shared state (manager plumbing)."""
+        """Deprecated: the shared state (manager plumbing); internal, will be removed in
+        0.4.0 (tests read it with :func:`kvcache_core.testing.inspect.request_state`)."""
+        warnings.warn(
+            "PagedKvCacheHandle.request_state is internal and will be removed in 0.4.0 "
+            "(tests: kvcache_core.testing.inspect.request_state(handle))",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self._state
 
     @property
@@ -72,12 +81,19 @@ class PagedKvCacheHandle(Generic[ArrayT]):
             return [table.copy() for table in self._state.tables]
 
     def block_table_mut(self) -> BlockTable:
-        """The live block table. The manager extends it; a caller changing it directly
-        bypasses the allocator's ownership records.
+        """Deprecated: the live block table (internal, will be removed in 0.4.0; read
+        :meth:`block_table`, a snapshot). A caller changing it bypasses the allocator's
+        ownership records.
 
         Raises:
             ManagerClosedError: the request's manager is closed.
         """
+        warnings.warn(
+            "PagedKvCacheHandle.block_table_mut() is internal and will be removed in 0.4.0; "
+            "use block_table() (a snapshot)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         self._state.check_open()
         return self._state.table
 
@@ -181,6 +197,33 @@ class PagedKvCacheHandle(Generic[ArrayT]):
             f"PagedKvCacheHandle(request_id={state.request_id!r}, tokens={state.table.sequence_length}, "
             f"blocks={state.table.num_blocks()}, {status})"
         )
+
+
+def handle_state(handle: PagedKvCacheHandle[Any]) -> RequestState[Any]:
+    """The request state behind ``handle`` (manager plumbing)."""
+    return handle._state  # pyright: ignore[reportPrivateUsage]
+
+
+def resident_state(handle: object, owner: object) -> RequestState[Any]:
+    """The state of ``handle``'s request, checked to belong to ``owner`` and be resident.
+
+    Raises:
+        ForeignHandleError: not a handle of ``owner``'s.
+        InvalidHandleError, SwappedOutError: the request was deallocated, or is swapped out.
+    """
+    as_any = getattr(handle, "as_any", None)  # downcast, as the seed crate does
+    concrete: object = as_any() if callable(as_any) else None
+    if not _is_paged_handle(concrete):
+        raise ForeignHandleError(f"expected a handle from this manager, got {type(handle).__name__}")
+    state = concrete._state  # pyright: ignore[reportPrivateUsage]
+    if state.owner is not owner:
+        raise ForeignHandleError(f"the handle of request {state.request_id!r} belongs to another manager")
+    state.check_resident()
+    return state
+
+
+def _is_paged_handle(value: object) -> TypeGuard[PagedKvCacheHandle[Any]]:
+    return isinstance(value, PagedKvCacheHandle)
 
 
 def __getattr__(name: str) -> object:

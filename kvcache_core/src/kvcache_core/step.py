@@ -16,59 +16,33 @@ goes through the manager's one write path, which refuses blocks that became immu
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.attention.features import ArrayCheck
-from kvcache_core.attention.reference import check_attention_call
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import SlotArray
-from kvcache_core.errors import ShapeMismatchError
 
-__all__ = ["Step", "StepHooks"]
+__all__ = ["Step", "StepRunner"]
 
 ArrayT = TypeVar("ArrayT")
 
 
-@dataclass(frozen=True)
-class StepHooks(Generic[ArrayT]):
-    """What a step needs of the manager that planned it (bound methods; manager plumbing).
+class StepRunner(Protocol[ArrayT]):
+    """What a step needs of the manager that planned it: the manager's data path bound to
+    the step's requests (it holds the manager's lock around each call and refuses a stale
+    step with :class:`~kvcache_core.errors.StaleStepError`)."""
 
-    Attributes:
-        lock: the manager's lock (held around each call).
-        check_current: raises :class:`~kvcache_core.errors.StaleStepError` if one of the
-            step's requests changed since it was planned.
-        place: a layer's ``(KV-cache group, storage layer)``, or ``LayerIndexError``.
-        layer_chunk: a (checked) layer's chunk from its ``LayerSpec``, or ``None``.
-        check_array: ``(name, array, expected_shape, finite=False)``: shape and dtype
-            against the pool (and, ``finite``, the values).
-        check_query: the query's shape, after checking it and its dtype.
-        write: ``(storage layer, slots, keys, values, writable_at) -> epoch``: the manager's
-            one write path (array checks, the writability of the slots, the scatter and its
-            bookkeeping); ``writable_at`` is the epoch at which the slots were last found
-            writable, the result the epoch at which they were found writable now.
-        attention: ``(storage layer, query, page_table, qo_indptr, scale, causal, **features)``:
-            the kernel (``features``: the attention features the call sets).
-        attention_features: the attention capabilities the storage serves
-            (:mod:`kvcache_core.attention.features`).
-        backend: the backend's name, for messages.
-    """
+    def write(self, step: Step[ArrayT], layer: int, keys: ArrayT, values: ArrayT) -> None:
+        """The manager's one write path, over ``step``'s slots of the layer's group."""
+        ...
 
-    lock: AbstractContextManager[object]
-    check_current: Callable[[], None]
-    place: Callable[[object], tuple[int, int]]
-    layer_chunk: Callable[[int], int | None]
-    check_array: ArrayCheck
-    check_query: Callable[[object], tuple[int, ...]]
-    write: Callable[[int, SlotArray, ArrayT, ArrayT, int], int]
-    attention: Callable[..., ArrayT]
-    attention_features: frozenset[str] = field(default_factory=frozenset[str])
-    backend: str = "custom"
+    def attention(
+        self, step: Step[ArrayT], layer: int, query: ArrayT, scale: float | None, causal: bool, features: dict[str, Any]
+    ) -> ArrayT:
+        """The manager's one attention entry, over ``step``'s page tables and offsets."""
+        ...
 
 
 class Step(Generic[ArrayT]):
@@ -90,8 +64,7 @@ class Step(Generic[ArrayT]):
     """
 
     __slots__ = (
-        "_hooks",
-        "_writable_at",
+        "_runner",
         "head_dim",
         "new_tokens",
         "num_heads",
@@ -104,7 +77,7 @@ class Step(Generic[ArrayT]):
 
     def __init__(
         self,
-        hooks: StepHooks[ArrayT],
+        runner: StepRunner[ArrayT],
         request_ids: tuple[str, ...],
         new_tokens: tuple[int, ...],
         slots: SlotArray,
@@ -112,7 +85,7 @@ class Step(Generic[ArrayT]):
         num_heads: int,
         head_dim: int,
     ) -> None:
-        self._hooks = hooks
+        self._runner = runner
         self.request_ids = request_ids
         self.new_tokens = new_tokens
         slots = np.array(slots, dtype=np.int64)
@@ -126,10 +99,6 @@ class Step(Generic[ArrayT]):
         self.qo_indptr: npt.NDArray[np.int32] = indptr
         self.num_heads = num_heads
         self.head_dim = head_dim
-        # Per KV-cache group, the epoch at which the group's slots were last found writable
-        # (-1: not yet): a block of the step that is registered in the prefix cache or
-        # mapped by another request after planning is never written in place.
-        self._writable_at = [-1] * len(page_tables)
 
     @property
     def num_new_tokens(self) -> int:
@@ -158,12 +127,7 @@ class Step(Generic[ArrayT]):
                 serves or several requests share.
             LayerIndexError, ShapeMismatchError, DTypeMismatchError, ArrayTypeError.
         """
-        hooks = self._hooks
-        with hooks.lock:
-            hooks.check_current()
-            group, index = hooks.place(layer)
-            slots = self.slots if self.slots.ndim == 1 else self.slots[group]
-            self._writable_at[group] = hooks.write(index, slots, keys, values, self._writable_at[group])
+        self._runner.write(self, layer, keys, values)
 
     def attention(
         self,
@@ -202,31 +166,8 @@ class Step(Generic[ArrayT]):
             InvalidTypeError (``causal``), UnsupportedConfigError (a feature the storage
             does not serve: the message names the capability).
         """
-        hooks = self._hooks
-        with hooks.lock:
-            hooks.check_current()
-            group, index = hooks.place(layer)
-            table = self.page_tables[group]
-            if chunk is None:
-                chunk = hooks.layer_chunk(int(layer))  # a chunked layer of the config's layer_specs
-            shape = hooks.check_query(query)
-            if shape[0] != self.num_new_tokens:
-                raise ShapeMismatchError(
-                    f"query has {shape[0]} tokens; the step added {self.num_new_tokens} "
-                    f"(new tokens per request: {list(self.new_tokens)})"
-                )
-            checked_scale, features = check_attention_call(
-                scale,
-                causal,
-                self.head_dim,
-                {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk},
-                served=hooks.attention_features,
-                backend=hooks.backend,
-                query_heads=shape[1],
-                table_window=table.sliding_window,
-                check_array=hooks.check_array,
-            )
-            return hooks.attention(index, query, table, self.qo_indptr, checked_scale, causal, **features)
+        features = {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk}
+        return self._runner.attention(self, layer, query, scale, causal, features)
 
     def __repr__(self) -> str:
         return f"Step(requests={list(self.request_ids)}, new_tokens={list(self.new_tokens)})"

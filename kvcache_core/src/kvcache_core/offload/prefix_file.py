@@ -47,12 +47,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core._pool_access import PoolAccess
 from kvcache_core.contract.config import SCALE_BYTES
 from kvcache_core.errors import (
     CorruptCacheFileError,
@@ -64,6 +63,7 @@ from kvcache_core.errors import (
 from kvcache_core.offload.file_header import block_entry, kvcache_header, read_container, same_json, shown
 from kvcache_core.offload.file_tensors import block_in_host_form, load_tensors, stack_blocks
 from kvcache_core.offload.safe_files import file_path, write_file_atomically
+from kvcache_core.paging.block_pool import BlockPool
 from kvcache_core.paging.prefix import PrefixEntry, hash_block, namespace_root
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ __all__ = [
     "FORMAT_VERSION",
     "HASH_ALGORITHM",
     "BlockRecord",
+    "RecordStore",
     "install_cached_blocks",
     "load_prefix_cache",
     "read_blocks",
@@ -348,7 +349,24 @@ def _record(
 # -- the manager's side -------------------------------------------------------------------
 
 
-def cached_records(pool: PoolAccess) -> list[BlockRecord]:
+class RecordStore(Protocol):
+    """Where cached blocks go past the pool and come from for a save: the manager's offload
+    tiers (:class:`~kvcache_core.offload.tier_stack.TierChain`); false when there are none."""
+
+    def __bool__(self) -> bool:
+        """Whether there is anywhere to put records."""
+        ...
+
+    def store(self, records: list[BlockRecord]) -> int:
+        """Put ``records`` in; return how many are held afterwards."""
+        ...
+
+    def records(self) -> list[BlockRecord]:
+        """Every record held, checked."""
+        ...
+
+
+def cached_records(pool: BlockPool) -> list[BlockRecord]:
     """Every block hash the pool holds, parents first, with its K/V copied to the host in
     one ``blocks_to_host`` call (:func:`chain_order` then keeps those whose whole chain is
     held). Call with the manager's lock held."""
@@ -387,13 +405,13 @@ def cached_records(pool: PoolAccess) -> list[BlockRecord]:
     ]
 
 
-def install_cached_blocks(pool: PoolAccess, records: list[BlockRecord]) -> int:
+def install_cached_blocks(pool: BlockPool, tiers: RecordStore, records: list[BlockRecord]) -> int:
     """Put ``records`` (parents first) into the pool as cached blocks, findable by later
     requests: one ``blocks_from_host`` call. Call with the manager's lock held.
 
     Records already cached (their hash in their KV-cache group), and records whose parent
     is neither cached nor among the records, are skipped. Only free blocks are used (nothing cached is evicted for them);
-    with offload tiers, the records past them go to the first tier.
+    with offload tiers (``tiers``), the records past them go to the first tier.
 
     Transactional: whatever the storage raises, the blocks taken go back and nothing is
     registered.
@@ -428,7 +446,7 @@ def install_cached_blocks(pool: PoolAccess, records: list[BlockRecord]) -> int:
         todo.append(record)
     free = pool.allocator.free_block_count()
     overflow: list[BlockRecord] = []
-    if len(todo) > free and pool.tiers:  # the chains' tails go to the offload tiers
+    if len(todo) > free and tiers:  # the chains' tails go to the offload tiers
         todo, overflow = todo[:free], todo[free:]
     if len(todo) > free:
         raise OutOfBlocksError(
@@ -436,7 +454,7 @@ def install_cached_blocks(pool: PoolAccess, records: list[BlockRecord]) -> int:
             f"free (cached blocks are not evicted for them); free some with gc() or deallocate"
         )
     if not todo:
-        return pool.tiers.store(overflow)
+        return tiers.store(overflow)
     allocator = pool.allocator
     blocks = allocator.allocate(len(todo))
     pool.group_of[blocks] = [record.group for record in todo]
@@ -473,7 +491,7 @@ def install_cached_blocks(pool: PoolAccess, records: list[BlockRecord]) -> int:
     # Children first into the evictor, so a chain is evicted from its tail.
     if installed:
         allocator.release(installed[::-1], installed[-1], pool.keep_cached)
-    return len(installed) + pool.tiers.store(overflow)
+    return len(installed) + tiers.store(overflow)
 
 
 def chain_order(records: list[BlockRecord]) -> list[BlockRecord]:
@@ -505,9 +523,9 @@ def chain_order(records: list[BlockRecord]) -> list[BlockRecord]:
     return [record for _, record in ranked]
 
 
-def save_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
-    """Write every cached prefix block of ``manager``, in its pool and in its offload tiers,
-    to ``path`` (see the module docstring).
+def save_prefix_cache(pool: BlockPool, tiers: RecordStore, path: str | os.PathLike[str]) -> int:
+    """Write every cached prefix block of a manager, in its pool and in its offload tiers
+    (``tiers``), to ``path`` (see the module docstring).
 
     Returns:
         The blocks written.
@@ -521,14 +539,14 @@ def save_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
     file_path(path)
     if pool.prefix is None:
         raise UnsupportedConfigError("save_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
-    records = chain_order(cached_records(pool) + pool.tiers.records())
+    records = chain_order(cached_records(pool) + tiers.records())
     write_blocks(path, pool.config, records)
     return len(records)
 
 
-def load_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
-    """Map the blocks of a file :func:`save_prefix_cache` wrote into ``manager``'s prefix
-    cache (as cached blocks: later prompts hit them). Blocks already cached are skipped.
+def load_prefix_cache(pool: BlockPool, tiers: RecordStore, path: str | os.PathLike[str]) -> int:
+    """Map the blocks of a file :func:`save_prefix_cache` wrote into the prefix cache of
+    ``pool`` (overflow into ``tiers``) (as cached blocks: later prompts hit them). Blocks already cached are skipped.
 
     Returns:
         The blocks loaded.
@@ -545,4 +563,4 @@ def load_prefix_cache(pool: PoolAccess, path: str | os.PathLike[str]) -> int:
     file_path(path)
     if pool.prefix is None:
         raise UnsupportedConfigError("load_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
-    return install_cached_blocks(pool, read_blocks(path, pool.config))
+    return install_cached_blocks(pool, tiers, read_blocks(path, pool.config))

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvcache_core._pool_access import PoolAccess
 from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.groups import first_visible_block
 from kvcache_core.errors import TierError
@@ -38,10 +37,12 @@ from kvcache_core.offload.events import EventHub
 from kvcache_core.offload.guarded_tiers import GuardedTiers, overflow_items
 from kvcache_core.offload.prefix_file import BlockRecord, block_checksum, record_key
 from kvcache_core.offload.tiers import OffloadTier, TierStats
+from kvcache_core.paging.block_pool import BlockPool
 from kvcache_core.paging.prefix import PrefixEntry, hash_block
 
 if TYPE_CHECKING:
     from kvcache_core.contract.config import CacheConfig
+    from kvcache_core.paging.chains import PrefixChains
     from kvcache_core.paging.request_state import RequestState
 
 __all__ = ["TierChain"]
@@ -92,7 +93,12 @@ class TierChain:
 
     # -- pool -> tiers ------------------------------------------------------------------
 
-    def demote(self, pool: PoolAccess, count: int) -> None:
+    def before_evict(self, pool: BlockPool, count: int) -> None:
+        """The pool's eviction sink (:class:`~kvcache_core.paging.block_pool.EvictionSink`):
+        :meth:`demote`."""
+        self.demote(pool, count)
+
+    def demote(self, pool: BlockPool, count: int) -> None:
         """Copy the ``count`` cached blocks the pool is about to evict (least recently used
         first) into the first tier, where the last block of their hash in their KV-cache
         group leaves the pool with them: one record per hash and group. The one storage
@@ -188,7 +194,7 @@ class TierChain:
 
     # -- tiers -> pool ------------------------------------------------------------------
 
-    def promote(self, pool: PoolAccess, state: RequestState[Any]) -> int:
+    def promote(self, pool: BlockPool, chains: PrefixChains, state: RequestState[Any]) -> int:
         """Bring the tiers' blocks that continue a new request's cached prefix into its
         blocks, in every KV-cache group (one ``blocks_from_host`` call), register them and
         start the request after them; called by ``allocate`` before it commits. A group
@@ -207,14 +213,14 @@ class TierChain:
         if not self._guard.tiers:
             return 0
         try:
-            return self._promote(pool, state)
+            return self._promote(pool, chains, state)
         except BaseException:
             for table in state.tables:
                 pool.release_table(list(table.physical_blocks))
             state.tables = state.empty_tables()
             raise
 
-    def _promote(self, pool: PoolAccess, state: RequestState[Any]) -> int:
+    def _promote(self, pool: BlockPool, chains: PrefixChains, state: RequestState[Any]) -> int:
         start = len(state.chain)
         if start * self._config.block_size != state.table.sequence_length:
             return 0
@@ -250,14 +256,14 @@ class TierChain:
             for group, index in self._needed(start, count)
             if pooled[group][index] is None
         ]
-        return self._write(pool, state, start, count, self._layout(state, start, count, pooled), records)
+        return self._write(pool, chains, state, start, count, self._layout(state, start, count, pooled), records)
 
     def _tokens(self, state: RequestState[Any], logical: int) -> tuple[int, ...]:
         block_size = self._config.block_size
         return tuple(state.token_ids[logical * block_size : (logical + 1) * block_size])
 
     def _continuation(
-        self, pool: PoolAccess, state: RequestState[Any], start: int
+        self, pool: BlockPool, state: RequestState[Any], start: int
     ) -> tuple[list[bytes], list[list[int | None]]]:
         """The hashes of the prompt's full blocks from ``start`` on, while the pool or a tier
         holds a block of each (in any group), and per group the pool block of each hash
@@ -318,7 +324,7 @@ class TierChain:
 
     def _servable(
         self,
-        pool: PoolAccess,
+        pool: BlockPool,
         state: RequestState[Any],
         start: int,
         have: list[list[bool]],
@@ -347,7 +353,8 @@ class TierChain:
 
     def _write(
         self,
-        pool: PoolAccess,
+        pool: BlockPool,
+        chains: PrefixChains,
         state: RequestState[Any],
         start: int,
         count: int,
@@ -431,7 +438,7 @@ class TierChain:
             if unused:
                 pool.release_table(unused)
         state.cached_tokens += count * block_size
-        pool.advance_chain(state)
+        chains.advance(state)
         for _, _, (level, _) in records:
             self._guard.counts[self._guard.names[level]][0] += 1
         return count
@@ -491,7 +498,7 @@ def _hash_of(key: bytes) -> bytes:
     return key[:32]
 
 
-def _give_back(pool: PoolAccess, taken: list[list[int]]) -> None:
+def _give_back(pool: BlockPool, taken: list[list[int]]) -> None:
     """Return blocks taken for a promotion that did not happen to the free list."""
     for blocks in taken:
         if blocks:

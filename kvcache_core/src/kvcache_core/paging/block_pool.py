@@ -10,8 +10,7 @@ what it changed, and none of them knows about requests beyond the block lists it
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -23,12 +22,22 @@ from kvcache_core.paging.allocator import BlockAllocator, Placement
 from kvcache_core.paging.prefix import PrefixCache, PrefixEntry
 from kvcache_core.paging.request_state import RequestState, SwapRecord, next_generation
 
-__all__ = ["BlockPool", "blocks_for"]
+__all__ = ["BlockPool", "EvictionSink", "blocks_for"]
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
     """Blocks that ``tokens`` positions fill (ceil division)."""
     return -(-tokens // block_size)
+
+
+class EvictionSink(Protocol):
+    """What takes copies of the cached blocks the pool is about to evict (the offload tier
+    stack implements it; the manager wires it to the pool)."""
+
+    def before_evict(self, pool: BlockPool, count: int) -> None:
+        """Called with the ``count`` least recently used cached blocks of ``pool``
+        (``pool.allocator.cached_blocks()[:count]``) still in place, before they leave."""
+        ...
 
 
 class BlockPool:
@@ -68,8 +77,8 @@ class BlockPool:
         self.eviction_count = 0
         self.allocation_failures = 0
         self.copy_on_write_count = 0
-        # Called with the count before cached blocks are evicted (offload tiers demote them).
-        self.before_evict: Callable[[int], None] | None = None
+        # Takes copies of cached blocks before they are evicted (offload tiers demote them).
+        self.eviction_sink: EvictionSink | None = None
 
     # -- counts and messages -----------------------------------------------------------
 
@@ -115,8 +124,8 @@ class BlockPool:
         if not count:
             return
         assert self.prefix is not None, "cached blocks without a prefix cache"
-        if self.before_evict is not None:
-            self.before_evict(count)  # the tiers take copies of the blocks about to leave
+        if self.eviction_sink is not None:
+            self.eviction_sink.before_evict(self, count)  # the tiers take copies of the blocks about to leave
         for block in self.allocator.evict(count):
             self.unregister(block)
         self.eviction_count += count

@@ -40,6 +40,7 @@ from kvcache_core.errors import (
 )
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.testing import inspect
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.kv_data import sevens
 from kvcache_core.testing.world import (
@@ -119,7 +120,7 @@ def write_good_kv(world: World, layer: object = 0, slots: object = None) -> None
 
 
 def first_free_block(world: World) -> int:
-    return world.manager.allocator.free_extents()[0][0]
+    return inspect.allocator(world.manager).free_extents()[0][0]
 
 
 def decode_query(world: World, heads: int = 4, dim: int = 4, rows: int = 2, dtype: str | None = None) -> Any:

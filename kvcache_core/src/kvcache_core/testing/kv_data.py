@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.testing import inspect
 from kvcache_core.testing.backend import BackendUnderTest
 
 __all__ = ["keyed_kv", "pool_hashes", "sevens"]
@@ -39,5 +40,4 @@ def sevens(manager: PagedKvCacheManager[Any], shape: tuple[int, ...], dtype: str
 
 def pool_hashes(manager: PagedKvCacheManager[Any]) -> frozenset[bytes]:
     """The block hashes ``manager``'s prefix cache holds (none without prefix caching)."""
-    prefix = manager.prefix_cache
-    return frozenset() if prefix is None else frozenset(entry.block_hash for entry in prefix.entries())
+    return inspect.pool_hashes(manager)

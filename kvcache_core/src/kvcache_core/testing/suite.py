@@ -42,6 +42,7 @@ from kvcache_core.testing.catalogue import MANAGER_CASES, BadCall, check_bad_cal
 from kvcache_core.testing.features import FeatureCases
 from kvcache_core.testing.host_forms import HostFormCases
 from kvcache_core.testing.hybrid import HybridCases
+from kvcache_core.testing.inspect import allocator
 from kvcache_core.testing.machine import run_reference_machine
 from kvcache_core.testing.policies import PolicyCases
 from kvcache_core.testing.quantized import QuantizedCases
@@ -72,10 +73,9 @@ def _signature_problem(
 ) -> str | None:
     """Why ``implementation`` cannot be called as ``protocol_member`` is, or ``None``.
 
-    ``unclaimed``: optional parameters of the Protocol that serve a capability the storage does
-    not claim; the manager never passes them, so the implementation need not accept them
-    (protocols grow additively: a storage written before a feature keeps passing).
-    """
+    Protocols grow additively: an optional parameter in ``unclaimed`` (one that serves a
+    capability the storage does not claim, which the manager never passes it) may be
+    missing."""
     if isinstance(protocol_member, property):
         return None
     if not callable(implementation):
@@ -90,7 +90,7 @@ def _signature_problem(
         if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
             if parameter.default is parameter.empty:
                 positional.append(object())
-        elif parameter.kind is parameter.KEYWORD_ONLY and parameter.default is parameter.empty:
+        elif parameter.kind is parameter.KEYWORD_ONLY and parameter.name not in unclaimed:
             keywords[parameter.name] = object()
     try:
         signature.bind(*positional, **keywords)
@@ -98,9 +98,11 @@ def _signature_problem(
         return f"cannot be called like the Protocol's {signature}: {exc}"
     # Every optional parameter of the Protocol must be accepted too.
     for parameter in list(inspect.signature(protocol_member).parameters.values())[1:]:
-        if parameter.name in unclaimed:
-            continue
-        if parameter.default is not parameter.empty and parameter.kind is not parameter.VAR_KEYWORD:
+        if (
+            parameter.default is not parameter.empty
+            and parameter.kind is not parameter.VAR_KEYWORD
+            and parameter.name not in unclaimed
+        ):
             try:
                 signature.bind_partial(**{parameter.name: object()})
             except TypeError:
@@ -139,16 +141,17 @@ class KvCacheConformance(
         self, kvcache_backend: BackendUnderTest
     ) -> None:
         storage = kvcache_backend.manager().storage
+        served = storage_attention_features(storage)
+        # The attention features' keywords are optional for a storage that serves none of them.
+        unclaimed = frozenset(name for name, capability in FEATURE_CAPABILITIES.items() if capability not in served)
         problems: list[str] = []
         for name, member in _protocol_members(KvStorage).items():
             if not hasattr(storage, name):
                 problems.append(f"{name}: missing")
                 continue
-            unclaimed = frozenset[str]()
-            if name == "paged_attention":
-                served = storage_attention_features(storage)
-                unclaimed = frozenset(k for k, capability in FEATURE_CAPABILITIES.items() if capability not in served)
-            problem = _signature_problem(member, getattr(storage, name), unclaimed)
+            problem = _signature_problem(
+                member, getattr(storage, name), unclaimed if name == "paged_attention" else frozenset()
+            )
             if problem is not None:
                 problems.append(f"{name}: {problem}")
         if problems:
@@ -317,7 +320,7 @@ class KvCacheConformance(
             gathered = BackendUnderTest.host(manager, manager.gather(handles[0], 1)[0])
             flat = host_form.host_values(config, keys)[1].reshape(-1, config.num_heads, config.head_dim)
             assert np.array_equal(flat[: handles[0].num_tokens()], gathered), f"{context}: blocks_to_host"
-            free = [b for b in range(config.num_blocks) if not manager.allocator.in_use_mask()[b]][: len(blocks)]
+            free = [b for b in range(config.num_blocks) if not allocator(manager).in_use_mask()[b]][: len(blocks)]
             targets = np.asarray(free, dtype=np.int64)
             storage.blocks_from_host(targets, keys, values)
             back_keys, back_values = storage.blocks_to_host(targets)

@@ -28,6 +28,7 @@ from kvcache_core.contract.protocols import SlotArray
 from kvcache_core.errors import KvCacheError
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.testing import inspect
 from kvcache_core.testing.backend import BackendUnderTest
 
 __all__ = [
@@ -159,10 +160,10 @@ def snapshot(manager: Manager) -> Snapshot:
     for name in FAILURE_COUNTERS:
         del stats[name]
     handles = manager.list_handles()
-    allocator = manager.allocator
-    prefix = manager.prefix_cache
+    allocator = inspect.allocator(manager)
+    prefix = inspect.prefix_cache(manager)
     entries = [None if prefix is None else prefix.entry_of(block) for block in range(allocator.num_blocks)]
-    swapped = [(rid, handle.request_state.swap) for rid, handle in handles]
+    swapped = [(rid, inspect.request_state(handle).swap) for rid, handle in handles]
     return Snapshot(
         stats=stats,
         tables=[(rid, [table.to_dict() for table in handle.block_tables()]) for rid, handle in handles],
