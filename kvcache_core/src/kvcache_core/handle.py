@@ -81,16 +81,17 @@ class PagedKvCacheHandle(Generic[ArrayT]):
             return [table.copy() for table in self._state.tables]
 
     def block_table_mut(self) -> BlockTable:
-        """Deprecated: the live block table (internal, will be removed in 0.4.0; read
-        :meth:`block_table`, a snapshot). A caller changing it bypasses the allocator's
-        ownership records.
+        """Deprecated outside the manager: the live block table, which the manager owns (a
+        caller changing it bypasses the allocator's ownership records). The member stays, as
+        one of the seed trait's fifteen; from 0.4.0 this handle stops handing the live table
+        out. Read :meth:`block_table`, a snapshot.
 
         Raises:
             ManagerClosedError: the request's manager is closed.
         """
         warnings.warn(
-            "PagedKvCacheHandle.block_table_mut() is internal and will be removed in 0.4.0; "
-            "use block_table() (a snapshot)",
+            "PagedKvCacheHandle.block_table_mut() hands out the table the manager owns; from 0.4.0 "
+            "it stops doing so: use block_table() (a snapshot)",
             DeprecationWarning,
             stacklevel=2,
         )

@@ -49,7 +49,9 @@ class KvCacheHandle(Protocol[ArrayT_co]):
         ...
 
     def block_table_mut(self) -> BlockTable:
-        """The live block table, for the manager to extend; others should not change it."""
+        """The live block table, for the manager to extend; others should not change it
+        (:class:`~kvcache_core.PagedKvCacheHandle` warns: from 0.4.0 it keeps the live table to
+        its manager)."""
         ...
 
     def as_any(self) -> object:
