@@ -104,6 +104,22 @@ def assert_holds(manager: Manager, handle: Handle, tokens: Sequence[int]) -> Non
             assert np.array_equal(values[position - first], expected_values), (handle.request_id, layer, position)
 
 
+def demote(manager: Manager, prompt: Sequence[int]) -> None:
+    """Admit ``prompt`` as ``"a"``, release it and demote its cached blocks to the tiers."""
+    admit(manager, "a", prompt)
+    manager.deallocate("a")
+    manager.gc()
+
+
+def assert_hit(manager: Manager, prompt: Sequence[int], cached_tokens: int) -> Handle:
+    """Admit ``prompt`` as ``"again"``: ``cached_tokens`` come from the cache and every layer
+    holds the prompt's K/V."""
+    again = admit(manager, "again", prompt)
+    assert again.num_cached_tokens() == cached_tokens
+    assert_holds(manager, again, prompt)
+    return again
+
+
 def tier_keys(tier: OffloadTier) -> set[tuple[bytes, int]]:
     return {split_key(key) for key in tier.hashes()}
 
@@ -168,9 +184,7 @@ def test_each_groups_block_is_demoted_when_the_last_pool_block_of_its_group_leav
     manager.deallocate("b")
     manager.gc()
     assert {(block_hash, 1) for block_hash in hashes} <= tier_keys(host)
-    again = admit(manager, "again", prompt)
-    assert again.num_cached_tokens() == 12
-    assert_holds(manager, again, prompt)
+    assert_hit(manager, prompt, 12)
     manager.check_invariants()
 
 
@@ -252,13 +266,9 @@ def test_a_promotion_is_shortened_until_every_group_has_the_records_it_needs(
     host = HostTier(1 << 20)
     manager = hybrid(16, host)
     prompt = prompt_of(1, 5)
-    admit(manager, "a", prompt)
-    manager.deallocate("a")
-    manager.gc()
+    demote(manager, prompt)
     host.discard(record_key(chain_hashes(prompt, 5)[logical], group))
-    again = admit(manager, "again", prompt)
-    assert again.num_cached_tokens() == cached
-    assert_holds(manager, again, prompt)
+    assert_hit(manager, prompt, cached)
     manager.check_invariants()
 
 
@@ -267,14 +277,10 @@ def test_a_pool_prefix_hit_continues_from_the_tiers_in_every_group() -> None:
     manager = hybrid(16, host)
     prompt = prompt_of(1, 5)
     hashes = chain_hashes(prompt, 5)
-    admit(manager, "a", prompt)
-    manager.deallocate("a")
-    manager.gc()
+    demote(manager, prompt)
     admit(manager, "short", prompt[:9])  # blocks 0 and 1 promoted, back in the pool in both groups
     manager.deallocate("short")
-    again = admit(manager, "again", prompt)
-    assert again.num_cached_tokens() == 20
-    assert_holds(manager, again, prompt)
+    assert_hit(manager, prompt, 20)
     assert tier_keys(host) == {(hashes[2], 1)}  # group 1's blocks 0 and 1 are in the pool, 2 unneeded
     manager.check_invariants()
 
@@ -291,9 +297,7 @@ def test_a_storage_failure_while_promoting_a_hybrid_prefix_leaks_nothing(
     disk = DiskTier(tmp_path, 1 << 22)
     manager: Manager = PagedKvCacheManager(storage, backend="numpy", config=inner.config, tiers=[disk])
     prompt = prompt_of(1, 5)
-    admit(manager, "a", prompt)
-    manager.deallocate("a")
-    manager.gc()
+    demote(manager, prompt)
     before = snapshot(manager)
     storage.fail_at = len(storage.calls)  # the promotion's blocks_from_host
     request = AllocationRequest("b", initial_tokens=len(prompt), prompt_token_ids=tuple(prompt))
@@ -314,9 +318,7 @@ def test_a_storage_failure_while_promoting_a_hybrid_prefix_leaks_nothing(
     manager.gc()
     stats = manager.stats()
     assert (stats.used_blocks, stats.cached_blocks, stats.free_blocks) == (0, 0, 16)  # nothing leaked
-    again = admit(manager, "again", prompt)
-    assert again.num_cached_tokens() == 20
-    assert_holds(manager, again, prompt)
+    assert_hit(manager, prompt, 20)
     manager.check_invariants()
 
 
@@ -325,9 +327,7 @@ def test_a_disk_tier_files_each_groups_record_apart_and_reads_its_group_back(tmp
     manager = hybrid(16, disk)
     prompt = prompt_of(1, 2)
     hashes = chain_hashes(prompt, 2)
-    admit(manager, "a", prompt)
-    manager.deallocate("a")
-    manager.gc()
+    demote(manager, prompt)
     names = sorted(path.name for path in tmp_path.iterdir())
     assert names == sorted(
         [f"{block_hash.hex()}.safetensors" for block_hash in hashes]
@@ -416,15 +416,11 @@ def test_a_sliding_window_pool_promotes_as_far_as_its_window_reaches_back(tmp_pa
     manager = hybrid(16, disk, num_layers=2, layer_specs=None, sliding_window=WINDOW)
     assert manager.config.num_groups == 1
     prompt = prompt_of(1, 5)
-    admit(manager, "a", prompt)
-    manager.deallocate("a")
-    manager.gc()
+    demote(manager, prompt)
     assert set(disk.hashes()) == set(chain_hashes(prompt, 5))  # one group: keyed by the bare hash
-    again = admit(manager, "again", prompt)
     # Every promoted block must stay held to be hashed: the window (6) from position 8
     # still sees block 0, from 12 it does not.
-    assert again.num_cached_tokens() == 8
-    assert_holds(manager, again, prompt)
+    assert_hit(manager, prompt, 8)
     manager.check_invariants()
     # A pool hit over the first three blocks lets the tiers serve the last two.
     manager.deallocate("again")
@@ -524,7 +520,5 @@ def test_a_tier_keyed_by_hash_serves_a_plain_pool_and_never_gives_another_groups
         assert manager.save_prefix_cache(tmp_path / "saved.safetensors") == 0  # none passes as group 0's
     assert manager.tier_stats()[0].failures == 3
     assert legacy.hashes() == []  # dropped as unreadable
-    again = admit(manager, "again", prompt)
-    assert again.num_cached_tokens() == 0
-    assert_holds(manager, again, prompt)
+    assert_hit(manager, prompt, 0)
     manager.check_invariants()
