@@ -40,6 +40,15 @@ def pool(**fields: Any) -> CacheConfig:
     return CacheConfig(**{**base, **fields})
 
 
+def written(manager: Any, layer: int, lengths: tuple[int, int], rng: np.random.Generator) -> list[Any]:
+    """Requests ``"a"`` and ``"b"`` of ``lengths`` tokens, written in ``layer`` with Gaussian
+    K/V of 2 heads of 32 features drawn from ``rng``; their handles."""
+    handles = [manager.allocate(AllocationRequest(rid)) for rid in ("a", "b")]
+    slots = np.concatenate([manager.extend(handle, length) for handle, length in zip(handles, lengths, strict=True)])
+    manager.write(layer, slots, *(rng.standard_normal((len(slots), 2, 32)).astype(np.float32) for _ in range(2)))
+    return handles
+
+
 # -- config -------------------------------------------------------------------------------
 
 
@@ -186,9 +195,7 @@ def test_the_compiled_kernel_dequantizes_like_the_reference(
     config = pool(dtype=dtype, kv_layout=kv_layout, num_blocks=64, head_dim=32, sliding_window=None)
     manager = create_manager("numpy", config)
     rng = np.random.default_rng(5)
-    handles = [manager.allocate(AllocationRequest(rid)) for rid in ("a", "b")]
-    slots = np.concatenate([manager.extend(handles[0], 37), manager.extend(handles[1], 90)])
-    manager.write(1, slots, *(rng.standard_normal((127, 2, 32)).astype(np.float32) for _ in range(2)))
+    handles = written(manager, 1, (37, 90), rng)
     query = rng.standard_normal((2, 4, 32)).astype(np.float32)
     table = manager.page_table(handles)
     compiled = manager.paged_attention(1, query, table)
@@ -208,9 +215,7 @@ def test_attention_features_on_a_quantized_pool_match_the_reference(
     config = pool(dtype=dtype, num_blocks=64, head_dim=32, sliding_window=None)
     manager = create_manager("numpy", config)
     rng = np.random.default_rng(8)
-    handles = [manager.allocate(AllocationRequest(rid)) for rid in ("a", "b")]
-    slots = np.concatenate([manager.extend(handles[0], 41), manager.extend(handles[1], 77)])
-    manager.write(0, slots, *(rng.standard_normal((118, 2, 32)).astype(np.float32) for _ in range(2)))
+    handles = written(manager, 0, (41, 77), rng)
     query = rng.standard_normal((2, 4, 32)).astype(np.float32)
     sinks = rng.standard_normal(4).astype(np.float32)
     table = manager.page_table(handles)
