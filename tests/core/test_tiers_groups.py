@@ -53,6 +53,12 @@ def hybrid(num_blocks: int, *tiers: OffloadTier, **overrides: Any) -> Manager:
     return create_manager("numpy", config_of(num_blocks, **overrides), tiers=list(tiers))
 
 
+def hybrid_over_host(num_blocks: int) -> tuple[Manager, HostTier]:
+    """:func:`hybrid` of ``num_blocks`` blocks over one host tier with room for every record."""
+    host = HostTier(1 << 20)
+    return hybrid(num_blocks, host), host
+
+
 def record_bytes(manager: Manager) -> int:
     return manager.config.bytes_per_block
 
@@ -171,8 +177,7 @@ def test_a_hybrid_prefix_is_demoted_per_group_and_promoted_bit_exact_in_every_gr
 
 
 def test_each_groups_block_is_demoted_when_the_last_pool_block_of_its_group_leaves() -> None:
-    host = HostTier(1 << 20)
-    manager = hybrid(12, host)
+    manager, host = hybrid_over_host(12)
     prompt = prompt_of(1, 3)
     hashes = chain_hashes(prompt, 3)
     admit(manager, "a", prompt)
@@ -263,8 +268,7 @@ def test_a_failed_promotion_gives_back_the_pool_blocks_it_mapped(
 def test_a_promotion_is_shortened_until_every_group_has_the_records_it_needs(
     group: int, logical: int, cached: int
 ) -> None:
-    host = HostTier(1 << 20)
-    manager = hybrid(16, host)
+    manager, host = hybrid_over_host(16)
     prompt = prompt_of(1, 5)
     demote(manager, prompt)
     host.discard(record_key(chain_hashes(prompt, 5)[logical], group))
@@ -273,8 +277,7 @@ def test_a_promotion_is_shortened_until_every_group_has_the_records_it_needs(
 
 
 def test_a_pool_prefix_hit_continues_from_the_tiers_in_every_group() -> None:
-    host = HostTier(1 << 20)
-    manager = hybrid(16, host)
+    manager, host = hybrid_over_host(16)
     prompt = prompt_of(1, 5)
     hashes = chain_hashes(prompt, 5)
     demote(manager, prompt)
@@ -380,8 +383,7 @@ def test_replayed_events_name_the_hashes_of_every_medium_with_groups(tmp_path: P
 
 
 def test_a_saved_prefix_cache_holds_the_tiers_group_records_and_loads_them_back(tmp_path: Path) -> None:
-    host = HostTier(1 << 20)
-    manager = hybrid(16, host)
+    manager, _ = hybrid_over_host(16)
     prompts = [prompt_of(seed, 3) for seed in range(2)]
     for number, prompt in enumerate(prompts):
         admit(manager, f"r{number}", prompt)
