@@ -13,7 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, NamedTuple
 
 import pytest
@@ -73,7 +73,9 @@ class Prefilled(NamedTuple):
 
 
 @contextlib.contextmanager
-def prefilled(batch: int, length: int, pads: Sequence[int] = (), num_blocks: int = 96) -> Iterator[Prefilled]:
+def prefilled(
+    batch: int, length: int, pads: Sequence[int] = (), num_blocks: int = 96
+) -> Generator[Prefilled, None, None]:
     """``prompts(batch, length, pads)`` through one forward of a paged llama into a fresh
     :class:`PagedCache` of ``num_blocks`` blocks, open for the ``with`` block."""
     model, _ = model_pair("llama", "paged")
