@@ -126,6 +126,14 @@ def run_kit(pytester: pytest.Pytester, *args: str, source: str = KIT_FILE) -> py
     return pytester.runpytest("-p", "kvcache_core.testing", "--kvcache-max-examples", "5", "-q", *args)
 
 
+def failing_kit_output(pytester: pytest.Pytester, *args: str) -> str:
+    """What :func:`run_kit` prints for a run that must fail (asserted)."""
+    result = run_kit(pytester, *args)
+    output = result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, output
+    return output
+
+
 def test_the_kit_passes_the_numpy_backend(pytester: pytest.Pytester, faulty: Path) -> None:
     result = run_kit(pytester, "--kvcache-backend", "numpy")
 
@@ -199,19 +207,13 @@ def test_the_kit_passes_a_storage_whose_paged_attention_predates_the_attention_f
 
 
 def test_kit_failures_show_the_compared_values(pytester: pytest.Pytester, faulty: Path) -> None:
-    result = run_kit(pytester, "--kvcache-backend", "lossy", "-k", "batched_write")
-
-    output = result.stdout.str()
-    assert result.ret == pytest.ExitCode.TESTS_FAILED, output
+    output = failing_kit_output(pytester, "--kvcache-backend", "lossy", "-k", "batched_write")
     # Assertion rewriting inside the kit: the failed comparison is explained.
     assert "+  where False = <function array_equal" in output, output
 
 
 def test_the_state_machine_catches_a_lost_write(pytester: pytest.Pytester, faulty: Path) -> None:
-    result = run_kit(pytester, "--kvcache-backend", "lossy", "-k", "state_machine")
-
-    output = result.stdout.str()
-    assert result.ret == pytest.ExitCode.TESTS_FAILED, output
+    output = failing_kit_output(pytester, "--kvcache-backend", "lossy", "-k", "state_machine")
     assert "differ from the NumPy reference" in output
     assert "state = ReferenceMachine_lossy" in output  # Hypothesis prints the failing steps
 
@@ -346,10 +348,7 @@ def test_kvcache_check_of_a_good_backend_exits_zero() -> None:
 def test_a_storage_returning_a_list_from_gather_fails_on_one_line_naming_it(
     pytester: pytest.Pytester, faulty: Path
 ) -> None:
-    result = run_kit(pytester, "--kvcache-backend", "listy", "-k", "returns")
-
-    output = result.stdout.str()
-    assert result.ret == pytest.ExitCode.TESTS_FAILED, output
+    output = failing_kit_output(pytester, "--kvcache-backend", "listy", "-k", "returns")
     lines = output.splitlines()
     header = next(
         i for i, line in enumerate(lines) if "test_every_storage_method_returns" in line and "_ TestKit" in line
@@ -402,10 +401,7 @@ def test_the_verdict_of_a_backend_claiming_no_policy_says_so(faulty: Path) -> No
 
 
 def test_require_all_fails_the_tests_of_unclaimed_policies(pytester: pytest.Pytester, faulty: Path) -> None:
-    result = run_kit(pytester, "--kvcache-backend", "bare", "--kvcache-require-all", "-k", "fork or swap")
-
-    output = result.stdout.str()
-    assert result.ret == pytest.ExitCode.TESTS_FAILED, output
+    output = failing_kit_output(pytester, "--kvcache-backend", "bare", "--kvcache-require-all", "-k", "fork or swap")
     assert "kvcache backend 'bare' does not claim capability 'fork' (--kvcache-require-all)" in output
     assert "bare: FAIL" in output
 
@@ -446,10 +442,7 @@ def test_the_same_bug_gives_the_same_failures_every_run(pytester: pytest.Pyteste
 
 def test_failure_explanations_truncate_arrays(pytester: pytest.Pytester, faulty: Path) -> None:
     # -vv lifts pytest's own length limit on reprs: the arrays' print options still cut them.
-    result = run_kit(pytester, "--kvcache-backend", "lossy", "-k", "references_to_the_pool", "-vv")
-
-    output = result.stdout.str()
-    assert result.ret == pytest.ExitCode.TESTS_FAILED, output
+    output = failing_kit_output(pytester, "--kvcache-backend", "lossy", "-k", "references_to_the_pool", "-vv")
     explanation = [line for line in output.splitlines() if line.startswith("E ")]
     assert explanation[0].split(maxsplit=1)[1] == (
         "AssertionError: dtype float32, layout NHD: a write is not visible through key_cache taken "
@@ -493,9 +486,7 @@ def test_the_rerun_line_of_kvcache_check_reproduces_the_failure_when_pasted(faul
 def test_the_rerun_line_of_a_backends_own_test_file_reproduces_when_pasted(
     pytester: pytest.Pytester, faulty: Path
 ) -> None:
-    result = run_kit(pytester, "--kvcache-backend", "lossy", "-k", "round_trips")
-    output = result.stdout.str()
-    assert result.ret == pytest.ExitCode.TESTS_FAILED, output
+    output = failing_kit_output(pytester, "--kvcache-backend", "lossy", "-k", "round_trips")
     line = next(line for line in output.splitlines() if line.startswith("reproduce: ")).removeprefix("reproduce: ")
     assert shlex.split(line)[1].startswith("test_kit_run.py::TestKit::test_write_then_gather_round_trips"), line
 

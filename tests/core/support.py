@@ -119,6 +119,14 @@ def admit(manager: Manager, request_id: str, prompt: Sequence[int], **fields: An
     return handle
 
 
+def admit_and_release(manager: Manager, prompts: Sequence[Sequence[int]]) -> None:
+    """Admit each prompt as request ``r<index>`` and release it at once: its full blocks stay
+    cached, the oldest first in line for eviction."""
+    for index, prompt in enumerate(prompts):
+        admit(manager, f"r{index}", prompt)
+        manager.deallocate(f"r{index}")
+
+
 def assert_holds(manager: Manager, handle: Handle, tokens: Sequence[int]) -> None:
     """Every layer of ``handle`` holds the K/V of ``tokens`` (up to its length)."""
     for layer in range(LAYERS):

@@ -58,6 +58,17 @@ def grow(manager: Manager, handle: Handle, count: int, seed: int) -> list[tuple[
     return write_random(manager, manager.extend(handle, count), seed)
 
 
+def diverged(manager: Manager, shared: int, parent_tokens: int, child_tokens: int) -> tuple[Handle, Handle]:
+    """Request ``"p"`` grown by ``shared`` tokens and forked into ``"c"``, then the parent
+    grown by ``parent_tokens`` and the child by ``child_tokens`` (seeds 1, 2 and 3)."""
+    parent = manager.allocate(AllocationRequest("p"))
+    grow(manager, parent, shared, seed=1)
+    child = manager.fork(parent, "c")
+    grow(manager, parent, parent_tokens, seed=2)
+    grow(manager, child, child_tokens, seed=3)
+    return parent, child
+
+
 def test_fork_shares_every_block_holding_tokens_and_copies_nothing() -> None:
     manager, storage = counting_manager()
     parent = manager.allocate(AllocationRequest("p", initial_tokens=20))  # 5 blocks reserved
@@ -123,11 +134,7 @@ def test_forked_requests_diverge_without_seeing_each_others_writes() -> None:
 
 def test_a_fork_at_a_block_boundary_copies_nothing() -> None:
     manager, storage = counting_manager()
-    parent = manager.allocate(AllocationRequest("p"))
-    grow(manager, parent, 8, seed=1)
-    child = manager.fork(parent, "c")
-    grow(manager, parent, 3, seed=2)
-    grow(manager, child, 3, seed=3)
+    parent, child = diverged(manager, 8, 3, 3)
     assert storage.copies == []
     assert parent.block_table().physical_blocks[:2] == child.block_table().physical_blocks[:2]
 
@@ -200,11 +207,7 @@ def test_reference_counts_stay_exact_through_forks_writes_and_deallocations() ->
 
 def test_attention_over_forked_requests_reads_each_ones_own_tokens() -> None:
     manager, _ = counting_manager()
-    parent = manager.allocate(AllocationRequest("p"))
-    grow(manager, parent, 6, seed=1)
-    child = manager.fork(parent, "c")
-    grow(manager, parent, 2, seed=2)
-    grow(manager, child, 4, seed=3)
+    parent, child = diverged(manager, 6, 2, 4)
     query = np.random.default_rng(4).standard_normal((2, HEADS, DIM)).astype(np.float32)
     output = manager.paged_attention(0, query, manager.page_table([parent, child]))
     for row, handle in enumerate((parent, child)):

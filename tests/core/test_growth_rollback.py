@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("safetensors")
 
-from kvcache_core import AllocationRequest, CacheConfig, LayerSpec, create_manager
+from kvcache_core import AllocationRequest, CacheConfig, LayerSpec, PagedKvCacheHandle, create_manager
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.offload.tiers import HostTier
 from kvcache_core.testing.faults import CallInjector, FaultyStorage, InjectedFaultError
@@ -20,6 +20,7 @@ from kvcache_core.testing.tiers import FaultyTier, Interrupted
 from kvcache_core.testing.world import Snapshot, assert_same_state, snapshot
 
 Manager = PagedKvCacheManager[Any]
+Handle = PagedKvCacheHandle[Any]
 BLOCK = 4
 OLD = tuple(range(500, 500 + 2 * BLOCK))  # two full blocks, cached once released
 PROMPT = tuple(range(100, 100 + BLOCK + 2))  # a full block and a partial one
@@ -71,6 +72,18 @@ def tables_and_counts(state: Snapshot) -> Snapshot:
     return dataclasses.replace(state, pools=[])
 
 
+def forked_before_an_interrupt(num_blocks: int) -> tuple[Manager, Handle, Handle, Snapshot]:
+    """``hybrid(num_blocks)`` with ``"r"`` forked into ``"f"``: the manager, the parent, the
+    child and the snapshot taken then; the tier's next call is interrupted."""
+    manager, counter, _ = hybrid(num_blocks)
+    parent = manager.get_handle("r")
+    assert parent is not None
+    child = manager.fork(parent, "f")
+    before = snapshot(manager)
+    interrupt_next_tier_call(counter)
+    return manager, parent, child, before
+
+
 def test_an_interrupted_demotion_for_the_second_group_gives_back_the_first_groups_blocks() -> None:
     manager, counter, _ = hybrid(num_blocks=9)  # one free block: the window group's must evict
     handle = manager.get_handle("r")
@@ -87,12 +100,8 @@ def test_an_interrupted_demotion_for_the_second_group_gives_back_the_first_group
 
 
 def test_an_interrupted_demotion_after_copies_gives_back_the_copies() -> None:
-    manager, counter, _ = hybrid(num_blocks=11)  # three free: two copies and the first group's block
-    parent = manager.get_handle("r")
-    assert parent is not None
-    child = manager.fork(parent, "f")
-    before = snapshot(manager)
-    interrupt_next_tier_call(counter)
+    # Three free blocks: two copies and the first group's block.
+    manager, parent, child, before = forked_before_an_interrupt(num_blocks=11)
     with pytest.raises(Interrupted):
         manager.extend(child, BLOCK)
     assert_same_state(tables_and_counts(snapshot(manager)), tables_and_counts(before))
@@ -103,12 +112,8 @@ def test_an_interrupted_demotion_after_copies_gives_back_the_copies() -> None:
 
 
 def test_an_interrupted_step_leaves_every_request_of_the_batch_as_it_was() -> None:
-    manager, counter, _ = hybrid(num_blocks=13)  # five free: the fork's copies and blocks, one of "r"'s
-    parent = manager.get_handle("r")
-    assert parent is not None
-    child = manager.fork(parent, "f")
-    before = snapshot(manager)
-    interrupt_next_tier_call(counter)
+    # Five free blocks: the fork's copies and blocks, one of "r"'s.
+    manager, parent, child, before = forked_before_an_interrupt(num_blocks=13)
     with pytest.raises(Interrupted):
         manager.begin_step([child, parent], BLOCK)
     assert_same_state(tables_and_counts(snapshot(manager)), tables_and_counts(before))

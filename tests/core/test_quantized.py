@@ -40,6 +40,27 @@ def pool(**fields: Any) -> CacheConfig:
     return CacheConfig(**{**base, **fields})
 
 
+def written(manager: Any, layer: int, lengths: tuple[int, int], rng: np.random.Generator) -> list[Any]:
+    """Requests ``"a"`` and ``"b"`` of ``lengths`` tokens, written in ``layer`` with Gaussian
+    K/V of 2 heads of 32 features drawn from ``rng``; their handles."""
+    handles = [manager.allocate(AllocationRequest(rid)) for rid in ("a", "b")]
+    slots = np.concatenate([manager.extend(handle, length) for handle, length in zip(handles, lengths, strict=True)])
+    manager.write(layer, slots, *(rng.standard_normal((len(slots), 2, 32)).astype(np.float32) for _ in range(2)))
+    return handles
+
+
+def prompt_written(manager: Any, prompt: tuple[int, ...], rng: np.random.Generator) -> Any:
+    """Request ``"a"`` of ``prompt`` (its token ids given), every layer written with Gaussian
+    keys from ``rng`` and their negation as values; its handle."""
+    config = manager.config
+    handle = manager.allocate(AllocationRequest("a", prompt_token_ids=prompt))
+    slots = manager.extend(handle, len(prompt), token_ids=prompt)
+    for layer in range(config.num_layers):
+        keys = rng.standard_normal((len(prompt), config.num_heads, config.head_dim)).astype(np.float32)
+        manager.write(layer, slots, keys, -keys)
+    return handle
+
+
 # -- config -------------------------------------------------------------------------------
 
 
@@ -186,9 +207,7 @@ def test_the_compiled_kernel_dequantizes_like_the_reference(
     config = pool(dtype=dtype, kv_layout=kv_layout, num_blocks=64, head_dim=32, sliding_window=None)
     manager = create_manager("numpy", config)
     rng = np.random.default_rng(5)
-    handles = [manager.allocate(AllocationRequest(rid)) for rid in ("a", "b")]
-    slots = np.concatenate([manager.extend(handles[0], 37), manager.extend(handles[1], 90)])
-    manager.write(1, slots, *(rng.standard_normal((127, 2, 32)).astype(np.float32) for _ in range(2)))
+    handles = written(manager, 1, (37, 90), rng)
     query = rng.standard_normal((2, 4, 32)).astype(np.float32)
     table = manager.page_table(handles)
     compiled = manager.paged_attention(1, query, table)
@@ -208,9 +227,7 @@ def test_attention_features_on_a_quantized_pool_match_the_reference(
     config = pool(dtype=dtype, num_blocks=64, head_dim=32, sliding_window=None)
     manager = create_manager("numpy", config)
     rng = np.random.default_rng(8)
-    handles = [manager.allocate(AllocationRequest(rid)) for rid in ("a", "b")]
-    slots = np.concatenate([manager.extend(handles[0], 41), manager.extend(handles[1], 77)])
-    manager.write(0, slots, *(rng.standard_normal((118, 2, 32)).astype(np.float32) for _ in range(2)))
+    handles = written(manager, 0, (41, 77), rng)
     query = rng.standard_normal((2, 4, 32)).astype(np.float32)
     sinks = rng.standard_normal(4).astype(np.float32)
     table = manager.page_table(handles)
@@ -227,12 +244,7 @@ def test_a_saved_prefix_cache_loads_back_with_its_raw_bytes_and_scales(dtype: st
     config = pool(dtype=dtype, head_dim=8, num_blocks=16, enable_prefix_caching=True, model_id="m")
     prompt = tuple(range(10, 22))
     saved = create_manager("numpy", config)
-    handle = saved.allocate(AllocationRequest("a", prompt_token_ids=prompt))
-    slots = saved.extend(handle, len(prompt), token_ids=prompt)
-    rng = np.random.default_rng(4)
-    for layer in range(2):
-        keys = rng.standard_normal((12, 2, 8)).astype(np.float32)
-        saved.write(layer, slots, keys, -keys)
+    handle = prompt_written(saved, prompt, np.random.default_rng(4))
     blocks = np.asarray(handle.block_table().physical_blocks, dtype=np.int64)
     expected = saved.storage.blocks_to_host(blocks)
     saved.deallocate("a")
@@ -251,12 +263,7 @@ def test_an_offload_tier_gives_back_evicted_blocks_with_their_scales(dtype: str)
     config = pool(dtype=dtype, head_dim=8, num_blocks=6, enable_prefix_caching=True, model_id="m")
     manager = create_manager("numpy", config, tiers=[HostTier(1 << 20)])
     prompt = tuple(range(10, 19))
-    handle = manager.allocate(AllocationRequest("a", prompt_token_ids=prompt))
-    slots = manager.extend(handle, len(prompt), token_ids=prompt)
-    rng = np.random.default_rng(6)
-    for layer in range(2):
-        keys = rng.standard_normal((9, 2, 8)).astype(np.float32)
-        manager.write(layer, slots, keys, -keys)
+    handle = prompt_written(manager, prompt, np.random.default_rng(6))
     before = [array.copy() for array in manager.gather(handle, 1)]
     manager.deallocate("a")
     manager.allocate(AllocationRequest("fill", initial_tokens=24))  # the whole pool: evicts the cached blocks

@@ -951,18 +951,22 @@ LIFE_CYCLE = settings(max_examples=80, stateful_step_count=50, deadline=None)
 POLICIES = settings(max_examples=300, stateful_step_count=60, deadline=None)
 
 
+@LIFE_CYCLE
 class NHDCacheMachine(CacheMachine):
     kv_layout = "NHD"
 
 
+@LIFE_CYCLE
 class HNDCacheMachine(CacheMachine):
     kv_layout = "HND"
 
 
+@LIFE_CYCLE
 class HeadsFirstCacheMachine(CacheMachine):
     kv_layout = "heads_first"
 
 
+@LIFE_CYCLE
 class FifoPlacementCacheMachine(CacheMachine):
     """Least-recently-freed placement scatters requests over many short runs, so
     attention reads many runs per request."""
@@ -971,6 +975,7 @@ class FifoPlacementCacheMachine(CacheMachine):
     placement = "fifo"
 
 
+@POLICIES
 class PrefixForkSwapMachine(CacheMachine):
     """Prefix caching, fork, swap and eviction: exact eviction and cache accounting."""
 
@@ -978,6 +983,7 @@ class PrefixForkSwapMachine(CacheMachine):
     kv_layout = "NHD"
 
 
+@POLICIES
 class WindowedMachine(CacheMachine):
     """Every policy and a sliding window of 6 tokens, in another layout."""
 
@@ -986,14 +992,8 @@ class WindowedMachine(CacheMachine):
 
 
 TestNHDLayout = NHDCacheMachine.TestCase
-TestNHDLayout.settings = LIFE_CYCLE
 TestHNDLayout = HNDCacheMachine.TestCase
-TestHNDLayout.settings = LIFE_CYCLE
 TestHeadsFirstLayout = HeadsFirstCacheMachine.TestCase
-TestHeadsFirstLayout.settings = LIFE_CYCLE
 TestFifoPlacement = FifoPlacementCacheMachine.TestCase
-TestFifoPlacement.settings = LIFE_CYCLE
 TestPrefixForkSwap = PrefixForkSwapMachine.TestCase
-TestPrefixForkSwap.settings = POLICIES
 TestWindowed = WindowedMachine.TestCase
-TestWindowed.settings = POLICIES

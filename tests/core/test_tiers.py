@@ -17,7 +17,7 @@ from kvcache_core.offload.events import CachedBlockIndex
 from kvcache_core.offload.tiers import DiskTier, HostTier, create_tier
 from kvcache_core.testing.kv_data import pool_hashes
 from kvcache_core.testing.world import assert_same_state, snapshot
-from tests.core.support import BLOCK, BLOCK_BYTES, admit, assert_holds, counting, prompt_of, tiered
+from tests.core.support import BLOCK, BLOCK_BYTES, admit, admit_and_release, assert_holds, counting, prompt_of, tiered
 
 
 def test_an_evicted_prefix_comes_back_from_the_host_tier_bit_exact() -> None:
@@ -40,9 +40,7 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_bit_exact() -> None:
 def test_a_full_host_tier_passes_its_oldest_blocks_to_disk_and_both_serve_hits(tmp_path: Path) -> None:
     manager = tiered(8, HostTier(3 * BLOCK_BYTES), DiskTier(tmp_path / "disk", 1 << 20))
     prompts = [prompt_of(seed, 3) for seed in range(4)]
-    for index, prompt in enumerate(prompts):
-        admit(manager, f"r{index}", prompt)
-        manager.deallocate(f"r{index}")
+    admit_and_release(manager, prompts)
     manager.gc()  # everything cached leaves the pool: the newest to host, the rest to disk
     host, disk = manager.tier_stats()
     assert host.blocks == 3
@@ -271,7 +269,7 @@ def test_a_third_party_tier_registered_by_entry_point_is_built_and_serves(plugin
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: remote-tier\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(
-        "[kvcache_core.offload.tiers]\nremote = kvtest_remote_tier:make\nbroken = kvtest_remote_tier:broken\n"
+        "[kvcache_core.tiers]\nremote = kvtest_remote_tier:make\nbroken = kvtest_remote_tier:broken\n"
     )
     remote = create_tier("remote", 64 * BLOCK_BYTES)
     assert remote.name == "remote"
@@ -290,9 +288,7 @@ def test_a_third_party_tier_registered_by_entry_point_is_built_and_serves(plugin
 def test_a_saved_prefix_cache_holds_the_tiers_blocks_too(tmp_path: Path) -> None:
     manager = tiered(8, HostTier(3 * BLOCK_BYTES), DiskTier(tmp_path / "disk", 1 << 20))
     prompts = [prompt_of(seed, 3) for seed in range(3)]
-    for index, prompt in enumerate(prompts):
-        admit(manager, f"r{index}", prompt)
-        manager.deallocate(f"r{index}")
+    admit_and_release(manager, prompts)
     manager.gc()
     admit(manager, "pool", prompts[0])  # three blocks back in the pool, six in the tiers
     assert manager.save_prefix_cache(tmp_path / "all.safetensors") == 9

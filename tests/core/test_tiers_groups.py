@@ -53,6 +53,12 @@ def hybrid(num_blocks: int, *tiers: OffloadTier, **overrides: Any) -> Manager:
     return create_manager("numpy", config_of(num_blocks, **overrides), tiers=list(tiers))
 
 
+def hybrid_over_host(num_blocks: int) -> tuple[Manager, HostTier]:
+    """:func:`hybrid` of ``num_blocks`` blocks over one host tier with room for every record."""
+    host = HostTier(1 << 20)
+    return hybrid(num_blocks, host), host
+
+
 def record_bytes(manager: Manager) -> int:
     return manager.config.bytes_per_block
 
@@ -102,6 +108,22 @@ def assert_holds(manager: Manager, handle: Handle, tokens: Sequence[int]) -> Non
             expected_keys, expected_values = token_kv(tokens, position, layer)
             assert np.array_equal(keys[position - first], expected_keys), (handle.request_id, layer, position)
             assert np.array_equal(values[position - first], expected_values), (handle.request_id, layer, position)
+
+
+def demote(manager: Manager, prompt: Sequence[int]) -> None:
+    """Admit ``prompt`` as ``"a"``, release it and demote its cached blocks to the tiers."""
+    admit(manager, "a", prompt)
+    manager.deallocate("a")
+    manager.gc()
+
+
+def assert_hit(manager: Manager, prompt: Sequence[int], cached_tokens: int) -> Handle:
+    """Admit ``prompt`` as ``"again"``: ``cached_tokens`` come from the cache and every layer
+    holds the prompt's K/V."""
+    again = admit(manager, "again", prompt)
+    assert again.num_cached_tokens() == cached_tokens
+    assert_holds(manager, again, prompt)
+    return again
 
 
 def tier_keys(tier: OffloadTier) -> set[tuple[bytes, int]]:
@@ -155,8 +177,7 @@ def test_a_hybrid_prefix_is_demoted_per_group_and_promoted_bit_exact_in_every_gr
 
 
 def test_each_groups_block_is_demoted_when_the_last_pool_block_of_its_group_leaves() -> None:
-    host = HostTier(1 << 20)
-    manager = hybrid(12, host)
+    manager, host = hybrid_over_host(12)
     prompt = prompt_of(1, 3)
     hashes = chain_hashes(prompt, 3)
     admit(manager, "a", prompt)
@@ -168,9 +189,7 @@ def test_each_groups_block_is_demoted_when_the_last_pool_block_of_its_group_leav
     manager.deallocate("b")
     manager.gc()
     assert {(block_hash, 1) for block_hash in hashes} <= tier_keys(host)
-    again = admit(manager, "again", prompt)
-    assert again.num_cached_tokens() == 12
-    assert_holds(manager, again, prompt)
+    assert_hit(manager, prompt, 12)
     manager.check_invariants()
 
 
@@ -249,32 +268,22 @@ def test_a_failed_promotion_gives_back_the_pool_blocks_it_mapped(
 def test_a_promotion_is_shortened_until_every_group_has_the_records_it_needs(
     group: int, logical: int, cached: int
 ) -> None:
-    host = HostTier(1 << 20)
-    manager = hybrid(16, host)
+    manager, host = hybrid_over_host(16)
     prompt = prompt_of(1, 5)
-    admit(manager, "a", prompt)
-    manager.deallocate("a")
-    manager.gc()
+    demote(manager, prompt)
     host.discard(record_key(chain_hashes(prompt, 5)[logical], group))
-    again = admit(manager, "again", prompt)
-    assert again.num_cached_tokens() == cached
-    assert_holds(manager, again, prompt)
+    assert_hit(manager, prompt, cached)
     manager.check_invariants()
 
 
 def test_a_pool_prefix_hit_continues_from_the_tiers_in_every_group() -> None:
-    host = HostTier(1 << 20)
-    manager = hybrid(16, host)
+    manager, host = hybrid_over_host(16)
     prompt = prompt_of(1, 5)
     hashes = chain_hashes(prompt, 5)
-    admit(manager, "a", prompt)
-    manager.deallocate("a")
-    manager.gc()
+    demote(manager, prompt)
     admit(manager, "short", prompt[:9])  # blocks 0 and 1 promoted, back in the pool in both groups
     manager.deallocate("short")
-    again = admit(manager, "again", prompt)
-    assert again.num_cached_tokens() == 20
-    assert_holds(manager, again, prompt)
+    assert_hit(manager, prompt, 20)
     assert tier_keys(host) == {(hashes[2], 1)}  # group 1's blocks 0 and 1 are in the pool, 2 unneeded
     manager.check_invariants()
 
@@ -291,9 +300,7 @@ def test_a_storage_failure_while_promoting_a_hybrid_prefix_leaks_nothing(
     disk = DiskTier(tmp_path, 1 << 22)
     manager: Manager = PagedKvCacheManager(storage, backend="numpy", config=inner.config, tiers=[disk])
     prompt = prompt_of(1, 5)
-    admit(manager, "a", prompt)
-    manager.deallocate("a")
-    manager.gc()
+    demote(manager, prompt)
     before = snapshot(manager)
     storage.fail_at = len(storage.calls)  # the promotion's blocks_from_host
     request = AllocationRequest("b", initial_tokens=len(prompt), prompt_token_ids=tuple(prompt))
@@ -314,9 +321,7 @@ def test_a_storage_failure_while_promoting_a_hybrid_prefix_leaks_nothing(
     manager.gc()
     stats = manager.stats()
     assert (stats.used_blocks, stats.cached_blocks, stats.free_blocks) == (0, 0, 16)  # nothing leaked
-    again = admit(manager, "again", prompt)
-    assert again.num_cached_tokens() == 20
-    assert_holds(manager, again, prompt)
+    assert_hit(manager, prompt, 20)
     manager.check_invariants()
 
 
@@ -325,9 +330,7 @@ def test_a_disk_tier_files_each_groups_record_apart_and_reads_its_group_back(tmp
     manager = hybrid(16, disk)
     prompt = prompt_of(1, 2)
     hashes = chain_hashes(prompt, 2)
-    admit(manager, "a", prompt)
-    manager.deallocate("a")
-    manager.gc()
+    demote(manager, prompt)
     names = sorted(path.name for path in tmp_path.iterdir())
     assert names == sorted(
         [f"{block_hash.hex()}.safetensors" for block_hash in hashes]
@@ -380,8 +383,7 @@ def test_replayed_events_name_the_hashes_of_every_medium_with_groups(tmp_path: P
 
 
 def test_a_saved_prefix_cache_holds_the_tiers_group_records_and_loads_them_back(tmp_path: Path) -> None:
-    host = HostTier(1 << 20)
-    manager = hybrid(16, host)
+    manager, _ = hybrid_over_host(16)
     prompts = [prompt_of(seed, 3) for seed in range(2)]
     for number, prompt in enumerate(prompts):
         admit(manager, f"r{number}", prompt)
@@ -416,15 +418,11 @@ def test_a_sliding_window_pool_promotes_as_far_as_its_window_reaches_back(tmp_pa
     manager = hybrid(16, disk, num_layers=2, layer_specs=None, sliding_window=WINDOW)
     assert manager.config.num_groups == 1
     prompt = prompt_of(1, 5)
-    admit(manager, "a", prompt)
-    manager.deallocate("a")
-    manager.gc()
+    demote(manager, prompt)
     assert set(disk.hashes()) == set(chain_hashes(prompt, 5))  # one group: keyed by the bare hash
-    again = admit(manager, "again", prompt)
     # Every promoted block must stay held to be hashed: the window (6) from position 8
     # still sees block 0, from 12 it does not.
-    assert again.num_cached_tokens() == 8
-    assert_holds(manager, again, prompt)
+    assert_hit(manager, prompt, 8)
     manager.check_invariants()
     # A pool hit over the first three blocks lets the tiers serve the last two.
     manager.deallocate("again")
@@ -524,7 +522,5 @@ def test_a_tier_keyed_by_hash_serves_a_plain_pool_and_never_gives_another_groups
         assert manager.save_prefix_cache(tmp_path / "saved.safetensors") == 0  # none passes as group 0's
     assert manager.tier_stats()[0].failures == 3
     assert legacy.hashes() == []  # dropped as unreadable
-    again = admit(manager, "again", prompt)
-    assert again.num_cached_tokens() == 0
-    assert_holds(manager, again, prompt)
+    assert_hit(manager, prompt, 0)
     manager.check_invariants()

@@ -7,33 +7,14 @@ the contract)."""
 # pyright: reportUnknownMemberType=false, reportUnknownVariableType=false, reportUnknownArgumentType=false
 from __future__ import annotations
 
-from typing import Any
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvcache_core import AllocationRequest, CacheConfig, create_manager
+from kvcache_core import create_manager
 from kvcache_core.errors import ShapeMismatchError
 from kvcache_jax import QuantizedJaxStorage, paged_attention
-
-QUANTIZED = ("int8", "float8_e4m3fn")
-
-
-def pool(**fields: Any) -> CacheConfig:
-    base: dict[str, Any] = {"num_layers": 2, "num_heads": 2, "head_dim": 32, "num_blocks": 48, "block_size": 4}
-    return CacheConfig(**{**base, **fields})
-
-
-def filled(config: CacheConfig, backend: str) -> tuple[Any, list[Any]]:
-    """A manager with requests of 13 and 40 tokens written in layer 1 (seeded Gaussian K/V)."""
-    manager = create_manager(backend, config)
-    handles = [manager.allocate(AllocationRequest(f"r{i}")) for i in range(2)]
-    slots = np.concatenate([manager.extend(handles[0], 13), manager.extend(handles[1], 40)])
-    rng = np.random.default_rng(2)
-    keys, values = (rng.standard_normal((len(slots), 2, 32)).astype(np.float32) for _ in range(2))
-    manager.write(1, slots, manager.storage.from_numpy(keys), manager.storage.from_numpy(values))
-    return manager, handles
+from tests.quantized_support import QUANTIZED, filled, pool
 
 
 @pytest.mark.parametrize("dtype", QUANTIZED)

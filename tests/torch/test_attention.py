@@ -61,6 +61,33 @@ def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
+def public_attention(
+    manager: Manager, layer: int, query: torch.Tensor, table: PageTable, counts: list[int], **options: Any
+) -> torch.Tensor:
+    """The public ``paged_attention`` on the pool's layer ``layer`` (``options`` are its
+    keywords: ``causal``, ``kv_layout``, ``sliding_window``)."""
+    storage = manager.storage
+    return paged_attention(
+        query, storage.key_cache(layer), storage.value_cache(layer), table, qo_indptr=indptr_of(counts), **options
+    )
+
+
+def numpy_expected(
+    manager: Manager, layer: int, query: torch.Tensor, table: PageTable, counts: list[int], **options: Any
+) -> npt.NDArray[np.floating[Any]]:
+    """The NumPy reference in float64 on the pool's own layer ``layer`` (``options`` are the
+    reference's keywords: ``causal``, ``kv_layout``, ``sliding_window``)."""
+    storage = manager.storage
+    return numpy_reference(
+        storage.to_numpy(query).astype(np.float64),
+        storage.to_numpy(storage.key_cache(layer)).astype(np.float64),
+        storage.to_numpy(storage.value_cache(layer)).astype(np.float64),
+        table,
+        qo_indptr=indptr_of(counts),
+        **options,
+    )
+
+
 # -- equal to the dense oracle (fp32, within 1e-5) ----------------------------------------
 
 
@@ -147,16 +174,7 @@ def test_a_sliding_window_equals_dense_oracle_with_the_window_mask(
     filled = fill(manager, [13, 30, 6], seed=24)
     query = random_query(manager, sum(query_counts), 2, seed=25)
     table = dataclasses.replace(manager.page_table(filled.handles), sliding_window=window)
-    storage = manager.storage
-    output = paged_attention(
-        query,
-        storage.key_cache(0),
-        storage.value_cache(0),
-        table,
-        qo_indptr=indptr_of(query_counts),
-        causal=causal,
-        kv_layout=layout,
-    )
+    output = public_attention(manager, 0, query, table, query_counts, causal=causal, kv_layout=layout)
     expected = dense_oracle(filled, 0, query, query_counts, causal, window)
     assert max_difference(output, expected) <= FP32_ATOL
 
@@ -175,15 +193,7 @@ def test_a_windowed_pool_that_released_old_blocks_matches_the_numpy_reference(la
     for counts, causal in (([1, 1, 1], True), ([5, 9, 3], True), ([2, 4, 1], False)):
         query = random_query(manager, sum(counts), 2, seed=sum(counts))
         output = manager.paged_attention(0, query, table, qo_indptr=indptr_of(counts), causal=causal)
-        expected = numpy_reference(
-            storage.to_numpy(query).astype(np.float64),
-            storage.to_numpy(storage.key_cache(0)).astype(np.float64),
-            storage.to_numpy(storage.value_cache(0)).astype(np.float64),
-            table,
-            qo_indptr=indptr_of(counts),
-            causal=causal,
-            kv_layout=layout,
-        )
+        expected = numpy_expected(manager, 0, query, table, counts, causal=causal, kv_layout=layout)
         assert np.allclose(storage.to_numpy(output), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -200,14 +210,7 @@ def test_matches_the_numpy_reference_in_every_dtype_and_layout(device: str, dtyp
     table = manager.page_table(filled.handles)
     storage = manager.storage
     output = manager.paged_attention(1, query, table, qo_indptr=indptr_of(counts))
-    expected = numpy_reference(
-        storage.to_numpy(query).astype(np.float64),
-        storage.to_numpy(storage.key_cache(1)).astype(np.float64),
-        storage.to_numpy(storage.value_cache(1)).astype(np.float64),
-        table,
-        qo_indptr=indptr_of(counts),
-        kv_layout=layout,
-    )
+    expected = numpy_expected(manager, 1, query, table, counts, kv_layout=layout)
     rtol, atol = TOLERANCES[dtype]
     got = storage.to_numpy(output).astype(np.float64)
     assert output.dtype == TORCH_DTYPES[dtype]
@@ -239,26 +242,9 @@ def test_any_batch_matches_the_numpy_reference(
     query = random_query(manager, sum(counts), group, seed=len(lengths))
     table = manager.page_table(filled.handles)
     storage = manager.storage
-    output = paged_attention(
-        query,
-        storage.key_cache(0),
-        storage.value_cache(0),
-        table,
-        qo_indptr=indptr_of(counts),
-        causal=causal,
-        kv_layout=layout,
-        sliding_window=window,
-    )
-    expected = numpy_reference(
-        storage.to_numpy(query).astype(np.float64),
-        storage.to_numpy(storage.key_cache(0)).astype(np.float64),
-        storage.to_numpy(storage.value_cache(0)).astype(np.float64),
-        table,
-        qo_indptr=indptr_of(counts),
-        causal=causal,
-        kv_layout=layout,
-        sliding_window=window,
-    )
+    options: dict[str, Any] = {"causal": causal, "kv_layout": layout, "sliding_window": window}
+    output = public_attention(manager, 0, query, table, counts, **options)
+    expected = numpy_expected(manager, 0, query, table, counts, **options)
     assert np.allclose(storage.to_numpy(output), expected, rtol=1e-5, atol=1e-5)
 
 

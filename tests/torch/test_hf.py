@@ -9,11 +9,12 @@ max abs difference <= 1e-4) at every real position. ``paged`` is the fast path (
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -59,6 +60,30 @@ IMPLEMENTATIONS = ("paged", "sdpa")
 #: Models whose attention is not behind transformers' AttentionInterface: they keep their own
 #: attention whatever is set, so PagedCache serves them through its contiguous path.
 FIXED_ATTENTION = frozenset({"falcon"})
+
+
+class Prefilled(NamedTuple):
+    """A llama on the paged attention, its pool and its open cache after one forward of ``ids``."""
+
+    model: Model
+    manager: PagedKvCacheManager[Tensor]
+    cache: PagedCache
+    ids: Tensor
+    mask: Tensor
+
+
+@contextlib.contextmanager
+def prefilled(
+    batch: int, length: int, pads: Sequence[int] = (), num_blocks: int = 96
+) -> Generator[Prefilled, None, None]:
+    """``prompts(batch, length, pads)`` through one forward of a paged llama into a fresh
+    :class:`PagedCache` of ``num_blocks`` blocks, open for the ``with`` block."""
+    model, _ = model_pair("llama", "paged")
+    manager = make_manager(model, num_blocks=num_blocks)
+    ids, mask = prompts(batch, length, pads=pads)
+    with PagedCache(manager, model.config) as cache:
+        forward(model, ids, mask, 0, cache)
+        yield Prefilled(model, manager, cache, ids, mask)
 
 
 @pytest.mark.parametrize(
@@ -223,11 +248,7 @@ def test_assisted_generation_crops_to_the_logits_of_dynamic_cache(implementation
 
 
 def test_crop_with_a_positive_length_keeps_that_many_positions() -> None:
-    model, _ = model_pair("llama", "paged")
-    manager = make_manager(model)
-    ids, mask = prompts(2, 9, pads=(0, 2))
-    with PagedCache(manager, model.config) as cache:
-        forward(model, ids, mask, 0, cache)
+    with prefilled(2, 9, pads=(0, 2)) as (_, manager, cache, _, _):
         cache.crop(12)  # at or past the length: nothing changes (the transformers 4 meaning)
         assert cache.request_lengths() == [9, 7]
         cache.crop(5)  # keep the first 5 positions: row 1 has 2 padding columns among them
@@ -261,11 +282,7 @@ def test_beam_search_reorders_to_the_logits_of_dynamic_cache(implementation: str
 
 
 def test_reorder_moves_rows_used_once_and_copies_the_others() -> None:
-    model, _ = model_pair("llama", "paged")
-    manager = make_manager(model)
-    ids, mask = prompts(3, 9, pads=(0, 3, 1))
-    with PagedCache(manager, model.config) as cache:
-        forward(model, ids, mask, 0, cache)
+    with prefilled(3, 9, pads=(0, 3, 1)) as (_, manager, cache, _, _):
         keys = [manager.gather(handle, 1)[0] for handle in cache.handles]
         old_ids = cache.request_ids
         cache.reorder_cache(torch.tensor([2, 2, 0]))
@@ -454,34 +471,39 @@ def test_a_pool_of_another_geometry_is_refused() -> None:
         PagedCache(manager, model.config)
 
 
-def test_a_pool_of_another_dtype_raises_before_taking_blocks() -> None:
-    model, _ = model_pair("llama", "paged")
-    manager: PagedKvCacheManager[Tensor] = create_manager(
-        "torch", cache_config_for(model.config, num_blocks=16, block_size=4, dtype="bfloat16")
-    )
-    ids, mask = prompts(1, 5)
-    with PagedCache(manager, model.config) as cache:
-        with pytest.raises(DTypeMismatchError, match=r"torch\.float32.*bfloat16"):
-            forward(model, ids, mask, 0, cache)
-        assert (manager.stats().used_blocks, cache.batch_size) == (0, 0)
+def _bfloat16_pool(model: Model) -> PagedKvCacheManager[Tensor]:
+    return create_manager("torch", cache_config_for(model.config, num_blocks=16, block_size=4, dtype="bfloat16"))
 
 
-def test_a_pool_too_small_raises_and_takes_no_block() -> None:
+def _four_block_pool(model: Model) -> PagedKvCacheManager[Tensor]:
+    return make_manager(model, num_blocks=4)
+
+
+@pytest.mark.parametrize(
+    ("pool_for", "batch", "length", "error", "match"),
+    [
+        pytest.param(_bfloat16_pool, 1, 5, DTypeMismatchError, r"torch\.float32.*bfloat16", id="another-dtype"),
+        pytest.param(_four_block_pool, 2, 12, OutOfBlocksError, "6 more blocks needed", id="too-small"),
+    ],
+)
+def test_a_pool_that_cannot_take_the_prompt_raises_before_taking_blocks(
+    pool_for: Callable[[Model], PagedKvCacheManager[Tensor]],
+    batch: int,
+    length: int,
+    error: type[Exception],
+    match: str,
+) -> None:
     model, _ = model_pair("llama", "paged")
-    manager = make_manager(model, num_blocks=4)
-    ids, mask = prompts(2, 12)
+    manager = pool_for(model)
+    ids, mask = prompts(batch, length)
     with PagedCache(manager, model.config) as cache:
-        with pytest.raises(OutOfBlocksError, match="6 more blocks needed"):
+        with pytest.raises(error, match=match):
             forward(model, ids, mask, 0, cache)
         assert (manager.stats().used_blocks, cache.batch_size) == (0, 0)
 
 
 def test_a_decode_step_without_room_raises_and_leaves_the_rows_as_they_were() -> None:
-    model, _ = model_pair("llama", "paged")
-    manager = make_manager(model, num_blocks=6)
-    ids, mask = prompts(2, 12)
-    with PagedCache(manager, model.config) as cache:
-        forward(model, ids, mask, 0, cache)
+    with prefilled(2, 12, num_blocks=6) as (model, manager, cache, ids, mask):
         assert manager.stats().free_blocks == 0
         grown = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
         with pytest.raises(OutOfBlocksError):
@@ -493,21 +515,15 @@ def test_a_decode_step_without_room_raises_and_leaves_the_rows_as_they_were() ->
 
 
 def test_a_new_batch_size_needs_a_release() -> None:
-    model, _ = model_pair("llama", "paged")
-    manager = make_manager(model)
-    ids, mask = prompts(2, 5)
-    with PagedCache(manager, model.config) as cache:
-        forward(model, ids, mask, 0, cache)
-        with pytest.raises(ShapeMismatchError, match=r"holds 2 rows.*batch of 3"):
-            forward(model, prompts(3, 1)[0], torch.ones(3, 6, dtype=torch.long), 5, cache)
+    with (
+        prefilled(2, 5) as (model, _, cache, _, _),
+        pytest.raises(ShapeMismatchError, match=r"holds 2 rows.*batch of 3"),
+    ):
+        forward(model, prompts(3, 1)[0], torch.ones(3, 6, dtype=torch.long), 5, cache)
 
 
 def test_switching_attention_on_a_filled_cache_is_refused() -> None:
-    model, _ = model_pair("llama", "paged")
-    manager = make_manager(model)
-    ids, mask = prompts(1, 5)
-    with PagedCache(manager, model.config) as cache:
-        forward(model, ids, mask, 0, cache)
+    with prefilled(1, 5) as (model, _, cache, ids, _):
         model.set_attn_implementation("sdpa")
         try:
             with pytest.raises(UnsupportedConfigError, match="release"):
@@ -517,11 +533,7 @@ def test_switching_attention_on_a_filled_cache_is_refused() -> None:
 
 
 def test_bad_indices_and_layers_raise() -> None:
-    model, _ = model_pair("llama", "paged")
-    manager = make_manager(model)
-    ids, mask = prompts(2, 5)
-    with PagedCache(manager, model.config) as cache:
-        forward(model, ids, mask, 0, cache)
+    with prefilled(2, 5) as (_, _, cache, _, _):
         ids_before = cache.request_ids
         with pytest.raises(InvalidArgumentError, match="names row 2: valid rows are 0 to 1"):
             cache.reorder_cache(torch.tensor([0, 2]))

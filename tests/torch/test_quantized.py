@@ -4,38 +4,17 @@ QuantizedCases cover the contract)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
 
-from kvcache_core import AllocationRequest, CacheConfig, create_manager
+from kvcache_core import AllocationRequest, create_manager
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.errors import ShapeMismatchError
 from kvcache_torch.storage import TorchStorage
+from tests.quantized_support import QUANTIZED, filled, pool
 
-QUANTIZED = ("int8", "float8_e4m3fn")
 LAYOUTS = ("NHD", "HND", "heads_first")
-
-
-def pool(**fields: Any) -> CacheConfig:
-    base: dict[str, Any] = {"num_layers": 2, "num_heads": 2, "head_dim": 32, "num_blocks": 48, "block_size": 4}
-    return CacheConfig(**{**base, **fields})
-
-
-def filled(config: CacheConfig, backend: str, lengths: tuple[int, ...] = (13, 40)) -> tuple[Any, list[Any]]:
-    """A manager of ``backend`` with requests of ``lengths`` written in layer 1 (seeded)."""
-    manager = create_manager(backend, config)
-    handles = [manager.allocate(AllocationRequest(f"r{i}")) for i in range(len(lengths))]
-    slots = np.concatenate([manager.extend(h, n) for h, n in zip(handles, lengths, strict=True)])
-    rng = np.random.default_rng(2)
-    keys, values = (rng.standard_normal((len(slots), 2, 32)).astype(np.float32) for _ in range(2))
-    if backend == "torch":
-        manager.write(1, slots, manager.storage.from_numpy(keys), manager.storage.from_numpy(values))
-    else:
-        manager.write(1, slots, keys, values)
-    return manager, handles
 
 
 @pytest.mark.parametrize("dtype", QUANTIZED)

@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 from kvcache_core import CacheConfig, KvStorage
-from kvcache_core.backends.numpy import NumpyArray, NumpyStorage
+from kvcache_core.backends.numpy import NumpyArray
+from kvcache_core.contract.protocols import BlockArray, SlotArray
+
+from .numpy_delegate import DelegatingStorage
 
 
-class NoCopyStorage:
+class NoCopyStorage(DelegatingStorage):
     """Delegates everything but ``copy_blocks``."""
 
-    def __init__(self, config: CacheConfig) -> None:
-        inner = NumpyStorage(config)
-        self.config = inner.config
-        self.key_cache = inner.key_cache
-        self.value_cache = inner.value_cache
-        self.write = inner.write
-        self.gather = inner.gather
-        self.blocks_to_host = inner.blocks_to_host
-        self.blocks_from_host = inner.blocks_from_host
-        self.paged_attention = inner.paged_attention
-        self.array_info = inner.array_info
-        self.from_numpy = inner.from_numpy
-        self.to_numpy = inner.to_numpy
-        self.array_namespace = inner.array_namespace
+    def write(self, layer: int, slots: SlotArray, keys: NumpyArray, values: NumpyArray) -> None:
+        self._inner.write(layer, slots, keys, values)
+
+    def gather(self, layer: int, blocks: BlockArray, num_tokens: int) -> tuple[NumpyArray, NumpyArray]:
+        return self._inner.gather(layer, blocks, num_tokens)
 
 
 storage: KvStorage[NumpyArray] = NoCopyStorage(CacheConfig(num_layers=1, num_heads=1, head_dim=4, num_blocks=8))

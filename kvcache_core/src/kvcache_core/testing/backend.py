@@ -96,6 +96,12 @@ class BackendUnderTest:
             for layout in self.spec.kv_layouts:
                 yield self.config(**{"dtype": dtype, "kv_layout": layout, **fields})
 
+    def managers(self, **fields: Any) -> Iterator[tuple[PagedKvCacheManager[Any], str]]:
+        """A new manager of each of :meth:`configs` (``fields`` as there), with the words
+        naming its dtype and layout that a case puts in its failure messages."""
+        for config in self.configs(**fields):
+            yield self.manager(config), f"dtype {config.dtype}, layout {config.kv_layout}"
+
     def manager(self, config: CacheConfig | None = None, **options: Any) -> PagedKvCacheManager[Any]:
         """A new manager of this backend (``create_manager``, exactly as users call it)."""
         return create_manager(self.name, config if config is not None else self.config(), **options)

@@ -20,6 +20,7 @@ import pytest
 from kvcache_core.attention.features import ATTENTION_CAPABILITIES, FEATURE_CAPABILITIES, storage_attention_features
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
 from kvcache_core.contract.groups import LayerSpec
+from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.scalars import INT32_MAX
 from kvcache_core.errors import (
     ArrayTypeError,
@@ -167,6 +168,15 @@ SCENARIOS: dict[str, tuple[tuple[int, ...] | None, bool]] = {
 
 #: Request lengths of the feature cases (ragged, over several blocks and runs).
 LENGTHS = (5, 17, 30)
+
+
+def _decode_query(manager: Manager, rng: np.random.Generator) -> tuple[Any, PageTable]:
+    """A batch of ``LENGTHS`` grown by :func:`_grown_batch`, one native query row per request
+    with two query heads per KV head ``[3, 2 * num_heads, head_dim]``, and the batch's page table."""
+    batch = _grown_batch(manager, LENGTHS, rng)
+    config = manager.config
+    query = BackendUnderTest.native(manager, rng.standard_normal((3, 2 * config.num_heads, config.head_dim)))
+    return query, manager.page_table(batch.handles)
 
 
 def _feature_value_params() -> list[Any]:
@@ -346,11 +356,9 @@ class FeatureCases:
     def test_bad_attention_features_are_refused_and_change_nothing(self, kvcache_backend: BackendUnderTest) -> None:
         rng = np.random.default_rng(41)
         with kvcache_backend.manager(kvcache_backend.config(num_blocks=32)) as manager:
-            batch = _grown_batch(manager, LENGTHS, rng)
+            query, table = _decode_query(manager, rng)
             config = manager.config
             query_heads = 2 * config.num_heads
-            query = BackendUnderTest.native(manager, rng.standard_normal((3, query_heads, config.head_dim)))
-            table = manager.page_table(batch.handles)
             good_sinks = BackendUnderTest.native(manager, np.zeros(query_heads))
             before = BackendUnderTest.host(manager, manager.paged_attention(0, query, table, sinks=good_sinks))
             stats = manager.stats()
@@ -397,10 +405,7 @@ class FeatureCases:
     def test_numpy_scalars_as_features_act_as_python_ones(self, kvcache_backend: BackendUnderTest) -> None:
         rng = np.random.default_rng(47)
         with kvcache_backend.manager(kvcache_backend.config(num_blocks=32)) as manager:
-            batch = _grown_batch(manager, LENGTHS, rng)
-            config = manager.config
-            query = BackendUnderTest.native(manager, rng.standard_normal((3, 2 * config.num_heads, config.head_dim)))
-            table = manager.page_table(batch.handles)
+            query, table = _decode_query(manager, rng)
             pairs: list[tuple[dict[str, Any], dict[str, Any]]] = [
                 (
                     {"window": np.int64(6), "softcap": np.float32(1.5), "scale": np.float64(0.25)},
@@ -419,10 +424,7 @@ class FeatureCases:
         hide nothing: the output is that of a call without them."""
         rng = np.random.default_rng(53)
         with kvcache_backend.manager(kvcache_backend.config(num_blocks=32)) as manager:
-            batch = _grown_batch(manager, LENGTHS, rng)
-            config = manager.config
-            query = BackendUnderTest.native(manager, rng.standard_normal((3, 2 * config.num_heads, config.head_dim)))
-            table = manager.page_table(batch.handles)
+            query, table = _decode_query(manager, rng)
             plain = BackendUnderTest.host(manager, manager.paged_attention(0, query, table))
             cases: list[dict[str, Any]] = [{"window": INT32_MAX}, {"chunk": INT32_MAX}]
             for features in cases:
@@ -435,13 +437,8 @@ class FeatureCases:
         for window in (None, INT32_MAX):
             rng = np.random.default_rng(59)
             with kvcache_backend.manager(kvcache_backend.config(num_blocks=32, sliding_window=window)) as manager:
-                batch = _grown_batch(manager, LENGTHS, rng)
-                config = manager.config
-                query = rng.standard_normal((3, 2 * config.num_heads, config.head_dim))
-                output = manager.paged_attention(
-                    0, BackendUnderTest.native(manager, query), manager.page_table(batch.handles)
-                )
-                outputs.append(BackendUnderTest.host(manager, output))
+                query, table = _decode_query(manager, rng)
+                outputs.append(BackendUnderTest.host(manager, manager.paged_attention(0, query, table)))
         np.testing.assert_array_equal(outputs[1], outputs[0])
 
     @pytest.mark.kvcache_requires("sliding_window", "chunked_attention")

@@ -81,9 +81,8 @@ class PolicyCases:
     @pytest.mark.kvcache_requires("swap")
     def test_swap_out_and_in_is_bit_identical_every_dtype_and_layout(self, kvcache_backend: BackendUnderTest) -> None:
         rng = np.random.default_rng(19)
-        for config in kvcache_backend.configs():
-            context = f"dtype {config.dtype}, layout {config.kv_layout}"
-            manager = kvcache_backend.manager(config)
+        for manager, context in kvcache_backend.managers():
+            config = manager.config
             handles, _ = grow_side_by_side(manager, [11, 6], rng)
             before = [
                 BackendUnderTest.host(manager, a) for layer in range(2) for a in manager.gather(handles[0], layer)
@@ -157,9 +156,8 @@ class PolicyCases:
     ) -> None:
         rng = np.random.default_rng(31)
         window = 9
-        for config in kvcache_backend.configs(num_blocks=32, sliding_window=window):
-            context = f"dtype {config.dtype}, layout {config.kv_layout}"
-            manager = kvcache_backend.manager(config)
+        for manager, context in kvcache_backend.managers(num_blocks=32, sliding_window=window):
+            config = manager.config
             handles = [manager.allocate(AllocationRequest(f"r{index}")) for index in range(3)]
             limit = -(-window // config.block_size) + 1
             for step in range(40):

@@ -112,15 +112,25 @@ class _Checker:
             else:
                 self.native(method, item, shape, what)
 
-    def host(self, method: str, value: object, shape: tuple[int, ...], what: str = "") -> None:
-        """``value`` must be a host NumPy array of ``shape`` holding the pool's dtype."""
-        label = f"{what} " if what else ""
+    def numpy_array(
+        self, method: str, value: object, shape: tuple[int, ...], label: str
+    ) -> np.ndarray[Any, Any] | None:
+        """``value`` if it is a NumPy array (a problem if its shape is not ``shape``), else
+        ``None`` with a problem; ``label`` (``"keys "``, ...) names it in the problem."""
         if not isinstance(value, np.ndarray):
             self.problem(method, f"returned {label}{_describe(value)}, expected a numpy.ndarray")
-            return
+            return None
         array: np.ndarray[Any, Any] = value  # pyright: ignore[reportUnknownVariableType]
         if tuple(array.shape) != shape:
             self.problem(method, f"returned {label}a numpy array of shape {tuple(array.shape)}, expected {shape}")
+        return array
+
+    def host(self, method: str, value: object, shape: tuple[int, ...], what: str = "") -> None:
+        """``value`` must be a host NumPy array of ``shape`` holding the pool's dtype."""
+        label = f"{what} " if what else ""
+        array = self.numpy_array(method, value, shape, label)
+        if array is None:
+            return
         dtype = array.dtype.name
         if self.config.dtype in _HOST_EXACT and dtype != self.config.dtype:
             self.problem(method, f"returned {label}a numpy array of dtype {dtype}, expected {self.config.dtype}")
@@ -132,12 +142,9 @@ class _Checker:
     def host_form(self, method: str, value: object, shape: tuple[int, ...], what: str) -> None:
         """``value`` must be a NumPy array of ``shape`` in core's host form of the pool's
         dtype, exactly (:mod:`kvcache_core.offload.host_form`: bfloat16 as ``uint16`` bit patterns)."""
-        if not isinstance(value, np.ndarray):
-            self.problem(method, f"returned {what} {_describe(value)}, expected a numpy.ndarray")
+        array = self.numpy_array(method, value, shape, f"{what} ")
+        if array is None:
             return
-        array: np.ndarray[Any, Any] = value  # pyright: ignore[reportUnknownVariableType]
-        if tuple(array.shape) != shape:
-            self.problem(method, f"returned {what} a numpy array of shape {tuple(array.shape)}, expected {shape}")
         expected = host_form.host_dtype(self.config.dtype)
         if array.dtype != expected:
             self.problem(

@@ -112,6 +112,11 @@ class _Worker:
     def pick(self, ids: list[str]) -> str | None:
         return ids[int(self.rng.integers(len(ids)))] if ids else None
 
+    def pick_resident(self) -> _Request | None:
+        """A resident request drawn with :meth:`pick`, or ``None`` when none is resident."""
+        request_id = self.pick(self.resident())
+        return None if request_id is None else self.requests[request_id]
+
     def run(self) -> None:
         actions = [self.allocate, self.grow, self.grow, self.step, self.truncate, self.verify, self.deallocate]
         if self.backend.claims("fork"):
@@ -173,10 +178,9 @@ class _Worker:
         self.write(request, slots, start, [("p", *request.tokens[: p + 1]) for p in range(start, start + len(tokens))])
 
     def grow(self) -> None:
-        request_id = self.pick(self.resident())
-        if request_id is None:
+        request = self.pick_resident()
+        if request is None:
             return self.allocate()
-        request = self.requests[request_id]
         length = request.handle.num_tokens()
         count = min(int(self.rng.integers(1, 4)), 40 - length)
         if count <= 0:
@@ -216,10 +220,9 @@ class _Worker:
 
     def truncate(self) -> None:
         """A rollback: the request drops its last few tokens (and forgets their ids)."""
-        request_id = self.pick(self.resident())
-        if request_id is None:
+        request = self.pick_resident()
+        if request is None:
             return
-        request = self.requests[request_id]
         length = request.handle.num_tokens()
         if not length:
             return
@@ -230,20 +233,18 @@ class _Worker:
         self.count("truncate")
 
     def fork(self) -> None:
-        parent_id = self.pick(self.resident())
-        if parent_id is None or len(self.requests) >= 3:
+        parent = self.pick_resident()
+        if parent is None or len(self.requests) >= 3:
             return
-        parent = self.requests[parent_id]
         child_id = self.new_id()
         handle = self.manager.fork(parent.handle, child_id)
         self.requests[child_id] = _Request(handle, list(parent.tokens), list(parent.keys))
         self.count("fork")
 
     def rewrite(self) -> None:
-        request_id = self.pick(self.resident())
-        if request_id is None:
+        request = self.pick_resident()
+        if request is None:
             return
-        request = self.requests[request_id]
         length = request.handle.num_tokens()
         low = request.handle.block_table().first_logical * BLOCK_SIZE
         if length <= low:
@@ -253,7 +254,7 @@ class _Worker:
         slots = self.manager.writable_slots(request.handle, start, stop)
         self.serial += 1
         keys: list[tuple[object, ...]] = [
-            ("rewrite", request_id, position, self.serial) for position in range(start, stop)
+            ("rewrite", request.handle.request_id, position, self.serial) for position in range(start, stop)
         ]
         tail = request.keys[stop:]
         self.write(request, slots, start, keys)
@@ -274,10 +275,9 @@ class _Worker:
             self.count("swap out")
 
     def verify(self) -> None:
-        request_id = self.pick(self.resident())
-        if request_id is None:
+        request = self.pick_resident()
+        if request is None:
             return
-        request = self.requests[request_id]
         heads, dim, layers = self.shape
         low = request.handle.block_table().first_logical * BLOCK_SIZE
         for layer in range(layers):
@@ -294,7 +294,7 @@ class _Worker:
                     report, lock = self.report
                     with lock:
                         report.mismatches.append(
-                            f"{request_id} layer {layer} position {position}: not the K/V of {request.keys[position]}"
+                            f"{request.handle.request_id} layer {layer} position {position}: not the K/V of {request.keys[position]}"
                         )
                     return
         self.count("verify")

@@ -220,10 +220,9 @@ class KvCacheConformance(
     # -- geometry and references -----------------------------------------------------------
 
     def test_geometry_device_dtype_and_pool_shapes(self, kvcache_backend: BackendUnderTest) -> None:
-        for config in kvcache_backend.configs():
-            manager = kvcache_backend.manager(config)
+        for manager, context in kvcache_backend.managers():
+            config = manager.config
             handle = manager.allocate(AllocationRequest("r", initial_tokens=5))
-            context = f"dtype {config.dtype}, layout {config.kv_layout}"
             assert (handle.num_layers(), handle.num_heads(), handle.head_dim()) == (
                 config.num_layers,
                 config.num_heads,
@@ -240,9 +239,8 @@ class KvCacheConformance(
 
     def test_key_and_value_cache_are_references_to_the_pool_not_copies(self, kvcache_backend: BackendUnderTest) -> None:
         rng = np.random.default_rng(3)
-        for config in kvcache_backend.configs():
-            context = f"dtype {config.dtype}, layout {config.kv_layout}"
-            manager = kvcache_backend.manager(config)
+        for manager, context in kvcache_backend.managers():
+            config = manager.config
             handle = manager.allocate(AllocationRequest("r"))
             slots = manager.extend(handle, 6)
             keys_before, values_before = handle.kv_cache(1)
@@ -270,9 +268,8 @@ class KvCacheConformance(
 
     def test_write_then_gather_round_trips_every_dtype_and_layout(self, kvcache_backend: BackendUnderTest) -> None:
         rng = np.random.default_rng(5)
-        for config in kvcache_backend.configs():
-            context = f"dtype {config.dtype}, layout {config.kv_layout}"
-            manager = kvcache_backend.manager(config)
+        for manager, context in kvcache_backend.managers():
+            config = manager.config
             handles, written = grow_side_by_side(manager, [9, 14, 3], rng)
             for handle, (keys, values) in zip(handles, written, strict=True):
                 gathered_keys, gathered_values = manager.gather(handle, 0)
@@ -308,9 +305,8 @@ class KvCacheConformance(
 
     def test_copy_blocks_and_host_transfers_are_exact(self, kvcache_backend: BackendUnderTest) -> None:
         rng = np.random.default_rng(11)
-        for config in kvcache_backend.configs():
-            context = f"dtype {config.dtype}, layout {config.kv_layout}"
-            manager = kvcache_backend.manager(config)
+        for manager, context in kvcache_backend.managers():
+            config = manager.config
             handles, _ = grow_side_by_side(manager, [12, 7], rng)
             storage = manager.storage
             blocks = np.asarray(handles[0].block_table().physical_blocks, dtype=np.int64)
@@ -353,9 +349,8 @@ class KvCacheConformance(
         causal: bool,
     ) -> None:
         rng = np.random.default_rng(13)
-        for config in kvcache_backend.configs(num_blocks=32):
-            context = f"dtype {config.dtype}, layout {config.kv_layout}"
-            manager = kvcache_backend.manager(config)
+        for manager, context in kvcache_backend.managers(num_blocks=32):
+            config = manager.config
             handles, _ = grow_side_by_side(manager, list(self.attention_lengths), rng)
             table = manager.page_table(handles)
             lengths = query_lengths or (1,) * len(handles)

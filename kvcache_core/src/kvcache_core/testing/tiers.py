@@ -451,12 +451,18 @@ class TierCases:
             pytest.skip(f"offload tiers need {' and '.join(missing)} (host transfers), unclaimed")
         pytest.importorskip("safetensors")
 
+    @classmethod
+    def _pool_and_tier(cls, backend: BackendUnderTest, factory: TierFactory) -> tuple[CacheConfig, OffloadTier]:
+        """The cases' pool config and a tier of ``factory`` room for 64 of its blocks (skips
+        where the backend cannot run tiers)."""
+        cls._needs_tiers(backend)
+        config = _config(backend)
+        return config, factory(64 * config.bytes_per_block + (1 << 16), "tier")
+
     def test_an_evicted_prefix_comes_back_from_the_tier_bit_exact(
         self, kvcache_backend: BackendUnderTest, kvcache_tier_factory: TierFactory
     ) -> None:
-        self._needs_tiers(kvcache_backend)
-        config = _config(kvcache_backend)
-        tier = kvcache_tier_factory(64 * config.bytes_per_block + (1 << 16), "tier")
+        config, tier = self._pool_and_tier(kvcache_backend, kvcache_tier_factory)
         with kvcache_backend.manager(config, tiers=[tier]) as manager:
             script = FaultScript(manager, kvcache_backend.claims)
             script.allocate("a", PROMPT)
@@ -473,9 +479,7 @@ class TierCases:
     def test_a_tier_is_bound_to_one_manager_until_it_closes(
         self, kvcache_backend: BackendUnderTest, kvcache_tier_factory: TierFactory
     ) -> None:
-        self._needs_tiers(kvcache_backend)
-        config = _config(kvcache_backend)
-        tier = kvcache_tier_factory(64 * config.bytes_per_block + (1 << 16), "tier")
+        config, tier = self._pool_and_tier(kvcache_backend, kvcache_tier_factory)
         first = kvcache_backend.manager(config, tiers=[tier])
         with pytest.raises(TierError, match="bound to another manager"):
             kvcache_backend.manager(config, tiers=[tier])

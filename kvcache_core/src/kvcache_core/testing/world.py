@@ -221,6 +221,28 @@ def assert_same_state(after: Snapshot, before: Snapshot) -> None:
         assert np.array_equal(values_after, values_before), f"layer {layer} value pool changed"
 
 
+def _record_outcome(
+    outcomes: list[object],
+    operation: Callable[[], object],
+    shown: Callable[[PagedKvCacheHandle[Any]], object],
+) -> None:
+    """Append what ``operation`` did to ``outcomes``: the name of the ``KvCacheError`` it
+    raised, an array it returned as a list, a handle it returned as ``shown`` gives it, or
+    what it returned."""
+    try:
+        result = operation()
+    except KvCacheError as exc:
+        outcomes.append(type(exc).__name__)
+        return
+    if isinstance(result, np.ndarray):
+        outcomes.append(result.tolist())
+    elif isinstance(result, PagedKvCacheHandle):
+        handle: PagedKvCacheHandle[Any] = result  # pyright: ignore[reportUnknownVariableType]
+        outcomes.append(shown(handle))
+    else:
+        outcomes.append(result)
+
+
 def probe(world: World) -> list[object]:
     """Run the same follow-up operations on a world; return what each one did.
 
@@ -231,17 +253,7 @@ def probe(world: World) -> list[object]:
     outcomes: list[object] = []
 
     def attempt(operation: Callable[[], object]) -> None:
-        try:
-            result = operation()
-        except KvCacheError as exc:
-            outcomes.append(type(exc).__name__)
-            return
-        if isinstance(result, np.ndarray):
-            outcomes.append(result.tolist())
-        elif isinstance(result, PagedKvCacheHandle):
-            outcomes.append(result.block_table().to_dict())
-        else:
-            outcomes.append(result)
+        _record_outcome(outcomes, operation, lambda handle: handle.block_table().to_dict())
 
     def extend(request_id: str, count: int) -> Callable[[], object]:
         def run() -> object:
@@ -354,17 +366,9 @@ def probe_policies(world: PolicyWorld) -> list[object]:
     outcomes: list[object] = []
 
     def attempt(operation: Callable[[], object]) -> None:
-        try:
-            result = operation()
-        except KvCacheError as exc:
-            outcomes.append(type(exc).__name__)
-            return
-        if isinstance(result, np.ndarray):
-            outcomes.append(result.tolist())
-        elif isinstance(result, PagedKvCacheHandle):
-            outcomes.append((result.block_table().to_dict(), result.num_cached_tokens()))
-        else:
-            outcomes.append(result)
+        _record_outcome(
+            outcomes, operation, lambda handle: (handle.block_table().to_dict(), handle.num_cached_tokens())
+        )
 
     def handle(request_id: str) -> Handle:
         found = manager.get_handle(request_id)
