@@ -35,7 +35,9 @@ def test_block_table_mut_warns_naming_block_table() -> None:
     manager = make_manager()
     handle = manager.allocate(AllocationRequest("r"))
     manager.extend(handle, 5)
-    with pytest.warns(DeprecationWarning, match=r"block_table_mut\(\) hands out the table the manager owns.*use block_table\(\)"):
+    with pytest.warns(
+        DeprecationWarning, match=r"block_table_mut\(\) hands out the table the manager owns.*use block_table\(\)"
+    ):
         table = handle.block_table_mut()
     assert table.to_dict() == handle.block_table().to_dict()
     assert inspect.request_blocks(handle) == [list(table.physical_blocks)]
