@@ -22,31 +22,31 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py") if not path.name.startswith("_"))
 
 
-def bench_environment() -> Any:
-    """The harness's environment module, ``benchmarks/_harness/environment.py`` (standard library
-    only; the benchmarks are a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("benchmarks_environment", BENCHMARKS / "_harness" / "environment.py")
+def load_module(name: str, path: Path, *, package_folder: Path | None = None) -> Any:
+    """The module at ``path``, imported under ``name`` and registered in ``sys.modules`` (the
+    dataclasses of a module look it up there; a package's modules import each other
+    relatively); ``package_folder`` makes it a package searched there."""
+    search = None if package_folder is None else [str(package_folder)]
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=search)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def bench_environment() -> Any:
+    """The harness's environment module, ``benchmarks/_harness/environment.py`` (standard library
+    only; the benchmarks are a folder of scripts, not a package)."""
+    return load_module("benchmarks_environment", BENCHMARKS / "_harness" / "environment.py")
 
 
 @functools.cache
 def bench_harness() -> Any:
     """The harness package the scripts import as ``_harness`` (from their own folder)."""
     folder = BENCHMARKS / "_harness"
-    spec = importlib.util.spec_from_file_location(
-        "_harness", folder / "__init__.py", submodule_search_locations=[str(folder)]
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its modules import each other relatively
-    spec.loader.exec_module(module)
-    return module
+    return load_module("_harness", folder / "__init__.py", package_folder=folder)
 
 
 def test_every_benchmark_is_listed_here() -> None:
