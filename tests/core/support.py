@@ -27,8 +27,10 @@ from kvcache_core import (
     PageTable,
     create_manager,
 )
+from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.offload.events import CachedBlockIndex
 from kvcache_core.paging.allocator import Placement
+from kvcache_core.plugin import KV_LAYOUTS
 from kvcache_core.testing.hybrid import tier_hashes
 from kvcache_core.testing.kv_data import pool_hashes
 
@@ -296,3 +298,53 @@ def random_pool(
     keys, keys64 = pool_of(rng.standard_normal(shape), dtype)
     values, values64 = pool_of(rng.standard_normal(shape), dtype)
     return RandomPool(table, keys, values, keys64, values64)
+
+
+class KernelBatch(NamedTuple):
+    """A drawn batch for the compiled kernel: its geometry, queries and masking."""
+
+    block_size: int
+    lengths: list[int]
+    query_counts: list[int]
+    heads: int
+    group: int
+    dim: int
+    layout: str
+    dtype: str
+    causal: bool
+    window: int | None
+
+
+def draw_kernel_batch(data: st.DataObject, *, max_requests: int, head_dims: Sequence[int]) -> KernelBatch:
+    """Up to ``max_requests`` ragged requests (decode, prefill or chunked queries), KV heads
+    and their query group, a head dim of ``head_dims``, a layout, a kernel dtype, causal or
+    not and an optional window."""
+    block_size = data.draw(st.sampled_from([1, 3, 4, 16]), label="block_size")
+    lengths = data.draw(st.lists(st.integers(1, 70), min_size=1, max_size=max_requests), label="lengths")
+    query_counts = [data.draw(st.integers(0, min(length, 9)), label="queries") for length in lengths]
+    heads = data.draw(st.integers(1, 3), label="kv_heads")
+    group = data.draw(st.integers(1, 4), label="group")
+    dim = data.draw(st.sampled_from(list(head_dims)), label="head_dim")
+    layout = data.draw(st.sampled_from(KV_LAYOUTS), label="layout")
+    dtype = data.draw(st.sampled_from(paged_kernel.KERNEL_DTYPES), label="dtype")
+    causal = data.draw(st.booleans(), label="causal")
+    window = data.draw(st.none() | st.integers(1, 40), label="window")
+    return KernelBatch(block_size, lengths, query_counts, heads, group, dim, layout, dtype, causal, window)
+
+
+class KernelRun(NamedTuple):
+    """How a drawn kernel call runs: threads, the split thresholds and the data's seed."""
+
+    threads: int
+    min_split: int
+    row_split: int
+    seed: int
+
+
+def draw_kernel_run(data: st.DataObject) -> KernelRun:
+    """1 to 4 threads, the KV and row split thresholds (4 and 5 make splits happen), a seed."""
+    threads = data.draw(st.integers(1, 4), label="threads")
+    min_split = data.draw(st.sampled_from([4, 512]), label="min_split_keys")
+    row_split = data.draw(st.sampled_from([5, 64]), label="row_split")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    return KernelRun(threads, min_split, row_split, seed)

@@ -34,9 +34,8 @@ from kvcache_core.attention.reference import paged_attention
 from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.contract.hookspecs import CAPABILITIES
 from kvcache_core.errors import InvalidTypeError
-from kvcache_core.plugin import KV_LAYOUTS
 from kvcache_core.testing.features import dense_feature_attention
-from tests.core.support import Array, hand_built_table, random_pool
+from tests.core.support import Array, draw_kernel_batch, draw_kernel_run, hand_built_table, random_pool
 
 needs_numba = pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
 
@@ -47,40 +46,31 @@ needs_numba = pytest.mark.skipif(not paged_kernel.kernel_available(), reason="nu
 def test_the_kernel_equals_the_reference_with_any_features(data: st.DataObject) -> None:
     """Random block tables, ragged lengths, decode / prefill / chunked queries, causal or
     not, windows, softcaps, sinks, chunk sizes, layouts, pool dtypes, threads, KV splits."""
-    block_size = data.draw(st.sampled_from([1, 3, 4, 16]), label="block_size")
-    lengths = data.draw(st.lists(st.integers(1, 70), min_size=1, max_size=4), label="lengths")
-    query_counts = [data.draw(st.integers(0, min(length, 9)), label="queries") for length in lengths]
-    heads = data.draw(st.integers(1, 3), label="kv_heads")
-    group = data.draw(st.integers(1, 4), label="group")
-    dim = data.draw(st.sampled_from([8, 20]), label="head_dim")
-    layout = data.draw(st.sampled_from(KV_LAYOUTS), label="layout")
-    dtype = data.draw(st.sampled_from(paged_kernel.KERNEL_DTYPES), label="dtype")
-    causal = data.draw(st.booleans(), label="causal")
-    window = data.draw(st.none() | st.integers(1, 40), label="window")
+    batch = draw_kernel_batch(data, max_requests=4, head_dims=[8, 20])
     softcap = data.draw(st.none() | st.floats(0.25, 50.0), label="softcap")
     with_sinks = data.draw(st.booleans(), label="sinks")
     chunk = data.draw(st.none() | st.integers(1, 30), label="chunk")
-    threads = data.draw(st.integers(1, 4), label="threads")
-    min_split = data.draw(st.sampled_from([4, 512]), label="min_split_keys")  # 4: KV splits happen
-    row_split = data.draw(st.sampled_from([5, 64]), label="row_split")
-    seed = data.draw(st.integers(0, 2**16), label="seed")
+    run = draw_kernel_run(data)
 
-    rng = np.random.default_rng(seed)
-    table, keys, values, keys64, values64 = random_pool(data, lengths, block_size, heads, dim, layout, dtype, None, rng)
-    indptr = np.concatenate([[0], np.cumsum(query_counts)]).astype(np.int32)
-    query = (rng.standard_normal((int(indptr[-1]), heads * group, dim)) * 3).astype(np.float32)
+    rng = np.random.default_rng(run.seed)
+    layout, dtype, window, heads, group = batch.layout, batch.dtype, batch.window, batch.heads, batch.group
+    table, keys, values, keys64, values64 = random_pool(
+        data, batch.lengths, batch.block_size, heads, batch.dim, layout, dtype, None, rng
+    )
+    indptr = np.concatenate([[0], np.cumsum(batch.query_counts)]).astype(np.int32)
+    query = (rng.standard_normal((int(indptr[-1]), heads * group, batch.dim)) * 3).astype(np.float32)
     sinks = (rng.standard_normal(heads * group) * 3).astype(np.float32) if with_sinks else None
     scale = float(rng.uniform(0.05, 0.5))
     with (
-        mock.patch.object(paged_kernel, "MIN_SPLIT_KEYS", min_split),
-        mock.patch.object(paged_kernel, "ROW_SPLIT", row_split),
+        mock.patch.object(paged_kernel, "MIN_SPLIT_KEYS", run.min_split),
+        mock.patch.object(paged_kernel, "ROW_SPLIT", run.row_split),
     ):
         got = paged_kernel.attend_with_kernel(
-            query, keys, values, table, indptr, dtype=dtype, scale=scale, causal=causal, kv_layout=layout,
-            sliding_window=window, num_threads=threads, softcap=softcap, sinks=sinks, chunk=chunk,
+            query, keys, values, table, indptr, dtype=dtype, scale=scale, causal=batch.causal, kv_layout=layout,
+            sliding_window=window, num_threads=run.threads, softcap=softcap, sinks=sinks, chunk=chunk,
         )  # fmt: skip
     expected = paged_attention(
-        query.astype(np.float64), keys64, values64, table, qo_indptr=indptr, scale=scale, causal=causal,
+        query.astype(np.float64), keys64, values64, table, qo_indptr=indptr, scale=scale, causal=batch.causal,
         kv_layout=layout, window=window, softcap=softcap, sinks=None if sinks is None else sinks.astype(np.float64),
         chunk=chunk,
     )  # fmt: skip

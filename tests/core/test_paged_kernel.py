@@ -24,8 +24,7 @@ from kvcache_core import (
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.attention.reference import paged_attention
 from kvcache_core.errors import InvalidTypeError
-from kvcache_core.plugin import KV_LAYOUTS
-from tests.core.support import Array, hand_built_table, random_pool
+from tests.core.support import Array, draw_kernel_batch, draw_kernel_run, hand_built_table, random_pool
 
 needs_numba = pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
 
@@ -40,39 +39,28 @@ ATOL = RTOL = 1e-5
 def test_the_kernel_equals_the_reference_on_any_batch(data: st.DataObject) -> None:
     """Random block tables (any runs), ragged lengths, decode / prefill / chunked / mixed
     queries, causal or not, windows, layouts, pool dtypes, threads, splits."""
-    block_size = data.draw(st.sampled_from([1, 3, 4, 16]), label="block_size")
-    lengths = data.draw(st.lists(st.integers(1, 70), min_size=1, max_size=5), label="lengths")
-    query_counts = [data.draw(st.integers(0, min(length, 9)), label="queries") for length in lengths]
-    heads = data.draw(st.integers(1, 3), label="kv_heads")
-    group = data.draw(st.integers(1, 4), label="group")
-    dim = data.draw(st.sampled_from([8, 20, 64]), label="head_dim")
-    layout = data.draw(st.sampled_from(KV_LAYOUTS), label="layout")
-    dtype = data.draw(st.sampled_from(paged_kernel.KERNEL_DTYPES), label="dtype")
-    causal = data.draw(st.booleans(), label="causal")
-    window = data.draw(st.none() | st.integers(1, 40), label="window")
-    threads = data.draw(st.integers(1, 4), label="threads")
-    min_split = data.draw(st.sampled_from([4, 512]), label="min_split_keys")  # 4: KV splits happen
-    row_split = data.draw(st.sampled_from([5, 64]), label="row_split")
-    seed = data.draw(st.integers(0, 2**16), label="seed")
+    batch = draw_kernel_batch(data, max_requests=5, head_dims=[8, 20, 64])
+    run = draw_kernel_run(data)
 
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(run.seed)
+    layout, dtype, window = batch.layout, batch.dtype, batch.window
     table, keys, values, keys64, values64 = random_pool(
-        data, lengths, block_size, heads, dim, layout, dtype, window, rng
+        data, batch.lengths, batch.block_size, batch.heads, batch.dim, layout, dtype, window, rng
     )
-    indptr = np.concatenate([[0], np.cumsum(query_counts)]).astype(np.int32)
-    query = rng.standard_normal((int(indptr[-1]), heads * group, dim)).astype(np.float32)
+    indptr = np.concatenate([[0], np.cumsum(batch.query_counts)]).astype(np.int32)
+    query = rng.standard_normal((int(indptr[-1]), batch.heads * batch.group, batch.dim)).astype(np.float32)
     scale = float(rng.uniform(0.05, 0.5))
     with (
-        mock.patch.object(paged_kernel, "MIN_SPLIT_KEYS", min_split),
-        mock.patch.object(paged_kernel, "ROW_SPLIT", row_split),
+        mock.patch.object(paged_kernel, "MIN_SPLIT_KEYS", run.min_split),
+        mock.patch.object(paged_kernel, "ROW_SPLIT", run.row_split),
         mock.patch.object(paged_kernel, "MIN_THREAD_WORK", 1),  # these small batches use every thread
     ):
         got = paged_kernel.attend_with_kernel(
-            query, keys, values, table, indptr, dtype=dtype, scale=scale, causal=causal, kv_layout=layout,
-            sliding_window=window, num_threads=threads,
+            query, keys, values, table, indptr, dtype=dtype, scale=scale, causal=batch.causal, kv_layout=layout,
+            sliding_window=window, num_threads=run.threads,
         )  # fmt: skip
     expected = paged_attention(
-        query.astype(np.float64), keys64, values64, table, qo_indptr=indptr, scale=scale, causal=causal,
+        query.astype(np.float64), keys64, values64, table, qo_indptr=indptr, scale=scale, causal=batch.causal,
         kv_layout=layout,
     )  # fmt: skip
     assert got.dtype == np.float32
