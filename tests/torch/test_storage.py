@@ -25,6 +25,7 @@ from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, ShapeMismatc
 from kvcache_core.offload import host_form
 from kvcache_core.testing import inspect
 from kvcache_torch import TorchStorage
+from tests.core.support import make_config
 from tests.torch.support import DTYPES, LAYOUTS, NO_CUDA, TORCH_DTYPES, Manager, fill, make_manager, random_kv
 
 CONFIG = CacheConfig(num_layers=2, num_heads=2, head_dim=8, num_blocks=16, block_size=4)
@@ -85,16 +86,7 @@ def test_listing_backends_imports_no_torch() -> None:
 def test_the_core_policies_run_over_the_torch_pool(dtype: str, layout: str) -> None:
     # What the claimed capabilities rest on: copy_blocks (fork), host transfers (swap).
     assert {"fork", "swap", "prefix_caching", "eviction", "sliding_window"} <= get_backend("torch").capabilities
-    config = CacheConfig(
-        num_layers=2,
-        num_heads=2,
-        head_dim=8,
-        num_blocks=32,
-        block_size=4,
-        dtype=dtype,
-        kv_layout=layout,
-        enable_prefix_caching=True,
-    )
+    config = make_config(32, 4, num_layers=2, num_heads=2, head_dim=8, dtype=dtype, kv_layout=layout)
     manager: Manager = create_manager("torch", config)
     prompt = tuple(range(10))
     parent = manager.allocate(AllocationRequest("parent", prompt_token_ids=prompt))
