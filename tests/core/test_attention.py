@@ -10,16 +10,13 @@ from hypothesis import strategies as st
 
 from kvcache_core import (
     AllocationRequest,
-    CacheConfig,
     PagedKvCacheHandle,
     PagedKvCacheManager,
     PageTable,
-    create_manager,
 )
 from kvcache_core.attention.reference import paged_attention
-from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.testing.oracle import dense_attention
-from tests.core.support import Array
+from tests.core.support import Array, make_manager
 
 
 def fill(
@@ -61,18 +58,18 @@ def make(
     placement: str = "contiguous",
     block_size: int = 4,
 ) -> PagedKvCacheManager[Array]:
-    config = CacheConfig(
+    """A one-layer NumPy manager without prefix caching (``tests.core.support.make_manager``)."""
+    return make_manager(
+        blocks,
+        block_size,
+        placement="fifo" if placement == "fifo" else "contiguous",
         num_layers=1,
         num_heads=heads,
         head_dim=dim,
-        num_blocks=blocks,
-        block_size=block_size,
+        enable_prefix_caching=False,
         dtype=dtype,
         kv_layout=layout,
     )
-    if placement == "fifo":
-        return PagedKvCacheManager(NumpyStorage(config), placement="fifo")
-    return create_manager("numpy", config)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND", "heads_first"])
