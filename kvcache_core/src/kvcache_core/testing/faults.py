@@ -173,13 +173,11 @@ class FaultyStorage(CallInjector):
         qo_indptr: npt.NDArray[np.int32],
         scale: float,
         causal: bool,
-        *,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: Any = None,
-        chunk: int | None = None,
+        **given: Any,
     ) -> Any:
-        given: dict[str, Any] = {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk}
+        """The wrapped storage's attention; the attention features the manager passes
+        (``window``, ``softcap``, ``sinks``, ``chunk``) go through, those left at ``None``
+        left out (a storage that serves none of them need not accept them)."""
         features = {name: value for name, value in given.items() if value is not None}
         return self._call(
             "paged_attention",
