@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +12,7 @@ import pytest
 from kvcache_core import Step
 from kvcache_core.cli import main
 from kvcache_core.cli.demo import DemoOptions, run_demo
+from tests.process_support import run_python
 
 
 def test_demo_serves_every_request_and_passes_its_check() -> None:
@@ -54,12 +53,7 @@ def test_demo_on_an_unknown_backend_exits_with_an_error(capsys: pytest.CaptureFi
 
 
 def test_the_installed_console_script_runs() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvcache_core.cli", "demo", "--requests", "2"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = run_python("-m", "kvcache_core.cli", "demo", "--requests", "2")
     assert result.returncode == 0, result.stderr
     assert "all 2 requests match" in result.stdout
 
@@ -81,6 +75,6 @@ def test_the_command_and_the_kit_runner_import_alone_without_each_other(module: 
     """``cli`` runs the kit only on ``kvcache check`` and the kit's runner prints without the command:
     each imports alone, in a fresh interpreter, and loads nothing of the other."""
     probe = f"import importlib, sys; importlib.import_module({module!r}); print({must_not_load!r} in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    result = run_python("-c", probe)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False", f"importing {module} loaded {must_not_load}"

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +16,7 @@ from kvcache_core.discovery import KNOWN_BACKENDS, get_backend, get_plugin_manag
 from kvcache_core.errors import BackendConflictError, BackendNotFoundError, BackendUnavailableError
 from kvcache_core.plugin import KvCachePluginWarning
 from kvcache_core.testing import inspect
+from tests.process_support import run_python
 
 AddDistribution = Callable[[Path, str, str, str, str, str], None]
 
@@ -185,7 +184,7 @@ def test_importing_and_listing_never_imports_torch_or_jax(tmp_path: Path) -> Non
         "print('clean')\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    result = run_python("-c", code, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "clean"
 

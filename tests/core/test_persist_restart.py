@@ -3,13 +3,13 @@ computes only the uncached tokens, with the original process's attention outputs
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.process_support import run_python
 
 pytest.importorskip("safetensors")
 
@@ -63,13 +63,7 @@ WORKER = textwrap.dedent(
 def run(tmp_path: Path, backend: str, load_from: str, save_to: str, output: str) -> str:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    result = subprocess.run(
-        [sys.executable, str(script), backend, load_from, save_to, output],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = run_python(str(script), backend, load_from, save_to, output, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

@@ -6,7 +6,6 @@ refuses configurations and options it cannot serve with the matching kvcache err
 # pyright: reportUnknownMemberType=false, reportUnknownVariableType=false, reportUnknownArgumentType=false
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 from importlib import metadata
@@ -22,6 +21,7 @@ from kvcache_core.discovery import installed_backends
 from kvcache_core.errors import BackendUnavailableError, InvalidTypeError
 from kvcache_jax import JaxStorage
 from kvcache_jax.plugin import make_storage
+from tests.process_support import run_python
 
 CONFIG = CacheConfig(num_layers=2, num_heads=2, head_dim=4, num_blocks=8, block_size=4)
 
@@ -47,7 +47,7 @@ def test_listing_backends_and_importing_the_package_import_no_jax() -> None:
         print(sorted(name for name in sys.modules if name == "jax" or name.startswith("jax.")))
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    result = run_python("-c", script)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.process_support import run_python
 
 CASES = Path(__file__).with_name("mesh_cases.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,15 +21,7 @@ def test_the_mesh_cases_pass_on_8_host_devices() -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=8".strip()}
     env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-    )
+    result = run_python("-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES), env=env, cwd=ROOT, timeout=600)
     report = result.stdout[-8000:] + result.stderr[-4000:]
     assert result.returncode == 0, report
     summary = result.stdout.strip().splitlines()[-1]

@@ -3,8 +3,6 @@ array conversions and the validation contract the manager relies on."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from typing import Any
 
 import numpy as np
@@ -26,6 +24,7 @@ from kvcache_core.offload import host_form
 from kvcache_core.testing import inspect
 from kvcache_torch import TorchStorage
 from tests.core.support import make_config
+from tests.process_support import run_python
 from tests.torch.support import DTYPES, LAYOUTS, NO_CUDA, TORCH_DTYPES, Manager, fill, make_manager, random_kv
 
 CONFIG = CacheConfig(num_layers=2, num_heads=2, head_dim=8, num_blocks=16, block_size=4)
@@ -77,7 +76,7 @@ def test_listing_backends_imports_no_torch() -> None:
         "assert 'torch' in names, names; "
         "assert 'torch' not in sys.modules, 'listing backends imported torch'"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    result = run_python("-c", code)
     assert result.returncode == 0, result.stderr
 
 

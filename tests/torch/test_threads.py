@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from kvcache_core import InvalidArgumentError
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.errors import InvalidTypeError
 from kvcache_torch import threads
+from tests.process_support import run_python
 from tests.torch.support import fill, make_manager
 
 openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
@@ -128,14 +127,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
 def test_a_forked_child_attends_without_the_parents_openmp_threads() -> None:
     """GNU OpenMP's threads do not survive a fork: the child's calls take the default team."""
-    result = subprocess.run(
-        [sys.executable, "-c", FORKED_CHILD],
-        cwd=Path(__file__).resolve().parents[2],
-        timeout=240,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = run_python("-c", FORKED_CHILD, cwd=Path(__file__).resolve().parents[2], timeout=240)
     assert result.returncode == 0, result.stderr
 
 
