@@ -3,7 +3,6 @@ name, and takes NumPy scalars and the largest int32 window like Python's."""
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -12,9 +11,9 @@ import pytest
 import torch
 
 from kvcache_core.contract.page_table import PageTable
-from kvcache_core.contract.scalars import INT32_MAX
 from kvcache_core.errors import InvalidArgumentError
 from kvcache_torch import paged_attention
+from tests.attention_values_support import LARGEST_INT32_WINDOWS, refused_values
 
 # One request of 5 tokens in blocks 0 and 1 of an NHD pool [4 blocks, 4 tokens, 2 heads, 8].
 KEYS = torch.tensor(np.random.default_rng(5).standard_normal((4, 4, 2, 8)), dtype=torch.float32)
@@ -33,20 +32,7 @@ def attend(**arguments: Any) -> torch.Tensor:
     return paged_attention(QUERY, KEYS, KEYS, TABLE, **arguments)
 
 
-@pytest.mark.parametrize(
-    ("arguments", "message"),
-    [
-        ({"window": 2**31}, f"window must be None or an int >= 1, got {2**31}; valid: 1 to {INT32_MAX}"),
-        ({"sliding_window": 2**70}, f"sliding_window must be None or an int >= 1, got {2**70}; valid: 1 to"),
-        ({"chunk": 2**31}, f"chunk must be None or an int >= 1, got {2**31}; valid: 1 to {INT32_MAX}"),
-        ({"softcap": 1e-46}, "softcap must be None or a finite number > 0, got 1e-46; valid:"),
-        ({"scale": 1e39}, "scale must be a finite number > 0, got 1e+39; valid:"),
-        ({"sinks": torch.tensor([0.0, 0.0, 0.0, math.nan])}, "sinks[3] = nan: sinks must be finite"),
-        ({"sinks": torch.tensor([0.0, -math.inf, 0.0, 0.0])}, "sinks[1] = -inf: sinks must be finite"),
-    ],
-    ids=["window-past-int32", "sliding-window-2-to-the-70", "chunk-past-int32", "softcap-below-float32",
-         "scale-past-float32", "sinks-nan", "sinks-minus-inf"],
-)  # fmt: skip
+@pytest.mark.parametrize(("arguments", "message"), refused_values(torch.tensor))
 def test_a_value_no_backend_represents_is_refused_by_name(arguments: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=re.escape(message)):
         attend(**arguments)
@@ -54,7 +40,7 @@ def test_a_value_no_backend_represents_is_refused_by_name(arguments: dict[str, A
 
 def test_the_largest_int32_windows_attend_like_none() -> None:
     plain = attend()
-    for arguments in ({"window": INT32_MAX}, {"sliding_window": INT32_MAX}, {"chunk": INT32_MAX}):
+    for arguments in LARGEST_INT32_WINDOWS:
         torch.testing.assert_close(attend(**arguments), plain, rtol=0, atol=0, msg=str(arguments))
 
 
