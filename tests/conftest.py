@@ -1,4 +1,6 @@
-"""Shared test configuration: Hypothesis profiles and small fixtures."""
+"""Shared test configuration: Hypothesis profiles, the size of the slowest tests
+(``tests.sizes``), worker processes for the whole suite (the ``tests.workers`` plugin) and
+small fixtures."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from hypothesis import HealthCheck, settings
 
 from kvcache_core.discovery import refresh_backends
 from kvcache_core.plugin import ENTRY_POINT_GROUP
+from tests.sizes import SIZE_ENV, chosen_size
 
-pytest_plugins = ["pytester"]
+pytest_plugins = ["pytester", "tests.workers"]
 
 # Shared CI machines are noisy: no deadlines. "ci" is derandomized so a run is repeatable.
 settings.register_profile("default", deadline=None)
@@ -25,6 +28,11 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_report_header() -> str:
+    """The size the slowest tests run at (``tests/sizes.py``)."""
+    return f"test size: {chosen_size()} ({SIZE_ENV}=full: the slowest tests at full size)"
 
 
 def _add_distribution(root: Path, dist: str, version: str, entry_name: str, module: str, source: str) -> None:

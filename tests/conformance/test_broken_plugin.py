@@ -12,6 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BROKEN = ROOT / "examples" / "kvcache-broken"
 
+# One pip install serves the module: its tests run on the same pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("broken_plugin")
+
 
 @pytest.fixture(scope="module")
 def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:

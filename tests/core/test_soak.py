@@ -1,6 +1,7 @@
-"""The soak run at full size on the NumPy reference: 8 threads x 5,000 mixed operations
-(prefix caching, fork, rewrite, swap) on one manager with a checker thread. The kit runs a
-smaller soak on every backend; ``KVCACHE_SOAK_OPERATIONS`` resizes this one."""
+"""The soak run on the NumPy reference: 8 threads x 5,000 mixed operations (prefix caching,
+fork, rewrite, swap) on one manager with a checker thread at full size (``KVCACHE_TEST_SIZE=full``),
+x 2,000 in an everyday run. The kit runs a smaller soak on every backend;
+``KVCACHE_SOAK_OPERATIONS`` resizes this one."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import os
 from kvcache_core.discovery import get_backend
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.soak import run_soak
+from tests.sizes import sized
 
-OPERATIONS = int(os.environ.get("KVCACHE_SOAK_OPERATIONS", "5000"))
+OPERATIONS = int(os.environ.get("KVCACHE_SOAK_OPERATIONS", str(sized(full=5000, everyday=2000))))
 
 
 def test_eight_threads_of_mixed_operations_end_clean() -> None:

@@ -63,6 +63,7 @@ from kvcache_core.testing import inspect
 from kvcache_core.testing.oracle import dense_attention
 from kvcache_core.testing.world import assert_same_state, snapshot
 from tests.core.support import Array, Handle, Manager, make_manager
+from tests.sizes import sized
 
 LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 4, 4, 24
 QUERY_GROUP = 2  # query heads per KV head in the attention checks (GQA)
@@ -947,8 +948,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.pressure_events == self.expected_pressure_events
 
 
-LIFE_CYCLE = settings(max_examples=80, stateful_step_count=50, deadline=None)
-POLICIES = settings(max_examples=300, stateful_step_count=60, deadline=None)
+# Runs at the size tests.sizes chooses: the same steps per run, fewer runs in an everyday run.
+LIFE_CYCLE = settings(max_examples=sized(full=80, everyday=40), stateful_step_count=50, deadline=None)
+POLICIES = settings(max_examples=sized(full=300, everyday=100), stateful_step_count=60, deadline=None)
 
 
 @LIFE_CYCLE

@@ -94,7 +94,12 @@ def test_cpu_attention_hands_the_kernel_torch_team(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(paged_kernel, "attend_with_kernel", counted)
     monkeypatch.setattr(paged_kernel, "MIN_THREAD_WORK", 1)  # two threads even for this small batch
-    got = manager.paged_attention(1, query, table)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # the kernel takes torch's thread count (one on a busy test worker)
+    try:
+        got = manager.paged_attention(1, query, table)
+    finally:
+        torch.set_num_threads(previous)
     assert teams == [threads.torch_team()]
     monkeypatch.setenv(paged_kernel.DISABLE_ENV, "1")
     expected = manager.paged_attention(1, query, table)

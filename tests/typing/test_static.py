@@ -5,10 +5,12 @@ These run the real type checkers (mypy and pyright, strict) as the CI gate for t
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,16 +21,42 @@ ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).parent / "cases"
 
 
+#: mypy's cache for this process's runs: the third-party stubs (NumPy, torch, ...) are analysed
+#: by the first run and read back by the others. A fresh directory, removed at exit, so no run
+#: reads what a run over another tree or another mypy wrote.
+MYPY_CACHE = tempfile.TemporaryDirectory(prefix="kvcache-mypy-")
+
+
 def run_mypy(*paths: Path) -> tuple[int, str]:
     from mypy import api
 
     stdout, stderr, status = api.run(
-        ["--strict", "--no-incremental", "--config-file", str(ROOT / "pyproject.toml"), *map(str, paths)]
+        ["--strict", "--cache-dir", MYPY_CACHE.name, "--config-file", str(ROOT / "pyproject.toml"), *map(str, paths)]
     )
     return status, stdout + stderr
 
 
 def run_pyright(*paths: Path, project: Path = ROOT, severity: str = "error") -> tuple[int, list[dict[str, object]]]:
+    """pyright's exit status and its diagnostics of ``severity`` for ``paths`` in ``project``;
+    files of the cases project are read from one run over all of them (:func:`pyright_cases`)."""
+    if project == CASES and paths and all(path.parent == CASES for path in paths):
+        status, diagnostics = pyright_cases()
+        wanted = {str(path.resolve()) for path in paths}
+        return status, [d for d in diagnostics if d["file"] in wanted and d["severity"] == severity]
+    return _run_pyright(*paths, project=project, severity=severity)
+
+
+@functools.cache
+def pyright_cases() -> tuple[int, list[dict[str, object]]]:
+    """One pyright run over every case file (this process starts pyright, which reads the
+    stubs of NumPy, torch and JAX, once for them all): each file's diagnostics are its own,
+    as no case imports another."""
+    status, diagnostics = _run_pyright(*sorted(CASES.glob("*.py")), project=CASES, severity=None)
+    return status, [{**d, "file": str(Path(str(d["file"])).resolve())} for d in diagnostics]
+
+
+def _run_pyright(*paths: Path, project: Path, severity: str | None) -> tuple[int, list[dict[str, object]]]:
+    """Run pyright; ``severity=None`` keeps every diagnostic."""
     executable = shutil.which("pyright", path=str(Path(sys.executable).parent)) or shutil.which("pyright")
     if executable is None:
         pytest.fail("pyright is not installed: pip install -r requirements-test.txt")
@@ -40,7 +68,9 @@ def run_pyright(*paths: Path, project: Path = ROOT, severity: str = "error") -> 
         check=False,
     )
     report = json.loads(result.stdout)
-    diagnostics: list[dict[str, object]] = [d for d in report["generalDiagnostics"] if d["severity"] == severity]
+    diagnostics: list[dict[str, object]] = [
+        d for d in report["generalDiagnostics"] if severity is None or d["severity"] == severity
+    ]
     return result.returncode, diagnostics
 
 
