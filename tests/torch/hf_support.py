@@ -1,10 +1,13 @@
-"""What the transformers tests share: tiny models (:data:`ARCHITECTURES`, :func:`model_pair`),
+"""What the transformers tests share (imported first: it skips a test module on a machine
+without torch or transformers, and hands out both and ``kvcache_torch.hf``'s names): tiny models (:data:`ARCHITECTURES`, :func:`model_pair`),
 prompts, ``generate`` and one manual forward, the logit comparison, and a fixture that keeps
 torch on one thread.
 
 Every equality test compares fp32 logits with ``DynamicCache``'s (max abs difference
 <= :data:`TOLERANCE`) at every real position.
 """
+
+# ruff: noqa: E402  (torch, transformers and kvcache_torch.hf are imported after the skips)
 
 from __future__ import annotations
 
@@ -18,10 +21,19 @@ import pytest
 from kvcache_core import PagedKvCacheManager, create_manager
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
+# Every test module importing this one is skipped on a machine without torch or transformers.
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvcache_torch.hf import ATTN_IMPLEMENTATION, cache_config_for  # noqa: E402  # after the skips: it imports both
+# After the skips; the tests take these names from here.
+from torch import nn as nn
+
+from kvcache_torch.hf import ATTN_IMPLEMENTATION as ATTN_IMPLEMENTATION
+from kvcache_torch.hf import PagedCache as PagedCache
+from kvcache_torch.hf import cache_config_for as cache_config_for
+from kvcache_torch.hf import guard as guard
+from kvcache_torch.hf import model_fingerprint as model_fingerprint
+from kvcache_torch.hf import paged_attention_mask as paged_attention_mask
 
 Tensor = Any  # torch.Tensor, imported lazily above
 Model = Any  # a transformers PreTrainedModel

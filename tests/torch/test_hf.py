@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import os
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, NamedTuple
 
@@ -27,31 +26,26 @@ from kvcache_core import (
     create_manager,
 )
 from kvcache_core.errors import DTypeMismatchError, InvalidTypeError, LayerIndexError, ShapeMismatchError
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from kvcache_torch.hf import (  # noqa: E402  # after the skips: it imports torch and transformers
-    ATTN_IMPLEMENTATION,
-    PagedCache,
-    cache_config_for,
-    paged_attention_mask,
-)
-from tests.torch.hf_support import (  # noqa: E402
+from tests.torch.hf_support import (
     ARCHITECTURES,
+    ATTN_IMPLEMENTATION,
     TOLERANCE,
     VOCAB,
     Model,
+    PagedCache,
     Tensor,
     build_model,
+    cache_config_for,
     forward,
     generate,
     make_manager,
     max_logit_difference,
     model_pair,
     one_thread,  # noqa: F401  # pyright: ignore[reportUnusedImport]  # a fixture, used by pytestmark
+    paged_attention_mask,
     prompts,
+    torch,
+    transformers,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,31 +12,25 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from functools import partial
 from typing import Any
 
 import pytest
 
 from kvcache_core import UnsupportedConfigError, create_manager
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from kvcache_torch.hf import (  # noqa: E402  # after the skips: it imports torch and transformers
+from tests.torch import hf_support
+from tests.torch.hf_support import (
     ATTN_IMPLEMENTATION,
-    PagedCache,
-    cache_config_for,
-)
-from tests.torch import hf_support  # noqa: E402
-from tests.torch.hf_support import (  # noqa: E402
     COMMON_CONFIG,
     TOLERANCE,
+    PagedCache,
+    cache_config_for,
     forward,
     generate,
     max_logit_difference,
     prompts,
+    torch,
+    transformers,
 )
 
 Model = Any

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import copy
 
-import pytest
-
-pytest.importorskip("transformers")
-
-import torch
-
-from kvcache_torch.hf import cache_config_for, model_fingerprint
-from tests.torch.hf_support import model_pair
+from tests.torch.hf_support import cache_config_for, model_fingerprint, model_pair, torch
 
 
 def test_the_default_model_id_is_the_config_and_dtype_fingerprint() -> None:

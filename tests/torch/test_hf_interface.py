@@ -19,28 +19,26 @@ from typing import Any
 import pytest
 
 from kvcache_core import PagedKvCacheManager, UnsupportedConfigError, create_manager
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from torch import nn  # noqa: E402
-
-# After the skips: these import torch and transformers.
-from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for  # noqa: E402
-from kvcache_torch.hf import guard as hf_guard  # noqa: E402
-from tests.torch.hf_support import (  # noqa: E402
+from tests.torch.hf_support import (
+    ATTN_IMPLEMENTATION,
     COMMON_CONFIG,
     PAD,
     TOLERANCE,
     VOCAB,
     Model,
+    PagedCache,
     Tensor,
+    cache_config_for,
     forward,
     generate,
     max_logit_difference,
+    nn,
     one_thread,  # noqa: F401  # pyright: ignore[reportUnusedImport]  # a fixture, used by pytestmark
     prompts,
+    torch,
+    transformers,
 )
+from tests.torch.hf_support import guard as hf_guard
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,19 +6,19 @@ divergent step and the logit differences over 24 tokens)."""
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
 import pytest
 
 from kvcache_core import create_manager
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for  # noqa: E402
-from tests.torch.hf_support import Model, build_model  # noqa: E402
+from tests.torch.hf_support import (
+    ATTN_IMPLEMENTATION,
+    Model,
+    PagedCache,
+    build_model,
+    cache_config_for,
+    torch,
+)
 
 #: The architectures run with a quantized pool (of ``tests.torch.hf_support.ARCHITECTURES``).
 QUANTIZED_ARCHITECTURES = ("llama", "mistral", "qwen2")
