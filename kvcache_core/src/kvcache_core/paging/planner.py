@@ -28,8 +28,8 @@ import numpy.typing as npt
 
 from kvcache_core.contract.config import AllocationRequest
 from kvcache_core.contract.groups import first_visible_block
-from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging import prefix as hashing
+from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.prefix import PrefixEntry
 
 __all__ = ["AllocationPlan", "Opened", "PrefixPlanner", "Promotion", "TierBlock", "TierHit", "TierLookup"]
@@ -238,18 +238,16 @@ class PrefixPlanner:
         have: list[list[bool]] = [[] for _ in groups]
         for logical in range(start, plan.queries):
             tokens = prompt[logical * block_size : (logical + 1) * block_size]
-            entry: PrefixEntry | None = None
-            if logical < len(plan.found):
-                entry, block_hash = plan.found[logical], plan.hashes[logical]
-            elif logical < len(plan.hashes):
-                block_hash = plan.hashes[logical]  # the pool's first miss
+            # Each block is hashed once: the pool's walk hashed its hits and its first miss.
+            if logical < len(plan.hashes):
+                block_hash = plan.hashes[logical]
             else:
                 block_hash = hashing.hash_block(parent_hash, tokens, salt)
-                entry = prefix.get(block_hash)
-                if entry is not None and (
-                    entry.token_ids != tokens or entry.salt != salt or prefix.parent_hash(entry.parent) != parent_hash
-                ):
-                    entry = None  # a collision: other tokens under this hash
+            entry = plan.found[logical] if logical < len(plan.found) else prefix.get(block_hash)
+            if entry is not None and (
+                entry.token_ids != tokens or entry.salt != salt or prefix.parent_hash(entry.parent) != parent_hash
+            ):
+                entry = None  # a collision: other tokens under this hash
             picks = [None if entry is None else self.pool.pick_block(entry, group) for group in groups]
             levels = [tiers.holds(block_hash, group) if picks[group] is None else None for group in groups]
             if entry is None and all(level is None for level in levels):
