@@ -32,7 +32,7 @@ from kvcache_core.paging import prefix as hashing
 from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.prefix import PrefixEntry
 
-__all__ = ["AllocationPlan", "Opened", "PrefixPlanner", "Promotion", "TierBlock", "TierHit", "TierLookup"]
+__all__ = ["AllocationPlan", "Opened", "PrefixPlanner", "Promotion", "TierBlock", "TierHit", "TierLookup", "filled"]
 
 
 class TierBlock(Protocol):
@@ -348,3 +348,13 @@ class PrefixPlanner:
                     row.append(None)
             rows.append(row)
         return hits, firsts, rows
+
+
+def filled(rows: list[list[int | None]], taken: list[list[int]]) -> list[list[int]]:
+    """``rows`` (:meth:`PrefixPlanner.layout`) with each ``None`` replaced by the next of
+    its group's new blocks ``taken``, in order."""
+    blocks: list[list[int]] = []
+    for row, new in zip(rows, taken, strict=True):
+        supply = iter(new)
+        blocks.append([next(supply) if block is None else block for block in row])
+    return blocks

@@ -21,7 +21,7 @@ from kvcache_core.contract.protocols import SlotArray
 from kvcache_core.errors import SequenceTooLongError
 from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.chains import PrefixChains
-from kvcache_core.paging.planner import AllocationPlan, Opened, PrefixPlanner, TierLookup
+from kvcache_core.paging.planner import AllocationPlan, Opened, PrefixPlanner, TierLookup, filled
 from kvcache_core.paging.request_state import RequestState, SwapRecord
 
 __all__ = ["AllocationPlan", "GroupGrowth", "GrowthPlan", "SequenceBlocks"]
@@ -415,11 +415,8 @@ class SequenceBlocks:
             try:
                 return self._open(state, request, plan, tiers)
             except Exception as exc:  # the request is served without them
-                warnings.warn(
-                    f"promoting {len(promotion.records)} blocks from the tiers failed: {exc!r}",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                failure = f"promoting {len(promotion.records)} blocks from the tiers failed: {exc!r}"
+                warnings.warn(failure, RuntimeWarning, stacklevel=3)
         return self._open(state, request, plan, None)
 
     def _open(
@@ -440,9 +437,7 @@ class SequenceBlocks:
             # evict cached blocks, and a later group's hit must not be among them.
             for row in rows:
                 held.append([])
-                for block in row:
-                    if block is None:
-                        continue
+                for block in (block for block in row if block is not None):
                     if allocator.is_cached(block):
                         allocator.revive(block)
                         revived.append(block)
@@ -459,10 +454,7 @@ class SequenceBlocks:
                         group,
                     )
                 )
-            blocks: list[list[int]] = []  # per group: its blocks from its first held on
-            for row, new in zip(rows, taken, strict=True):
-                supply = iter(new)
-                blocks.append([next(supply) if block is None else block for block in row])
+            blocks = filled(rows, taken)  # per group: its blocks from its first held on
             if records:
                 assert tiers is not None
                 targets = [blocks[hit.group][plan.hits + hit.offset - firsts[hit.group]] for hit in records]
@@ -475,13 +467,11 @@ class SequenceBlocks:
         except BaseException:  # taking may evict, and demoting to a tier be interrupted: give all back
             self._give_back_opening(held, taken)
             raise
+        if promotion is not None:  # the blocks mapped past the pool's hits leave the swap map too
+            extension = (row[max(0, plan.hits - first) :] for row, first in zip(rows, firsts, strict=True))
+            revived += [block for row in extension for block in row if block is not None]
         for block in revived:
             pool.swapped_blocks.pop(block, None)
-        if promotion is not None:
-            for group, first in enumerate(firsts):
-                for block in rows[group][max(0, plan.hits - first) :]:
-                    if block is not None:
-                        pool.swapped_blocks.pop(block, None)
         cached_tokens = hits * block_size
         state.tables = [
             BlockTable(block_size, group_blocks, cached_tokens, first_logical=first)
