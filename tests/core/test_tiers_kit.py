@@ -12,7 +12,7 @@ pytest.importorskip("safetensors")
 
 from kvcache_core.discovery import get_backend
 from kvcache_core.offload.guarded_tiers import GuardedTiers
-from kvcache_core.offload.tier_stack import TierChain
+from kvcache_core.paging.sequences import SequenceBlocks
 from kvcache_core.testing.backend import BackendUnderTest
 from kvcache_core.testing.faults import InjectedFaultError
 from kvcache_core.testing.tiers import TIER_CALLS, Interrupted, host_tier_factory, run_tier_fault_injection
@@ -35,7 +35,10 @@ def test_an_interrupt_at_any_tier_call_of_a_hybrid_pool_leaks_nothing(tmp_path: 
 def test_the_run_finds_a_promotion_that_keeps_its_blocks_when_interrupted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(TierChain, "promote", TierChain._promote)  # pyright: ignore[reportPrivateUsage]  # no rollback
+    def keep_all(self: SequenceBlocks, held: list[list[int]], taken: list[list[int]]) -> None:
+        """No rollback: an interrupted opening keeps every block it mapped or took."""
+
+    monkeypatch.setattr(SequenceBlocks, "_give_back_opening", keep_all)
     report = run_tier_fault_injection(
         numpy_backend(), host_tier_factory, tmp_path, Interrupted, storage_faults=False, modes=("before",)
     )

@@ -143,13 +143,15 @@ class Requests(Generic[ArrayT]):
                 f"cannot allocate request {request.request_id!r}: {request.initial_tokens} initial tokens "
                 f"need {plan.new_blocks} blocks{cached}"
             )
+        if self._tiers:  # the tier blocks continuing the pool's hit
+            plan = self._sequences.planner.extend(plan, request, self._tiers)
         state = self.new_state(request.request_id, request.max_sequence_length, request.priority)
-        self._sequences.open(state, request, plan)
-        promoted = self._tiers.promote(self._pool, self._chains, state)  # tier blocks continuing the cached prefix
+        opened = self._sequences.open(state, request, plan, self._tiers)
         if self._chains.enabled:
             self._chains.queries += plan.queries
-            self._chains.hits += plan.hits + promoted
+            self._chains.hits += opened.hits
             self._chains.collisions += plan.collisions
+        self._tiers.count_hits(opened.tier_hits)
         self.live[request.request_id] = state
         self.allocation_count += 1
         self._pressure.update()

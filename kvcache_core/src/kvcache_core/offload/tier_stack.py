@@ -1,19 +1,16 @@
 """The moves between a manager's pool and its offload tiers (:mod:`kvcache_core.offload.tiers`):
-demotion of evicted cached blocks, promotion of blocks that continue a prompt's cached
-prefix, and the tiers' figures. Manager internals: the manager holds one
-:class:`TierChain` and calls it under its lock.
+demotion of evicted cached blocks, the tiers' side of a prefix hit, and the tiers' figures.
+Manager internals: the manager holds one :class:`TierChain` and calls it under its lock.
 
 With KV-cache groups (:mod:`kvcache_core.contract.groups`) the unit that moves is one group's
 block of one hash, a :class:`~kvcache_core.offload.prefix_file.BlockRecord` filed under its
 :attr:`~kvcache_core.offload.prefix_file.BlockRecord.key`. Demotion takes a hash's block of a group
 when the pool evicts the last block of that hash in that group (so the pool may still
-hold the hash in another group). Promotion follows the rule of a prefix hit
-(``SequenceBlocks._servable``): ``n`` blocks promote only if every full group has a block
-of each, every sliding group of those its window sees from the first uncached token, and
-some group holds each (so the hash chain goes on); a group's block is its record in a
-tier, or its block of that hash still in the pool (mapped as a hit maps it). ``n`` shrinks
-until that holds. The events count hashes per medium: a hash is in a tier while any of
-its group records is.
+hold the hash in another group). Promotion is planned with the pool's hit by
+:class:`~kvcache_core.paging.planner.PrefixPlanner` (which blocks come from which tier):
+:class:`TierChain` is its :class:`~kvcache_core.paging.planner.TierLookup`, saying which tier
+holds a record, giving records back checked and taking out those that went into the pool.
+The events count hashes per medium: a hash is in a tier while any of its group records is.
 
 Every call of a tier goes through :class:`~kvcache_core.offload.guarded_tiers.GuardedTiers`: a
 tier that fails or gives back garbage is a miss where a miss is safe (promotion, demotion,
@@ -25,12 +22,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvcache_core.contract.block_table import BlockTable
-from kvcache_core.contract.groups import first_visible_block
 from kvcache_core.errors import TierError
 from kvcache_core.offload import host_form
 from kvcache_core.offload.events import EventHub
@@ -38,12 +33,10 @@ from kvcache_core.offload.guarded_tiers import GuardedTiers, overflow_items
 from kvcache_core.offload.prefix_file import BlockRecord, block_checksum, record_key
 from kvcache_core.offload.tiers import OffloadTier, TierStats
 from kvcache_core.paging.block_pool import BlockPool
-from kvcache_core.paging.prefix import PrefixEntry, hash_block
+from kvcache_core.paging.prefix import PrefixEntry
 
 if TYPE_CHECKING:
     from kvcache_core.contract.config import CacheConfig
-    from kvcache_core.paging.chains import PrefixChains
-    from kvcache_core.paging.request_state import RequestState
 
 __all__ = ["TierChain"]
 
@@ -194,254 +187,32 @@ class TierChain:
 
     # -- tiers -> pool ------------------------------------------------------------------
 
-    def promote(self, pool: BlockPool, chains: PrefixChains, state: RequestState[Any]) -> int:
-        """Bring the tiers' blocks that continue a new request's cached prefix into its
-        blocks, in every KV-cache group (one ``blocks_from_host`` call), register them and
-        start the request after them; called by ``allocate`` before it commits. A group
-        whose block of a hash is still in the pool maps that block, as a prefix hit does.
-        A tier that fails, or gives back a record that fails the checks, is a miss there
-        (counted, with a warning); so is a failing ``blocks_from_host``.
+    def holds(self, block_hash: bytes, group: int) -> int | None:
+        """The level of the first tier holding ``group``'s record of ``block_hash``
+        (:class:`~kvcache_core.paging.planner.TierLookup`), ``None`` if none does (or a tier
+        cannot say: counted, with a warning)."""
+        key = record_key(block_hash, group)
+        return next((level for level in range(len(self._guard.tiers)) if self._guard.contains(level, key)), None)
 
-        Returns:
-            The logical blocks promoted.
+    def fetch(self, block_hash: bytes, group: int, parent: bytes | None) -> tuple[int, BlockRecord] | None:
+        """The first tier holding ``group``'s record of ``block_hash`` and the record,
+        checked with the expected ``parent`` hash (:meth:`_find`); ``None`` where none gives
+        it back intact: a miss."""
+        return self._find(record_key(block_hash, group), parent)
 
-        Raises:
-            BaseException: what a tier or the storage raised that is not an ``Exception``
-                (``KeyboardInterrupt``): every block the request holds is given back first
-                (the caller drops the request).
-        """
-        if not self._guard.tiers:
-            return 0
-        try:
-            return self._promote(pool, chains, state)
-        except BaseException:
-            for table in state.tables:
-                pool.release_table(list(table.physical_blocks))
-            state.tables = state.empty_tables()
-            raise
+    def take_out(self, blocks: Sequence[tuple[bytes, int]]) -> None:
+        """The records ``(block hash, group)`` went into the pool: tiers are exclusive, each
+        leaves the tier that holds it now (a demotion since it was fetched may have moved it)."""
+        for block_hash, group in blocks:
+            key = record_key(block_hash, group)
+            for level in range(len(self._guard.tiers)):
+                if self._guard.contains(level, key):
+                    self._guard.discard(level, key)
 
-    def _promote(self, pool: BlockPool, chains: PrefixChains, state: RequestState[Any]) -> int:
-        start = len(state.chain)
-        if start * self._config.block_size != state.table.sequence_length:
-            return 0
-        hashes, pooled = self._continuation(pool, state, start)
-        have = [
-            [
-                pooled[group][index] is not None or self._guard.anywhere(record_key(block_hash, group))
-                for index, block_hash in enumerate(hashes)
-            ]
-            for group in range(len(self._windows))
-        ]
-        parents: list[bytes | None] = [state.chain[-1].block_hash if state.chain else None, *hashes[:-1]]
-        found: dict[tuple[int, int], tuple[int, BlockRecord]] = {}  # (group, index) -> (tier level, record)
-        while True:
-            count = self._servable(pool, state, start, have, pooled)
-            if not count:
-                return 0
-            missing = False
-            for group, index in self._needed(start, count):
-                if pooled[group][index] is not None or (group, index) in found:
-                    continue
-                hit = self._find(record_key(hashes[index], group), parents[index])
-                tokens = self._tokens(state, start + index)
-                if hit is None or hit[1].token_ids != tokens or hit[1].salt != state.salt:
-                    have[group][index] = False  # unreadable, or another prefix's: shorten
-                    missing = True
-                else:
-                    found[(group, index)] = hit
-            if not missing:
-                break
-        records = [
-            (group, index, found[(group, index)])
-            for group, index in self._needed(start, count)
-            if pooled[group][index] is None
-        ]
-        return self._write(pool, chains, state, start, count, self._layout(state, start, count, pooled), records)
-
-    def _tokens(self, state: RequestState[Any], logical: int) -> tuple[int, ...]:
-        block_size = self._config.block_size
-        return tuple(state.token_ids[logical * block_size : (logical + 1) * block_size])
-
-    def _continuation(
-        self, pool: BlockPool, state: RequestState[Any], start: int
-    ) -> tuple[list[bytes], list[list[int | None]]]:
-        """The hashes of the prompt's full blocks from ``start`` on, while the pool or a tier
-        holds a block of each (in any group), and per group the pool block of each hash
-        (``None`` where the group has none); the last prompt token is always left to compute."""
-        prefix = pool.prefix
-        assert prefix is not None
-        groups = range(len(self._windows))
-        parent_hash = prefix.parent_hash(state.chain[-1] if state.chain else None)
-        hashes: list[bytes] = []
-        pooled: list[list[int | None]] = [[] for _ in groups]
-        for logical in range(start, (len(state.token_ids) - 1) // self._config.block_size):
-            tokens = self._tokens(state, logical)
-            block_hash = hash_block(parent_hash, tokens, state.salt)
-            entry = prefix.get(block_hash)
-            if entry is not None and (
-                entry.token_ids != tokens or entry.salt != state.salt or prefix.parent_hash(entry.parent) != parent_hash
-            ):
-                entry = None  # a collision: other tokens under this hash
-            if entry is None and not any(self._guard.anywhere(record_key(block_hash, group)) for group in groups):
-                break
-            hashes.append(block_hash)
-            for group in groups:
-                pooled[group].append(None if entry is None else pool.pick_block(entry, group))
-            parent_hash = block_hash
-        return hashes, pooled
-
-    def _first_held(self, group: int, end: int) -> int:
-        """The first logical block ``group`` holds once ``end`` blocks are cached: 0 for a
-        full group, the first its window sees from the first uncached token for a sliding
-        one."""
-        return min(
-            end, first_visible_block(self._windows[group], end * self._config.block_size, self._config.block_size)
-        )
-
-    def _needed(self, start: int, count: int) -> list[tuple[int, int]]:
-        """``(group, index)`` of every block that promoting ``count`` blocks from logical
-        ``start`` maps, group by group in logical order (``index`` counts from ``start``)."""
-        return [
-            (group, index)
-            for group in range(len(self._windows))
-            for index in range(max(0, self._first_held(group, start + count) - start), count)
-        ]
-
-    def _layout(
-        self, state: RequestState[Any], start: int, count: int, pooled: list[list[int | None]]
-    ) -> list[list[int | None]]:
-        """Per group, after promoting ``count`` blocks from logical ``start``: each block it
-        holds from ``max(start, first held)`` on, the pool block mapped there or ``None``
-        for a new one (promoted from a tier, or reserved past the run)."""
-        layout: list[list[int | None]] = []
-        for group, table in enumerate(state.tables):
-            end = max(start + count, table.first_logical + table.num_blocks())
-            first = max(start, self._first_held(group, start + count))
-            layout.append(
-                [pooled[group][logical - start] if logical < start + count else None for logical in range(first, end)]
-            )
-        return layout
-
-    def _servable(
-        self,
-        pool: BlockPool,
-        state: RequestState[Any],
-        start: int,
-        have: list[list[bool]],
-        pooled: list[list[int | None]],
-    ) -> int:
-        """The most blocks from logical ``start`` that every group can be served: a full
-        group has a block or record of every one, a sliding group of those its window
-        sees, some group holds each, and the pool has the blocks to take for them."""
-        count = len(have[0]) if have else 0
-        for group, window in enumerate(self._windows):
-            if window is None:
-                count = min(count, next((index for index, known in enumerate(have[group]) if not known), count))
-        allocator = pool.allocator
-        spare = allocator.free_block_count() + allocator.cached_block_count()
-        while count:
-            firsts = [self._first_held(group, start + count) for group in range(len(self._windows))]
-            if min(firsts) <= start and all(have[group][index] for group, index in self._needed(start, count)):
-                layout = self._layout(state, start, count, pooled)
-                reserved = [table.first_logical + table.num_blocks() - start for table in state.tables]
-                extra = sum(max(0, row.count(None) - held) for row, held in zip(layout, reserved, strict=True))
-                revived = sum(1 for row in layout for block in row if block is not None and allocator.is_cached(block))
-                if extra + revived <= spare:
-                    return count
-            count -= 1
-        return 0
-
-    def _write(
-        self,
-        pool: BlockPool,
-        chains: PrefixChains,
-        state: RequestState[Any],
-        start: int,
-        count: int,
-        layout: list[list[int | None]],
-        records: list[tuple[int, int, tuple[int, BlockRecord]]],
-    ) -> int:
-        """Map ``layout``'s pool blocks, write ``records`` (``(group, index, (tier level,
-        record))``) into new blocks with one storage call, take the records out of the
-        tiers, then commit: every group's table holds what its window sees, the promoted
-        blocks registered. No tier is called once the commit starts."""
-        allocator = pool.allocator
-        block_size = self._config.block_size
-        firsts = [self._first_held(group, start + count) for group in range(len(self._windows))]
-        mapped = [block for row in layout for block in row if block is not None]
-        held: list[int] = []  # the pool blocks mapped, held before anything is taken
-        extra: list[list[int]] = []  # per group: the blocks taken for the promotion
-        fresh: list[list[int]] = []  # per group: the new blocks, reserved ones first
-        try:
-            for block in mapped:
-                if allocator.is_cached(block):
-                    allocator.revive(block)
-                else:
-                    allocator.retain(block)
-                held.append(block)
-            for group, table in enumerate(state.tables):
-                reserved = list(table.physical_blocks[start - table.first_logical :])
-                last = table.physical_blocks[-1] if table.num_blocks() else None
-                missing = layout[group].count(None) - len(reserved)
-                taken: list[int] = []
-                if missing > 0:  # taking them may evict (and demote) other cached blocks
-                    taken = pool.take(
-                        missing,
-                        last if last is not None and allocator.ref_count(last) == 1 else None,
-                        None,
-                        f"cannot promote blocks for request {state.request_id!r}",
-                        group,
-                    )
-                extra.append(taken)
-                fresh.append(reserved + taken)
-            blocks: list[list[int]] = []  # per group: its blocks from max(start, first held) on
-            for group, row in enumerate(layout):
-                supply = iter(fresh[group])
-                blocks.append([next(supply) if block is None else block for block in row])
-            targets = [blocks[group][start + index - max(start, firsts[group])] for group, index, _ in records]
-            if records:
-                pool.storage.blocks_from_host(
-                    np.asarray(targets, dtype=np.int64),
-                    np.stack([record.keys for _, _, (_, record) in records], axis=1),
-                    np.stack([record.values for _, _, (_, record) in records], axis=1),
-                )
-            for group, _, (_, record) in records:  # tiers are exclusive: the records leave them
-                key = record_key(record.block_hash, group)
-                for level in range(len(self._guard.tiers)):  # where it is now (the demotions above may have moved it)
-                    if self._guard.contains(level, key):
-                        self._guard.discard(level, key)
-        except Exception as exc:  # the request is served without them
-            pool.release_table(held)
-            _give_back(pool, extra)
-            warnings.warn(
-                f"promoting {len(records)} blocks from the tiers failed: {exc!r}", RuntimeWarning, stacklevel=5
-            )
-            return 0
-        except BaseException:
-            pool.release_table(held)
-            _give_back(pool, extra)
-            raise
-        for block in mapped:
-            pool.swapped_blocks.pop(block, None)
-        end = (start + count) * block_size
-        for group, table in enumerate(state.tables):
-            hits = list(table.physical_blocks[: start - table.first_logical])  # the pool's hits, mapped by open
-            passed = max(0, min(firsts[group], start) - table.first_logical)  # those the window no longer sees
-            state.tables[group] = BlockTable(
-                block_size, hits[passed:] + blocks[group], end, first_logical=firsts[group]
-            )
-            slots = state.tables[group].slots(max(start, firsts[group]) * block_size, end)
-            pool.issued[slots] = True
-            if pool.written is not None:
-                pool.written[:, slots] = True
-            unused = hits[:passed] + fresh[group][layout[group].count(None) :]
-            if unused:
-                pool.release_table(unused)
-        state.cached_tokens += count * block_size
-        chains.advance(state)
-        for _, _, (level, _) in records:
+    def count_hits(self, levels: Iterable[int]) -> None:
+        """Count one hit in tier ``level`` for each record promoted from it."""
+        for level in levels:
             self._guard.counts[self._guard.names[level]][0] += 1
-        return count
 
     def _find(self, key: bytes, parent: bytes | bool | None = True) -> tuple[int, BlockRecord] | None:
         """The first tier holding ``key`` (its level) and its record, checked

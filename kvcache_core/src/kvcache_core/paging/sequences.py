@@ -8,6 +8,7 @@ blocks next to the request's last one and keeps the prefix chains in step.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -20,27 +21,10 @@ from kvcache_core.contract.protocols import SlotArray
 from kvcache_core.errors import SequenceTooLongError
 from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.chains import PrefixChains
-from kvcache_core.paging.prefix import PrefixEntry
+from kvcache_core.paging.planner import AllocationPlan, Opened, PrefixPlanner, TierLookup, filled
 from kvcache_core.paging.request_state import RequestState, SwapRecord
 
 __all__ = ["AllocationPlan", "GroupGrowth", "GrowthPlan", "SequenceBlocks"]
-
-
-class AllocationPlan(NamedTuple):
-    """What ``allocate`` would do, worked out without changing anything."""
-
-    entries: list[PrefixEntry]  # per cached logical block mapped: its prefix-cache entry
-    mapped: list[list[int]]  # per KV-cache group: the cached blocks to map (after ``released``)
-    released: list[int]  # per group: leading hit blocks a sliding window leaves unmapped
-    queries: int  # full prompt blocks looked up
-    collisions: int
-    new_blocks: int  # blocks to take from the pool, every group together
-    revived: int  # mapped hit blocks that are cached now (not free, not in use)
-
-    @property
-    def hits(self) -> int:
-        """Logical blocks served from the prefix cache."""
-        return len(self.entries)
 
 
 class GroupGrowth(NamedTuple):
@@ -94,6 +78,7 @@ class SequenceBlocks:
         self.chains = chains
         self.block_size = pool.config.block_size
         self.windows = [group.window for group in pool.config.kv_groups]
+        self.planner = PrefixPlanner(pool)
 
     # -- windows and placement hints ---------------------------------------------------
 
@@ -138,40 +123,10 @@ class SequenceBlocks:
 
     # -- plans -------------------------------------------------------------------------
 
-    def _servable(self, entries: list[PrefixEntry]) -> tuple[int, list[list[int]], list[int]]:
-        """The longest cached prefix every group can serve: ``(hits, mapped, released)``.
-
-        A full group needs a block of its own for every hit; a sliding group only for the
-        hits its window still sees from the first uncached token (``released`` of them
-        are left unmapped). Where a group lacks one, the hit is shortened until every
-        group is served: a prefix is mapped in every group or in none.
-        """
-        pool = self.pool
-        picks = [[pool.pick_block(entry, group) for entry in entries] for group in range(len(self.windows))]
-        hits = len(entries)
-        for group, window in enumerate(self.windows):
-            if window is None:
-                hits = min(hits, next((i for i, block in enumerate(picks[group]) if block is None), hits))
-        while True:
-            released = [min(hits, self.window_start(hits * self.block_size, group)) for group in range(len(picks))]
-            if all(None not in picks[group][released[group] : hits] for group in range(len(picks))):
-                break
-            hits -= 1
-        mapped = [
-            [block for block in picks[group][released[group] : hits] if block is not None]
-            for group in range(len(picks))
-        ]
-        return hits, mapped, released
-
     def plan_allocation(self, request: AllocationRequest) -> AllocationPlan:
-        """Look up the prompt's cached blocks and count the blocks ``allocate`` needs."""
-        entries, queries, collisions = self.chains.lookup(request)
-        hits, mapped, released = self._servable(entries)
-        logical_total = max(hits, blocks_for(request.initial_tokens, self.block_size))
-        is_cached = self.pool.allocator.is_cached
-        revived = sum(1 for blocks in mapped for block in blocks if is_cached(block))
-        new_blocks = (logical_total - hits) * len(self.windows)
-        return AllocationPlan(entries[:hits], mapped, released, queries, collisions, new_blocks, revived)
+        """Look up the prompt's cached blocks in the pool and count the blocks ``allocate``
+        needs (:meth:`PrefixPlanner.plan`)."""
+        return self.planner.plan(request)
 
     def plan_growth(self, state: RequestState[Any], count: int, ids: tuple[int, ...] | None) -> GrowthPlan:
         """Check that the request may grow by ``count`` tokens and count the blocks it takes.
@@ -432,47 +387,118 @@ class SequenceBlocks:
 
     # -- whole requests: allocate, fork, release, swap ---------------------------------
 
-    def open(self, state: RequestState[Any], request: AllocationRequest, plan: AllocationPlan) -> None:
-        """Give a new request its tables: the plan's prefix hits mapped (shared), new
-        blocks taken after them in every group (the plan fits: checked by the caller)."""
+    def open(
+        self,
+        state: RequestState[Any],
+        request: AllocationRequest,
+        plan: AllocationPlan,
+        tiers: TierLookup | None = None,
+    ) -> Opened:
+        """Give a new request its tables as ``plan`` says, once: its pool hits mapped
+        (shared), its promotion's records written into new blocks with one
+        ``blocks_from_host`` call (they leave ``tiers``), new blocks taken after them in
+        every group (the plan fits: checked by the caller), the promoted blocks registered.
+
+        A promotion that fails with an ``Exception`` (the storage's write) is given up, with
+        a warning: the request is opened with its pool hits alone.
+
+        Returns:
+            What was served: the cached logical blocks and the tier level of each record.
+
+        Raises:
+            BaseException: what taking blocks (evicting, demoting to a tier), the storage or
+                a tier raised otherwise (``KeyboardInterrupt``): every block taken or mapped
+                is given back first and the request holds nothing.
+        """
+        promotion = plan.promotion
+        if promotion is not None and tiers is not None:
+            try:
+                return self._open(state, request, plan, tiers)
+            except Exception as exc:  # the request is served without them
+                failure = f"promoting {len(promotion.records)} blocks from the tiers failed: {exc!r}"
+                warnings.warn(failure, RuntimeWarning, stacklevel=3)
+        return self._open(state, request, plan, None)
+
+    def _open(
+        self, state: RequestState[Any], request: AllocationRequest, plan: AllocationPlan, tiers: TierLookup | None
+    ) -> Opened:
+        """Carry ``plan`` out, with its promotion when ``tiers`` are given; all or nothing."""
         pool = self.pool
         allocator = pool.allocator
-        cached_tokens = plan.hits * self.block_size
-        new_per_group = plan.new_blocks // len(self.windows)
-        # Every group's hits are held before any group takes new blocks: taking may evict
-        # cached blocks, and a later group's hit must not be among them.
-        for block in (block for mapped in plan.mapped for block in mapped):
-            if allocator.is_cached(block):
-                allocator.revive(block)
-                pool.swapped_blocks.pop(block, None)
-            else:
-                pool.retain(block)
-        tables: list[BlockTable] = []
+        block_size = self.block_size
+        promotion = plan.promotion if tiers is not None else None
+        records = promotion.records if promotion is not None else []
+        hits, firsts, rows = self.planner.layout(plan, promotion is not None)
+        held: list[list[int]] = []  # per group: the pool blocks mapped
+        taken: list[list[int]] = []  # per group: the new blocks
+        revived: list[int] = []
         try:
-            for group, (mapped, released) in enumerate(zip(plan.mapped, plan.released, strict=True)):
-                new_blocks = pool.take(
-                    new_per_group,
-                    pool.sole_holder(mapped[-1] if mapped else None),
-                    self.expected_blocks(request.max_sequence_length, plan.hits, group),
-                    f"cannot allocate request {request.request_id!r}",
-                    group,
+            # Every group's hits are held before any group takes new blocks: taking may
+            # evict cached blocks, and a later group's hit must not be among them.
+            for row in rows:
+                held.append([])
+                for block in (block for block in row if block is not None):
+                    if allocator.is_cached(block):
+                        allocator.revive(block)
+                        revived.append(block)
+                    else:
+                        pool.retain(block)
+                    held[-1].append(block)
+            for group, (row, mapped) in enumerate(zip(rows, held, strict=True)):
+                taken.append(
+                    pool.take(
+                        row.count(None),
+                        pool.sole_holder(mapped[-1] if mapped else None),
+                        self.expected_blocks(request.max_sequence_length, hits, group),
+                        f"cannot allocate request {request.request_id!r}",
+                        group,
+                    )
                 )
-                tables.append(BlockTable(self.block_size, mapped + new_blocks, cached_tokens, first_logical=released))
+            blocks = filled(rows, taken)  # per group: its blocks from its first held on
+            if records:
+                assert tiers is not None
+                targets = [blocks[hit.group][plan.hits + hit.offset - firsts[hit.group]] for hit in records]
+                pool.storage.blocks_from_host(
+                    np.asarray(targets, dtype=np.int64),
+                    np.stack([hit.record.keys for hit in records], axis=1),
+                    np.stack([hit.record.values for hit in records], axis=1),
+                )
+                tiers.take_out([(hit.block_hash, hit.group) for hit in records])  # tiers are exclusive
         except BaseException:  # taking may evict, and demoting to a tier be interrupted: give all back
-            for blocks in [list(table.physical_blocks) for table in tables] + plan.mapped[len(tables) :]:
-                if blocks:
-                    pool.release_table(list(blocks))
+            self._give_back_opening(held, taken)
             raise
-        state.tables = tables
+        if promotion is not None:  # the blocks mapped past the pool's hits leave the swap map too
+            extension = (row[max(0, plan.hits - first) :] for row, first in zip(rows, firsts, strict=True))
+            revived += [block for row in extension for block in row if block is not None]
+        for block in revived:
+            pool.swapped_blocks.pop(block, None)
+        cached_tokens = hits * block_size
+        state.tables = [
+            BlockTable(block_size, group_blocks, cached_tokens, first_logical=first)
+            for group_blocks, first in zip(blocks, firsts, strict=True)
+        ]
         state.cached_tokens = cached_tokens
-        for table in tables:
-            held_from = table.first_logical * self.block_size
-            if cached_tokens > held_from:
-                pool.issued[table.slots(held_from, cached_tokens)] = True
+        for table, first in zip(state.tables, firsts, strict=True):
+            if cached_tokens > first * block_size:
+                pool.issued[table.slots(first * block_size, cached_tokens)] = True
+            if promotion is not None and pool.written is not None and hits > max(plan.hits, first):
+                pool.written[:, table.slots(max(plan.hits, first) * block_size, cached_tokens)] = True
         if self.chains.enabled:
             state.token_ids = list(request.prompt_token_ids or ())
             state.salt = request.salt_bytes()
             state.chain = list(plan.entries)
+        if promotion is not None:
+            self.chains.advance(state)  # the promoted blocks join the prefix cache
+        return Opened(hits, tuple(hit.level for hit in records))
+
+    def _give_back_opening(self, held: list[list[int]], taken: list[list[int]]) -> None:
+        """Return what opening a request held (mapped pool blocks) and took (new blocks)."""
+        for mapped in held:
+            if mapped:
+                self.pool.release_table(mapped)
+        for blocks in taken:
+            if blocks:
+                self.pool.allocator.release(blocks[::-1], blocks[-1])
 
     def fork(self, parent: RequestState[Any], child: RequestState[Any]) -> None:
         """Give ``child`` the parent's tokens: every block holding them is shared, in
