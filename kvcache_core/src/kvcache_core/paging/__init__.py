@@ -3,7 +3,8 @@
 The block pool and its reference counts (:mod:`.block_pool`), the allocator's placement
 (:mod:`.allocator`), prefix hashing and the chains of cached blocks (:mod:`.prefix`,
 :mod:`.chains`), a request's state and its blocks per KV-cache group (:mod:`.request_state`,
-:mod:`.sequences`), the checks before any write (:mod:`.checks`), the invariant audit
+:mod:`.sequences`), the one plan of a new request's prefix hit in the pool and the tiers
+(:mod:`.planner`), the checks before any write (:mod:`.checks`), the invariant audit
 (:mod:`.audit`) and the pool's figures for stats (:mod:`.figures`). Imports only the contract
 and attention's feature rules.
 
