@@ -9,6 +9,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -28,6 +29,26 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def _settle_numba() -> None:
+    """Load numba's CPU lowering registries now, once per process.
+
+    numba loads them (and registers their types globally) on its first compile or cache load.
+    An in-process ``pytester`` run forgets every module imported during it; if that first load
+    happened inside one, the next compile imports them again and fails with "duplicate
+    registration". Which test compiles first depends on the order (and on the worker), so the
+    registries are loaded before any test runs.
+    """
+    try:
+        from numba.core.registry import cpu_target
+    except ImportError:  # numba is optional: nothing to settle
+        return
+    context: Any = cpu_target.target_context  # numba's untyped cached property
+    context.refresh()
+
+
+_settle_numba()
 
 
 def pytest_report_header() -> str:

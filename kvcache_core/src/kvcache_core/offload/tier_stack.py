@@ -267,10 +267,3 @@ def _hash_of(key: bytes) -> bytes:
     """The block hash a tier's key starts with (:func:`~kvcache_core.offload.prefix_file.record_key`);
     read leniently: a key a tier mangled must not break an eviction."""
     return key[:32]
-
-
-def _give_back(pool: BlockPool, taken: list[list[int]]) -> None:
-    """Return blocks taken for a promotion that did not happen to the free list."""
-    for blocks in taken:
-        if blocks:
-            pool.allocator.release(blocks[::-1], blocks[-1])
