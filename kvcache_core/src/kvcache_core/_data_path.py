@@ -111,6 +111,8 @@ class DataPath(Generic[ArrayT]):
         needed = sum(plan.needed for plan in plans)
         if needed > self._pool.available() + sum(plan.freed for plan in plans):
             raise self._pool.shortage(shortage(needed, sum(plan.copy_count for plan in plans)))
+        if len(plans) == 1:  # one request (extend): the same growth without the batch's bookkeeping
+            return [self._sequences.grow(states[0], plans[0])]
         return self._sequences.grow_all(states, plans)
 
     def extend(self, state: RequestState[ArrayT], count: int, ids: tuple[int, ...] | None) -> SlotArray:
