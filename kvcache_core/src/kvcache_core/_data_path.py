@@ -31,7 +31,7 @@ from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.paging.checks import ArgumentChecks
 from kvcache_core.paging.request_state import RequestState
-from kvcache_core.paging.sequences import SequenceBlocks
+from kvcache_core.paging.sequences import GrowthPlan, SequenceBlocks
 from kvcache_core.step import Step
 
 __all__ = ["DataPath", "extend_arguments"]
@@ -104,13 +104,16 @@ class DataPath(Generic[ArrayT]):
             SequenceTooLongError, InvalidArgumentError: a plan is refused.
             OutOfBlocksError: the batch's growth does not fit.
         """
-        plans = [
-            self._sequences.plan_growth(state, count, state_ids)
-            for state, count, state_ids in zip(states, counts, ids, strict=True)
-        ]
-        needed = sum(plan.needed for plan in plans)
-        if needed > self._pool.available() + sum(plan.freed for plan in plans):
-            raise self._pool.shortage(shortage(needed, sum(plan.copy_count for plan in plans)))
+        plans: list[GrowthPlan] = []
+        needed = freed = copies = 0
+        for state, count, state_ids in zip(states, counts, ids, strict=True):
+            plan = self._sequences.plan_growth(state, count, state_ids)
+            plans.append(plan)
+            needed += plan.needed
+            freed += plan.freed
+            copies += plan.copy_count
+        if needed > self._pool.available() + freed:
+            raise self._pool.shortage(shortage(needed, copies))
         if len(plans) == 1:  # one request (extend): the same growth without the batch's bookkeeping
             return [self._sequences.grow(states[0], plans[0])]
         return self._sequences.grow_all(states, plans)
