@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.contract.config import AllocationRequest
 from kvcache_core.errors import InvalidArgumentError
 from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.prefix import PrefixEntry
@@ -45,29 +44,6 @@ class PrefixChains:
     @property
     def enabled(self) -> bool:
         return self.pool.prefix is not None
-
-    def lookup(self, request: AllocationRequest) -> tuple[list[PrefixEntry], int, int]:
-        """The entries of the prompt's cached full blocks, in order: ``(entries, queries,
-        collisions)``. The last prompt token is always left to compute. Which blocks of
-        each KV-cache group serve them is the caller's choice (:meth:`BlockPool.pick_block`)."""
-        prefix = self.pool.prefix
-        prompt = request.prompt_token_ids
-        entries: list[PrefixEntry] = []
-        if prefix is None or not prompt:
-            return entries, 0, 0
-        block_size = self.block_size
-        queries = (len(prompt) - 1) // block_size
-        collisions = 0
-        salt = request.salt_bytes()
-        parent: PrefixEntry | None = None
-        for logical in range(queries):
-            entry, collided = prefix.find(parent, prompt[logical * block_size : (logical + 1) * block_size], salt)
-            collisions += collided
-            if entry is None:
-                break
-            entries.append(entry)
-            parent = entry
-        return entries, queries, collisions
 
     def new_token_ids(self, state: RequestState[Any], ids: tuple[int, ...], start: int) -> tuple[int, ...]:
         """The ids of ``ids`` (for positions ``start ..``) not known yet, after checking
