@@ -31,7 +31,10 @@ Two pieces, used together or apart::
   before anything is stored (:mod:`kvcache_torch.hf.guard`).
 - With any other implementation (``"sdpa"``, ``"eager"``, ...) :meth:`PagedCache.update`
   stores every position and returns the contiguous K/V ``[batch, kv_heads, tokens,
-  head_dim]`` the model expects: slower, but any model works. The ``"kvcache_paged"``
+  head_dim]`` the model expects: slower, but any model works. A sliding (or chunked) layer
+  gets what ``DynamicCache``'s ``DynamicSlidingWindowLayer`` returns, its last ``W - 1``
+  positions and the new ones, with the mask sizes it reports, so a pool whose sliding layers
+  keep only their window's blocks serves this path too. The ``"kvcache_paged"``
   attention with another cache (or none) runs ``sdpa`` on what it is given.
 - Beam search (``reorder_cache``), ``batch_repeat_interleave`` and ``batch_select_indices``
   move requests between rows and ``fork`` a request for each row that duplicates another:

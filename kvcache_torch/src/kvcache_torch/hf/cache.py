@@ -65,8 +65,8 @@ class PagedCache(Cache):
 
     Raises:
         InvalidTypeError: ``manager`` is not a ``PagedKvCacheManager``.
-        UnsupportedConfigError: the model's geometry differs from the pool's, the pool has a
-            sliding window, the model has layers other than attention layers (linear
+        UnsupportedConfigError: the model's geometry differs from the pool's, the pool keeps
+            fewer positions of a layer than its attention needs, the model has layers other than attention layers (linear
             attention, shared K/V, ...), or the config is set to ``"kvcache_paged"`` for a
             model whose attention does not call transformers' attention interface (the
             message names the class and the remedy, its own ``"sdpa"`` or ``"eager"``; a model
@@ -108,11 +108,12 @@ class PagedCache(Cache):
                     f"({'window ' + str(spec.window) if spec.window else 'full'}) needs more; build the "
                     "pool with cache_config_for(model, ...)"
                 )
-        self._windowed = any(group.window is not None for group in pool.kv_groups)
+        # The window DynamicCache gives each layer: its sliding window, or its chunk.
+        self._windows = [spec.window if spec.window is not None else spec.chunk for spec in self._layer_specs]
         shared_kv_layers: object = getattr(text, "num_kv_shared_layers", None)
         if shared_kv_layers:
             raise UnsupportedConfigError("PagedCache holds attention layers only; this model also has shared-KV layers")
-        super().__init__(layers=[PagedCacheLayer(self, index) for index in range(layers)])
+        super().__init__(layers=[PagedCacheLayer(self, index, self._windows[index]) for index in range(layers)])
         self._manager = manager
         self._text = text
         self._max_sequence_length = max_sequence_length
@@ -175,12 +176,27 @@ class PagedCache(Cache):
 
     def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for a mask of ``query_length`` new tokens: all the cached
-        positions plus the new ones, from offset 0.
+        positions plus the new ones, from offset 0; on the contiguous path, for a sliding or
+        chunked layer of window ``W``, the last ``W - 1`` cached positions plus the new ones,
+        as ``DynamicSlidingWindowLayer`` sizes them (:meth:`update` returns those).
 
         ``query_length`` may also be the ``cache_position`` tensor older transformers pass.
         """
         length = int(query_length.shape[0]) if isinstance(query_length, torch.Tensor) else int(query_length)
-        return self.get_seq_length(layer_idx) + length, 0
+        cached = self.get_seq_length(layer_idx)
+        window = self._contiguous_window(layer_idx)
+        if window is None:
+            return cached + length, 0
+        return min(cached, window - 1) + length, max(cached - window + 1, 0)
+
+    def _contiguous_window(self, layer: object) -> int | None:
+        """The window of ``layer``'s contiguous K/V: ``None`` on the paged path (its mask
+        spans every position) and for full layers."""
+        if attention_implementation(self._text) == ATTN_IMPLEMENTATION:
+            return None
+        if not isinstance(layer, int) or not 0 <= layer < self._num_layers:
+            return None
+        return self._windows[layer]
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         """``max_sequence_length`` if given, else ``-1`` (grows while the pool has blocks)."""
@@ -273,7 +289,9 @@ class PagedCache(Cache):
         With ``"kvcache_paged"`` attention the write happens in the attention function (it
         sees the padding mask, so padding is not stored) and the new K/V are returned as
         they are. Otherwise they are written now and the whole contiguous K/V ``[batch,
-        kv_heads, positions, head_dim]`` are returned.
+        kv_heads, positions, head_dim]`` are returned; for a sliding or chunked layer of
+        window ``W``, its last ``W - 1`` positions before this forward and the new ones, as
+        ``DynamicSlidingWindowLayer`` returns them (:meth:`get_mask_sizes` sizes its mask so).
 
         Raises:
             LayerIndexError: ``layer_idx`` outside the model's layers.
@@ -298,12 +316,6 @@ class PagedCache(Cache):
                 f"the cache was filled with the {self._mode} path and the model now runs the {mode} path "
                 f"(attn_implementation {implementation!r}); release() the cache before switching"
             )
-        if mode == "contiguous" and self._windowed:
-            raise UnsupportedConfigError(
-                f"attn_implementation {implementation!r} reads every position of every layer back, but this pool's "
-                "sliding layers keep only their window's blocks; run attn_implementation='kvcache_paged', or build "
-                "the pool with cache_config_for(model, ..., hybrid=False)"
-            )
         if mode == "paged":
             self._check_attended(layer)
         step = self._progress.join(layer, int(key_states.shape[2]), first=not self._rows.handles)
@@ -317,7 +329,11 @@ class PagedCache(Cache):
         assert step.planned is not None  # placed just above
         step.planned.write(layer, token_major(key_states), token_major(value_states))
         self._progress.finish(step, layer)
-        return self._rows.gather_padded(layer)
+        window = self._windows[layer]
+        # A sliding or chunked layer sees what DynamicSlidingWindowLayer returns: its last W - 1
+        # positions before the step, and the step's.
+        kept = None if window is None else min(step.start, window - 1) + step.query_length
+        return self._rows.gather_padded(layer, kept)
 
     def _attend(
         self,

@@ -181,9 +181,8 @@ def cache_config_for(
         hybrid: give the pool each layer's spec (``CacheConfig.layer_specs``) when the
             model has sliding or chunked layers: sliding layers then form KV-cache groups
             that keep only their window's blocks (a long request takes a fraction of the
-            memory). ``False``: one group keeping every block of every layer, which the
-            contiguous path (``attn_implementation`` other than ``"kvcache_paged"``,
-            reading whole K/V back) needs.
+            memory) on either path. ``False``: one group keeping every block of every
+            layer.
 
     Raises:
         InvalidArgumentError: neither or both of ``num_blocks`` and ``max_tokens``, or a

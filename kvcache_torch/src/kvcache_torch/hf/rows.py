@@ -18,6 +18,7 @@ from kvcache_core import (
     PagedKvCacheManager,
     Step,
     UnknownRequestError,
+    UnsupportedConfigError,
 )
 
 __all__ = ["BatchRows", "release_requests"]
@@ -124,15 +125,27 @@ class BatchRows:
         self.stored = np.zeros((0, 0), dtype=np.bool_)
         self.positions = 0
 
-    def gather_padded(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_padded(self, layer: int, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's K/V as ``[batch, kv_heads, positions, head_dim]`` (contiguous path:
-        every row stored every position)."""
+        every row stored every position), or only its ``last`` positions.
+
+        Raises:
+            UnsupportedConfigError: the pool no longer holds the positions asked for (its
+                sliding window released them).
+        """
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         for handle, tokens in zip(self.handles, self.tokens, strict=True):
             k, v = self.manager.gather(handle, layer)
-            keys.append(k[:tokens].transpose(0, 1))
-            values.append(v[:tokens].transpose(0, 1))
+            held_from = handle.num_tokens() - int(k.shape[0])  # a sliding window released the positions before
+            start = 0 if last is None else tokens - last
+            if start < held_from:
+                raise UnsupportedConfigError(
+                    f"layer {layer} needs positions {start} to {tokens} of request {handle.request_id}, whose "
+                    f"sliding window holds them from {held_from} on"
+                )
+            keys.append(k[start - held_from : tokens - held_from].transpose(0, 1))
+            values.append(v[start - held_from : tokens - held_from].transpose(0, 1))
         return torch.stack(keys), torch.stack(values)
 
     # -- prefix caching ------------------------------------------------------------------
