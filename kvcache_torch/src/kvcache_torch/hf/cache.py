@@ -12,7 +12,6 @@ from transformers.cache_utils import Cache
 
 from kvcache_core import (
     InvalidArgumentError,
-    KvCacheError,
     PagedKvCacheHandle,
     PagedKvCacheManager,
     UnsupportedConfigError,
@@ -23,7 +22,7 @@ from kvcache_core.errors import DTypeMismatchError, InvalidTypeError, ShapeMisma
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.attention import attend_new_tokens
 from kvcache_torch.hf.forward_pass import ForwardStep, Handoff, LayerProgress, drop_handoff, hand_off
-from kvcache_torch.hf.guard import decoder_class, not_through_interface, refuse_unless_interface
+from kvcache_torch.hf.guard import decoder_class, not_through_interface, refuse_unless_interface, unattended_layer
 from kvcache_torch.hf.layer import PagedCacheLayer
 from kvcache_torch.hf.model_config import (
     ATTN_IMPLEMENTATION,
@@ -33,7 +32,8 @@ from kvcache_torch.hf.model_config import (
     text_config,
 )
 from kvcache_torch.hf.padding import left_padded_lengths, real_tokens, token_major
-from kvcache_torch.hf.rows import BatchRows, release_requests
+from kvcache_torch.hf.prompts import TokenFeed, attach_prompt_hook
+from kvcache_torch.hf.rows import BatchRows, prompt_rows, release_requests, undo_step
 
 __all__ = ["PagedCache"]
 
@@ -54,20 +54,26 @@ class PagedCache(Cache):
     ``get_mask_sizes``, ``crop``). With ``"kvcache_paged"`` attention the padding columns
     are not stored, so a request holds only its real tokens (``request_lengths()``).
 
+    Prefix caching needs the prompts' token ids, which ``generate`` shows only to the model:
+    pass the model itself as ``config`` (:mod:`~kvcache_torch.hf.prompts`), else call
+    :meth:`map_cached_prefix`; a pool that caches prefixes warns once when no ids came.
+
     Args:
         manager: a manager of the ``torch`` backend whose geometry (layers, KV heads, head
             size) matches the model: ``create_manager("torch", cache_config_for(model, ...))``.
-        config: the model's config (``model.config``); its ``_attn_implementation`` chooses
-            the paged or the contiguous path at each forward.
+        config: the model (a ``torch.nn.Module`` with a ``config``), or its config
+            (``model.config``); the config's ``_attn_implementation`` chooses the paged or
+            the contiguous path at each forward.
         max_sequence_length: the most tokens a row will hold, if known: the allocator then
             keeps each request's blocks in one run, and growing past it raises
             ``SequenceTooLongError``.
 
     Raises:
-        InvalidTypeError: ``manager`` is not a ``PagedKvCacheManager``.
+        InvalidTypeError: ``manager`` is not a ``PagedKvCacheManager``, or ``config`` is
+            neither a ``PretrainedConfig`` nor a model holding one.
         UnsupportedConfigError: the model's geometry differs from the pool's, the pool keeps
-            fewer positions of a layer than its attention needs, the model has layers other than attention layers (linear
-            attention, shared K/V, ...), or the config is set to ``"kvcache_paged"`` for a
+            fewer positions of a layer than its attention needs, the model has layers other
+            than attention layers (linear attention, ...), or the config is set to ``"kvcache_paged"`` for a
             model whose attention does not call transformers' attention interface (the
             message names the class and the remedy, its own ``"sdpa"`` or ``"eager"``; a model
             transformers cannot judge up front is refused at its first forward instead, see
@@ -78,14 +84,17 @@ class PagedCache(Cache):
     def __init__(
         self,
         manager: PagedKvCacheManager[torch.Tensor],
-        config: PretrainedConfig,
+        config: PretrainedConfig | torch.nn.Module,
         *,
         max_sequence_length: int | None = None,
     ) -> None:
         if not isinstance(manager, PagedKvCacheManager):
             raise InvalidTypeError(f"manager must be a PagedKvCacheManager, got {type(manager).__name__}")
-        if not isinstance(config, PretrainedConfig):
-            raise InvalidTypeError(f"config must be the model's PretrainedConfig, got {type(config).__name__}")
+        model = config if isinstance(config, torch.nn.Module) else None
+        found: object = config if model is None else getattr(model, "config", None)
+        if not isinstance(found, PretrainedConfig):
+            raise InvalidTypeError(f"config must be the model or its PretrainedConfig, got {type(config).__name__}")
+        config = found
         if max_sequence_length is not None:
             max_sequence_length = check_count(max_sequence_length, "max_sequence_length", minimum=1)
         pool = manager.config
@@ -121,6 +130,9 @@ class PagedCache(Cache):
         self._rows = BatchRows(manager, max_sequence_length)
         self._progress = LayerProgress(layers)
         self._mode: Mode | None = None
+        self._feed = TokenFeed(self._rows)
+        if model is not None and pool.enable_prefix_caching:
+            attach_prompt_hook(model)
         self._finalizer = weakref.finalize(self, release_requests, manager, self._rows.request_ids)
 
     # -- introspection -----------------------------------------------------------------
@@ -245,10 +257,37 @@ class PagedCache(Cache):
                 f"map_cached_prefix needs attn_implementation={ATTN_IMPLEMENTATION!r}, the model runs "
                 f"{attention_implementation(self._text)!r}"
             )
-        shared = self._rows.map_prefix(input_ids, attention_mask)
+        prompts = prompt_rows(input_ids, attention_mask)
+        columns = int(input_ids.shape[1])
+        shared = self._rows.map_prefix(list(prompts), [columns - len(prompt) for prompt in prompts], columns)
         self._mode = "paged"
         self._progress.lengths = [shared] * self._num_layers
         return shared
+
+    def receive_token_ids(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> int:
+        """Take the token ids ``[batch, new_tokens]`` of the coming forward (the model's
+        forward pre-hook calls it, see the class docstring). With prefix caching on: before a
+        new batch's first forward, start its rows from the prefix cache and return the
+        positions the forward must skip (cached already); later, keep the ids for the step.
+        Returns 0 when nothing is skipped.
+
+        A row whose K/V are not those of its ids alone caches nothing: one whose real tokens
+        do not sit at positions ``0, 1, ...``, or (on the contiguous path, which stores
+        padding) a padded one.
+
+        Raises:
+            OutOfBlocksError: the pool cannot hold the rows (nothing is kept).
+        """
+        if not self._manager.config.enable_prefix_caching:
+            return 0
+        mode: Mode = "paged" if attention_implementation(self._text) == ATTN_IMPLEMENTATION else "contiguous"
+        shared = self._feed.receive(input_ids, attention_mask, position_ids, stores_padding=mode == "contiguous")
+        if shared is not None:
+            self._mode = mode
+            self._progress.lengths = [shared] * self._num_layers
+        return shared or 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -498,14 +537,10 @@ class PagedCache(Cache):
             UnsupportedConfigError: naming the model class and the remedy.
         """
         step = self._progress.step
-        if step is None or step.awaiting is None:
-            return
-        same_forward = layer not in step.updated
-        if not same_forward and (step.layers_done or len(step.updated) != self._num_layers):
-            return  # an interrupted forward, not a pattern: joining the step decides
-        awaiting = step.awaiting
-        self._abandon_step(step)
-        raise not_through_interface(decoder_class(self._text), self._text, awaiting, earlier=not same_forward)
+        found = unattended_layer(step, layer, self._num_layers)
+        if step is not None and found is not None:
+            self._abandon_step(step)
+            raise not_through_interface(decoder_class(self._text), self._text, found[0], earlier=found[1])
 
     def _abandon_step(self, step: ForwardStep) -> None:
         """Undo a forward refused half-way: rows it allocated are released, rows it grew go
@@ -513,18 +548,10 @@ class PagedCache(Cache):
         blocks that needs, are released too), and the next forward starts afresh."""
         drop_handoff(self)
         self._progress.step = None
-        if step.planned is None:
-            return  # nothing was placed or stored
-        if step.allocated:
+        if not undo_step(step, self._rows):
             self.release()
-            return
-        before = [tokens - count for tokens, count in zip(self._rows.tokens, step.counts, strict=True)]
-        try:
-            self._rows.truncate(before, step.start)
-        except KvCacheError:
-            self.release()
-            return
-        self._progress.reset(step.start)
+        elif step.planned is not None:
+            self._progress.reset(step.start)
 
     def _place_step(self, step: ForwardStep, batch: int, valid: torch.Tensor | None, mode: Mode) -> None:
         """Plan the step in the manager: allocate the rows at the first forward, then grow
@@ -534,8 +561,10 @@ class PagedCache(Cache):
         Atomic: when the pool cannot hold the step, nothing is allocated or grown.
         """
         counts = [step.query_length] * batch if valid is None else [int(c) for c in valid.sum(dim=1).cpu().numpy()]
+        prefixes = self._manager.config.enable_prefix_caching
+        token_ids = self._feed.step_ids(batch, step.query_length, valid) if prefixes else None
         try:
-            planned, allocated = self._rows.begin(counts, valid, step.query_length)
+            planned, allocated = self._rows.begin(counts, valid, step.query_length, token_ids)
         except BaseException:
             self._progress.step = None  # nothing changed: the next forward starts afresh
             raise
