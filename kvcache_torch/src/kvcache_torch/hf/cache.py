@@ -34,6 +34,7 @@ from kvcache_torch.hf.model_config import (
 from kvcache_torch.hf.padding import left_padded_lengths, real_tokens, token_major
 from kvcache_torch.hf.prompts import TokenFeed, attach_prompt_hook
 from kvcache_torch.hf.rows import BatchRows, prompt_rows, release_requests, undo_step
+from kvcache_torch.hf.shared_kv import kv_sources, stored_layer_count
 
 __all__ = ["PagedCache"]
 
@@ -98,18 +99,20 @@ class PagedCache(Cache):
         if max_sequence_length is not None:
             max_sequence_length = check_count(max_sequence_length, "max_sequence_length", minimum=1)
         pool = manager.config
-        layers, kv_heads, head_dim = geometry(config)
+        text = text_config(config)
+        _, kv_heads, head_dim = geometry(config)
+        layers = stored_layer_count(text)  # the layers that keep K/V (others reuse theirs)
         if (layers, kv_heads, head_dim) != (pool.num_layers, pool.num_heads, pool.head_dim):
             raise UnsupportedConfigError(
                 f"the model has {layers} layers of {kv_heads} KV heads of size {head_dim}, the pool "
                 f"{pool.num_layers} layers of {pool.num_heads} heads of size {pool.head_dim}; build the pool "
                 "with cache_config_for(model, ...)"
             )
-        text = text_config(config)
         if attention_implementation(text) == ATTN_IMPLEMENTATION:
             refuse_unless_interface(text)
         self._layer_specs = layer_specs(config)  # refuses linear-attention, state-space layers
-        for layer, spec in enumerate(self._layer_specs):
+        self._sources = kv_sources(text)
+        for layer, spec in enumerate(self._layer_specs[:layers]):
             kept = pool.kv_groups[pool.layer_place(layer)[0]].window
             if not group_serves_layer(kept, spec):
                 raise UnsupportedConfigError(
@@ -119,10 +122,12 @@ class PagedCache(Cache):
                 )
         # The window DynamicCache gives each layer: its sliding window, or its chunk.
         self._windows = [spec.window if spec.window is not None else spec.chunk for spec in self._layer_specs]
-        shared_kv_layers: object = getattr(text, "num_kv_shared_layers", None)
-        if shared_kv_layers:
-            raise UnsupportedConfigError("PagedCache holds attention layers only; this model also has shared-KV layers")
-        super().__init__(layers=[PagedCacheLayer(self, index, self._windows[index]) for index in range(layers)])
+        faces: list[Any] = [PagedCacheLayer(self, index, self._windows[index]) for index in range(layers)]
+        if len(self._sources) > layers:  # reusing layers keep nothing, as in DynamicCache
+            from transformers.cache_utils import DummyLayer  # transformers 5: where shared layers are described
+
+            faces += [DummyLayer() for _ in self._sources[layers:]]  # type: ignore[no-untyped-call]
+        super().__init__(layers=faces)
         self._manager = manager
         self._text = text
         self._max_sequence_length = max_sequence_length
@@ -182,9 +187,9 @@ class PagedCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions cached for ``layer_idx`` (padding columns included, as transformers counts)."""
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self._num_layers:
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self._sources):
             return 0
-        return self._progress.lengths[layer_idx]
+        return self._progress.lengths[self._sources[layer_idx]]
 
     def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for a mask of ``query_length`` new tokens: all the cached
@@ -206,9 +211,9 @@ class PagedCache(Cache):
         spans every position) and for full layers."""
         if attention_implementation(self._text) == ATTN_IMPLEMENTATION:
             return None
-        if not isinstance(layer, int) or not 0 <= layer < self._num_layers:
+        if not isinstance(layer, int) or not 0 <= layer < len(self._sources):
             return None
-        return self._windows[layer]
+        return self._windows[self._sources[layer]]
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         """``max_sequence_length`` if given, else ``-1`` (grows while the pool has blocks)."""
@@ -267,15 +272,10 @@ class PagedCache(Cache):
     def receive_token_ids(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
     ) -> int:
-        """Take the token ids ``[batch, new_tokens]`` of the coming forward (the model's
-        forward pre-hook calls it, see the class docstring). With prefix caching on: before a
-        new batch's first forward, start its rows from the prefix cache and return the
-        positions the forward must skip (cached already); later, keep the ids for the step.
-        Returns 0 when nothing is skipped.
-
-        A row whose K/V are not those of its ids alone caches nothing: one whose real tokens
-        do not sit at positions ``0, 1, ...``, or (on the contiguous path, which stores
-        padding) a padded one.
+        """Take the coming forward's token ids ``[batch, new_tokens]`` (the model's forward
+        pre-hook calls it); with prefix caching on, a new batch's first forward starts from
+        the prefix cache (:meth:`~kvcache_torch.hf.prompts.TokenFeed.receive`). Returns the
+        positions the forward skips, cached already (0: none).
 
         Raises:
             OutOfBlocksError: the pool cannot hold the rows (nothing is kept).
@@ -361,7 +361,8 @@ class PagedCache(Cache):
         if mode == "paged":
             step.updated.add(layer)
             step.awaiting = layer
-            hand_off(Handoff(self, layer, key_states, value_states, step, self._attend))
+            shared = layer in self._sources[self._num_layers :]
+            hand_off(Handoff(self, layer, key_states, value_states, step, self._attend, shared))
             return key_states, value_states
         if step.planned is None:
             self._place_step(step, int(key_states.shape[0]), None, "contiguous")
@@ -404,7 +405,7 @@ class PagedCache(Cache):
         planned = step.planned
         assert planned is not None  # placed just above
         valid = step.valid
-        if step.stored:  # the step was checked when planned: per layer only the arrays are
+        if step.stored and not pending.reader:  # the step was checked when planned: per layer only the arrays are
             planned.write(layer, token_major(pending.key, valid), token_major(pending.value, valid))
         layer_features = {name: value for name, value in features.items() if value is not None}
         chunk = self._layer_specs[layer].chunk
@@ -425,7 +426,8 @@ class PagedCache(Cache):
             else:
                 output = query.new_zeros((batch, query_length, query_heads, head_dim))
                 output[valid] = attended
-        self._progress.finish(step, layer)
+        if not pending.reader:
+            self._progress.finish(step, layer)
         return output
 
     # -- batch surgery: beam search, crop --------------------------------------------------
