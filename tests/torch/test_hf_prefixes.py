@@ -198,3 +198,20 @@ def test_a_cache_built_with_the_model_on_a_pool_without_prefix_caching_neither_h
         with PagedCache(manager, model) as cache:
             generate(model, ids, mask, cache, max_new_tokens=2)
     assert len(model._forward_pre_hooks) == hooks  # pyright: ignore[reportPrivateUsage]
+
+
+def test_a_forward_on_embeddings_maps_nothing_and_warns_that_no_ids_came() -> None:
+    model, reference = model_pair("llama", "paged")
+    manager = prefix_caching_manager(model)
+    ids, mask = prompts(1, 20, seed=29)
+    with PagedCache(manager, model) as cache:
+        generate(model, ids, mask, cache, max_new_tokens=1)  # caches the prompt's full blocks
+    embeddings = model.get_input_embeddings()(ids)
+    with PagedCache(manager, model) as cache, torch.no_grad():
+        with pytest.warns(UserWarning, match="no token ids reached"):
+            ours = model(inputs_embeds=embeddings, attention_mask=mask, cache=cache, use_cache=True).logits
+        assert cache.handles[0].num_cached_tokens() == 0
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert ours.shape == expected.shape
+    assert float((ours - expected).abs().max()) <= TOLERANCE

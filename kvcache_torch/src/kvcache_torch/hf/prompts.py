@@ -24,7 +24,9 @@ from kvcache_torch.hf.rows import BatchRows
 __all__ = ["PromptReceiver", "TokenFeed", "attach_prompt_hook", "cacheable_prompts"]
 
 #: Forward inputs that may accompany ``input_ids`` without changing what a token's K/V are.
-_NEUTRAL_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "past_key_values"})
+_NEUTRAL_INPUTS = frozenset(
+    {"input_ids", "attention_mask", "position_ids", "cache_position", "cache", "past_key_values"}
+)
 
 
 @runtime_checkable
@@ -76,7 +78,7 @@ def _before_forward(
         return None
     columns = int(input_ids.shape[1])
     new_kwargs = dict(kwargs)
-    for name in ("input_ids", "position_ids"):
+    for name in ("input_ids", "position_ids", "cache_position"):  # cache_position: transformers 4
         value: object = new_kwargs.get(name)
         if isinstance(value, torch.Tensor) and value.shape[-1] == columns:
             new_kwargs[name] = value[..., skipped:]
