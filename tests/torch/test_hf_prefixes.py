@@ -215,3 +215,18 @@ def test_a_forward_on_embeddings_maps_nothing_and_warns_that_no_ids_came() -> No
         expected = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
     assert ours.shape == expected.shape
     assert float((ours - expected).abs().max()) <= TOLERANCE
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_chunked_prefill_from_a_cached_prefix_gives_the_logits_of_dynamic_cache(path: str) -> None:
+    model, reference = model_pair("llama", path)
+    manager = prefix_caching_manager(model)
+    ids, mask = prompts(2, 40, pads=(0, 5), seed=30)
+    runs: list[Any] = []
+    for _ in range(2):  # the second maps the first's blocks within its first chunk
+        with PagedCache(manager, model) as cache:
+            runs.append(generate(model, ids, mask, cache, max_new_tokens=8, prefill_chunk_size=16))
+    assert manager.stats().prefix_cache_hits > 0
+    expected = generate(reference, ids, mask, max_new_tokens=8)
+    for ours in runs:
+        assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
