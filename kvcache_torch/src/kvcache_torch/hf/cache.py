@@ -109,7 +109,7 @@ class PagedCache(Cache):
                 "with cache_config_for(model, ...)"
             )
         if attention_implementation(text) == ATTN_IMPLEMENTATION:
-            refuse_unless_interface(text)
+            refuse_unless_interface(text, model)
         self._layer_specs = layer_specs(config)  # refuses linear-attention, state-space layers
         self._sources = kv_sources(text)
         for layer, spec in enumerate(self._layer_specs[:layers]):
