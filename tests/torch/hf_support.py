@@ -148,16 +148,11 @@ def forward(model: Model, ids: Tensor, mask: Tensor, seen: int, cache: Any) -> T
 
 
 def make_manager(
-    model: Model, num_blocks: int = 96, block_size: int = 4, *, hybrid: bool | None = None
+    model: Model, num_blocks: int = 96, block_size: int = 4, *, hybrid: bool = True
 ) -> PagedKvCacheManager[Tensor]:
-    """A torch manager of ``cache_config_for(model)``. ``hybrid=None`` makes the pool hybrid
-    for the paged attention implementation only."""
-    # The contiguous path reads every position back: its pool keeps every layer's blocks.
-    paged: bool = model.config._attn_implementation == ATTN_IMPLEMENTATION  # pyright: ignore[reportPrivateUsage]
+    """A torch manager of ``cache_config_for(model, hybrid=hybrid)`` (both paths serve a pool
+    of KV-cache groups)."""
     manager: PagedKvCacheManager[Tensor] = create_manager(
-        "torch",
-        cache_config_for(
-            model, num_blocks=num_blocks, block_size=block_size, hybrid=paged if hybrid is None else hybrid
-        ),
+        "torch", cache_config_for(model, num_blocks=num_blocks, block_size=block_size, hybrid=hybrid)
     )
     return manager

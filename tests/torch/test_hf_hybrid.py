@@ -1,11 +1,13 @@
 """kvcache_torch.hf on hybrid-attention models: sliding-window layers (some or all),
-chunked local attention (Llama 4), logit softcapping (Gemma 2) and attention sinks (gpt-oss)
-on the paged path.
+chunked local attention (Llama 4), logit softcapping (Gemma 2) and attention sinks (gpt-oss),
+on both paths, over pools of KV-cache groups (sliding layers keep their window's blocks).
 
 Every equality test runs a tiny random-weight model twice, once with ``DynamicCache`` and
-the model's own reference attention (``eager`` for Gemma 2 and gpt-oss, ``sdpa`` for the
-others) and once with :class:`PagedCache` and ``"kvcache_paged"``, with prompts longer
-than the window, and compares the logits (fp32, max abs difference <= 1e-4).
+the model's own reference attention (``eager`` for Gemma 2, Gemma 3 and gpt-oss, ``sdpa``
+for the others) and once with :class:`PagedCache`, with prompts longer than the window, and
+compares the logits (fp32, max abs difference <= 1e-4). ``paged``: the model runs
+``"kvcache_paged"``; ``contiguous``: its reference attention, to which the cache returns
+what ``DynamicCache`` returns (a sliding layer's window).
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ HYBRID: dict[str, tuple[str, str, dict[str, Any], str]] = {
         {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
         "eager",
     ),
+    # Alternating sliding / full layers (set here: the default pattern is 5 sliding to 1 full).
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"] * 2},
+        "eager",
+    ),
     # Three sliding layers, then one full.
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {}, "sdpa"),
     # Every layer slides (no layer_types).
@@ -101,6 +110,20 @@ def hybrid_pair(architecture: str) -> tuple[Model, Model]:
 
 make_manager = partial(hf_support.make_manager, num_blocks=160, hybrid=True)
 
+PATHS = ("paged", "contiguous")
+
+
+def pair_on(architecture: str, path: str) -> tuple[Model, Model]:
+    """``(model under test, reference)`` for ``path``: on the contiguous path the model under
+    test is the reference model itself (its own attention), with a PagedCache."""
+    tested, reference = hybrid_pair(architecture)
+    return (tested if path == "paged" else reference), reference
+
+
+def window_released_blocks(cache: PagedCache) -> bool:
+    """Whether a sliding group of some row released leading blocks (the pool is grouped)."""
+    return any(table.first_logical for handle in cache.handles for table in handle.block_tables())
+
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Any:
@@ -114,9 +137,12 @@ def _one_thread() -> Any:
 ARCHITECTURES = sorted(HYBRID)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_prefill_and_chunked_prefill_past_the_window_give_the_logits_of_dynamic_cache(architecture: str) -> None:
-    model, reference = hybrid_pair(architecture)
+def test_prefill_and_chunked_prefill_past_the_window_give_the_logits_of_dynamic_cache(
+    architecture: str, path: str
+) -> None:
+    model, reference = pair_on(architecture, path)
     ids, mask = prompts(2, 20, pads=(0, 3))
     real = mask.bool()
     for chunks in ([(0, 20)], [(0, 7), (7, 15), (15, 16), (16, 20)]):
@@ -130,25 +156,31 @@ def test_prefill_and_chunked_prefill_past_the_window_give_the_logits_of_dynamic_
                 assert difference <= TOLERANCE, f"chunks {chunks}, at {start}:{stop}: {difference}"
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_greedy_generate_of_a_left_padded_batch_gives_the_tokens_and_scores_of_dynamic_cache(
-    architecture: str,
+    architecture: str, path: str
 ) -> None:
-    model, reference = hybrid_pair(architecture)
+    model, reference = pair_on(architecture, path)
     ids, mask = prompts(3, 14, pads=(0, 4, 1), seed=2)
     options: dict[str, Any] = {"max_new_tokens": 24, "output_scores": True}
     with PagedCache(make_manager(model), model.config) as cache:
         ours = generate(model, ids, mask, cache, **options)
-        assert cache.request_lengths() == [14 + 23, 10 + 23, 13 + 23]  # padding is never stored
+        if path == "paged":
+            assert cache.request_lengths() == [14 + 23, 10 + 23, 13 + 23]  # padding is never stored
+        else:
+            assert cache.request_lengths() == [14 + 23] * 3  # every position, as DynamicCache counts
+        assert window_released_blocks(cache) == (architecture != "llama4")  # chunked layers keep every block
     expected = generate(reference, ids, mask, **options)
     assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
     assert max_logit_difference(ours.scores, expected.scores) <= TOLERANCE
     assert torch.equal(ours.sequences, expected.sequences)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_a_second_generate_on_the_same_cache_gives_the_logits_of_dynamic_cache(architecture: str) -> None:
-    model, reference = hybrid_pair(architecture)
+def test_a_second_generate_on_the_same_cache_gives_the_logits_of_dynamic_cache(architecture: str, path: str) -> None:
+    model, reference = pair_on(architecture, path)
     ids, mask = prompts(2, 12, pads=(2, 0), seed=3)
     dynamic = transformers.DynamicCache(config=reference.config)
     with PagedCache(make_manager(model), model.config) as cache:
@@ -263,21 +295,35 @@ def test_a_pool_that_keeps_less_than_a_layer_needs_is_refused() -> None:
         PagedCache(windowed, model.config)
 
 
-def test_the_contiguous_path_on_a_pool_of_sliding_groups_is_refused() -> None:
-    _, reference = hybrid_pair("mistral")  # sdpa: the contiguous path
-    manager = make_manager(reference)
-    ids, mask = prompts(1, 8)
-    with (
-        PagedCache(manager, reference.config) as cache,
-        pytest.raises(UnsupportedConfigError, match="hybrid=False"),
-    ):
-        forward(reference, ids, mask, 0, cache)
-    assert manager.stats().used_blocks == 0
+@pytest.mark.parametrize("architecture", ["gemma2", "llama4"])
+def test_the_contiguous_path_sizes_each_layers_mask_as_dynamic_cache(architecture: str) -> None:
+    _, reference = hybrid_pair(architecture)  # its own attention: the contiguous path
+    ids, mask = prompts(1, 20)
+    with PagedCache(make_manager(reference), reference.config) as cache:
+        dynamic = transformers.DynamicCache(config=reference.config)
+        forward(reference, ids[:, :15], mask, 0, cache)
+        forward(reference, ids[:, :15], mask, 0, dynamic)
+        assert cache.is_sliding == dynamic.is_sliding
+        for layer in range(reference.config.num_hidden_layers):
+            for new_tokens in (1, 5):
+                assert cache.get_mask_sizes(new_tokens, layer) == dynamic.get_mask_sizes(new_tokens, layer)
+                assert cache.get_seq_length(layer) == dynamic.get_seq_length(layer) == 15
 
 
+def test_the_paged_path_masks_every_position_of_every_layer() -> None:
+    model, _ = hybrid_pair("gemma2")
+    ids, mask = prompts(1, 15)
+    with PagedCache(make_manager(model), model.config) as cache:
+        forward(model, ids, mask, 0, cache)
+        assert [cache.get_mask_sizes(1, layer) for layer in range(4)] == [(16, 0)] * 4
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("architecture", ["gemma2", "gpt_oss"])
-def test_beam_search_past_the_window_reorders_every_group_to_the_logits_of_dynamic_cache(architecture: str) -> None:
-    model, reference = hybrid_pair(architecture)
+def test_beam_search_past_the_window_reorders_every_group_to_the_logits_of_dynamic_cache(
+    architecture: str, path: str
+) -> None:
+    model, reference = pair_on(architecture, path)
     manager = make_manager(model)
     ids, mask = prompts(2, 14, pads=(0, 3), seed=8)
     options: dict[str, Any] = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 8, "output_scores": True}
@@ -293,11 +339,13 @@ def test_beam_search_past_the_window_reorders_every_group_to_the_logits_of_dynam
     assert manager.stats().used_blocks == 0
 
 
-def test_crop_after_the_window_passed_keeps_the_logits_of_dynamic_cache() -> None:
-    model, reference = hybrid_pair("cohere2")
+@pytest.mark.parametrize("path", PATHS)
+def test_crop_after_the_window_passed_keeps_the_logits_of_dynamic_cache(path: str) -> None:
+    model, reference = pair_on("cohere2", path)
     ids, mask = prompts(1, 20, seed=9)
     with PagedCache(make_manager(model), model.config) as cache:
         dynamic = transformers.DynamicCache(config=reference.config)
+        dynamic.activate_past_recording()  # its sliding layers keep what a crop needs
         forward(model, ids[:, :18], mask, 0, cache)
         forward(reference, ids[:, :18], mask, 0, dynamic)
         forward(model, ids[:, 18:20], mask, 18, cache)  # two tokens, then taken back (a rejected draft)
@@ -306,3 +354,23 @@ def test_crop_after_the_window_passed_keeps_the_logits_of_dynamic_cache() -> Non
         ours = forward(model, ids[:, 18:20], mask, 18, cache)
         expected = forward(reference, ids[:, 18:20], mask, 18, dynamic)
     assert float((ours - expected).abs().max()) <= TOLERANCE
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("architecture", ["qwen2", "gemma3"])
+def test_assisted_generation_past_the_window_crops_to_the_logits_of_dynamic_cache(architecture: str, path: str) -> None:
+    model, reference = pair_on(architecture, path)
+    config_name, model_name, extra, _ = HYBRID[architecture]
+    torch.manual_seed(1)  # other weights: most drafts are rejected and cropped
+    fields = {**COMMON_CONFIG, "num_hidden_layers": 2, "sliding_window": WINDOW, **extra}
+    fields.pop("layer_types", None)
+    assistant = getattr(transformers, model_name)(getattr(transformers, config_name)(**fields)).eval()
+    assistant.set_attn_implementation("sdpa")
+    ids, mask = prompts(1, 10, seed=14)
+    manager = make_manager(model)
+    with PagedCache(manager, model.config) as cache:
+        ours = generate(model, ids, mask, cache, assistant_model=assistant, max_new_tokens=12)
+    expected = generate(reference, ids, mask, max_new_tokens=12)
+    assert torch.equal(ours.sequences, expected.sequences)
+    assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
+    assert manager.stats().used_blocks == 0

@@ -31,13 +31,23 @@ Two pieces, used together or apart::
   before anything is stored (:mod:`kvcache_torch.hf.guard`).
 - With any other implementation (``"sdpa"``, ``"eager"``, ...) :meth:`PagedCache.update`
   stores every position and returns the contiguous K/V ``[batch, kv_heads, tokens,
-  head_dim]`` the model expects: slower, but any model works. The ``"kvcache_paged"``
+  head_dim]`` the model expects: slower, but any model works. A sliding (or chunked) layer
+  gets what ``DynamicCache``'s ``DynamicSlidingWindowLayer`` returns, its last ``W - 1``
+  positions and the new ones, with the mask sizes it reports, so a pool whose sliding layers
+  keep only their window's blocks serves this path too. The ``"kvcache_paged"``
   attention with another cache (or none) runs ``sdpa`` on what it is given.
 - Beam search (``reorder_cache``), ``batch_repeat_interleave`` and ``batch_select_indices``
   move requests between rows and ``fork`` a request for each row that duplicates another:
   the rows share every block, and only the block a beam goes on to write in is copied
   (copy-on-write, by the next step). ``crop`` (rollback, assisted generation) truncates each
   request (``manager.truncate``): the blocks past its new end are free at once.
+- Layers that reuse an earlier layer's K/V (Gemma 3n's ``num_kv_shared_layers``) keep no
+  blocks: the pool holds the layers that store K/V, and a reusing layer attends over its
+  source's (:mod:`~kvcache_torch.hf.shared_kv`).
+- Prefix caching through ``generate`` alone: ``PagedCache(manager, model)`` (the model, not
+  only its config) registers a forward pre-hook that hands each forward's token ids to the
+  cache (:mod:`~kvcache_torch.hf.prompts`): a new batch starts from the cached blocks of its
+  prompts and computes only the rest; ``map_cached_prefix`` does it by hand.
 - Only public core API is used: the step, ``fork``, ``truncate``, ``gather``; the pool's
   policies (free-block accounting, copies, tables) stay in core.
 
@@ -55,7 +65,9 @@ says: geometry, layer specs, :func:`cache_config_for`, :func:`model_fingerprint`
 (:class:`PagedCacheLayer`), :mod:`~kvcache_torch.hf.rows` (the requests behind the batch
 rows), :mod:`~kvcache_torch.hf.forward_pass` (a forward's step, each layer's positions, the
 hand-off from ``update`` to the attention), :mod:`~kvcache_torch.hf.padding`,
-:mod:`~kvcache_torch.hf.attention` (the ``"kvcache_paged"`` implementation) and
+:mod:`~kvcache_torch.hf.attention` (the ``"kvcache_paged"`` implementation),
+:mod:`~kvcache_torch.hf.prompts` (token ids from the model to the pool),
+:mod:`~kvcache_torch.hf.shared_kv` (layers reusing others' K/V) and
 :mod:`~kvcache_torch.hf.guard` (which models it serves).
 """
 

@@ -15,7 +15,7 @@ from transformers.modeling_utils import AttentionInterface
 from kvcache_core import InvalidArgumentError, UnsupportedConfigError
 from kvcache_core.attention.features import visible_key_range
 from kvcache_core.errors import ShapeMismatchError
-from kvcache_torch.hf.forward_pass import take_handoff
+from kvcache_torch.hf.forward_pass import keep_for_readers, reader_of, take_handoff
 from kvcache_torch.hf.model_config import ATTN_IMPLEMENTATION, layer_specs
 
 __all__ = [
@@ -122,6 +122,8 @@ def paged_attention_forward(
     pending = take_handoff()
     if pending is not None and pending.step.awaiting == pending.layer:
         pending.step.awaiting = None  # the layer's keys and values reached their attention
+    if pending is None:
+        pending = reader_of(key, value)  # a layer reusing an earlier layer's K/V (Gemma 3n)
     window: object = kwargs.get("sliding_window")
     softcap: object = kwargs.get("softcap")
     sinks: object = kwargs.get("s_aux")
@@ -159,7 +161,9 @@ def paged_attention_forward(
     features = {"window": window, "softcap": softcap, "sinks": sinks}
     if isinstance(sinks, torch.Tensor):
         features["sinks"] = sinks.detach()
-    return pending.attend(pending, module, query, attention_mask, scaling, features), None
+    output = pending.attend(pending, module, query, attention_mask, scaling, features)
+    keep_for_readers(pending)
+    return output, None
 
 
 def attend_new_tokens(

@@ -12,7 +12,6 @@ from transformers.cache_utils import Cache
 
 from kvcache_core import (
     InvalidArgumentError,
-    KvCacheError,
     PagedKvCacheHandle,
     PagedKvCacheManager,
     UnsupportedConfigError,
@@ -23,7 +22,7 @@ from kvcache_core.errors import DTypeMismatchError, InvalidTypeError, ShapeMisma
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.attention import attend_new_tokens
 from kvcache_torch.hf.forward_pass import ForwardStep, Handoff, LayerProgress, drop_handoff, hand_off
-from kvcache_torch.hf.guard import decoder_class, not_through_interface, refuse_unless_interface
+from kvcache_torch.hf.guard import decoder_class, not_through_interface, refuse_unless_interface, unattended_layer
 from kvcache_torch.hf.layer import PagedCacheLayer
 from kvcache_torch.hf.model_config import (
     ATTN_IMPLEMENTATION,
@@ -33,7 +32,9 @@ from kvcache_torch.hf.model_config import (
     text_config,
 )
 from kvcache_torch.hf.padding import left_padded_lengths, real_tokens, token_major
-from kvcache_torch.hf.rows import BatchRows, release_requests
+from kvcache_torch.hf.prompts import TokenFeed, attach_prompt_hook
+from kvcache_torch.hf.rows import BatchRows, prompt_rows, release_requests, undo_step
+from kvcache_torch.hf.shared_kv import kv_sources, stored_layer_count
 
 __all__ = ["PagedCache"]
 
@@ -54,20 +55,26 @@ class PagedCache(Cache):
     ``get_mask_sizes``, ``crop``). With ``"kvcache_paged"`` attention the padding columns
     are not stored, so a request holds only its real tokens (``request_lengths()``).
 
+    Prefix caching needs the prompts' token ids, which ``generate`` shows only to the model:
+    pass the model itself as ``config`` (:mod:`~kvcache_torch.hf.prompts`), else call
+    :meth:`map_cached_prefix`; a pool that caches prefixes warns once when no ids came.
+
     Args:
         manager: a manager of the ``torch`` backend whose geometry (layers, KV heads, head
             size) matches the model: ``create_manager("torch", cache_config_for(model, ...))``.
-        config: the model's config (``model.config``); its ``_attn_implementation`` chooses
-            the paged or the contiguous path at each forward.
+        config: the model (a ``torch.nn.Module`` with a ``config``), or its config
+            (``model.config``); the config's ``_attn_implementation`` chooses the paged or
+            the contiguous path at each forward.
         max_sequence_length: the most tokens a row will hold, if known: the allocator then
             keeps each request's blocks in one run, and growing past it raises
             ``SequenceTooLongError``.
 
     Raises:
-        InvalidTypeError: ``manager`` is not a ``PagedKvCacheManager``.
-        UnsupportedConfigError: the model's geometry differs from the pool's, the pool has a
-            sliding window, the model has layers other than attention layers (linear
-            attention, shared K/V, ...), or the config is set to ``"kvcache_paged"`` for a
+        InvalidTypeError: ``manager`` is not a ``PagedKvCacheManager``, or ``config`` is
+            neither a ``PretrainedConfig`` nor a model holding one.
+        UnsupportedConfigError: the model's geometry differs from the pool's, the pool keeps
+            fewer positions of a layer than its attention needs, the model has layers other
+            than attention layers (linear attention, ...), or the config is set to ``"kvcache_paged"`` for a
             model whose attention does not call transformers' attention interface (the
             message names the class and the remedy, its own ``"sdpa"`` or ``"eager"``; a model
             transformers cannot judge up front is refused at its first forward instead, see
@@ -78,29 +85,34 @@ class PagedCache(Cache):
     def __init__(
         self,
         manager: PagedKvCacheManager[torch.Tensor],
-        config: PretrainedConfig,
+        config: PretrainedConfig | torch.nn.Module,
         *,
         max_sequence_length: int | None = None,
     ) -> None:
         if not isinstance(manager, PagedKvCacheManager):
             raise InvalidTypeError(f"manager must be a PagedKvCacheManager, got {type(manager).__name__}")
-        if not isinstance(config, PretrainedConfig):
-            raise InvalidTypeError(f"config must be the model's PretrainedConfig, got {type(config).__name__}")
+        model = config if isinstance(config, torch.nn.Module) else None
+        found: object = config if model is None else getattr(model, "config", None)
+        if not isinstance(found, PretrainedConfig):
+            raise InvalidTypeError(f"config must be the model or its PretrainedConfig, got {type(config).__name__}")
+        config = found
         if max_sequence_length is not None:
             max_sequence_length = check_count(max_sequence_length, "max_sequence_length", minimum=1)
         pool = manager.config
-        layers, kv_heads, head_dim = geometry(config)
+        text = text_config(config)
+        _, kv_heads, head_dim = geometry(config)
+        layers = stored_layer_count(text)  # the layers that keep K/V (others reuse theirs)
         if (layers, kv_heads, head_dim) != (pool.num_layers, pool.num_heads, pool.head_dim):
             raise UnsupportedConfigError(
                 f"the model has {layers} layers of {kv_heads} KV heads of size {head_dim}, the pool "
                 f"{pool.num_layers} layers of {pool.num_heads} heads of size {pool.head_dim}; build the pool "
                 "with cache_config_for(model, ...)"
             )
-        text = text_config(config)
         if attention_implementation(text) == ATTN_IMPLEMENTATION:
-            refuse_unless_interface(text)
+            refuse_unless_interface(text, model)
         self._layer_specs = layer_specs(config)  # refuses linear-attention, state-space layers
-        for layer, spec in enumerate(self._layer_specs):
+        self._sources = kv_sources(text)
+        for layer, spec in enumerate(self._layer_specs[:layers]):
             kept = pool.kv_groups[pool.layer_place(layer)[0]].window
             if not group_serves_layer(kept, spec):
                 raise UnsupportedConfigError(
@@ -108,11 +120,14 @@ class PagedCache(Cache):
                     f"({'window ' + str(spec.window) if spec.window else 'full'}) needs more; build the "
                     "pool with cache_config_for(model, ...)"
                 )
-        self._windowed = any(group.window is not None for group in pool.kv_groups)
-        shared_kv_layers: object = getattr(text, "num_kv_shared_layers", None)
-        if shared_kv_layers:
-            raise UnsupportedConfigError("PagedCache holds attention layers only; this model also has shared-KV layers")
-        super().__init__(layers=[PagedCacheLayer(self, index) for index in range(layers)])
+        # The window DynamicCache gives each layer: its sliding window, or its chunk.
+        self._windows = [spec.window if spec.window is not None else spec.chunk for spec in self._layer_specs]
+        faces: list[Any] = [PagedCacheLayer(self, index, self._windows[index]) for index in range(layers)]
+        if len(self._sources) > layers:  # reusing layers keep nothing, as in DynamicCache
+            from transformers.cache_utils import DummyLayer  # transformers 5: where shared layers are described
+
+            faces += [DummyLayer() for _ in self._sources[layers:]]  # type: ignore[no-untyped-call]
+        super().__init__(layers=faces)
         self._manager = manager
         self._text = text
         self._max_sequence_length = max_sequence_length
@@ -120,6 +135,9 @@ class PagedCache(Cache):
         self._rows = BatchRows(manager, max_sequence_length)
         self._progress = LayerProgress(layers)
         self._mode: Mode | None = None
+        self._feed = TokenFeed(self._rows)
+        if model is not None and pool.enable_prefix_caching:
+            attach_prompt_hook(model)
         self._finalizer = weakref.finalize(self, release_requests, manager, self._rows.request_ids)
 
     # -- introspection -----------------------------------------------------------------
@@ -169,18 +187,33 @@ class PagedCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions cached for ``layer_idx`` (padding columns included, as transformers counts)."""
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self._num_layers:
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self._sources):
             return 0
-        return self._progress.lengths[layer_idx]
+        return self._progress.lengths[self._sources[layer_idx]]
 
     def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for a mask of ``query_length`` new tokens: all the cached
-        positions plus the new ones, from offset 0.
+        positions plus the new ones, from offset 0; on the contiguous path, for a sliding or
+        chunked layer of window ``W``, the last ``W - 1`` cached positions plus the new ones,
+        as ``DynamicSlidingWindowLayer`` sizes them (:meth:`update` returns those).
 
         ``query_length`` may also be the ``cache_position`` tensor older transformers pass.
         """
         length = int(query_length.shape[0]) if isinstance(query_length, torch.Tensor) else int(query_length)
-        return self.get_seq_length(layer_idx) + length, 0
+        cached = self.get_seq_length(layer_idx)
+        window = self._contiguous_window(layer_idx)
+        if window is None:
+            return cached + length, 0
+        return min(cached, window - 1) + length, max(cached - window + 1, 0)
+
+    def _contiguous_window(self, layer: object) -> int | None:
+        """The window of ``layer``'s contiguous K/V: ``None`` on the paged path (its mask
+        spans every position) and for full layers."""
+        if attention_implementation(self._text) == ATTN_IMPLEMENTATION:
+            return None
+        if not isinstance(layer, int) or not 0 <= layer < len(self._sources):
+            return None
+        return self._windows[self._sources[layer]]
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         """``max_sequence_length`` if given, else ``-1`` (grows while the pool has blocks)."""
@@ -229,10 +262,32 @@ class PagedCache(Cache):
                 f"map_cached_prefix needs attn_implementation={ATTN_IMPLEMENTATION!r}, the model runs "
                 f"{attention_implementation(self._text)!r}"
             )
-        shared = self._rows.map_prefix(input_ids, attention_mask)
+        prompts = prompt_rows(input_ids, attention_mask)
+        columns = int(input_ids.shape[1])
+        shared = self._rows.map_prefix(list(prompts), [columns - len(prompt) for prompt in prompts], columns)
         self._mode = "paged"
         self._progress.lengths = [shared] * self._num_layers
         return shared
+
+    def receive_token_ids(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> int:
+        """Take the coming forward's token ids ``[batch, new_tokens]`` (the model's forward
+        pre-hook calls it); with prefix caching on, a new batch's first forward starts from
+        the prefix cache (:meth:`~kvcache_torch.hf.prompts.TokenFeed.receive`). Returns the
+        positions the forward skips, cached already (0: none).
+
+        Raises:
+            OutOfBlocksError: the pool cannot hold the rows (nothing is kept).
+        """
+        if not self._manager.config.enable_prefix_caching:
+            return 0
+        mode: Mode = "paged" if attention_implementation(self._text) == ATTN_IMPLEMENTATION else "contiguous"
+        shared = self._feed.receive(input_ids, attention_mask, position_ids, stores_padding=mode == "contiguous")
+        if shared is not None:
+            self._mode = mode
+            self._progress.lengths = [shared] * self._num_layers
+        return shared or 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -273,7 +328,9 @@ class PagedCache(Cache):
         With ``"kvcache_paged"`` attention the write happens in the attention function (it
         sees the padding mask, so padding is not stored) and the new K/V are returned as
         they are. Otherwise they are written now and the whole contiguous K/V ``[batch,
-        kv_heads, positions, head_dim]`` are returned.
+        kv_heads, positions, head_dim]`` are returned; for a sliding or chunked layer of
+        window ``W``, its last ``W - 1`` positions before this forward and the new ones, as
+        ``DynamicSlidingWindowLayer`` returns them (:meth:`get_mask_sizes` sizes its mask so).
 
         Raises:
             LayerIndexError: ``layer_idx`` outside the model's layers.
@@ -298,26 +355,25 @@ class PagedCache(Cache):
                 f"the cache was filled with the {self._mode} path and the model now runs the {mode} path "
                 f"(attn_implementation {implementation!r}); release() the cache before switching"
             )
-        if mode == "contiguous" and self._windowed:
-            raise UnsupportedConfigError(
-                f"attn_implementation {implementation!r} reads every position of every layer back, but this pool's "
-                "sliding layers keep only their window's blocks; run attn_implementation='kvcache_paged', or build "
-                "the pool with cache_config_for(model, ..., hybrid=False)"
-            )
         if mode == "paged":
             self._check_attended(layer)
         step = self._progress.join(layer, int(key_states.shape[2]), first=not self._rows.handles)
         if mode == "paged":
             step.updated.add(layer)
             step.awaiting = layer
-            hand_off(Handoff(self, layer, key_states, value_states, step, self._attend))
+            shared = layer in self._sources[self._num_layers :]
+            hand_off(Handoff(self, layer, key_states, value_states, step, self._attend, shared))
             return key_states, value_states
         if step.planned is None:
             self._place_step(step, int(key_states.shape[0]), None, "contiguous")
         assert step.planned is not None  # placed just above
         step.planned.write(layer, token_major(key_states), token_major(value_states))
         self._progress.finish(step, layer)
-        return self._rows.gather_padded(layer)
+        window = self._windows[layer]
+        # A sliding or chunked layer sees what DynamicSlidingWindowLayer returns: its last W - 1
+        # positions before the step, and the step's.
+        kept = None if window is None else min(step.start, window - 1) + step.query_length
+        return self._rows.gather_padded(layer, kept)
 
     def _attend(
         self,
@@ -349,7 +405,7 @@ class PagedCache(Cache):
         planned = step.planned
         assert planned is not None  # placed just above
         valid = step.valid
-        if step.stored:  # the step was checked when planned: per layer only the arrays are
+        if step.stored and not pending.reader:  # the step was checked when planned: per layer only the arrays are
             planned.write(layer, token_major(pending.key, valid), token_major(pending.value, valid))
         layer_features = {name: value for name, value in features.items() if value is not None}
         chunk = self._layer_specs[layer].chunk
@@ -370,7 +426,8 @@ class PagedCache(Cache):
             else:
                 output = query.new_zeros((batch, query_length, query_heads, head_dim))
                 output[valid] = attended
-        self._progress.finish(step, layer)
+        if not pending.reader:
+            self._progress.finish(step, layer)
         return output
 
     # -- batch surgery: beam search, crop --------------------------------------------------
@@ -482,14 +539,10 @@ class PagedCache(Cache):
             UnsupportedConfigError: naming the model class and the remedy.
         """
         step = self._progress.step
-        if step is None or step.awaiting is None:
-            return
-        same_forward = layer not in step.updated
-        if not same_forward and (step.layers_done or len(step.updated) != self._num_layers):
-            return  # an interrupted forward, not a pattern: joining the step decides
-        awaiting = step.awaiting
-        self._abandon_step(step)
-        raise not_through_interface(decoder_class(self._text), self._text, awaiting, earlier=not same_forward)
+        found = unattended_layer(step, layer, self._num_layers)
+        if step is not None and found is not None:
+            self._abandon_step(step)
+            raise not_through_interface(decoder_class(self._text), self._text, found[0], earlier=found[1])
 
     def _abandon_step(self, step: ForwardStep) -> None:
         """Undo a forward refused half-way: rows it allocated are released, rows it grew go
@@ -497,18 +550,10 @@ class PagedCache(Cache):
         blocks that needs, are released too), and the next forward starts afresh."""
         drop_handoff(self)
         self._progress.step = None
-        if step.planned is None:
-            return  # nothing was placed or stored
-        if step.allocated:
+        if not undo_step(step, self._rows):
             self.release()
-            return
-        before = [tokens - count for tokens, count in zip(self._rows.tokens, step.counts, strict=True)]
-        try:
-            self._rows.truncate(before, step.start)
-        except KvCacheError:
-            self.release()
-            return
-        self._progress.reset(step.start)
+        elif step.planned is not None:
+            self._progress.reset(step.start)
 
     def _place_step(self, step: ForwardStep, batch: int, valid: torch.Tensor | None, mode: Mode) -> None:
         """Plan the step in the manager: allocate the rows at the first forward, then grow
@@ -518,8 +563,10 @@ class PagedCache(Cache):
         Atomic: when the pool cannot hold the step, nothing is allocated or grown.
         """
         counts = [step.query_length] * batch if valid is None else [int(c) for c in valid.sum(dim=1).cpu().numpy()]
+        prefixes = self._manager.config.enable_prefix_caching
+        token_ids = self._feed.step_ids(batch, step.query_length, valid) if prefixes else None
         try:
-            planned, allocated = self._rows.begin(counts, valid, step.query_length)
+            planned, allocated = self._rows.begin(counts, valid, step.query_length, token_ids)
         except BaseException:
             self._progress.step = None  # nothing changed: the next forward starts afresh
             raise

@@ -5,6 +5,7 @@ function alone sees the padding mask, so it does the write)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,17 @@ import torch
 from kvcache_core import Step, UnsupportedConfigError
 from kvcache_core.errors import ShapeMismatchError
 
-__all__ = ["ForwardStep", "Handoff", "LayerAttend", "LayerProgress", "drop_handoff", "hand_off", "take_handoff"]
+__all__ = [
+    "ForwardStep",
+    "Handoff",
+    "LayerAttend",
+    "LayerProgress",
+    "drop_handoff",
+    "hand_off",
+    "keep_for_readers",
+    "reader_of",
+    "take_handoff",
+]
 
 
 @dataclass
@@ -116,10 +127,14 @@ class Handoff:
     value: torch.Tensor
     step: ForwardStep
     attend: LayerAttend
+    shared: bool = False  # later layers of the forward attend over this layer's K/V
+    reader: bool = False  # a later layer reading them: it stores nothing
 
 
 class _Slot(threading.local):
     entry: Handoff | None = None
+    # This forward's attended layers whose K/V later layers reuse.
+    attended: tuple[Handoff, ...] = ()
 
 
 _SLOT = _Slot()
@@ -128,6 +143,23 @@ _SLOT = _Slot()
 def hand_off(entry: Handoff) -> None:
     """Leave ``entry`` for the next attention call of this thread."""
     _SLOT.entry = entry
+    if _SLOT.attended and _SLOT.attended[0].step is not entry.step:
+        _SLOT.attended = ()  # a new forward
+
+
+def keep_for_readers(entry: Handoff) -> None:
+    """Remember an attended layer whose K/V later layers of the forward reuse."""
+    if entry.shared:
+        _SLOT.attended = (*_SLOT.attended, entry)
+
+
+def reader_of(key: torch.Tensor, value: torch.Tensor) -> Handoff | None:
+    """The hand-off for a layer attending over the very K/V an earlier layer of this forward
+    got back from its cache (a layer reusing another's K/V), marked as a reader."""
+    for entry in _SLOT.attended:
+        if entry.key is key and entry.value is value:
+            return dataclasses.replace(entry, reader=True)
+    return None
 
 
 def take_handoff() -> Handoff | None:
@@ -141,3 +173,4 @@ def drop_handoff(owner: object) -> None:
     """Forget this thread's entry if ``owner`` left it (a forward that failed half-way)."""
     if _SLOT.entry is not None and _SLOT.entry.owner is owner:
         _SLOT.entry = None
+    _SLOT.attended = tuple(entry for entry in _SLOT.attended if entry.owner is not owner)

@@ -19,8 +19,16 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.auto import modeling_auto
 
 from kvcache_core import UnsupportedConfigError
+from kvcache_torch.hf.forward_pass import ForwardStep
 
-__all__ = ["decoder_class", "decoder_module", "not_through_interface", "refuse_unless_interface", "uses_interface"]
+__all__ = [
+    "decoder_class",
+    "decoder_module",
+    "not_through_interface",
+    "refuse_unless_interface",
+    "unattended_layer",
+    "uses_interface",
+]
 
 
 def decoder_module(text: PretrainedConfig, model: torch.nn.Module | None) -> torch.nn.Module | None:
@@ -123,3 +131,16 @@ def refuse_unless_interface(text: PretrainedConfig, model: torch.nn.Module | Non
     found = type(decoder) if decoder is not None else decoder_class(text)
     if found is not None and uses_interface(found, decoder) is False:
         raise not_through_interface(found, text)
+
+
+def unattended_layer(step: ForwardStep | None, layer: int, num_layers: int) -> tuple[int, bool] | None:
+    """``(layer, earlier)`` when the update of ``layer`` shows that the model does not call
+    the ``kvcache_paged`` attention: it arrives while an earlier layer's keys and values of
+    the same forward still wait for it, or (``earlier``) a new forward begins after one in
+    which every layer was updated and none attended (a one-layer model); else ``None``."""
+    if step is None or step.awaiting is None:
+        return None
+    same_forward = layer not in step.updated
+    if not same_forward and (step.layers_done or len(step.updated) != num_layers):
+        return None  # an interrupted forward, not a pattern: joining the step decides
+    return step.awaiting, not same_forward

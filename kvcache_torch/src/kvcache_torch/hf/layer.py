@@ -38,10 +38,12 @@ class PagedCacheLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # tran
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, cache: LayeredCache, layer_idx: int) -> None:
+    def __init__(self, cache: LayeredCache, layer_idx: int, sliding_window: int | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # untyped in transformers
         self._cache = weakref.ref(cache)  # no cycle: the cache is freed (and released) promptly
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
         self.is_initialized = True  # nothing to initialise lazily: the pool exists
 
     def _owner(self) -> LayeredCache:

@@ -17,6 +17,7 @@ from kvcache_core.errors import InvalidTypeError
 from kvcache_core.plugin import DTYPE_SIZES, QUANTIZED_DTYPES
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.guard import refuse_unless_interface
+from kvcache_torch.hf.shared_kv import kv_sources, stored_layer_count
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -163,6 +164,7 @@ def cache_config_for(
 
     Layers, KV heads and head size come from the model's (decoder) config; give the pool's
     size as ``num_blocks`` or as ``max_tokens`` (rounded up to whole blocks), not both.
+    Layers that reuse another layer's K/V (Gemma 3n) get no storage in the pool.
 
     Args:
         model: the model (its ``config``, and the dtype and device of its weights), or just
@@ -181,16 +183,16 @@ def cache_config_for(
         hybrid: give the pool each layer's spec (``CacheConfig.layer_specs``) when the
             model has sliding or chunked layers: sliding layers then form KV-cache groups
             that keep only their window's blocks (a long request takes a fraction of the
-            memory). ``False``: one group keeping every block of every layer, which the
-            contiguous path (``attn_implementation`` other than ``"kvcache_paged"``,
-            reading whole K/V back) needs.
+            memory) on either path. ``False``: one group keeping every block of every
+            layer.
 
     Raises:
         InvalidArgumentError: neither or both of ``num_blocks`` and ``max_tokens``, or a
             ``max_tokens`` or ``block_size`` below 1.
         InvalidTypeError: ``model`` is neither a model with a ``config`` nor a config.
         UnsupportedConfigError: a dtype kvcache has no name for, layers that are not
-            full, sliding or chunked attention (the message names their type), or a config
+            full, sliding or chunked attention (the message names their type), layers
+            sharing K/V otherwise than as the last layers reusing earlier ones, or a config
             set to ``"kvcache_paged"`` for a model whose attention does not call transformers'
             attention interface (Falcon, GPT-Neo, Bloom, MPT, ...: the message names the
             class and the remedy: its own attention, ``"sdpa"`` or ``"eager"``).
@@ -226,9 +228,11 @@ def cache_config_for(
     dtype = _pool_dtype_name(dtype)
     # A quantized pool computes in the model's dtype.
     compute_dtype = _pool_dtype_name(model_dtype or configured) if dtype in QUANTIZED_DTYPES else None
-    layers, kv_heads, head_dim = geometry(config)
-    specs = layer_specs(config)  # refuses layers that are not attention layers
+    _, kv_heads, head_dim = geometry(config)
     text = text_config(config)
+    kv_sources(text)  # refuses layers sharing K/V in a way PagedCache cannot serve
+    layers = stored_layer_count(text)  # layers reusing another's K/V keep no blocks
+    specs = layer_specs(config)[:layers]  # refuses layers that are not attention layers
     if attention_implementation(text) == ATTN_IMPLEMENTATION:
         refuse_unless_interface(text, None if isinstance(model, PretrainedConfig) else model)
     if not isinstance(hybrid, bool):

@@ -14,13 +14,16 @@ import torch
 from kvcache_core import (
     AllocationRequest,
     InvalidArgumentError,
+    KvCacheError,
     PagedKvCacheHandle,
     PagedKvCacheManager,
     Step,
     UnknownRequestError,
+    UnsupportedConfigError,
 )
+from kvcache_torch.hf.forward_pass import ForwardStep
 
-__all__ = ["BatchRows", "release_requests"]
+__all__ = ["BatchRows", "prompt_rows", "release_requests", "undo_step"]
 
 Handle = PagedKvCacheHandle[torch.Tensor]
 
@@ -41,6 +44,8 @@ class BatchRows:
             only: a finalizer may hold it).
         tokens: tokens in use per row; at most the request's ``num_tokens()`` (a crop keeps
             the blocks).
+        ids_known: per row, whether the manager knows the id of every token it holds (its
+            blocks are then cacheable, given the ids of each step).
         stored: ``[rows, positions]`` which positions each row stored (padding is not).
         positions: positions held, padding included.
     """
@@ -51,6 +56,7 @@ class BatchRows:
         self.handles: list[Handle] = []
         self.request_ids: list[str] = []
         self.tokens: list[int] = []
+        self.ids_known: list[bool] = []
         self.stored = np.zeros((0, 0), dtype=np.bool_)
         self.positions = 0
         self._id_prefix = f"hf-{uuid.uuid4().hex[:12]}"
@@ -68,11 +74,16 @@ class BatchRows:
         return self.manager.allocate(request), request_id
 
     def begin(
-        self, counts: list[int], valid: torch.Tensor | None, query_length: int
+        self,
+        counts: list[int],
+        valid: torch.Tensor | None,
+        query_length: int,
+        token_ids: list[tuple[int, ...] | None] | None = None,
     ) -> tuple[Step[torch.Tensor], bool]:
         """Grow every row by its ``counts`` new tokens in one manager step, allocating the
         rows first when there are none; record the ``valid`` positions (``None``: all) of the
-        ``query_length`` new ones as stored. Returns the step and whether rows were allocated.
+        ``query_length`` new ones as stored. ``token_ids``: per row, its new tokens' ids (or
+        ``None``), for prefix caching. Returns the step and whether rows were allocated.
 
         Atomic: when the pool cannot hold the step, nothing is allocated or grown.
         """
@@ -84,12 +95,14 @@ class BatchRows:
                     self.handles.append(handle)
                     self.request_ids.append(request_id)
                     self.tokens.append(0)
-            planned = self.manager.begin_step(self.handles, counts)
+                    self.ids_known.append(False)
+            planned = self.manager.begin_step(self.handles, counts, token_ids=token_ids)
         except BaseException:
             if allocated:  # the first forward failed: no row stays
                 release_requests(self.manager, self.request_ids)
                 self.handles.clear()
                 self.tokens.clear()
+                self.ids_known.clear()
             raise
         self.tokens[:] = [tokens + count for tokens, count in zip(self.tokens, counts, strict=True)]
         self._record_stored(valid, query_length)
@@ -121,35 +134,44 @@ class BatchRows:
         release_requests(self.manager, self.request_ids)
         self.handles.clear()
         self.tokens.clear()
+        self.ids_known.clear()
         self.stored = np.zeros((0, 0), dtype=np.bool_)
         self.positions = 0
 
-    def gather_padded(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_padded(self, layer: int, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's K/V as ``[batch, kv_heads, positions, head_dim]`` (contiguous path:
-        every row stored every position)."""
+        every row stored every position), or only its ``last`` positions.
+
+        Raises:
+            UnsupportedConfigError: the pool no longer holds the positions asked for (its
+                sliding window released them).
+        """
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         for handle, tokens in zip(self.handles, self.tokens, strict=True):
             k, v = self.manager.gather(handle, layer)
-            keys.append(k[:tokens].transpose(0, 1))
-            values.append(v[:tokens].transpose(0, 1))
+            held_from = handle.num_tokens() - int(k.shape[0])  # a sliding window released the positions before
+            start = 0 if last is None else tokens - last
+            if start < held_from:
+                raise UnsupportedConfigError(
+                    f"layer {layer} needs positions {start} to {tokens} of request {handle.request_id}, whose "
+                    f"sliding window holds them from {held_from} on"
+                )
+            keys.append(k[start - held_from : tokens - held_from].transpose(0, 1))
+            values.append(v[start - held_from : tokens - held_from].transpose(0, 1))
         return torch.stack(keys), torch.stack(values)
 
     # -- prefix caching ------------------------------------------------------------------
 
-    def map_prefix(self, input_ids: object, attention_mask: object) -> int:
-        """Allocate one request per row of left-padded prompts, each mapping its prompt's
-        cached blocks, then truncate the rows to the cached positions all of them share.
-        Returns those positions.
+    def map_prefix(self, prompts: list[tuple[int, ...] | None], pads: list[int], columns: int) -> int:
+        """Allocate one request per row of a first forward of ``columns`` positions, each
+        holding its prompt's ids (``None``: not cacheable) and mapping their cached blocks,
+        then truncate the rows to the cached positions all of them share (row ``b`` stores
+        none of its first ``pads[b]`` positions). Returns those positions.
 
         Raises:
-            InvalidArgumentError: ids and mask that are not 2-D integer tensors of one
-                shape, left-padded.
             OutOfBlocksError: the pool cannot hold the rows (nothing is kept).
         """
-        prompts = _prompt_rows(input_ids, attention_mask)
-        assert isinstance(input_ids, torch.Tensor)  # checked by _prompt_rows
-        columns = int(input_ids.shape[1])
         handles: list[Handle] = []
         request_ids: list[str] = []
         try:
@@ -157,7 +179,6 @@ class BatchRows:
                 handle, request_id = self._allocate(prompt or None)
                 handles.append(handle)
                 request_ids.append(request_id)
-            pads = [columns - len(prompt) for prompt in prompts]
             shared = min(pad + handle.num_cached_tokens() for pad, handle in zip(pads, handles, strict=True))
             kept = [max(0, shared - pad) for pad in pads]
             for handle, tokens in zip(handles, kept, strict=True):
@@ -169,6 +190,7 @@ class BatchRows:
         self.handles[:] = handles
         self.request_ids[:] = request_ids
         self.tokens[:] = kept
+        self.ids_known[:] = [bool(prompt) for prompt in prompts]
         self.positions = shared
         real = np.ones((len(prompts), columns), dtype=np.bool_)
         for row, pad in enumerate(pads):
@@ -233,11 +255,28 @@ class BatchRows:
         self.handles[:] = handles
         self.request_ids[:] = request_ids
         self.tokens[:] = [self.tokens[source] for source in sources]
+        self.ids_known[:] = [self.ids_known[source] for source in sources]
         release_requests(self.manager, unused)
         self.stored = self.stored[sources]
 
 
-def _prompt_rows(input_ids: object, attention_mask: object) -> list[tuple[int, ...]]:
+def undo_step(step: ForwardStep, rows: BatchRows) -> bool:
+    """Take back what a forward ``step`` stored: each row goes back to its length before it.
+    ``False`` when only a release can undo it (the step allocated the rows, or a sliding
+    window already dropped the blocks the shorter rows need)."""
+    if step.planned is None:
+        return True  # nothing was placed or stored
+    if step.allocated:
+        return False
+    before = [tokens - count for tokens, count in zip(rows.tokens, step.counts, strict=True)]
+    try:
+        rows.truncate(before, step.start)
+    except KvCacheError:
+        return False
+    return True
+
+
+def prompt_rows(input_ids: object, attention_mask: object) -> list[tuple[int, ...]]:
     """Each row's real token ids, after checking that the batch is left-padded."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         raise InvalidArgumentError(f"input_ids must be a 2-D integer tensor, got {input_ids!r}")

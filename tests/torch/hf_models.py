@@ -1,0 +1,242 @@
+"""The catalogue of model families :class:`PagedCache` serves, by path, with the reason: what
+``tests/torch/test_hf_models.py`` runs against ``DynamicCache`` and prints as the README's
+table (so the table cannot drift from what passes).
+
+``paged``: the model runs ``attn_implementation="kvcache_paged"`` (its attention goes through
+transformers' attention interface; the paged kernel reads the pool in place). ``contiguous``:
+the model keeps its own attention and :class:`PagedCache` returns contiguous K/V, as
+``DynamicCache`` does.
+
+Every family is built tiny (two to four layers, hidden size 32 or 64), each model on its own
+config object, with ``initializer_range >= 0.1`` so that a wrong context shows in the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.torch.hf_support import COMMON_CONFIG, PAD, VOCAB, Model, torch, transformers
+
+__all__ = ["FAMILIES", "TABLE_BEGIN", "TABLE_END", "Family", "model_table"]
+
+#: The sliding window or attention chunk of the tiny hybrid models (prompts outgrow it).
+WINDOW = 6
+
+#: Fields of the tiny models that are not Llama-style decoders.
+_SMALL: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "initializer_range": 0.2,
+    "pad_token_id": PAD,
+    "bos_token_id": 1,
+    "eos_token_id": None,
+}
+
+_INTERFACE = "attention through transformers' interface"
+_OWN = "computes attention itself: `kvcache_paged` would never be called"
+_BY_NAME = "picks its attention classes by name: `kvcache_paged` is rejected at load"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: how to build it tiny, which path serves it and why.
+
+    Attributes:
+        name: the family as the README names it.
+        config_class, model_class: transformers' class names.
+        fields: the tiny config's fields.
+        path: ``"paged"`` or ``"contiguous"``.
+        why: the reason for the path (and what the family adds).
+        attention: the model's own attention (the reference's, and the tested one on the
+            contiguous path).
+    """
+
+    name: str
+    config_class: str
+    model_class: str
+    fields: dict[str, Any] = field(default_factory=dict[str, Any])
+    path: str = "paged"
+    why: str = _INTERFACE
+    attention: str = "sdpa"
+
+    def build(self) -> Model:
+        """A seeded tiny model on a config object of its own, with its own attention."""
+        torch.manual_seed(0)
+        config = getattr(transformers, self.config_class)(**self.fields)
+        model = getattr(transformers, self.model_class)(config).eval()
+        with torch.no_grad():  # attention sinks start at zero: make them matter
+            for module in model.modules():
+                sinks: Any = getattr(module, "sinks", None)
+                if isinstance(sinks, torch.nn.Parameter):
+                    sinks.normal_(0.0, 1.0)
+        model.set_attn_implementation(self.attention)
+        return model
+
+
+def _decoder(**fields: Any) -> dict[str, Any]:
+    return {**COMMON_CONFIG, **fields}
+
+
+def _hybrid(**fields: Any) -> dict[str, Any]:
+    return {**COMMON_CONFIG, "num_hidden_layers": 4, "sliding_window": WINDOW, **fields}
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("Llama", "LlamaConfig", "LlamaForCausalLM", _decoder()),
+    Family("Qwen2", "Qwen2Config", "Qwen2ForCausalLM", _decoder()),
+    Family(
+        "Qwen2, sliding window",
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        _hybrid(use_sliding_window=True, max_window_layers=1),
+        why=f"{_INTERFACE}; sliding layers keep their window's blocks",
+    ),
+    Family("Qwen3", "Qwen3Config", "Qwen3ForCausalLM", _decoder(head_dim=16)),
+    Family(
+        "Mistral",
+        "MistralConfig",
+        "MistralForCausalLM",
+        _hybrid(),
+        why=f"{_INTERFACE}; every layer slides",
+    ),
+    Family("Gemma", "GemmaConfig", "GemmaForCausalLM", _decoder(head_dim=16)),
+    Family(
+        "Gemma 2",
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        _hybrid(head_dim=16, attn_logit_softcapping=1.0, final_logit_softcapping=None),
+        why=f"{_INTERFACE}; sliding and full layers, logit soft-capping",
+        attention="eager",
+    ),
+    Family(
+        "Gemma 3",
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        _hybrid(head_dim=16, layer_types=["sliding_attention", "full_attention"] * 2),
+        why=f"{_INTERFACE}; sliding and full layers",
+        attention="eager",
+    ),
+    Family(
+        "Gemma 3n",
+        "Gemma3nTextConfig",
+        "Gemma3nForCausalLM",
+        _hybrid(
+            head_dim=16,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            num_kv_shared_layers=2,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+            laurel_rank=4,
+            activation_sparsity_pattern=[0.0] * 4,
+        ),
+        why=f"{_INTERFACE}; its last layers reuse earlier layers' K/V and keep no blocks",
+    ),
+    Family("Phi-3", "Phi3Config", "Phi3ForCausalLM", _decoder()),
+    Family(
+        "gpt-oss",
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        _hybrid(head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+        why=f"{_INTERFACE}; sliding and full layers, attention sinks, mixture of experts",
+        attention="eager",
+    ),
+    Family(
+        "Cohere 2",
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        _hybrid(),
+        why=f"{_INTERFACE}; sliding and full layers",
+    ),
+    Family(
+        "Llama 4 (text)",
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        _hybrid(
+            head_dim=16,
+            intermediate_size_mlp=96,
+            attention_chunk_size=WINDOW,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+        ),
+        why=f"{_INTERFACE}; chunked attention, mixture of experts",
+    ),
+    Family(
+        "Falcon",
+        "FalconConfig",
+        "FalconForCausalLM",
+        {**_SMALL, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "multi_query": True},
+        path="contiguous",
+        why=_BY_NAME,
+    ),
+    Family(
+        "GPT-Neo",
+        "GPTNeoConfig",
+        "GPTNeoForCausalLM",
+        {**_SMALL, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "attention_types": [[["global", "local"], 1]]},
+        path="contiguous",
+        why=_BY_NAME,
+        attention="eager",
+    ),
+    Family(
+        "Bloom",
+        "BloomConfig",
+        "BloomForCausalLM",
+        {**_SMALL, "hidden_size": 32, "n_layer": 2, "n_head": 4},
+        path="contiguous",
+        why=_OWN,
+        attention="eager",
+    ),
+    Family(
+        "MPT",
+        "MptConfig",
+        "MptForCausalLM",
+        {**_SMALL, "d_model": 32, "n_layers": 2, "n_heads": 4, "expansion_ratio": 2, "use_cache": True},
+        path="contiguous",
+        why=_OWN,
+        attention="eager",
+    ),
+    Family(
+        "XGLM",
+        "XGLMConfig",
+        "XGLMForCausalLM",
+        {**_SMALL, "d_model": 32, "num_layers": 2, "attention_heads": 4, "ffn_dim": 64, "init_std": 0.2},
+        path="contiguous",
+        why=_OWN,
+        attention="eager",
+    ),
+    Family(
+        "GPT-NeoX-Japanese",
+        "GPTNeoXJapaneseConfig",
+        "GPTNeoXJapaneseForCausalLM",
+        {
+            **_SMALL,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_multiple_size": 2,
+        },
+        path="contiguous",
+        why=_OWN,
+        attention="eager",
+    ),
+)
+
+#: The comment lines around the README's generated table.
+TABLE_BEGIN = (
+    "<!-- model families: generated by tests/torch/test_hf_models.py from tests/torch/hf_models.py; "
+    "KVCACHE_WRITE_MODEL_TABLE=1 rewrites it -->"
+)
+TABLE_END = "<!-- model families: end -->"
+
+
+def model_table(families: tuple[Family, ...] = FAMILIES) -> str:
+    """The README's table of the families by path: paged first, then contiguous, each in
+    catalogue order."""
+    lines = ["| family | transformers class | path | why |", "| --- | --- | --- | --- |"]
+    for path in ("paged", "contiguous"):
+        lines += [
+            f"| {family.name} | `{family.model_class}` | {path} | {family.why} |"
+            for family in families
+            if family.path == path
+        ]
+    return "\n".join(lines)
