@@ -203,7 +203,9 @@ def serve_prompt(url: str, prefix: str, prompt: list[int], salt: str | None, mod
             keys, values = manager.gather(handle, layer)
             for position in range(cached):
                 want_keys, want_values = token_kv(tokens, position, layer)
-                exact &= bool(np.array_equal(keys[position], want_keys) and np.array_equal(values[position], want_values))
+                exact &= bool(
+                    np.array_equal(keys[position], want_keys) and np.array_equal(values[position], want_values)
+                )
         computed = len(tokens) - cached
         slots = manager.extend(handle, computed, token_ids=list(tokens[cached:]))
         for layer in range(config.num_layers):
@@ -217,7 +219,9 @@ def serve_prompt(url: str, prefix: str, prompt: list[int], salt: str | None, mod
     return {"cached": cached, "computed": computed, "exact": exact, "flushed": flushed, "written": stats.written}
 
 
-def run_member(url: str, prefix: str, prompt: list[int], salt: str | None = None, model_id: str = "fleet-test") -> dict[str, Any]:
+def run_member(
+    url: str, prefix: str, prompt: list[int], salt: str | None = None, model_id: str = "fleet-test"
+) -> dict[str, Any]:
     """:func:`serve_prompt` in a process of its own; its figures."""
     code = (
         "import json, sys; from tests.redis_support import serve_prompt; "

@@ -34,9 +34,10 @@ Requires the ``redis`` extra (``pip install "kvcache-core[redis]"``: redis-py, s
 * **Sharing.** The server is shared and inclusive: a block promoted into a pool stays in
   the server for the rest of the fleet, and ``clear()`` (a manager's ``close()``) forgets
   only this object's own view (its queue, the keys it lists) — the server's records leave
-  by its own ``maxmemory`` policy (run it with ``allkeys-lru``) or the TTL. ``max_bytes``
-  bounds the records this object lists (``hashes()``, ``tier_stats()``, a saved prefix
-  cache) and the largest one it takes.
+  by its own ``maxmemory`` policy (run it with ``allkeys-lru``) or the TTL: that is the
+  capacity. ``max_bytes`` is the largest record it takes and the limit it reports; the
+  object lists (``hashes()``, ``tier_stats()``, a saved prefix cache) the last
+  ``listed_keys`` records it put or promoted.
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ class RedisTier:
     Args:
         url: the server, as redis-py's ``from_url`` takes it (``redis://``, ``rediss://``
             for TLS, ``unix://``; user and password in it or in ``connection_options``).
-        max_bytes: the record bytes this object lists (>= one block's, checked when bound).
+        max_bytes: the largest record it takes, and the limit its figures report (>= one
+            block's, checked when bound); the server's ``maxmemory`` bounds what it holds.
         name: its name, the ``medium`` of its events (``"redis"``).
         prefix: the first part of every key (give tests and deployments their own).
         ttl_s: seconds a written record lives (``None``: until the server evicts it).
@@ -168,6 +170,7 @@ class RedisTier:
         write_timeout_s: the longest a background write batch may take.
         retry_after_s: after a failure, seconds during which the server is not tried.
         queue_bytes: the K/V bytes the write queue holds at most; a block past it is dropped.
+        listed_keys: the records it lists at most (the most recently put or promoted).
         client: a redis-py client to use instead of one made from ``url`` (a
             ``RedisCluster``, a Valkey client of the same interface); it serves reads and
             writes, with its own timeouts.
@@ -192,6 +195,7 @@ class RedisTier:
         write_timeout_s: float = 2.0,
         retry_after_s: float = 1.0,
         queue_bytes: int = 64 << 20,
+        listed_keys: int = 1 << 16,
         client: Any = None,
         **connection_options: Any,
     ) -> None:
@@ -209,6 +213,7 @@ class RedisTier:
         write_timeout = _check_seconds(write_timeout_s, "write_timeout_s")
         self._retry_after_s = _check_seconds(retry_after_s, "retry_after_s")
         self._queue_limit = check_count(queue_bytes, "queue_bytes", 1)
+        self._listed_limit = check_count(listed_keys, "listed_keys", 1)
         self._reader, self._writer = self._clients(url, client, write_timeout, connection_options)
         self._config: CacheConfig | None = None
         self._key_stem = ""
@@ -325,6 +330,7 @@ class RedisTier:
                 self._queue.append(key)
             self._start_writer()
             self._lock.notify_all()
+        self._looked_up.pop(key, None)  # the last lookup's answer is out of date
         self._list(key, record.salt, nbytes)
         return []
 
@@ -354,13 +360,12 @@ class RedisTier:
         return record
 
     def discard(self, key: bytes, /) -> None:
-        """Forget ``key`` here: a queued write of it is cancelled; the server keeps its record
-        for the fleet."""
+        """Forget ``key`` here: a queued write of it is cancelled and it is no longer listed;
+        the server keeps its record for the fleet (so the last lookup still finds it)."""
         with self._lock:
             pending = self._pending.pop(key, None)
             if pending is not None:
                 self._queued_bytes -= pending[1].nbytes
-        self._looked_up.pop(key, None)
         listed = self._index.pop(key, None)
         if listed is not None:
             self._used_bytes -= listed[1]
@@ -370,28 +375,19 @@ class RedisTier:
         return list(self._index)
 
     def __contains__(self, key: object, /) -> bool:
-        """Whether the queue or the server holds ``key`` (from the last lookup when it
-        covered ``key``, else by one read).
-
-        Raises:
-            TierError: the server failed or is past the deadline (a miss).
-        """
+        """Whether it knows ``key`` held, without asking the server: listed (put or promoted
+        here, see ``listed_keys``), or found by the last lookup (:meth:`prefetch`)."""
         if not isinstance(key, bytes):
             return False
-        with self._lock:
-            if key in self._pending:
-                return True
+        if key in self._index:
+            return True
         looked = self._looked_up.get(key)
-        if looked is not None:
-            return looked[1] is None or bool(looked[1])
-        salt = self._salt_of(key)
-        server_key = self._server_key(key, salt)
-        found = self._call("say whether it holds a block", lambda: self._reader.exists(server_key))
-        return bool(found)
+        return looked is not None and (looked[1] is None or bool(looked[1]))
 
     def clear(self) -> None:
         """Forget this object's view: the write queue (not written), the keys it lists and
-        the last lookup; the background writer stops. The server's records stay."""
+        the last lookup; the background writer stops and the connections close (the next
+        call opens new ones). The server's records stay."""
         with self._lock:
             self._forget()
             self._stopping = True
@@ -399,6 +395,13 @@ class RedisTier:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(self._deadline_s)  # a write under way ends by itself, within its timeout
+        for client in self._clients_used():
+            try:
+                client.connection_pool.disconnect()  # its sockets go; the next call reconnects
+            except Exception as exc:  # best effort: they go with the process at worst
+                warnings.warn(
+                    f"tier {self._name!r} could not close its connections: {exc!r}", RuntimeWarning, stacklevel=2
+                )
 
     # -- beyond OffloadTier ---------------------------------------------------------------
 
@@ -413,7 +416,9 @@ class RedisTier:
         self._looked_up = {}
         self._last_salt = salt
         with self._lock:
-            wanted = [key for key in keys if key not in self._pending]
+            queued = {key for key in keys if key in self._pending}
+        wanted = [key for key in keys if key not in queued]
+        self._looked_up = dict.fromkeys(queued, (salt, None))  # held: peek serves them from the queue
         if not wanted:
             return
         limit = self._value_limit(salt)
@@ -433,7 +438,7 @@ class RedisTier:
                 self._refuse(server_key)
                 value = b""
             answers[key] = (salt, bytes(value) if isinstance(value, (bytes, bytearray)) else b"")
-        self._looked_up = answers
+        self._looked_up.update(answers)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until the write queue is empty (written or dropped), at most ``timeout_s``
@@ -455,7 +460,7 @@ class RedisTier:
     def close(self) -> None:
         """:meth:`clear`, then close the client's connections."""
         self.clear()
-        for client in {id(self._reader): self._reader, id(self._writer): self._writer}.values():
+        for client in self._clients_used():
             try:
                 client.close()
             except Exception as exc:  # closing is best effort: the sockets go with the process
@@ -477,6 +482,9 @@ class RedisTier:
         block_hash, group = split_key(key)
         return f"{self._key_stem}:{_salt_part(salt)}:{block_hash.hex()}:{group}".encode()
 
+    def _clients_used(self) -> list[Any]:
+        return [self._reader] if self._writer is self._reader else [self._reader, self._writer]
+
     def _salt_of(self, key: bytes) -> bytes | None:
         """The salt ``key`` was put or looked up with; else the last lookup's."""
         listed = self._index.get(key)
@@ -488,7 +496,7 @@ class RedisTier:
             self._used_bytes -= previous[1]
         self._index[key] = (salt, nbytes)
         self._used_bytes += nbytes
-        while self._used_bytes > self._max_bytes and self._index:
+        while len(self._index) > self._listed_limit:
             _, (_, dropped) = self._index.popitem(last=False)
             self._used_bytes -= dropped
 
@@ -550,6 +558,7 @@ class RedisTier:
             if len(records) != 1 or records[0].key != key or records[0].salt != salt:
                 raise TierError(f"{source!r} does not hold the record of its key and salt")
         except Exception:
+            self._looked_up[key] = (salt, b"")  # deleted from the server
             self._refuse(server_key)
             raise
         return records[0]
