@@ -170,13 +170,15 @@ def fleet_config(model_id: str = "fleet-test") -> CacheConfig:
     )  # fmt: skip
 
 
-def token_kv(prompt: tuple[int, ...], position: int, layer: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+def token_kv(
+    prompt: tuple[int, ...], position: int, layer: int, heads: int = 2, width: int = 8
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """The K/V a model would compute for ``prompt[position]`` (it depends on the whole prefix),
-    the same in every process: ``([heads, head_dim], [heads, head_dim])`` float32."""
+    the same in every process: ``([heads, width], [heads, width])`` float32."""
     seed = hash_prefix(prompt[: position + 1]) + layer
     generator = np.random.default_rng(seed)
-    keys = generator.standard_normal((2, 8)).astype(np.float32)
-    values = generator.standard_normal((2, 8)).astype(np.float32)
+    keys = generator.standard_normal((heads, width)).astype(np.float32)
+    values = generator.standard_normal((heads, width)).astype(np.float32)
     return keys, values
 
 
@@ -236,3 +238,17 @@ def run_member(
         raise AssertionError(f"the fleet member failed:\n{done.stdout}\n{done.stderr}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def serve_once(manager: Any, request_id: str, prompt: tuple[int, ...], salt: str | None = None) -> int:
+    """Allocate ``prompt``, compute what was not cached, release it; the tokens it mapped."""
+    config = manager.config
+    heads, width = config.num_heads, config.head_dim
+    handle = manager.allocate(AllocationRequest(request_id, 0, prompt_token_ids=prompt, cache_salt=salt))
+    cached = int(handle.num_cached_tokens())
+    slots = manager.extend(handle, len(prompt) - cached, token_ids=list(prompt[cached:]))
+    for layer in range(config.num_layers):
+        pairs = [token_kv(prompt, position, layer, heads, width) for position in range(cached, len(prompt))]
+        manager.write(layer, slots, np.stack([pair[0] for pair in pairs]), np.stack([pair[1] for pair in pairs]))
+    manager.deallocate(request_id)
+    return cached

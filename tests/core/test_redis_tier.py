@@ -17,16 +17,19 @@ from kvcache_core.errors import InvalidArgumentError
 from kvcache_core.offload.events import BlockStored, CacheEvent
 from kvcache_core.offload.file_header import parse_container
 from kvcache_core.offload.prefix_file import decode_blocks
-from kvcache_core.offload.redis_tier import RedisTier, record_format_tag
+from kvcache_core.offload.redis_tier import RedisTier, create_redis_tier, record_format_tag
+from kvcache_core.offload.tiers import OffloadTier
 from kvcache_core.paging.prefix import hash_block, namespace_root
 from tests.redis_support import (
     RedisServer,
     fast_tier,
     fleet_config,
     run_member,
-    token_kv,
     unique_prefix,
     wait_until,
+)
+from tests.redis_support import (
+    serve_once as serve,
 )
 
 PROMPT = tuple(range(1, 15))  # 14 tokens: three full blocks of 4 (the last token is always computed)
@@ -37,19 +40,6 @@ def _quiet_misses() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # every counted miss warns
         yield
-
-
-def serve(manager: Any, request_id: str, prompt: tuple[int, ...], salt: str | None = None) -> int:
-    """Allocate ``prompt``, compute what was not cached, release it; the tokens it mapped."""
-    config = manager.config
-    handle = manager.allocate(AllocationRequest(request_id, 0, prompt_token_ids=prompt, cache_salt=salt))
-    cached = int(handle.num_cached_tokens())
-    slots = manager.extend(handle, len(prompt) - cached, token_ids=list(prompt[cached:]))
-    for layer in range(config.num_layers):
-        pairs = [token_kv(prompt, position, layer) for position in range(cached, len(prompt))]
-        manager.write(layer, slots, np.stack([pair[0] for pair in pairs]), np.stack([pair[1] for pair in pairs]))
-    manager.deallocate(request_id)
-    return cached
 
 
 def demoted(manager: Any, tier: RedisTier) -> None:
@@ -276,4 +266,11 @@ def test_a_hostile_record_in_the_server_is_refused_counted_and_deleted(redis_ser
         assert tier.stats().refused == 1, tier.stats()
         assert tier.flush(5.0)
         assert client.exists(server_key) == 0, "the refused record was not deleted"
+    tier.close()
+
+
+def test_the_registered_factory_builds_a_tier_from_its_options(redis_server: RedisServer) -> None:
+    tier = create_redis_tier(1 << 20, url=redis_server.url, name="fleet", ttl_s=60)
+    assert isinstance(tier, OffloadTier)
+    assert (tier.name, tier.max_bytes) == ("fleet", 1 << 20)
     tier.close()

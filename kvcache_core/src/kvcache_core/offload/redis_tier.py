@@ -67,13 +67,21 @@ from kvcache_core.offload.prefix_file import (
     _geometry,  # pyright: ignore[reportPrivateUsage]
     decode_blocks,
     encode_blocks,
+    record_key,
     split_key,
 )
 
 if TYPE_CHECKING:
     from kvcache_core.contract.config import CacheConfig
 
-__all__ = ["RedisTier", "RedisTierStats", "record_format_tag", "redis_key"]
+__all__ = [
+    "RedisTier",
+    "RedisTierStats",
+    "create_redis_tier",
+    "namespace_part",
+    "record_format_tag",
+    "redis_key",
+]
 
 #: Records written per pipelined batch by the background writer.
 WRITE_BATCH = 64
@@ -127,7 +135,8 @@ def record_format_tag(config: CacheConfig) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _namespace_part(model_id: str | None) -> str:
+def namespace_part(model_id: str | None) -> str:
+    """The namespace part of a key: ``m`` and the percent-encoded ``model_id``, ``-`` for none."""
     return "-" if model_id is None else "m" + quote(model_id, safe="")
 
 
@@ -144,7 +153,7 @@ def redis_key(prefix: str, config: CacheConfig, key: bytes, salt: bytes | None) 
         InvalidArgumentError: ``key`` is not a record key.
     """
     block_hash, group = split_key(key)
-    parts = (prefix, _namespace_part(config.model_id), record_format_tag(config), _salt_part(salt))
+    parts = (prefix, namespace_part(config.model_id), record_format_tag(config), _salt_part(salt))
     return f"{':'.join(parts)}:{block_hash.hex()}:{group}".encode()
 
 
@@ -292,7 +301,7 @@ class RedisTier:
             if self._config is not None and self._config != config:
                 self._forget()
             self._config = config
-            parts = (self._prefix, _namespace_part(config.model_id), record_format_tag(config))
+            parts = (self._prefix, namespace_part(config.model_id), record_format_tag(config))
             self._key_stem = ":".join(parts)
             shape = host_form.host_record_shape(config)
             self._record_bytes = 2 * math.prod(shape) * host_form.host_dtype(config.dtype).itemsize
@@ -466,6 +475,33 @@ class RedisTier:
             except Exception as exc:  # closing is best effort: the sockets go with the process
                 warnings.warn(f"closing tier {self._name!r}'s client failed: {exc!r}", RuntimeWarning, stacklevel=2)
 
+    def survey(self, limit: int = 10_000) -> dict[str, dict[str, set[str]]]:
+        """What the server holds under this tier's prefix, from at most ``limit`` keys (a
+        ``SCAN``, for diagnosis: ``kvcache explain``): namespace part -> format tag -> salt
+        digests.
+
+        Raises:
+            Exception: whatever the client raises (the server is down).
+        """
+        families: dict[str, dict[str, set[str]]] = {}
+        for count, raw in enumerate(self._reader.scan_iter(match=f"{self._prefix}:*", count=1000)):
+            if count >= limit:
+                break
+            parts = bytes(raw).decode(errors="replace").split(":")
+            if len(parts) == 6:
+                families.setdefault(parts[1], {}).setdefault(parts[2], set()).add(parts[3])
+        return families
+
+    def exists(self, config: CacheConfig, block_hash: bytes, salt: bytes | None, group: int = 0) -> bool:
+        """Whether the server holds a record of ``block_hash`` for a pool of ``config`` (which
+        may differ from the bound one: another block size) hashed with ``salt``.
+
+        Raises:
+            Exception: whatever the client raises (the server is down).
+        """
+        server_key = redis_key(self._prefix, config, record_key(block_hash, group), salt)
+        return bool(self._reader.exists(server_key))
+
     def server_key(self, key: bytes, salt: bytes | None) -> bytes:
         """The server key of ``key`` hashed with ``salt`` (:func:`redis_key`).
 
@@ -624,3 +660,14 @@ class RedisTier:
                     self._queued_bytes -= record.nbytes
                     self._counts["written" if written else "dropped"] += 1
             self._lock.notify_all()
+
+
+def create_redis_tier(max_bytes: int, **options: Any) -> RedisTier:
+    """``create_tier("redis", max_bytes, url=..., ...)``: a :class:`RedisTier` (registered
+    under the entry-point group ``kvcache_core.tiers``; the options are its keyword
+    arguments, ``url`` among them).
+
+    Raises:
+        InvalidArgumentError, UnsupportedConfigError: as :class:`RedisTier`.
+    """
+    return RedisTier(max_bytes=max_bytes, **options)
