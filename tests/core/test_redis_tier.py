@@ -62,17 +62,37 @@ def test_a_second_process_computes_only_what_the_first_did_not_cache_bit_exact(r
     assert second["exact"], "the K/V mapped from the tier differ from what the first process computed"
 
 
-def test_a_salt_keeps_tenants_apart(redis_server: RedisServer) -> None:
+def member(url: str, prefix: str, model_id: str = "fleet-test") -> tuple[Any, RedisTier]:
+    """A fleet member in this process: a manager behind its own tier object on ``prefix``."""
+    tier = RedisTier(url, 1 << 24, prefix=prefix, deadline_s=1.0)
+    return create_manager("numpy", fleet_config(model_id), tiers=[tier]), tier
+
+
+def shared_then_served(url: str, first: tuple[str | None, str], second: tuple[str | None, str]) -> int:
+    """One member serves and demotes :data:`PROMPT` with ``(salt, model_id)`` ``first``;
+    the tokens another member, with ``second``, maps from the store."""
     prefix = unique_prefix()
-    run_member(redis_server.url, prefix, list(PROMPT), salt="tenant-a")
-    assert run_member(redis_server.url, prefix, list(PROMPT), salt="tenant-b")["cached"] == 0
-    assert run_member(redis_server.url, prefix, list(PROMPT), salt="tenant-a")["cached"] == 12
+    writer, writer_tier = member(url, prefix, first[1])
+    with writer:
+        serve(writer, "a", PROMPT, first[0])
+        demoted(writer, writer_tier)
+    reader, reader_tier = member(url, prefix, second[1])
+    with reader:
+        cached = serve(reader, "b", PROMPT, second[0])
+    writer_tier.close()
+    reader_tier.close()
+    return cached
+
+
+def test_a_salt_keeps_tenants_apart(redis_server: RedisServer) -> None:
+    assert shared_then_served(redis_server.url, ("tenant-a", "m"), ("tenant-b", "m")) == 0
+    assert shared_then_served(redis_server.url, ("tenant-a", "m"), (None, "m")) == 0
+    assert shared_then_served(redis_server.url, ("tenant-a", "m"), ("tenant-a", "m")) == 12
 
 
 def test_a_namespace_keeps_models_apart(redis_server: RedisServer) -> None:
-    prefix = unique_prefix()
-    run_member(redis_server.url, prefix, list(PROMPT), model_id="model-a")
-    assert run_member(redis_server.url, prefix, list(PROMPT), model_id="model-b")["cached"] == 0
+    assert shared_then_served(redis_server.url, (None, "model-a"), (None, "model-b")) == 0
+    assert shared_then_served(redis_server.url, (None, "model-a"), (None, "model-a")) == 12
 
 
 def test_keys_carry_the_namespace_format_salt_hash_and_group(redis_server: RedisServer) -> None:

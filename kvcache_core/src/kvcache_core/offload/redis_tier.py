@@ -45,10 +45,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import threading
-import time
 import warnings
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +68,7 @@ from kvcache_core.offload.prefix_file import (
     record_key,
     split_key,
 )
+from kvcache_core.offload.redis_writer import Breaker, WriteQueue
 
 if TYPE_CHECKING:
     from kvcache_core.contract.config import CacheConfig
@@ -83,10 +82,6 @@ __all__ = [
     "redis_key",
 ]
 
-#: Records written per pipelined batch by the background writer.
-WRITE_BATCH = 64
-#: Seconds an idle background writer waits for work before its thread ends.
-_IDLE_S = 1.0
 #: The bytes a record's header may take beyond its token ids, salt and namespace.
 _HEADER_SLACK = 4096
 
@@ -227,14 +222,8 @@ class RedisTier:
         self._config: CacheConfig | None = None
         self._key_stem = ""
         self._record_bytes = 0
-        self._lock = threading.Condition()
-        # Blocks put and not yet written, by key: (server key, record); written in queue order.
-        self._pending: dict[bytes, tuple[bytes, BlockRecord]] = {}
-        self._queue: deque[bytes] = deque()
-        self._queued_bytes = 0
-        self._doomed: list[bytes] = []  # server keys of refused values, deleted by the writer
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._breaker = Breaker(self._retry_after_s)
+        self._writes = WriteQueue(name, self._writer, self._queue_limit, self._ttl_ms, self._breaker, self._encode)
         # What this object lists: key -> (salt, record bytes), least recently used first.
         self._index: OrderedDict[bytes, tuple[bytes | None, int]] = OrderedDict()
         self._used_bytes = 0
@@ -242,10 +231,7 @@ class RedisTier:
         # where it has one already given back).
         self._looked_up: dict[bytes, tuple[bytes | None, bytes | None]] = {}
         self._last_salt: bytes | None = None
-        self._down_until = 0.0
-        self._counts = dict.fromkeys(
-            ("written", "dropped", "write_errors", "lookups", "read_errors", "timeouts", "skipped", "refused"), 0
-        )
+        self._counts = dict.fromkeys(("lookups", "read_errors", "timeouts", "skipped", "refused"), 0)
 
     def _clients(self, url: str, client: Any, write_timeout: float, options: dict[str, Any]) -> tuple[Any, Any]:
         if client is not None:
@@ -297,14 +283,12 @@ class RedisTier:
             raise TierError(
                 f"tier {self._name!r} holds {self._max_bytes} bytes, less than one block of {config.bytes_per_block}"
             )
-        with self._lock:
-            if self._config is not None and self._config != config:
-                self._forget()
-            self._config = config
-            parts = (self._prefix, namespace_part(config.model_id), record_format_tag(config))
-            self._key_stem = ":".join(parts)
-            shape = host_form.host_record_shape(config)
-            self._record_bytes = 2 * math.prod(shape) * host_form.host_dtype(config.dtype).itemsize
+        if self._config is not None and self._config != config:
+            self._forget()
+        self._config = config
+        self._key_stem = ":".join((self._prefix, namespace_part(config.model_id), record_format_tag(config)))
+        shape = host_form.host_record_shape(config)
+        self._record_bytes = 2 * math.prod(shape) * host_form.host_dtype(config.dtype).itemsize
 
     def put(self, record: BlockRecord) -> list[BlockRecord | bytes]:
         """Queue ``record`` for the server (it is served from the queue until written).
@@ -326,19 +310,8 @@ class RedisTier:
             record.group,
         )
         key = record.key
-        server_key = self._server_key(key, record.salt)
-        with self._lock:
-            previous = self._pending.get(key)
-            freed = previous[1].nbytes if previous is not None else 0
-            if self._queued_bytes - freed + nbytes > self._queue_limit:
-                self._counts["dropped"] += 1
-                return [record]
-            self._pending[key] = (server_key, stored)
-            self._queued_bytes += nbytes - freed
-            if previous is None:
-                self._queue.append(key)
-            self._start_writer()
-            self._lock.notify_all()
+        if not self._writes.offer(key, self._server_key(key, record.salt), stored):
+            return [record]
         self._looked_up.pop(key, None)  # the last lookup's answer is out of date
         self._list(key, record.salt, nbytes)
         return []
@@ -351,10 +324,9 @@ class RedisTier:
             CorruptCacheFileError, IncompatibleCacheFileError: the value is refused (it is
                 deleted from the server).
         """
-        with self._lock:
-            pending = self._pending.get(key)
-        if pending is not None:
-            return pending[1]
+        queued = self._writes.get(key)
+        if queued is not None:
+            return queued
         looked = self._looked_up.get(key)
         salt = looked[0] if looked is not None else self._salt_of(key)
         value = looked[1] if looked is not None else None
@@ -371,10 +343,7 @@ class RedisTier:
     def discard(self, key: bytes, /) -> None:
         """Forget ``key`` here: a queued write of it is cancelled and it is no longer listed;
         the server keeps its record for the fleet (so the last lookup still finds it)."""
-        with self._lock:
-            pending = self._pending.pop(key, None)
-            if pending is not None:
-                self._queued_bytes -= pending[1].nbytes
+        self._writes.cancel(key)
         listed = self._index.pop(key, None)
         if listed is not None:
             self._used_bytes -= listed[1]
@@ -397,13 +366,7 @@ class RedisTier:
         """Forget this object's view: the write queue (not written), the keys it lists and
         the last lookup; the background writer stops and the connections close (the next
         call opens new ones). The server's records stay."""
-        with self._lock:
-            self._forget()
-            self._stopping = True
-            self._lock.notify_all()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(self._deadline_s)  # a write under way ends by itself, within its timeout
+        self._forget()
         for client in self._clients_used():
             try:
                 client.connection_pool.disconnect()  # its sockets go; the next call reconnects
@@ -424,8 +387,7 @@ class RedisTier:
         """
         self._looked_up = {}
         self._last_salt = salt
-        with self._lock:
-            queued = {key for key in keys if key in self._pending}
+        queued = self._writes.held(keys)
         wanted = [key for key in keys if key not in queued]
         self._looked_up = dict.fromkeys(queued, (salt, None))  # held: peek serves them from the queue
         if not wanted:
@@ -452,19 +414,13 @@ class RedisTier:
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until the write queue is empty (written or dropped), at most ``timeout_s``
         seconds; whether it is."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while self._pending or self._doomed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._lock.wait(left)
-        return True
+        return self._writes.flush(timeout_s)
 
     def stats(self) -> RedisTierStats:
         """Its own figures (see :class:`RedisTierStats`)."""
-        with self._lock:
-            return RedisTierStats(len(self._pending), self._queued_bytes, **self._counts)
+        queued, queued_bytes = self._writes.queued
+        writes = self._writes
+        return RedisTierStats(queued, queued_bytes, writes.written, writes.dropped, writes.errors, **self._counts)
 
     def close(self) -> None:
         """:meth:`clear`, then close the client's connections."""
@@ -537,15 +493,11 @@ class RedisTier:
             self._used_bytes -= dropped
 
     def _forget(self) -> None:
-        """Drop the queue, the index and the last lookup (with the lock held)."""
-        self._counts["dropped"] += len(self._pending)
-        self._pending.clear()
-        self._queue.clear()
-        self._queued_bytes = 0
+        """Drop the write queue (its thread stops), the index and the last lookup."""
+        self._writes.clear(self._deadline_s)
         self._index.clear()
         self._used_bytes = 0
         self._looked_up = {}
-        self._lock.notify_all()
 
     def _value_limit(self, salt: bytes | None) -> int:
         """The longest value a record of this pool hashed with ``salt`` can be."""
@@ -556,22 +508,19 @@ class RedisTier:
 
     def _call(self, what: str, call: Any) -> Any:
         """``call()`` against the server, unless the breaker is open; a failure opens it."""
-        if time.monotonic() < self._down_until:
-            with self._lock:
-                self._counts["skipped"] += 1
+        if self._breaker.is_open:
+            self._counts["skipped"] += 1
             raise TierError(
                 f"tier {self._name!r} skipped a read: the server failed less than {self._retry_after_s} s ago"
             )
-        with self._lock:
-            self._counts["lookups"] += 1
+        self._counts["lookups"] += 1
         try:
             return call()
         except Exception as exc:
             timed_out = "Timeout" in type(exc).__name__
-            with self._lock:
-                self._counts["read_errors"] += 1
-                self._counts["timeouts"] += timed_out
-            self._down_until = time.monotonic() + self._retry_after_s
+            self._counts["read_errors"] += 1
+            self._counts["timeouts"] += timed_out
+            self._breaker.trip()
             reason = f"past its deadline of {self._deadline_s} s" if timed_out else f"failed: {exc!r}"
             raise TierError(f"tier {self._name!r} could not {what}: the server {reason}") from exc
 
@@ -600,66 +549,12 @@ class RedisTier:
         return records[0]
 
     def _refuse(self, server_key: bytes) -> None:
-        with self._lock:
-            self._counts["refused"] += 1
-            self._doomed.append(server_key)
-            self._start_writer()
-            self._lock.notify_all()
+        self._counts["refused"] += 1
+        self._writes.doom(server_key)
 
-    # -- the background writer ------------------------------------------------------------
-
-    def _start_writer(self) -> None:
-        """Start the writer thread if it is not running (with the lock held)."""
-        self._stopping = False
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._write_loop, name=f"kvcache-redis-{self._name}", daemon=True)
-            self._thread.start()
-
-    def _write_loop(self) -> None:
-        while True:
-            with self._lock:
-                if not self._queue and not self._doomed and not self._stopping:
-                    self._lock.wait(_IDLE_S)
-                if self._stopping or (not self._queue and not self._doomed):
-                    if self._thread is threading.current_thread():
-                        self._thread = None
-                    self._lock.notify_all()
-                    return
-                batch: list[tuple[bytes, bytes, BlockRecord]] = []
-                while self._queue and len(batch) < WRITE_BATCH:
-                    key = self._queue.popleft()
-                    pending = self._pending.get(key)
-                    if pending is not None:
-                        batch.append((key, *pending))
-                doomed, self._doomed = self._doomed, []
-            self._write(batch, doomed)
-
-    def _write(self, batch: list[tuple[bytes, bytes, BlockRecord]], doomed: list[bytes]) -> None:
-        """Write ``batch`` and delete ``doomed`` in one pipeline; then the batch leaves the
-        queue (written, or dropped when the write failed or the breaker is open)."""
-        config = self._config
-        written = False
-        if config is not None and time.monotonic() >= self._down_until:
-            try:
-                pipe = self._writer.pipeline(transaction=False)
-                for _, server_key, record in batch:
-                    pipe.set(server_key, encode_blocks(config, [record]), px=self._ttl_ms)
-                if doomed:
-                    pipe.delete(*doomed)
-                pipe.execute()
-                written = True
-            except Exception:
-                self._down_until = time.monotonic() + self._retry_after_s
-                with self._lock:
-                    self._counts["write_errors"] += 1
-        with self._lock:
-            for key, _, record in batch:
-                pending = self._pending.get(key)
-                if pending is not None and pending[1] is record:  # not replaced or discarded meanwhile
-                    del self._pending[key]
-                    self._queued_bytes -= record.nbytes
-                    self._counts["written" if written else "dropped"] += 1
-            self._lock.notify_all()
+    def _encode(self, record: BlockRecord) -> bytes:
+        assert self._config is not None, "bind the tier first"
+        return encode_blocks(self._config, [record])
 
 
 def create_redis_tier(max_bytes: int, **options: Any) -> RedisTier:
