@@ -46,7 +46,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -90,7 +90,8 @@ def chat_workload(args: argparse.Namespace) -> list[Prompt]:
         system: list[int] = rng.integers(0, 32_000, 4 * block).tolist()
         system_kv = rng.standard_normal((2, args.layers, len(system), args.kv_heads, args.head_dim)).astype(np.float32)
         for _ in range(args.conversations):
-            tokens, lengths = list(system), []
+            tokens = list(system)
+            lengths: list[int] = []
             for _ in range(args.turns):
                 tokens += rng.integers(0, 32_000, int(rng.integers(2, 5)) * block).tolist()
                 lengths.append(len(tokens))
@@ -159,7 +160,7 @@ def worker_main(connection: Connection, workloads: dict[str, list[Prompt]], args
                 endpoints = (publisher.endpoint, publisher.replay_endpoint)
             connection.send(endpoints)
         elif command[0] == "serve":
-            prompt = prompts[command[1]]
+            prompt: Prompt = prompts[int(command[1])]
             started = time.perf_counter()
             handle = manager.allocate(
                 AllocationRequest("r", len(prompt.tokens), prompt_token_ids=prompt.tokens, cache_salt=prompt.salt)
@@ -281,7 +282,7 @@ def start_redis() -> tuple[subprocess.Popen[bytes], str] | None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    client = redis.Redis(port=port, socket_connect_timeout=0.2)
+    client: Any = redis.Redis(port=port, socket_connect_timeout=0.2)
     deadline = time.monotonic() + 20
     while True:
         try:
@@ -309,7 +310,8 @@ def throughput(args: argparse.Namespace, url: str) -> tuple[float, float, float,
     )  # fmt: skip
     rng = np.random.default_rng(args.seed + 4)
     shape = (args.layers, args.block_size, args.kv_heads, args.head_dim)
-    records, parent = [], namespace_root(config.model_id)
+    records: list[BlockRecord] = []
+    parent = namespace_root(config.model_id)
     for index in range(args.records):
         tokens = tuple(range(index * args.block_size, (index + 1) * args.block_size))
         block_hash = hash_block(parent, tokens, None)
@@ -332,7 +334,7 @@ def throughput(args: argparse.Namespace, url: str) -> tuple[float, float, float,
     get_s = time.perf_counter() - started
     require(all(record is not None for record in got), "the tier lost a record")
     tier.close()
-    client = redis.Redis.from_url(url)
+    client: Any = cast("Any", redis.Redis).from_url(url)
     values = [encode_blocks(config, [record]) for record in records]
     raw_keys = [f"raw{uuid.uuid4().hex[:8]}:{index}" for index in range(len(values))]
     started = time.perf_counter()

@@ -66,6 +66,7 @@ class RedisServer:
     def start(self) -> None:
         """Start it and wait (polling, with a deadline) until it answers ``PING``."""
         import redis
+        from redis.exceptions import RedisError
 
         self.process = subprocess.Popen(
             [
@@ -77,14 +78,14 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5)
+        client: Any = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5)
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
             while True:
                 try:
                     if client.ping():
                         return
-                except redis.exceptions.RedisError:
+                except RedisError:
                     if self.process.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"redis-server on port {self.port} did not start") from None
                     time.sleep(0.01)  # polling for the server to answer, within the deadline

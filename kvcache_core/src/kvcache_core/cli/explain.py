@@ -19,7 +19,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import TextIO
+from typing import Any, Protocol, TextIO, cast
 
 from kvcache_core.contract.config import CacheConfig
 from kvcache_core.errors import InvalidArgumentError
@@ -31,11 +31,18 @@ from kvcache_core.offload.tier_stack import TierChain
 
 __all__ = ["add_explain_parser", "read_prompt", "run_explain"]
 
+
+class _Commands(Protocol):
+    """The ``kvcache`` parser's subcommands (argparse's private ``_SubParsersAction``)."""
+
+    def add_parser(self, name: str, **options: Any) -> argparse.ArgumentParser: ...
+
+
 #: The largest prompt file read.
 MAX_PROMPT_BYTES = 64 << 20
 
 
-def add_explain_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_explain_parser(commands: _Commands) -> None:
     """Add the ``explain`` subcommand to the ``kvcache`` parser."""
     parser = commands.add_parser(
         "explain", help="say where a prompt's prefix is in a fleet's Redis store and why it stops"
@@ -75,9 +82,10 @@ def read_prompt(source: str) -> list[int]:
     stripped = text.strip()
     if stripped.startswith("["):
         listed = parse_json(stripped, what=f"the prompt file {source!r}", error=InvalidArgumentError)
-        if not isinstance(listed, list) or not all(type(token) is int for token in listed):
+        items = cast("list[object]", listed) if isinstance(listed, list) else None
+        if items is None or not all(type(token) is int for token in items):
             raise InvalidArgumentError(f"the prompt file {source!r} must hold a JSON list of integers")
-        return list(listed)
+        return cast("list[int]", items)
     words = [word for word in re.split(r"[\s,]+", stripped) if word]
     if not all(re.fullmatch(r"\d+", word) for word in words):
         bad = next(word for word in words if not re.fullmatch(r"\d+", word))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvcache_core.contract.config import AllocationRequest
 from kvcache_core.offload.redis_tier import namespace_part, record_format_tag
@@ -216,7 +216,7 @@ def _store_hint(
     if index != 0 or not callable(survey) or not callable(exists):
         return None  # the prompt is partly cached: its tail was not
     try:
-        families: dict[str, dict[str, set[str]]] = survey()
+        families = cast("dict[str, dict[str, set[str]]]", survey())
         if salt is not None and exists(config, _chain(config.model_id, prompt, config.block_size, 1, None)[0], None):
             return "other salt", f"the store {tier.name!r} holds the prompt's first block without a salt"
         ours = namespace_part(config.model_id)

@@ -50,7 +50,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import quote
 
 from kvcache_core.contract.scalars import check_count
@@ -251,7 +251,7 @@ class RedisTier:
             }
             settings.update(options)
             try:
-                return redis.Redis.from_url(url, **settings)
+                return cast("Any", redis.Redis).from_url(url, **settings)
             except (ValueError, TypeError) as exc:
                 raise InvalidArgumentError(
                     f"RedisTier cannot connect to {url!r} with {sorted(options)}: {exc}"
