@@ -4,9 +4,13 @@ TestEveryInstalledBackend)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from kvcache_core.testing.tiers import TierCases, TierFactory
+from kvcache_core.discovery import get_backend
+from kvcache_core.testing.backend import BackendUnderTest
+from kvcache_core.testing.tiers import Interrupted, TierCases, TierFactory, run_tier_fault_injection
 from tests.redis_support import RedisServer, fast_tier
 
 
@@ -19,3 +23,19 @@ class TestRedisTierBehindEveryBackend(TierCases):
     @pytest.fixture
     def kvcache_tier_factory(self, redis_server: RedisServer) -> TierFactory:
         return lambda max_bytes, name: fast_tier(redis_server.url, max_bytes, name=name)
+
+
+def test_an_interrupt_at_any_redis_tier_call_of_a_hybrid_pool_leaks_nothing(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    backend = BackendUnderTest("numpy", get_backend("numpy"))
+    report = run_tier_fault_injection(
+        backend,
+        lambda max_bytes, name: fast_tier(redis_server.url, max_bytes, name=name),
+        tmp_path,
+        Interrupted,
+        storage_faults=False,
+        hybrid=True,
+    )
+    assert report.failures == ()
+    assert report.promoted >= 5

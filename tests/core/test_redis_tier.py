@@ -4,6 +4,7 @@ killed or hostile is a counted miss, never a failed request or a leak."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,11 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcache_core import AllocationRequest, create_manager
+from kvcache_core import AllocationRequest, CacheConfig, create_manager
 from kvcache_core.errors import InvalidArgumentError
 from kvcache_core.offload.events import BlockStored, CacheEvent
 from kvcache_core.offload.file_header import parse_container
-from kvcache_core.offload.prefix_file import decode_blocks
+from kvcache_core.offload.prefix_file import decode_blocks, encode_blocks
 from kvcache_core.offload.redis_tier import RedisTier, create_redis_tier, record_format_tag
 from kvcache_core.offload.tiers import OffloadTier
 from kvcache_core.paging.prefix import hash_block, namespace_root
@@ -256,7 +257,18 @@ def test_killing_the_server_mid_run_serves_every_request_and_hits_resume_after_a
     tier.close()
 
 
-@pytest.mark.parametrize("planted", ["garbage", "truncated", "flipped", "too long", "another namespace", "a list"])
+def another_geometry(good: bytes) -> bytes:
+    """A well-formed record of the same hash for a pool of another head size."""
+    other = CacheConfig(num_layers=2, num_heads=2, head_dim=4, num_blocks=4, block_size=4, model_id="fleet-test")
+    source = "planted"
+    (record,) = decode_blocks(parse_container(good, source), good, fleet_config(), Path(source), chained=False)
+    smaller = (record.keys[..., :4].copy(), record.values[..., :4].copy())
+    return encode_blocks(other, [dataclasses.replace(record, keys=smaller[0], values=smaller[1])])
+
+
+@pytest.mark.parametrize(
+    "planted", ["garbage", "truncated", "flipped", "too long", "another namespace", "another geometry", "a list"]
+)
 def test_a_hostile_record_in_the_server_is_refused_counted_and_deleted(redis_server: RedisServer, planted: str) -> None:
     config = fleet_config()
     tier = fast_tier(redis_server.url)
@@ -277,7 +289,7 @@ def test_a_hostile_record_in_the_server_is_refused_counted_and_deleted(redis_ser
                 "flipped": good[:-1] + bytes([good[-1] ^ 0xFF]),
                 "too long": good + b"\x00" * (1 << 20),
                 "another namespace": good.replace(b"fleet-test", b"fleet-tesX"),
-            }[planted]
+            }.get(planted) or another_geometry(good)
             assert len(value) != len(good) or value != good
             client.set(server_key, value)
         tier.clear()
