@@ -14,6 +14,7 @@ import pytest
 from kvcache_core import CacheConfig, create_manager
 from kvcache_core.cli import main
 from kvcache_core.errors import InvalidArgumentError
+from kvcache_core.offload.explain import EvictionLog
 from kvcache_core.offload.tiers import HostTier
 from tests.redis_support import RedisServer, fast_tier, fleet_config, serve_once, unique_prefix
 from tests.redis_support import serve_prompt as serve_in_fleet
@@ -68,6 +69,16 @@ def test_a_prompt_cached_under_another_salt_says_so() -> None:
         explained = manager.explain_prefix(PROMPT, salt="tenant-b")
     assert explained.reason == "other salt"
     assert explained.cached_tokens == 0
+
+
+def test_a_block_the_pool_let_go_is_explained_as_evicted_given_a_log() -> None:
+    log = EvictionLog()
+    with create_manager("numpy", config(num_blocks=4)) as manager:
+        manager.subscribe(log)
+        serve_once(manager, "a", PROMPT)
+        serve_once(manager, "b", tuple(range(100, 114)))  # takes every block: the first prompt's go
+        assert manager.explain_prefix(PROMPT, evicted=log).reason == "evicted"
+        assert manager.explain_prefix(PROMPT).reason == "not cached"
 
 
 def test_explaining_changes_nothing() -> None:

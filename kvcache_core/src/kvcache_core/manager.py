@@ -559,14 +559,21 @@ class PagedKvCacheManager(Generic[ArrayT]):
             return self._tiers.stats()
 
     def explain_prefix(
-        self, prompt_token_ids: Sequence[int], *, salt: str | bytes | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        salt: str | bytes | None = None,
+        evicted: explain.EvictionLog | None = None,
     ) -> explain.PrefixExplanation:
         """Where each full block of a prompt's prefix is (pool, which tier) and why the chain
-        stops (:mod:`kvcache_core.offload.explain`); nothing changes. Raises
-        InvalidArgumentError or InvalidTypeError for bad token ids or salt."""
+        stops (:mod:`kvcache_core.offload.explain`; ``evicted``: an ``EvictionLog`` subscribed
+        to this manager); nothing changes. Raises InvalidArgumentError or InvalidTypeError
+        for bad token ids or salt."""
         with self._lock:
             self._check_open()
-            return explain.explain_prefix(self._config, prompt_token_ids, salt, pool=self._pool, tiers=self._tiers)
+            return explain.explain_prefix(
+                self._config, prompt_token_ids, salt, pool=self._pool, tiers=self._tiers, evicted=evicted
+            )
 
     def _state_of(self, handle: object) -> RequestState[ArrayT]:
         """The state of a resident request's handle of this manager."""

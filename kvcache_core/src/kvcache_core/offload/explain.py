@@ -16,7 +16,9 @@ first block found nowhere, and the reason is the most specific one found:
 * ``"other geometry"``: a shared store holds records of this namespace for another geometry
   or dtype only.
 * ``"other namespace"``: a shared store holds records of other namespaces (``model_id``) only.
-* ``"not cached"``: nothing above: never computed here, or evicted since.
+* ``"evicted"``: the pool held the block and let it go (known when an :class:`EvictionLog`
+  subscribed to the manager is given).
+* ``"not cached"``: nothing above: never computed here (or evicted, without a log).
 
 Looking never changes what is cached (no recency is touched, nothing is promoted).
 """
@@ -24,11 +26,14 @@ Looking never changes what is cached (no recency is touched, nothing is promoted
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvcache_core.contract.config import AllocationRequest
+from kvcache_core.contract.scalars import check_count
+from kvcache_core.offload.events import POOL_MEDIUM, BlockRemoved, BlockStored, CacheEvent
 from kvcache_core.offload.redis_tier import namespace_part, record_format_tag
 from kvcache_core.paging.prefix import PrefixEntry, hash_block, namespace_root
 
@@ -37,7 +42,7 @@ if TYPE_CHECKING:
     from kvcache_core.offload.tier_stack import TierChain
     from kvcache_core.paging.block_pool import BlockPool
 
-__all__ = ["REASONS", "BlockPlace", "PrefixExplanation", "explain_prefix"]
+__all__ = ["REASONS", "BlockPlace", "EvictionLog", "PrefixExplanation", "explain_prefix"]
 
 #: Every reason a chain stops, most specific first (see the module docstring).
 REASONS = (
@@ -47,6 +52,7 @@ REASONS = (
     "block size mismatch",
     "other geometry",
     "other namespace",
+    "evicted",
     "not cached",
 )
 #: The block sizes tried when a shared store holds records of another geometry.
@@ -99,6 +105,34 @@ class PrefixExplanation:
         return "\n".join(lines)
 
 
+class EvictionLog:
+    """The last ``capacity`` hashes the pool let go and holds no more: subscribe it to a
+    manager (``manager.subscribe(log)``) and give it to ``explain_prefix(..., evicted=log)``
+    to tell an evicted block from one never computed.
+
+    Raises:
+        InvalidArgumentError: ``capacity`` below 1.
+    """
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self._capacity = check_count(capacity, "capacity", 1)
+        self._hashes: OrderedDict[bytes, None] = OrderedDict()
+
+    def __call__(self, event: CacheEvent) -> None:
+        if isinstance(event, BlockRemoved) and event.medium == POOL_MEDIUM:
+            for block_hash in event.block_hashes:
+                self._hashes[block_hash] = None
+                self._hashes.move_to_end(block_hash)
+            while len(self._hashes) > self._capacity:
+                self._hashes.popitem(last=False)
+        elif isinstance(event, BlockStored) and event.medium == POOL_MEDIUM:
+            for block_hash in event.block_hashes:
+                self._hashes.pop(block_hash, None)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._hashes
+
+
 def explain_prefix(
     config: CacheConfig,
     prompt_token_ids: Sequence[int],
@@ -106,9 +140,11 @@ def explain_prefix(
     *,
     pool: BlockPool | None,
     tiers: TierChain,
+    evicted: EvictionLog | None = None,
 ) -> PrefixExplanation:
     """Where ``prompt_token_ids``' prefix is in ``pool`` and ``tiers`` and why it stops
-    (see the module docstring). Call with the manager's lock held.
+    (see the module docstring; ``evicted`` tells the blocks the pool let go). Call with the
+    manager's lock held.
 
     Raises:
         InvalidArgumentError, InvalidTypeError: bad token ids or salt (as ``AllocationRequest``).
@@ -145,6 +181,8 @@ def explain_prefix(
         reason, detail = "end of prompt", f"{left} tokens left, a block holds {block_size}; the last is always computed"
     elif collision:
         reason, detail = "hash collision", f"the pool holds block {found}'s hash for other tokens"
+    elif evicted is not None and hashes[found] in evicted:
+        reason, detail = "evicted", f"the pool held block {found} and let it go; no tier took it"
     else:
         reason, detail = _why_missing(config, prompt, salt_bytes, found, pool, tiers)
     return PrefixExplanation(tuple(places), found * block_size, block_size, len(prompt), reason, detail)
