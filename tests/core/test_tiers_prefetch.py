@@ -40,7 +40,7 @@ def test_a_prompt_is_told_once_in_order_with_its_salt() -> None:
     tier.looked.clear()
     assert admit(manager, "b", prompt, cache_salt="tenant").num_cached_tokens() == 3 * BLOCK
     parent = namespace_root(manager.config.model_id)
-    expected = []
+    expected: list[bytes] = []
     for index in range(3):
         parent = hash_block(parent, prompt[index * BLOCK : (index + 1) * BLOCK], b"tenant")
         expected.append(record_key(parent, 0))
