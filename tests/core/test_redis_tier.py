@@ -96,6 +96,25 @@ def test_a_namespace_keeps_models_apart(redis_server: RedisServer) -> None:
     assert shared_then_served(redis_server.url, (None, "model-a"), (None, "model-a")) == 12
 
 
+def test_a_record_another_member_rewrote_is_served(redis_server: RedisServer) -> None:
+    config = fleet_config()
+    tier = fast_tier(redis_server.url)
+    client = redis_server.client()
+    with create_manager("numpy", config, tiers=[tier]) as manager:
+        serve(manager, "a", PROMPT)
+        demoted(manager, tier)
+        for key in tier.hashes():  # another member computed the same blocks, a little differently
+            server_key = tier.server_key(key, None)
+            value = client.get(server_key)
+            (record,) = decode_blocks(parse_container(value, "v"), value, config, Path("v"), chained=False)
+            other = dataclasses.replace(record, values=record.values + np.float32(1e-3))
+            client.set(server_key, encode_blocks(config, [other]))
+        tier.clear()
+        assert serve(manager, "b", PROMPT) == 12
+        assert manager.tier_stats()[0].errors == 0
+    tier.close()
+
+
 def test_keys_carry_the_namespace_format_salt_hash_and_group(redis_server: RedisServer) -> None:
     config = fleet_config("ns/1")
     tier = fast_tier(redis_server.url)
