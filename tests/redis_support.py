@@ -63,8 +63,19 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
-        """Start it and wait (polling, with a deadline) until it answers ``PING``."""
+    def start(self, *, attempts: int = 1) -> None:
+        """Start it and wait (polling, with a deadline) until it answers ``PING``; with
+        ``attempts`` > 1, a port another process took meanwhile is replaced by a new one."""
+        for attempt in range(attempts):
+            try:
+                self._start_once()
+                return
+            except RuntimeError:
+                if attempt + 1 == attempts:
+                    raise
+                self.port = free_port()
+
+    def _start_once(self) -> None:
         import redis
         from redis.exceptions import RedisError
 
@@ -87,6 +98,7 @@ class RedisServer:
                         return
                 except RedisError:
                     if self.process.poll() is not None or time.monotonic() > deadline:
+                        self.kill()
                         raise RuntimeError(f"redis-server on port {self.port} did not start") from None
                     time.sleep(0.01)  # polling for the server to answer, within the deadline
         finally:
@@ -121,7 +133,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     """One server per test session (per xdist worker: each its own port); tests keep apart
     by their own key prefix (:func:`unique_prefix`). Never kill it: use ``own_redis_server``."""
     server = RedisServer(redis_binary(), tmp_path_factory.mktemp("redis"))
-    server.start()
+    server.start(attempts=5)
     yield server
     server.kill()
 
@@ -130,7 +142,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 def own_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A server for one test, which it may kill, restart or pause."""
     server = RedisServer(redis_binary(), tmp_path)
-    server.start()
+    server.start(attempts=5)
     yield server
     server.kill()
 
