@@ -1,0 +1,158 @@
+"""The state pool's slots: one per live resident request of a pool with state layers.
+
+:class:`StateSlots` owns the backend's :class:`~kvcache_core.contract.states.StateStorage`
+and the free list of its slots. Taking a slot fills it first (zeros for a new request, the
+parent's states for a fork, host copies for a swap-in) and marks it taken only once the
+storage call returned, so a storage that raises leaves every slot as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.states import STATE_LAYERS, StateStorage
+from kvcache_core.errors import InvalidArgumentError, LayerIndexError, OutOfStateSlotsError, UnsupportedConfigError
+
+__all__ = ["StateSlots"]
+
+
+def _one(slot: int) -> npt.NDArray[np.int64]:
+    return np.array([slot], dtype=np.int64)
+
+
+class StateSlots:
+    """The slots of a pool's state arrays (manager internals, under its lock).
+
+    Attributes:
+        storage: the backend's state pool, ``None`` without state layers.
+        num_slots: slots in the pool (0 without state layers).
+        failures: operations refused for want of a free slot.
+    """
+
+    def __init__(self, config: CacheConfig, storage: object, backend: str = "custom") -> None:
+        self.config = config
+        self.num_slots = config.num_state_slots
+        self.storage: StateStorage[Any] | None = None
+        self._index = {(layer, array.name): index for index, (layer, array) in enumerate(config.state_arrays)}
+        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() takes the lowest
+        self.taken: set[int] = set()
+        self.failures = 0
+        if not config.state_arrays:
+            return
+        if config.enable_prefix_caching:
+            raise UnsupportedConfigError(
+                "CacheConfig.enable_prefix_caching with recurrent-state layers: a prefix hit would skip tokens "
+                "whose states are not kept (state checkpoints are not served); disable prefix caching"
+            )
+        factory = getattr(storage, "state_storage", None)
+        if not callable(factory):
+            raise UnsupportedConfigError(
+                f"the {backend!r} storage ({type(storage).__name__}) does not serve {STATE_LAYERS!r}: its config has "
+                f"{len({layer for layer, _ in config.state_arrays})} recurrent-state layers and the storage has no "
+                "state_storage(arrays, num_slots); use a backend that claims the capability (numpy, torch, jax)"
+            )
+        arrays = tuple(array for _, array in config.state_arrays)
+        self.storage = factory(arrays, self.num_slots)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the pool has state layers."""
+        return self.storage is not None
+
+    def available(self) -> int:
+        """Free slots."""
+        return len(self._free)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the whole state pool."""
+        return self.num_slots * self.config.state_bytes_per_slot
+
+    def shortage(self, what: str) -> OutOfStateSlotsError:
+        """Count a refusal; the error of an operation that needs a slot when none is free."""
+        self.failures += 1
+        return OutOfStateSlotsError(
+            f"{what}: every one of the {self.num_slots} state slots is taken (one per live request of a pool "
+            "with recurrent-state layers; CacheConfig.state_slots sets how many)"
+        )
+
+    def take(self, what: str) -> int:
+        """A free slot, zero-filled (a new request's states start from zeros).
+
+        Raises:
+            OutOfStateSlotsError: none is free.
+        """
+        slot = self._peek(what)
+        assert self.storage is not None
+        self.storage.zero(_one(slot))
+        return self._mark(slot)
+
+    def take_copy(self, source: int, what: str) -> int:
+        """A free slot holding a copy of ``source``'s states (fork).
+
+        Raises:
+            OutOfStateSlotsError: none is free.
+        """
+        slot = self._peek(what)
+        assert self.storage is not None
+        self.storage.copy(_one(source), _one(slot))
+        return self._mark(slot)
+
+    def take_from_host(self, arrays: Sequence[npt.NDArray[Any]], what: str) -> int:
+        """A free slot holding ``arrays`` (a swapped-out request's host copies).
+
+        Raises:
+            OutOfStateSlotsError: none is free.
+        """
+        slot = self._peek(what)
+        assert self.storage is not None
+        self.storage.from_host(_one(slot), arrays)
+        return self._mark(slot)
+
+    def to_host(self, slot: int) -> tuple[npt.NDArray[Any], ...]:
+        """Host copies of a slot's states, ``[1, *shape]`` per array."""
+        assert self.storage is not None
+        return tuple(self.storage.to_host(_one(slot)))
+
+    def give(self, slot: int) -> None:
+        """Give a taken slot back (``-1``: none, ignored)."""
+        if slot >= 0:
+            self.taken.remove(slot)
+            self._free.append(slot)
+
+    def index(self, layer: object, name: object) -> int:
+        """The state pool's array of ``layer``'s state array ``name``.
+
+        Raises:
+            LayerIndexError: ``layer`` out of range or not a state layer.
+            InvalidArgumentError: the layer has no array ``name`` (the message lists them).
+        """
+        index = self.config.check_layer(layer)
+        state = self.config.layer_spec(index).state
+        if state is None:
+            raise LayerIndexError(
+                f"layer {index} keeps K/V, not a recurrent state: state layers are "
+                f"{sorted({layer for layer, _ in self.config.state_arrays})}"
+            )
+        found = self._index.get((index, name)) if isinstance(name, str) else None
+        if found is None:
+            raise InvalidArgumentError(
+                f"layer {index} has no state array {name!r}; its arrays: {', '.join(state.names())}"
+            )
+        return found
+
+    def _peek(self, what: str) -> int:
+        if not self._free:
+            raise self.shortage(what)
+        return self._free[-1]
+
+    def _mark(self, slot: int) -> int:
+        popped = self._free.pop()
+        assert popped == slot
+        self.taken.add(slot)
+        return slot
