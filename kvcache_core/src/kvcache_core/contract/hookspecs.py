@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 import pluggy
 
 from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.states import STATE_LAYERS
 from kvcache_core.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ __all__ = [
     "IMMUTABLE_ARRAYS",
     "POLICY_CAPABILITIES",
     "PROJECT_NAME",
+    "STATE_LAYERS",
     "BackendHookSpecs",
     "BackendSpec",
     "hookimpl",

@@ -8,17 +8,26 @@ storage call returned, so a storage that raises leaves every slot as it was.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.states import STATE_LAYERS, StateStorage
-from kvcache_core.errors import InvalidArgumentError, LayerIndexError, OutOfStateSlotsError, UnsupportedConfigError
+from kvcache_core.errors import (
+    InvalidArgumentError,
+    InvariantError,
+    LayerIndexError,
+    OutOfStateSlotsError,
+    UnsupportedConfigError,
+)
 
-__all__ = ["StateSlots"]
+if TYPE_CHECKING:
+    from kvcache_core.paging.request_state import RequestState
+
+__all__ = ["StateSlots", "check_state_slots"]
 
 
 def _one(slot: int) -> npt.NDArray[np.int64]:
@@ -156,3 +165,35 @@ class StateSlots:
         assert popped == slot
         self.taken.add(slot)
         return slot
+
+
+def check_state_slots(states: StateSlots, requests: Mapping[str, RequestState[Any]]) -> None:
+    """Each resident request of a pool with state layers holds a slot of its own, each
+    swapped-out one host copies and no slot, and the taken slots are exactly theirs.
+
+    Raises:
+        InvariantError: naming the first inconsistency found.
+    """
+    held: dict[int, str] = {}
+    for state in requests.values():
+        swapped = state.swap is not None
+        if not states.enabled:
+            if state.state_slot != -1 or state.state_host is not None:
+                raise InvariantError(f"request {state.request_id!r} holds a state slot in a pool without state layers")
+            continue
+        if swapped != (state.state_slot == -1) or swapped != (state.state_host is not None):
+            raise InvariantError(
+                f"request {state.request_id!r} (swapped out: {swapped}) holds state slot {state.state_slot} and "
+                f"{'host copies' if state.state_host is not None else 'no host copies'}"
+            )
+        if not swapped:
+            if state.state_slot in held:
+                raise InvariantError(
+                    f"state slot {state.state_slot} is held by {held[state.state_slot]!r} and {state.request_id!r}"
+                )
+            held[state.state_slot] = state.request_id
+    if set(held) != states.taken or len(states.taken) + states.available() != states.num_slots:
+        raise InvariantError(
+            f"state slots taken {sorted(states.taken)} are not those the resident requests hold {sorted(held)}, "
+            f"or taken + free != {states.num_slots}"
+        )
