@@ -34,6 +34,7 @@ from kvcache_torch.hf.model_config import (
 )
 from kvcache_torch.hf.padding import left_padded_lengths, real_tokens, token_major
 from kvcache_torch.hf.rows import BatchRows, release_requests
+from kvcache_torch.hf.state_layers import StateBridge
 
 __all__ = ["PagedCache"]
 
@@ -99,8 +100,15 @@ class PagedCache(Cache):
         text = text_config(config)
         if attention_implementation(text) == ATTN_IMPLEMENTATION:
             refuse_unless_interface(text)
-        self._layer_specs = layer_specs(config)  # refuses linear-attention, state-space layers
+        self._layer_specs = layer_specs(config)  # refuses layers of kinds it cannot hold
         for layer, spec in enumerate(self._layer_specs):
+            if (spec.kind == "state") != (pool.layer_spec(layer).kind == "state"):
+                raise UnsupportedConfigError(
+                    f"layer {layer} is a {spec.kind} layer of the model and a {pool.layer_spec(layer).kind} layer of "
+                    "the pool; build the pool with cache_config_for(model, ...)"
+                )
+            if spec.kind == "state":
+                continue
             kept = pool.kv_groups[pool.layer_place(layer)[0]].window
             if not group_serves_layer(kept, spec):
                 raise UnsupportedConfigError(
@@ -118,7 +126,10 @@ class PagedCache(Cache):
         self._max_sequence_length = max_sequence_length
         self._num_layers = layers
         self._rows = BatchRows(manager, max_sequence_length)
-        self._progress = LayerProgress(layers)
+        states = {layer: spec.state for layer in range(layers) if (spec := pool.layer_spec(layer)).state is not None}
+        self._attention_layers = layers - len(states)
+        self._progress = LayerProgress(layers, self._attention_layers)
+        self._states = StateBridge(manager, states, self._rows.handles, self._allocate_rows) if states else None
         self._mode: Mode | None = None
         self._finalizer = weakref.finalize(self, release_requests, manager, self._rows.request_ids)
 
@@ -164,13 +175,23 @@ class PagedCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        """``True``: :meth:`crop` restores the state before the removed positions."""
-        return True
+        """``True`` (:meth:`crop` restores the state before the removed positions) unless
+        the model has recurrent-state layers, which keep no earlier states."""
+        return self._states is None
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """Per layer, whether it keeps a recurrent state (and no K/V)."""
+        states = self._states
+        return [states is not None and states.is_state_layer(layer) for layer in range(self._num_layers)]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Positions cached for ``layer_idx`` (padding columns included, as transformers counts)."""
+        """Positions cached for ``layer_idx`` (padding columns included, as transformers
+        counts); a state layer answers for the first attention layer."""
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self._num_layers:
             return 0
+        if self._states is not None and self._states.is_state_layer(layer_idx):
+            layer_idx = next((i for i in range(self._num_layers) if not self._states.is_state_layer(i)), layer_idx)
         return self._progress.lengths[layer_idx]
 
     def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
@@ -195,6 +216,49 @@ class PagedCache(Cache):
             f"PagedCache(rows={len(self._rows)}, positions={self._rows.positions}, "
             f"tokens={sum(self.request_lengths())}, mode={self._mode}, manager={self._manager!r})"
         )
+
+    # -- recurrent-state layers (transformers' linear-attention cache calls) --------------
+
+    def _bridge(self) -> StateBridge:
+        if self._states is None:
+            raise UnsupportedConfigError("the model's layers keep K/V only: it has no recurrent state")
+        return self._states
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The batch's conv state of a state layer, ``None`` before the first forward."""
+        return self._bridge().get_conv_state(layer_idx, state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The batch's recurrent state of a state layer, ``None`` before the first forward."""
+        return self._bridge().get_recurrent_state(layer_idx, state_idx)
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        """Keep the state layer's new conv inputs (see :class:`StateBridge`)."""
+        kernel: int | None = kwargs.get("conv_kernel_size")
+        return self._bridge().update_conv_state(conv_states, layer_idx, state_idx, kernel)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        """Keep the state layer's new recurrent state."""
+        return self._bridge().update_recurrent_state(recurrent_states, layer_idx, state_idx)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether the state layer (by default the last) holds a state from an earlier forward."""
+        bridge = self._bridge()
+        if layer_idx is None:
+            layer_idx = max(layer for layer in range(self._num_layers) if bridge.is_state_layer(layer))
+        return bridge.previous.get(layer_idx, False)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """``False``: state layers keep no past states to roll back to."""
+        return False
+
+    def _allocate_rows(self, batch: int) -> None:
+        """A first forward whose state layers come first: its ``batch`` rows, no tokens yet."""
+        self._rows.begin([0] * batch, None, 0)
 
     # -- prefix caching ----------------------------------------------------------------
 
@@ -240,6 +304,8 @@ class PagedCache(Cache):
         """Deallocate every row's request: its blocks return to the pool. The cache is then
         empty and can serve a new batch."""
         drop_handoff(self)  # a forward that failed half-way
+        if self._states is not None:
+            self._states.reset()
         self._rows.release()
         self._progress.reset(0)
         self._mode = None
@@ -414,6 +480,8 @@ class PagedCache(Cache):
         self._progress.check_complete()
         if sources == list(range(len(self._rows))):
             return
+        if self._states is not None:
+            self._states.flush()  # a fork copies the slots: they must hold the latest states
         self._rows.remap(sources)
         self._progress.step = None
 
@@ -485,7 +553,7 @@ class PagedCache(Cache):
         if step is None or step.awaiting is None:
             return
         same_forward = layer not in step.updated
-        if not same_forward and (step.layers_done or len(step.updated) != self._num_layers):
+        if not same_forward and (step.layers_done or len(step.updated) != self._attention_layers):
             return  # an interrupted forward, not a pattern: joining the step decides
         awaiting = step.awaiting
         self._abandon_step(step)

@@ -17,6 +17,7 @@ from kvcache_core.errors import InvalidTypeError
 from kvcache_core.plugin import DTYPE_SIZES, QUANTIZED_DTYPES
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.guard import refuse_unless_interface
+from kvcache_torch.hf.state_layers import STATE_LAYER_TYPES, layer_types, state_specs
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -87,6 +88,9 @@ def geometry(config: PretrainedConfig) -> tuple[int, int, int]:
     """
     text = text_config(config)
     layers = int(text.num_hidden_layers)
+    types = layer_types(text, layers)
+    if types is not None and set(types) <= STATE_LAYER_TYPES:
+        return layers, 1, 1  # no attention layer: the pool's K/V are one head of one feature
     query_heads = _one_per_model(text.num_attention_heads, "query head counts") or 1
     head_dim = _one_per_model(getattr(text, "head_dim", None), "head sizes")
     return layers, _kv_heads(text), int(text.hidden_size) // query_heads if head_dim is None else head_dim
@@ -97,31 +101,36 @@ def _positive_or_none(value: object) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def layer_specs(config: PretrainedConfig) -> tuple[LayerSpec, ...]:
+def layer_specs(config: PretrainedConfig, state_dtype: str = "float32") -> tuple[LayerSpec, ...]:
     """Each layer's :class:`~kvcache_core.LayerSpec` (full, a sliding window or a chunk), from
     ``layer_types``, ``sliding_window`` and ``attention_chunk_size`` (a model without
-    ``layer_types`` and with a ``sliding_window``, as Mistral, slides in every layer).
+    ``layer_types`` and with a ``sliding_window``, as Mistral, slides in every layer); a
+    recurrent-state layer's state (:mod:`kvcache_torch.hf.state_layers`, conv states in
+    ``state_dtype``).
 
     Raises:
         UnsupportedConfigError: a layer type other than full, sliding or chunked attention
-            (linear attention, state-space layers, ...), named in the message.
+            or a state layer of a known family, named in the message.
     """
     text = text_config(config)
     layers = int(text.num_hidden_layers)
+    states = state_specs(text, layers, state_dtype)
     window = _positive_or_none(getattr(text, "sliding_window", None))
     chunk = _positive_or_none(getattr(text, "attention_chunk_size", None))
     types: Sequence[str] | None = getattr(text, "layer_types", None)
     if types is None:
         types = ["sliding_attention" if window is not None else "full_attention"] * layers
-    other = sorted(set(types) - _ATTENTION_LAYER_TYPES)
+    other = sorted(set(types) - _ATTENTION_LAYER_TYPES - (STATE_LAYER_TYPES if states else frozenset()))
     if other:
         raise UnsupportedConfigError(
             f"the model has layers of type {', '.join(repr(name) for name in other)}, which keep no paged K/V; "
             f"kvcache serves {sorted(_ATTENTION_LAYER_TYPES)} layers"
         )
     specs: list[LayerSpec] = []
-    for layer_type in types:
-        if layer_type == "sliding_attention" and window is not None:
+    for index, layer_type in enumerate(types):
+        if index in states:
+            specs.append(LayerSpec(state=states[index]))
+        elif layer_type == "sliding_attention" and window is not None:
             specs.append(LayerSpec(window=window))
         elif layer_type == "chunked_attention" and chunk is not None:
             specs.append(LayerSpec(chunk=chunk))
@@ -158,6 +167,7 @@ def cache_config_for(
     device: str | torch.device | None = None,
     model_id: str | None = None,
     hybrid: bool = True,
+    state_slots: int | None = None,
 ) -> CacheConfig:
     """The :class:`~kvcache_core.CacheConfig` of a pool for this model.
 
@@ -184,6 +194,9 @@ def cache_config_for(
             memory). ``False``: one group keeping every block of every layer, which the
             contiguous path (``attn_implementation`` other than ``"kvcache_paged"``,
             reading whole K/V back) needs.
+        state_slots: with recurrent-state layers (Mamba, Mamba2, gated DeltaNet, short
+            convolutions), the requests (batch rows) whose states the pool holds at once;
+            ``None``: ``CacheConfig``'s default.
 
     Raises:
         InvalidArgumentError: neither or both of ``num_blocks`` and ``max_tokens``, or a
@@ -227,7 +240,8 @@ def cache_config_for(
     # A quantized pool computes in the model's dtype.
     compute_dtype = _pool_dtype_name(model_dtype or configured) if dtype in QUANTIZED_DTYPES else None
     layers, kv_heads, head_dim = geometry(config)
-    specs = layer_specs(config)  # refuses layers that are not attention layers
+    state_dtype = str(compute_dtype or dtype)
+    specs = layer_specs(config, state_dtype)  # refuses layers it cannot hold
     text = text_config(config)
     if attention_implementation(text) == ATTN_IMPLEMENTATION:
         refuse_unless_interface(text, None if isinstance(model, PretrainedConfig) else model)
@@ -244,7 +258,10 @@ def cache_config_for(
         device="cpu" if device is None else str(device),
         model_id=model_fingerprint(config, str(dtype)) if model_id is None else model_id,
         compute_dtype=compute_dtype,
-        layer_specs=specs if hybrid and any(spec.kind != "full" for spec in specs) else None,
+        layer_specs=specs
+        if any(spec.kind == "state" for spec in specs) or (hybrid and any(spec.kind != "full" for spec in specs))
+        else None,
+        state_slots=state_slots,
     )
 
 
