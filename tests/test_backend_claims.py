@@ -52,7 +52,7 @@ CLAIMS = {
     "jax": Claim(
         "kvcache_jax.plugin",
         "kvcache_jax.storage:JaxStorage",
-        POLICIES | ATTENTION | {"immutable_arrays"},
+        POLICIES | ATTENTION | {"immutable_arrays", "state_layers"},
         ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn"),
         ("cpu", "cuda", "gpu", "rocm", "tpu"),
     ),
