@@ -77,13 +77,13 @@ def test_state_layers_form_no_kv_group_and_the_storage_holds_the_attention_layer
     assert [group.layers for group in config.kv_groups] == [(1, 3)]
     assert config.storage_config().num_layers == 2
     assert config.storage_config().state_slots is None
-    assert [(layer, array.name) for layer, array in config.state_arrays] == [
+    assert [(layer, array.name) for layer, array in config.states.arrays] == [
         (0, "conv"),
         (0, "recurrent"),
         (2, "conv"),
         (2, "recurrent"),
     ]
-    assert config.state_bytes_per_slot == 2 * (6 * 3 * 4 + 2 * 3 * 4 * 8)
+    assert config.states.bytes_per_slot == 2 * (6 * 3 * 4 + 2 * 3 * 4 * 8)
     assert config.bytes_per_token == 2 * 2 * 2 * 8 * 4  # two attention layers, K and V
 
 
@@ -99,8 +99,8 @@ def test_state_slots_without_state_layers_are_refused() -> None:
 
 
 def test_state_slots_default_to_a_few_per_pool() -> None:
-    assert hybrid_config(state_slots=None).num_state_slots == 16
-    assert hybrid_config(state_slots=None, num_blocks=100).num_state_slots == 32
+    assert hybrid_config(state_slots=None).states.num_slots == 16
+    assert hybrid_config(state_slots=None, num_blocks=100).states.num_slots == 32
 
 
 def test_a_kv_call_on_a_state_layer_is_refused_by_name() -> None:
@@ -135,7 +135,7 @@ def test_stats_count_the_state_pool_and_the_slots_held() -> None:
     empty = manager.stats()
     handle = manager.allocate(AllocationRequest("a", initial_tokens=4))
     stats = manager.stats()
-    per_slot = config.state_bytes_per_slot
+    per_slot = config.states.bytes_per_slot
     assert empty.total_memory_bytes == config.num_blocks * config.bytes_per_block + 4 * per_slot
     assert (stats.state_slots, stats.used_state_slots, stats.state_memory_bytes) == (4, 1, 4 * per_slot)
     assert stats.used_memory_bytes == config.bytes_per_block + per_slot

@@ -232,8 +232,8 @@ def test_the_pool_holds_one_state_per_row_beside_the_attention_blocks() -> None:
     model = model_under_test("bamba", "paged")
     config = cache_config_for(model, num_blocks=64, block_size=4, state_slots=4)
     assert [group.layers for group in config.kv_groups] == [(1, 3)]
-    assert [layer for layer, array in config.state_arrays if array.name == "conv"] == [0, 2]
-    shapes = {array.name: array.shape for layer, array in config.state_arrays if layer == 0}
+    assert [layer for layer, array in config.states.arrays if array.name == "conv"] == [0, 2]
+    shapes = {array.name: array.shape for layer, array in config.states.arrays if layer == 0}
     assert shapes == {"conv": (2 * 64 + 2 * 2 * 16, 4), "recurrent": (8, 16, 16)}
 
 

@@ -312,7 +312,7 @@ class DataPath(Generic[ArrayT]):
         """
         states = self._pool.states
         index = states.index(layer, name)
-        array = self.config.state_arrays[index][1]
+        array = self.config.states.arrays[index][1]
         shape, dtype = self._checks.array_info(f"state {name!r}", values)
         expected = (int(slots.shape[0]), *array.shape)
         if shape != expected:

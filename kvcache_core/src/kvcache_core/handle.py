@@ -155,7 +155,7 @@ class PagedKvCacheHandle(Generic[ArrayT]):
             blocks = sum(table.num_blocks() for table in state.tables)
             tokens = sum(table.held_tokens() for table in state.tables)
             capacity = blocks * state.config.block_size
-            states = state.config.state_bytes_per_slot if state.state_slot >= 0 else 0
+            states = state.config.states.bytes_per_slot if state.state_slot >= 0 else 0
             return CacheHandleStats(
                 memory_bytes=blocks * state.config.bytes_per_block + states,
                 blocks_allocated=blocks,

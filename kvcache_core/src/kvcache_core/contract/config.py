@@ -24,7 +24,7 @@ from kvcache_core.contract.scalars import (
     check_real,
     shown,
 )
-from kvcache_core.contract.states import StateArray, check_state_slots, flat_state_arrays
+from kvcache_core.contract.states import StatePool, not_kv_layer
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerIndexError
 
 __all__ = [
@@ -173,10 +173,8 @@ class CacheConfig:
             ``FLOAT32_TINY`` to :data:`MAX_KV_SCALE` (backends decode in float32); only for
             ``dtype="float8_e4m3fn"``. ``None``: each scale tracks the running maximum (see
             :mod:`kvcache_core.contract.quantization`). Stored as nested tuples of floats.
-        state_slots: with state layers (``LayerSpec(state=...)``), the requests the state pool
-            holds at once (each live request takes one slot; see
-            :mod:`kvcache_core.contract.states`), ``None`` for ``min(num_blocks, 32)``;
-            :attr:`num_state_slots` is the resolved count.
+        state_slots: with state layers (``LayerSpec(state=...)``), requests the state pool holds
+            at once (:mod:`kvcache_core.contract.states`); ``None``: ``min(num_blocks, 32)``.
 
     Every field is stored as a plain Python value (NumPy integers, floats and strings
     are accepted and converted; a bool is refused where a number is meant). Counts and
@@ -208,8 +206,7 @@ class CacheConfig:
     _groups: tuple[KvGroup, ...] = field(default=(), init=False, repr=False, compare=False)
     _slots: tuple[tuple[int, int], ...] = field(default=(), init=False, repr=False, compare=False)
     _specs: tuple[LayerSpec, ...] = field(default=(), init=False, repr=False, compare=False)
-    _states: tuple[tuple[int, StateArray], ...] = field(default=(), init=False, repr=False, compare=False)
-    _state_slots: int = field(default=0, init=False, repr=False, compare=False)
+    _states: StatePool = field(default=StatePool(), init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -317,11 +314,8 @@ class CacheConfig:
         object.__setattr__(self, "_groups", groups)
         object.__setattr__(self, "_slots", layer_slot(groups, self.num_layers))
         object.__setattr__(self, "_specs", specs or (LayerSpec(window=self.sliding_window),) * self.num_layers)
-        object.__setattr__(self, "_states", flat_state_arrays(self._specs))
-        resolved = check_state_slots(self.state_slots, bool(self._states), self.num_blocks)
-        object.__setattr__(self, "_state_slots", resolved)
-        if self.state_slots is not None:
-            object.__setattr__(self, "state_slots", resolved)
+        object.__setattr__(self, "_states", StatePool.of(self._specs, self.state_slots, self.num_blocks))
+        object.__setattr__(self, "state_slots", None if self.state_slots is None else self._states.num_slots)
 
     @property
     def kv_groups(self) -> tuple[KvGroup, ...]:
@@ -335,25 +329,13 @@ class CacheConfig:
 
     @property
     def pool_layers(self) -> int:
-        """Layers the storage holds per block: every layer, or a group's layers (one when
-        every layer keeps a recurrent state: a storage holds at least one layer)."""
+        """Layers the storage holds per block: every layer, or a group's layers (at least one)."""
         return max(1, len(self._groups[0].layers))
 
     @property
-    def state_arrays(self) -> tuple[tuple[int, StateArray], ...]:
-        """``(model layer, array)`` of every state array, the state pool's arrays in order
-        (empty without state layers)."""
+    def states(self) -> StatePool:
+        """The state pool: its arrays, slots and bytes per slot (empty without state layers)."""
         return self._states
-
-    @property
-    def num_state_slots(self) -> int:
-        """Requests the state pool holds at once (0 without state layers)."""
-        return self._state_slots
-
-    @property
-    def state_bytes_per_slot(self) -> int:
-        """Bytes of one request's state, every state layer and array."""
-        return sum(array.nbytes for _, array in self._states)
 
     def layer_spec(self, layer: int) -> LayerSpec:
         """The attention spec of a (checked) layer."""
@@ -367,13 +349,9 @@ class CacheConfig:
                 (it keeps no K/V).
         """
         index = self.check_layer(layer)
-        place = self._slots[index]
-        if place[0] < 0:
-            names = ", ".join(self._specs[index].state.names())  # type: ignore[union-attr]
-            raise LayerIndexError(
-                f"layer {index} keeps a recurrent state ({names}), not K/V: read and write it with "
-                "step.state / step.write_state"
-            )
+        place, state = self._slots[index], self._specs[index].state
+        if state is not None:
+            raise not_kv_layer(index, state)
         return place
 
     def storage_config(self) -> CacheConfig:

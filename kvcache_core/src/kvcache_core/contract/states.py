@@ -26,12 +26,19 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract.scalars import INT32_MAX, as_integer, shown
-from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, InvalidConfigError, ShapeMismatchError
+from kvcache_core.errors import (
+    ArrayTypeError,
+    DTypeMismatchError,
+    InvalidConfigError,
+    LayerIndexError,
+    ShapeMismatchError,
+)
 
 __all__ = [
     "STATE_DTYPES",
     "STATE_LAYERS",
     "StateArray",
+    "StatePool",
     "StateSpec",
     "StateStorage",
 ]
@@ -193,37 +200,58 @@ def state_host_dtype(dtype: str) -> np.dtype[Any]:
     return np.dtype("uint16" if dtype == "bfloat16" else dtype)
 
 
-def flat_state_arrays(specs: Sequence[object]) -> tuple[tuple[int, StateArray], ...]:
-    """``(model layer, array)`` of every state array of ``specs`` (one ``LayerSpec`` per
-    layer), layer after layer: the state pool's arrays, in order."""
-    flat: list[tuple[int, StateArray]] = []
-    for layer, spec in enumerate(specs):
-        state = cast("StateSpec | None", getattr(spec, "state", None))
-        if state is not None:
-            flat.extend((layer, array) for array in state.arrays)
-    return tuple(flat)
+@dataclass(frozen=True, slots=True)
+class StatePool:
+    """The state pool of a config (``CacheConfig.states``).
 
-
-def check_state_slots(value: object, has_states: bool, num_blocks: int) -> int:
-    """The resolved ``CacheConfig.state_slots``: 0 without state layers; ``None`` means
-    ``min(num_blocks, 32)``.
-
-    Raises:
-        InvalidConfigError: not an int in ``[1, INT32_MAX]`` (nor ``None``), or given for
-            a pool without state layers.
+    Attributes:
+        arrays: ``(model layer, array)`` of every state array, layer after layer: the
+            pool's arrays, in order (empty without state layers).
+        num_slots: requests the pool holds at once (0 without state layers).
     """
-    if value is None:
-        return min(num_blocks, 32) if has_states else 0
-    count = as_integer(value)
-    if count is None or not 1 <= count <= INT32_MAX:
-        raise InvalidConfigError(
-            f"CacheConfig.state_slots must be an int in [1, {INT32_MAX}] or None, got {shown(value)}"
-        )
-    if not has_states:
-        raise InvalidConfigError(
-            f"CacheConfig.state_slots={count} is for pools with state layers (LayerSpec(state=...)); this one has none"
-        )
-    return count
+
+    arrays: tuple[tuple[int, StateArray], ...] = ()
+    num_slots: int = 0
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one request's state, every state layer and array."""
+        return sum(array.nbytes for _, array in self.arrays)
+
+    @classmethod
+    def of(cls, specs: Sequence[object], state_slots: object, num_blocks: int) -> StatePool:
+        """The pool of ``specs`` (one ``LayerSpec`` per layer) and ``CacheConfig.state_slots``
+        (``None``: ``min(num_blocks, 32)``).
+
+        Raises:
+            InvalidConfigError: slots not an int in ``[1, INT32_MAX]`` (nor ``None``), or
+                given for a pool without state layers.
+        """
+        arrays: list[tuple[int, StateArray]] = []
+        for layer, spec in enumerate(specs):
+            state = cast("StateSpec | None", getattr(spec, "state", None))
+            if state is not None:
+                arrays.extend((layer, array) for array in state.arrays)
+        if state_slots is None:
+            return cls(tuple(arrays), min(num_blocks, 32) if arrays else 0)
+        count = as_integer(state_slots)
+        if count is None or not 1 <= count <= INT32_MAX:
+            raise InvalidConfigError(
+                f"CacheConfig.state_slots must be an int in [1, {INT32_MAX}] or None, got {shown(state_slots)}"
+            )
+        if not arrays:
+            raise InvalidConfigError(
+                f"CacheConfig.state_slots={count} is for pools with state layers (LayerSpec(state=...)); this one has none"
+            )
+        return cls(tuple(arrays), count)
+
+
+def not_kv_layer(layer: int, state: StateSpec) -> LayerIndexError:
+    """The error of a K/V operation on a state layer."""
+    return LayerIndexError(
+        f"layer {layer} keeps a recurrent state ({', '.join(state.names())}), not K/V: read and write it with "
+        "step.state / step.write_state"
+    )
 
 
 def check_state_host(arrays: Sequence[StateArray], given: Sequence[object], count: int) -> None:

@@ -27,7 +27,7 @@ def manager_stats(
     capacity = used * config.block_size
     swapped = [state.swap for state in requests.values() if state.swap is not None]
     states = pool.states
-    state_bytes = config.state_bytes_per_slot
+    state_bytes = config.states.bytes_per_slot
     return CacheManagerStats(
         total_memory_bytes=config.num_blocks * config.bytes_per_block + states.memory_bytes,
         used_memory_bytes=used * config.bytes_per_block + len(states.taken) * state_bytes,

@@ -45,13 +45,13 @@ class StateSlots:
 
     def __init__(self, config: CacheConfig, storage: object, backend: str = "custom") -> None:
         self.config = config
-        self.num_slots = config.num_state_slots
+        self.num_slots = config.states.num_slots
         self.storage: StateStorage[Any] | None = None
-        self._index = {(layer, array.name): index for index, (layer, array) in enumerate(config.state_arrays)}
+        self._index = {(layer, array.name): index for index, (layer, array) in enumerate(config.states.arrays)}
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() takes the lowest
         self.taken: set[int] = set()
         self.failures = 0
-        if not config.state_arrays:
+        if not config.states.arrays:
             return
         if config.enable_prefix_caching:
             raise UnsupportedConfigError(
@@ -62,10 +62,10 @@ class StateSlots:
         if not callable(factory):
             raise UnsupportedConfigError(
                 f"the {backend!r} storage ({type(storage).__name__}) does not serve {STATE_LAYERS!r}: its config has "
-                f"{len({layer for layer, _ in config.state_arrays})} recurrent-state layers and the storage has no "
+                f"{len({layer for layer, _ in config.states.arrays})} recurrent-state layers and the storage has no "
                 "state_storage(arrays, num_slots); use a backend that claims the capability (numpy, torch, jax)"
             )
-        arrays = tuple(array for _, array in config.state_arrays)
+        arrays = tuple(array for _, array in config.states.arrays)
         self.storage = factory(arrays, self.num_slots)
 
     @property
@@ -80,7 +80,7 @@ class StateSlots:
     @property
     def memory_bytes(self) -> int:
         """Bytes of the whole state pool."""
-        return self.num_slots * self.config.state_bytes_per_slot
+        return self.num_slots * self.config.states.bytes_per_slot
 
     def shortage(self, what: str) -> OutOfStateSlotsError:
         """Count a refusal; the error of an operation that needs a slot when none is free."""
@@ -146,7 +146,7 @@ class StateSlots:
         if state is None:
             raise LayerIndexError(
                 f"layer {index} keeps K/V, not a recurrent state: state layers are "
-                f"{sorted({layer for layer, _ in self.config.state_arrays})}"
+                f"{sorted({layer for layer, _ in self.config.states.arrays})}"
             )
         found = self._index.get((index, name)) if isinstance(name, str) else None
         if found is None:

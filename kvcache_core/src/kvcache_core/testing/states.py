@@ -53,7 +53,7 @@ def state_dtypes(backend: BackendUnderTest) -> tuple[str, ...]:
 
 def state_arrays(config: CacheConfig) -> list[tuple[int, StateArray]]:
     """Every ``(layer, array)`` of a config's state layers."""
-    return list(config.state_arrays)
+    return list(config.states.arrays)
 
 
 def write_states(
@@ -134,7 +134,7 @@ class StateCases:
         for layer, keys in written.items():
             back = BackendUnderTest.host(manager, manager.gather(handle, layer)[0])
             assert np.array_equal(back, keys), f"attention layer {layer} beside state layers lost its keys"
-        assert manager.stats().state_memory_bytes == config.num_state_slots * config.state_bytes_per_slot
+        assert manager.stats().state_memory_bytes == config.states.num_slots * config.states.bytes_per_slot
 
     @pytest.mark.kvcache_requires("state_layers", "fork")
     def test_a_fork_starts_from_its_parents_states_and_then_diverges(self, kvcache_backend: BackendUnderTest) -> None:

@@ -142,9 +142,10 @@ def state_specs(config: PretrainedConfig, layers: int, dtype: str) -> dict[int, 
         return {}
     family = STATE_FAMILIES.get(str(config.model_type))
     if family is None:
+        named = ", ".join(repr(name) for name in sorted({types[index] for index in indices}))
         raise UnsupportedConfigError(
-            f"the {config.model_type!r} model has recurrent-state layers whose shapes kvcache does not know; "
-            f"served: {', '.join(sorted(STATE_FAMILIES))}"
+            f"the {config.model_type!r} model has layers of type {named} (a recurrent state) whose state shapes "
+            f"kvcache does not know; state layers are served for {', '.join(sorted(STATE_FAMILIES))}"
         )
     spec = StateSpec(arrays=family(config, dtype))
     return dict.fromkeys(indices, spec)
