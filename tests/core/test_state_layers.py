@@ -9,7 +9,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcache_core import AllocationRequest, CacheConfig, LayerSpec, PagedKvCacheManager, StateSpec, create_manager
+from kvcache_core import (
+    AllocationRequest,
+    CacheConfig,
+    HostTier,
+    LayerSpec,
+    PagedKvCacheManager,
+    StateSpec,
+    create_manager,
+)
 from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.contract.states import StateArray
 from kvcache_core.errors import (
@@ -151,9 +159,21 @@ def test_a_storage_without_state_storage_is_refused_by_capability() -> None:
         PagedKvCacheManager(OldStorage(config.storage_config()), backend="old", config=config)
 
 
-def test_prefix_caching_with_state_layers_is_refused_by_name() -> None:
-    with pytest.raises(UnsupportedConfigError, match="enable_prefix_caching with recurrent-state layers"):
-        create_manager("numpy", hybrid_config(enable_prefix_caching=True))
+def test_offload_tiers_with_state_layers_are_refused_by_name() -> None:
+    config = hybrid_config(enable_prefix_caching=True)
+    with pytest.raises(UnsupportedConfigError, match="offload tiers with recurrent-state layers"):
+        create_manager("numpy", config, tiers=[HostTier(1 << 20)])
+
+
+def test_a_checkpoint_is_filed_only_at_a_cached_blocks_end() -> None:
+    manager = create_manager("numpy", hybrid_config(enable_prefix_caching=True))
+    handle = manager.allocate(AllocationRequest("a", prompt_token_ids=list(range(1, 10))))
+    step = manager.begin_step([handle], 6)
+    keys = np.zeros((6, 2, 8), dtype=np.float32)
+    for layer in (1, 3):
+        step.write(layer, keys, keys)
+    assert step.checkpoint_states() == 0, "6 tokens end no block"
+    assert manager.stats().checkpoint_state_slots == 0
 
 
 def test_bfloat16_states_are_refused_by_the_numpy_backend() -> None:

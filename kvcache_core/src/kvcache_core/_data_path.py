@@ -324,6 +324,17 @@ class DataPath(Generic[ArrayT]):
         assert states.storage is not None
         states.storage.write(index, slots, values)
 
+    def checkpoint_states(self, states: list[RequestState[ArrayT]]) -> int:
+        """File a checkpoint of each request's states whose length ends a cached block (see
+        :mod:`kvcache_core.paging.state_slots`); returns how many are filed."""
+        slots, block_size = self._pool.states, self.config.block_size
+        filed = 0
+        for state in states:
+            blocks, rest = divmod(state.table.sequence_length, block_size)
+            if slots.enabled and blocks and not rest and len(state.chain) >= blocks:
+                filed += slots.save_checkpoint(state.state_slot, state.chain[blocks - 1].block_hash)
+        return filed
+
     # -- steps ---------------------------------------------------------------------------
 
     def stamp(self, states: list[RequestState[ArrayT]]) -> Callable[[], None]:
@@ -372,12 +383,13 @@ class _StepRunner(Generic[ArrayT]):
     """The data path bound to one step's requests: what its :class:`Step` calls
     (:class:`~kvcache_core.step.StepRunner`), under the manager's lock."""
 
-    __slots__ = ("_check_current", "_path", "_served", "_state_slots", "_writable_at")
+    __slots__ = ("_check_current", "_path", "_served", "_state_slots", "_states", "_writable_at")
 
     def __init__(self, path: DataPath[ArrayT], states: list[RequestState[ArrayT]], groups: int) -> None:
         self._path = path
         self._check_current = path.stamp(states)
         self._state_slots = np.array([state.state_slot for state in states], dtype=np.int64)
+        self._states = states
         self._served = storage_attention_features(path.storage)
         # Per KV-cache group, the epoch at which the group's slots were last found writable
         # (-1: not yet): a block of the step that is registered in the prefix cache or
@@ -411,3 +423,9 @@ class _StepRunner(Generic[ArrayT]):
         with path.lock:
             self._check_current()
             path.write_state(self._state_slots, layer, name, values)
+
+    def checkpoint_states(self, step: Step[ArrayT]) -> int:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            return path.checkpoint_states(self._states)

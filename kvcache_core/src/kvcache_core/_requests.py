@@ -28,6 +28,7 @@ from kvcache_core.errors import (
     StateRollbackError,
     SwappedOutError,
     UnknownRequestError,
+    UnsupportedConfigError,
 )
 from kvcache_core.offload.events import AllBlocksCleared, EventHub, OperationLock
 from kvcache_core.offload.tier_stack import TierChain
@@ -124,6 +125,11 @@ class Requests(Generic[ArrayT]):
         self._tiers = tiers
         self._pressure = pressure
         self.allocation_count = 0
+        if tiers and pool.states.enabled:
+            raise UnsupportedConfigError(
+                "offload tiers with recurrent-state layers: a tier's blocks would continue a prefix hit past the "
+                "last state checkpoint; use the pool's prefix caching (checkpoints) without tiers"
+            )
 
     # -- opening -------------------------------------------------------------------------
 
@@ -150,8 +156,10 @@ class Requests(Generic[ArrayT]):
         if self._tiers:  # the tier blocks continuing the pool's hit
             plan = self._sequences.planner.extend(plan, request, self._tiers)
         state = self.new_state(request.request_id, request.max_sequence_length, request.priority)
-        if states.enabled:  # a new request's states start from zeros
-            state.state_slot = states.take(f"cannot allocate request {request.request_id!r}")
+        if states.enabled:  # from zeros, or from the checkpoint that ends its prefix hit
+            source = states.checkpoint_of(plan.entries[-1].block_hash) if plan.entries else None
+            what = f"cannot allocate request {request.request_id!r}"
+            state.state_slot = states.take(what) if source is None else states.take_copy(source, what)
         try:
             opened = self._sequences.open(state, request, plan, self._tiers)
         except BaseException:
@@ -246,12 +254,10 @@ class Requests(Generic[ArrayT]):
             InvalidArgumentError; StateRollbackError: a shorter length with state layers.
         """
         table = state.table
-        if self._pool.states.enabled and num_tokens != table.sequence_length:
-            raise StateRollbackError(
-                f"cannot truncate request {state.request_id!r} from {table.sequence_length} to {num_tokens!r} tokens: "
-                "its recurrent-state layers overwrite their states at every token and keep no checkpoint to go "
-                f"back to (the only valid length is {table.sequence_length})"
-            )
+        states = self._pool.states
+        restore = -1  # the checkpoint slot the states go back to (-2: zeros)
+        if states.enabled and num_tokens != table.sequence_length:
+            restore = self._checkpoint_at(state, num_tokens)
         low, windowed = self._sequences.shortest(state)
         try:
             length = check_count(num_tokens, "num_tokens")
@@ -265,9 +271,37 @@ class Requests(Generic[ArrayT]):
                 else f"num_tokens {num_tokens!r} is outside the held positions [{low}, {table.sequence_length}] "
                 f"of request {state.request_id!r}"
             )
+        if restore != -1:
+            assert states.storage is not None
+            slots = np.array([state.state_slot], dtype=np.int64)
+            if restore == -2:
+                states.storage.zero(slots)
+            else:
+                states.storage.copy(np.array([restore], dtype=np.int64), slots)
         self._sequences.truncate(state, length)
         state.touch()
         self._pressure.update()
+
+    def _checkpoint_at(self, state: RequestState[ArrayT], num_tokens: object) -> int:
+        """The state slot a request with state layers goes back to when truncated to
+        ``num_tokens``: ``-2`` (zeros) for 0, else the checkpoint of its block ending there.
+
+        Raises:
+            StateRollbackError: no checkpoint at ``num_tokens``.
+        """
+        if num_tokens == 0:
+            return -2
+        blocks, rest = divmod(num_tokens, self._config.block_size) if isinstance(num_tokens, int) else (0, 1)
+        slot = None
+        if not rest and 0 < blocks <= len(state.chain):
+            slot = self._pool.states.checkpoint_of(state.chain[blocks - 1].block_hash)
+        if slot is None:
+            raise StateRollbackError(
+                f"cannot truncate request {state.request_id!r} from {state.table.sequence_length} to {num_tokens!r} "
+                "tokens: its recurrent-state layers overwrite their states at every token, and no checkpoint "
+                "(step.checkpoint_states) holds them at that length; valid: its length, 0, or a checkpoint's"
+            )
+        return slot
 
     def fork(self, parent: RequestState[ArrayT], new_request_id: str) -> RequestState[ArrayT]:
         """A new request sharing the parent's blocks (see ``manager.fork``).

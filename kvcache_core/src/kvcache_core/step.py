@@ -52,6 +52,10 @@ class StepRunner(Protocol[ArrayT]):
         """Write the step's requests' state array ``name`` of ``layer``."""
         ...
 
+    def checkpoint_states(self, step: Step[ArrayT]) -> int:
+        """File checkpoints of the step's requests' states."""
+        ...
+
 
 class Step(Generic[ArrayT]):
     """One forward pass of a batch, planned by
@@ -199,6 +203,22 @@ class Step(Generic[ArrayT]):
             ShapeMismatchError, DTypeMismatchError, ArrayTypeError: bad ``values``.
         """
         self._runner.write_state(self, layer, name, values)
+
+    def checkpoint_states(self) -> int:
+        """With prefix caching, file a checkpoint of the recurrent states of each request of
+        the step whose length ends a cached block: call it once every state layer wrote
+        the step's states. A later prompt sharing that prefix starts from the checkpoint
+        (its hit is cut back to the last block with one), and ``truncate`` may go back to it.
+        Checkpoints take free state slots (evicted least recently used first when a request
+        needs one); none is filed when every slot is held.
+
+        Returns:
+            Checkpoints filed (or already filed for the same prefix).
+
+        Raises:
+            StaleStepError: a request of the step changed since it was planned.
+        """
+        return self._runner.checkpoint_states(self)
 
     def __repr__(self) -> str:
         return f"Step(requests={list(self.request_ids)}, new_tokens={list(self.new_tokens)})"

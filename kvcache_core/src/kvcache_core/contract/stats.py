@@ -92,6 +92,7 @@ class CacheManagerStats:
         state_memory_bytes: bytes of the state pool (``state_slots`` times the state bytes
             of one request), included in ``total_memory_bytes``; the held slots' bytes are
             included in ``used_memory_bytes``.
+        checkpoint_state_slots: free state slots holding checkpoints (evictable).
     """
 
     total_memory_bytes: int
@@ -118,6 +119,7 @@ class CacheManagerStats:
     state_slots: int = 0
     used_state_slots: int = 0
     state_memory_bytes: int = 0
+    checkpoint_state_slots: int = 0
 
 
 @dataclass(frozen=True, slots=True)

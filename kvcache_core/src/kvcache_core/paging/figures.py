@@ -54,4 +54,5 @@ def manager_stats(
         state_slots=states.num_slots,
         used_state_slots=len(states.taken),
         state_memory_bytes=states.memory_bytes,
+        checkpoint_state_slots=len(states.checkpoints),
     )

@@ -1,13 +1,22 @@
-"""The state pool's slots: one per live resident request of a pool with state layers.
+"""The state pool's slots: one per live resident request of a pool with state layers, and
+checkpoints.
 
 :class:`StateSlots` owns the backend's :class:`~kvcache_core.contract.states.StateStorage`
 and the free list of its slots. Taking a slot fills it first (zeros for a new request, the
-parent's states for a fork, host copies for a swap-in) and marks it taken only once the
-storage call returned, so a storage that raises leaves every slot as it was.
+parent's states for a fork, host copies for a swap-in, a checkpoint for a prefix hit) and
+marks it taken only once the storage call returned, so a storage that raises leaves every
+slot as it was.
+
+With prefix caching, a free slot may hold a **checkpoint**: a copy of a request's states
+after a whole number of blocks, filed under the hash of its last block
+(``step.checkpoint_states()``). A prompt's prefix hit is cut back to its last block with a
+checkpoint (the new request starts from that copy), and ``truncate`` may go back to one.
+Checkpoints are evicted least recently used first when a request needs a slot.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,14 +59,10 @@ class StateSlots:
         self._index = {(layer, array.name): index for index, (layer, array) in enumerate(config.states.arrays)}
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() takes the lowest
         self.taken: set[int] = set()
+        self.checkpoints: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, oldest first
         self.failures = 0
         if not config.states.arrays:
             return
-        if config.enable_prefix_caching:
-            raise UnsupportedConfigError(
-                "CacheConfig.enable_prefix_caching with recurrent-state layers: a prefix hit would skip tokens "
-                "whose states are not kept (state checkpoints are not served); disable prefix caching"
-            )
         factory = getattr(storage, "state_storage", None)
         if not callable(factory):
             raise UnsupportedConfigError(
@@ -74,8 +79,8 @@ class StateSlots:
         return self.storage is not None
 
     def available(self) -> int:
-        """Free slots."""
-        return len(self._free)
+        """Free slots, those holding checkpoints included (evictable)."""
+        return len(self._free) + len(self.checkpoints)
 
     @property
     def memory_bytes(self) -> int:
@@ -102,12 +107,12 @@ class StateSlots:
         return self._mark(slot)
 
     def take_copy(self, source: int, what: str) -> int:
-        """A free slot holding a copy of ``source``'s states (fork).
+        """A free slot holding a copy of ``source``'s states (fork, a checkpoint's hit).
 
         Raises:
             OutOfStateSlotsError: none is free.
         """
-        slot = self._peek(what)
+        slot = self._peek(what, keep=source)
         assert self.storage is not None
         self.storage.copy(_one(source), _one(slot))
         return self._mark(slot)
@@ -155,10 +160,48 @@ class StateSlots:
             )
         return found
 
-    def _peek(self, what: str) -> int:
+    def _peek(self, what: str, keep: int = -1) -> int:
+        """The slot the next take fills: a free one, else the oldest checkpoint's but ``keep``'s."""
         if not self._free:
-            raise self.shortage(what)
+            victim = next((key for key, slot in self.checkpoints.items() if slot != keep), None)
+            if victim is None:
+                raise self.shortage(what)
+            self._free.append(self.checkpoints.pop(victim))
         return self._free[-1]
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def checkpoint_of(self, block_hash: bytes) -> int | None:
+        """The slot of the checkpoint filed under ``block_hash`` (now the most recently used)."""
+        slot = self.checkpoints.get(block_hash)
+        if slot is not None:
+            self.checkpoints.move_to_end(block_hash)
+        return slot
+
+    def checkpointed(self, hashes: Sequence[bytes], hits: int) -> int:
+        """The longest of the first ``hits`` blocks (of ``hashes``) whose last has a
+        checkpoint: a pool with state layers serves a prefix only up to one (0 without)."""
+        if not self.enabled:
+            return hits
+        while hits and hashes[hits - 1] not in self.checkpoints:
+            hits -= 1
+        return hits
+
+    def save_checkpoint(self, slot: int, block_hash: bytes) -> bool:
+        """File a copy of ``slot``'s states under ``block_hash``, in a free slot or the
+        oldest checkpoint's; none when every slot is held by a request. Returns whether
+        one is filed (an existing one of that hash is kept: the same tokens, the same states)."""
+        if block_hash in self.checkpoints:
+            self.checkpoints.move_to_end(block_hash)
+            return True
+        if not self._free and not self.checkpoints:
+            return False
+        target = self._peek("", keep=slot)
+        assert self.storage is not None
+        self.storage.copy(_one(slot), _one(target))
+        self._free.pop()
+        self.checkpoints[block_hash] = target
+        return True
 
     def _mark(self, slot: int) -> int:
         popped = self._free.pop()
@@ -192,8 +235,15 @@ def check_state_slots(states: StateSlots, requests: Mapping[str, RequestState[An
                     f"state slot {state.state_slot} is held by {held[state.state_slot]!r} and {state.request_id!r}"
                 )
             held[state.state_slot] = state.request_id
-    if set(held) != states.taken or len(states.taken) + states.available() != states.num_slots:
+    checkpoints = set(states.checkpoints.values())
+    if (
+        set(held) != states.taken
+        or len(states.taken) + states.available() != states.num_slots
+        or len(checkpoints) != len(states.checkpoints)
+        or checkpoints & states.taken
+    ):
         raise InvariantError(
             f"state slots taken {sorted(states.taken)} are not those the resident requests hold {sorted(held)}, "
-            f"or taken + free != {states.num_slots}"
+            f"a checkpoint's slot {sorted(checkpoints)} is taken or filed twice, or taken + free + checkpoints "
+            f"!= {states.num_slots}"
         )

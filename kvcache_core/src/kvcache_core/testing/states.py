@@ -69,6 +69,16 @@ def write_states(
             models[handle.request_id][layer, array.name] = values[row]
 
 
+def write_attention(manager: Manager, step: Any, rng: np.random.Generator) -> None:
+    """Write random K/V of the step's new tokens in every attention layer."""
+    config = manager.config
+    for layer in range(config.num_layers):
+        if config.layer_spec(layer).state is None:
+            keys = rng.standard_normal((step.num_new_tokens, config.num_heads, config.head_dim))
+            native = BackendUnderTest.native(manager, BackendUnderTest.representable(keys, config.dtype))
+            step.write(layer, native, native)
+
+
 def read_states(manager: Manager, handles: list[PagedKvCacheHandle[Any]]) -> list[Model]:
     """Every state of ``handles`` as float64, through a step of 0 new tokens."""
     step = manager.begin_step(handles, 0)
@@ -216,6 +226,48 @@ class StateCases:
         write_states(manager, handles, rng, models)
         assert_states(manager, handles, models, "a pool without attention layers")
         assert [handle.num_tokens() for handle in handles] == [4, 2]
+
+    @pytest.mark.kvcache_requires("state_layers", "prefix_caching")
+    def test_a_prefix_hit_starts_from_the_last_state_checkpoint(self, kvcache_backend: BackendUnderTest) -> None:
+        rng = np.random.default_rng(9)
+        manager = kvcache_backend.manager(state_config(kvcache_backend, enable_prefix_caching=True))
+        prompt = tuple(range(10, 23))  # 13 tokens: three full blocks of 4, one token more
+        models: dict[str, Model] = {"first": zeros(manager.config)}
+        first = manager.allocate(AllocationRequest("first", prompt_token_ids=prompt))
+        for count in (4, 4, 4):
+            step = manager.begin_step([first], count)
+            write_attention(manager, step, rng)
+            write_states(manager, [first], rng, models)
+            assert manager.begin_step([first], 0).checkpoint_states() == 1, "no checkpoint at a block's end"
+            if count == 4 and first.num_tokens() == 8:
+                at_eight = dict(models["first"])
+        manager.deallocate("first")
+        stats = manager.stats()
+        assert stats.checkpoint_state_slots == 3, f"{stats.checkpoint_state_slots} checkpoints kept, 3 filed"
+        second = manager.allocate(AllocationRequest("second", prompt_token_ids=prompt))
+        assert second.num_cached_tokens() == 12, "the hit stops before the last block with a checkpoint"
+        models["second"] = dict(models["first"])
+        assert_states(manager, [second], models, "a prefix hit")
+        manager.truncate(second, 8)  # back to the checkpoint after two blocks
+        models["second"] = at_eight
+        assert_states(manager, [second], models, "truncated to a checkpoint")
+        with pytest.raises(StateRollbackError):
+            manager.truncate(second, 6)
+        manager.truncate(second, 0)
+        models["second"] = zeros(manager.config)
+        assert_states(manager, [second], models, "truncated to nothing")
+        manager.check_invariants()
+
+    @pytest.mark.kvcache_requires("state_layers", "prefix_caching")
+    def test_without_a_checkpoint_a_state_pool_maps_no_prefix(self, kvcache_backend: BackendUnderTest) -> None:
+        rng = np.random.default_rng(10)
+        manager = kvcache_backend.manager(state_config(kvcache_backend, enable_prefix_caching=True))
+        prompt = tuple(range(30, 39))
+        first = manager.allocate(AllocationRequest("first", prompt_token_ids=prompt))
+        write_attention(manager, manager.begin_step([first], 8), rng)
+        manager.deallocate("first")
+        second = manager.allocate(AllocationRequest("second", prompt_token_ids=prompt))
+        assert second.num_cached_tokens() == 0, "a hit without a state checkpoint would skip uncomputed states"
 
     @pytest.mark.kvcache_requires("state_layers")
     def test_lockstep_walk_with_state_layers_matches_the_model(self, kvcache_backend: BackendUnderTest) -> None:
