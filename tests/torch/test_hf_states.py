@@ -10,6 +10,7 @@ layers (Mamba2), where only the state slots serve it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -250,3 +251,25 @@ def test_layers_keeping_kv_and_a_state_are_refused_by_name(
     config = getattr(transformers, config_name)(**{**COMMON, **fields})
     with pytest.raises(UnsupportedConfigError, match=named):
         cache_config_for(config, num_blocks=8)
+
+
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next", "lfm2"])
+def test_a_second_generate_sharing_a_prompt_starts_from_the_last_state_checkpoint(family: str) -> None:
+    model = model_under_test(family, "paged")
+    reference = build(family)[1]
+    config = cache_config_for(model, num_blocks=64, block_size=4, state_slots=4)
+    manager = create_manager("torch", dataclasses.replace(config, enable_prefix_caching=True))
+    cache = PagedCache(manager, model.config)
+    # The first prompt ends a block: its states there are filed as the next forward begins.
+    shared, _ = prompts(1, 32, seed=6)
+    assert cache.map_cached_prefix(shared) == 0
+    generate(model, shared, torch.ones_like(shared), cache, max_new_tokens=4)
+    assert manager.stats().checkpoint_state_slots >= 1
+    cache.release()
+    second_ids = torch.cat([shared, prompts(1, 9, seed=8)[0]], dim=1)
+    mask = torch.ones_like(second_ids)
+    assert cache.map_cached_prefix(second_ids) == 32, "the hit ends at the checkpoint after the shared blocks"
+    ours = generate(model, second_ids, mask, cache, max_new_tokens=8)
+    expected = generate(reference, second_ids, mask, max_new_tokens=8)
+    assert max_logit_difference(ours.logits, expected.logits) < TOLERANCE
+    assert torch.equal(ours.sequences, expected.sequences)

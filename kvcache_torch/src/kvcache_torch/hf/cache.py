@@ -129,7 +129,7 @@ class PagedCache(Cache):
         states = {layer: spec.state for layer in range(layers) if (spec := pool.layer_spec(layer)).state is not None}
         self._attention_layers = layers - len(states)
         self._progress = LayerProgress(layers, self._attention_layers)
-        self._states = StateBridge(manager, states, self._rows.handles, self._allocate_rows) if states else None
+        self._states = StateBridge(manager, states, self._rows) if states else None
         self._mode: Mode | None = None
         self._finalizer = weakref.finalize(self, release_requests, manager, self._rows.request_ids)
 
@@ -256,10 +256,6 @@ class PagedCache(Cache):
         """``False``: state layers keep no past states to roll back to."""
         return False
 
-    def _allocate_rows(self, batch: int) -> None:
-        """A first forward whose state layers come first: its ``batch`` rows, no tokens yet."""
-        self._rows.begin([0] * batch, None, 0)
-
     # -- prefix caching ----------------------------------------------------------------
 
     def map_cached_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
@@ -294,6 +290,8 @@ class PagedCache(Cache):
                 f"{attention_implementation(self._text)!r}"
             )
         shared = self._rows.map_prefix(input_ids, attention_mask)
+        if self._states is not None:
+            self._states.mapped(shared)
         self._mode = "paged"
         self._progress.lengths = [shared] * self._num_layers
         return shared

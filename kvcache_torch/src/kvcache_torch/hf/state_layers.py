@@ -19,10 +19,11 @@ from typing import Final, cast
 import torch
 from transformers import PretrainedConfig
 
-from kvcache_core import PagedKvCacheHandle, PagedKvCacheManager, StateSpec, Step, UnsupportedConfigError
+from kvcache_core import PagedKvCacheManager, StateSpec, Step, UnsupportedConfigError
 from kvcache_core.contract.states import StateArray
 from kvcache_core.errors import ShapeMismatchError, StaleStepError
 from kvcache_torch.dtypes import dtype_name
+from kvcache_torch.hf.rows import BatchRows
 
 __all__ = ["STATE_LAYER_TYPES", "StateBridge", "state_specs"]
 
@@ -154,25 +155,25 @@ def state_specs(config: PretrainedConfig, layers: int, dtype: str) -> dict[int, 
 class StateBridge:
     """transformers' linear-attention cache calls over the pool's state slots of a batch.
 
+    With prefix caching, when the model's first layer keeps a state, each forward's first
+    call files a checkpoint (``step.checkpoint_states``) of the rows without padding: their
+    slots then hold the states after exactly their tokens, as no layer of the new forward
+    has run. (A model whose first layer is attention files none, and so maps no prefix.)
+
     Args:
         manager: the pool's manager.
         specs: each state layer's spec (:func:`state_specs`).
-        handles: the batch's requests, in row order (a list the cache changes in place).
-        allocate_rows: allocates the rows of a first forward (``batch`` rows, no tokens) when
-            a state layer comes before any attention layer.
+        rows: the batch's rows (their requests, tokens and positions).
     """
 
     def __init__(
-        self,
-        manager: PagedKvCacheManager[torch.Tensor],
-        specs: dict[int, StateSpec],
-        handles: Sequence[PagedKvCacheHandle[torch.Tensor]],
-        allocate_rows: Callable[[int], None],
+        self, manager: PagedKvCacheManager[torch.Tensor], specs: dict[int, StateSpec], rows: BatchRows
     ) -> None:
         self._manager = manager
         self._specs = specs
-        self._handles = handles
-        self._allocate_rows = allocate_rows
+        self._rows = rows
+        self._handles = rows.handles
+        self._checkpoints = manager.config.enable_prefix_caching and 0 in specs
         self._step: Step[torch.Tensor] | None = None
         self._open: int | None = None  # the state layer whose tensors are out
         self._tensors: dict[str, torch.Tensor] = {}
@@ -206,6 +207,11 @@ class StateBridge:
         if self._open != layer:
             self.flush()
             self._open = layer
+            if layer == 0 and self._checkpoints and self._handles:  # a new forward begins
+                rows = self._rows
+                unpadded = [h for h, tokens in zip(rows.handles, rows.tokens, strict=True) if tokens == rows.positions]
+                if unpadded:
+                    self._manager.begin_step(unpadded, 0).checkpoint_states()
         return self._tensors
 
     def _read(self, layer: int, name: str) -> torch.Tensor:
@@ -228,8 +234,8 @@ class StateBridge:
                 f"layer {layer}'s {name} state is {tuple(values.shape[1:])} per row, the pool holds {array.shape}: "
                 "the model's state shapes differ from what cache_config_for read from its config"
             )
-        if not self._handles:
-            self._allocate_rows(int(values.shape[0]))
+        if not self._handles:  # a first forward whose first layers keep states: its rows, no tokens yet
+            self._rows.begin([0] * int(values.shape[0]), None, 0)
         self._given[layer, name] = values.dtype
         tensors = self._switch(layer)
         tensors[name] = values
@@ -256,6 +262,11 @@ class StateBridge:
             except StaleStepError:
                 self._step = None
                 self._io().write_state(layer, name, values.contiguous())
+
+    def mapped(self, positions: int) -> None:
+        """The rows were opened from the prefix cache at ``positions``: their slots hold
+        the checkpoints' states, which the first forward goes on from."""
+        self.previous = dict.fromkeys(self._specs, positions > 0)
 
     def reset(self) -> None:
         """Forget the batch (its rows were released): nothing is written back."""
