@@ -67,8 +67,8 @@ class PagedCache(Cache):
     Raises:
         InvalidTypeError: ``manager`` is not a ``PagedKvCacheManager``.
         UnsupportedConfigError: the model's geometry differs from the pool's, the pool has a
-            sliding window, the model has layers other than attention layers (linear
-            attention, shared K/V, ...), or the config is set to ``"kvcache_paged"`` for a
+            sliding window, the model has layers kvcache cannot hold (shared K/V, K/V and a
+            state in one layer, ...), or the config is set to ``"kvcache_paged"`` for a
             model whose attention does not call transformers' attention interface (the
             message names the class and the remedy, its own ``"sdpa"`` or ``"eager"``; a model
             transformers cannot judge up front is refused at its first forward instead, see

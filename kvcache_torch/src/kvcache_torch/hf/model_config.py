@@ -202,8 +202,10 @@ def cache_config_for(
         InvalidArgumentError: neither or both of ``num_blocks`` and ``max_tokens``, or a
             ``max_tokens`` or ``block_size`` below 1.
         InvalidTypeError: ``model`` is neither a model with a ``config`` nor a config.
-        UnsupportedConfigError: a dtype kvcache has no name for, layers that are not
-            full, sliding or chunked attention (the message names their type), or a config
+        UnsupportedConfigError: a dtype kvcache has no name for, layers that are neither
+            full, sliding or chunked attention nor the recurrent-state layers of a family of
+            :data:`~kvcache_torch.hf.state_layers.STATE_FAMILIES` (the message names their
+            type: Falcon-H1's and Zamba2's ``"hybrid"`` layers, ...), or a config
             set to ``"kvcache_paged"`` for a model whose attention does not call transformers'
             attention interface (Falcon, GPT-Neo, Bloom, MPT, ...: the message names the
             class and the remedy: its own attention, ``"sdpa"`` or ``"eager"``).
