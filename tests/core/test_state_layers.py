@@ -181,3 +181,9 @@ def test_bfloat16_states_are_refused_by_the_numpy_backend() -> None:
     config = hybrid_config(layer_specs=(LayerSpec(state=spec), LayerSpec(), LayerSpec(state=spec), LayerSpec()))
     with pytest.raises(UnsupportedConfigError, match="bfloat16"):
         create_manager("numpy", config)
+
+
+def test_a_backend_not_claiming_state_layers_is_refused_by_name() -> None:
+    pytest.importorskip("kvcache_memmap")
+    with pytest.raises(UnsupportedConfigError, match="capability 'state_layers' not claimed"):
+        create_manager("memmap", hybrid_config())
