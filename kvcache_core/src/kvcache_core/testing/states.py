@@ -384,7 +384,10 @@ def run_fault_script(backend: BackendUnderTest, fail_at: int, when: str) -> bool
     fault, the records are consistent, an atomic operation changed nothing, and nothing
     leaks once every request ends. Returns whether the fault fired."""
     rng = np.random.default_rng(fail_at)
-    config = state_config(backend, slots=3)
+    caching = backend.claims("prefix_caching")  # then steps file checkpoints, and prompts hit them
+    config = state_config(backend, slots=3, enable_prefix_caching=caching)
+    prompt = tuple(range(50, 59))
+    filed: dict[int, Model] = {}  # the states of each checkpoint filed, by length
     inner = backend.manager(config).storage
     storage = _FaultyStorageWithStates(inner, fail_at, "after" if when == "after" else "before")
     manager: Manager = PagedKvCacheManager(storage, backend=backend.name, config=config)
@@ -393,8 +396,9 @@ def run_fault_script(backend: BackendUnderTest, fail_at: int, when: str) -> bool
 
     def allocate(name: str) -> Callable[[], None]:
         def run() -> None:
-            handles[name] = manager.allocate(AllocationRequest(name))
-            models[name] = zeros(config)
+            handles[name] = manager.allocate(AllocationRequest(name, prompt_token_ids=prompt if caching else None))
+            cached = handles[name].num_cached_tokens()
+            models[name] = dict(filed[cached]) if cached else zeros(config)
 
         return run
 
@@ -405,8 +409,11 @@ def run_fault_script(backend: BackendUnderTest, fail_at: int, when: str) -> bool
                 for name, handle in handles.items()
                 if (name in names if names is not None else manager.get_handle(name) is not None)
             ]
-            manager.begin_step(batch, count)
+            write_attention(manager, manager.begin_step(batch, count), rng)
             write_states(manager, batch, rng, models)
+            for handle in batch if caching else ():
+                if manager.begin_step([handle], 0).checkpoint_states():
+                    filed.setdefault(handle.num_tokens(), dict(models[handle.request_id]))
 
         return run
 
@@ -421,13 +428,15 @@ def run_fault_script(backend: BackendUnderTest, fail_at: int, when: str) -> bool
         (True, allocate("a")),
         (False, step(("a",), 3)),
         (True, allocate("b")),
-        (False, step(("a", "b"), 1)),
+        (False, step(("a", "b"), 1)),  # a ends a block: a checkpoint
+        (True, lambda: manager.deallocate("b")),
+        (True, allocate("d")),  # from a's checkpoint
     ]
     if backend.claims("fork"):
         script.append((True, fork("a", "c")))
     if backend.claims("swap"):
         script += [(True, lambda: manager.swap_out("a")), (True, lambda: manager.swap_in("a"))]
-    script += [(True, lambda: manager.deallocate("b")), (False, step(None, 1))]
+    script += [(True, lambda: manager.deallocate("d")), (False, step(None, 1))]
     for atomic, operation in script:
         before = manager.stats()
         try:
