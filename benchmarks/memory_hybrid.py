@@ -50,9 +50,9 @@ def build(layers: int, hidden: int) -> tuple[Any, Any]:
         pad_token_id=0,
         eos_token_id=None,
     )
-    torch.manual_seed(0)
-    reference = transformers.BambaForCausalLM(config).eval()
-    ours = copy.deepcopy(reference)
+    torch.random.manual_seed(0)  # pyright: ignore[reportUnknownMemberType]  # seed untyped in torch
+    reference: Any = transformers.BambaForCausalLM(config).eval()
+    ours: Any = copy.deepcopy(reference)
     ours.set_attn_implementation(ATTN_IMPLEMENTATION)
     return ours, reference
 

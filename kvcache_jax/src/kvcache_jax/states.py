@@ -43,11 +43,14 @@ class JaxStateStorage:
                 )
         self._arrays = arrays
         self._put = put
-        self._pools = [put(jnp.zeros((num_slots, *array.shape), dtype=array.dtype)) for array in arrays]
+        self._pools = [
+            put(jnp.zeros((num_slots, *array.shape), dtype=array.dtype))  # pyright: ignore[reportUnknownMemberType]
+            for array in arrays
+        ]
 
     @staticmethod
     def _index(slots: IntArray) -> jax.Array:
-        return jnp.asarray(np.asarray(slots, dtype=np.int32))
+        return jnp.asarray(np.asarray(slots, dtype=np.int32))  # pyright: ignore[reportUnknownMemberType]
 
     def read(self, index: int, slots: IntArray) -> jax.Array:
         """A copy of array ``index`` at ``slots``."""
@@ -80,7 +83,7 @@ class JaxStateStorage:
         """Write host copies into ``slots``, bit for bit, after checking all of them."""
         check_state_host(self._arrays, arrays, len(slots))
         into = self._index(slots)
-        pools = []
+        pools: list[jax.Array] = []
         for pool, array, values in zip(self._pools, self._arrays, arrays, strict=True):
             host = np.ascontiguousarray(values).view(np.dtype(jnp.dtype(array.dtype)))  # uint16 bits -> bfloat16
             pools.append(pool.at[into].set(self._put(host)))

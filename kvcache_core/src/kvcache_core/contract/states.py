@@ -107,6 +107,11 @@ class StateArray:
         return math.prod(self.shape) * STATE_DTYPES[self.dtype]
 
 
+def _fields(item: object) -> tuple[Any, ...]:
+    """``(name, shape[, dtype])`` as a tuple; ``()`` for anything else."""
+    return tuple(cast("Iterable[Any]", item)) if isinstance(item, tuple) else ()
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class StateSpec:
     """The recurrent state of one layer: its arrays, each of a fixed shape per request.
@@ -131,8 +136,8 @@ class StateSpec:
         for item in cast("Iterable[object]", arrays):
             if isinstance(item, StateArray):
                 items.append(item)
-            elif isinstance(item, tuple) and len(cast("tuple[object, ...]", item)) in (2, 3):
-                items.append(StateArray(*item))
+            elif len(fields := _fields(item)) in (2, 3):
+                items.append(StateArray(*fields))
             else:
                 raise InvalidConfigError(
                     f"StateSpec.arrays: {shown(item)} is neither a StateArray nor (name, shape[, dtype])"

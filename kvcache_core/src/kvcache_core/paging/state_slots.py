@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -71,7 +71,7 @@ class StateSlots:
                 "state_storage(arrays, num_slots); use a backend that claims the capability (numpy, torch, jax)"
             )
         arrays = tuple(array for _, array in config.states.arrays)
-        self.storage = factory(arrays, self.num_slots)
+        self.storage = cast("StateStorage[Any]", factory(arrays, self.num_slots))
 
     @property
     def enabled(self) -> bool:

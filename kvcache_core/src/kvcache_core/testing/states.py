@@ -133,7 +133,7 @@ class StateCases:
         config = manager.config
         handle = manager.allocate(AllocationRequest("a"))
         step = manager.begin_step([handle], 5)
-        written = {}
+        written: dict[int, FloatArray] = {}
         for layer in (1, 3):
             keys = BackendUnderTest.representable(
                 rng.standard_normal((5, config.num_heads, config.head_dim)), "float32"
@@ -233,13 +233,14 @@ class StateCases:
         manager = kvcache_backend.manager(state_config(kvcache_backend, enable_prefix_caching=True))
         prompt = tuple(range(10, 23))  # 13 tokens: three full blocks of 4, one token more
         models: dict[str, Model] = {"first": zeros(manager.config)}
+        at_eight: Model = {}
         first = manager.allocate(AllocationRequest("first", prompt_token_ids=prompt))
         for count in (4, 4, 4):
             step = manager.begin_step([first], count)
             write_attention(manager, step, rng)
             write_states(manager, [first], rng, models)
             assert manager.begin_step([first], 0).checkpoint_states() == 1, "no checkpoint at a block's end"
-            if count == 4 and first.num_tokens() == 8:
+            if first.num_tokens() == 8:
                 at_eight = dict(models["first"])
         manager.deallocate("first")
         stats = manager.stats()
