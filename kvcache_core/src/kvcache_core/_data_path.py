@@ -26,7 +26,13 @@ from kvcache_core.attention.reference import check_attention_call, validate_quer
 from kvcache_core.contract.config import CacheConfig, check_count, check_token_ids
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
-from kvcache_core.errors import InvalidArgumentError, ManagerClosedError, ShapeMismatchError, StaleStepError
+from kvcache_core.errors import (
+    DTypeMismatchError,
+    InvalidArgumentError,
+    ManagerClosedError,
+    ShapeMismatchError,
+    StaleStepError,
+)
 from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.paging.checks import ArgumentChecks
@@ -281,6 +287,54 @@ class DataPath(Generic[ArrayT]):
         )
         return self.storage.paged_attention(index, query, table, indptr, checked_scale, causal, **keywords)
 
+    # -- recurrent states -----------------------------------------------------------------
+
+    def read_state(self, slots: SlotArray, layer: object, name: object) -> ArrayT:
+        """A copy of state array ``name`` of ``layer`` for the requests holding ``slots``:
+        ``[len(slots), *shape]``.
+
+        Raises:
+            LayerIndexError, InvalidArgumentError: not a state layer, or no such array.
+        """
+        states = self._pool.states
+        index = states.index(layer, name)
+        assert states.storage is not None
+        values: ArrayT = states.storage.read(index, slots)
+        return values
+
+    def write_state(self, slots: SlotArray, layer: object, name: object, values: ArrayT) -> None:
+        """Write ``values`` ``[len(slots), *shape]`` (the array's dtype) into state array
+        ``name`` of ``layer`` for the requests holding ``slots``.
+
+        Raises:
+            LayerIndexError, InvalidArgumentError, ShapeMismatchError, DTypeMismatchError,
+            ArrayTypeError.
+        """
+        states = self._pool.states
+        index = states.index(layer, name)
+        array = self.config.states.arrays[index][1]
+        shape, dtype = self._checks.array_info(f"state {name!r}", values)
+        expected = (int(slots.shape[0]), *array.shape)
+        if shape != expected:
+            raise ShapeMismatchError(
+                f"state {name!r} of layer {layer} must have shape {expected} ([requests, *state shape]), got {shape}"
+            )
+        if dtype != array.dtype:
+            raise DTypeMismatchError(f"state {name!r} of layer {layer} has dtype {array.dtype}, got {dtype}")
+        assert states.storage is not None
+        states.storage.write(index, slots, values)
+
+    def checkpoint_states(self, states: list[RequestState[ArrayT]]) -> int:
+        """File a checkpoint of each request's states whose length ends a cached block (see
+        :mod:`kvcache_core.paging.state_slots`); returns how many are filed."""
+        slots, block_size = self._pool.states, self.config.block_size
+        filed = 0
+        for state in states:
+            blocks, rest = divmod(state.table.sequence_length, block_size)
+            if slots.enabled and blocks and not rest and len(state.chain) >= blocks:
+                filed += slots.save_checkpoint(state.state_slot, state.chain[blocks - 1].block_hash)
+        return filed
+
     # -- steps ---------------------------------------------------------------------------
 
     def stamp(self, states: list[RequestState[ArrayT]]) -> Callable[[], None]:
@@ -329,11 +383,13 @@ class _StepRunner(Generic[ArrayT]):
     """The data path bound to one step's requests: what its :class:`Step` calls
     (:class:`~kvcache_core.step.StepRunner`), under the manager's lock."""
 
-    __slots__ = ("_check_current", "_path", "_served", "_writable_at")
+    __slots__ = ("_check_current", "_path", "_served", "_state_slots", "_states", "_writable_at")
 
     def __init__(self, path: DataPath[ArrayT], states: list[RequestState[ArrayT]], groups: int) -> None:
         self._path = path
         self._check_current = path.stamp(states)
+        self._state_slots = np.array([state.state_slot for state in states], dtype=np.int64)
+        self._states = states
         self._served = storage_attention_features(path.storage)
         # Per KV-cache group, the epoch at which the group's slots were last found writable
         # (-1: not yet): a block of the step that is registered in the prefix cache or
@@ -355,3 +411,21 @@ class _StepRunner(Generic[ArrayT]):
         with path.lock:
             self._check_current()
             return path.attention(layer, query, scale, causal, features, step=step, served=self._served)
+
+    def read_state(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            return path.read_state(self._state_slots, layer, name)
+
+    def write_state(self, step: Step[ArrayT], layer: int, name: str, values: ArrayT) -> None:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            path.write_state(self._state_slots, layer, name, values)
+
+    def checkpoint_states(self, step: Step[ArrayT]) -> int:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            return path.checkpoint_states(self._states)

@@ -148,14 +148,16 @@ class PagedKvCacheHandle(Generic[ArrayT]):
         return PagedKvCacheHandle(self._state)
 
     def stats(self) -> CacheHandleStats:
-        """Figures of this request in the pool (zeros once deallocated or while swapped out)."""
+        """Figures of this request in the pool (zeros once deallocated or while swapped out);
+        ``memory_bytes`` counts its recurrent states too."""
         state = self._state
         with state.lock:
             blocks = sum(table.num_blocks() for table in state.tables)
             tokens = sum(table.held_tokens() for table in state.tables)
             capacity = blocks * state.config.block_size
+            states = state.config.states.bytes_per_slot if state.state_slot >= 0 else 0
             return CacheHandleStats(
-                memory_bytes=blocks * state.config.bytes_per_block,
+                memory_bytes=blocks * state.config.bytes_per_block + states,
                 blocks_allocated=blocks,
                 tokens_stored=tokens,
                 utilization=tokens / capacity if capacity else 0.0,

@@ -4,7 +4,9 @@ A backend registers a :class:`BackendSpec` through a :data:`hookimpl` of
 ``kvcache_register_backends`` under the entry-point group :data:`ENTRY_POINT_GROUP`; its
 storage implements :class:`KvStorage` over one of :data:`KV_LAYOUTS` and dtypes of
 :data:`DTYPE_SIZES`, and claims named capabilities (:data:`CAPABILITIES`, composed from
-:data:`POLICY_CAPABILITIES`, :data:`ATTENTION_CAPABILITIES` and :data:`IMMUTABLE_ARRAYS`). A
+:data:`POLICY_CAPABILITIES`, :data:`ATTENTION_CAPABILITIES`, :data:`IMMUTABLE_ARRAYS` and
+:data:`STATE_LAYERS`: a storage serving recurrent-state layers builds a :class:`StateStorage`
+of :class:`StateArray` in its optional ``state_storage(arrays, num_slots)``). A
 storage without a kernel of its own can answer with the NumPy reference
 (:func:`paged_attention`). A tier implements :class:`OffloadTier` and registers a factory
 under :data:`TIER_ENTRY_POINT_GROUP`. The conformance kit (``pytest -p kvcache_core.testing``)
@@ -33,6 +35,7 @@ from kvcache_core.contract.hookspecs import (
 )
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage
+from kvcache_core.contract.states import STATE_LAYERS, StateArray, StateStorage
 from kvcache_core.errors import KvCachePluginWarning
 from kvcache_core.offload.tiers import TIER_ENTRY_POINT_GROUP, OffloadTier, TierStats
 
@@ -45,6 +48,7 @@ __all__ = [
     "KV_LAYOUTS",
     "POLICY_CAPABILITIES",
     "QUANTIZED_DTYPES",
+    "STATE_LAYERS",
     "TIER_ENTRY_POINT_GROUP",
     "BackendSpec",
     "CacheConfig",
@@ -53,6 +57,8 @@ __all__ = [
     "KvStorage",
     "OffloadTier",
     "PageTable",
+    "StateArray",
+    "StateStorage",
     "TierStats",
     "check_attention_call",
     "hookimpl",
