@@ -420,6 +420,26 @@ def test_a_pytest_run_lists_the_unclaimed_policies_and_the_seed(pytester: pytest
     )
 
 
+def test_the_summary_is_printed_under_pytest_xdist(
+    pytester: pytest.Pytester, add_distribution: AddDistribution
+) -> None:
+    pytest.importorskip("xdist")
+    # The worker's sys.path is the one this process started with, and the run's directory: the
+    # faulty distribution goes there.
+    add_distribution(pytester.path, "kvtest-faulty", "0.1", "faulty", "kvtest_faulty", FAULTY_PLUGIN)
+    result = run_kit(pytester, "-p", "xdist", "-n", "1", "--kvcache-backend", "bare", "-k", "fork_copies or geometry")
+
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "*= kvcache conformance =*",
+            "seed 0 (--kvcache-seed)*",
+            "bare: ok (not claimed: eviction, fork, prefix_caching, sliding_window, swap)",
+            "  1 tests skipped as not claimed: test_fork_copies_exactly_the_shared_block_that_is_written[[]bare[]]",
+        ]
+    )
+
+
 def _failure_story(output: str) -> list[str]:
     """The FAILED lines and Hypothesis's steps, without memory addresses."""
     # Several distinct failures come as an exception group, each line behind "| ".
