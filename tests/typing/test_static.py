@@ -20,6 +20,10 @@ from kvcache_core import KvCacheHandle, KvCacheManager, KvStorage, PagedKvCacheH
 ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).parent / "cases"
 
+# One worker runs them all: its mypy runs share one cache (the third-party stubs analysed
+# once), and pyright reads the case files in one run (see ``tests/workers.py``).
+pytestmark = pytest.mark.xdist_group("type_checkers")
+
 
 #: mypy's cache for this process's runs: the third-party stubs (NumPy, torch, ...) are analysed
 #: by the first run and read back by the others. A fresh directory, removed at exit, so no run
