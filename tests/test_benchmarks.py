@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.workers import usable_cpus, worker_thread_environment
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py") if not path.name.startswith("_"))
 
@@ -71,7 +73,12 @@ def test_every_benchmark_is_listed_here() -> None:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_quick_run_succeeds_and_prints_ratios(script: str) -> None:
-    environment = {**os.environ, **bench_environment().RECOMMENDED_ENV, "HF_HUB_OFFLINE": "1"}
+    environment = {
+        **os.environ,
+        **bench_environment().RECOMMENDED_ENV,
+        "HF_HUB_OFFLINE": "1",
+        **worker_thread_environment(os.environ, usable_cpus()),
+    }
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), "--quick"],
         capture_output=True,

@@ -110,17 +110,21 @@ class DataPath(Generic[ArrayT]):
             SequenceTooLongError, InvalidArgumentError: a plan is refused.
             OutOfBlocksError: the batch's growth does not fit.
         """
-        plans: list[GrowthPlan] = []
-        needed = freed = copies = 0
-        for state, count, state_ids in zip(states, counts, ids, strict=True):
-            plan = self._sequences.plan_growth(state, count, state_ids)
-            plans.append(plan)
-            needed += plan.needed
-            freed += plan.freed
-            copies += plan.copy_count
+        plan_growth = self._sequences.plan_growth
+        plans: list[GrowthPlan]
+        if len(states) == 1:  # one request (extend): no loop over the batch
+            plan = plan_growth(states[0], counts[0], ids[0])
+            plans, needed, freed = [plan], plan.needed, plan.freed
+        else:
+            plans, needed, freed = [], 0, 0
+            for state, count, state_ids in zip(states, counts, ids, strict=True):
+                plan = plan_growth(state, count, state_ids)
+                plans.append(plan)
+                needed += plan.needed
+                freed += plan.freed
         if needed > self._pool.available() + freed:
-            raise self._pool.shortage(shortage(needed, copies))
-        if len(plans) == 1:  # one request (extend): the same growth without the batch's bookkeeping
+            raise self._pool.shortage(shortage(needed, sum(plan.copy_count for plan in plans)))
+        if len(plans) == 1:  # one request: the same growth without the batch's bookkeeping
             return [self._sequences.grow(states[0], plans[0])]
         return self._sequences.grow_all(states, plans)
 

@@ -214,8 +214,11 @@ def resident_state(handle: object, owner: object) -> RequestState[Any]:
         ForeignHandleError: not a handle of ``owner``'s.
         InvalidHandleError, SwappedOutError: the request was deallocated, or is swapped out.
     """
-    as_any = getattr(handle, "as_any", None)  # downcast, as the seed crate does
-    concrete: object = as_any() if callable(as_any) else None
+    if handle.__class__ is PagedKvCacheHandle:  # the common case, on every call: as_any() is itself
+        concrete: object = handle
+    else:
+        as_any = getattr(handle, "as_any", None)  # downcast, as the seed crate does
+        concrete = as_any() if callable(as_any) else None
     if not _is_paged_handle(concrete):
         raise ForeignHandleError(f"expected a handle from this manager, got {type(handle).__name__}")
     state = concrete._state  # pyright: ignore[reportPrivateUsage]
