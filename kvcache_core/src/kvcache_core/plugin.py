@@ -4,7 +4,8 @@ A backend registers a :class:`BackendSpec` through a :data:`hookimpl` of
 ``kvcache_register_backends`` under the entry-point group :data:`ENTRY_POINT_GROUP`; its
 storage implements :class:`KvStorage` over one of :data:`KV_LAYOUTS` and dtypes of
 :data:`DTYPE_SIZES`, and claims named capabilities (:data:`CAPABILITIES`, composed from
-:data:`POLICY_CAPABILITIES`, :data:`ATTENTION_CAPABILITIES` and :data:`IMMUTABLE_ARRAYS`). A
+:data:`POLICY_CAPABILITIES`, :data:`ATTENTION_CAPABILITIES`, :data:`IMMUTABLE_ARRAYS` and
+:data:`VALUE_HEAD_DIM`). A
 storage without a kernel of its own can answer with the NumPy reference
 (:func:`paged_attention`). A tier implements :class:`OffloadTier` and registers a factory
 under :data:`TIER_ENTRY_POINT_GROUP`. The conformance kit (``pytest -p kvcache_core.testing``)
@@ -28,6 +29,7 @@ from kvcache_core.contract.hookspecs import (
     ENTRY_POINT_GROUP,
     IMMUTABLE_ARRAYS,
     POLICY_CAPABILITIES,
+    VALUE_HEAD_DIM,
     BackendSpec,
     hookimpl,
 )
@@ -46,6 +48,7 @@ __all__ = [
     "POLICY_CAPABILITIES",
     "QUANTIZED_DTYPES",
     "TIER_ENTRY_POINT_GROUP",
+    "VALUE_HEAD_DIM",
     "BackendSpec",
     "CacheConfig",
     "Device",

@@ -172,6 +172,12 @@ class CacheConfig:
             ``FLOAT32_TINY`` to :data:`MAX_KV_SCALE` (backends decode in float32); only for
             ``dtype="float8_e4m3fn"``. ``None``: each scale tracks the running maximum (see
             :mod:`kvcache_core.contract.quantization`). Stored as nested tuples of floats.
+        value_head_dim: features per head of the values (>= 1) when they differ from the
+            keys' :attr:`head_dim` (multi-head latent attention caches a latent and a rotary
+            part of different widths; some models' ``v_head_dim``), or ``None`` (the
+            default): the same as :attr:`head_dim`. A value equal to :attr:`head_dim` is
+            stored as ``None``. :attr:`value_width` is the resolved width; only a backend
+            claiming the ``"value_head_dim"`` capability holds a pool whose widths differ.
 
     Every field is stored as a plain Python value (NumPy integers, floats and strings
     are accepted and converted; a bool is refused where a number is meant). Counts and
@@ -199,6 +205,7 @@ class CacheConfig:
     compute_dtype: str | None = None
     kv_scales: tuple[tuple[tuple[float, ...], ...], ...] | None = None
     layer_specs: tuple[LayerSpec, ...] | None = None
+    value_head_dim: int | None = None
     _groups: tuple[KvGroup, ...] = field(default=(), init=False, repr=False, compare=False)
     _slots: tuple[tuple[int, int], ...] = field(default=(), init=False, repr=False, compare=False)
     _specs: tuple[LayerSpec, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -222,6 +229,7 @@ class CacheConfig:
         compute_dtype: str | None = None,
         kv_scales: object = None,
         layer_specs: object = None,
+        value_head_dim: IntLike | None = None,
     ) -> None:
         # Written out so that ``device`` accepts its text form ("cuda:0") and is stored as
         # a Device; the dataclass still provides eq, repr, hash and replace().
@@ -231,6 +239,11 @@ class CacheConfig:
         for name in ("num_layers", "num_heads", "head_dim", "num_blocks", "block_size"):
             count = check_count(getattr(self, name), f"CacheConfig.{name}", 1, INT32_MAX, error=InvalidConfigError)
             object.__setattr__(self, name, count)
+        if self.value_head_dim is not None:
+            width = check_count(
+                self.value_head_dim, "CacheConfig.value_head_dim", 1, INT32_MAX, error=InvalidConfigError
+            )
+            object.__setattr__(self, "value_head_dim", None if width == self.head_dim else width)
         for name in ("dtype", "kv_layout", "model_id", "compute_dtype"):
             object.__setattr__(self, name, _plain_str(getattr(self, name)))
         if self.num_blocks * self.block_size > MAX_POOL_SLOTS:
@@ -449,11 +462,17 @@ class CacheConfig:
         return DTYPE_SIZES[self.dtype]
 
     @property
+    def value_width(self) -> int:
+        """Features per head of the values: :attr:`value_head_dim`, else :attr:`head_dim`."""
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
+
+    @property
     def bytes_per_token(self) -> int:
-        """Bytes one token takes in the pool: keys and values of every layer (with their
-        scales in a quantized pool)."""
+        """Bytes one token takes in the pool: keys (:attr:`head_dim` wide) and values
+        (:attr:`value_width` wide) of every layer (with their scales in a quantized pool)."""
         scale_bytes = SCALE_BYTES if self.dtype in QUANTIZED_DTYPES else 0
-        return 2 * self.num_layers * self.num_heads * (self.head_dim * self.dtype_size + scale_bytes)
+        widths = (self.head_dim + self.value_width) * self.dtype_size + 2 * scale_bytes
+        return self.num_layers * self.num_heads * widths
 
     @property
     def bytes_per_block(self) -> int:
@@ -467,15 +486,28 @@ class CacheConfig:
         return self.num_blocks * self.block_size
 
     def block_shape(self) -> tuple[int, ...]:
-        """Shape of one layer's key (or value) pool in :attr:`kv_layout`: ``"NHD"``
-        ``[num_blocks, block_size, num_heads, head_dim]``, ``"HND"`` ``[num_blocks, num_heads,
-        block_size, head_dim]``, ``"heads_first"`` ``[num_heads, num_blocks, block_size, head_dim]``.
+        """Shape of one layer's key pool (and value pool, when :attr:`value_head_dim` is
+        ``None``) in :attr:`kv_layout`: ``"NHD"`` ``[num_blocks, block_size, num_heads,
+        head_dim]``, ``"HND"`` ``[num_blocks, num_heads, block_size, head_dim]``,
+        ``"heads_first"`` ``[num_heads, num_blocks, block_size, head_dim]``.
 
         Raises:
             InvalidConfigError: ``kv_layout`` is ``None`` (not resolved by a backend yet).
         """
+        return self._pool_shape(self.head_dim)
+
+    def value_block_shape(self) -> tuple[int, ...]:
+        """Shape of one layer's value pool in :attr:`kv_layout`: :meth:`block_shape` with
+        :attr:`value_width` as its last axis.
+
+        Raises:
+            InvalidConfigError: ``kv_layout`` is ``None`` (not resolved by a backend yet).
+        """
+        return self._pool_shape(self.value_width)
+
+    def _pool_shape(self, dim: int) -> tuple[int, ...]:
         layout = self.layout
-        blocks, tokens, heads, dim = self.num_blocks, self.block_size, self.num_heads, self.head_dim
+        blocks, tokens, heads = self.num_blocks, self.block_size, self.num_heads
         if layout == "NHD":
             return (blocks, tokens, heads, dim)
         if layout == "HND":
