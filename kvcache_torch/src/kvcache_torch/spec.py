@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Final
 
 from kvcache_core.contract.config import KV_LAYOUTS
-from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES
+from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES, VALUE_HEAD_DIM
 
 __all__ = ["ATTENTION_FEATURES", "CAPABILITIES", "DEVICES", "DTYPES", "LAYOUTS", "PREFERRED_LAYOUT"]
 
@@ -33,6 +33,6 @@ DTYPES: Final[tuple[str, ...]] = ("float32", "float16", "bfloat16", "int8", "flo
 ATTENTION_FEATURES: Final = ATTENTION_CAPABILITIES
 
 #: Optional features of the conformance kit the backend claims: core's policies, over this
-#: storage's block copies (fork), host transfers (swap) and windowed attention, and the
-#: attention features.
-CAPABILITIES: Final = POLICY_CAPABILITIES | ATTENTION_FEATURES
+#: storage's block copies (fork), host transfers (swap) and windowed attention, the
+#: attention features, and values of another width than the keys.
+CAPABILITIES: Final = POLICY_CAPABILITIES | ATTENTION_FEATURES | {VALUE_HEAD_DIM}
