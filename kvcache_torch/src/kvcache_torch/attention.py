@@ -497,7 +497,7 @@ def paged_attention(
         raise InvalidArgumentError(f"kv_layout {kv_layout!r} is unknown; valid: {', '.join(KV_LAYOUTS)}")
     if key_cache.shape[:3] != value_cache.shape[:3] or key_cache.dim() != 4 or value_cache.dim() != 4:
         raise ShapeMismatchError(
-            "key and value caches must be 4-D of one shape but for their last axis (the key and value widths), "
+            "key and value caches must share one 4-D shape but for their last axis (the key and value widths), "
             f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
         )
     if not (query.dtype == key_cache.dtype == value_cache.dtype):
