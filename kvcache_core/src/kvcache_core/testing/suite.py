@@ -49,6 +49,7 @@ from kvcache_core.testing.quantized import QuantizedCases
 from kvcache_core.testing.reliability import ReliabilityCases
 from kvcache_core.testing.returns import storage_return_problems
 from kvcache_core.testing.tiers import TierCases
+from kvcache_core.testing.value_widths import ValueWidthCases
 from kvcache_core.testing.world import World, assert_same_state, make_world, probe, snapshot
 
 __all__ = ["KvCacheConformance"]
@@ -128,7 +129,15 @@ def _tokens_from_pool(config: CacheConfig, pool: FloatArray, slots: npt.NDArray[
 
 
 class KvCacheConformance(
-    ReliabilityCases, PolicyCases, BeyondPoolCases, FeatureCases, QuantizedCases, HybridCases, TierCases, HostFormCases
+    ReliabilityCases,
+    PolicyCases,
+    BeyondPoolCases,
+    FeatureCases,
+    QuantizedCases,
+    HybridCases,
+    TierCases,
+    HostFormCases,
+    ValueWidthCases,
 ):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 
