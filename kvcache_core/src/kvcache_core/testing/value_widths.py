@@ -15,6 +15,7 @@ refuses by name); quantized pools within their tolerance, bit-exact through swap
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any, Final
@@ -126,26 +127,27 @@ class ValueWidthCases:
 
     @pytest.mark.kvcache_requires("value_head_dim")
     def test_value_width_pools_are_shaped_and_sized_by_both_widths(self, kvcache_backend: BackendUnderTest) -> None:
-        for width in VALUE_WIDTHS:
-            for config in kvcache_backend.configs(value_head_dim=width):
-                context = f"value_head_dim {width}, dtype {config.dtype}, layout {config.kv_layout}"
-                with kvcache_backend.manager(config) as manager:
-                    storage, resolved = manager.storage, manager.config
-                    assert storage.array_info(storage.key_cache(0))[0] == resolved.block_shape(), context
-                    assert storage.array_info(storage.value_cache(0))[0] == resolved.value_block_shape(), context
-                    handle = manager.allocate(AllocationRequest("r"))
-                    _write(manager, 1, manager.extend(handle, 6), np.random.default_rng(3))
-                    keys, values = manager.gather(handle, 1)
-                    assert storage.array_info(keys)[0] == (6, resolved.num_heads, resolved.head_dim), context
-                    assert storage.array_info(values)[0] == (6, resolved.num_heads, width), context
-                    assert handle.head_dim() == resolved.head_dim, context
-                    assert handle.value_head_dim() == width, context
-                    per_token = resolved.num_layers * resolved.num_heads * (resolved.head_dim + width)
-                    assert resolved.bytes_per_token == per_token * resolved.dtype_size, context
-                    assert handle.stats().memory_bytes == 2 * resolved.bytes_per_block, context
-                    host_keys, host_values = _host(manager, _held_blocks(handle))
-                    assert host_keys.shape == host_form.host_shape(resolved, 2), context
-                    assert host_values.shape == host_form.host_shape(resolved, 2, "values"), context
+        for index, plain in enumerate(kvcache_backend.configs()):
+            width = _width(index)
+            config = dataclasses.replace(plain, value_head_dim=width)
+            context = f"value_head_dim {width}, dtype {config.dtype}, layout {config.kv_layout}"
+            with kvcache_backend.manager(config) as manager:
+                storage, resolved = manager.storage, manager.config
+                assert storage.array_info(storage.key_cache(0))[0] == resolved.block_shape(), context
+                assert storage.array_info(storage.value_cache(0))[0] == resolved.value_block_shape(), context
+                handle = manager.allocate(AllocationRequest("r"))
+                _write(manager, 1, manager.extend(handle, 6), np.random.default_rng(3))
+                keys, values = manager.gather(handle, 1)
+                assert storage.array_info(keys)[0] == (6, resolved.num_heads, resolved.head_dim), context
+                assert storage.array_info(values)[0] == (6, resolved.num_heads, width), context
+                assert handle.head_dim() == resolved.head_dim, context
+                assert handle.value_head_dim() == width, context
+                per_token = resolved.num_layers * resolved.num_heads * (resolved.head_dim + width)
+                assert resolved.bytes_per_token == per_token * resolved.dtype_size, context
+                assert handle.stats().memory_bytes == 2 * resolved.bytes_per_block, context
+                host_keys, host_values = _host(manager, _held_blocks(handle))
+                assert host_keys.shape == host_form.host_shape(resolved, 2), context
+                assert host_values.shape == host_form.host_shape(resolved, 2, "values"), context
 
     @pytest.mark.kvcache_requires("value_head_dim")
     def test_state_machine_with_narrower_and_wider_values(
@@ -155,8 +157,9 @@ class ValueWidthCases:
         from kvcache_core.testing.machine import run_config_machine
 
         caching = kvcache_backend.claims("prefix_caching")
-        for index, layout in enumerate(kvcache_backend.kv_layouts):
-            width = VALUE_WIDTHS[index % len(VALUE_WIDTHS)]
+        layouts = dict.fromkeys((kvcache_backend.kv_layouts[0], kvcache_backend.kv_layouts[-1]))
+        for index, layout in enumerate(layouts):  # narrower values in the first layout, wider in the last
+            width = _width(index)
             config = kvcache_backend.config(
                 kv_layout=layout, num_blocks=12, value_head_dim=width, enable_prefix_caching=caching
             )
@@ -168,16 +171,27 @@ class ValueWidthCases:
     ) -> None:
         served = {name for name, capability in _FEATURE_CAPABILITY.items() if kvcache_backend.claims(capability)}
         rng = np.random.default_rng(41)
-        for width in VALUE_WIDTHS:
-            for config in kvcache_backend.configs(value_head_dim=width, num_blocks=32):
-                with kvcache_backend.manager(config) as manager:
-                    handles = _grow(manager, _LENGTHS, rng)
-                    contexts = [manager.gather(handle, 1) for handle in handles]
-                    for names in _FEATURE_SETS:
-                        if not set(names) <= served:
-                            continue
-                        context = f"value_head_dim {width}, dtype {config.dtype}, layout {config.kv_layout}, {names}"
-                        self._attend_and_compare(manager, handles, contexts, names, rng, context)
+        # Narrower values in every dtype and layout with the features of a sliding layer; wider
+        # values in the default config, plain and with those of a chunked layer.
+        cases = [
+            (config, _FEATURE_SETS[1:2])
+            for config in kvcache_backend.configs(value_head_dim=VALUE_WIDTHS[0], num_blocks=32)
+        ]
+        cases.append(
+            (
+                kvcache_backend.config(value_head_dim=VALUE_WIDTHS[1], num_blocks=32),
+                (_FEATURE_SETS[0], _FEATURE_SETS[2]),
+            )
+        )
+        for config, feature_sets in cases:
+            width = config.value_width
+            with kvcache_backend.manager(config) as manager:
+                handles = _grow(manager, _LENGTHS, rng)
+                contexts = [manager.gather(handle, 1) for handle in handles]
+                for names in feature_sets:
+                    wanted = names if set(names) <= served else ()  # features it does not serve: plain
+                    context = f"value_head_dim {width}, dtype {config.dtype}, layout {config.kv_layout}, {wanted}"
+                    self._attend_and_compare(manager, handles, contexts, wanted, rng, context)
 
     @staticmethod
     def _attend_and_compare(
@@ -239,26 +253,26 @@ class ValueWidthCases:
         self, kvcache_backend: BackendUnderTest
     ) -> None:
         rng = np.random.default_rng(43)
-        for width in VALUE_WIDTHS:
-            for dtype in kvcache_backend.dtypes:
-                config = kvcache_backend.config(dtype=dtype, value_head_dim=width, head_dim=16)
-                reference_config = _on_numpy(config)
-                if reference_config is None:
-                    continue
-                context = f"value_head_dim {width}, dtype {dtype}"
-                with kvcache_backend.manager(config) as manager, create_manager("numpy", reference_config) as numpy:
-                    handle = manager.allocate(AllocationRequest("r"))
-                    _write(manager, 0, manager.extend(handle, 9), rng)
-                    blocks = _held_blocks(handle)
-                    copies = _host(manager, blocks)
-                    numpy.storage.blocks_from_host(np.asarray(blocks, dtype=np.int64), *copies)
-                    back = _host(numpy, blocks)
-                    for name, got, sent in zip(("keys", "values"), back, copies, strict=True):
-                        assert got.tobytes() == sent.tobytes(), f"{context}: {name} changed through the NumPy pool"
-                    manager.storage.blocks_from_host(np.asarray(blocks[::-1], dtype=np.int64), *back)
-                    again = _host(manager, blocks[::-1])
-                    for name, got, sent in zip(("keys", "values"), again, copies, strict=True):
-                        assert got.tobytes() == sent.tobytes(), f"{context}: {name} changed on the way back"
+        for index, dtype in enumerate(kvcache_backend.dtypes):
+            width = _width(index)
+            config = kvcache_backend.config(dtype=dtype, value_head_dim=width, head_dim=16)
+            reference_config = _on_numpy(config)
+            if reference_config is None:
+                continue
+            context = f"value_head_dim {width}, dtype {dtype}"
+            with kvcache_backend.manager(config) as manager, create_manager("numpy", reference_config) as numpy:
+                handle = manager.allocate(AllocationRequest("r"))
+                _write(manager, 0, manager.extend(handle, 9), rng)
+                blocks = _held_blocks(handle)
+                copies = _host(manager, blocks)
+                numpy.storage.blocks_from_host(np.asarray(blocks, dtype=np.int64), *copies)
+                back = _host(numpy, blocks)
+                for name, got, sent in zip(("keys", "values"), back, copies, strict=True):
+                    assert got.tobytes() == sent.tobytes(), f"{context}: {name} changed through the NumPy pool"
+                manager.storage.blocks_from_host(np.asarray(blocks[::-1], dtype=np.int64), *back)
+                again = _host(manager, blocks[::-1])
+                for name, got, sent in zip(("keys", "values"), again, copies, strict=True):
+                    assert got.tobytes() == sent.tobytes(), f"{context}: {name} changed on the way back"
 
     @pytest.mark.kvcache_requires("value_head_dim")
     @pytest.mark.kvcache_requires("prefix_caching")
@@ -296,28 +310,28 @@ class ValueWidthCases:
     def test_swap_and_fork_keep_both_widths_bit_exact(self, kvcache_backend: BackendUnderTest) -> None:
         rng = np.random.default_rng(53)
         dtypes = kvcache_backend.unquantized_dtypes[:1] + kvcache_backend.quantized_dtypes
-        for width in VALUE_WIDTHS:
-            for dtype in dtypes:
-                config = kvcache_backend.config(dtype=dtype, value_head_dim=width, head_dim=16)
-                context = f"value_head_dim {width}, dtype {dtype}"
-                with kvcache_backend.manager(config) as manager:
-                    handle = manager.allocate(AllocationRequest("r"))
-                    _write(manager, 1, manager.extend(handle, 7), rng)
-                    before = _host(manager, _held_blocks(handle))
-                    manager.swap_out("r")
-                    manager.swap_in("r")
-                    after = _host(manager, _held_blocks(handle))
-                    for name, got, sent in zip(("keys", "values"), after, before, strict=True):
-                        assert got.tobytes() == sent.tobytes(), f"{context}: {name} changed through swap"
-                    if kvcache_backend.claims("fork"):
-                        child = manager.fork(handle, "child")
-                        _write(manager, 1, manager.extend(child, 1), rng)  # copies the shared last block
-                        kept = _host(manager, _held_blocks(handle))
-                        for name, got, sent in zip(("keys", "values"), kept, before, strict=True):
-                            assert got.tobytes() == sent.tobytes(), (
-                                f"{context}: the child's write changed the parent's {name}"
-                            )
-                    manager.check_invariants()
+        for index, dtype in enumerate(dtypes):
+            width = _width(index)
+            config = kvcache_backend.config(dtype=dtype, value_head_dim=width, head_dim=16)
+            context = f"value_head_dim {width}, dtype {dtype}"
+            with kvcache_backend.manager(config) as manager:
+                handle = manager.allocate(AllocationRequest("r"))
+                _write(manager, 1, manager.extend(handle, 7), rng)
+                before = _host(manager, _held_blocks(handle))
+                manager.swap_out("r")
+                manager.swap_in("r")
+                after = _host(manager, _held_blocks(handle))
+                for name, got, sent in zip(("keys", "values"), after, before, strict=True):
+                    assert got.tobytes() == sent.tobytes(), f"{context}: {name} changed through swap"
+                if kvcache_backend.claims("fork"):
+                    child = manager.fork(handle, "child")
+                    _write(manager, 1, manager.extend(child, 1), rng)  # copies the shared last block
+                    kept = _host(manager, _held_blocks(handle))
+                    for name, got, sent in zip(("keys", "values"), kept, before, strict=True):
+                        assert got.tobytes() == sent.tobytes(), (
+                            f"{context}: the child's write changed the parent's {name}"
+                        )
+                manager.check_invariants()
 
     @pytest.mark.kvcache_requires("value_head_dim")
     def test_quantized_values_of_another_width_meet_the_tolerance_contract(
@@ -326,33 +340,38 @@ class ValueWidthCases:
         if not kvcache_backend.quantized_dtypes:
             pytest.skip(f"backend {kvcache_backend.name!r} claims no quantized dtype")
         rng = np.random.default_rng(59)
-        for width in VALUE_WIDTHS:
-            for dtype in kvcache_backend.quantized_dtypes:
-                for layout in kvcache_backend.kv_layouts:
-                    config = kvcache_backend.config(
-                        dtype=dtype, kv_layout=layout, head_dim=32, value_head_dim=4 * width, num_blocks=24
+        for index, dtype in enumerate(kvcache_backend.quantized_dtypes):
+            for layout in kvcache_backend.kv_layouts:
+                width = _width(index + kvcache_backend.kv_layouts.index(layout))
+                config = kvcache_backend.config(
+                    dtype=dtype, kv_layout=layout, head_dim=32, value_head_dim=4 * width, num_blocks=24
+                )
+                context = f"value_head_dim {4 * width}, dtype {dtype}, layout {layout}"
+                tolerance = QUANTIZED_TOLERANCES[dtype]
+                with kvcache_backend.manager(config) as manager:
+                    handle = manager.allocate(AllocationRequest("r"))
+                    keys, values = _write(manager, 1, manager.extend(handle, 21), rng)
+                    got_keys, got_values = manager.gather(handle, 1)
+                    for name, got, wrote in (("keys", got_keys, keys), ("values", got_values, values)):
+                        error = _relative_error(BackendUnderTest.host(manager, got), wrote)
+                        assert error <= tolerance, f"{context}: gathered {name} error {error:.4f} > {tolerance}"
+                    query = BackendUnderTest.representable(
+                        rng.standard_normal((1, 2 * config.num_heads, config.head_dim)), config.io_dtype
                     )
-                    context = f"value_head_dim {4 * width}, dtype {dtype}, layout {layout}"
-                    tolerance = QUANTIZED_TOLERANCES[dtype]
-                    with kvcache_backend.manager(config) as manager:
-                        handle = manager.allocate(AllocationRequest("r"))
-                        keys, values = _write(manager, 1, manager.extend(handle, 21), rng)
-                        got_keys, got_values = manager.gather(handle, 1)
-                        for name, got, wrote in (("keys", got_keys, keys), ("values", got_values, values)):
-                            error = _relative_error(BackendUnderTest.host(manager, got), wrote)
-                            assert error <= tolerance, f"{context}: gathered {name} error {error:.4f} > {tolerance}"
-                        query = BackendUnderTest.representable(
-                            rng.standard_normal((1, 2 * config.num_heads, config.head_dim)), config.io_dtype
-                        )
-                        output = manager.paged_attention(
-                            1,
-                            BackendUnderTest.native(manager, query, config.io_dtype),
-                            manager.page_table([handle]),
-                        )
-                        scale = 1.0 / math.sqrt(config.head_dim)
-                        expected = dense_feature_attention(query, keys, values, scale=scale)
-                        error = _relative_error(BackendUnderTest.host(manager, output), expected)
-                        assert error <= tolerance, f"{context}: attention error {error:.4f} > {tolerance}"
+                    output = manager.paged_attention(
+                        1,
+                        BackendUnderTest.native(manager, query, config.io_dtype),
+                        manager.page_table([handle]),
+                    )
+                    scale = 1.0 / math.sqrt(config.head_dim)
+                    expected = dense_feature_attention(query, keys, values, scale=scale)
+                    error = _relative_error(BackendUnderTest.host(manager, output), expected)
+                    assert error <= tolerance, f"{context}: attention error {error:.4f} > {tolerance}"
+
+
+def _width(index: int) -> int:
+    """The value width of a case's ``index``-th configuration: narrower and wider in turn."""
+    return VALUE_WIDTHS[index % len(VALUE_WIDTHS)]
 
 
 def _relative_error(got: FloatArray, expected: FloatArray) -> float:
