@@ -23,9 +23,11 @@ __all__ = [
     "attention_implementation",
     "cache_config_for",
     "geometry",
+    "latent_attention",
     "layer_specs",
     "model_fingerprint",
     "text_config",
+    "value_head_dim",
 ]
 
 #: The name to pass as ``attn_implementation`` (or to ``model.set_attn_implementation``).
@@ -79,14 +81,43 @@ def _kv_heads(text: PretrainedConfig) -> int:
     return query_heads
 
 
+def latent_attention(config: PretrainedConfig) -> tuple[int, int] | None:
+    """``(kv_lora_rank, qk_rope_head_dim)`` of a model with multi-head latent attention
+    (DeepSeek-V2/V3, MiniCPM3, GLM-4 MoE lite, LongCat, Mistral 4, ...), else ``None``.
+
+    Such a model hands its cache the compressed latent as keys ``[batch, 1, new_tokens,
+    kv_lora_rank]`` and the rotary part as values ``[batch, 1, new_tokens, qk_rope_head_dim]``,
+    one head each, and expands them into every head's K/V itself after reading them back."""
+    text = text_config(config)
+    rank = _positive_or_none(getattr(text, "kv_lora_rank", None))
+    rope = _positive_or_none(getattr(text, "qk_rope_head_dim", None))
+    return None if rank is None or rope is None else (rank, rope)
+
+
+def value_head_dim(config: PretrainedConfig) -> int | None:
+    """The width of the values a decoder hands its cache when it differs from the keys'
+    (:func:`geometry`): the rotary part of latent attention (``qk_rope_head_dim``), or a
+    model's ``v_head_dim`` (MiMo-V2-Flash); ``None`` when values are as wide as keys."""
+    latent = latent_attention(config)
+    if latent is not None:
+        return latent[1] if latent[1] != latent[0] else None
+    width = _positive_or_none(getattr(text_config(config), "v_head_dim", None))
+    return None if width is None or width == geometry(config)[2] else width
+
+
 def geometry(config: PretrainedConfig) -> tuple[int, int, int]:
-    """``(num_layers, kv_heads, head_dim)`` of a decoder config.
+    """``(num_layers, kv_heads, head_dim)`` of a decoder config, as its attention hands them
+    to the cache: for latent attention one head of the latent's width (``kv_lora_rank``);
+    the values' width is :func:`value_head_dim`.
 
     Raises:
         UnsupportedConfigError: layers with different KV head counts or head sizes.
     """
     text = text_config(config)
     layers = int(text.num_hidden_layers)
+    latent = latent_attention(config)
+    if latent is not None:
+        return layers, 1, latent[0]
     query_heads = _one_per_model(text.num_attention_heads, "query head counts") or 1
     head_dim = _one_per_model(getattr(text, "head_dim", None), "head sizes")
     return layers, _kv_heads(text), int(text.hidden_size) // query_heads if head_dim is None else head_dim
@@ -229,7 +260,9 @@ def cache_config_for(
     layers, kv_heads, head_dim = geometry(config)
     specs = layer_specs(config)  # refuses layers that are not attention layers
     text = text_config(config)
+    _refuse_per_layer_heads(text)
     if attention_implementation(text) == ATTN_IMPLEMENTATION:
+        refuse_latent_on_paged_path(text)
         refuse_unless_interface(text, None if isinstance(model, PretrainedConfig) else model)
     if not isinstance(hybrid, bool):
         raise InvalidArgumentError(f"hybrid must be a bool, got {hybrid!r}")
@@ -245,6 +278,50 @@ def cache_config_for(
         model_id=model_fingerprint(config, str(dtype)) if model_id is None else model_id,
         compute_dtype=compute_dtype,
         layer_specs=specs if hybrid and any(spec.kind != "full" for spec in specs) else None,
+        value_head_dim=value_head_dim(config),
+    )
+
+
+def refuse_latent_on_paged_path(config: PretrainedConfig) -> None:
+    """Refuse ``"kvcache_paged"`` for a model with latent attention, by name.
+
+    Its attention reads back the cached latent and expands it into every head's K/V before
+    calling the attention function, so the pool (which holds the latent) is not what it
+    attends over: its cache serves the contiguous path (``"sdpa"`` or ``"eager"``).
+
+    Raises:
+        UnsupportedConfigError: naming the model class and the remedy.
+    """
+    if latent_attention(config) is None:
+        return
+    name = type(config).__name__.removesuffix("Config") or "this model"
+    raise UnsupportedConfigError(
+        f"{name} uses multi-head latent attention: it expands the cached latent into every head's K/V before "
+        f"attending, so {ATTN_IMPLEMENTATION!r} cannot read them from the pool; load it with "
+        "attn_implementation='sdpa' (or 'eager'): PagedCache then holds the latent (kv_lora_rank + "
+        "qk_rope_head_dim per token) on the contiguous path"
+    )
+
+
+#: Model types whose sliding layers hold other KV head counts than their full layers.
+_SLIDING_LAYERS_WITH_OTHER_HEADS: Final = {"mimo_v2_flash": 2}
+
+
+def _refuse_per_layer_heads(text: PretrainedConfig) -> None:
+    """Refuse, by name, a model whose layers hold different KV head counts (one pool holds
+    one count).
+
+    Raises:
+        UnsupportedConfigError: naming the layers and their counts.
+    """
+    factor = _SLIDING_LAYERS_WITH_OTHER_HEADS.get(str(getattr(text, "model_type", "")))
+    types: Sequence[str] = getattr(text, "layer_types", None) or ()
+    if factor is None or "sliding_attention" not in types or "full_attention" not in types:
+        return
+    heads = _kv_heads(text)
+    raise UnsupportedConfigError(
+        f"the model's sliding layers hold {factor * heads} KV heads, its full layers {heads}; a kvcache pool holds "
+        "one head count for every layer"
     )
 
 
