@@ -51,7 +51,8 @@ def test_a_value_head_dim_equal_to_head_dim_is_stored_as_none() -> None:
 def test_sizes_count_keys_and_values_of_their_own_widths() -> None:
     plain, narrow = config(dtype="float16"), config(dtype="float16", value_head_dim=2)
 
-    assert narrow.value_width == 2 and plain.value_width == 8
+    assert narrow.value_width == 2
+    assert plain.value_width == 8
     assert narrow.bytes_per_token == 2 * 2 * (8 + 2) * 2  # layers x heads x (key + value) x bytes
     assert plain.bytes_per_token == 2 * 2 * 16 * 2
     assert narrow.bytes_per_block == 4 * narrow.bytes_per_token
@@ -86,7 +87,9 @@ def test_a_backend_that_does_not_claim_the_capability_is_refused_by_name() -> No
 
     problems = spec.check_config(config(value_head_dim=2, kv_layout="NHD"))
 
-    assert len(problems) == 1 and "value_head_dim 2" in problems[0] and repr(VALUE_HEAD_DIM) in problems[0]
+    assert len(problems) == 1
+    assert "value_head_dim 2" in problems[0]
+    assert repr(VALUE_HEAD_DIM) in problems[0]
     assert spec.check_config(config(kv_layout="NHD")) == []
 
 
@@ -114,7 +117,9 @@ def test_write_refuses_values_of_the_key_width_and_changes_nothing() -> None:
     slots = manager.extend(handle, 3)
     keys = np.ones((3, 2, 8), np.float32)
 
-    with pytest.raises(ShapeMismatchError, match=re.escape("values must have shape (3, 2, 2) ([n, num_heads, value_width])")):
+    with pytest.raises(
+        ShapeMismatchError, match=re.escape("values must have shape (3, 2, 2) ([n, num_heads, value_width])")
+    ):
         manager.write(0, slots, keys, keys)
     assert not manager.gather(handle, 0)[1].any()
 
@@ -127,7 +132,8 @@ def test_the_host_form_of_values_has_the_value_width() -> None:
     assert host_form.host_shape(narrow, 3, "values") == (2, 3, 4, 2, 2)
     assert host_form.host_record_shape(quantized, "values") == (2, 4, 2, 6)
     raw, scales = quantization.unpack_host(quantized, np.zeros((4, 2, 6), np.uint8))
-    assert raw.shape == (4, 2, 2) and scales.shape == (4, 2)
+    assert raw.shape == (4, 2, 2)
+    assert scales.shape == (4, 2)
     with pytest.raises(ShapeMismatchError, match="6 or 12 bytes"):
         quantization.unpack_host(quantized, np.zeros((4, 2, 7), np.uint8))
 

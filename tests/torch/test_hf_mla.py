@@ -198,7 +198,7 @@ def test_latent_attention_on_the_paged_path_is_refused_by_name(architecture: str
     config = _config(architecture)
     config._attn_implementation = ATTN_IMPLEMENTATION  # pyright: ignore[reportPrivateUsage]
 
-    with pytest.raises(UnsupportedConfigError, match="multi-head latent attention.*attn_implementation='sdpa'"):
+    with pytest.raises(UnsupportedConfigError, match=r"multi-head latent attention.*attn_implementation='sdpa'"):
         cache_config_for(config, num_blocks=8)
 
 

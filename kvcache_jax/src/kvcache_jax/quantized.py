@@ -284,7 +284,9 @@ class QuantizedJaxStorage(JaxStorage):
         """
         shape = host_form.host_shape(self.config, len(blocks))
         host_form.check_host_array(self.config, "keys", keys, shape)
-        host_form.check_host_array(self.config, "values", values, host_form.host_shape(self.config, len(blocks), "values"))
+        host_form.check_host_array(
+            self.config, "values", values, host_form.host_shape(self.config, len(blocks), "values")
+        )
         raw_keys, key_scales = quantization.unpack_host(self.config, keys, "keys")
         raw_values, value_scales = quantization.unpack_host(self.config, values, "values")
         self._elements_from_host(blocks, raw_keys, raw_values)

@@ -183,8 +183,10 @@ class JaxStorage:
             Nothing changes when it raises.
         """
         index = self._config.check_layer(layer)
-        pools = (("key_cache", key_cache, self._config.block_shape()),)
-        pools += (("value_cache", value_cache, self._config.value_block_shape()),)
+        pools = (
+            ("key_cache", key_cache, self._config.block_shape()),
+            ("value_cache", value_cache, self._config.value_block_shape()),
+        )
         for name, array, expected in pools:
             shape, dtype = self._array_info_or_raise(name, array)
             if shape != expected:
@@ -316,7 +318,9 @@ class JaxStorage:
         """
         shape = host_form.host_shape(self._config, len(blocks))
         host_form.check_host_array(self._config, "keys", keys, shape)
-        host_form.check_host_array(self._config, "values", values, host_form.host_shape(self._config, len(blocks), "values"))
+        host_form.check_host_array(
+            self._config, "values", values, host_form.host_shape(self._config, len(blocks), "values")
+        )
         self._elements_from_host(blocks, keys.view(self._element_dtype), values.view(self._element_dtype))
 
     def _elements_from_host(self, blocks: IndexArray, keys: HostArray, values: HostArray) -> None:

@@ -234,7 +234,12 @@ def kernel_reads(dtype: str, key_cache: npt.NDArray[Any], value_cache: npt.NDArr
             stride % row_bytes for stride, extent in zip(cache.strides[:3], cache.shape[:3], strict=True) if extent > 1
         ):
             return False  # rows that do not start at whole multiples of head_dim
-        row_strides.append([stride // row_bytes if extent > 1 else 0 for stride, extent in zip(cache.strides[:3], cache.shape[:3], strict=True)])
+        row_strides.append(
+            [
+                stride // row_bytes if extent > 1 else 0
+                for stride, extent in zip(cache.strides[:3], cache.shape[:3], strict=True)
+            ]
+        )
     # One pool row index serves a key row and its value row: the same strides, counted in rows.
     return key_cache.shape[:3] == value_cache.shape[:3] and row_strides[0] == row_strides[1]
 

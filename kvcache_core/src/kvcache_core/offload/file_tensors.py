@@ -50,7 +50,9 @@ def stack_blocks(config: CacheConfig, blocks: Sequence[tuple[HostArray, HostArra
         host_form.check_host_array(config, f"block {index}'s values", values, value_shape)
     if not blocks:
         form = host_form.host_dtype(config.dtype)
-        return np.zeros(host_form.host_shape(config, 0), form), np.zeros(host_form.host_shape(config, 0, "values"), form)
+        return np.zeros(host_form.host_shape(config, 0), form), np.zeros(
+            host_form.host_shape(config, 0, "values"), form
+        )
     return np.stack([keys for keys, _ in blocks], axis=1), np.stack([values for _, values in blocks], axis=1)
 
 

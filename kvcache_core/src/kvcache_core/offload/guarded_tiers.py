@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
-from kvcache_core.offload import host_form
 from kvcache_core.errors import InvalidTypeError, TierError, UnsupportedConfigError
+from kvcache_core.offload import host_form
 from kvcache_core.offload.events import BlockStored, EventHub
 from kvcache_core.offload.prefix_file import BlockRecord, block_checksum, record_key
 from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier, TierStats

@@ -126,7 +126,11 @@ def check_host_array(config: CacheConfig, name: str, array: object, shape: tuple
             "(kvcache_core.offload.host_form)"
         )
     if tuple(checked.shape) != tuple(shape):
-        dim = "value_width" if config.value_head_dim is not None and shape[-1] == host_width(config, "values") else "head_dim"
+        dim = (
+            "value_width"
+            if config.value_head_dim is not None and shape[-1] == host_width(config, "values")
+            else "head_dim"
+        )
         width = f"{dim} + 4 scale bytes" if config.quantized else dim
         axes = "layers, blocks, block_size, heads" if len(shape) == 5 else "layers, block_size, heads"
         raise ShapeMismatchError(

@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.offload import host_form
 from kvcache_core.errors import (
     CorruptCacheFileError,
     IncompatibleCacheFileError,
@@ -62,6 +61,7 @@ from kvcache_core.errors import (
     OutOfBlocksError,
     UnsupportedConfigError,
 )
+from kvcache_core.offload import host_form
 from kvcache_core.offload.file_header import block_entry, kvcache_header, read_container, same_json, shown
 from kvcache_core.offload.file_tensors import block_in_host_form, load_tensors, stack_blocks
 from kvcache_core.offload.safe_files import file_path, write_file_atomically

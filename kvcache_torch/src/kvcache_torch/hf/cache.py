@@ -93,7 +93,12 @@ class PagedCache(Cache):
         pool = manager.config
         layers, kv_heads, head_dim = geometry(config)
         values = value_head_dim(config)
-        if (layers, kv_heads, head_dim, values) != (pool.num_layers, pool.num_heads, pool.head_dim, pool.value_head_dim):
+        if (layers, kv_heads, head_dim, values) != (
+            pool.num_layers,
+            pool.num_heads,
+            pool.head_dim,
+            pool.value_head_dim,
+        ):
             raise UnsupportedConfigError(
                 f"the model has {layers} layers of {kv_heads} KV heads of size {head_dim} (values {values or head_dim}), "
                 f"the pool {pool.num_layers} layers of {pool.num_heads} heads of size {pool.head_dim} (values "
@@ -459,7 +464,9 @@ class PagedCache(Cache):
             or values.dim() != 4
             or (keys.shape[1], keys.shape[3], values.shape[3]) != (pool.num_heads, pool.head_dim, pool.value_width)
         ):
-            values_wide = "" if pool.value_head_dim is None else f" and [batch, {pool.num_heads}, new_tokens, {pool.value_width}]"
+            values_wide = (
+                "" if pool.value_head_dim is None else f" and [batch, {pool.num_heads}, new_tokens, {pool.value_width}]"
+            )
             raise ShapeMismatchError(
                 f"keys and values must be [batch, {pool.num_heads}, new_tokens, {pool.head_dim}]{values_wide}, got "
                 f"{tuple(keys.shape)} and {tuple(values.shape)}"
