@@ -60,6 +60,7 @@ def test_every_benchmark_is_listed_here() -> None:
         "generate_hybrid.py",
         "generate_torch.py",
         "hybrid_memory.py",
+        "memory_mla.py",
         "prefix.py",
         "prefix_tiers.py",
         "quantized.py",
