@@ -216,3 +216,15 @@ def test_a_model_whose_sliding_layers_hold_other_head_counts_is_refused_by_name(
 
     with pytest.raises(UnsupportedConfigError, match="sliding layers hold 8 KV heads, its full layers 4"):
         cache_config_for(config, num_blocks=8)
+
+
+def test_per_layer_head_sizes_are_refused_by_name() -> None:
+    """Gemma 4's full-attention layers have a head size of their own (``per_layer_config``)."""
+    config = transformers.Gemma4TextConfig(
+        **{**COMMON_CONFIG, "num_hidden_layers": 6, "head_dim": 16}, global_head_dim=32
+    )
+
+    with pytest.raises(
+        UnsupportedConfigError, match=r"different head sizes \('head_dim' per layer: \[16, 16, 16, 16, 16, 32\]\)"
+    ):
+        cache_config_for(config, num_blocks=8)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from typing import Final, cast
+from typing import Any, Final, cast
 
 import torch
 from transformers import PretrainedConfig
@@ -65,9 +65,41 @@ def _one_per_model(value: object, name: str) -> int | None:
     return None if value is None else int(cast("int", value))
 
 
+#: The name of the error transformers raises when a field that differs per layer
+#: (``per_layer_config``: Gemma 4's head sizes) is read from the model's config.
+_PER_LAYER_ERROR: Final = "AmbiguousGlobalPerLayerAttributeError"
+
+
+def _field(text: PretrainedConfig, name: str, what: str) -> object:
+    """``getattr(text, name, None)``, refusing by name a field whose value differs per layer.
+
+    Raises:
+        UnsupportedConfigError: the field is set per layer (``per_layer_config``); the message
+            names it and each layer's value.
+    """
+    try:
+        return getattr(text, name, None)
+    except RuntimeError as exc:
+        if type(exc).__name__ != _PER_LAYER_ERROR:
+            raise
+        values: list[object] = []
+        per_layer: object = getattr(text, "per_layer_config", None)
+        for layer in range(int(text.num_hidden_layers)):
+            try:
+                values.append(getattr(cast("Any", per_layer)[layer], name, None))
+            except Exception:  # a per-layer config of another form: name the field alone
+                values = []
+                break
+        shown = f": {values}" if values else ""
+        raise UnsupportedConfigError(
+            f"the model's layers have different {what} ({name!r} per layer{shown}); a kvcache pool holds one for "
+            "every layer"
+        ) from exc
+
+
 def _kv_heads(text: PretrainedConfig) -> int:
     """The KV heads a decoder hands its cache, as its attention computes them."""
-    query_heads = _one_per_model(text.num_attention_heads, "query head counts") or 1
+    query_heads = _one_per_model(_field(text, "num_attention_heads", "query head counts"), "query head counts") or 1
     if hasattr(text, "new_decoder_architecture") and hasattr(text, "multi_query"):  # Falcon's convention
         if getattr(text, "new_decoder_architecture", False):
             return query_heads  # keys and values are broadcast to every query head before caching
@@ -75,7 +107,7 @@ def _kv_heads(text: PretrainedConfig) -> int:
             return 1
         return _one_per_model(getattr(text, "num_kv_heads", None), "KV head counts") or query_heads
     for name in ("num_key_value_heads", "num_kv_heads"):
-        heads = _one_per_model(getattr(text, name, None), "KV head counts")
+        heads = _one_per_model(_field(text, name, "KV head counts"), "KV head counts")
         if heads is not None:
             return heads
     return query_heads
@@ -101,7 +133,7 @@ def value_head_dim(config: PretrainedConfig) -> int | None:
     latent = latent_attention(config)
     if latent is not None:
         return latent[1] if latent[1] != latent[0] else None
-    width = _positive_or_none(getattr(text_config(config), "v_head_dim", None))
+    width = _positive_or_none(_field(text_config(config), "v_head_dim", "value head sizes"))
     return None if width is None or width == geometry(config)[2] else width
 
 
@@ -111,15 +143,16 @@ def geometry(config: PretrainedConfig) -> tuple[int, int, int]:
     the values' width is :func:`value_head_dim`.
 
     Raises:
-        UnsupportedConfigError: layers with different KV head counts or head sizes.
+        UnsupportedConfigError: layers with different KV head counts or head sizes (a list
+            per layer, or transformers' ``per_layer_config``: Gemma 4), named in the message.
     """
     text = text_config(config)
     layers = int(text.num_hidden_layers)
     latent = latent_attention(config)
     if latent is not None:
         return layers, 1, latent[0]
-    query_heads = _one_per_model(text.num_attention_heads, "query head counts") or 1
-    head_dim = _one_per_model(getattr(text, "head_dim", None), "head sizes")
+    query_heads = _one_per_model(_field(text, "num_attention_heads", "query head counts"), "query head counts") or 1
+    head_dim = _one_per_model(_field(text, "head_dim", "head sizes"), "head sizes")
     return layers, _kv_heads(text), int(text.hidden_size) // query_heads if head_dim is None else head_dim
 
 
