@@ -100,7 +100,7 @@ class _OneWidthStorage(NumpyStorage):
     def __init__(self, config: CacheConfig) -> None:
         super().__init__(config)
         self._config = config.with_layout("heads_first")
-        plain = CacheConfig(**{**GEOMETRY, "kv_layout": "heads_first"})
+        plain = CacheConfig(2, 2, 8, 8, 4, kv_layout="heads_first")
         self._parts = NumpyStorage(plain)._parts  # pyright: ignore[reportPrivateUsage]
 
 

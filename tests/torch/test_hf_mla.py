@@ -29,7 +29,7 @@ from tests.torch.hf_support import (
     forward,
     generate,
     max_logit_difference,
-    one_thread,  # noqa: F401  (the module-scoped fixture pytestmark uses)
+    one_thread,  # noqa: F401  # pyright: ignore[reportUnusedImport]  # a fixture, used by pytestmark
     prompts,
     torch,
     transformers,

@@ -172,12 +172,9 @@ class CacheConfig:
             ``FLOAT32_TINY`` to :data:`MAX_KV_SCALE` (backends decode in float32); only for
             ``dtype="float8_e4m3fn"``. ``None``: each scale tracks the running maximum (see
             :mod:`kvcache_core.contract.quantization`). Stored as nested tuples of floats.
-        value_head_dim: features per head of the values (>= 1) when they differ from the
-            keys' :attr:`head_dim` (multi-head latent attention caches a latent and a rotary
-            part of different widths; some models' ``v_head_dim``), or ``None`` (the
-            default): the same as :attr:`head_dim`. A value equal to :attr:`head_dim` is
-            stored as ``None``. :attr:`value_width` is the resolved width; only a backend
-            claiming the ``"value_head_dim"`` capability holds a pool whose widths differ.
+        value_head_dim: the values' features per head (>= 1) where they differ from the keys' (latent
+            attention's rotary part, ``v_head_dim``); ``None`` or :attr:`head_dim` (stored as ``None``): as
+            wide. :attr:`value_width` resolves it; backends claiming ``"value_head_dim"`` hold such pools.
 
     Every field is stored as a plain Python value (NumPy integers, floats and strings
     are accepted and converted; a bool is refused where a number is meant). Counts and
@@ -239,11 +236,9 @@ class CacheConfig:
         for name in ("num_layers", "num_heads", "head_dim", "num_blocks", "block_size"):
             count = check_count(getattr(self, name), f"CacheConfig.{name}", 1, INT32_MAX, error=InvalidConfigError)
             object.__setattr__(self, name, count)
-        if self.value_head_dim is not None:
-            width = check_count(
-                self.value_head_dim, "CacheConfig.value_head_dim", 1, INT32_MAX, error=InvalidConfigError
-            )
-            object.__setattr__(self, "value_head_dim", None if width == self.head_dim else width)
+        if self.value_head_dim is not None:  # stored as None when equal to head_dim
+            dim = check_count(self.value_head_dim, "CacheConfig.value_head_dim", 1, INT32_MAX, error=InvalidConfigError)
+            object.__setattr__(self, "value_head_dim", None if dim == self.head_dim else dim)
         for name in ("dtype", "kv_layout", "model_id", "compute_dtype"):
             object.__setattr__(self, name, _plain_str(getattr(self, name)))
         if self.num_blocks * self.block_size > MAX_POOL_SLOTS:
@@ -486,10 +481,9 @@ class CacheConfig:
         return self.num_blocks * self.block_size
 
     def block_shape(self) -> tuple[int, ...]:
-        """Shape of one layer's key pool (and value pool, when :attr:`value_head_dim` is
-        ``None``) in :attr:`kv_layout`: ``"NHD"`` ``[num_blocks, block_size, num_heads,
-        head_dim]``, ``"HND"`` ``[num_blocks, num_heads, block_size, head_dim]``,
-        ``"heads_first"`` ``[num_heads, num_blocks, block_size, head_dim]``.
+        """Shape of one layer's key pool (values: :meth:`value_block_shape`) in :attr:`kv_layout`: ``"NHD"``
+        ``[num_blocks, block_size, num_heads, head_dim]``, ``"HND"`` ``[num_blocks, num_heads,
+        block_size, head_dim]``, ``"heads_first"`` ``[num_heads, num_blocks, block_size, head_dim]``.
 
         Raises:
             InvalidConfigError: ``kv_layout`` is ``None`` (not resolved by a backend yet).
@@ -497,12 +491,7 @@ class CacheConfig:
         return self._pool_shape(self.head_dim)
 
     def value_block_shape(self) -> tuple[int, ...]:
-        """Shape of one layer's value pool in :attr:`kv_layout`: :meth:`block_shape` with
-        :attr:`value_width` as its last axis.
-
-        Raises:
-            InvalidConfigError: ``kv_layout`` is ``None`` (not resolved by a backend yet).
-        """
+        """:meth:`block_shape` of the value pool: :attr:`value_width` last. Raises as :meth:`block_shape`."""
         return self._pool_shape(self.value_width)
 
     def _pool_shape(self, dim: int) -> tuple[int, ...]:

@@ -324,13 +324,14 @@ def _check_compatible(header: Mapping[str, Any], config: CacheConfig, source: Pa
         )
     geometry: object = header.get("geometry")
     if isinstance(geometry, dict):
-        stated: object = cast("dict[str, object]", geometry).get("value_head_dim")
+        fields = cast("dict[str, object]", geometry)
+        stated = fields.get("value_head_dim")
         if not same_json(stated, config.value_head_dim):
             raise IncompatibleCacheFileError(
                 f"{name} holds values of width {shown(stated) if stated is not None else 'head_dim'} "
                 f"(value_head_dim {shown(stated)}); this pool's value_head_dim is {config.value_head_dim!r}"
             )
-    if not same_json(geometry, _geometry(config)):
+    if not same_json(header.get("geometry"), _geometry(config)):
         raise IncompatibleCacheFileError(
             f"{name} has geometry {shown(header.get('geometry'))}; this pool's is {_geometry(config)!r}"
         )

@@ -25,6 +25,7 @@ import numpy.typing as npt
 import pytest
 
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
+from kvcache_core.contract.device import Device
 from kvcache_core.discovery import create_manager
 from kvcache_core.errors import IncompatibleCacheFileError
 from kvcache_core.handle import PagedKvCacheHandle
@@ -106,19 +107,7 @@ def _on_numpy(config: CacheConfig) -> CacheConfig | None:
 
     if config.dtype not in NUMPY_DTYPES:
         return None
-    return CacheConfig(**{**_fields(config), "device": "cpu", "kv_layout": None})
-
-
-def _fields(config: CacheConfig) -> dict[str, Any]:
-    names = ("num_layers", "num_heads", "head_dim", "num_blocks", "block_size", "dtype", "kv_layout")
-    return {
-        **{name: getattr(config, name) for name in names},
-        "device": str(config.device),
-        "enable_prefix_caching": config.enable_prefix_caching,
-        "compute_dtype": config.compute_dtype,
-        "value_head_dim": config.value_head_dim,
-        "model_id": config.model_id,
-    }
+    return dataclasses.replace(config, device=Device(), kv_layout=None)
 
 
 class ValueWidthCases:
@@ -173,7 +162,7 @@ class ValueWidthCases:
         rng = np.random.default_rng(41)
         # Narrower values in every dtype and layout with the features of a sliding layer; wider
         # values in the default config, plain and with those of a chunked layer.
-        cases = [
+        cases: list[tuple[CacheConfig, tuple[tuple[str, ...], ...]]] = [
             (config, _FEATURE_SETS[1:2])
             for config in kvcache_backend.configs(value_head_dim=VALUE_WIDTHS[0], num_blocks=32)
         ]
