@@ -226,7 +226,11 @@ def cache_config_for(
     """The :class:`~kvcache_core.CacheConfig` of a pool for this model.
 
     Layers, KV heads and head size come from the model's (decoder) config; give the pool's
-    size as ``num_blocks`` or as ``max_tokens`` (rounded up to whole blocks), not both.
+    size as ``num_blocks`` or as ``max_tokens`` (rounded up to whole blocks), not both. The
+    pool holds what the model's attention hands ``update``: for multi-head latent attention
+    (DeepSeek-V2/V3, MiniCPM3, ...) one head, keys of ``kv_lora_rank`` and values of
+    ``qk_rope_head_dim`` (:func:`latent_attention`); for a model with a ``v_head_dim`` of its
+    own, values of that width (``CacheConfig.value_head_dim``).
 
     Args:
         model: the model (its ``config``, and the dtype and device of its weights), or just
@@ -257,7 +261,10 @@ def cache_config_for(
             full, sliding or chunked attention (the message names their type), or a config
             set to ``"kvcache_paged"`` for a model whose attention does not call transformers'
             attention interface (Falcon, GPT-Neo, Bloom, MPT, ...: the message names the
-            class and the remedy: its own attention, ``"sdpa"`` or ``"eager"``).
+            class and the remedy: its own attention, ``"sdpa"`` or ``"eager"``), a config
+            set to ``"kvcache_paged"`` for a latent-attention model (which expands the latent
+            before attending: it runs the contiguous path), or layers of different head sizes
+            or KV head counts (Gemma 4's ``per_layer_config``: each layer's value is named).
         InvalidConfigError: any field out of range (from ``CacheConfig``).
 
     The ``"kvcache_paged"`` attention applies each layer's window or chunk, softcap and
