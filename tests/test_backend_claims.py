@@ -16,11 +16,13 @@ from kvcache_core.contract.hookspecs import (
     IMMUTABLE_ARRAYS,
     POLICY_CAPABILITIES,
     STATE_LAYERS,
+    VALUE_HEAD_DIM,
     BackendSpec,
 )
 
 POLICIES = {"fork", "prefix_caching", "swap", "eviction", "sliding_window"}
 ATTENTION = {"attention_window", "softcap", "sinks", "chunked_attention"}
+WIDTHS = {"value_head_dim"}
 LAYOUTS = ("NHD", "HND", "heads_first")
 
 
@@ -38,28 +40,28 @@ CLAIMS = {
     "numpy": Claim(
         "kvcache_core.backends.numpy",
         "kvcache_core.backends.numpy:NumpyStorage",
-        POLICIES | ATTENTION | {"state_layers"},
+        POLICIES | ATTENTION | WIDTHS | {"state_layers"},
         numpy_backend.NUMPY_DTYPES,
         ("cpu",),
     ),
     "torch": Claim(
         "kvcache_torch.plugin",
         "kvcache_torch.storage:TorchStorage",
-        POLICIES | ATTENTION | {"state_layers"},
+        POLICIES | ATTENTION | WIDTHS | {"state_layers"},
         ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn"),
         ("cpu", "cuda"),
     ),
     "jax": Claim(
         "kvcache_jax.plugin",
         "kvcache_jax.storage:JaxStorage",
-        POLICIES | ATTENTION | {"immutable_arrays", "state_layers"},
+        POLICIES | ATTENTION | WIDTHS | {"immutable_arrays", "state_layers"},
         ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn"),
         ("cpu", "cuda", "gpu", "rocm", "tpu"),
     ),
     "memmap": Claim(
         "kvcache_memmap.storage",
         "kvcache_memmap.storage:MemmapStorage",
-        POLICIES | ATTENTION,
+        POLICIES | ATTENTION | WIDTHS,
         tuple(name for name in numpy_backend.NUMPY_DTYPES if name != "float64"),
         ("cpu",),
     ),
@@ -76,7 +78,11 @@ def registered(plugin: str) -> BackendSpec[Any]:
 def test_the_named_sets_split_the_vocabulary() -> None:
     assert POLICY_CAPABILITIES == POLICIES
     assert ATTENTION_CAPABILITIES == ATTENTION
-    assert set(CAPABILITIES) == POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {IMMUTABLE_ARRAYS, STATE_LAYERS}
+    assert set(CAPABILITIES) == POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {
+        IMMUTABLE_ARRAYS,
+        STATE_LAYERS,
+        VALUE_HEAD_DIM,
+    }
     assert POLICY_CAPABILITIES.isdisjoint(ATTENTION_CAPABILITIES)
 
 

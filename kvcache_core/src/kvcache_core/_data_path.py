@@ -178,7 +178,9 @@ class DataPath(Generic[ArrayT]):
         slots = np.concatenate(grown, axis=-1) if grown else empty
         runner = _StepRunner(self, states, len(tables))
         request_ids = tuple(state.request_id for state in states)
-        return Step(runner, request_ids, tuple(counts), slots, tables, config.num_heads, config.head_dim)
+        return Step(
+            runner, request_ids, tuple(counts), slots, tables, config.num_heads, config.head_dim, config.value_width
+        )
 
     # -- page tables, writes, reads --------------------------------------------------------
 
@@ -208,7 +210,7 @@ class DataPath(Generic[ArrayT]):
         config = self.config
         expected = (int(slots.shape[0]), config.num_heads, config.head_dim)
         self._checks.array("keys", keys, expected)
-        self._checks.array("values", values, expected)
+        self._checks.array("values", values, (*expected[:2], config.value_width))
         pool = self._pool
         epoch = pool.immutable_epoch
         if not slots.shape[0]:

@@ -50,6 +50,7 @@ from kvcache_core.testing.reliability import ReliabilityCases
 from kvcache_core.testing.returns import storage_return_problems
 from kvcache_core.testing.states import StateCases
 from kvcache_core.testing.tiers import TierCases
+from kvcache_core.testing.value_widths import ValueWidthCases
 from kvcache_core.testing.world import World, assert_same_state, make_world, probe, snapshot
 
 __all__ = ["KvCacheConformance"]
@@ -138,6 +139,7 @@ class KvCacheConformance(
     TierCases,
     HostFormCases,
     StateCases,
+    ValueWidthCases,
 ):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 
