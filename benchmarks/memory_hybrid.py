@@ -51,7 +51,8 @@ def build(layers: int, hidden: int) -> tuple[Any, Any]:
         eos_token_id=None,
     )
     torch.random.manual_seed(0)  # pyright: ignore[reportUnknownMemberType]  # seed untyped in torch
-    reference: Any = transformers.BambaForCausalLM(config).eval()
+    reference: Any = transformers.BambaForCausalLM(config)
+    reference.eval()
     ours: Any = copy.deepcopy(reference)
     ours.set_attn_implementation(ATTN_IMPLEMENTATION)
     return ours, reference

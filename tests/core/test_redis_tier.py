@@ -217,8 +217,8 @@ def test_a_full_write_queue_drops_the_block_counted(own_redis_server: RedisServe
     config = fleet_config()
     tier = fast_tier(own_redis_server.url, queue_bytes=2 * config.bytes_per_block, write_timeout_s=5.0)
     with create_manager("numpy", config, tiers=[tier]) as manager:
+        serve(manager, "r", PROMPT)  # its lookup answered: the breaker stays shut
         own_redis_server.pause()  # the first write hangs: the queue stays full
-        serve(manager, "r", PROMPT)
         manager.gc()
         stats = tier.stats()
         own_redis_server.resume()

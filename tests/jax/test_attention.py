@@ -261,8 +261,8 @@ def test_bad_arguments_to_the_pure_function_raise_kvcache_errors() -> None:
         kvcache_jax.paged_attention(jnp.zeros((3, 4, 8)), pool, pool, tables, lens)
     with pytest.raises(ShapeMismatchError, match=r"qo_indptr must be \[3\]"):
         kvcache_jax.paged_attention(query, pool, pool, tables, lens, jnp.asarray([0, 2], jnp.int32))
-    with pytest.raises(ShapeMismatchError, match="share one shape"):
-        kvcache_jax.paged_attention(query, pool, jnp.zeros((8, 4, 2, 4)), tables, lens)
+    with pytest.raises(ShapeMismatchError, match="share one shape but for their last axis"):
+        kvcache_jax.paged_attention(query, pool, jnp.zeros((8, 4, 3, 8)), tables, lens)
     with pytest.raises(InvalidArgumentError, match=r"scale.*-1.0"):
         kvcache_jax.paged_attention(query, pool, pool, tables, lens, scale=-1.0)
     with pytest.raises(InvalidArgumentError, match=r"kv_layout 'DHN'.*NHD, HND, heads_first"):

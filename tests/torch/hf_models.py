@@ -275,7 +275,7 @@ def _state_family(key: str) -> Family:
     return Family(_STATE_NAMES[key], config_class, model_class, {**STATE_COMMON, **fields}, why=why)
 
 
-FAMILIES: tuple[Family, ...] = (
+_BY_HAND: tuple[Family, ...] = (
     Family("Llama", "LlamaConfig", "LlamaForCausalLM", _decoder()),
     Family("Qwen2", "Qwen2Config", "Qwen2ForCausalLM", _decoder()),
     Family(
@@ -414,8 +414,14 @@ FAMILIES: tuple[Family, ...] = (
         attention="eager",
     ),
 )
-FAMILIES += tuple(_latent_family(key) for key in LATENT_MODELS)
-FAMILIES += tuple(_state_family(key) for key in STATE_MODELS)
+
+#: Every family: the ones written out above, then those with values of their own width, then
+#: those with recurrent states.
+FAMILIES: tuple[Family, ...] = (
+    _BY_HAND
+    + tuple(_latent_family(key) for key in LATENT_MODELS)
+    + tuple(_state_family(key) for key in STATE_MODELS)
+)
 
 #: The comment lines around the README's generated table.
 TABLE_BEGIN = (
