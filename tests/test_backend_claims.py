@@ -17,6 +17,7 @@ from kvcache_core.contract.hookspecs import (
     POLICY_CAPABILITIES,
     BackendSpec,
 )
+from kvcache_core.contract.regions import MEMORY_REGIONS
 
 POLICIES = {"fork", "prefix_caching", "swap", "eviction", "sliding_window"}
 ATTENTION = {"attention_window", "softcap", "sinks", "chunked_attention"}
@@ -37,14 +38,14 @@ CLAIMS = {
     "numpy": Claim(
         "kvcache_core.backends.numpy",
         "kvcache_core.backends.numpy:NumpyStorage",
-        POLICIES | ATTENTION,
+        POLICIES | ATTENTION | {"memory_regions"},
         numpy_backend.NUMPY_DTYPES,
         ("cpu",),
     ),
     "torch": Claim(
         "kvcache_torch.plugin",
         "kvcache_torch.storage:TorchStorage",
-        POLICIES | ATTENTION,
+        POLICIES | ATTENTION | {"memory_regions"},
         ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn"),
         ("cpu", "cuda"),
     ),
@@ -58,7 +59,7 @@ CLAIMS = {
     "memmap": Claim(
         "kvcache_memmap.storage",
         "kvcache_memmap.storage:MemmapStorage",
-        POLICIES | ATTENTION,
+        POLICIES | ATTENTION | {"memory_regions"},
         tuple(name for name in numpy_backend.NUMPY_DTYPES if name != "float64"),
         ("cpu",),
     ),
@@ -75,7 +76,7 @@ def registered(plugin: str) -> BackendSpec[Any]:
 def test_the_named_sets_split_the_vocabulary() -> None:
     assert POLICY_CAPABILITIES == POLICIES
     assert ATTENTION_CAPABILITIES == ATTENTION
-    assert set(CAPABILITIES) == POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {IMMUTABLE_ARRAYS}
+    assert set(CAPABILITIES) == POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {IMMUTABLE_ARRAYS, MEMORY_REGIONS}
     assert POLICY_CAPABILITIES.isdisjoint(ATTENTION_CAPABILITIES)
 
 

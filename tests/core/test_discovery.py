@@ -243,4 +243,13 @@ def test_the_capability_vocabulary_is_one_list() -> None:
     from kvcache_core.testing.backend import CAPABILITIES as KIT_CAPABILITIES
 
     assert set(KIT_POLICIES) == set(POLICY_CAPABILITIES)
-    assert KIT_CAPABILITIES == set(CAPABILITIES) == POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {"immutable_arrays"}
+    assert (
+        KIT_CAPABILITIES
+        == set(CAPABILITIES)
+        == POLICY_CAPABILITIES
+        | ATTENTION_CAPABILITIES
+        | {
+            "immutable_arrays",
+            "memory_regions",
+        }
+    )

@@ -4,7 +4,8 @@ A backend registers a :class:`BackendSpec` through a :data:`hookimpl` of
 ``kvcache_register_backends`` under the entry-point group :data:`ENTRY_POINT_GROUP`; its
 storage implements :class:`KvStorage` over one of :data:`KV_LAYOUTS` and dtypes of
 :data:`DTYPE_SIZES`, and claims named capabilities (:data:`CAPABILITIES`, composed from
-:data:`POLICY_CAPABILITIES`, :data:`ATTENTION_CAPABILITIES` and :data:`IMMUTABLE_ARRAYS`). A
+:data:`POLICY_CAPABILITIES`, :data:`ATTENTION_CAPABILITIES`, :data:`IMMUTABLE_ARRAYS` and
+:data:`MEMORY_REGIONS`, whose storages also have the optional member of :class:`RegionStorage`). A
 storage without a kernel of its own can answer with the NumPy reference
 (:func:`paged_attention`). A tier implements :class:`OffloadTier` and registers a factory
 under :data:`TIER_ENTRY_POINT_GROUP`. The conformance kit (``pytest -p kvcache_core.testing``)
@@ -33,6 +34,7 @@ from kvcache_core.contract.hookspecs import (
 )
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage
+from kvcache_core.contract.regions import MEMORY_REGIONS, MemoryRegion, RegionStorage
 from kvcache_core.errors import KvCachePluginWarning
 from kvcache_core.offload.tiers import TIER_ENTRY_POINT_GROUP, OffloadTier, TierStats
 
@@ -43,6 +45,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "IMMUTABLE_ARRAYS",
     "KV_LAYOUTS",
+    "MEMORY_REGIONS",
     "POLICY_CAPABILITIES",
     "QUANTIZED_DTYPES",
     "TIER_ENTRY_POINT_GROUP",
@@ -51,8 +54,10 @@ __all__ = [
     "Device",
     "KvCachePluginWarning",
     "KvStorage",
+    "MemoryRegion",
     "OffloadTier",
     "PageTable",
+    "RegionStorage",
     "TierStats",
     "check_attention_call",
     "hookimpl",

@@ -11,6 +11,7 @@ from typing import Final
 
 from kvcache_core.contract.config import KV_LAYOUTS
 from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES
+from kvcache_core.contract.regions import MEMORY_REGIONS
 
 __all__ = ["ATTENTION_FEATURES", "CAPABILITIES", "DEVICES", "DTYPES", "LAYOUTS", "PREFERRED_LAYOUT"]
 
@@ -34,5 +35,5 @@ ATTENTION_FEATURES: Final = ATTENTION_CAPABILITIES
 
 #: Optional features of the conformance kit the backend claims: core's policies, over this
 #: storage's block copies (fork), host transfers (swap) and windowed attention, and the
-#: attention features.
-CAPABILITIES: Final = POLICY_CAPABILITIES | ATTENTION_FEATURES
+#: attention features; and its pool's memory regions (CPU and CUDA tensors keep their addresses).
+CAPABILITIES: Final = POLICY_CAPABILITIES | ATTENTION_FEATURES | {MEMORY_REGIONS}

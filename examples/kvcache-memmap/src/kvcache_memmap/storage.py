@@ -25,6 +25,7 @@ from kvcache_core.backends.numpy import (
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError, UnsupportedConfigError
 from kvcache_core.plugin import (
     ATTENTION_CAPABILITIES,
+    MEMORY_REGIONS,
     POLICY_CAPABILITIES,
     QUANTIZED_DTYPES,
     BackendSpec,
@@ -374,5 +375,5 @@ def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
         preferred_layout=PREFERRED_LAYOUT,
         description="pool in a memory-mapped file (example third-party backend)",
         # The policies live in core; the NumPy kernels serve them and every attention feature.
-        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES,
+        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {MEMORY_REGIONS},
     )

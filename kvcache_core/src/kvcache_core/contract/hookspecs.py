@@ -82,6 +82,8 @@ CAPABILITIES: dict[str, str] = {
     "(storage.attention_features lists it)",
     "chunked_attention": "paged_attention(chunk=C) lets a query see only the keys of its own chunk of C "
     "positions (storage.attention_features lists it)",
+    "memory_regions": "memory_regions() names the pool's memory (address, shape, device per layer and part, "
+    "with a quantized pool's scales), stable while the storage is open, for a transport to register once",
     "immutable_arrays": "key_cache hands out the current pool array of an immutable array library "
     "(JAX), which later writes replace but never delete, instead of a view",
 }

@@ -46,6 +46,7 @@ from kvcache_core.testing.inspect import allocator
 from kvcache_core.testing.machine import run_reference_machine
 from kvcache_core.testing.policies import PolicyCases
 from kvcache_core.testing.quantized import QuantizedCases
+from kvcache_core.testing.regions import RegionCases
 from kvcache_core.testing.reliability import ReliabilityCases
 from kvcache_core.testing.returns import storage_return_problems
 from kvcache_core.testing.tiers import TierCases
@@ -128,7 +129,15 @@ def _tokens_from_pool(config: CacheConfig, pool: FloatArray, slots: npt.NDArray[
 
 
 class KvCacheConformance(
-    ReliabilityCases, PolicyCases, BeyondPoolCases, FeatureCases, QuantizedCases, HybridCases, TierCases, HostFormCases
+    ReliabilityCases,
+    PolicyCases,
+    BeyondPoolCases,
+    FeatureCases,
+    QuantizedCases,
+    HybridCases,
+    TierCases,
+    HostFormCases,
+    RegionCases,
 ):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 
