@@ -26,7 +26,14 @@ from kvcache_core.attention.reference import check_attention_call, validate_quer
 from kvcache_core.contract.config import CacheConfig, check_count, check_token_ids
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
-from kvcache_core.errors import InvalidArgumentError, ManagerClosedError, ShapeMismatchError, StaleStepError
+from kvcache_core.errors import (
+    InvalidArgumentError,
+    ManagerClosedError,
+    ShapeMismatchError,
+    StaleStepError,
+    UnsupportedConfigError,
+)
+from kvcache_core.offload import host_form
 from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.paging.checks import ArgumentChecks
@@ -211,6 +218,39 @@ class DataPath(Generic[ArrayT]):
             written[layer, slots] = True
             self._chains.after_write(slots // config.block_size)  # may register blocks: a new epoch
         return epoch
+
+    def write_host_blocks(self, state: RequestState[ArrayT], start: int, keys: Any, values: Any) -> None:
+        """Write host-form blocks (``[pool_layers, n, block_size, num_heads, width]``) into the
+        request's blocks holding positions ``start ..`` its end, and record them written in
+        every layer (prefix caching registers the full ones), as if each layer were written.
+
+        Raises:
+            UnsupportedConfigError: the pool has KV-cache groups or a sliding window.
+            InvalidArgumentError: ``start`` is not a block boundary in ``[0, num_tokens())``.
+            ArrayTypeError, DTypeMismatchError, ShapeMismatchError: not the host form of those blocks.
+            SharedBlockWriteError: a block is shared or served by the prefix cache.
+        """
+        config, table = self.config, state.table
+        if config.num_groups != 1 or config.sliding_window is not None or table.first_logical:
+            raise UnsupportedConfigError(
+                "host blocks are written only into a pool of one KV-cache group without a sliding window"
+            )
+        length = table.sequence_length
+        if not (isinstance(start, int) and 0 <= start < length and start % config.block_size == 0):
+            raise InvalidArgumentError(
+                f"start must be a multiple of block_size {config.block_size} in [0, {length}), got {start!r}"
+            )
+        slots = table.slots(start, length)
+        blocks = np.asarray(table.physical_blocks[start // config.block_size : blocks_for(length, config.block_size)])
+        shape = host_form.host_shape(config, len(blocks))
+        host_form.check_host_array(config, "keys", keys, shape)
+        host_form.check_host_array(config, "values", values, shape)
+        self._checks.writable(slots)
+        self.storage.blocks_from_host(blocks.astype(np.int64), keys, values)
+        written = self._pool.written
+        if written is not None:
+            written[:, slots] = True
+            self._chains.after_write(blocks.astype(np.int64))
 
     def gather(self, state: RequestState[ArrayT], layer: int) -> tuple[ArrayT, ArrayT]:
         """The request's held K/V of ``layer`` as contiguous copies, in token order."""

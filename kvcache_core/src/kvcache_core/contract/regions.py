@@ -30,6 +30,7 @@ __all__ = [
     "REGION_PARTS",
     "MemoryRegion",
     "RegionStorage",
+    "block_axis",
     "check_regions",
     "host_form_from_parts",
     "part_shape",
@@ -119,6 +120,11 @@ def part_shape(config: CacheConfig, part: str, num_blocks: int | None = None) ->
     shape = list(config.block_shape())
     shape[_block_axis(config.layout)] = blocks
     return tuple(shape)
+
+
+def block_axis(config: CacheConfig, part: str) -> int:
+    """The axis of :func:`part_shape` that indexes blocks."""
+    return 1 if part.endswith("scales") else _block_axis(config.layout)
 
 
 def _block_axis(layout: str) -> int:
