@@ -20,7 +20,7 @@ Requires ``pip install "kvcache-core[transfer]"`` (NIXL, pyzmq, msgpack).
 
 from __future__ import annotations
 
-from kvcache_core.transfer.agent import KvTransferAgent, block_digests
+from kvcache_core.transfer.agent import KvTransferAgent
 from kvcache_core.transfer.engine import DEFAULT_UCX_TLS, nixl_unavailable_reason
 from kvcache_core.transfer.leases import LEASE_PREFIX
 from kvcache_core.transfer.ticket import TICKET_VERSION, RegionAddress, TransferTicket
@@ -32,6 +32,5 @@ __all__ = [
     "KvTransferAgent",
     "RegionAddress",
     "TransferTicket",
-    "block_digests",
     "nixl_unavailable_reason",
 ]

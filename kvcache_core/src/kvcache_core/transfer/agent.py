@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import math
 import time
 import uuid
@@ -41,26 +40,15 @@ from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.host_blocks import write_host_blocks
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.transfer.channel import ChannelServer, ask
+from kvcache_core.transfer.digests import DIGEST_BYTES, block_digests, host_memory
 from kvcache_core.transfer.engine import NixlEngine
 from kvcache_core.transfer.leases import LEASE_PREFIX, Leases
 from kvcache_core.transfer.ticket import RegionAddress, TransferTicket
 
-__all__ = ["KvTransferAgent", "block_digests"]
+__all__ = ["KvTransferAgent"]
 
-_DIGEST_BYTES: Final = 32
 #: How long a consumer waits for the producer to take an acknowledgement.
 _ACK_SECONDS: Final = 2.0
-
-
-def block_digests(keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> bytes:
-    """Each block's sha256 over its host-form keys then values (``[layers, n, ...]`` each),
-    concatenated: ``32 * n`` bytes."""
-    digests = bytearray()
-    for block in range(keys.shape[1]):
-        digest = hashlib.sha256(np.ascontiguousarray(keys[:, block]).data)
-        digest.update(np.ascontiguousarray(values[:, block]).data)
-        digests += digest.digest()
-    return bytes(digests)
 
 
 class KvTransferAgent:
@@ -196,7 +184,7 @@ class KvTransferAgent:
         try:
             count = math.ceil(length / manager.config.block_size)
             blocks = np.asarray(pinned.block_table().physical_blocks[:count], dtype=np.int64)
-            digests = block_digests(*manager.storage.blocks_to_host(blocks))
+            digests = self._digests(blocks)
             self._leases.add(lease, pin, self._lease_seconds)
         except BaseException:
             manager.deallocate(pin)
@@ -224,6 +212,14 @@ class KvTransferAgent:
             lease=lease,
             expires_at=time.time() + self._lease_seconds,
         )
+
+    def _digests(self, blocks: npt.NDArray[np.int64]) -> bytes:
+        """The blocks' digests, read in place (none for device memory: it is checked by
+        NIXL's transport only)."""
+        regions = list(self._regions.values())
+        if any(region.device_kind != "cpu" for region in regions):
+            return b""
+        return block_digests(regions, blocks, host_memory)
 
     def release(self, lease: str) -> bool:
         """End a lease now (a consumer's acknowledgement does this); whether it was live."""
@@ -341,17 +337,6 @@ class KvTransferAgent:
         except TransferError:
             self._engine.forget_peer(ticket.agent)
             raise
-        expected = ticket.digests[first * _DIGEST_BYTES :]
-        got = block_digests(keys, values)
-        if got != expected:
-            bad = next(
-                i
-                for i in range(len(got) // _DIGEST_BYTES)
-                if got[i * 32 : i * 32 + 32] != expected[i * 32 : i * 32 + 32]
-            )
-            raise TransferError(
-                f"block {first + bad} of the ticket arrived different from what was exported (digest mismatch)"
-            )
         write_host_blocks(manager, handle, cached, keys, values)
 
     def _pull(
@@ -364,6 +349,7 @@ class KvTransferAgent:
         remote_rows: list[npt.NDArray[np.int64]] = []
         offsets: list[npt.NDArray[np.int64]] = []
         spans: dict[tuple[int, str], tuple[int, int]] = {}
+        locals_: list[MemoryRegion] = []
         total = 0
         kinds = {address.device_kind for address in ticket.regions}
         if len(kinds) != 1:
@@ -381,6 +367,7 @@ class KvTransferAgent:
                 address.device_id,
             )
             local = dataclasses.replace(remote, address=total, shape=part_shape(source, address.part, count))
+            locals_.append(local)
             remote_rows.append(remote.block_chunks(blocks))
             offsets.append(local.block_chunks(np.arange(count, dtype=np.int64)))
             spans[(address.layer, address.part)] = (total, local.length_bytes)
@@ -397,6 +384,12 @@ class KvTransferAgent:
         staging = np.empty(total, dtype=np.uint8)
         remote_descs = np.concatenate(remote_rows).astype(np.uint64)
         self._engine.read(ticket.agent, remote_descs, kinds.pop(), staging, np.concatenate(offsets), deadline)
+        if ticket.digests:
+            view = memoryview(staging)
+            got = block_digests(
+                locals_, np.arange(count, dtype=np.int64), lambda start, size: view[start : start + size]
+            )
+            _check_digests(got, ticket.digests[first * DIGEST_BYTES :], first)
         parts = {key: staging[start : start + size] for key, (start, size) in spans.items()}
         return host_form_from_parts(source, ticket.layout, parts)
 
@@ -474,6 +467,19 @@ class KvTransferAgent:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _check_digests(got: bytes, expected: bytes, first: int) -> None:
+    """Refuse blocks whose digests differ from the ticket's (the first of them named)."""
+    if got == expected:
+        return
+    bad = next(
+        index
+        for index in range(len(got) // DIGEST_BYTES)
+        if got[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES]
+        != expected[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES]
+    )
+    raise TransferError(f"block {first + bad} of the ticket arrived different from what was exported (digest mismatch)")
 
 
 def _known_ids(handle: KvCacheHandle[Any]) -> tuple[int, ...]:

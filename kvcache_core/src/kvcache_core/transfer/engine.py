@@ -7,6 +7,8 @@ its transport, chooses among shared memory, CMA, TCP and RDMA; unless ``UCX_TLS`
 already, the agent sets ``UCX_TLS=tcp`` before NIXL starts (:data:`DEFAULT_UCX_TLS`), which
 works on every host, loopback included, and needs no shared-memory or ptrace permission.
 Set ``UCX_TLS`` yourself (``rc,cuda_copy,tcp``, ...) to let UCX use RDMA or GPU transports.
+NIXL's Python logger writes INFO lines to stdout; unless ``NIXL_LOG_LEVEL`` is set, the agent
+sets it to ``WARN``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ __all__ = ["DEFAULT_UCX_TLS", "NixlEngine", "load_nixl", "nixl_unavailable_reaso
 
 #: The UCX transports the agent asks for unless ``UCX_TLS`` is set.
 DEFAULT_UCX_TLS: Final = "tcp"
+#: NIXL's Python log level unless ``NIXL_LOG_LEVEL`` is set (its INFO lines go to stdout).
+DEFAULT_NIXL_LOG_LEVEL: Final = "WARN"
 _MODULES: Final = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 _MEMORY_TYPES: Final = {"cpu": "DRAM", "cuda": "VRAM"}
 
@@ -36,6 +40,7 @@ def load_nixl() -> Any:
     Raises:
         TransferError: NIXL is not installed (the message says how to install it).
     """
+    os.environ.setdefault("NIXL_LOG_LEVEL", DEFAULT_NIXL_LOG_LEVEL)
     problems: list[str] = []
     for name in _MODULES:
         try:

@@ -11,7 +11,7 @@ Wire form, one msgpack map::
      "regions": [[layer, part, address, device_kind, device_id], ...],
      "blocks": int64 little-endian bytes, the source blocks in order,
      "token_ids": int64 little-endian bytes, "num_tokens": int,
-     "digests": 32 bytes per block (sha256 of its host-form keys then values),
+     "digests": 32 bytes per block (kvcache_core.transfer.digests), or empty (device memory),
      "lease": 32 hex characters, "expires_at": Unix time in seconds}
 
 Parsing accepts exactly these keys, each of its type (``bool`` is not an int) and range,
@@ -90,7 +90,8 @@ class TransferTicket:
         regions: the producer pool's memory, per layer and part.
         blocks: ``[n]`` int64, the request's blocks in order (``n`` covers ``num_tokens``).
         token_ids: ``[num_tokens]`` int64, the request's tokens.
-        digests: ``n * 32`` bytes, each block's sha256 (host-form keys, then values).
+        digests: ``n * 32`` bytes, each block's sha256 (:mod:`kvcache_core.transfer.digests`);
+            empty when the producer's pool is device memory (not checked then).
         lease: the lease id (32 hex characters); expires_at: Unix time it ends.
     """
 
@@ -236,8 +237,8 @@ def _parse(fields: Any) -> TransferTicket:
     if int(blocks.min()) < 0 or int(blocks.max()) >= geometry["num_blocks"]:
         raise _fail(f"blocks must be in [0, {geometry['num_blocks']})")
     digests = fields["digests"]
-    if type(digests) is not bytes or len(digests) != _DIGEST_BYTES * count:
-        raise _fail(f"digests must be {_DIGEST_BYTES} bytes per block ({_DIGEST_BYTES * count} bytes)")
+    if type(digests) is not bytes or len(digests) not in (0, _DIGEST_BYTES * count):
+        raise _fail(f"digests must be {_DIGEST_BYTES} bytes per block ({_DIGEST_BYTES * count} bytes) or empty")
     lease = _str(fields["lease"], "lease")
     if not _LEASE.match(lease):
         raise _fail(f"lease must be 32 hex characters, got {lease!r}"[:200])
