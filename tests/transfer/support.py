@@ -143,7 +143,8 @@ class Producer:
 
     def command(self, line: str) -> dict[str, Any]:
         stdin, stdout = self.process.stdin, self.process.stdout
-        assert stdin is not None and stdout is not None
+        assert stdin is not None
+        assert stdout is not None
         stdin.write(line + "\n")
         stdin.flush()
         answer = _read_line(stdout, self.process)

@@ -18,11 +18,12 @@ from tests.transfer.support import gathers, host_blocks, make_pool, needs_transf
 pytestmark = [needs_transfer, pytest.mark.xdist_group("transfer")]
 
 
-def _import(spec: dict[str, Any], **agent_options: Any) -> tuple[Any, Any, Any]:
+def _import(spec: dict[str, Any], **agent_options: Any) -> tuple[Any, Any]:
+    """A consumer: a pool of ``spec`` and its agent."""
     from kvcache_core.transfer import KvTransferAgent
 
     manager = make_pool(spec)
-    return manager, KvTransferAgent(manager, **agent_options), None
+    return manager, KvTransferAgent(manager, **agent_options)
 
 
 @pytest.mark.parametrize(
@@ -37,7 +38,7 @@ def test_an_imported_request_gathers_bit_exact_across_processes_and_layouts(
     tmp_path: Path, source: dict[str, Any], target: dict[str, Any]
 ) -> None:
     with producer({**source, "tokens": 23}, tmp_path) as peer:
-        manager, agent, _ = _import(target)
+        manager, agent = _import(target)
         with manager, agent:
             handle = agent.import_request(peer.ticket, AllocationRequest("imported"))
             expected = peer.expected()
@@ -51,7 +52,7 @@ def test_an_imported_request_gathers_bit_exact_across_processes_and_layouts(
 def test_a_quantized_pool_arrives_with_its_scales(tmp_path: Path) -> None:
     source = {"backend": "torch", "layout": "NHD", "dtype": "int8", "tokens": 21}
     with producer(source, tmp_path) as peer:
-        manager, agent, _ = _import({"backend": "numpy", "layout": "heads_first", "dtype": "int8"})
+        manager, agent = _import({"backend": "numpy", "layout": "heads_first", "dtype": "int8"})
         with manager, agent:
             handle = agent.import_request(peer.ticket, AllocationRequest("imported"))
             keys, values = host_blocks(manager, handle)
@@ -62,10 +63,10 @@ def test_a_quantized_pool_arrives_with_its_scales(tmp_path: Path) -> None:
 
 def test_an_imported_request_serves_later_prompts_from_the_prefix_cache(tmp_path: Path) -> None:
     with producer({"tokens": 16}, tmp_path) as peer:
-        manager, agent, _ = _import({"layout": "HND"})
+        manager, agent = _import({"layout": "HND"})
         with manager, agent:
             imported = agent.import_request(peer.ticket, AllocationRequest("imported"))
-            again = manager.allocate(AllocationRequest("again", prompt_token_ids=imported.token_ids() + (1,)))
+            again = manager.allocate(AllocationRequest("again", prompt_token_ids=(*imported.token_ids(), 1)))
             assert again.num_cached_tokens() == 16
 
 
@@ -73,7 +74,7 @@ def test_a_producer_killed_mid_transfer_costs_the_consumer_a_transfer_error_and_
     # About 50 MiB of blocks: the read runs long enough for the kill to land inside it.
     big = {"num_layers": 4, "num_heads": 8, "head_dim": 128, "block_size": 16, "num_blocks": 800, "layout": "NHD"}
     with producer({**big, "tokens": 790 * 16, "expected": False}, tmp_path) as peer:
-        manager, agent, _ = _import(big, timeout_seconds=20.0)
+        manager, agent = _import(big, timeout_seconds=20.0)
         with manager, agent:
             other = manager.allocate(AllocationRequest("other", prompt_token_ids=[1, 2, 3]))
             manager.extend(other, 3)
@@ -94,7 +95,8 @@ def test_a_producer_killed_mid_transfer_costs_the_consumer_a_transfer_error_and_
             peer.process.kill()
             worker.join(timeout=30)
             assert not worker.is_alive()
-            assert len(outcome) == 1 and isinstance(outcome[0], TransferError), outcome
+            assert len(outcome) == 1, outcome
+            assert isinstance(outcome[0], TransferError), outcome
             assert time.monotonic() - started < 20 + 5
             manager.check_invariants()
             assert manager.get_handle("imported") is None
@@ -107,21 +109,24 @@ def test_a_lease_nobody_acknowledges_releases_the_pinned_blocks_when_it_expires(
     with producer({"tokens": 18, "lease_seconds": 0.5}, tmp_path) as peer:
         assert peer.command("drop") == {"dropped": True}
         pinned = peer.command("status")
-        assert pinned["leases"] == 1 and pinned["used_blocks"] == 5
+        assert pinned["leases"] == 1
+        assert pinned["used_blocks"] == 5
         wait_for(lambda: peer.command("status")["leases"] == 0, 10, "the lease to expire")
         released = peer.command("status")
-        assert released["used_blocks"] == 0 and released["audit"] == "ok"
+        assert released["used_blocks"] == 0
+        assert released["audit"] == "ok"
         assert released["cached_blocks"] == 4  # the full blocks stay as ordinary cached blocks
 
 
 def test_a_ticket_whose_lease_expired_is_refused_and_nothing_is_allocated(tmp_path: Path) -> None:
     with producer({"tokens": 18, "lease_seconds": 0.5}, tmp_path) as peer:
         wait_for(lambda: peer.command("status")["leases"] == 0, 10, "the lease to expire")
-        manager, agent, _ = _import({})
+        manager, agent = _import({})
         with manager, agent:
             with pytest.raises(TransferError, match="expired"):
                 agent.import_request(peer.ticket, AllocationRequest("imported"))
-            assert manager.list_handles() == [] and manager.stats().used_blocks == 0
+            assert manager.list_handles() == []
+            assert manager.stats().used_blocks == 0
             manager.check_invariants()
 
 
@@ -130,7 +135,7 @@ def test_a_consumer_fetches_the_ticket_over_the_side_channel(tmp_path: Path) -> 
         from kvcache_core.transfer import TransferTicket
 
         address = TransferTicket.from_bytes(peer.ticket).address
-        manager, agent, _ = _import({})
+        manager, agent = _import({})
         with manager, agent:
             ticket = agent.fetch_ticket(address, "r")
             handle = agent.import_request(ticket, AllocationRequest("imported"))
