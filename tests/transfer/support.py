@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any
 
 import numpy as np
 import pytest
@@ -152,7 +152,7 @@ class Producer:
         return parsed
 
 
-def _read_line(stream: TextIO, process: subprocess.Popen[str]) -> str:
+def _read_line(stream: IO[str], process: subprocess.Popen[str]) -> str:
     """The producer's next answer (``READY`` or a JSON line), past any log line."""
     while True:
         line = stream.readline()
@@ -211,7 +211,7 @@ def _serve(spec: dict[str, Any], directory: Path) -> None:
         expected = {"keys": keys, "values": values}
         if manager.config.dtype == "float32":
             expected.update({f"gather{index}": array for index, array in enumerate(gathers(manager, handle))})
-        np.savez(directory / "expected.npz", **expected)
+        np.savez(directory / "expected.npz", **expected)  # type: ignore[arg-type]
     (directory / "ticket.bin").write_bytes(ticket.to_bytes())
     print("READY", flush=True)
     for line in sys.stdin:

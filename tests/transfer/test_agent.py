@@ -175,7 +175,7 @@ def test_a_storage_without_memory_regions_is_refused_by_name() -> None:
     from kvcache_core.transfer import KvTransferAgent
 
     class NoRegions(NumpyStorage):
-        memory_regions = None  # a storage written before the capability existed
+        memory_regions = None  # type: ignore[assignment]  # a storage written before the capability existed
 
     with make_pool({}) as reference:
         config = reference.config

@@ -385,7 +385,7 @@ class KvTransferAgent:
         remote_descs = np.concatenate(remote_rows).astype(np.uint64)
         self._engine.read(ticket.agent, remote_descs, kinds.pop(), staging, np.concatenate(offsets), deadline)
         if ticket.digests:
-            view = memoryview(staging)
+            view = memoryview(staging.data)
             got = block_digests(
                 locals_, np.arange(count, dtype=np.int64), lambda start, size: view[start : start + size]
             )

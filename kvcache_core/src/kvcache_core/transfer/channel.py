@@ -80,8 +80,8 @@ class ChannelServer:
         except zmq.ZMQError as exc:
             self._socket.close()
             raise TransferError(f"cannot bind the transfer side channel to {host}:{port}: {exc}") from exc
-        endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.address = endpoint
+        endpoint = str(self._socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.address: str = endpoint
         self._wake_address = f"inproc://kvcache-transfer-{id(self)}"
         self._wake = context.socket(zmq.PULL)
         self._wake.bind(self._wake_address)
