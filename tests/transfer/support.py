@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,7 @@ from typing import IO, Any
 import numpy as np
 import pytest
 
-from kvcache_core import AllocationRequest, CacheConfig, create_manager
+from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, create_manager
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,7 @@ def _transfer_missing() -> str | None:
 needs_transfer = pytest.mark.skipif(_transfer_missing() is not None, reason=str(_transfer_missing()))
 
 
-def make_pool(spec: dict[str, Any]) -> Any:
+def make_pool(spec: dict[str, Any]) -> PagedKvCacheManager[Any]:
     """A manager of ``spec``: ``backend``, ``dtype``, ``layout``, ``num_blocks`` and the
     geometry ``num_layers``, ``num_heads``, ``head_dim``, ``block_size``."""
     config = CacheConfig(
@@ -61,7 +61,8 @@ def make_pool(spec: dict[str, Any]) -> Any:
         enable_prefix_caching=True,
         model_id=spec.get("model_id", "test-model"),
     )
-    return create_manager(spec.get("backend", "numpy"), config)
+    backend: str = spec.get("backend", "numpy")
+    return create_manager(backend, config)
 
 
 def prompt_of(length: int) -> list[int]:
@@ -163,7 +164,7 @@ def _read_line(stream: IO[str], process: subprocess.Popen[str]) -> str:
 
 
 @contextmanager
-def producer(spec: dict[str, Any], directory: Path) -> Iterator[Producer]:
+def producer(spec: dict[str, Any], directory: Path) -> Generator[Producer, None, None]:
     """Start a producer of ``spec`` (see the module's docstring); kill it on the way out."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *sys.path])

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -47,37 +47,49 @@ def test_a_ticket_survives_its_wire_form(pair: tuple[Any, Any, Any, Any]) -> Non
     assert list(again.token_ids) == prompt_of(18)
 
 
+def _mutated(fields: dict[str, Any], change: str) -> dict[str, Any]:
+    """``fields`` (a ticket's decoded wire form) with one defect."""
+    changed: dict[str, Any] = {**fields, "geometry": dict(fields["geometry"])}
+    if change == "geometry":
+        del changed["geometry"]["num_heads"]
+    else:
+        value: Any = {
+            "extra": 1,
+            "version": 2,
+            "num_tokens": True,
+            "token_ids": fields["token_ids"][:-8],
+            "address": "tcp://*:5555",
+            "blocks": np.full(5, 10**6, "<i8").tobytes(),
+            "expires_at": float("nan"),
+        }[change]
+        changed[change] = value
+    return changed
+
+
+_packb = cast("Callable[..., bytes]", msgpack.packb)  # pyright: ignore[reportUnknownMemberType]
+_unpackb = cast("Callable[..., dict[str, Any]]", msgpack.unpackb)  # pyright: ignore[reportUnknownMemberType]
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda fields: fields.update(extra=1), "expected the keys"),
-        (lambda fields: fields.update(version=2), "version"),
-        (lambda fields: fields.update(num_tokens=True), "num_tokens"),
-        (lambda fields: fields.update(token_ids=fields["token_ids"][:-8]), "token_ids"),
-        (lambda fields: fields.update(address="tcp://*:5555"), "address"),
-        (lambda fields: fields.update(blocks=np.full(5, 10**6, "<i8").tobytes()), "blocks"),
-        (lambda fields: fields.update(expires_at=float("nan")), "expires_at"),
-        (lambda fields: fields["geometry"].pop("num_heads"), "geometry"),
-    ],
-    ids=[
-        "unknown key",
-        "version",
-        "bool as int",
-        "short token ids",
-        "wildcard address",
-        "block range",
-        "nan",
-        "geometry",
+        ("extra", "expected the keys"),
+        ("version", "version"),
+        ("num_tokens", "num_tokens"),
+        ("token_ids", "token_ids"),
+        ("address", "address"),
+        ("blocks", "blocks"),
+        ("expires_at", "expires_at"),
+        ("geometry", "geometry"),
     ],
 )
-def test_a_malformed_ticket_is_refused_by_name(pair: tuple[Any, Any, Any, Any], change: Any, message: str) -> None:
+def test_a_malformed_ticket_is_refused_by_name(pair: tuple[Any, Any, Any, Any], change: str, message: str) -> None:
     from kvcache_core.transfer import TransferTicket
 
     source, producer, _, _ = pair
-    fields = msgpack.unpackb(producer.export(source.get_handle("r")).to_bytes(), raw=False)
-    change(fields)
+    fields = _unpackb(producer.export(source.get_handle("r")).to_bytes(), raw=False)
     with pytest.raises(TransferError, match=message):
-        TransferTicket.from_bytes(msgpack.packb(fields, use_bin_type=True))
+        TransferTicket.from_bytes(_packb(_mutated(fields, change), use_bin_type=True))
 
 
 def test_bytes_that_are_not_msgpack_are_refused() -> None:

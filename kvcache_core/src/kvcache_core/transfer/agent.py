@@ -18,7 +18,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -486,5 +486,5 @@ def _known_ids(handle: KvCacheHandle[Any]) -> tuple[int, ...]:
     token_ids = getattr(handle, "token_ids", None)
     if not callable(token_ids):
         raise TransferError(f"cannot read the token ids of {type(handle).__name__}: pass token_ids=")
-    known: tuple[int, ...] = token_ids()
+    known = cast("tuple[int, ...]", token_ids())
     return known

@@ -12,12 +12,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import msgpack
 import zmq
 
 from kvcache_core.errors import TransferError
+
+# msgpack ships no type information.
+_packb = cast("Callable[..., bytes]", msgpack.packb)  # pyright: ignore[reportUnknownMemberType]
+_unpackb = cast("Callable[..., object]", msgpack.unpackb)  # pyright: ignore[reportUnknownMemberType]
 
 __all__ = ["MAX_MESSAGE_BYTES", "ChannelServer", "ask", "decode", "encode"]
 
@@ -29,7 +33,7 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 def encode(message: dict[str, Any]) -> bytes:
     """A message's wire form."""
-    packed: bytes = msgpack.packb(message, use_bin_type=True)
+    packed = _packb(message, use_bin_type=True)
     return packed
 
 
@@ -42,12 +46,12 @@ def decode(payload: bytes, what: str) -> dict[str, Any]:
     if len(payload) > MAX_MESSAGE_BYTES:
         raise TransferError(f"{what} is {len(payload)} bytes, more than {MAX_MESSAGE_BYTES}")
     try:
-        message = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        message = _unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # every malformed payload is one refusal
         raise TransferError(f"{what} is not valid msgpack: {exc}") from None
     if type(message) is not dict:
         raise TransferError(f"{what} is not a msgpack map, got {type(message).__name__}")
-    return message
+    return cast("dict[str, Any]", message)
 
 
 class ChannelServer:

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final, cast
 
 import msgpack
 import numpy as np
@@ -32,6 +33,10 @@ import numpy.typing as npt
 from kvcache_core.contract.config import DTYPE_SIZES, KV_LAYOUTS, MAX_TOKEN_ID, QUANTIZED_DTYPES
 from kvcache_core.contract.regions import REGION_DEVICE_KINDS, REGION_PARTS
 from kvcache_core.errors import TransferError
+
+# msgpack ships no type information.
+_packb = cast("Callable[..., bytes]", msgpack.packb)  # pyright: ignore[reportUnknownMemberType]
+_unpackb = cast("Callable[..., object]", msgpack.unpackb)  # pyright: ignore[reportUnknownMemberType]
 
 __all__ = ["MAX_TICKET_BYTES", "TICKET_FORMAT", "TICKET_VERSION", "RegionAddress", "TransferTicket"]
 
@@ -115,7 +120,7 @@ class TransferTicket:
 
     def to_bytes(self) -> bytes:
         """The wire form (msgpack)."""
-        packed: bytes = msgpack.packb(
+        packed = _packb(
             {
                 "format": TICKET_FORMAT,
                 "version": TICKET_VERSION,
@@ -151,7 +156,7 @@ class TransferTicket:
         if len(data) > MAX_TICKET_BYTES:
             raise TransferError(f"a transfer ticket is at most {MAX_TICKET_BYTES} bytes, got {len(data)}")
         try:
-            fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            fields = _unpackb(data, raw=False, strict_map_key=True)
         except Exception as exc:  # any malformed payload is one refusal
             raise TransferError(f"the transfer ticket is not valid msgpack: {exc}") from None
         return _parse(fields)
@@ -181,10 +186,12 @@ def _int64s(value: object, name: str, count: int | None = None) -> npt.NDArray[n
     return array
 
 
-def _parse(fields: Any) -> TransferTicket:
-    if type(fields) is not dict or set(fields) != _KEYS:
-        keys = sorted(fields) if type(fields) is dict else type(fields).__name__
-        raise _fail(f"expected the keys {sorted(_KEYS)}, got {keys}"[:400])
+def _parse(payload: object) -> TransferTicket:
+    if type(payload) is not dict:
+        raise _fail(f"expected a map, got {type(payload).__name__}")
+    fields = cast("dict[str, object]", payload)
+    if set(fields) != _KEYS:
+        raise _fail(f"expected the keys {sorted(_KEYS)}, got {sorted(map(str, fields))}"[:400])
     if fields["format"] != TICKET_FORMAT or fields["version"] != TICKET_VERSION:
         raise _fail(
             f"format {fields['format']!r} version {fields['version']!r}; this reads {TICKET_FORMAT!r} "
@@ -196,7 +203,7 @@ def _parse(fields: Any) -> TransferTicket:
     namespace = fields["namespace"]
     if namespace is not None:
         namespace = _str(namespace, "namespace", 4096)
-    geometry_in = fields["geometry"]
+    geometry_in = cast("dict[str, object]", fields["geometry"])
     if type(geometry_in) is not dict or set(geometry_in) != set(_GEOMETRY):
         raise _fail(f"geometry must have exactly the keys {list(_GEOMETRY)}")
     geometry = {name: _int(geometry_in[name], f"geometry.{name}", 1, 2**31 - 1) for name in _GEOMETRY}
@@ -205,11 +212,12 @@ def _parse(fields: Any) -> TransferTicket:
     if dtype not in DTYPE_SIZES or layout not in KV_LAYOUTS:
         raise _fail(f"dtype {dtype!r} or layout {layout!r} unknown (dtypes {list(DTYPE_SIZES)}, layouts {KV_LAYOUTS})")
     parts = REGION_PARTS if dtype in QUANTIZED_DTYPES else REGION_PARTS[:2]
-    raw_regions = fields["regions"]
+    raw_regions = cast("list[object]", fields["regions"])
     if type(raw_regions) is not list or len(raw_regions) != geometry["num_layers"] * len(parts):
         raise _fail(f"regions must list {len(parts)} parts of each of {geometry['num_layers']} layers")
     regions: list[RegionAddress] = []
-    for index, raw in enumerate(raw_regions):
+    for index, item in enumerate(raw_regions):
+        raw = cast("list[object]", item)
         if type(raw) is not list or len(raw) != 5:
             raise _fail(f"regions[{index}] must be [layer, part, address, device_kind, device_id]")
         layer = _int(raw[0], f"regions[{index}].layer", 0, geometry["num_layers"] - 1)
