@@ -28,11 +28,8 @@ from kvcache_core.contract.config import AllocationRequest, CacheConfig, check_t
 from kvcache_core.contract.protocols import KvCacheHandle
 from kvcache_core.contract.regions import (
     MEMORY_REGIONS,
-    MemoryRegion,
-    block_axis,
     check_regions,
     host_form_from_parts,
-    part_shape,
     storage_regions,
 )
 from kvcache_core.errors import InvalidArgumentError, KvCacheError, TransferError
@@ -43,6 +40,7 @@ from kvcache_core.transfer.channel import ChannelServer, ask
 from kvcache_core.transfer.digests import DIGEST_BYTES, block_digests, host_memory
 from kvcache_core.transfer.engine import NixlEngine
 from kvcache_core.transfer.leases import LEASE_PREFIX, Leases
+from kvcache_core.transfer.plan import read_plan
 from kvcache_core.transfer.ticket import RegionAddress, TransferTicket
 
 __all__ = ["KvTransferAgent"]
@@ -343,55 +341,16 @@ class KvTransferAgent:
         self, ticket: TransferTicket, source: CacheConfig, first: int, deadline: float
     ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """The blocks ``ticket.blocks[first:]`` of the producer's pool, in host form."""
-        blocks = ticket.blocks[first:]
-        count = len(blocks)
-        element = {"keys": source.dtype_size, "values": source.dtype_size}
-        remote_rows: list[npt.NDArray[np.int64]] = []
-        offsets: list[npt.NDArray[np.int64]] = []
-        spans: dict[tuple[int, str], tuple[int, int]] = {}
-        locals_: list[MemoryRegion] = []
-        total = 0
-        kinds = {address.device_kind for address in ticket.regions}
-        if len(kinds) != 1:
-            raise TransferError(f"the ticket's regions span several device kinds {sorted(kinds)}")
-        for address in ticket.regions:
-            size = element.get(address.part, 4)
-            remote = MemoryRegion(
-                address.layer,
-                address.part,
-                address.address,
-                part_shape(source, address.part),
-                size,
-                block_axis(source, address.part),
-                address.device_kind,
-                address.device_id,
-            )
-            local = dataclasses.replace(remote, address=total, shape=part_shape(source, address.part, count))
-            locals_.append(local)
-            remote_rows.append(remote.block_chunks(blocks))
-            offsets.append(local.block_chunks(np.arange(count, dtype=np.int64)))
-            spans[(address.layer, address.part)] = (total, local.length_bytes)
-            chunk = remote.block_stride_bytes
-            remote_rows[-1] = np.stack(
-                [
-                    remote_rows[-1],
-                    np.full(len(remote_rows[-1]), chunk),
-                    np.full(len(remote_rows[-1]), address.device_id),
-                ],
-                axis=1,
-            )
-            total += local.length_bytes
-        staging = np.empty(total, dtype=np.uint8)
-        remote_descs = np.concatenate(remote_rows).astype(np.uint64)
-        self._engine.read(ticket.agent, remote_descs, kinds.pop(), staging, np.concatenate(offsets), deadline)
+        plan = read_plan(ticket, source, first)
+        staging = np.empty(plan.total_bytes, dtype=np.uint8)
+        self._engine.read(ticket.agent, plan.remote, plan.device_kind, staging, plan.offsets, deadline)
         if ticket.digests:
             view = memoryview(staging.data)
             got = block_digests(
-                locals_, np.arange(count, dtype=np.int64), lambda start, size: view[start : start + size]
+                plan.staged, np.arange(plan.count, dtype=np.int64), lambda start, size: view[start : start + size]
             )
             _check_digests(got, ticket.digests[first * DIGEST_BYTES :], first)
-        parts = {key: staging[start : start + size] for key, (start, size) in spans.items()}
-        return host_form_from_parts(source, ticket.layout, parts)
+        return host_form_from_parts(source, ticket.layout, plan.parts(staging))
 
     def _source_config(self, ticket: TransferTicket) -> CacheConfig:
         """The producer pool's config (this pool's, in its layout and size), once the ticket
