@@ -13,6 +13,7 @@ scales as ``[num_heads, num_blocks, block_size]`` float32.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -223,7 +224,7 @@ def host_form_from_parts(
     Raises:
         InvalidArgumentError: a part is missing or of another size.
     """
-    source = config.with_layout(layout)
+    source = config if config.kv_layout == layout else dataclasses.replace(config, kv_layout=layout)
     keys: list[npt.NDArray[Any]] = []
     values: list[npt.NDArray[Any]] = []
     element = np.dtype(_host_element(config))
