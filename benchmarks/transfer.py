@@ -13,7 +13,7 @@ with the raw read (exit status 1 on a difference). Requires the ``transfer`` ext
 Run, from the repository root::
 
     .venv/bin/python benchmarks/transfer.py              # 1k, 4k, 16k tokens, a minute
-    .venv/bin/python benchmarks/transfer.py --quick      # 1k and 2k tokens, seconds
+    .venv/bin/python benchmarks/transfer.py --quick      # 512 and 1k tokens, seconds
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from kvcache_core.transfer.plan import read_plan
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = BenchParser(__doc__, quick="requests of 1k and 2k tokens, 2 repeats")
-    parser.flag("--tokens", ([1024, 4096, 16384], [1024, 2048]), type=int_list, help="request lengths")
-    parser.geometry(layers=4, kv_heads=8, head_dim=128, block_size=16)
+    parser = BenchParser(__doc__, quick="requests of 512 and 1k tokens of 2 layers, 2 repeats")
+    parser.flag("--tokens", ([1024, 4096, 16384], [512, 1024]), type=int_list, help="request lengths")
+    parser.geometry(layers=(4, 2), kv_heads=8, head_dim=128, block_size=16)
     parser.add_argument("--dtype", choices=("float16", "float32"), default="float16", help="pool dtype (float16)")
     parser.timing((3, 2), what="timed handoffs per competitor and length")
     parser.seed(what="K/V")

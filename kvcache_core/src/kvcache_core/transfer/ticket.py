@@ -11,7 +11,7 @@ Wire form, one msgpack map::
      "regions": [[layer, part, address, device_kind, device_id], ...],
      "blocks": int64 little-endian bytes, the source blocks in order,
      "token_ids": int64 little-endian bytes, "num_tokens": int,
-     "digests": 32 bytes per block (kvcache_core.transfer.digests), or empty (device memory),
+     "digests": 4 bytes per block (CRC-32, kvcache_core.transfer.digests), or empty (device memory),
      "lease": 32 hex characters, "expires_at": Unix time in seconds}
 
 Parsing accepts exactly these keys, each of its type (``bool`` is not an int) and range,
@@ -44,7 +44,7 @@ TICKET_FORMAT: Final = "kvcache-transfer-ticket"
 TICKET_VERSION: Final = 1
 #: The largest ticket accepted (a 1M-token request's ids and descriptors fit many times).
 MAX_TICKET_BYTES: Final = 64 << 20
-_DIGEST_BYTES: Final = 32
+_DIGEST_BYTES: Final = 4
 _LEASE = re.compile(r"\A[0-9a-f]{32}\Z")
 _ADDRESS = re.compile(r"\Atcp://[0-9A-Za-z.\-\[\]:]{1,255}:[0-9]{1,5}\Z")
 _GEOMETRY: Final = ("num_layers", "num_heads", "head_dim", "block_size", "num_blocks")
@@ -95,7 +95,7 @@ class TransferTicket:
         regions: the producer pool's memory, per layer and part.
         blocks: ``[n]`` int64, the request's blocks in order (``n`` covers ``num_tokens``).
         token_ids: ``[num_tokens]`` int64, the request's tokens.
-        digests: ``n * 32`` bytes, each block's sha256 (:mod:`kvcache_core.transfer.digests`);
+        digests: ``n * 4`` bytes, each block's CRC-32 (:mod:`kvcache_core.transfer.digests`);
             empty when the producer's pool is device memory (not checked then).
         lease: the lease id (32 hex characters); expires_at: Unix time it ends.
     """
