@@ -18,7 +18,7 @@ from kvcache_core.discovery import refresh_backends
 from kvcache_core.plugin import ENTRY_POINT_GROUP
 from tests.sizes import SIZE_ENV, chosen_size
 
-pytest_plugins = ["pytester", "tests.workers"]
+pytest_plugins = ["pytester", "tests.workers", "tests.redis_support"]
 
 # Shared CI machines are noisy: no deadlines. "ci" is derandomized so a run is repeatable.
 settings.register_profile("default", deadline=None)

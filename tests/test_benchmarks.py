@@ -57,6 +57,7 @@ def test_every_benchmark_is_listed_here() -> None:
         "decode_torch.py",
         "decode_torch_batch.py",
         "decode_torch_hybrid.py",
+        "fleet.py",
         "generate_hybrid.py",
         "generate_torch.py",
         "hybrid_memory.py",

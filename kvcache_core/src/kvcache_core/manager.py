@@ -23,7 +23,7 @@ from kvcache_core.contract.protocols import KvCacheHandle, KvStorage, SlotArray,
 from kvcache_core.contract.stats import CacheGcStats, CacheManagerStats, MemoryPressure
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, InvariantError
 from kvcache_core.handle import PagedKvCacheHandle, resident_state
-from kvcache_core.offload import prefix_file
+from kvcache_core.offload import explain, prefix_file
 from kvcache_core.offload.events import EventCallback, EventHub, OperationLock
 from kvcache_core.offload.tier_stack import TierChain
 from kvcache_core.offload.tiers import OffloadTier, TierStats
@@ -557,6 +557,23 @@ class PagedKvCacheManager(Generic[ArrayT]):
         last, in records (one per hash and KV-cache group); empty without tiers."""
         with self._lock:
             return self._tiers.stats()
+
+    def explain_prefix(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        salt: str | bytes | None = None,
+        evicted: explain.EvictionLog | None = None,
+    ) -> explain.PrefixExplanation:
+        """Where each full block of a prompt's prefix is (pool, which tier) and why the chain
+        stops (:mod:`kvcache_core.offload.explain`; ``evicted``: an ``EvictionLog`` subscribed
+        to this manager); nothing changes. Raises InvalidArgumentError or InvalidTypeError
+        for bad token ids or salt."""
+        with self._lock:
+            self._check_open()
+            return explain.explain_prefix(
+                self._config, prompt_token_ids, salt, pool=self._pool, tiers=self._tiers, evicted=evicted
+            )
 
     def _state_of(self, handle: object) -> RequestState[ArrayT]:
         """The state of a resident request's handle of this manager."""

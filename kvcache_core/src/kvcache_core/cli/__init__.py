@@ -1,4 +1,4 @@
-"""The ``kvcache`` command: ``kvcache backends``, ``kvcache demo`` and ``kvcache check``."""
+"""The ``kvcache`` command: ``kvcache backends``, ``kvcache demo``, ``kvcache check`` and ``kvcache explain``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import TextIO
 from kvcache_core import __version__
 from kvcache_core._table import write_table
 from kvcache_core.cli.demo import DemoOptions, run_demo
+from kvcache_core.cli.explain import add_explain_parser, run_explain
 from kvcache_core.discovery import KNOWN_BACKENDS, installed_backends
 from kvcache_core.errors import KvCacheError
 
@@ -96,6 +97,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="fail, instead of skipping, the tests of policies a backend does not claim",
     )
     check.add_argument("-v", "--verbose", action="store_true", help="show every test, not only failures")
+    add_explain_parser(commands)
     return parser
 
 
@@ -122,6 +124,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             return _backends(stream)
         if args.command == "check":
             return _check(args, stream)
+        if args.command == "explain":
+            return run_explain(args, stream)
         return _demo(args, stream)
     except KvCacheError as exc:
         sys.stderr.write(f"kvcache: error: {exc}\n")

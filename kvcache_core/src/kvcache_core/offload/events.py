@@ -327,6 +327,10 @@ class CachedBlockIndex:
         """The hashes ``medium`` holds."""
         return frozenset(self._hashes.get(medium, ()))
 
+    def holds(self, block_hash: bytes, medium: str = POOL_MEDIUM) -> bool:
+        """Whether ``medium`` holds ``block_hash``."""
+        return block_hash in self._hashes.get(medium, ())
+
     def media(self) -> list[str]:
         """The media holding at least one hash."""
         return sorted(name for name, held in self._hashes.items() if held)

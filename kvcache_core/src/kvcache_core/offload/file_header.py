@@ -31,7 +31,16 @@ from kvcache_core.offload.strict_json import parse_json
 if TYPE_CHECKING:
     from kvcache_core.contract.config import CacheConfig
 
-__all__ = ["MAX_HEADER_BYTES", "BlockEntry", "block_entry", "kvcache_header", "read_container", "same_json", "shown"]
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "BlockEntry",
+    "block_entry",
+    "kvcache_header",
+    "parse_container",
+    "read_container",
+    "same_json",
+    "shown",
+]
 
 #: The largest safetensors header read (the safetensors library's own limit).
 MAX_HEADER_BYTES = 100_000_000
@@ -234,3 +243,33 @@ def block_entry(fields: object, index: int, config: CacheConfig, source: str) ->
             f"{where} is of KV-cache group {shown(group)}; the groups are ints 0 to {config.num_groups - 1}"
         )
     return BlockEntry(block_hash, parent, salt, tuple(token_ids), checksum, group)
+
+
+def parse_container(data: bytes, source: str) -> Mapping[str, Any]:
+    """The safetensors header table of a cache file held in memory (``data``, a remote
+    tier's value), checked as :func:`read_container` checks a file's: a header within
+    :data:`MAX_HEADER_BYTES` and the data, declaring exactly ``keys`` and ``values`` that
+    fill ``data`` exactly. Nothing is copied.
+
+    Raises:
+        CorruptCacheFileError: as :func:`read_container`, naming ``source``.
+    """
+    if len(data) < 8:
+        raise CorruptCacheFileError(f"{source!r} is truncated: {len(data)} bytes, a header needs at least 8")
+    (length,) = struct.unpack_from("<Q", data, 0)
+    if length > min(len(data) - 8, MAX_HEADER_BYTES):
+        raise CorruptCacheFileError(
+            f"{source!r}: its header claims {length} bytes; {len(data) - 8} follow (at most {MAX_HEADER_BYTES} are read)"
+        )
+    table = parse_json(
+        bytes(data[8 : 8 + length]), what=f"{source!r}: the safetensors header", error=CorruptCacheFileError
+    )
+    if not isinstance(table, dict):
+        raise CorruptCacheFileError(f"{source!r}: the safetensors header is not a JSON object")
+    size = 8 + length + _tensor_bytes(cast("dict[str, Any]", table), source)
+    if size != len(data):
+        state = "truncated" if size > len(data) else "too long"
+        raise CorruptCacheFileError(
+            f"{source!r} is {state}: its header and tensors take {size} bytes, it has {len(data)}"
+        )
+    return cast("dict[str, Any]", table)

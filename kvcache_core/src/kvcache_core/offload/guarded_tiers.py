@@ -27,6 +27,7 @@ from kvcache_core.contract.config import SCALE_BYTES
 from kvcache_core.errors import InvalidTypeError, TierError, UnsupportedConfigError
 from kvcache_core.offload.events import BlockStored, EventHub
 from kvcache_core.offload.prefix_file import BlockRecord, block_checksum, record_key
+from kvcache_core.offload.redis_tier import RedisTier
 from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier, TierStats
 from kvcache_core.paging.prefix import hash_block, namespace_root
 
@@ -105,10 +106,10 @@ class GuardedTiers:
         self.names = [_name_of(tier) for tier in self.tiers]
         if len(set(self.names)) != len(self.names):
             raise TierError(f"tier names must be unique, got {self.names}")
-        # Built-in tiers keep private copies (host) or check their own checksums (disk);
-        # the records another tier gives back are checked against the checksum taken when
-        # it was given them.
-        self.trusted = [type(tier) in (HostTier, DiskTier) for tier in self.tiers]
+        # Built-in tiers keep private copies (host) or check their own checksums (disk, and
+        # redis, whose records another process may have written); the records another tier
+        # gives back are checked against the checksum taken when it was given them.
+        self.trusted = [type(tier) in (HostTier, DiskTier, RedisTier) for tier in self.tiers]
         self.checksums: dict[bytes, str] = {}  # key -> checksum of what an untrusted tier was given
         self.host_dtype: np.dtype[Any] | None = None  # learnt from the pool's own host copies
         width = config.head_dim + (SCALE_BYTES if config.quantized else 0)

@@ -75,6 +75,8 @@ __all__ = [
     "HASH_ALGORITHM",
     "BlockRecord",
     "RecordStore",
+    "decode_blocks",
+    "encode_blocks",
     "install_cached_blocks",
     "load_prefix_cache",
     "read_blocks",
@@ -206,9 +208,20 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
         ArrayTypeError, DTypeMismatchError, ShapeMismatchError: a record's keys or values
             are not one block in the host form of ``config.dtype`` (nothing is written).
     """
+    target = file_path(path)
+    return write_file_atomically(target, encode_blocks(config, records), what="the cache file")
+
+
+def encode_blocks(config: CacheConfig, records: list[BlockRecord]) -> bytes:
+    """The bytes of a file :func:`write_blocks` writes for ``records`` (a remote tier's
+    value is the file of one record).
+
+    Raises:
+        ArrayTypeError, DTypeMismatchError, ShapeMismatchError: a record's keys or values
+            are not one block in the host form of ``config.dtype``.
+    """
     from safetensors.numpy import save  # the [tiers] extra
 
-    target = file_path(path)
     keys, values = stack_blocks(config, [(record.keys, record.values) for record in records])
     header = {
         "format": FORMAT_NAME,
@@ -231,11 +244,11 @@ def write_blocks(path: str | os.PathLike[str], config: CacheConfig, records: lis
             for record in records
         ],
     }
-    data = save(
+    data: bytes = save(
         {"keys": np.ascontiguousarray(keys), "values": np.ascontiguousarray(values)},
         metadata={_METADATA_KEY: json.dumps(header, separators=(",", ":"))},
     )
-    return write_file_atomically(target, data, what="the cache file")
+    return data
 
 
 def read_blocks(
@@ -266,6 +279,20 @@ def read_blocks(
     """
     source = Path(file_path(path))
     table, data = read_container(str(source), size)
+    return decode_blocks(table, data, config, source, chained=chained)
+
+
+def decode_blocks(
+    table: Mapping[str, Any], data: bytes, config: CacheConfig, source: Path, *, chained: bool = True
+) -> list[BlockRecord]:
+    """The records of a file's bytes ``data`` whose safetensors header table ``table`` was
+    checked (:func:`~kvcache_core.offload.file_header.read_container` or
+    :func:`~kvcache_core.offload.file_header.parse_container`), checked as :func:`read_blocks`
+    checks them; ``source`` names them in messages.
+
+    Raises:
+        CorruptCacheFileError, IncompatibleCacheFileError: as :func:`read_blocks`.
+    """
     header = kvcache_header(table, str(source), _METADATA_KEY)
     _check_compatible(header, config, source)
     keys, values = load_tensors(data, header, config, source)

@@ -26,6 +26,9 @@ _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _OPENING = np.frombuffer(b"[{", dtype=np.uint8)
 _CHUNK = 1 << 20
+_OPENING_CODES = frozenset(b"[{")
+#: Brackets counted by a plain loop (fewer than NumPy needs to pay off).
+_SHORT = 512
 
 
 def json_depth(text: str) -> int:
@@ -34,6 +37,11 @@ def json_depth(text: str) -> int:
     that is not JSON: at least the depth a parser reaches before it finds the error.)"""
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text)).encode("ascii")
     depth = deepest = 0
+    if len(brackets) <= _SHORT:  # a short document: a plain loop beats NumPy's set-up
+        for code in brackets:
+            depth += 1 if code in _OPENING_CODES else -1
+            deepest = max(deepest, depth)
+        return deepest
     for start in range(0, len(brackets), _CHUNK):
         codes = np.frombuffer(brackets, dtype=np.uint8, count=min(_CHUNK, len(brackets) - start), offset=start)
         running = np.cumsum(np.where(np.isin(codes, _OPENING), 1, -1), dtype=np.int64) + depth

@@ -21,7 +21,8 @@ back every block it took.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -61,6 +62,12 @@ class TierChain:
         self._events = events
         self._config = config
         self._windows = [group.window for group in config.kv_groups]
+        # The tiers that look a prompt's blocks up at once (a remote tier: one round trip).
+        self._ahead = [
+            (level, prefetch)
+            for level, tier in enumerate(self._guard.tiers)
+            if (prefetch := _prefetch_of(tier)) is not None
+        ]
 
     def __bool__(self) -> bool:
         return bool(self._guard.tiers)
@@ -200,6 +207,19 @@ class TierChain:
         it back intact: a miss."""
         return self._find(record_key(block_hash, group), parent)
 
+    @property
+    def looks_ahead(self) -> bool:
+        """Whether a tier wants a prompt's hashes before it is asked about them."""
+        return bool(self._ahead)
+
+    def prefetch(self, block_hashes: Sequence[bytes], salt: bytes | None) -> None:
+        """Tell each tier that looks ahead (it has ``prefetch(keys, salt)``) the keys of
+        ``block_hashes`` in every KV-cache group, in the prompt's order (block by block), and
+        the salt hashed into them; one that fails is a miss (counted, with a warning)."""
+        keys = [record_key(block_hash, group) for block_hash in block_hashes for group in range(len(self._windows))]
+        for level, prefetch in self._ahead:
+            self._guard.guarded(level, "look blocks up", partial(prefetch, keys, salt), None)
+
     def take_out(self, blocks: Sequence[tuple[bytes, int]]) -> None:
         """The records ``(block hash, group)`` went into the pool: tiers are exclusive, each
         leaves the tier that holds it now (a demotion since it was fetched may have moved it)."""
@@ -267,3 +287,13 @@ def _hash_of(key: bytes) -> bytes:
     """The block hash a tier's key starts with (:func:`~kvcache_core.offload.prefix_file.record_key`);
     read leniently: a key a tier mangled must not break an eviction."""
     return key[:32]
+
+
+def _prefetch_of(tier: OffloadTier) -> Callable[[list[bytes], bytes | None], object] | None:
+    """``tier``'s ``prefetch(keys, salt)``, if it has one (read leniently: a tier whose
+    attributes fail is simply asked block by block)."""
+    try:
+        prefetch = getattr(tier, "prefetch", None)
+    except Exception:
+        return None
+    return prefetch if callable(prefetch) else None

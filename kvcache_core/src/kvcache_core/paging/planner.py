@@ -75,6 +75,17 @@ class TierLookup(Protocol):
         """The records ``(block hash, group)`` went into the pool: they leave the tiers."""
         ...
 
+    @property
+    def looks_ahead(self) -> bool:
+        """Whether a tier wants the prompt's hashes before it is asked about them (:meth:`prefetch`)."""
+        ...
+
+    def prefetch(self, block_hashes: Sequence[bytes], salt: bytes | None) -> None:
+        """The hashes the planner may ask about next, in the prompt's order, and the salt
+        hashed into them: a remote tier looks them all up at once (a failing one is a miss
+        there: counted, with a warning)."""
+        ...
+
 
 class TierHit(NamedTuple):
     """One record a promotion writes into a new pool block."""
@@ -236,11 +247,23 @@ class PrefixPlanner:
         hashes: list[bytes] = []
         pooled: list[list[int | None]] = [[] for _ in groups]
         have: list[list[bool]] = [[] for _ in groups]
+        spare = self.pool.available() - plan.new_blocks - plan.revived
+        ahead: list[bytes] = []  # the hashes a tier looking ahead is told, as far as the pool could take them
+        if tiers.looks_ahead and spare > 0:
+            for logical in range(start, min(plan.queries, start + spare)):
+                tokens = prompt[logical * block_size : (logical + 1) * block_size]
+                known = logical < len(plan.hashes)
+                ahead.append(plan.hashes[logical] if known else hashing.hash_block(parent_hash, tokens, salt))
+                parent_hash = ahead[-1]
+            parent_hash = plan.entries[-1].block_hash if start else prefix.parent_hash(None)
+            tiers.prefetch(ahead, salt)
         for logical in range(start, plan.queries):
             tokens = prompt[logical * block_size : (logical + 1) * block_size]
             # Each block is hashed once: the pool's walk hashed its hits and its first miss.
             if logical < len(plan.hashes):
                 block_hash = plan.hashes[logical]
+            elif logical - start < len(ahead):
+                block_hash = ahead[logical - start]
             else:
                 block_hash = hashing.hash_block(parent_hash, tokens, salt)
             entry = plan.found[logical] if logical < len(plan.found) else prefix.get(block_hash)
@@ -258,7 +281,6 @@ class PrefixPlanner:
                 have[group].append(picks[group] is not None or levels[group] is not None)
             parent_hash = block_hash
         parents: list[bytes | None] = [plan.entries[-1].block_hash if start else None, *hashes[:-1]]
-        spare = self.pool.available() - plan.new_blocks - plan.revived
         fetched: dict[tuple[int, int], tuple[int, TierBlock]] = {}  # (group, index) -> (tier level, record)
         while True:
             count = self._promotable(plan, have, pooled, spare)
