@@ -243,15 +243,17 @@ def attention_times(geometry: Geometry, context: int, args: argparse.Namespace) 
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = BenchParser(__doc__, quick="contexts 1024,4096, 5 repeats, the first layout only")
+    parser = BenchParser(__doc__, quick="contexts 1024,2048, pools of 16 and 256 MiB, 3 repeats, the first layout only")
     parser.geometry(query_heads=32, kv_heads=8, head_dim=128, block_size=16)
-    parser.flag("--contexts", ([1024, 4096, 8192], [1024, 4096]), type=int_list, help="decode contexts")
-    parser.flag("--pool-mib", [64, 1024], type=int_list, help="pool sizes of the write test, MiB (small,large)")
+    parser.flag("--contexts", ([1024, 4096, 8192], [1024, 2048]), type=int_list, help="decode contexts")
+    parser.flag(
+        "--pool-mib", ([64, 1024], [16, 256]), type=int_list, help="pool sizes of the write test, MiB (small,large)"
+    )
     parser.flag("--batch", 4, help="requests per decode step")
     parser.flag(
         "--kv-layouts", (["heads_first", "NHD"], ["heads_first"]), type=layout_list, help="pool layouts of paged"
     )
-    parser.timing((15, 5), what="timed calls per contender")
+    parser.timing((15, 3), what="timed calls per contender")
     return parser.parse(argv)
 
 

@@ -258,7 +258,7 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, rng: np.random.Ge
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line, with the ``--quick`` defaults applied."""
-    parser = BenchParser(__doc__, quick="contexts 1024,4096, batch up to 1024, 7 repeats")
+    parser = BenchParser(__doc__, quick="contexts 1024,2048, batch up to 512 tokens, 3 repeats")
     parser.geometry(layers=4, query_heads=32, kv_heads=8, head_dim=128, block_size=16, kv_layout="NHD")
     parser.add_argument(
         "--placement",
@@ -266,10 +266,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="contiguous",
         help="our allocator's placement (default contiguous; fifo fragments scenario (b) into many runs)",
     )
-    parser.flag("--contexts", ([1024, 4096, 8192], [1024, 4096]), type=int_list, help="scenario (a) contexts")
-    parser.lengths(count=16, min_length=128, max_length=(4096, 1024))
+    parser.flag("--contexts", ([1024, 4096, 8192], [1024, 2048]), type=int_list, help="scenario (a) contexts")
+    parser.lengths(count=16, min_length=128, max_length=(4096, 512))
     parser.flag("--headroom", 0.25, type=float, help="scenario (b) spare pool fraction")
-    parser.timing((15, 7))
+    parser.timing((15, 3))
     parser.seed()
     parser.add_argument("--skip-batch", action="store_true", help="run scenario (a) only")
     return parser.parse(argv)

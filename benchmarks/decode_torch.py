@@ -266,8 +266,8 @@ def plot_ratios(rows: Sequence[SingleRow], geometry: Geometry, path: str) -> Non
 
 def command_line() -> BenchParser:
     """The command line."""
-    parser = decode_parser(__doc__, quick="8 layers, contexts 1024,4096, 3 repeats", layers=(32, 8))
-    parser.flag("--contexts", ([1024, 4096, 8192], [1024, 4096]), type=int_list, help="contexts")
+    parser = decode_parser(__doc__, quick="4 layers, contexts 1024,2048, 3 repeats", layers=(32, 4))
+    parser.flag("--contexts", ([1024, 4096, 8192], [1024, 2048]), type=int_list, help="contexts")
     parser.add_argument(
         "--plot",
         metavar="FILE",

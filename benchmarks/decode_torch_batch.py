@@ -282,8 +282,8 @@ def print_batch(result: BatchResult, lengths: Sequence[int], args: argparse.Name
 
 def command_line() -> BenchParser:
     """The command line."""
-    parser = decode_parser(__doc__, quick="2 layers, requests up to 1024 tokens, 3 repeats", layers=(8, 2))
-    parser.lengths(count=16, min_length=128, max_length=(4096, 1024))
+    parser = decode_parser(__doc__, quick="2 layers, requests up to 512 tokens, 3 repeats", layers=(8, 2))
+    parser.lengths(count=16, min_length=128, max_length=(4096, 512))
     parser.flag("--headroom", 0.05, type=float, help="spare pool fraction")
     return parser
 

@@ -327,14 +327,16 @@ def run_scenario(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = BenchParser(__doc__, quick="a 256-token prompt, a batch of 4 of 64-256 tokens, 16 new tokens, 2 repeats")
-    parser.flag("--prompt-length", (2048, 256), help="(a) prompt tokens")
-    parser.lengths(count=(8, 4), min_length=(256, 64), max_length=(2048, 256))
-    parser.flag("--new-tokens", (128, 16), help="tokens to generate")
+    parser = BenchParser(
+        __doc__, quick="2 layers, a 128-token prompt, a batch of 4 of 32-128 tokens, 8 new tokens, 2 repeats"
+    )
+    parser.flag("--prompt-length", (2048, 128), help="(a) prompt tokens")
+    parser.lengths(count=(8, 4), min_length=(256, 32), max_length=(2048, 128))
+    parser.flag("--new-tokens", (128, 8), help="tokens to generate")
     parser.timing((5, 2), what="timed runs of each")
-    parser.geometry(layers=4, hidden=512, query_heads=8, kv_heads=2, block_size=16)
-    parser.flag("--intermediate", 1536, help="MLP size")
-    parser.flag("--vocab", 8192, help="vocabulary")
+    parser.geometry(layers=(4, 2), hidden=512, query_heads=8, kv_heads=2, block_size=16)
+    parser.flag("--intermediate", (1536, 512), help="MLP size")
+    parser.flag("--vocab", (8192, 2048), help="vocabulary")
     parser.threads()
     parser.seed(what="weights, prompts and lengths")
     parser.add_argument("--skip-single", action="store_true", help="skip scenario (a)")

@@ -15,6 +15,7 @@ from kvcache_core.contract.hookspecs import (
     CAPABILITIES,
     IMMUTABLE_ARRAYS,
     POLICY_CAPABILITIES,
+    STATE_LAYERS,
     BackendSpec,
 )
 from kvcache_core.contract.regions import MEMORY_REGIONS
@@ -38,21 +39,21 @@ CLAIMS = {
     "numpy": Claim(
         "kvcache_core.backends.numpy",
         "kvcache_core.backends.numpy:NumpyStorage",
-        POLICIES | ATTENTION | {"memory_regions"},
+        POLICIES | ATTENTION | {"memory_regions", "state_layers"},
         numpy_backend.NUMPY_DTYPES,
         ("cpu",),
     ),
     "torch": Claim(
         "kvcache_torch.plugin",
         "kvcache_torch.storage:TorchStorage",
-        POLICIES | ATTENTION | {"memory_regions"},
+        POLICIES | ATTENTION | {"memory_regions", "state_layers"},
         ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn"),
         ("cpu", "cuda"),
     ),
     "jax": Claim(
         "kvcache_jax.plugin",
         "kvcache_jax.storage:JaxStorage",
-        POLICIES | ATTENTION | {"immutable_arrays"},
+        POLICIES | ATTENTION | {"immutable_arrays", "state_layers"},
         ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn"),
         ("cpu", "cuda", "gpu", "rocm", "tpu"),
     ),
@@ -76,7 +77,11 @@ def registered(plugin: str) -> BackendSpec[Any]:
 def test_the_named_sets_split_the_vocabulary() -> None:
     assert POLICY_CAPABILITIES == POLICIES
     assert ATTENTION_CAPABILITIES == ATTENTION
-    assert set(CAPABILITIES) == POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {IMMUTABLE_ARRAYS, MEMORY_REGIONS}
+    assert set(CAPABILITIES) == POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {
+        IMMUTABLE_ARRAYS,
+        MEMORY_REGIONS,
+        STATE_LAYERS,
+    }
     assert POLICY_CAPABILITIES.isdisjoint(ATTENTION_CAPABILITIES)
 
 

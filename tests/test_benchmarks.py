@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.workers import usable_cpus, worker_thread_environment
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py") if not path.name.startswith("_"))
 
@@ -61,6 +63,7 @@ def test_every_benchmark_is_listed_here() -> None:
         "generate_hybrid.py",
         "generate_torch.py",
         "hybrid_memory.py",
+        "memory_hybrid.py",
         "prefix.py",
         "prefix_tiers.py",
         "quantized.py",
@@ -85,7 +88,12 @@ def test_benchmark_quick_run_succeeds_and_prints_ratios(script: str) -> None:
     missing = _missing_extra(script)
     if missing is not None:
         pytest.skip(f"{script} needs the transfer extra: {missing}")
-    environment = {**os.environ, **bench_environment().RECOMMENDED_ENV, "HF_HUB_OFFLINE": "1"}
+    environment = {
+        **os.environ,
+        **bench_environment().RECOMMENDED_ENV,
+        "HF_HUB_OFFLINE": "1",
+        **worker_thread_environment(os.environ, usable_cpus()),
+    }
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), "--quick"],
         capture_output=True,

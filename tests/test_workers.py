@@ -95,10 +95,21 @@ def test_a_count_below_one_is_refused() -> None:
 @pytest.mark.parametrize(
     ("nodeid", "rank"),
     [
-        ("tests/typing/test_static.py::test_the_whole_tree_is_pyright_strict_clean", 0),
-        ("tests/jax/test_sharding.py::test_the_mesh_cases_pass_on_8_host_devices", 1),
+        ("tests/typing/test_static.py::test_the_whole_tree_is_mypy_strict_clean", 0),
+        ("tests/typing/test_static.py::test_the_whole_tree_is_pyright_strict_clean", 1),
+        ("tests/jax/test_sharding.py::test_the_mesh_cases_pass_on_8_host_devices", 2),
         ("tests/core/test_manager.py::test_anything", len(workers.LONG_FIRST)),
     ],
 )
 def test_the_tests_that_run_for_minutes_start_first(nodeid: str, rank: int) -> None:
     assert workers.start_rank(nodeid) == rank
+
+
+def test_a_process_a_worker_starts_gets_the_workers_share_of_the_cores() -> None:
+    environ = {"PYTEST_XDIST_WORKER_COUNT": "2", "MKL_NUM_THREADS": "3"}
+
+    assert workers.worker_thread_environment(environ, cpus=4) == {"OMP_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2"}
+
+
+def test_outside_a_worker_a_started_process_keeps_its_threads() -> None:
+    assert workers.worker_thread_environment({}, cpus=4) == {}

@@ -16,14 +16,15 @@ The rules:
   first, so that none of them starts last while the other workers have nothing left to do.
 - A worker runs torch's intra-op pool at its share of the cores (one thread each when there
   are as many workers as cores), so that the workers do not fight over the cores; a test
-  about torch's threads asks for the threads it needs.
+  about torch's threads asks for the threads it needs. A process a worker starts (a
+  benchmark's quick run) gets the same share through the environment.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import pytest
 
@@ -65,9 +66,29 @@ def threads_per_worker(cpus: int, workers: int) -> int:
     return max(1, cpus // workers)
 
 
+#: The variables that size the thread pools of a process (OpenMP, which torch runs its
+#: operators on, and BLAS).
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def worker_thread_environment(environ: Mapping[str, str], cpus: int) -> dict[str, str]:
+    """What a process a worker starts adds to its environment so that it runs at the worker's
+    share of ``cpus`` cores: each variable of :data:`THREAD_VARIABLES` that ``environ`` does not
+    set; nothing outside a worker. (OpenMP threads that wait spin: a second team on a core
+    another worker uses burns it.)"""
+    workers = environ.get("PYTEST_XDIST_WORKER_COUNT")  # set by pytest-xdist in a worker
+    if workers is None:
+        return {}
+    threads = str(threads_per_worker(cpus, int(workers)))
+    return {name: threads for name in THREAD_VARIABLES if name not in environ}
+
+
 #: Node-id prefixes of the tests that run for minutes, handed out to the workers first
-#: (measured on a 2-core machine: each of these runs for a minute or more).
+#: (measured on a 2-core machine: each of these runs for a minute or more). The type checkers
+#: share one worker (an ``xdist_group``); mypy over the whole tree runs first there, so that
+#: the other mypy runs read the third-party stubs it analysed from its cache.
 LONG_FIRST = (
+    "tests/typing/test_static.py::test_the_whole_tree_is_mypy_strict_clean",
     "tests/typing/",
     "tests/jax/test_sharding.py",
     "tests/test_benchmarks.py",

@@ -162,7 +162,9 @@ def test_the_kit_passes_the_numpy_backend(pytester: pytest.Pytester, faulty: Pat
 def test_a_broken_backend_fails_with_its_name_the_case_and_how_to_reproduce(
     pytester: pytest.Pytester, faulty: Path, backend: str, failing_case: str, message: str
 ) -> None:
-    result = run_kit(pytester, "--kvcache-backend", backend)
+    # The case written to catch the bug, alone: what a failure prints is the point here (the
+    # whole kit runs against a broken backend in the tests of ``kvcache check``).
+    result = run_kit(pytester, "--kvcache-backend", backend, "-k", failing_case)
 
     output = result.stdout.str()
     assert result.ret == pytest.ExitCode.TESTS_FAILED, output
@@ -408,6 +410,26 @@ def test_require_all_fails_the_tests_of_unclaimed_policies(pytester: pytest.Pyte
 
 def test_a_pytest_run_lists_the_unclaimed_policies_and_the_seed(pytester: pytest.Pytester, faulty: Path) -> None:
     result = run_kit(pytester, "--kvcache-backend", "bare", "-k", "fork_copies or geometry")
+
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "*= kvcache conformance =*",
+            "seed 0 (--kvcache-seed)*",
+            "bare: ok (not claimed: eviction, fork, prefix_caching, sliding_window, swap)",
+            "  1 tests skipped as not claimed: test_fork_copies_exactly_the_shared_block_that_is_written[[]bare[]]",
+        ]
+    )
+
+
+def test_the_summary_is_printed_under_pytest_xdist(
+    pytester: pytest.Pytester, add_distribution: AddDistribution
+) -> None:
+    pytest.importorskip("xdist")
+    # The worker's sys.path is the one this process started with, and the run's directory: the
+    # faulty distribution goes there.
+    add_distribution(pytester.path, "kvtest-faulty", "0.1", "faulty", "kvtest_faulty", FAULTY_PLUGIN)
+    result = run_kit(pytester, "-p", "xdist", "-n", "1", "--kvcache-backend", "bare", "-k", "fork_copies or geometry")
 
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(

@@ -246,10 +246,5 @@ def test_the_capability_vocabulary_is_one_list() -> None:
     assert (
         KIT_CAPABILITIES
         == set(CAPABILITIES)
-        == POLICY_CAPABILITIES
-        | ATTENTION_CAPABILITIES
-        | {
-            "immutable_arrays",
-            "memory_regions",
-        }
+        == POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {"immutable_arrays", "memory_regions", "state_layers"}
     )

@@ -10,7 +10,6 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,18 +19,24 @@ from kvcache_core import KvCacheHandle, KvCacheManager, KvStorage, PagedKvCacheH
 ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).parent / "cases"
 
+# One worker runs them all: its mypy runs share one cache (the third-party stubs analysed
+# once), and pyright reads the case files in one run (see ``tests/workers.py``).
+pytestmark = pytest.mark.xdist_group("type_checkers")
 
-#: mypy's cache for this process's runs: the third-party stubs (NumPy, torch, ...) are analysed
-#: by the first run and read back by the others. A fresh directory, removed at exit, so no run
-#: reads what a run over another tree or another mypy wrote.
-MYPY_CACHE = tempfile.TemporaryDirectory(prefix="kvcache-mypy-")
+
+#: mypy's cache: the tree's own ``.mypy_cache`` (git ignores it), as a plain ``mypy`` run over
+#: the tree uses. The third-party stubs (NumPy, torch, ...) are analysed once, and a run checks
+#: again only the modules that changed since the last run over this tree, with the same
+#: result as a run from scratch: mypy keys every entry by the file's contents, its own
+#: version and the options, and writes each atomically. A fresh clone (CI) starts empty.
+MYPY_CACHE = ROOT / ".mypy_cache"
 
 
 def run_mypy(*paths: Path) -> tuple[int, str]:
     from mypy import api
 
     stdout, stderr, status = api.run(
-        ["--strict", "--cache-dir", MYPY_CACHE.name, "--config-file", str(ROOT / "pyproject.toml"), *map(str, paths)]
+        ["--strict", "--cache-dir", str(MYPY_CACHE), "--config-file", str(ROOT / "pyproject.toml"), *map(str, paths)]
     )
     return status, stdout + stderr
 

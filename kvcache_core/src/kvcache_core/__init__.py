@@ -28,6 +28,7 @@ from kvcache_core.contract.device import Device
 from kvcache_core.contract.groups import LayerSpec
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvCacheHandle, KvCacheManager, KvStorage
+from kvcache_core.contract.states import StateSpec
 from kvcache_core.contract.stats import CacheManagerStats, MemoryPressure
 from kvcache_core.discovery import available_backends, create_manager
 from kvcache_core.errors import (
@@ -75,6 +76,7 @@ __all__ = [
     "PagedKvCacheHandle",
     "PagedKvCacheManager",
     "SequenceTooLongError",
+    "StateSpec",
     "Step",
     "TierStats",
     "UnknownRequestError",

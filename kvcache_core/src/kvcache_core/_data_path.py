@@ -27,6 +27,7 @@ from kvcache_core.contract.config import CacheConfig, check_count, check_token_i
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
 from kvcache_core.errors import (
+    DTypeMismatchError,
     InvalidArgumentError,
     ManagerClosedError,
     ShapeMismatchError,
@@ -111,17 +112,21 @@ class DataPath(Generic[ArrayT]):
             SequenceTooLongError, InvalidArgumentError: a plan is refused.
             OutOfBlocksError: the batch's growth does not fit.
         """
-        plans: list[GrowthPlan] = []
-        needed = freed = copies = 0
-        for state, count, state_ids in zip(states, counts, ids, strict=True):
-            plan = self._sequences.plan_growth(state, count, state_ids)
-            plans.append(plan)
-            needed += plan.needed
-            freed += plan.freed
-            copies += plan.copy_count
+        plan_growth = self._sequences.plan_growth
+        plans: list[GrowthPlan]
+        if len(states) == 1:  # one request (extend): no loop over the batch
+            plan = plan_growth(states[0], counts[0], ids[0])
+            plans, needed, freed = [plan], plan.needed, plan.freed
+        else:
+            plans, needed, freed = [], 0, 0
+            for state, count, state_ids in zip(states, counts, ids, strict=True):
+                plan = plan_growth(state, count, state_ids)
+                plans.append(plan)
+                needed += plan.needed
+                freed += plan.freed
         if needed > self._pool.available() + freed:
-            raise self._pool.shortage(shortage(needed, copies))
-        if len(plans) == 1:  # one request (extend): the same growth without the batch's bookkeeping
+            raise self._pool.shortage(shortage(needed, sum(plan.copy_count for plan in plans)))
+        if len(plans) == 1:  # one request: the same growth without the batch's bookkeeping
             return [self._sequences.grow(states[0], plans[0])]
         return self._sequences.grow_all(states, plans)
 
@@ -321,6 +326,54 @@ class DataPath(Generic[ArrayT]):
         )
         return self.storage.paged_attention(index, query, table, indptr, checked_scale, causal, **keywords)
 
+    # -- recurrent states -----------------------------------------------------------------
+
+    def read_state(self, slots: SlotArray, layer: object, name: object) -> ArrayT:
+        """A copy of state array ``name`` of ``layer`` for the requests holding ``slots``:
+        ``[len(slots), *shape]``.
+
+        Raises:
+            LayerIndexError, InvalidArgumentError: not a state layer, or no such array.
+        """
+        states = self._pool.states
+        index = states.index(layer, name)
+        assert states.storage is not None
+        values: ArrayT = states.storage.read(index, slots)
+        return values
+
+    def write_state(self, slots: SlotArray, layer: object, name: object, values: ArrayT) -> None:
+        """Write ``values`` ``[len(slots), *shape]`` (the array's dtype) into state array
+        ``name`` of ``layer`` for the requests holding ``slots``.
+
+        Raises:
+            LayerIndexError, InvalidArgumentError, ShapeMismatchError, DTypeMismatchError,
+            ArrayTypeError.
+        """
+        states = self._pool.states
+        index = states.index(layer, name)
+        array = self.config.states.arrays[index][1]
+        shape, dtype = self._checks.array_info(f"state {name!r}", values)
+        expected = (int(slots.shape[0]), *array.shape)
+        if shape != expected:
+            raise ShapeMismatchError(
+                f"state {name!r} of layer {layer} must have shape {expected} ([requests, *state shape]), got {shape}"
+            )
+        if dtype != array.dtype:
+            raise DTypeMismatchError(f"state {name!r} of layer {layer} has dtype {array.dtype}, got {dtype}")
+        assert states.storage is not None
+        states.storage.write(index, slots, values)
+
+    def checkpoint_states(self, states: list[RequestState[ArrayT]]) -> int:
+        """File a checkpoint of each request's states whose length ends a cached block (see
+        :mod:`kvcache_core.paging.state_slots`); returns how many are filed."""
+        slots, block_size = self._pool.states, self.config.block_size
+        filed = 0
+        for state in states:
+            blocks, rest = divmod(state.table.sequence_length, block_size)
+            if slots.enabled and blocks and not rest and len(state.chain) >= blocks:
+                filed += slots.save_checkpoint(state.state_slot, state.chain[blocks - 1].block_hash)
+        return filed
+
     # -- steps ---------------------------------------------------------------------------
 
     def stamp(self, states: list[RequestState[ArrayT]]) -> Callable[[], None]:
@@ -369,11 +422,13 @@ class _StepRunner(Generic[ArrayT]):
     """The data path bound to one step's requests: what its :class:`Step` calls
     (:class:`~kvcache_core.step.StepRunner`), under the manager's lock."""
 
-    __slots__ = ("_check_current", "_path", "_served", "_writable_at")
+    __slots__ = ("_check_current", "_path", "_served", "_state_slots", "_states", "_writable_at")
 
     def __init__(self, path: DataPath[ArrayT], states: list[RequestState[ArrayT]], groups: int) -> None:
         self._path = path
         self._check_current = path.stamp(states)
+        self._state_slots = np.array([state.state_slot for state in states], dtype=np.int64)
+        self._states = states
         self._served = storage_attention_features(path.storage)
         # Per KV-cache group, the epoch at which the group's slots were last found writable
         # (-1: not yet): a block of the step that is registered in the prefix cache or
@@ -395,3 +450,21 @@ class _StepRunner(Generic[ArrayT]):
         with path.lock:
             self._check_current()
             return path.attention(layer, query, scale, causal, features, step=step, served=self._served)
+
+    def read_state(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            return path.read_state(self._state_slots, layer, name)
+
+    def write_state(self, step: Step[ArrayT], layer: int, name: str, values: ArrayT) -> None:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            path.write_state(self._state_slots, layer, name, values)
+
+    def checkpoint_states(self, step: Step[ArrayT]) -> int:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            return path.checkpoint_states(self._states)

@@ -25,8 +25,10 @@ from kvcache_core.errors import (
     InvalidConfigError,
     InvalidTypeError,
     NotSwappedOutError,
+    StateRollbackError,
     SwappedOutError,
     UnknownRequestError,
+    UnsupportedConfigError,
 )
 from kvcache_core.offload.events import AllBlocksCleared, EventHub, OperationLock
 from kvcache_core.offload.tier_stack import TierChain
@@ -123,6 +125,11 @@ class Requests(Generic[ArrayT]):
         self._tiers = tiers
         self._pressure = pressure
         self.allocation_count = 0
+        if tiers and pool.states.enabled:
+            raise UnsupportedConfigError(
+                "offload tiers with recurrent-state layers: a tier's blocks would continue a prefix hit past the "
+                "last state checkpoint; use the pool's prefix caching (checkpoints) without tiers"
+            )
 
     # -- opening -------------------------------------------------------------------------
 
@@ -143,10 +150,21 @@ class Requests(Generic[ArrayT]):
                 f"cannot allocate request {request.request_id!r}: {request.initial_tokens} initial tokens "
                 f"need {plan.new_blocks} blocks{cached}"
             )
+        states = self._pool.states
+        if states.enabled and not states.available():
+            raise states.shortage(f"cannot allocate request {request.request_id!r}")
         if self._tiers:  # the tier blocks continuing the pool's hit
             plan = self._sequences.planner.extend(plan, request, self._tiers)
         state = self.new_state(request.request_id, request.max_sequence_length, request.priority)
-        opened = self._sequences.open(state, request, plan, self._tiers)
+        if states.enabled:  # from zeros, or from the checkpoint that ends its prefix hit
+            source = states.checkpoint_of(plan.entries[-1].block_hash) if plan.entries else None
+            what = f"cannot allocate request {request.request_id!r}"
+            state.state_slot = states.take(what) if source is None else states.take_copy(source, what)
+        try:
+            opened = self._sequences.open(state, request, plan, self._tiers)
+        except BaseException:
+            states.give(state.state_slot)
+            raise
         if self._chains.enabled:
             self._chains.queries += plan.queries
             self._chains.hits += opened.hits
@@ -160,6 +178,8 @@ class Requests(Generic[ArrayT]):
     def can_allocate(self, request: object) -> bool:
         """Whether :meth:`allocate` would succeed now."""
         if not isinstance(request, AllocationRequest) or request.request_id in self.live:
+            return False
+        if self._pool.states.enabled and not self._pool.states.available():
             return False
         plan = self._sequences.plan_allocation(request)
         return plan.new_blocks <= self._pool.available() - plan.revived
@@ -231,9 +251,13 @@ class Requests(Generic[ArrayT]):
         """Shorten the request to ``num_tokens`` (see ``manager.truncate``).
 
         Raises:
-            InvalidArgumentError.
+            InvalidArgumentError; StateRollbackError: a shorter length with state layers.
         """
         table = state.table
+        states = self._pool.states
+        restore = -1  # the checkpoint slot the states go back to (-2: zeros)
+        if states.enabled and num_tokens != table.sequence_length:
+            restore = self._checkpoint_at(state, num_tokens)
         low, windowed = self._sequences.shortest(state)
         try:
             length = check_count(num_tokens, "num_tokens")
@@ -247,20 +271,55 @@ class Requests(Generic[ArrayT]):
                 else f"num_tokens {num_tokens!r} is outside the held positions [{low}, {table.sequence_length}] "
                 f"of request {state.request_id!r}"
             )
+        if restore != -1:
+            assert states.storage is not None
+            slots = np.array([state.state_slot], dtype=np.int64)
+            if restore == -2:
+                states.storage.zero(slots)
+            else:
+                states.storage.copy(np.array([restore], dtype=np.int64), slots)
         self._sequences.truncate(state, length)
         state.touch()
         self._pressure.update()
+
+    def _checkpoint_at(self, state: RequestState[ArrayT], num_tokens: object) -> int:
+        """The state slot a request with state layers goes back to when truncated to
+        ``num_tokens``: ``-2`` (zeros) for 0, else the checkpoint of its block ending there.
+
+        Raises:
+            StateRollbackError: no checkpoint at ``num_tokens``.
+        """
+        if num_tokens == 0:
+            return -2
+        blocks, rest = divmod(num_tokens, self._config.block_size) if isinstance(num_tokens, int) else (0, 1)
+        slot = None
+        if not rest and 0 < blocks <= len(state.chain):
+            slot = self._pool.states.checkpoint_of(state.chain[blocks - 1].block_hash)
+        if slot is None:
+            raise StateRollbackError(
+                f"cannot truncate request {state.request_id!r} from {state.table.sequence_length} to {num_tokens!r} "
+                "tokens: its recurrent-state layers overwrite their states at every token, and no checkpoint "
+                "(step.checkpoint_states) holds them at that length; valid: its length, 0, or a checkpoint's"
+            )
+        return slot
 
     def fork(self, parent: RequestState[ArrayT], new_request_id: str) -> RequestState[ArrayT]:
         """A new request sharing the parent's blocks (see ``manager.fork``).
 
         Raises:
-            DuplicateRequestError.
+            DuplicateRequestError; OutOfStateSlotsError: no free state slot for the child.
         """
         if new_request_id in self.live:
             raise DuplicateRequestError(f"cannot fork into {new_request_id!r}: it is already allocated")
         child = self.new_state(new_request_id, parent.max_sequence_length, parent.priority)
-        self._sequences.fork(parent, child)
+        states = self._pool.states
+        if states.enabled:  # the child continues from the parent's states
+            child.state_slot = states.take_copy(parent.state_slot, f"cannot fork {parent.request_id!r}")
+        try:
+            self._sequences.fork(parent, child)
+        except BaseException:
+            states.give(child.state_slot)
+            raise
         self.live[new_request_id] = child
         parent.touch()
         return child
@@ -293,6 +352,8 @@ class Requests(Generic[ArrayT]):
         if state is None:
             raise self.unknown(request_id)
         self._sequences.release(state)
+        self._pool.states.give(state.state_slot)
+        state.state_slot, state.state_host = -1, None
         self._pressure.update()
 
     def swap_out(self, request_id: object) -> None:
@@ -304,7 +365,11 @@ class Requests(Generic[ArrayT]):
         state = self.live_state(request_id)
         if state.swap is not None:
             raise SwappedOutError(f"request {request_id!r} is already swapped out; swap_in brings it back")
+        states = self._pool.states
+        host = states.to_host(state.state_slot) if states.enabled else None
         self._sequences.swap_out(state)
+        states.give(state.state_slot)
+        state.state_slot, state.state_host = -1, host
         state.touch()
         self._pressure.update()
 
@@ -337,7 +402,16 @@ class Requests(Generic[ArrayT]):
             )
         if record.num_blocks > self._pool.available():
             raise self._pool.shortage(f"cannot swap in request {request_id!r}: it needs {record.num_blocks} blocks")
-        self._sequences.swap_in(state, record)
+        states = self._pool.states
+        slot = -1
+        if state.state_host is not None:  # its states come back bit-identical
+            slot = states.take_from_host(state.state_host, f"cannot swap in request {request_id!r}")
+        try:
+            self._sequences.swap_in(state, record)
+        except BaseException:
+            states.give(slot)
+            raise
+        state.state_slot, state.state_host = slot, None
         state.touch()
         self._pressure.update()
 

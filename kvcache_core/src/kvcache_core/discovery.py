@@ -24,7 +24,7 @@ import pluggy
 
 from kvcache_core.backends.numpy import NumpyArray
 from kvcache_core.contract.config import CacheConfig
-from kvcache_core.contract.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, BackendHookSpecs, BackendSpec
+from kvcache_core.contract.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, STATE_LAYERS, BackendHookSpecs, BackendSpec
 from kvcache_core.contract.protocols import KvStorage
 from kvcache_core.errors import (
     BackendConflictError,
@@ -302,7 +302,8 @@ def create_manager(
         InvalidTypeError: ``config`` is not a :class:`CacheConfig`, or ``tiers`` is not a
             list or tuple of ``OffloadTier`` (a single tier included).
         UnsupportedConfigError: the backend does not support the config's dtype, device
-            or layout (the message lists what it supports), an option its storage factory
+            or layout (the message lists what it supports), recurrent-state layers (it does
+            not claim ``"state_layers"``), an option its storage factory
             does not take, or a policy not built yet.
         BackendUnavailableError: the backend is broken: its storage factory is not
             callable or returned something that is not a storage.
@@ -314,6 +315,8 @@ def create_manager(
     config = spec.resolve(config)  # kv_layout=None: the backend's fastest layout
     storage_config = config.storage_config()  # with KV-cache groups: one group's layers
     problems = spec.check_config(storage_config)
+    if config.states.arrays and STATE_LAYERS not in spec.capabilities:
+        problems.append(f"recurrent-state layers (LayerSpec(state=...): capability {STATE_LAYERS!r} not claimed)")
     if problems:
         raise UnsupportedConfigError(f"backend {backend!r} does not support {'; '.join(problems)}")
     if not callable(spec.storage_factory):

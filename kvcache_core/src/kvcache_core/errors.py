@@ -35,6 +35,7 @@ __all__ = [
     "ManagerClosedError",
     "NotSwappedOutError",
     "OutOfBlocksError",
+    "OutOfStateSlotsError",
     "PublisherClosedError",
     "SequenceTooLongError",
     "ShapeMismatchError",
@@ -42,6 +43,7 @@ __all__ = [
     "SlotError",
     "StalePageTableError",
     "StaleStepError",
+    "StateRollbackError",
     "SwappedOutError",
     "TierError",
     "TransferError",
@@ -141,6 +143,16 @@ class ForeignHandleError(KvCacheError, ValueError):
 
 class OutOfBlocksError(KvCacheError, MemoryError):
     """The pool has fewer free blocks than the operation needs. Nothing was taken."""
+
+
+class OutOfStateSlotsError(OutOfBlocksError):
+    """Every slot of the state pool (``CacheConfig.state_slots``) is taken: a pool with
+    recurrent-state layers holds one state per live request. Nothing was taken."""
+
+
+class StateRollbackError(InvalidArgumentError):
+    """``truncate`` of a request whose recurrent states hold no checkpoint at the asked
+    length: a state layer cannot be rolled back past what it overwrote."""
 
 
 class SequenceTooLongError(InvalidArgumentError):

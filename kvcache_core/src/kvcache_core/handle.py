@@ -148,14 +148,16 @@ class PagedKvCacheHandle(Generic[ArrayT]):
         return PagedKvCacheHandle(self._state)
 
     def stats(self) -> CacheHandleStats:
-        """Figures of this request in the pool (zeros once deallocated or while swapped out)."""
+        """Figures of this request in the pool (zeros once deallocated or while swapped out);
+        ``memory_bytes`` counts its recurrent states too."""
         state = self._state
         with state.lock:
             blocks = sum(table.num_blocks() for table in state.tables)
             tokens = sum(table.held_tokens() for table in state.tables)
             capacity = blocks * state.config.block_size
+            states = state.config.states.bytes_per_slot if state.state_slot >= 0 else 0
             return CacheHandleStats(
-                memory_bytes=blocks * state.config.bytes_per_block,
+                memory_bytes=blocks * state.config.bytes_per_block + states,
                 blocks_allocated=blocks,
                 tokens_stored=tokens,
                 utilization=tokens / capacity if capacity else 0.0,
@@ -223,8 +225,11 @@ def resident_state(handle: object, owner: object) -> RequestState[Any]:
         ForeignHandleError: not a handle of ``owner``'s.
         InvalidHandleError, SwappedOutError: the request was deallocated, or is swapped out.
     """
-    as_any = getattr(handle, "as_any", None)  # downcast, as the seed crate does
-    concrete: object = as_any() if callable(as_any) else None
+    if handle.__class__ is PagedKvCacheHandle:  # the common case, on every call: as_any() is itself
+        concrete: object = handle
+    else:
+        as_any = getattr(handle, "as_any", None)  # downcast, as the seed crate does
+        concrete = as_any() if callable(as_any) else None
     if not _is_paged_handle(concrete):
         raise ForeignHandleError(f"expected a handle from this manager, got {type(handle).__name__}")
     state = concrete._state  # pyright: ignore[reportPrivateUsage]

@@ -577,7 +577,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
 
     def _state_of(self, handle: object) -> RequestState[ArrayT]:
         """The state of a resident request's handle of this manager."""
-        self._check_open()
+        self._path.check_open()
         return resident_state(handle, self)
 
     def _check_open(self) -> None:

@@ -5,7 +5,9 @@ A backend registers a :class:`BackendSpec` through a :data:`hookimpl` of
 storage implements :class:`KvStorage` over one of :data:`KV_LAYOUTS` and dtypes of
 :data:`DTYPE_SIZES`, and claims named capabilities (:data:`CAPABILITIES`, composed from
 :data:`POLICY_CAPABILITIES`, :data:`ATTENTION_CAPABILITIES`, :data:`IMMUTABLE_ARRAYS` and
-:data:`MEMORY_REGIONS`, whose storages also have the optional member of :class:`RegionStorage`). A
+:data:`MEMORY_REGIONS`, whose storages also have the optional member of :class:`RegionStorage`, and
+:data:`STATE_LAYERS`: a storage serving recurrent-state layers builds a :class:`StateStorage`
+of :class:`StateArray` in its optional ``state_storage(arrays, num_slots)``). A
 storage without a kernel of its own can answer with the NumPy reference
 (:func:`paged_attention`). A tier implements :class:`OffloadTier` and registers a factory
 under :data:`TIER_ENTRY_POINT_GROUP`. The conformance kit (``pytest -p kvcache_core.testing``)
@@ -35,6 +37,7 @@ from kvcache_core.contract.hookspecs import (
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage
 from kvcache_core.contract.regions import MEMORY_REGIONS, MemoryRegion, RegionStorage
+from kvcache_core.contract.states import STATE_LAYERS, StateArray, StateStorage
 from kvcache_core.errors import KvCachePluginWarning
 from kvcache_core.offload.tiers import TIER_ENTRY_POINT_GROUP, OffloadTier, TierStats
 
@@ -48,6 +51,7 @@ __all__ = [
     "MEMORY_REGIONS",
     "POLICY_CAPABILITIES",
     "QUANTIZED_DTYPES",
+    "STATE_LAYERS",
     "TIER_ENTRY_POINT_GROUP",
     "BackendSpec",
     "CacheConfig",
@@ -58,6 +62,8 @@ __all__ = [
     "OffloadTier",
     "PageTable",
     "RegionStorage",
+    "StateArray",
+    "StateStorage",
     "TierStats",
     "check_attention_call",
     "hookimpl",

@@ -44,6 +44,18 @@ class StepRunner(Protocol[ArrayT]):
         """The manager's one attention entry, over ``step``'s page tables and offsets."""
         ...
 
+    def read_state(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT:
+        """A copy of the step's requests' state array ``name`` of ``layer``."""
+        ...
+
+    def write_state(self, step: Step[ArrayT], layer: int, name: str, values: ArrayT) -> None:
+        """Write the step's requests' state array ``name`` of ``layer``."""
+        ...
+
+    def checkpoint_states(self, step: Step[ArrayT]) -> int:
+        """File checkpoints of the step's requests' states."""
+        ...
+
 
 class Step(Generic[ArrayT]):
     """One forward pass of a batch, planned by
@@ -168,6 +180,45 @@ class Step(Generic[ArrayT]):
         """
         features = {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk}
         return self._runner.attention(self, layer, query, scale, causal, features)
+
+    def state(self, layer: int, name: str) -> ArrayT:
+        """The recurrent state array ``name`` of state layer ``layer`` for the step's
+        requests, as a copy ``[B, *shape]`` in the step's order (zeros for a request that
+        never wrote it; see :mod:`kvcache_core.contract.states`).
+
+        Raises:
+            StaleStepError: a request of the step changed since it was planned.
+            LayerIndexError: ``layer`` out of range or not a state layer.
+            InvalidArgumentError: the layer has no array ``name``.
+        """
+        return self._runner.read_state(self, layer, name)
+
+    def write_state(self, layer: int, name: str, values: ArrayT) -> None:
+        """Replace the recurrent state array ``name`` of state layer ``layer`` for the
+        step's requests with ``values`` ``[B, *shape]`` (the array's dtype), in the step's
+        order.
+
+        Raises:
+            StaleStepError, LayerIndexError, InvalidArgumentError: as :meth:`state`.
+            ShapeMismatchError, DTypeMismatchError, ArrayTypeError: bad ``values``.
+        """
+        self._runner.write_state(self, layer, name, values)
+
+    def checkpoint_states(self) -> int:
+        """With prefix caching, file a checkpoint of the recurrent states of each request of
+        the step whose length ends a cached block: call it once every state layer wrote
+        the step's states. A later prompt sharing that prefix starts from the checkpoint
+        (its hit is cut back to the last block with one), and ``truncate`` may go back to it.
+        Checkpoints take free state slots (evicted least recently used first when a request
+        needs one); none is filed when every slot is held.
+
+        Returns:
+            Checkpoints filed (or already filed for the same prefix).
+
+        Raises:
+            StaleStepError: a request of the step changed since it was planned.
+        """
+        return self._runner.checkpoint_states(self)
 
     def __repr__(self) -> str:
         return f"Step(requests={list(self.request_ids)}, new_tokens={list(self.new_tokens)})"

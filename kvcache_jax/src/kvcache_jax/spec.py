@@ -11,6 +11,7 @@ from typing import Final
 
 from kvcache_core.contract.config import KV_LAYOUTS, QUANTIZED_DTYPES
 from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, IMMUTABLE_ARRAYS, POLICY_CAPABILITIES
+from kvcache_core.contract.states import STATE_LAYERS
 
 __all__ = [
     "ATTENTION_FEATURES",
@@ -49,4 +50,4 @@ ATTENTION_FEATURES: Final = ATTENTION_CAPABILITIES
 #: What the conformance kit may check: the pool arrays are immutable (``key_cache`` hands
 #: out the current array, never deleted under its holder), the core policies run through
 #: the storage's block copies and host transfers, and the attention features.
-CAPABILITIES: Final = POLICY_CAPABILITIES | ATTENTION_FEATURES | {IMMUTABLE_ARRAYS}
+CAPABILITIES: Final = POLICY_CAPABILITIES | ATTENTION_FEATURES | {IMMUTABLE_ARRAYS, STATE_LAYERS}

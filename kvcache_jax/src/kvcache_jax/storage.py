@@ -27,6 +27,7 @@ from jax.core import Tracer
 from kvcache_core.attention.features import combined_window
 from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.states import StateArray
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -39,6 +40,7 @@ from kvcache_jax.buckets import PaddedBatch, bucket, pad_batch, pad_blocks, pad_
 from kvcache_jax.programs import Pools, programs_for
 from kvcache_jax.sharding import Placement, resolve_placement
 from kvcache_jax.spec import ATTENTION_FEATURES, PREFERRED_LAYOUT, VALUE_POOL_DTYPES
+from kvcache_jax.states import JaxStateStorage
 
 __all__ = ["JAX_DTYPES", "DeletedPoolError", "JaxStorage"]
 
@@ -453,3 +455,12 @@ class JaxStorage:
     def array_namespace(self) -> Any:
         """``jax.numpy``, JAX's Array API namespace."""
         return jnp
+
+    def state_storage(self, arrays: tuple[StateArray, ...], num_slots: int) -> JaxStateStorage:
+        """The state pool of a config with recurrent-state layers, replicated on the pool's
+        devices (capability ``"state_layers"``).
+
+        Raises:
+            UnsupportedConfigError: a state array of a dtype the backend does not hold.
+        """
+        return JaxStateStorage(arrays, num_slots, lambda array: _put(array, self._placement.replicated))

@@ -22,12 +22,14 @@ from kvcache_core.contract import quantization
 from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.regions import MemoryRegion, pool_regions
+from kvcache_core.contract.states import StateArray
 from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, UnsupportedConfigError
 from kvcache_core.offload import host_form
 from kvcache_torch import quantized
 from kvcache_torch.attention import attend_pool
 from kvcache_torch.dtypes import BIT_DTYPES, VALUE_DTYPES, dtype_name, torch_dtype
 from kvcache_torch.spec import ATTENTION_FEATURES, PREFERRED_LAYOUT
+from kvcache_torch.states import TorchStateStorage
 from kvcache_torch.threads import torch_team
 
 __all__ = ["TorchStorage", "resolve_device"]
@@ -511,6 +513,15 @@ class TorchStorage:
         import array_api_compat.torch
 
         return array_api_compat.torch
+
+    def state_storage(self, arrays: tuple[StateArray, ...], num_slots: int) -> TorchStateStorage:
+        """The state pool of a config with recurrent-state layers, on the pool's device
+        (capability ``"state_layers"``).
+
+        Raises:
+            UnsupportedConfigError: a state array of a dtype the backend does not hold.
+        """
+        return TorchStateStorage(arrays, num_slots, self._device)
 
     def __repr__(self) -> str:
         config = self._config

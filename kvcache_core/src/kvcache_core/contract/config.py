@@ -24,6 +24,7 @@ from kvcache_core.contract.scalars import (
     check_real,
     shown,
 )
+from kvcache_core.contract.states import StatePool, not_kv_layer
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerIndexError
 
 __all__ = [
@@ -172,6 +173,8 @@ class CacheConfig:
             ``FLOAT32_TINY`` to :data:`MAX_KV_SCALE` (backends decode in float32); only for
             ``dtype="float8_e4m3fn"``. ``None``: each scale tracks the running maximum (see
             :mod:`kvcache_core.contract.quantization`). Stored as nested tuples of floats.
+        state_slots: with state layers (``LayerSpec(state=...)``), requests the state pool holds
+            at once (:mod:`kvcache_core.contract.states`); ``None``: ``min(num_blocks, 32)``.
 
     Every field is stored as a plain Python value (NumPy integers, floats and strings
     are accepted and converted; a bool is refused where a number is meant). Counts and
@@ -199,9 +202,11 @@ class CacheConfig:
     compute_dtype: str | None = None
     kv_scales: tuple[tuple[tuple[float, ...], ...], ...] | None = None
     layer_specs: tuple[LayerSpec, ...] | None = None
+    state_slots: int | None = None
     _groups: tuple[KvGroup, ...] = field(default=(), init=False, repr=False, compare=False)
     _slots: tuple[tuple[int, int], ...] = field(default=(), init=False, repr=False, compare=False)
     _specs: tuple[LayerSpec, ...] = field(default=(), init=False, repr=False, compare=False)
+    _states: StatePool = field(default=StatePool(), init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -222,6 +227,7 @@ class CacheConfig:
         compute_dtype: str | None = None,
         kv_scales: object = None,
         layer_specs: object = None,
+        state_slots: IntLike | None = None,
     ) -> None:
         # Written out so that ``device`` accepts its text form ("cuda:0") and is stored as
         # a Device; the dataclass still provides eq, repr, hash and replace().
@@ -308,6 +314,8 @@ class CacheConfig:
         object.__setattr__(self, "_groups", groups)
         object.__setattr__(self, "_slots", layer_slot(groups, self.num_layers))
         object.__setattr__(self, "_specs", specs or (LayerSpec(window=self.sliding_window),) * self.num_layers)
+        object.__setattr__(self, "_states", StatePool.of(self._specs, self.state_slots, self.num_blocks))
+        object.__setattr__(self, "state_slots", None if self.state_slots is None else self._states.num_slots)
 
     @property
     def kv_groups(self) -> tuple[KvGroup, ...]:
@@ -321,8 +329,13 @@ class CacheConfig:
 
     @property
     def pool_layers(self) -> int:
-        """Layers the storage holds per block: every layer, or a group's layers."""
-        return len(self._groups[0].layers)
+        """Layers the storage holds per block: every layer, or a group's layers (at least one)."""
+        return max(1, len(self._groups[0].layers))
+
+    @property
+    def states(self) -> StatePool:
+        """The state pool: its arrays, slots and bytes per slot (empty without state layers)."""
+        return self._states
 
     def layer_spec(self, layer: int) -> LayerSpec:
         """The attention spec of a (checked) layer."""
@@ -332,9 +345,14 @@ class CacheConfig:
         """``(group, storage layer)`` of ``layer``.
 
         Raises:
-            LayerIndexError: ``layer`` outside ``0 .. num_layers - 1``.
+            LayerIndexError: ``layer`` outside ``0 .. num_layers - 1``, or a state layer
+                (it keeps no K/V).
         """
-        return self._slots[self.check_layer(layer)]
+        index = self.check_layer(layer)
+        place, state = self._slots[index], self._specs[index].state
+        if state is not None:
+            raise not_kv_layer(index, state)
+        return place
 
     def storage_config(self) -> CacheConfig:
         """The config the storage is built from: this one, or with KV-cache groups one of
@@ -348,7 +366,9 @@ class CacheConfig:
                 stacked[[group.layers[slot] for group in self._groups]].max(axis=0) for slot in range(self.pool_layers)
             ]
             scales = tuple(tuple(tuple(float(x) for x in kv) for kv in layer.tolist()) for layer in per_slot)
-        return dataclasses.replace(self, num_layers=self.pool_layers, layer_specs=None, kv_scales=scales)
+        return dataclasses.replace(
+            self, num_layers=self.pool_layers, layer_specs=None, kv_scales=scales, state_slots=None
+        )
 
     def _check_quantization(self) -> None:
         """Validate ``compute_dtype`` and ``kv_scales`` against ``dtype``."""
@@ -453,13 +473,14 @@ class CacheConfig:
         """Bytes one token takes in the pool: keys and values of every layer (with their
         scales in a quantized pool)."""
         scale_bytes = SCALE_BYTES if self.dtype in QUANTIZED_DTYPES else 0
-        return 2 * self.num_layers * self.num_heads * (self.head_dim * self.dtype_size + scale_bytes)
+        kv_layers = self.pool_layers * len(self._groups)  # state layers keep no K/V
+        return 2 * kv_layers * self.num_heads * (self.head_dim * self.dtype_size + scale_bytes)
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block takes in the pool: ``block_size`` tokens of every layer (of a
         group's layers with KV-cache groups), K and V."""
-        return self.block_size * self.bytes_per_token * self.pool_layers // self.num_layers
+        return self.block_size * self.bytes_per_token // len(self._groups)
 
     @property
     def total_tokens(self) -> int:

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from kvcache_core.contract.scalars import INT32_MAX, IntLike, as_integer, check_optional_count, shown
+from kvcache_core.contract.states import StateSpec
 from kvcache_core.errors import InvalidConfigError, LayerIndexError
 
 __all__ = [
@@ -43,23 +44,28 @@ __all__ = [
 class LayerSpec:
     """The attention of one layer: full (the default), a sliding window ``W`` (each query
     sees its last ``W`` positions, itself included) or chunked local attention ``C`` (a
-    query at ``p`` sees the positions of its chunk, ``C * (p // C)`` to ``p``).
+    query at ``p`` sees the positions of its chunk, ``C * (p // C)`` to ``p``); or, with
+    ``state``, a recurrent-state layer that keeps no K/V (:mod:`kvcache_core.contract.states`).
 
     ``window`` and ``chunk`` are stored as ``int`` (NumPy integers are accepted) and span
     at most ``INT32_MAX`` positions (page tables and kernels hold positions in int32).
 
     Raises:
         InvalidConfigError: a window or chunk that is not an int in ``[1, INT32_MAX]``, or
-            both set.
+            both set; a ``state`` that is not a :class:`StateSpec`, or with a window or chunk.
     """
 
     window: int | None = None
     chunk: int | None = None
+    state: StateSpec | None = None
 
-    def __init__(self, window: IntLike | None = None, chunk: IntLike | None = None) -> None:
+    def __init__(
+        self, window: IntLike | None = None, chunk: IntLike | None = None, state: StateSpec | None = None
+    ) -> None:
         # Written out so that NumPy integers type-check; stored as ints.
         object.__setattr__(self, "window", window)
         object.__setattr__(self, "chunk", chunk)
+        object.__setattr__(self, "state", state)
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -72,10 +78,19 @@ class LayerSpec:
             raise InvalidConfigError(
                 f"LayerSpec has window={self.window} and chunk={self.chunk}: a layer is full, sliding or chunked"
             )
+        if self.state is not None and (
+            not isinstance(self.state, StateSpec) or self.window is not None or self.chunk is not None
+        ):
+            raise InvalidConfigError(
+                f"LayerSpec.state must be a StateSpec on a layer without window or chunk, got state={shown(self.state)} "
+                f"window={self.window} chunk={self.chunk}"
+            )
 
     @property
     def kind(self) -> str:
-        """``"full"``, ``"sliding"`` or ``"chunked"``."""
+        """``"full"``, ``"sliding"``, ``"chunked"`` or ``"state"``."""
+        if self.state is not None:
+            return "state"
         return "sliding" if self.window is not None else "chunked" if self.chunk is not None else "full"
 
 
@@ -113,7 +128,10 @@ def plan_groups(
         )
     by_window: dict[int | None, list[int]] = {}
     for layer, spec in enumerate(specs):
-        by_window.setdefault(spec.window, []).append(layer)
+        if spec.state is None:  # state layers keep no blocks (contract/states.py)
+            by_window.setdefault(spec.window, []).append(layer)
+    if not by_window:  # only state layers: one group of none still counts each request's tokens
+        return (KvGroup(0, None, ()),)
     size = math.gcd(*(len(layers) for layers in by_window.values()))
     chunks = [
         (window, tuple(layers[start : start + size]))
@@ -141,8 +159,8 @@ def group_serves_layer(kept_window: int | None, spec: LayerSpec) -> bool:
 
 
 def layer_slot(groups: tuple[KvGroup, ...], num_layers: int) -> tuple[tuple[int, int], ...]:
-    """Per model layer: ``(group, storage layer)``."""
-    where = [(0, 0)] * num_layers
+    """Per model layer: ``(group, storage layer)``; ``(-1, -1)`` for a state layer."""
+    where = [(-1, -1)] * num_layers
     for group in groups:
         for slot, layer in enumerate(group.layers):
             where[layer] = (group.index, slot)

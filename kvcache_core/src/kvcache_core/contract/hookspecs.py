@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 import pluggy
 
 from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.states import STATE_LAYERS
 from kvcache_core.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ __all__ = [
     "IMMUTABLE_ARRAYS",
     "POLICY_CAPABILITIES",
     "PROJECT_NAME",
+    "STATE_LAYERS",
     "BackendHookSpecs",
     "BackendSpec",
     "hookimpl",
@@ -84,6 +86,8 @@ CAPABILITIES: dict[str, str] = {
     "positions (storage.attention_features lists it)",
     "memory_regions": "memory_regions() names the pool's memory (address, shape, device per layer and part, "
     "with a quantized pool's scales), stable while the storage is open, for a transport to register once",
+    "state_layers": "recurrent-state layers (LayerSpec(state=...)): the storage's state_storage(arrays, num_slots) "
+    "builds a StateStorage (read, write, copy, zero, to_host, from_host, array)",
     "immutable_arrays": "key_cache hands out the current pool array of an immutable array library "
     "(JAX), which later writes replace but never delete, instead of a view",
 }

@@ -86,7 +86,13 @@ class CacheManagerStats:
         copy_on_write_count: shared blocks copied because one sharer was about to write.
         swapped_out_requests: requests whose blocks are in host memory.
         swapped_out_blocks: blocks held in host memory for them.
-        swapped_out_memory_bytes: host bytes those blocks take.
+        swapped_out_memory_bytes: host bytes those blocks take (and their recurrent states).
+        state_slots: slots of the state pool (recurrent-state layers; 0 without them).
+        used_state_slots: of those, held by live resident requests.
+        state_memory_bytes: bytes of the state pool (``state_slots`` times the state bytes
+            of one request), included in ``total_memory_bytes``; the held slots' bytes are
+            included in ``used_memory_bytes``.
+        checkpoint_state_slots: free state slots holding checkpoints (evictable).
     """
 
     total_memory_bytes: int
@@ -110,6 +116,10 @@ class CacheManagerStats:
     swapped_out_requests: int = 0
     swapped_out_blocks: int = 0
     swapped_out_memory_bytes: int = 0
+    state_slots: int = 0
+    used_state_slots: int = 0
+    state_memory_bytes: int = 0
+    checkpoint_state_slots: int = 0
 
 
 @dataclass(frozen=True, slots=True)

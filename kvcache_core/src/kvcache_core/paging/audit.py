@@ -17,6 +17,7 @@ from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.paging.prefix import same_prefix
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import SequenceBlocks
+from kvcache_core.paging.state_slots import check_state_slots
 
 __all__ = ["audit"]
 
@@ -32,7 +33,9 @@ def audit(sequences: SequenceBlocks, requests: Mapping[str, RequestState[Any]]) 
     requests hold no block and their host copies have the right shape; the blocks awaited
     by hash chains are held by the requests awaiting them. With KV-cache groups, every
     request's tables are of one length, each block is of the group whose table holds it,
-    and a sliding group keeps no block its window left behind nor drops one it sees.
+    and a sliding group keeps no block its window left behind nor drops one it sees. With
+    recurrent-state layers, each resident request holds its own state slot, a swapped-out
+    one holds host copies instead, and no other slot is taken.
 
     Raises:
         InvariantError: naming the first inconsistency found.
@@ -40,6 +43,7 @@ def audit(sequences: SequenceBlocks, requests: Mapping[str, RequestState[Any]]) 
     _check_blocks(sequences.pool, requests)
     _check_prefix(sequences.pool, sequences.chains, requests)
     _check_requests(sequences, requests)
+    check_state_slots(sequences.pool.states, requests)
 
 
 def _check_blocks(pool: BlockPool, requests: Mapping[str, RequestState[Any]]) -> None:

@@ -21,6 +21,7 @@ from kvcache_core.errors import OutOfBlocksError
 from kvcache_core.paging.allocator import BlockAllocator, Placement
 from kvcache_core.paging.prefix import PrefixCache, PrefixEntry
 from kvcache_core.paging.request_state import RequestState, SwapRecord, next_generation
+from kvcache_core.paging.state_slots import StateSlots
 
 __all__ = ["BlockPool", "EvictionSink", "blocks_for"]
 
@@ -57,12 +58,14 @@ class BlockPool:
         immutable_epoch: bumped whenever a block may have become immutable (registered in
             the prefix cache, or shared by a fork); slots found writable in the current
             epoch are still writable (see :meth:`retain`).
+        states: the state pool's slots (recurrent-state layers; empty without them).
     """
 
     def __init__(self, config: CacheConfig, storage: KvStorage[Any], placement: Placement) -> None:
         self.config = config
         self.storage = storage
         self.allocator = BlockAllocator(config.num_blocks, placement)
+        self.states = StateSlots(config, storage)
         slots = config.num_blocks * config.block_size
         self.prefix: PrefixCache | None = PrefixCache(config.model_id) if config.enable_prefix_caching else None
         self.written: npt.NDArray[np.bool_] | None = (

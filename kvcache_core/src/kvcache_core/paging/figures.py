@@ -26,9 +26,11 @@ def manager_stats(
     tokens = sum(table.held_tokens() for state in requests.values() for table in state.tables)
     capacity = used * config.block_size
     swapped = [state.swap for state in requests.values() if state.swap is not None]
+    states = pool.states
+    state_bytes = config.states.bytes_per_slot
     return CacheManagerStats(
-        total_memory_bytes=config.num_blocks * config.bytes_per_block,
-        used_memory_bytes=used * config.bytes_per_block,
+        total_memory_bytes=config.num_blocks * config.bytes_per_block + states.memory_bytes,
+        used_memory_bytes=used * config.bytes_per_block + len(states.taken) * state_bytes,
         active_caches=len(requests),
         total_blocks=config.num_blocks,
         free_blocks=pool.allocator.free_block_count(),
@@ -38,7 +40,7 @@ def manager_stats(
         cache_hit_rate=chains.hits / chains.queries if chains.queries else 0.0,
         eviction_count=pool.eviction_count,
         allocation_count=allocation_count,
-        allocation_failures=pool.allocation_failures,
+        allocation_failures=pool.allocation_failures + pool.states.failures,
         pressure=pressure,
         cached_blocks=pool.allocator.cached_block_count(),
         prefix_cache_queries=chains.queries,
@@ -47,5 +49,10 @@ def manager_stats(
         copy_on_write_count=pool.copy_on_write_count,
         swapped_out_requests=len(swapped),
         swapped_out_blocks=sum(record.num_blocks for record in swapped),
-        swapped_out_memory_bytes=sum(record.memory_bytes for record in swapped),
+        swapped_out_memory_bytes=sum(record.memory_bytes for record in swapped)
+        + sum(state_bytes for state in requests.values() if state.state_host is not None),
+        state_slots=states.num_slots,
+        used_state_slots=len(states.taken),
+        state_memory_bytes=states.memory_bytes,
+        checkpoint_state_slots=len(states.checkpoints),
     )

@@ -216,11 +216,13 @@ class PrefixPlanner:
         for group, window in enumerate(self.windows):
             if window is None:
                 hits = min(hits, next((i for i, block in enumerate(picks[group]) if block is None), hits))
+        hashes = [entry.block_hash for entry in entries] if pool.states.enabled else []
+        hits = pool.states.checkpointed(hashes, hits)  # state layers restart from a checkpoint
         while True:
             released = [self.first_held(group, hits) for group in range(len(picks))]
             if all(None not in picks[group][released[group] : hits] for group in range(len(picks))):
                 break
-            hits -= 1
+            hits = pool.states.checkpointed(hashes, hits - 1)
         mapped = [
             [block for block in picks[group][released[group] : hits] if block is not None]
             for group in range(len(picks))

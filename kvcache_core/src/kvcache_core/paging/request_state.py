@@ -91,6 +91,8 @@ class RequestState(Generic[ArrayT]):
         "priority",
         "request_id",
         "salt",
+        "state_host",
+        "state_slot",
         "storage",
         "swap",
         "tables",
@@ -133,6 +135,10 @@ class RequestState(Generic[ArrayT]):
         self.awaiting_block: int | None = None
         self.cached_tokens = 0  # tokens mapped from the prefix cache at allocation
         self.swap: SwapRecord | None = None  # set while swapped out
+        # Recurrent-state layers: the request's slot in the state pool (-1: none, or swapped
+        # out) and, while swapped out, its states' host copies.
+        self.state_slot = -1
+        self.state_host: tuple[npt.NDArray[Any], ...] | None = None
         # Changes whenever a block the request held stops being its own (release, swap,
         # copy-on-write, window release): page tables taken before are refused.
         self.generation = next_generation()

@@ -9,7 +9,6 @@ blocks next to the request's last one and keeps the prefix chains in step.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -37,23 +36,16 @@ class GroupGrowth(NamedTuple):
 
 
 class GrowthPlan(NamedTuple):
-    """What growing a request by ``tokens`` tokens takes, worked out without changing anything."""
+    """What growing a request by ``tokens`` tokens takes, worked out without changing anything
+    (the totals over its groups are summed once, when it is planned: growth is the hot path)."""
 
     tokens: int
     new_ids: tuple[int, ...]  # token ids not known before
     groups: list[GroupGrowth]  # per KV-cache group
-
-    @property
-    def needed(self) -> int:
-        return sum(group.missing + len(group.copies) for group in self.groups)
-
-    @property
-    def freed(self) -> int:
-        return sum(group.freed for group in self.groups)
-
-    @property
-    def copy_count(self) -> int:
-        return sum(len(group.copies) for group in self.groups)
+    needed: int  # blocks to take: the missing ones and the copies of shared ones
+    freed: int  # blocks the windows give back to the pool
+    copy_count: int  # copies of shared blocks
+    released: int  # leading blocks the windows release
 
 
 class _Reserved(NamedTuple):
@@ -144,6 +136,7 @@ class SequenceBlocks:
         new_ids = self.chains.new_token_ids(state, ids, old_length) if ids is not None else ()
         ref_count = self.pool.allocator.ref_count
         groups: list[GroupGrowth] = []
+        needed = freed_total = copy_count = released_total = 0
         for group, table in enumerate(state.tables):
             released = freed = 0
             if count and self.windows[group] is not None:
@@ -154,7 +147,9 @@ class SequenceBlocks:
             copies = self.shared_blocks(table, old_length, new_length)
             missing = max(0, blocks_for(new_length, self.block_size) - (table.first_logical + table.num_blocks()))
             groups.append(GroupGrowth(released, freed, copies, missing))
-        return GrowthPlan(count, new_ids, groups)
+            needed, copy_count = needed + missing + len(copies), copy_count + len(copies)
+            freed_total, released_total = freed_total + freed, released_total + released
+        return GrowthPlan(count, new_ids, groups, needed, freed_total, copy_count, released_total)
 
     # -- carrying plans out ------------------------------------------------------------
 
@@ -162,7 +157,7 @@ class SequenceBlocks:
         """Carry out a checked growth plan (blocks for it are available), all or nothing
         as :meth:`grow_all`. Returns the new positions' slots: ``[tokens]``, or
         ``[num_groups, tokens]`` with KV-cache groups."""
-        window_first = self._window_first((plan,))
+        window_first = self._window_first(plan.released, plan.needed)
         if window_first:
             self._release_window(state, plan)
         return self._install(state, plan, self._reserve(state, plan, {}), window_first)
@@ -179,7 +174,7 @@ class SequenceBlocks:
         eviction). Only when the plans need the blocks their windows free does the window
         release (of blocks the requests' next tokens no longer see) come first; it stays.
         """
-        window_first = self._window_first(plans)
+        window_first = self._window_first(sum(plan.released for plan in plans), sum(plan.needed for plan in plans))
         if window_first:
             for state, plan in zip(states, plans, strict=True):
                 self._release_window(state, plan)
@@ -199,12 +194,10 @@ class SequenceBlocks:
             for state, plan, taken in zip(states, plans, reserved, strict=True)
         ]
 
-    def _window_first(self, plans: Sequence[GrowthPlan]) -> bool:
-        """Whether the plans need the blocks their windows free (the release comes first)."""
-        return (
-            any(growth.released for plan in plans for growth in plan.groups)
-            and sum(plan.needed for plan in plans) > self.pool.available()
-        )
+    def _window_first(self, released: int, needed: int) -> bool:
+        """Whether plans that release ``released`` blocks and need ``needed`` need the blocks
+        their windows free (the release comes first)."""
+        return released > 0 and needed > self.pool.available()
 
     def _reserve(self, state: RequestState[Any], plan: GrowthPlan, copying: dict[int, int]) -> _Reserved:
         """Take the blocks one plan needs and make its copies, changing no table; on any
@@ -212,7 +205,7 @@ class SequenceBlocks:
         pool = self.pool
         tables = state.tables
         copies = _NO_COPIES
-        if any(growth.copies for growth in plan.groups):
+        if plan.copy_count:
             ref_count = pool.allocator.ref_count
             wanted = [
                 [
@@ -291,7 +284,7 @@ class SequenceBlocks:
 
     def _release_window(self, state: RequestState[Any], plan: GrowthPlan) -> None:
         """Release the leading blocks the plan's windows passed."""
-        if any(growth.released for growth in plan.groups):
+        if plan.released:
             self.chains.advance(state)  # hash what is ready before the window releases it
             for group, growth in enumerate(plan.groups):
                 if growth.released:

@@ -51,6 +51,7 @@ pytest.register_assert_rewrite(
     "kvcache_core.testing.tiers",
     "kvcache_core.testing.feature_catalogue",
     "kvcache_core.testing.host_forms",
+    "kvcache_core.testing.states",
 )
 
 from kvcache_core.testing._plugin import (  # noqa: E402  (after the rewrite registration)

@@ -32,6 +32,7 @@ __all__ = [
     "POLICY_CAPABILITIES",
     "BackendRecord",
     "KitSettings",
+    "OutcomeCounter",
     "backend_records",
     "kit_settings",
     "kvcache_backend",
@@ -194,6 +195,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(OutcomeCounter(config), OutcomeCounter.NAME)
     config.addinivalue_line(
         "markers",
         f"{PIN_MARKER}(*names): run this test or class only against the named kvcache backends",
@@ -277,6 +279,17 @@ class BackendRecord:
 
 _RECORDS = pytest.StashKey[dict[str, BackendRecord]]()
 _UNCLAIMED = pytest.StashKey[tuple[str, ...]]()
+_CLAIMED = pytest.StashKey[frozenset[str]]()
+
+#: The user properties of a kit test's reports: its backend, its name, the capabilities the
+#: backend claims and those a skip was for (comma-separated). The outcomes are counted from
+#: the reports, in the process that prints the summary (the controller, under pytest-xdist).
+_BACKEND, _TEST, _CAPABILITIES, _SKIPPED_FOR = (
+    "kvcache_backend",
+    "kvcache_test",
+    "kvcache_claims",
+    "kvcache_skipped_for",
+)
 
 
 def backend_records(config: pytest.Config) -> dict[str, BackendRecord]:
@@ -325,7 +338,7 @@ def kvcache_backend(request: pytest.FixtureRequest) -> Generator[Any, None, None
         pytest.skip(f"kvcache backend {name!r} is unavailable here: {exc}")
     except KvCacheError as exc:
         pytest.fail(f"kvcache backend {name!r} cannot be used: {exc}")
-    backend_records(request.config).setdefault(name, BackendRecord()).capabilities = frozenset(spec.capabilities)
+    request.node.stash[_CLAIMED] = frozenset(spec.capabilities)
     for marker in request.node.iter_markers(REQUIRES_MARKER):
         for capability in marker.args:
             if capability not in spec.capabilities:
@@ -365,28 +378,58 @@ def reproduce_line(item: pytest.Item, backend: str) -> str:
     )
 
 
-def _record(item: pytest.Item, report: pytest.TestReport, backend: str) -> None:
-    record = backend_records(item.config).setdefault(backend, BackendRecord())
-    if report.when == "call" or (report.when == "setup" and not report.passed):
-        record.counts[report.outcome] += 1
-    elif report.when == "teardown" and report.failed:
-        record.counts["failed"] += 1
-    if report.skipped:
-        for capability in item.stash.get(_UNCLAIMED, ()):
-            record.unclaimed_skips.setdefault(capability, []).append(item.name)
+class OutcomeCounter:
+    """Counts the outcomes of kit tests per backend into :func:`backend_records`, from the
+    reports' user properties: in the process that reports the run (under pytest-xdist, the
+    controller, which prints the summary and writes ``--kvcache-report``)."""
+
+    NAME = "kvcache-conformance-outcomes"
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._config = config
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        properties = {name: value for name, value in report.user_properties if isinstance(name, str)}
+        backend = properties.get(_BACKEND)
+        if not isinstance(backend, str):
+            return
+        record = backend_records(self._config).setdefault(backend, BackendRecord())
+        claims = properties.get(_CAPABILITIES)
+        if isinstance(claims, str):
+            record.capabilities = frozenset(claims.split(",")) - {""}
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            record.counts[report.outcome] += 1
+        elif report.when == "teardown" and report.failed:
+            record.counts["failed"] += 1
+        skipped_for = properties.get(_SKIPPED_FOR)
+        if report.skipped and isinstance(skipped_for, str) and skipped_for:
+            for capability in skipped_for.split(","):
+                record.unclaimed_skips.setdefault(capability, []).append(str(properties.get(_TEST)))
+
+
+def _properties(item: pytest.Item, backend: str) -> list[tuple[str, object]]:
+    """The user properties that carry what :class:`OutcomeCounter` counts of ``item``."""
+    claimed = item.stash.get(_CLAIMED, None)
+    skipped_for: tuple[str, ...] = item.stash.get(_UNCLAIMED, ())
+    return [
+        (_BACKEND, backend),
+        (_TEST, item.name),
+        *([] if claimed is None else [(_CAPABILITIES, ",".join(sorted(claimed)))]),
+        (_SKIPPED_FOR, ",".join(skipped_for)),
+    ]
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
-    """Count kit outcomes per backend, and add a note naming the backend, the seed and how to
-    rerun the case to every failure of a kit test."""
+    """Give a kit test's reports what :class:`OutcomeCounter` counts per backend, and add a note
+    naming the backend, the seed and how to rerun the case to every failure of a kit test."""
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
     callspec = getattr(item, "callspec", None)
     backend = callspec.params.get(BACKEND_FIXTURE) if callspec is not None else None
     if not isinstance(backend, str):
         return
-    _record(item, report, backend)
+    report.user_properties = [*report.user_properties, *_properties(item, backend)]  # this report's own list
     if not report.failed:
         return
     note = (
@@ -425,7 +468,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Write the ``--kvcache-report`` JSON file (for ``kvcache check``)."""
     path = session.config.getoption("kvcache_report", default=None)
-    if not path:
+    if not path or hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the controller writes it
         return
     records = backend_records(session.config)
     document = {

@@ -49,6 +49,7 @@ from kvcache_core.testing.quantized import QuantizedCases
 from kvcache_core.testing.regions import RegionCases
 from kvcache_core.testing.reliability import ReliabilityCases
 from kvcache_core.testing.returns import storage_return_problems
+from kvcache_core.testing.states import StateCases
 from kvcache_core.testing.tiers import TierCases
 from kvcache_core.testing.world import World, assert_same_state, make_world, probe, snapshot
 
@@ -138,6 +139,7 @@ class KvCacheConformance(
     TierCases,
     HostFormCases,
     RegionCases,
+    StateCases,
 ):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 

@@ -36,6 +36,11 @@ Two pieces, used together or apart::
   positions and the new ones, with the mask sizes it reports, so a pool whose sliding layers
   keep only their window's blocks serves this path too. The ``"kvcache_paged"``
   attention with another cache (or none) runs ``sdpa`` on what it is given.
+- State-space and linear-attention hybrids (Mamba2, Bamba, Granite 4 hybrid, Jamba,
+  Qwen3-Next, LFM2; :mod:`kvcache_torch.hf.state_layers`): each row's conv and recurrent
+  states live in the pool's state slots (one per row), the attention layers' K/V in its
+  blocks; ``crop`` of such a model is refused (``StateRollbackError``) unless it goes back
+  to a state checkpoint.
 - Beam search (``reorder_cache``), ``batch_repeat_interleave`` and ``batch_select_indices``
   move requests between rows and ``fork`` a request for each row that duplicates another:
   the rows share every block, and only the block a beam goes on to write in is copied

@@ -35,6 +35,7 @@ from kvcache_torch.hf.padding import left_padded_lengths, real_tokens, token_maj
 from kvcache_torch.hf.prompts import TokenFeed, attach_prompt_hook
 from kvcache_torch.hf.rows import BatchRows, prompt_rows, release_requests, undo_step
 from kvcache_torch.hf.shared_kv import kv_sources, stored_layer_count
+from kvcache_torch.hf.state_layers import StateBridge
 
 __all__ = ["PagedCache"]
 
@@ -73,8 +74,8 @@ class PagedCache(Cache):
         InvalidTypeError: ``manager`` is not a ``PagedKvCacheManager``, or ``config`` is
             neither a ``PretrainedConfig`` nor a model holding one.
         UnsupportedConfigError: the model's geometry differs from the pool's, the pool keeps
-            fewer positions of a layer than its attention needs, the model has layers other
-            than attention layers (linear attention, ...), or the config is set to ``"kvcache_paged"`` for a
+            fewer positions of a layer than its attention needs, the model has layers kvcache
+            cannot hold (K/V and a state in one layer, ...), or the config is set to ``"kvcache_paged"`` for a
             model whose attention does not call transformers' attention interface (the
             message names the class and the remedy, its own ``"sdpa"`` or ``"eager"``; a model
             transformers cannot judge up front is refused at its first forward instead, see
@@ -110,9 +111,16 @@ class PagedCache(Cache):
             )
         if attention_implementation(text) == ATTN_IMPLEMENTATION:
             refuse_unless_interface(text, model)
-        self._layer_specs = layer_specs(config)  # refuses linear-attention, state-space layers
+        self._layer_specs = layer_specs(config)  # refuses layers of kinds it cannot hold
         self._sources = kv_sources(text)
         for layer, spec in enumerate(self._layer_specs[:layers]):
+            if (spec.kind == "state") != (pool.layer_spec(layer).kind == "state"):
+                raise UnsupportedConfigError(
+                    f"layer {layer} is a {spec.kind} layer of the model and a {pool.layer_spec(layer).kind} layer of "
+                    "the pool; build the pool with cache_config_for(model, ...)"
+                )
+            if spec.kind == "state":
+                continue
             kept = pool.kv_groups[pool.layer_place(layer)[0]].window
             if not group_serves_layer(kept, spec):
                 raise UnsupportedConfigError(
@@ -133,7 +141,10 @@ class PagedCache(Cache):
         self._max_sequence_length = max_sequence_length
         self._num_layers = layers
         self._rows = BatchRows(manager, max_sequence_length)
-        self._progress = LayerProgress(layers)
+        states = {layer: spec.state for layer in range(layers) if (spec := pool.layer_spec(layer)).state is not None}
+        self._attention_layers = layers - len(states)
+        self._progress = LayerProgress(layers, self._attention_layers)
+        self._states = StateBridge(manager, states, self._rows) if states else None
         self._mode: Mode | None = None
         self._feed = TokenFeed(self._rows)
         if model is not None and pool.enable_prefix_caching:
@@ -182,13 +193,23 @@ class PagedCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        """``True``: :meth:`crop` restores the state before the removed positions."""
-        return True
+        """``True`` (:meth:`crop` restores the state before the removed positions) unless
+        the model has recurrent-state layers, which keep no earlier states."""
+        return self._states is None
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """Per layer, whether it keeps a recurrent state (and no K/V)."""
+        states = self._states
+        return [states is not None and states.is_state_layer(layer) for layer in range(self._num_layers)]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Positions cached for ``layer_idx`` (padding columns included, as transformers counts)."""
+        """Positions cached for ``layer_idx`` (padding columns included, as transformers
+        counts); a state layer answers for the first attention layer."""
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self._sources):
             return 0
+        if self._states is not None and self._states.is_state_layer(layer_idx):
+            layer_idx = next((i for i in range(self._num_layers) if not self._states.is_state_layer(i)), layer_idx)
         return self._progress.lengths[self._sources[layer_idx]]
 
     def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
@@ -229,6 +250,45 @@ class PagedCache(Cache):
             f"tokens={sum(self.request_lengths())}, mode={self._mode}, manager={self._manager!r})"
         )
 
+    # -- recurrent-state layers (transformers' linear-attention cache calls) --------------
+
+    def _bridge(self) -> StateBridge:
+        if self._states is None:
+            raise UnsupportedConfigError("the model's layers keep K/V only: it has no recurrent state")
+        return self._states
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The batch's conv state of a state layer, ``None`` before the first forward."""
+        return self._bridge().get_conv_state(layer_idx, state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The batch's recurrent state of a state layer, ``None`` before the first forward."""
+        return self._bridge().get_recurrent_state(layer_idx, state_idx)
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        """Keep the state layer's new conv inputs (see :class:`StateBridge`)."""
+        kernel: int | None = kwargs.get("conv_kernel_size")
+        return self._bridge().update_conv_state(conv_states, layer_idx, state_idx, kernel)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        """Keep the state layer's new recurrent state."""
+        return self._bridge().update_recurrent_state(recurrent_states, layer_idx, state_idx)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether the state layer (by default the last) holds a state from an earlier forward."""
+        bridge = self._bridge()
+        if layer_idx is None:
+            layer_idx = max(layer for layer in range(self._num_layers) if bridge.is_state_layer(layer))
+        return bridge.previous.get(layer_idx, False)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """``False``: state layers keep no past states to roll back to."""
+        return False
+
     # -- prefix caching ----------------------------------------------------------------
 
     def map_cached_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
@@ -265,6 +325,8 @@ class PagedCache(Cache):
         prompts = prompt_rows(input_ids, attention_mask)
         columns = int(input_ids.shape[1])
         shared = self._rows.map_prefix(list(prompts), [columns - len(prompt) for prompt in prompts], columns)
+        if self._states is not None:
+            self._states.mapped(shared)
         self._mode = "paged"
         self._progress.lengths = [shared] * self._num_layers
         return shared
@@ -287,6 +349,8 @@ class PagedCache(Cache):
         if shared is not None:
             self._mode = mode
             self._progress.lengths = [shared] * self._num_layers
+            if self._states is not None:
+                self._states.mapped(shared)
         return shared or 0
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -295,6 +359,8 @@ class PagedCache(Cache):
         """Deallocate every row's request: its blocks return to the pool. The cache is then
         empty and can serve a new batch."""
         drop_handoff(self)  # a forward that failed half-way
+        if self._states is not None:
+            self._states.reset()
         self._rows.release()
         self._progress.reset(0)
         self._mode = None
@@ -471,6 +537,8 @@ class PagedCache(Cache):
         self._progress.check_complete()
         if sources == list(range(len(self._rows))):
             return
+        if self._states is not None:
+            self._states.flush()  # a fork copies the slots: they must hold the latest states
         self._rows.remap(sources)
         self._progress.step = None
 
@@ -539,7 +607,7 @@ class PagedCache(Cache):
             UnsupportedConfigError: naming the model class and the remedy.
         """
         step = self._progress.step
-        found = unattended_layer(step, layer, self._num_layers)
+        found = unattended_layer(step, layer, self._attention_layers)
         if step is not None and found is not None:
             self._abandon_step(step)
             raise not_through_interface(decoder_class(self._text), self._text, found[0], earlier=found[1])

@@ -58,8 +58,10 @@ class LayerProgress:
     """Where each layer stands: its positions (padding included, as transformers counts) and
     the forward step the layers are in (``None`` between forwards)."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, attention_layers: int | None = None) -> None:
         self.num_layers = num_layers
+        # The layers a forward updates (recurrent-state layers keep no K/V and never do).
+        self.attention_layers = num_layers if attention_layers is None else attention_layers
         self.lengths = [0] * num_layers
         self.step: ForwardStep | None = None
 
@@ -75,9 +77,9 @@ class LayerProgress:
             UnsupportedConfigError: the last forward reached only some layers.
         """
         step = self.step
-        if step is not None and len(step.layers_done) != self.num_layers:
+        if step is not None and len(step.layers_done) != self.attention_layers:
             raise UnsupportedConfigError(
-                f"the last forward reached {len(step.layers_done)} of {self.num_layers} layers (it failed, or the "
+                f"the last forward reached {len(step.layers_done)} of {self.attention_layers} layers (it failed, or the "
                 "model skips layers); release() the cache"
             )
 

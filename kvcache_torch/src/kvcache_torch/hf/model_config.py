@@ -18,6 +18,7 @@ from kvcache_core.plugin import DTYPE_SIZES, QUANTIZED_DTYPES
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.guard import refuse_unless_interface
 from kvcache_torch.hf.shared_kv import kv_sources, stored_layer_count
+from kvcache_torch.hf.state_layers import STATE_LAYER_TYPES, layer_types, state_specs
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -88,6 +89,9 @@ def geometry(config: PretrainedConfig) -> tuple[int, int, int]:
     """
     text = text_config(config)
     layers = int(text.num_hidden_layers)
+    types = layer_types(text, layers)
+    if types is not None and set(types) <= STATE_LAYER_TYPES:
+        return layers, 1, 1  # no attention layer: the pool's K/V are one head of one feature
     query_heads = _one_per_model(text.num_attention_heads, "query head counts") or 1
     head_dim = _one_per_model(getattr(text, "head_dim", None), "head sizes")
     return layers, _kv_heads(text), int(text.hidden_size) // query_heads if head_dim is None else head_dim
@@ -98,31 +102,36 @@ def _positive_or_none(value: object) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def layer_specs(config: PretrainedConfig) -> tuple[LayerSpec, ...]:
+def layer_specs(config: PretrainedConfig, state_dtype: str = "float32") -> tuple[LayerSpec, ...]:
     """Each layer's :class:`~kvcache_core.LayerSpec` (full, a sliding window or a chunk), from
     ``layer_types``, ``sliding_window`` and ``attention_chunk_size`` (a model without
-    ``layer_types`` and with a ``sliding_window``, as Mistral, slides in every layer).
+    ``layer_types`` and with a ``sliding_window``, as Mistral, slides in every layer); a
+    recurrent-state layer's state (:mod:`kvcache_torch.hf.state_layers`, conv states in
+    ``state_dtype``).
 
     Raises:
         UnsupportedConfigError: a layer type other than full, sliding or chunked attention
-            (linear attention, state-space layers, ...), named in the message.
+            or a state layer of a known family, named in the message.
     """
     text = text_config(config)
     layers = int(text.num_hidden_layers)
+    states = state_specs(text, layers, state_dtype)
     window = _positive_or_none(getattr(text, "sliding_window", None))
     chunk = _positive_or_none(getattr(text, "attention_chunk_size", None))
     types: Sequence[str] | None = getattr(text, "layer_types", None)
     if types is None:
         types = ["sliding_attention" if window is not None else "full_attention"] * layers
-    other = sorted(set(types) - _ATTENTION_LAYER_TYPES)
+    other = sorted(set(types) - _ATTENTION_LAYER_TYPES - (STATE_LAYER_TYPES if states else frozenset()))
     if other:
         raise UnsupportedConfigError(
             f"the model has layers of type {', '.join(repr(name) for name in other)}, which keep no paged K/V; "
             f"kvcache serves {sorted(_ATTENTION_LAYER_TYPES)} layers"
         )
     specs: list[LayerSpec] = []
-    for layer_type in types:
-        if layer_type == "sliding_attention" and window is not None:
+    for index, layer_type in enumerate(types):
+        if index in states:
+            specs.append(LayerSpec(state=states[index]))
+        elif layer_type == "sliding_attention" and window is not None:
             specs.append(LayerSpec(window=window))
         elif layer_type == "chunked_attention" and chunk is not None:
             specs.append(LayerSpec(chunk=chunk))
@@ -159,6 +168,7 @@ def cache_config_for(
     device: str | torch.device | None = None,
     model_id: str | None = None,
     hybrid: bool = True,
+    state_slots: int | None = None,
 ) -> CacheConfig:
     """The :class:`~kvcache_core.CacheConfig` of a pool for this model.
 
@@ -185,14 +195,19 @@ def cache_config_for(
             that keep only their window's blocks (a long request takes a fraction of the
             memory) on either path. ``False``: one group keeping every block of every
             layer.
+        state_slots: with recurrent-state layers (Mamba, Mamba2, gated DeltaNet, short
+            convolutions), the requests (batch rows) whose states the pool holds at once;
+            ``None``: ``CacheConfig``'s default.
 
     Raises:
         InvalidArgumentError: neither or both of ``num_blocks`` and ``max_tokens``, or a
             ``max_tokens`` or ``block_size`` below 1.
         InvalidTypeError: ``model`` is neither a model with a ``config`` nor a config.
-        UnsupportedConfigError: a dtype kvcache has no name for, layers that are not
-            full, sliding or chunked attention (the message names their type), layers
-            sharing K/V otherwise than as the last layers reusing earlier ones, or a config
+        UnsupportedConfigError: a dtype kvcache has no name for, layers that are neither
+            full, sliding or chunked attention nor the recurrent-state layers of a family of
+            :data:`~kvcache_torch.hf.state_layers.STATE_FAMILIES` (the message names their
+            type: Falcon-H1's and Zamba2's ``"hybrid"`` layers, ...), layers sharing K/V
+            otherwise than as the last layers reusing earlier ones, or a config
             set to ``"kvcache_paged"`` for a model whose attention does not call transformers'
             attention interface (Falcon, GPT-Neo, Bloom, MPT, ...: the message names the
             class and the remedy: its own attention, ``"sdpa"`` or ``"eager"``).
@@ -229,10 +244,11 @@ def cache_config_for(
     # A quantized pool computes in the model's dtype.
     compute_dtype = _pool_dtype_name(model_dtype or configured) if dtype in QUANTIZED_DTYPES else None
     _, kv_heads, head_dim = geometry(config)
+    state_dtype = str(compute_dtype or dtype)
     text = text_config(config)
     kv_sources(text)  # refuses layers sharing K/V in a way PagedCache cannot serve
     layers = stored_layer_count(text)  # layers reusing another's K/V keep no blocks
-    specs = layer_specs(config)[:layers]  # refuses layers that are not attention layers
+    specs = layer_specs(config, state_dtype)[:layers]  # refuses layers it cannot hold
     if attention_implementation(text) == ATTN_IMPLEMENTATION:
         refuse_unless_interface(text, None if isinstance(model, PretrainedConfig) else model)
     if not isinstance(hybrid, bool):
@@ -248,7 +264,10 @@ def cache_config_for(
         device="cpu" if device is None else str(device),
         model_id=model_fingerprint(config, str(dtype)) if model_id is None else model_id,
         compute_dtype=compute_dtype,
-        layer_specs=specs if hybrid and any(spec.kind != "full" for spec in specs) else None,
+        layer_specs=specs
+        if any(spec.kind == "state" for spec in specs) or (hybrid and any(spec.kind != "full" for spec in specs))
+        else None,
+        state_slots=state_slots,
     )
 
 

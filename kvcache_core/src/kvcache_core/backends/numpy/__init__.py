@@ -16,11 +16,13 @@ import numpy.typing as npt
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.attention.features import combined_window
 from kvcache_core.attention.reference import paged_attention
+from kvcache_core.backends.numpy.states import NumpyStateStorage
 from kvcache_core.contract import quantization
 from kvcache_core.contract.config import KV_LAYOUTS, CacheConfig
 from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES, BackendSpec, hookimpl
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.regions import MEMORY_REGIONS, MemoryRegion, pool_regions
+from kvcache_core.contract.states import STATE_LAYERS, StateArray
 from kvcache_core.errors import (
     ArrayTypeError,
     DTypeMismatchError,
@@ -399,6 +401,14 @@ class NumpyStorage:
         """``numpy``, which implements the Array API standard since 2.0."""
         return np
 
+    def state_storage(self, arrays: tuple[StateArray, ...], num_slots: int) -> NumpyStateStorage:
+        """The state pool of a config with recurrent-state layers (capability ``"state_layers"``).
+
+        Raises:
+            UnsupportedConfigError: a bfloat16 state array (NumPy has no bfloat16).
+        """
+        return NumpyStateStorage(arrays, num_slots)
+
 
 def _check_memory(name: str, array: object, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
     """Refuse memory handed to :class:`NumpyStorage` that writes could not go through."""
@@ -434,5 +444,5 @@ def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
         kv_layouts=KV_LAYOUTS,
         preferred_layout=PREFERRED_LAYOUT,
         description="NumPy reference backend (host memory), built into kvcache-core",
-        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {MEMORY_REGIONS},
+        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {MEMORY_REGIONS, STATE_LAYERS},
     )

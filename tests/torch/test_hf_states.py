@@ -1,0 +1,275 @@
+"""State-space and linear-attention hybrids through PagedCache: their recurrent states live in
+the pool's state slots, their attention layers' K/V in its blocks, and every run matches
+transformers' DynamicCache on the same weights.
+
+Paths: ``paged`` runs the attention layers with ``attn_implementation="kvcache_paged"``,
+``contiguous`` with ``sdpa`` (whole K/V read back); ``states`` is a model without attention
+layers (Mamba2), where only the state slots serve it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvcache_core import UnsupportedConfigError, create_manager
+from kvcache_core.errors import OutOfStateSlotsError, StateRollbackError
+from tests.torch.hf_support import (
+    ATTN_IMPLEMENTATION,
+    TOLERANCE,
+    VOCAB,
+    PagedCache,
+    cache_config_for,
+    generate,
+    max_logit_difference,
+    one_thread,  # noqa: F401  # pyright: ignore[reportUnusedImport]  # a fixture, used by pytestmark
+    prompts,
+    torch,
+    transformers,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "initializer_range": 0.2,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": None,
+}
+ATTENTION: dict[str, Any] = {"intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2}
+MAMBA2: dict[str, Any] = {
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 2,
+    "mamba_expand": 2,
+    "mamba_d_conv": 4,
+    "mamba_chunk_size": 8,
+}
+
+#: family -> (config class, model class, fields, paths): tiny random configs, state and
+#: attention layers alternating where the family has both.
+FAMILIES: dict[str, tuple[str, str, dict[str, Any], tuple[str, ...]]] = {
+    "mamba2": (
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        {
+            "num_heads": 8,
+            "head_dim": 16,
+            "state_size": 16,
+            "n_groups": 2,
+            "expand": 2,
+            "conv_kernel": 4,
+            "chunk_size": 8,
+        },
+        ("states",),
+    ),
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        {**ATTENTION, **MAMBA2, "attn_layer_indices": [1, 3]},
+        ("paged", "contiguous"),
+    ),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        {
+            **ATTENTION,
+            **MAMBA2,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            "num_local_experts": 2,
+            "num_experts_per_tok": 1,
+            "shared_intermediate_size": 64,
+        },
+        ("paged", "contiguous"),
+    ),
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        {
+            **ATTENTION,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts": 2,
+            "mamba_d_state": 8,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_dt_rank": 8,
+            "use_mamba_kernels": False,
+        },
+        ("paged", "contiguous"),
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            **ATTENTION,
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 2,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "full_attention_interval": 2,
+        },
+        ("paged", "contiguous"),
+    ),
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        {**ATTENTION, "full_attn_idxs": [1, 3], "conv_L_cache": 3},
+        ("paged", "contiguous"),
+    ),
+}
+
+CASES = [(family, path) for family, (_, _, _, paths) in FAMILIES.items() for path in paths]
+
+Models = tuple[Any, Any]  # (model under test, reference with DynamicCache)
+_BUILT: dict[str, Models] = {}
+
+
+def build(family: str) -> Models:
+    """The family's tiny model and an identical reference (built once per module)."""
+    if family not in _BUILT:
+        config_name, model_name, fields, _ = FAMILIES[family]
+        torch.manual_seed(0)
+        config = getattr(transformers, config_name)(**{**COMMON, **fields})
+        reference = getattr(transformers, model_name)(config).eval()
+        _BUILT[family] = (copy.deepcopy(reference), reference)
+    return _BUILT[family]
+
+
+def model_under_test(family: str, path: str) -> Any:
+    model, _ = build(family)
+    if path == "paged":
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    elif path == "contiguous":
+        model.set_attn_implementation("sdpa")
+    return model
+
+
+def paged_cache(model: Any, slots: int = 4) -> PagedCache:
+    """A PagedCache over a fresh pool for ``model`` (hybrid where its path is paged)."""
+    paged = model.config._attn_implementation == ATTN_IMPLEMENTATION
+    config = cache_config_for(model, num_blocks=64, block_size=4, hybrid=paged, state_slots=slots)
+    return PagedCache(create_manager("torch", config), model.config)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_models() -> Iterator[None]:
+    """The models are built once for the module and dropped after it."""
+    yield
+    _BUILT.clear()
+
+
+@pytest.mark.parametrize(("family", "path"), CASES)
+def test_a_left_padded_batch_and_a_second_generate_match_dynamic_cache(family: str, path: str) -> None:
+    model = model_under_test(family, path)
+    reference = build(family)[1]
+    ids, mask = prompts(2, 11, pads=(0, 3))
+    expected = generate(reference, ids, mask, max_new_tokens=16)
+    cache = paged_cache(model)
+    first = generate(model, ids, mask, cache, max_new_tokens=16)
+    assert max_logit_difference(first.logits, expected.logits) < TOLERANCE
+    assert torch.equal(first.sequences, expected.sequences)
+    cache.release()
+    second = generate(model, ids, mask, cache, max_new_tokens=16)
+    assert max_logit_difference(second.logits, expected.logits) < TOLERANCE
+    stats = cache.manager.stats()
+    assert stats.used_state_slots == 2, "one state slot per row of the batch"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_an_unpadded_prefill_matches_dynamic_cache(family: str) -> None:
+    path = FAMILIES[family][3][0]
+    model = model_under_test(family, path)
+    reference = build(family)[1]
+    ids, mask = prompts(1, 9, seed=4)
+    expected = generate(reference, ids, mask, max_new_tokens=2)
+    ours = generate(model, ids, mask, paged_cache(model), max_new_tokens=2)
+    assert max_logit_difference(ours.logits, expected.logits) < TOLERANCE
+
+
+def test_beam_search_forks_the_rows_states() -> None:
+    model = model_under_test("bamba", "paged")
+    reference = build("bamba")[1]
+    ids, mask = prompts(2, 7, pads=(2, 0), seed=5)
+    expected = generate(reference, ids, mask, num_beams=2)
+    ours = generate(model, ids, mask, paged_cache(model, slots=8), num_beams=2)
+    assert max_logit_difference(ours.logits, expected.logits) < TOLERANCE
+    assert torch.equal(ours.sequences, expected.sequences)
+
+
+def test_too_few_state_slots_for_the_batch_is_a_specific_error() -> None:
+    model = model_under_test("mamba2", "states")
+    ids, mask = prompts(3, 5)
+    with pytest.raises(OutOfStateSlotsError, match="state slots"):
+        generate(model, ids, mask, paged_cache(model, slots=2), max_new_tokens=1)
+
+
+def test_crop_of_a_state_model_is_refused_by_name() -> None:
+    model = model_under_test("lfm2", "paged")
+    cache = paged_cache(model)
+    generate(model, *prompts(1, 6), cache, max_new_tokens=2)
+    assert not cache.is_croppable
+    with pytest.raises(StateRollbackError, match="checkpoint"):
+        cache.crop(-1)
+
+
+def test_the_pool_holds_one_state_per_row_beside_the_attention_blocks() -> None:
+    model = model_under_test("bamba", "paged")
+    config = cache_config_for(model, num_blocks=64, block_size=4, state_slots=4)
+    assert [group.layers for group in config.kv_groups] == [(1, 3)]
+    assert [layer for layer, array in config.states.arrays if array.name == "conv"] == [0, 2]
+    shapes = {array.name: array.shape for layer, array in config.states.arrays if layer == 0}
+    assert shapes == {"conv": (2 * 64 + 2 * 2 * 16, 4), "recurrent": (8, 16, 16)}
+
+
+@pytest.mark.parametrize(
+    ("config_name", "fields", "named"),
+    [
+        ("FalconH1Config", {**ATTENTION}, "'hybrid'"),
+        ("Zamba2Config", {**ATTENTION, "layers_block_type": ["mamba", "hybrid"], "num_hidden_layers": 2}, "'hybrid'"),
+    ],
+)
+def test_layers_keeping_kv_and_a_state_are_refused_by_name(
+    config_name: str, fields: dict[str, Any], named: str
+) -> None:
+    config = getattr(transformers, config_name)(**{**COMMON, **fields})
+    with pytest.raises(UnsupportedConfigError, match=named):
+        cache_config_for(config, num_blocks=8)
+
+
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next", "lfm2"])
+def test_a_second_generate_sharing_a_prompt_starts_from_the_last_state_checkpoint(family: str) -> None:
+    model = model_under_test(family, "paged")
+    reference = build(family)[1]
+    config = cache_config_for(model, num_blocks=64, block_size=4, state_slots=4)
+    manager = create_manager("torch", dataclasses.replace(config, enable_prefix_caching=True))
+    cache = PagedCache(manager, model.config)
+    # The first prompt ends a block: its states there are filed as the next forward begins.
+    shared, _ = prompts(1, 32, seed=6)
+    assert cache.map_cached_prefix(shared) == 0
+    generate(model, shared, torch.ones_like(shared), cache, max_new_tokens=4)
+    assert manager.stats().checkpoint_state_slots >= 1
+    cache.release()
+    second_ids = torch.cat([shared, prompts(1, 9, seed=8)[0]], dim=1)
+    mask = torch.ones_like(second_ids)
+    assert cache.map_cached_prefix(second_ids) == 32, "the hit ends at the checkpoint after the shared blocks"
+    ours = generate(model, second_ids, mask, cache, max_new_tokens=8)
+    expected = generate(reference, second_ids, mask, max_new_tokens=8)
+    assert max_logit_difference(ours.logits, expected.logits) < TOLERANCE
+    assert torch.equal(ours.sequences, expected.sequences)
