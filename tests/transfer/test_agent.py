@@ -201,3 +201,23 @@ def test_a_closed_agent_refuses_work(pair: tuple[Any, Any, Any, Any]) -> None:
     producer.close()
     with pytest.raises(TransferError, match="closed"):
         producer.export(source.get_handle("r"))
+
+
+def test_a_pool_with_recurrent_state_layers_is_refused_by_name() -> None:
+    from kvcache_core import CacheConfig, create_manager
+    from kvcache_core.contract.groups import LayerSpec
+    from kvcache_core.contract.states import StateSpec
+    from kvcache_core.transfer import KvTransferAgent
+
+    state = StateSpec(arrays=(("conv", (6, 3)),))
+    config = CacheConfig(
+        num_layers=2,
+        num_heads=2,
+        head_dim=8,
+        num_blocks=16,
+        block_size=4,
+        layer_specs=(LayerSpec(state=state), LayerSpec()),
+        state_slots=2,
+    )
+    with create_manager("numpy", config) as manager, pytest.raises(TransferError, match="recurrent-state"):
+        KvTransferAgent(manager)

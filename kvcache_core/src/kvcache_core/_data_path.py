@@ -230,15 +230,16 @@ class DataPath(Generic[ArrayT]):
         every layer (prefix caching registers the full ones), as if each layer were written.
 
         Raises:
-            UnsupportedConfigError: the pool has KV-cache groups or a sliding window.
+            UnsupportedConfigError: the pool has KV-cache groups, a sliding window or state layers.
             InvalidArgumentError: ``start`` is not a block boundary in ``[0, num_tokens())``.
             ArrayTypeError, DTypeMismatchError, ShapeMismatchError: not the host form of those blocks.
             SharedBlockWriteError: a block is shared or served by the prefix cache.
         """
         config, table = self.config, state.table
-        if config.num_groups != 1 or config.sliding_window is not None or table.first_logical:
+        if config.num_groups != 1 or config.sliding_window is not None or table.first_logical or config.states.arrays:
             raise UnsupportedConfigError(
-                "host blocks are written only into a pool of one KV-cache group without a sliding window"
+                "host blocks are written only into a pool of one KV-cache group without a sliding window or "
+                "recurrent-state layers"
             )
         length = table.sequence_length
         if not (isinstance(start, int) and 0 <= start < length and start % config.block_size == 0):

@@ -33,7 +33,8 @@ def write_host_blocks(
     ``allocate`` or ``extend``). Grow the request first (``manager.extend``).
 
     Raises:
-        UnsupportedConfigError: the pool has KV-cache groups or a sliding window.
+        UnsupportedConfigError: the pool has KV-cache groups, a sliding window or recurrent-state
+            layers.
         InvalidArgumentError: ``start`` is not a block boundary in ``[0, num_tokens())``.
         ArrayTypeError, DTypeMismatchError, ShapeMismatchError: ``keys`` or ``values`` is not
             the host form of those blocks (nothing is cast).

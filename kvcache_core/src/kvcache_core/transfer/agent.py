@@ -55,7 +55,7 @@ class KvTransferAgent:
     Args:
         manager: the pool this agent exports from and imports into; its storage must claim
             ``"memory_regions"`` (NumPy, torch, memmap; not JAX, whose writes replace its
-            buffers), with one KV-cache group and no sliding window.
+            buffers), with one KV-cache group, no sliding window and no recurrent-state layers.
         name: the NIXL agent name (unique among the agents that talk); default: a random one.
         host: the side channel's interface, loopback by default (``"0.0.0.0"`` binds every
             interface: only when asked).
@@ -65,8 +65,8 @@ class KvTransferAgent:
 
     Raises:
         TransferError: NIXL or ZMQ is missing, the storage cannot name its memory, the pool has
-            several KV-cache groups or a sliding window, an argument is out of range, or the
-            side channel cannot bind.
+            several KV-cache groups, a sliding window or recurrent-state layers, an argument is
+            out of range, or the side channel cannot bind.
     """
 
     def __init__(
@@ -91,6 +91,11 @@ class KvTransferAgent:
             raise TransferError(
                 "KvTransferAgent moves pools of one KV-cache group without a sliding window; this pool has "
                 f"{config.num_groups} groups, sliding_window={config.sliding_window}"
+            )
+        if config.states.arrays:
+            raise TransferError(
+                f"KvTransferAgent does not move recurrent-state layers yet: this pool has {len(config.states.arrays)} "
+                "state arrays (LayerSpec(state=...)); only attention K/V pools transfer"
             )
         regions = storage_regions(manager.storage)
         if regions is None:
