@@ -221,3 +221,25 @@ def test_a_pool_with_recurrent_state_layers_is_refused_by_name() -> None:
     )
     with create_manager("numpy", config) as manager, pytest.raises(TransferError, match="recurrent-state"):
         KvTransferAgent(manager)
+
+
+@pytest.mark.parametrize("tamper", [False, True], ids=["intact", "checksums differ"])
+def test_pools_of_one_layout_read_straight_into_the_blocks(tamper: bool) -> None:
+    from kvcache_core.transfer import KvTransferAgent
+
+    source, target = make_pool({"layout": "HND", "dtype": "int8"}), make_pool({"layout": "HND", "dtype": "int8"})
+    handle = prefill(source, "r", 13)
+    with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
+        ticket = producer.export(handle)
+        if tamper:
+            ticket = dataclasses.replace(ticket, digests=bytes(len(ticket.digests)))
+            with pytest.raises(TransferError, match="digest"):
+                consumer.import_request(ticket, AllocationRequest("imported"))
+            _assert_untouched(target)
+            return
+        imported = consumer.import_request(ticket, AllocationRequest("imported"))
+        for got, expected in zip(host_blocks(target, imported), host_blocks(source, handle), strict=True):
+            assert got.tobytes() == expected.tobytes()
+        later = target.allocate(AllocationRequest("later", prompt_token_ids=(*imported.token_ids(), 0)))
+        assert later.num_cached_tokens() == 12
+        target.check_invariants()

@@ -226,8 +226,9 @@ class DataPath(Generic[ArrayT]):
 
     def write_host_blocks(self, state: RequestState[ArrayT], start: int, keys: Any, values: Any) -> None:
         """Write host-form blocks (``[pool_layers, n, block_size, num_heads, width]``) into the
-        request's blocks holding positions ``start ..`` its end, and record them written in
-        every layer (prefix caching registers the full ones), as if each layer were written.
+        request's blocks holding positions ``start ..`` its end (``keys`` ``None``: their bytes
+        were written through the storage's memory regions already), and record them written
+        in every layer (prefix caching registers the full ones), as if each layer were written.
 
         Raises:
             UnsupportedConfigError: the pool has KV-cache groups, a sliding window or state layers.
@@ -247,16 +248,19 @@ class DataPath(Generic[ArrayT]):
                 f"start must be a multiple of block_size {config.block_size} in [0, {length}), got {start!r}"
             )
         slots = table.slots(start, length)
-        blocks = np.asarray(table.physical_blocks[start // config.block_size : blocks_for(length, config.block_size)])
-        shape = host_form.host_shape(config, len(blocks))
-        host_form.check_host_array(config, "keys", keys, shape)
-        host_form.check_host_array(config, "values", values, shape)
+        first, stop = start // config.block_size, blocks_for(length, config.block_size)
+        blocks = np.asarray(table.physical_blocks[first:stop], dtype=np.int64)
+        if keys is not None:
+            shape = host_form.host_shape(config, len(blocks))
+            host_form.check_host_array(config, "keys", keys, shape)
+            host_form.check_host_array(config, "values", values, shape)
         self._checks.writable(slots)
-        self.storage.blocks_from_host(blocks.astype(np.int64), keys, values)
+        if keys is not None:
+            self.storage.blocks_from_host(blocks, keys, values)
         written = self._pool.written
         if written is not None:
             written[:, slots] = True
-            self._chains.after_write(blocks.astype(np.int64))
+            self._chains.after_write(blocks)
 
     def gather(self, state: RequestState[ArrayT], layer: int) -> tuple[ArrayT, ArrayT]:
         """The request's held K/V of ``layer`` as contiguous copies, in token order."""

@@ -15,7 +15,7 @@ import numpy.typing as npt
 from kvcache_core.contract.protocols import KvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 
-__all__ = ["write_host_blocks"]
+__all__ = ["record_blocks_written", "write_host_blocks"]
 
 
 def write_host_blocks(
@@ -46,3 +46,17 @@ def write_host_blocks(
     with manager._lock:  # pyright: ignore[reportPrivateUsage]
         state = manager._state_of(handle)  # pyright: ignore[reportPrivateUsage]
         manager._path.write_host_blocks(state, start, keys, values)  # pyright: ignore[reportPrivateUsage]
+
+
+def record_blocks_written(manager: PagedKvCacheManager[Any], handle: KvCacheHandle[Any], start: int) -> None:
+    """Record every layer of the request's positions ``start`` to ``num_tokens()`` written,
+    their bytes having been written into its blocks through the storage's memory regions
+    (:mod:`kvcache_core.contract.regions`, a one-sided read of a transport): as
+    :func:`write_host_blocks`, without the copy.
+
+    Raises:
+        As :func:`write_host_blocks` (no array errors).
+    """
+    with manager._lock:  # pyright: ignore[reportPrivateUsage]
+        state = manager._state_of(handle)  # pyright: ignore[reportPrivateUsage]
+        manager._path.write_host_blocks(state, start, None, None)  # pyright: ignore[reportPrivateUsage]

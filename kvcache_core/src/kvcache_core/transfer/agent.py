@@ -34,7 +34,7 @@ from kvcache_core.contract.regions import (
 )
 from kvcache_core.errors import InvalidArgumentError, KvCacheError, TransferError
 from kvcache_core.handle import PagedKvCacheHandle
-from kvcache_core.host_blocks import write_host_blocks
+from kvcache_core.host_blocks import record_blocks_written, write_host_blocks
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.transfer.channel import ChannelServer, ask
 from kvcache_core.transfer.digests import DIGEST_BYTES, block_digests, host_memory
@@ -114,6 +114,7 @@ class KvTransferAgent:
         self._lease_seconds = float(lease_seconds)
         self._timeout_seconds = float(timeout_seconds)
         self._leases = Leases()
+        self._held: set[str] = set()  # requests a read that could not be aborted may still write
         self._engine = NixlEngine(name if name is not None else f"kvcache-{uuid.uuid4().hex}")
         (kind,) = kinds
         chunks = [(region.address, region.length_bytes, region.device_id) for region in self._regions.values()]
@@ -277,9 +278,10 @@ class KvTransferAgent:
         """Allocate ``request`` and fill it with the ticket's request from the producer's pool.
 
         Blocks the local prefix cache already holds are mapped, not pulled; the others come
-        in one NIXL READ (every layer, keys, values and scales), are checked against their
-        digests, converted to this pool's layout, and written as if computed here (prefix
-        caching registers them). The producer's lease is then released.
+        in one NIXL READ (every layer, keys, values and scales), straight into the request's
+        blocks when both pools have one layout (else into a staging buffer, converted on
+        arrival), are checked against their checksums, and recorded as if computed here
+        (prefix caching registers them). The producer's lease is then released.
 
         Args:
             ticket: a ticket (or its wire form) of a producer's :meth:`export`.
@@ -316,8 +318,9 @@ class KvTransferAgent:
         try:
             self._fill(parsed, source, handle, deadline)
         except BaseException as exc:
-            with contextlib.suppress(KvCacheError):  # closed meanwhile: nothing is held
-                manager.deallocate(request.request_id)
+            if request.request_id not in self._held:
+                with contextlib.suppress(KvCacheError):  # closed meanwhile: nothing is held
+                    manager.deallocate(request.request_id)
             if isinstance(exc, TransferError) or not isinstance(exc, Exception):
                 raise
             raise TransferError(f"cannot import into this pool: {exc}") from exc
@@ -336,11 +339,54 @@ class KvTransferAgent:
         manager.extend(handle, length - cached, token_ids=ticket.token_ids[cached:].tolist())
         first = cached // block_size
         try:
+            if self._reads_in_place(ticket):
+                self._pull_in_place(ticket, source, handle, first, deadline)
+                record_blocks_written(manager, handle, cached)
+                return
             keys, values = self._pull(ticket, source, first, deadline)
         except TransferError:
             self._engine.forget_peer(ticket.agent)
             raise
         write_host_blocks(manager, handle, cached, keys, values)
+
+    def _reads_in_place(self, ticket: TransferTicket) -> bool:
+        """Whether the blocks can land in this pool's own memory: the same layout (nothing to
+        convert) in host memory (their checksums are read in place)."""
+        local = self._manager.storage.config.layout
+        return ticket.layout == local and all(region.device_kind == "cpu" for region in self._regions.values())
+
+    def _pull_in_place(
+        self, ticket: TransferTicket, source: CacheConfig, handle: PagedKvCacheHandle[Any], first: int, deadline: float
+    ) -> None:
+        """Read ``ticket.blocks[first:]`` straight into the request's blocks from ``first`` on,
+        through this pool's registered regions, and check their checksums there."""
+        plan = read_plan(ticket, source, first)
+        blocks = np.asarray(handle.block_table().physical_blocks[first : first + plan.count], dtype=np.int64)
+        regions = [self._regions[(address.layer, address.part)] for address in ticket.regions]
+        rows = []
+        for region in regions:
+            starts = region.block_chunks(blocks)
+            rows.append(
+                np.stack(
+                    [starts, np.full(len(starts), region.block_stride_bytes), np.full(len(starts), region.device_id)],
+                    axis=1,
+                )
+            )
+        local = np.concatenate(rows).astype(np.uint64)
+        failure, released = self._engine.read_into(ticket.agent, plan.remote, plan.device_kind, local, "cpu", deadline)
+        if not released:  # a read NIXL could not abort may still land: keep the blocks out of reuse
+            self._held.add(handle.request_id)
+        if failure is not None:
+            raise TransferError(
+                failure
+                + (
+                    ""
+                    if released
+                    else f"; request {handle.request_id!r} stays allocated (the read could not be aborted)"
+                )
+            )
+        if ticket.digests:
+            _check_digests(block_digests(regions, blocks, host_memory), ticket.digests[first * DIGEST_BYTES :], first)
 
     def _pull(
         self, ticket: TransferTicket, source: CacheConfig, first: int, deadline: float

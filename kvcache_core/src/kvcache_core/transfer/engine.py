@@ -147,16 +147,52 @@ class NixlEngine:
         Raises:
             TransferError: the transfer could not start, failed, or did not finish in time.
         """
-        agent = self._agent
         base = int(destination.ctypes.data)
         registered = self.register([(base, int(destination.nbytes), 0)], "cpu")
         local = remote.copy()
         local[:, 0] = (offsets + base).astype(np.uint64)
         local[:, 2] = 0
+        failure, released = self._read(peer, remote, remote_device_kind, local, "cpu", deadline)
+        if released:
+            self.deregister(registered)
+        else:
+            self._stranded.append((destination, registered))
+        if failure is not None:
+            raise TransferError(failure)
+
+    def read_into(
+        self,
+        peer: str,
+        remote: npt.NDArray[np.uint64],
+        remote_device_kind: str,
+        local: npt.NDArray[np.uint64],
+        device_kind: str,
+        deadline: float,
+    ) -> tuple[str | None, bool]:
+        """One READ of ``remote`` chunks of ``peer`` into ``local`` chunks (``[n, 3]`` each)
+        of memory this engine registered, waited for until ``deadline``.
+
+        Returns:
+            ``(failure, released)``: why the transfer failed or did not finish in time
+            (``None`` when it completed), and whether NIXL released it (false: it could not
+            abort one still in flight, and ``local`` may still be written).
+        """
+        return self._read(peer, remote, remote_device_kind, local, device_kind, deadline)
+
+    def _read(
+        self,
+        peer: str,
+        remote: npt.NDArray[np.uint64],
+        remote_device_kind: str,
+        local: npt.NDArray[np.uint64],
+        device_kind: str,
+        deadline: float,
+    ) -> tuple[str | None, bool]:
+        agent = self._agent
         handle: Any = None
         state = "ERR"
         try:
-            local_descs = agent.get_xfer_descs(local, "DRAM")
+            local_descs = agent.get_xfer_descs(local, _MEMORY_TYPES[device_kind])
             remote_descs = agent.get_xfer_descs(remote, _MEMORY_TYPES[remote_device_kind])
             handle = agent.initialize_xfer("READ", local_descs, remote_descs, peer)
             state = agent.transfer(handle)
@@ -167,15 +203,12 @@ class NixlEngine:
                 state = agent.check_xfer_state(handle)
         except Exception as exc:
             state = f"ERR ({exc})"
-        finally:
-            if handle is None or _release(agent, handle):
-                self.deregister(registered)
-            else:
-                self._stranded.append((destination, registered))
+        released = handle is None or _release(agent, handle)
         if state == "PROC":
-            raise TransferError(f"the NIXL read of {len(remote)} chunks from {peer!r} did not finish in time")
+            return f"the NIXL read of {len(remote)} chunks from {peer!r} did not finish in time", released
         if state != "DONE":
-            raise TransferError(f"the NIXL read from {peer!r} failed (state {state}): the producer may be gone")
+            return f"the NIXL read from {peer!r} failed (state {state}): the producer may be gone", released
+        return None, released
 
 
 def _release(agent: Any, handle: Any) -> bool:
