@@ -3,8 +3,9 @@ transport on loopback), against the raw NIXL read of the same bytes, side by sid
 
 A producer process (spawned) prefills a request of each ``--tokens`` length into a NumPy pool
 (``NHD``, float16 by default) and exports it; this process imports it into its own pool
-(``heads_first``: converted on arrival) with ``KvTransferAgent.import_request`` (side channel,
-allocation, one NIXL READ of every layer's blocks, digest checks, conversion, write) and, in
+(``--consumer-layout``: ``NHD``, read straight into its blocks; another layout is read into a
+staging buffer and converted on arrival) with ``KvTransferAgent.import_request`` (side
+channel, allocation, one NIXL READ of every layer's blocks, checksums, registration) and, in
 turn, reads the same chunks with a bare NIXL READ into a staging buffer (no checks, no
 conversion). Printed per length: milliseconds, GiB/s and blocks/s of both and the ratio of
 the throughputs (target: ours >= 0.7x raw). The imported blocks are compared bit for bit
@@ -32,6 +33,7 @@ import zmq
 from _harness import BenchParser, int_list, mib, print_environment, ratio, require, run, take_turns
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, create_manager
+from kvcache_core.contract.config import KV_LAYOUTS
 from kvcache_core.contract.regions import host_form_from_parts
 from kvcache_core.transfer import KvTransferAgent, TransferTicket
 from kvcache_core.transfer.channel import ask
@@ -44,6 +46,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.flag("--tokens", ([1024, 4096, 16384], [512, 1024]), type=int_list, help="request lengths")
     parser.geometry(layers=(4, 2), kv_heads=8, head_dim=128, block_size=16)
     parser.add_argument("--dtype", choices=("float16", "float32"), default="float16", help="pool dtype (float16)")
+    parser.add_argument(
+        "--consumer-layout",
+        choices=KV_LAYOUTS,
+        default="NHD",
+        help="layout of the importing pool (NHD: as the producer's)",
+    )
     parser.timing((3, 2), what="timed handoffs per competitor and length")
     parser.seed(what="K/V")
     return parser.parse(argv)
@@ -121,13 +129,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ours_end, producer_end = spawn.Pipe()
     producer = spawn.Process(target=serve, args=(producer_end, args), daemon=True)
     producer.start()
-    consumer: PagedKvCacheManager[Any] = create_manager("numpy", pool_config(args, "heads_first", prefix_caching=False))
+    consumer: PagedKvCacheManager[Any] = create_manager(
+        "numpy", pool_config(args, args.consumer_layout, prefix_caching=False)
+    )
     agent = KvTransferAgent(consumer, timeout_seconds=120.0)
     raw = RawReader(consumer.config)
     config = consumer.config
     bytes_per_token = 2 * config.num_layers * config.num_heads * config.head_dim * config.dtype_size
     print(
-        f"producer: numpy NHD {config.dtype}, consumer: numpy heads_first; {config.num_layers} layers x "
+        f"producer: numpy NHD {config.dtype}, consumer: numpy {args.consumer_layout}; {config.num_layers} layers x "
         f"{config.num_heads} KV heads x {config.head_dim}, block {config.block_size}; UCX over TCP on 127.0.0.1"
     )
     header = (
