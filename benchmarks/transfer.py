@@ -82,8 +82,8 @@ def serve(connection: Connection, args: argparse.Namespace) -> None:
         while True:
             command = connection.recv()
             if command[0] == "prefill":
-                _, request_id, tokens = command
-                prompt = [int(token) for token in rng.integers(0, 32_000, tokens)]
+                request_id, tokens = str(command[1]), int(command[2])
+                prompt: list[int] = rng.integers(0, 32_000, tokens).tolist()
                 handle = manager.allocate(AllocationRequest(request_id, prompt_token_ids=prompt))
                 slots = manager.extend(handle, tokens)
                 shape = (tokens, config.num_heads, config.head_dim)
@@ -92,7 +92,9 @@ def serve(connection: Connection, args: argparse.Namespace) -> None:
                     manager.write(layer, slots, keys, values)
                 connection.send(("ok",))
             elif command[0] == "export":
-                connection.send(("ticket", agent.export(manager.get_handle(command[1])).to_bytes()))
+                exported = manager.get_handle(command[1])
+                assert exported is not None
+                connection.send(("ticket", agent.export(exported).to_bytes()))
             else:
                 agent.close()
                 return

@@ -363,7 +363,7 @@ class KvTransferAgent:
         plan = read_plan(ticket, source, first)
         blocks = np.asarray(handle.block_table().physical_blocks[first : first + plan.count], dtype=np.int64)
         regions = [self._regions[(address.layer, address.part)] for address in ticket.regions]
-        rows = []
+        rows: list[npt.NDArray[np.int64]] = []
         for region in regions:
             starts = region.block_chunks(blocks)
             rows.append(
