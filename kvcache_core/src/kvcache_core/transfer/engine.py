@@ -14,10 +14,13 @@ sets it to ``WARN``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
+import threading
 import time
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Any, Final, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +35,20 @@ DEFAULT_UCX_TLS: Final = "tcp"
 DEFAULT_NIXL_LOG_LEVEL: Final = "WARN"
 _MODULES: Final = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 _MEMORY_TYPES: Final = {"cpu": "DRAM", "cuda": "VRAM"}
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _serialized(method: _Method) -> _Method:
+    """``method`` under the engine's lock."""
+
+    @functools.wraps(method)
+    def locked(self: NixlEngine, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return cast("_Method", locked)
 
 
 def load_nixl() -> Any:
@@ -62,7 +79,8 @@ def nixl_unavailable_reason() -> str | None:
 
 
 class NixlEngine:
-    """One NIXL agent with the UCX backend.
+    """One NIXL agent with the UCX backend; its calls are serialized (the agent runs without
+    NIXL's own locking).
 
     Raises:
         TransferError: NIXL is missing or its agent cannot start.
@@ -80,12 +98,15 @@ class NixlEngine:
         self.name = name
         self._peers: dict[str, str] = {}
         self._stranded: list[object] = []
+        self.lock = threading.RLock()  # serializes the agent's calls
 
+    @_serialized
     def metadata(self) -> bytes:
         """This agent's metadata, for a peer's :meth:`add_peer`."""
         data: bytes = self._agent.get_agent_metadata()
         return data
 
+    @_serialized
     def register(self, chunks: list[tuple[int, int, int]], device_kind: str) -> Any:
         """Register ``(address, length, device_id)`` chunks; returns what :meth:`deregister` takes.
 
@@ -99,11 +120,13 @@ class NixlEngine:
         except Exception as exc:
             raise TransferError(f"NIXL could not register {len(chunks)} memory regions: {exc}") from exc
 
+    @_serialized
     def deregister(self, registered: Any) -> None:
         """Undo :meth:`register` (best effort: NIXL's own errors are not the caller's)."""
         with contextlib.suppress(Exception):  # nothing more to free on this side
             self._agent.deregister_memory(registered)
 
+    @_serialized
     def add_peer(self, metadata: bytes) -> str:
         """Learn a peer from its metadata; returns its agent name.
 
@@ -118,16 +141,19 @@ class NixlEngine:
         self._peers[peer] = peer
         return peer
 
+    @_serialized
     def forget_peer(self, peer: str) -> None:
         """Drop a peer (its connection and metadata), best effort."""
         if self._peers.pop(peer, None) is not None:
             with contextlib.suppress(Exception):  # already gone
                 self._agent.remove_remote_agent(peer)
 
+    @_serialized
     def knows(self, peer: str) -> bool:
         """Whether :meth:`add_peer` learnt ``peer``."""
         return peer in self._peers
 
+    @_serialized
     def read(
         self,
         peer: str,
@@ -160,6 +186,7 @@ class NixlEngine:
         if failure is not None:
             raise TransferError(failure)
 
+    @_serialized
     def read_into(
         self,
         peer: str,
