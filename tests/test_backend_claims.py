@@ -16,12 +16,14 @@ from kvcache_core.contract.hookspecs import (
     IMMUTABLE_ARRAYS,
     POLICY_CAPABILITIES,
     STATE_LAYERS,
+    VALUE_HEAD_DIM,
     BackendSpec,
 )
 from kvcache_core.contract.regions import MEMORY_REGIONS
 
 POLICIES = {"fork", "prefix_caching", "swap", "eviction", "sliding_window"}
 ATTENTION = {"attention_window", "softcap", "sinks", "chunked_attention"}
+WIDTHS = {"value_head_dim"}
 LAYOUTS = ("NHD", "HND", "heads_first")
 
 
@@ -39,28 +41,28 @@ CLAIMS = {
     "numpy": Claim(
         "kvcache_core.backends.numpy",
         "kvcache_core.backends.numpy:NumpyStorage",
-        POLICIES | ATTENTION | {"memory_regions", "state_layers"},
+        POLICIES | ATTENTION | WIDTHS | {"memory_regions", "state_layers"},
         numpy_backend.NUMPY_DTYPES,
         ("cpu",),
     ),
     "torch": Claim(
         "kvcache_torch.plugin",
         "kvcache_torch.storage:TorchStorage",
-        POLICIES | ATTENTION | {"memory_regions", "state_layers"},
+        POLICIES | ATTENTION | WIDTHS | {"memory_regions", "state_layers"},
         ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn"),
         ("cpu", "cuda"),
     ),
     "jax": Claim(
         "kvcache_jax.plugin",
         "kvcache_jax.storage:JaxStorage",
-        POLICIES | ATTENTION | {"immutable_arrays", "state_layers"},
+        POLICIES | ATTENTION | WIDTHS | {"immutable_arrays", "state_layers"},
         ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn"),
         ("cpu", "cuda", "gpu", "rocm", "tpu"),
     ),
     "memmap": Claim(
         "kvcache_memmap.storage",
         "kvcache_memmap.storage:MemmapStorage",
-        POLICIES | ATTENTION | {"memory_regions"},
+        POLICIES | ATTENTION | WIDTHS | {"memory_regions"},
         tuple(name for name in numpy_backend.NUMPY_DTYPES if name != "float64"),
         ("cpu",),
     ),
@@ -81,6 +83,7 @@ def test_the_named_sets_split_the_vocabulary() -> None:
         IMMUTABLE_ARRAYS,
         MEMORY_REGIONS,
         STATE_LAYERS,
+        VALUE_HEAD_DIM,
     }
     assert POLICY_CAPABILITIES.isdisjoint(ATTENTION_CAPABILITIES)
 

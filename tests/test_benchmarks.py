@@ -64,6 +64,7 @@ def test_every_benchmark_is_listed_here() -> None:
         "generate_torch.py",
         "hybrid_memory.py",
         "memory_hybrid.py",
+        "memory_mla.py",
         "prefix.py",
         "prefix_tiers.py",
         "quantized.py",

@@ -2,6 +2,7 @@
 ``tests/torch/test_hf_models.py`` runs against ``DynamicCache`` and prints as the README's
 table (so the table cannot drift from what passes).
 
+``states``: the model keeps no K/V (Mamba2): only the pool's state slots serve it.
 ``paged``: the model runs ``attn_implementation="kvcache_paged"`` (its attention goes through
 transformers' attention interface; the paged kernel reads the pool in place). ``contiguous``:
 the model keeps its own attention and :class:`PagedCache` returns contiguous K/V, as
@@ -18,7 +19,16 @@ from typing import Any
 
 from tests.torch.hf_support import COMMON_CONFIG, PAD, VOCAB, Model, torch, transformers
 
-__all__ = ["FAMILIES", "TABLE_BEGIN", "TABLE_END", "Family", "model_table"]
+__all__ = [
+    "FAMILIES",
+    "STATE_ATTENTION",
+    "STATE_COMMON",
+    "STATE_MODELS",
+    "TABLE_BEGIN",
+    "TABLE_END",
+    "Family",
+    "model_table",
+]
 
 #: The sliding window or attention chunk of the tiny hybrid models (prompts outgrow it).
 WINDOW = 6
@@ -45,7 +55,7 @@ class Family:
         name: the family as the README names it.
         config_class, model_class: transformers' class names.
         fields: the tiny config's fields.
-        path: ``"paged"`` or ``"contiguous"``.
+        path: ``"paged"``, ``"contiguous"`` or ``"states"``.
         why: the reason for the path (and what the family adds).
         attention: the model's own attention (the reference's, and the tested one on the
             contiguous path).
@@ -79,6 +89,128 @@ def _decoder(**fields: Any) -> dict[str, Any]:
 
 def _hybrid(**fields: Any) -> dict[str, Any]:
     return {**COMMON_CONFIG, "num_hidden_layers": 4, "sliding_window": WINDOW, **fields}
+
+
+#: The fields every tiny recurrent-state model shares.
+STATE_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "initializer_range": 0.2,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": None,
+}
+STATE_ATTENTION: dict[str, Any] = {"intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2}
+_MAMBA2: dict[str, Any] = {
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 2,
+    "mamba_expand": 2,
+    "mamba_d_conv": 4,
+    "mamba_chunk_size": 8,
+}
+
+#: family -> (config class, model class, fields, paths): tiny random configs, state and
+#: attention layers alternating where the family has both.
+STATE_MODELS: dict[str, tuple[str, str, dict[str, Any], tuple[str, ...]]] = {
+    "mamba2": (
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        {
+            "num_heads": 8,
+            "head_dim": 16,
+            "state_size": 16,
+            "n_groups": 2,
+            "expand": 2,
+            "conv_kernel": 4,
+            "chunk_size": 8,
+        },
+        ("states",),
+    ),
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        {**STATE_ATTENTION, **_MAMBA2, "attn_layer_indices": [1, 3]},
+        ("paged", "contiguous"),
+    ),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        {
+            **STATE_ATTENTION,
+            **_MAMBA2,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            "num_local_experts": 2,
+            "num_experts_per_tok": 1,
+            "shared_intermediate_size": 64,
+        },
+        ("paged", "contiguous"),
+    ),
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        {
+            **STATE_ATTENTION,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts": 2,
+            "mamba_d_state": 8,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_dt_rank": 8,
+            "use_mamba_kernels": False,
+        },
+        ("paged", "contiguous"),
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            **STATE_ATTENTION,
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 2,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "full_attention_interval": 2,
+        },
+        ("paged", "contiguous"),
+    ),
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        {**STATE_ATTENTION, "full_attn_idxs": [1, 3], "conv_L_cache": 3},
+        ("paged", "contiguous"),
+    ),
+}
+
+_STATE_NAMES = {
+    "mamba2": "Mamba2",
+    "bamba": "Bamba",
+    "granitemoehybrid": "Granite 4 hybrid",
+    "jamba": "Jamba",
+    "qwen3_next": "Qwen3-Next",
+    "lfm2": "LFM2",
+}
+_STATES = "recurrent states in the pool's state slots, one per batch row"
+
+
+def _state_family(key: str) -> Family:
+    config_class, model_class, fields, paths = STATE_MODELS[key]
+    if paths[0] == "states":
+        name, fields = _STATE_NAMES[key], {**STATE_COMMON, **fields}
+        return Family(name, config_class, model_class, fields, "states", _STATES, attention="eager")
+    why = f"{_INTERFACE} on its attention layers; {_STATES}"
+    return Family(_STATE_NAMES[key], config_class, model_class, {**STATE_COMMON, **fields}, why=why)
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -220,6 +352,7 @@ FAMILIES: tuple[Family, ...] = (
         attention="eager",
     ),
 )
+FAMILIES += tuple(_state_family(key) for key in STATE_MODELS)
 
 #: The comment lines around the README's generated table.
 TABLE_BEGIN = (
@@ -233,7 +366,7 @@ def model_table(families: tuple[Family, ...] = FAMILIES) -> str:
     """The README's table of the families by path: paged first, then contiguous, each in
     catalogue order."""
     lines = ["| family | transformers class | path | why |", "| --- | --- | --- | --- |"]
-    for path in ("paged", "contiguous"):
+    for path in ("paged", "contiguous", "states"):
         lines += [
             f"| {family.name} | `{family.model_class}` | {path} | {family.why} |"
             for family in families

@@ -18,10 +18,12 @@ import pytest
 
 from kvcache_core import UnsupportedConfigError, create_manager
 from kvcache_core.errors import OutOfStateSlotsError, StateRollbackError
+from tests.torch.hf_models import STATE_ATTENTION as ATTENTION
+from tests.torch.hf_models import STATE_COMMON as COMMON
+from tests.torch.hf_models import STATE_MODELS
 from tests.torch.hf_support import (
     ATTN_IMPLEMENTATION,
     TOLERANCE,
-    VOCAB,
     PagedCache,
     cache_config_for,
     generate,
@@ -34,106 +36,7 @@ from tests.torch.hf_support import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-COMMON: dict[str, Any] = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "initializer_range": 0.2,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": None,
-}
-ATTENTION: dict[str, Any] = {"intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2}
-MAMBA2: dict[str, Any] = {
-    "mamba_n_heads": 8,
-    "mamba_d_head": 16,
-    "mamba_d_state": 16,
-    "mamba_n_groups": 2,
-    "mamba_expand": 2,
-    "mamba_d_conv": 4,
-    "mamba_chunk_size": 8,
-}
-
-#: family -> (config class, model class, fields, paths): tiny random configs, state and
-#: attention layers alternating where the family has both.
-FAMILIES: dict[str, tuple[str, str, dict[str, Any], tuple[str, ...]]] = {
-    "mamba2": (
-        "Mamba2Config",
-        "Mamba2ForCausalLM",
-        {
-            "num_heads": 8,
-            "head_dim": 16,
-            "state_size": 16,
-            "n_groups": 2,
-            "expand": 2,
-            "conv_kernel": 4,
-            "chunk_size": 8,
-        },
-        ("states",),
-    ),
-    "bamba": (
-        "BambaConfig",
-        "BambaForCausalLM",
-        {**ATTENTION, **MAMBA2, "attn_layer_indices": [1, 3]},
-        ("paged", "contiguous"),
-    ),
-    "granitemoehybrid": (
-        "GraniteMoeHybridConfig",
-        "GraniteMoeHybridForCausalLM",
-        {
-            **ATTENTION,
-            **MAMBA2,
-            "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-            "num_local_experts": 2,
-            "num_experts_per_tok": 1,
-            "shared_intermediate_size": 64,
-        },
-        ("paged", "contiguous"),
-    ),
-    "jamba": (
-        "JambaConfig",
-        "JambaForCausalLM",
-        {
-            **ATTENTION,
-            "attn_layer_period": 2,
-            "attn_layer_offset": 1,
-            "expert_layer_period": 2,
-            "expert_layer_offset": 1,
-            "num_experts": 2,
-            "mamba_d_state": 8,
-            "mamba_d_conv": 4,
-            "mamba_expand": 2,
-            "mamba_dt_rank": 8,
-            "use_mamba_kernels": False,
-        },
-        ("paged", "contiguous"),
-    ),
-    "qwen3_next": (
-        "Qwen3NextConfig",
-        "Qwen3NextForCausalLM",
-        {
-            **ATTENTION,
-            "head_dim": 16,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_conv_kernel_dim": 4,
-            "num_experts": 2,
-            "num_experts_per_tok": 1,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 32,
-            "full_attention_interval": 2,
-        },
-        ("paged", "contiguous"),
-    ),
-    "lfm2": (
-        "Lfm2Config",
-        "Lfm2ForCausalLM",
-        {**ATTENTION, "full_attn_idxs": [1, 3], "conv_L_cache": 3},
-        ("paged", "contiguous"),
-    ),
-}
+FAMILIES = STATE_MODELS
 
 CASES = [(family, path) for family, (_, _, _, paths) in FAMILIES.items() for path in paths]
 

@@ -49,11 +49,12 @@ needs_transfer = pytest.mark.skipif(_transfer_missing() is not None, reason=str(
 
 def make_pool(spec: dict[str, Any]) -> PagedKvCacheManager[Any]:
     """A manager of ``spec``: ``backend``, ``dtype``, ``layout``, ``num_blocks`` and the
-    geometry ``num_layers``, ``num_heads``, ``head_dim``, ``block_size``."""
+    geometry ``num_layers``, ``num_heads``, ``head_dim``, ``value_head_dim``, ``block_size``."""
     config = CacheConfig(
         num_layers=spec.get("num_layers", 2),
         num_heads=spec.get("num_heads", 2),
         head_dim=spec.get("head_dim", 8),
+        value_head_dim=spec.get("value_head_dim"),
         num_blocks=spec.get("num_blocks", 64),
         block_size=spec.get("block_size", 4),
         dtype=spec.get("dtype", "float32"),
@@ -78,8 +79,10 @@ def prefill(manager: Any, request_id: str, length: int, seed: int = 0) -> Any:
     config = manager.config
     rng = np.random.default_rng(seed)
     for layer in range(config.num_layers):
-        shape = (len(slots), config.num_heads, config.head_dim)
-        keys, values = (manager.storage.from_numpy(rng.standard_normal(shape, dtype=np.float32)) for _ in range(2))
+        keys, values = (
+            manager.storage.from_numpy(rng.standard_normal((len(slots), config.num_heads, width), dtype=np.float32))
+            for width in (config.head_dim, config.value_width)
+        )
         manager.write(layer, slots, *(_as_io(manager, array) for array in (keys, values)))
     return handle
 

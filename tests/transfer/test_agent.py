@@ -243,3 +243,28 @@ def test_pools_of_one_layout_read_straight_into_the_blocks(tamper: bool) -> None
         later = target.allocate(AllocationRequest("later", prompt_token_ids=(*imported.token_ids(), 0)))
         assert later.num_cached_tokens() == 12
         target.check_invariants()
+
+
+@pytest.mark.parametrize("layouts", [("NHD", "heads_first"), ("HND", "HND")], ids=["converted", "in place"])
+def test_values_of_another_width_than_the_keys_arrive_bit_exact(layouts: tuple[str, str]) -> None:
+    from kvcache_core.transfer import KvTransferAgent
+
+    source = make_pool({"layout": layouts[0], "value_head_dim": 16})
+    target = make_pool({"layout": layouts[1], "value_head_dim": 16})
+    handle = prefill(source, "r", 11)
+    with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
+        imported = consumer.import_request(producer.export(handle), AllocationRequest("imported"))
+        for got, expected in zip(host_blocks(target, imported), host_blocks(source, handle), strict=True):
+            assert got.tobytes() == expected.tobytes()
+        target.check_invariants()
+
+
+def test_another_value_width_is_refused_by_name() -> None:
+    from kvcache_core.transfer import KvTransferAgent
+
+    source, target = make_pool({"value_head_dim": 16}), make_pool({})
+    handle = prefill(source, "r", 11)
+    with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
+        with pytest.raises(TransferError, match="value_head_dim"):
+            consumer.import_request(producer.export(handle), AllocationRequest("imported"))
+        _assert_untouched(target)

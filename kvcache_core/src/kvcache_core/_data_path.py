@@ -180,7 +180,9 @@ class DataPath(Generic[ArrayT]):
         slots = np.concatenate(grown, axis=-1) if grown else empty
         runner = _StepRunner(self, states, len(tables))
         request_ids = tuple(state.request_id for state in states)
-        return Step(runner, request_ids, tuple(counts), slots, tables, config.num_heads, config.head_dim)
+        return Step(
+            runner, request_ids, tuple(counts), slots, tables, config.num_heads, config.head_dim, config.value_width
+        )
 
     # -- page tables, writes, reads --------------------------------------------------------
 
@@ -210,7 +212,7 @@ class DataPath(Generic[ArrayT]):
         config = self.config
         expected = (int(slots.shape[0]), config.num_heads, config.head_dim)
         self._checks.array("keys", keys, expected)
-        self._checks.array("values", values, expected)
+        self._checks.array("values", values, (*expected[:2], config.value_width))
         pool = self._pool
         epoch = pool.immutable_epoch
         if not slots.shape[0]:
@@ -225,7 +227,8 @@ class DataPath(Generic[ArrayT]):
         return epoch
 
     def write_host_blocks(self, state: RequestState[ArrayT], start: int, keys: Any, values: Any) -> None:
-        """Write host-form blocks (``[pool_layers, n, block_size, num_heads, width]``) into the
+        """Write host-form blocks (``[pool_layers, n, block_size, num_heads, width]``, the
+        values' width theirs) into the
         request's blocks holding positions ``start ..`` its end (``keys`` ``None``: their bytes
         were written through the storage's memory regions already), and record them written
         in every layer (prefix caching registers the full ones), as if each layer were written.
@@ -251,9 +254,8 @@ class DataPath(Generic[ArrayT]):
         first, stop = start // config.block_size, blocks_for(length, config.block_size)
         blocks = np.asarray(table.physical_blocks[first:stop], dtype=np.int64)
         if keys is not None:
-            shape = host_form.host_shape(config, len(blocks))
-            host_form.check_host_array(config, "keys", keys, shape)
-            host_form.check_host_array(config, "values", values, shape)
+            host_form.check_host_array(config, "keys", keys, host_form.host_shape(config, len(blocks)))
+            host_form.check_host_array(config, "values", values, host_form.host_shape(config, len(blocks), "values"))
         self._checks.writable(slots)
         if keys is not None:
             self.storage.blocks_from_host(blocks, keys, values)

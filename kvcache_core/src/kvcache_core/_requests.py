@@ -49,7 +49,10 @@ def storage_config(storage: KvStorage[Any], config: object) -> CacheConfig:
     Raises:
         InvalidTypeError: ``config`` is not a ``CacheConfig`` (nor ``None``).
         InvalidConfigError: ``config`` is not the one ``storage`` was built from.
+        UnsupportedConfigError: a config with ``value_head_dim`` over a storage whose value
+            pool is not that wide (one written before values could differ from keys).
     """
+    _check_value_width(storage)
     if config is None:
         return storage.config
     if not isinstance(config, CacheConfig):
@@ -60,6 +63,24 @@ def storage_config(storage: KvStorage[Any], config: object) -> CacheConfig:
             "from config.storage_config()"
         )
     return config
+
+
+def _check_value_width(storage: KvStorage[Any]) -> None:
+    """Refuse a storage whose config has ``value_head_dim`` but whose value pool is not
+    ``value_block_shape()`` (a storage that does not know the field holds ``head_dim``)."""
+    built = storage.config
+    if built.value_head_dim is None:
+        return
+    try:
+        shape, _ = storage.array_info(storage.value_cache(0))
+    except TypeError:
+        return  # not a native array: its own checks decide
+    if tuple(shape) != built.value_block_shape():
+        raise UnsupportedConfigError(
+            f"the storage {type(storage).__name__} holds values of shape {tuple(shape)}, not "
+            f"{built.value_block_shape()} (value_head_dim {built.value_head_dim} beside head_dim {built.head_dim}): "
+            "it does not serve the 'value_head_dim' capability"
+        )
 
 
 class PressureGauge:

@@ -115,8 +115,13 @@ class PagedKvCacheHandle(Generic[ArrayT]):
         return self._state.config.num_heads
 
     def head_dim(self) -> int:
-        """Features per head."""
+        """Features per head of the keys (and of queries)."""
         return self._state.config.head_dim
+
+    def value_head_dim(self) -> int:
+        """Features per head of the values (and of attention's output): ``head_dim()``
+        unless the pool's ``CacheConfig.value_head_dim`` differs."""
+        return self._state.config.value_width
 
     def key_cache(self, layer: int) -> ArrayT | None:
         """The layer's key pool itself (see :meth:`KvCacheHandle.key_cache`); ``None`` when

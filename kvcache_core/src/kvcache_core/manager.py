@@ -379,7 +379,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 (concatenate several requests' slots to write them in one call). With
                 KV-cache groups, the ``[num_groups, n]`` slots they return, or the layer's
                 group's row of them.
-            keys, values: ``[n, num_heads, head_dim]`` native arrays of the pool's dtype.
+            keys, values: ``[n, num_heads, head_dim]``, ``[n, num_heads, value_width]``, pool dtype.
 
         The writes make full blocks cacheable (prefix caching); a cached block is immutable:
         rewrite it through :meth:`writable_slots`.
@@ -398,7 +398,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
 
     def gather(self, handle: KvCacheHandle[ArrayT], layer: int) -> tuple[ArrayT, ArrayT]:
         """The request's keys and values as contiguous ``[num_tokens, num_heads, head_dim]``
-        copies, in token order. With a sliding window that released leading blocks, the
+        (values: ``value_width``) copies, in token order. With a sliding window that released leading blocks, the
         tokens still held: positions ``first_logical * block_size`` onwards.
 
         Raises:
@@ -456,7 +456,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
                 only the held keys of its window (see :mod:`kvcache_core.paging`).
 
         Returns:
-            ``[total_q, num_query_heads, head_dim]`` of the query's dtype.
+            ``[total_q, num_query_heads, value_width]`` of the query's dtype.
 
         Raises:
             LayerIndexError, ShapeMismatchError, DTypeMismatchError, ArrayTypeError,

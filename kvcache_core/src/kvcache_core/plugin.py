@@ -7,7 +7,8 @@ storage implements :class:`KvStorage` over one of :data:`KV_LAYOUTS` and dtypes 
 :data:`POLICY_CAPABILITIES`, :data:`ATTENTION_CAPABILITIES`, :data:`IMMUTABLE_ARRAYS` and
 :data:`MEMORY_REGIONS`, whose storages also have the optional member of :class:`RegionStorage`, and
 :data:`STATE_LAYERS`: a storage serving recurrent-state layers builds a :class:`StateStorage`
-of :class:`StateArray` in its optional ``state_storage(arrays, num_slots)``). A
+of :class:`StateArray` in its optional ``state_storage(arrays, num_slots)``; values of another
+width than the keys: :data:`VALUE_HEAD_DIM`). A
 storage without a kernel of its own can answer with the NumPy reference
 (:func:`paged_attention`). A tier implements :class:`OffloadTier` and registers a factory
 under :data:`TIER_ENTRY_POINT_GROUP`. The conformance kit (``pytest -p kvcache_core.testing``)
@@ -31,6 +32,7 @@ from kvcache_core.contract.hookspecs import (
     ENTRY_POINT_GROUP,
     IMMUTABLE_ARRAYS,
     POLICY_CAPABILITIES,
+    VALUE_HEAD_DIM,
     BackendSpec,
     hookimpl,
 )
@@ -53,6 +55,7 @@ __all__ = [
     "QUANTIZED_DTYPES",
     "STATE_LAYERS",
     "TIER_ENTRY_POINT_GROUP",
+    "VALUE_HEAD_DIM",
     "BackendSpec",
     "CacheConfig",
     "Device",

@@ -72,7 +72,9 @@ class Step(Generic[ArrayT]):
         page_tables: the page table of every KV-cache group, in group order.
         qo_indptr: ``[B + 1]`` int32 offsets of each request's new tokens in ``slots``
             and in the query (read-only).
-        num_heads, head_dim: the pool's KV heads and features.
+        num_heads, head_dim: the pool's KV heads and features (of queries and keys).
+        value_width: features of the values and of attention's output (``head_dim`` unless
+            the pool's ``value_head_dim`` differs).
     """
 
     __slots__ = (
@@ -85,6 +87,7 @@ class Step(Generic[ArrayT]):
         "qo_indptr",
         "request_ids",
         "slots",
+        "value_width",
     )
 
     def __init__(
@@ -96,6 +99,7 @@ class Step(Generic[ArrayT]):
         page_tables: tuple[PageTable, ...],
         num_heads: int,
         head_dim: int,
+        value_width: int | None = None,
     ) -> None:
         self._runner = runner
         self.request_ids = request_ids
@@ -111,6 +115,7 @@ class Step(Generic[ArrayT]):
         self.qo_indptr: npt.NDArray[np.int32] = indptr
         self.num_heads = num_heads
         self.head_dim = head_dim
+        self.value_width = head_dim if value_width is None else value_width
 
     @property
     def num_new_tokens(self) -> int:
@@ -122,8 +127,9 @@ class Step(Generic[ArrayT]):
 
         Args:
             layer: ``0 <= layer < num_layers``.
-            keys, values: ``[num_new_tokens, num_heads, head_dim]`` native arrays of the
-                pool's dtype, requests packed in the step's order.
+            keys, values: ``[num_new_tokens, num_heads, head_dim]`` and ``[num_new_tokens,
+                num_heads, value_width]`` native arrays of the pool's dtype, requests packed
+                in the step's order.
 
         Writing every layer makes full blocks cacheable (prefix caching), exactly as
         :meth:`~kvcache_core.PagedKvCacheManager.write` does: it is the manager's write
@@ -169,7 +175,7 @@ class Step(Generic[ArrayT]):
                 ``C`` (by default the layer's ``LayerSpec.chunk``).
 
         Returns:
-            ``[num_new_tokens, k * num_heads, head_dim]`` of the query's dtype.
+            ``[num_new_tokens, k * num_heads, value_width]`` of the query's dtype.
 
         Raises:
             StaleStepError: a request of the step changed since it was planned.

@@ -120,7 +120,8 @@ def paged_attention(
 
     Args:
         query: ``[total_queries, num_query_heads, head_dim]``, requests packed in batch order.
-        key_cache, value_cache: one layer's pools in ``kv_layout``.
+        key_cache, value_cache: one layer's pools in ``kv_layout``; the values' last axis
+            (``value_dim``) may differ from the keys' (``head_dim``).
         block_tables: ``[B, max_blocks]`` int32 physical block ids.
         seq_lens: ``[B]`` int32 tokens per request (0 for a padding request).
         qo_indptr: ``[B + 1]`` int32 query offsets; ``None`` for decode (one query per
@@ -149,7 +150,7 @@ def paged_attention(
             decodes only the blocks it reads. Both or neither.
 
     Returns:
-        ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype; softmax in
+        ``[total_queries, num_query_heads, value_dim]`` in ``query``'s dtype; softmax in
         float32 (float64 for a float64 query).
 
     Raises:
@@ -160,10 +161,12 @@ def paged_attention(
             they are concrete; under ``jit`` the caller checks them, as the manager does).
     """
     _, block_size, num_heads, head_dim = pool_geometry(key_cache, kv_layout)
-    if key_cache.shape != value_cache.shape:
+    if key_cache.shape[:3] != value_cache.shape[:3] or value_cache.ndim != 4:
         raise ShapeMismatchError(
-            f"key and value pools must share one shape, got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+            "key and value pools must share one shape but for their last axis (the key and value widths), got "
+            f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
         )
+    value_dim = int(value_cache.shape[3])
     if query.ndim != 3 or query.shape[2] != head_dim or query.shape[1] % num_heads or query.shape[1] == 0:
         raise ShapeMismatchError(
             f"query must be [tokens, k * {num_heads}, {head_dim}] (k >= 1), got {tuple(query.shape)}"
@@ -201,7 +204,7 @@ def paged_attention(
     blocks_per_step = check_optional_count(blocks_per_step, "blocks_per_step", 1, None)
     scale = check_scale(scale, head_dim)
     if total_queries == 0 or batch == 0 or columns == 0:
-        return jnp.zeros(query.shape, query.dtype)
+        return jnp.zeros((total_queries, query_heads, value_dim), query.dtype)
 
     compute = jnp.float64 if query.dtype == jnp.float64 else jnp.float32
     group = query_heads // num_heads
@@ -228,7 +231,9 @@ def paged_attention(
     )
 
     if blocks_per_step is None:
-        step_blocks = _blocks_per_step(num_heads, batch, rows_per_request, block_size, head_dim, columns)
+        step_blocks = _blocks_per_step(
+            num_heads, batch, rows_per_request, block_size, (head_dim + value_dim) // 2, columns
+        )
     else:  # more blocks than the table pads to would only pad it further
         step_blocks = min(blocks_per_step, bucket(columns))
     padded_columns = -(-columns // step_blocks) * step_blocks
@@ -272,22 +277,22 @@ def paged_attention(
         start = (
             jnp.full(shape, -jnp.inf, compute),
             jnp.zeros(shape, compute),
-            jnp.zeros((*shape, head_dim), compute),
+            jnp.zeros((*shape, value_dim), compute),
         )
     else:  # each row starts from its head's sink: in the denominator (exp 0 = 1), no value
         row_sinks = jnp.tile(sinks.astype(compute).reshape(num_heads, group), (1, max_query_len))  # [H, R]
         start = (
             jnp.broadcast_to(row_sinks[:, None, :], shape),
             jnp.ones(shape, compute),
-            jnp.zeros((*shape, head_dim), compute),
+            jnp.zeros((*shape, value_dim), compute),
         )
     _, normaliser, weighted = lax.fori_loop(0, steps, fold, start)
     safe = jnp.where(normaliser > 0, normaliser, 1)[..., None]
     attended = jnp.where(normaliser[..., None] > 0, weighted / safe, 0)  # [H, B, R, D]
     per_request = (
-        attended.reshape(num_heads, batch, max_query_len, group, head_dim)
+        attended.reshape(num_heads, batch, max_query_len, group, value_dim)
         .transpose(1, 2, 0, 3, 4)
-        .reshape(batch, max_query_len, query_heads, head_dim)
+        .reshape(batch, max_query_len, query_heads, value_dim)
     )
 
     # Padded rows -> packed rows.

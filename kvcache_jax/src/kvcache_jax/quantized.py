@@ -234,9 +234,12 @@ class QuantizedJaxStorage(JaxStorage):
         """Dequantized ``[num_tokens, heads, dim]`` copies of the first tokens of ``blocks``."""
         config = self.config
         if num_tokens == 0:
-            empty = jnp.zeros((0, config.num_heads, config.head_dim), dtype=jnp.dtype(config.io_dtype))
-            placed: jax.Array = jax.device_put(empty, self.placement.tokens)
-            return placed, placed
+            dtype = jnp.dtype(config.io_dtype)
+            empty_keys = jnp.zeros((0, config.num_heads, config.head_dim), dtype=dtype)
+            empty_values = jnp.zeros((0, config.num_heads, config.value_width), dtype=dtype)
+            placed_keys: jax.Array = jax.device_put(empty_keys, self.placement.tokens)
+            placed_values: jax.Array = jax.device_put(empty_values, self.placement.tokens)
+            return placed_keys, placed_values
         raw_keys, raw_values = super().gather(layer, blocks, len(blocks) * config.block_size)
         block_index = self._replicated(np.asarray(blocks, dtype=np.int32))
         keys = self._scale_programs.decode(raw_keys, self._scales[0][layer], block_index)
@@ -281,7 +284,9 @@ class QuantizedJaxStorage(JaxStorage):
         """
         shape = host_form.host_shape(self.config, len(blocks))
         host_form.check_host_array(self.config, "keys", keys, shape)
-        host_form.check_host_array(self.config, "values", values, shape)
+        host_form.check_host_array(
+            self.config, "values", values, host_form.host_shape(self.config, len(blocks), "values")
+        )
         raw_keys, key_scales = quantization.unpack_host(self.config, keys, "keys")
         raw_values, value_scales = quantization.unpack_host(self.config, values, "values")
         self._elements_from_host(blocks, raw_keys, raw_values)

@@ -61,10 +61,11 @@ def pool_geometry(cache: jax.Array, kv_layout: str) -> tuple[int, int, int, int]
 
 def _check_pair(key_cache: jax.Array, value_cache: jax.Array, kv_layout: str) -> tuple[int, int, int, int]:
     geometry = pool_geometry(key_cache, kv_layout)
-    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+    # The values' last axis may differ from the keys' (CacheConfig.value_head_dim).
+    if key_cache.shape[:3] != value_cache.shape[:3] or value_cache.ndim != 4 or key_cache.dtype != value_cache.dtype:
         raise ShapeMismatchError(
-            f"key and value pools must share shape and dtype, got {tuple(key_cache.shape)} {key_cache.dtype} "
-            f"and {tuple(value_cache.shape)} {value_cache.dtype}"
+            f"key and value pools must share shape (but for their widths) and dtype, got {tuple(key_cache.shape)} "
+            f"{key_cache.dtype} and {tuple(value_cache.shape)} {value_cache.dtype}"
         )
     return geometry
 
@@ -98,7 +99,8 @@ def write(
         key_cache, value_cache: one layer's pools in ``kv_layout``.
         slots: ``[n]`` int32, ``block * block_size + offset``, distinct. A slot outside
             ``[0, num_blocks * block_size)`` writes nothing (pad a batch with them).
-        keys, values: ``[n, num_heads, head_dim]``, cast to the pool's dtype.
+        keys, values: ``[n, num_heads, head_dim]`` and ``[n, num_heads, value_dim]`` (the
+            value pool's last axis), cast to the pool's dtype.
         kv_layout: ``"NHD"``, ``"HND"`` or ``"heads_first"``.
 
     Raises:
@@ -106,11 +108,12 @@ def write(
         ShapeMismatchError: shapes that do not fit together (at trace time).
     """
     num_blocks, block_size, num_heads, head_dim = _check_pair(key_cache, value_cache, kv_layout)
+    value_dim = int(value_cache.shape[3])
     count = int(slots.shape[0]) if slots.ndim == 1 else -1
     expected = (count, num_heads, head_dim)
-    if count < 0 or tuple(keys.shape) != expected or tuple(values.shape) != expected:
+    if count < 0 or tuple(keys.shape) != expected or tuple(values.shape) != (count, num_heads, value_dim):
         raise ShapeMismatchError(
-            f"write takes slots [n] and keys, values [n, {num_heads}, {head_dim}], got slots "
+            f"write takes slots [n], keys [n, {num_heads}, {head_dim}] and values [n, {num_heads}, {value_dim}], got slots "
             f"{tuple(slots.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
         )
     total = num_blocks * block_size

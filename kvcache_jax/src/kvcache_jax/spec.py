@@ -10,7 +10,12 @@ from __future__ import annotations
 from typing import Final
 
 from kvcache_core.contract.config import KV_LAYOUTS, QUANTIZED_DTYPES
-from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, IMMUTABLE_ARRAYS, POLICY_CAPABILITIES
+from kvcache_core.contract.hookspecs import (
+    ATTENTION_CAPABILITIES,
+    IMMUTABLE_ARRAYS,
+    POLICY_CAPABILITIES,
+    VALUE_HEAD_DIM,
+)
 from kvcache_core.contract.states import STATE_LAYERS
 
 __all__ = [
@@ -49,5 +54,6 @@ ATTENTION_FEATURES: Final = ATTENTION_CAPABILITIES
 
 #: What the conformance kit may check: the pool arrays are immutable (``key_cache`` hands
 #: out the current array, never deleted under its holder), the core policies run through
-#: the storage's block copies and host transfers, and the attention features.
-CAPABILITIES: Final = POLICY_CAPABILITIES | ATTENTION_FEATURES | {IMMUTABLE_ARRAYS, STATE_LAYERS}
+#: the storage's block copies and host transfers, the attention features, recurrent-state
+#: layers, and values of another width than the keys.
+CAPABILITIES: Final = POLICY_CAPABILITIES | ATTENTION_FEATURES | {IMMUTABLE_ARRAYS, STATE_LAYERS, VALUE_HEAD_DIM}

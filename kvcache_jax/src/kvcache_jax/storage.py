@@ -127,9 +127,11 @@ class JaxStorage:
         self._element_dtype: np.dtype[Any] = np.dtype(jnp.dtype(config.dtype))  # ml_dtypes' for bfloat16, float8
         self._placement = resolve_placement(config, mesh, axis)
         self._programs = programs_for(config.kv_layout, self._placement)
-        shape = config.block_shape()
+        shape, value_shape = config.block_shape(), config.value_block_shape()
         self._keys: list[jax.Array] = [self._programs.zeros(shape, config.dtype) for _ in range(config.num_layers)]
-        self._values: list[jax.Array] = [self._programs.zeros(shape, config.dtype) for _ in range(config.num_layers)]
+        self._values: list[jax.Array] = [
+            self._programs.zeros(value_shape, config.dtype) for _ in range(config.num_layers)
+        ]
         self._copies_made = 0
         # The last batch padded for attention: every layer of a step reuses it.
         self._last_batch: tuple[PageTable, bytes, PaddedBatch, tuple[jax.Array, ...]] | None = None
@@ -168,7 +170,8 @@ class JaxStorage:
         return self._keys[self._config.check_layer(layer)]
 
     def value_cache(self, layer: int) -> jax.Array:
-        """The layer's value pool array itself. Raises as :meth:`key_cache`."""
+        """The layer's value pool array itself, shape ``config.value_block_shape()``. Raises
+        as :meth:`key_cache`."""
         return self._values[self._config.check_layer(layer)]
 
     def replace_layer(self, layer: int, key_cache: jax.Array, value_cache: jax.Array) -> None:
@@ -182,8 +185,11 @@ class JaxStorage:
             Nothing changes when it raises.
         """
         index = self._config.check_layer(layer)
-        expected = self._config.block_shape()
-        for name, array in (("key_cache", key_cache), ("value_cache", value_cache)):
+        pools = (
+            ("key_cache", key_cache, self._config.block_shape()),
+            ("value_cache", value_cache, self._config.value_block_shape()),
+        )
+        for name, array, expected in pools:
             shape, dtype = self._array_info_or_raise(name, array)
             if shape != expected:
                 raise ShapeMismatchError(f"{name} must have the pool's shape {expected}, got {shape}")
@@ -241,7 +247,8 @@ class JaxStorage:
         return self._programs.pad_rows(rows)(placed)
 
     def write(self, layer: int, slots: IndexArray, keys: jax.Array, values: jax.Array) -> None:
-        """Scatter ``[n, heads, dim]`` keys and values into distinct ``slots`` ``[n]``, in place."""
+        """Scatter ``[n, heads, dim]`` keys and ``[n, heads, value_width]`` values into
+        distinct ``slots`` ``[n]``, in place."""
         padded_slots = pad_slots(np.asarray(slots), self._config.total_tokens)
         rows = int(padded_slots.shape[0])
         keys_in, values_in = self._tokens(keys, rows), self._tokens(values, rows)
@@ -253,12 +260,14 @@ class JaxStorage:
         )
 
     def gather(self, layer: int, blocks: IndexArray, num_tokens: int) -> tuple[jax.Array, jax.Array]:
-        """Contiguous ``[num_tokens, heads, dim]`` copies of the first tokens of ``blocks``."""
+        """Contiguous ``[num_tokens, heads, dim]`` copies of the first tokens of ``blocks``
+        (values ``value_width`` wide)."""
         config = self._config
         if num_tokens == 0:
-            empty = jnp.zeros((0, config.num_heads, config.head_dim), dtype=jnp.dtype(config.dtype))
-            placed = _put(empty, self._placement.tokens)
-            return placed, placed
+            dtype = jnp.dtype(config.dtype)
+            empty_keys = jnp.zeros((0, config.num_heads, config.head_dim), dtype=dtype)
+            empty_values = jnp.zeros((0, config.num_heads, config.value_width), dtype=dtype)
+            return _put(empty_keys, self._placement.tokens), _put(empty_values, self._placement.tokens)
         blocks_in = self._replicated(pad_blocks(np.asarray(blocks), 0))
         keys, values = self._programs.gather(self._live(self._keys, layer), self._live(self._values, layer), blocks_in)
         return keys[:num_tokens], values[:num_tokens]
@@ -288,8 +297,8 @@ class JaxStorage:
         count = len(blocks)
         if count == 0:
             shape = (config.num_layers, 0, config.block_size, config.num_heads, config.head_dim)
-            empty = np.zeros(shape, dtype=self._element_dtype)
-            return empty, empty.copy()
+            value_shape = (*shape[:4], config.value_width)
+            return np.zeros(shape, dtype=self._element_dtype), np.zeros(value_shape, dtype=self._element_dtype)
         blocks_in = self._replicated(pad_blocks(np.asarray(blocks), 0))
         layers = range(config.num_layers)
         keys, values = self._programs.read_all(
@@ -311,7 +320,9 @@ class JaxStorage:
         """
         shape = host_form.host_shape(self._config, len(blocks))
         host_form.check_host_array(self._config, "keys", keys, shape)
-        host_form.check_host_array(self._config, "values", values, shape)
+        host_form.check_host_array(
+            self._config, "values", values, host_form.host_shape(self._config, len(blocks), "values")
+        )
         self._elements_from_host(blocks, keys.view(self._element_dtype), values.view(self._element_dtype))
 
     def _elements_from_host(self, blocks: IndexArray, keys: HostArray, values: HostArray) -> None:

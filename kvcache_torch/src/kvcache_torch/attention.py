@@ -338,7 +338,8 @@ def attend_pool(
 
     Args:
         query: ``[total_queries, num_query_heads, head_dim]``.
-        key_cache, value_cache: one layer's pool in ``kv_layout``.
+        key_cache, value_cache: one layer's pool in ``kv_layout``; the values' last axis
+            (``value_dim``) may differ from the keys'.
         page_table: the batch's pages.
         qo_indptr: ``[B + 1]`` query offsets.
         scale: score scale.
@@ -352,7 +353,7 @@ def attend_pool(
         chunk: a query at ``p`` sees only keys ``k`` with ``k // chunk == p // chunk``.
 
     Returns:
-        ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype and device.
+        ``[total_queries, num_query_heads, value_dim]`` in ``query``'s dtype and device.
     """
     window = combined_window(window, page_table.sliding_window if sliding_window is None else sliding_window)
     if query.shape[0]:
@@ -373,13 +374,14 @@ def attend_pool(
         if fast is not None:
             return fast
     num_heads, head_dim = key_cache.shape[_HEADS_AXIS[kv_layout]], key_cache.shape[3]
+    value_dim = value_cache.shape[3]
     group = query.shape[1] // num_heads
     block_size = page_table.block_size
     reader = _PoolReader(key_cache, value_cache, kv_layout, block_size)
     offsets = [int(x) for x in qo_indptr.tolist()]
     seq_lens = [int(x) for x in page_table.seq_lens.tolist()]
     with torch.no_grad():
-        output = torch.empty_like(query)
+        output = query.new_empty((query.shape[0], query.shape[1], value_dim))
         scaled_query = query * scale  # once for the batch (the kernels then take scale 1)
         for b in range(page_table.batch_size):
             q_start, q_stop = offsets[b], offsets[b + 1]
@@ -398,7 +400,7 @@ def attend_pool(
             # [H, queries * group, D]: the query rows of one KV head together, scaled.
             scaled = scaled_query[q_start:q_stop].view(num_queries, num_heads, group, head_dim)
             rows = scaled.transpose(0, 1).reshape(num_heads, num_queries * group, head_dim)  # a view in decode
-            target = output[q_start:q_stop].view(num_queries, num_heads, group, head_dim).transpose(0, 1)
+            target = output[q_start:q_stop].view(num_queries, num_heads, group, value_dim).transpose(0, 1)
             # [H, rows]: the sink of each row (row q * group + g reads query head h * group + g).
             row_sinks = None if sinks is None else sinks.view(num_heads, 1, group).expand(-1, num_queries, -1)
             row_sinks = None if row_sinks is None else row_sinks.reshape(num_heads, num_queries * group)
@@ -434,7 +436,7 @@ def attend_pool(
                     softcap,
                     None if row_sinks is None else row_sinks[:, first * group : last * group],
                 )
-                target[:, first:last] = part.reshape(num_heads, last - first, group, head_dim)
+                target[:, first:last] = part.reshape(num_heads, last - first, group, value_dim)
         return output
 
 
@@ -462,7 +464,7 @@ def paged_attention(
         query: ``[total_queries, num_query_heads, head_dim]``, requests packed in batch
             order; ``num_query_heads`` a multiple of the pool's ``num_heads`` (GQA).
         key_cache, value_cache: one layer's pool in ``kv_layout``, on ``query``'s device
-            and of its dtype.
+            and of its dtype; the values' last axis (``value_dim``) may differ from the keys'.
         page_table: the batch's pages (:meth:`KvCacheManager.page_table`).
         qo_indptr: ``[B + 1]`` query offsets per request; ``None`` for decode (one each).
         scale: score scale, ``1 / sqrt(head_dim)`` by default.
@@ -477,7 +479,7 @@ def paged_attention(
             tensor of the query's dtype and device).
 
     Returns:
-        ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype.
+        ``[total_queries, num_query_heads, value_dim]`` in ``query``'s dtype.
 
     Raises:
         ArrayTypeError: an argument that is not a ``torch.Tensor``, or tensors on different devices.
@@ -493,10 +495,10 @@ def paged_attention(
             raise ArrayTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if kv_layout not in KV_LAYOUTS:
         raise InvalidArgumentError(f"kv_layout {kv_layout!r} is unknown; valid: {', '.join(KV_LAYOUTS)}")
-    if key_cache.shape != value_cache.shape or key_cache.dim() != 4:
+    if key_cache.shape[:3] != value_cache.shape[:3] or key_cache.dim() != 4 or value_cache.dim() != 4:
         raise ShapeMismatchError(
-            f"key and value caches must share one 4-D shape, got {tuple(key_cache.shape)} and "
-            f"{tuple(value_cache.shape)}"
+            "key and value caches must share one 4-D shape but for their last axis (the key and value widths), "
+            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
         )
     if not (query.dtype == key_cache.dtype == value_cache.dtype):
         raise DTypeMismatchError(

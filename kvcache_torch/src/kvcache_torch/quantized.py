@@ -108,15 +108,17 @@ def attend_quantized(
     num_blocks, block_size]``.
 
     Returns:
-        ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype.
+        ``[total_queries, num_query_heads, value_dim]`` (the value pool's last axis) in
+        ``query``'s dtype.
     """
     heads_axis = {"NHD": 2, "HND": 1, "heads_first": 0}[kv_layout]
     num_heads, head_dim = key_cache.shape[heads_axis], key_cache.shape[3]
+    value_dim = value_cache.shape[3]
     group = query.shape[1] // num_heads
     block_size = page_table.block_size
     window = page_table.sliding_window
     offsets = [int(x) for x in qo_indptr.tolist()]
-    output = torch.empty_like(query)
+    output = query.new_empty((query.shape[0], query.shape[1], value_dim))
     with torch.no_grad():
         for b in range(page_table.batch_size):
             q_start, q_stop = offsets[b], offsets[b + 1]
@@ -149,7 +151,7 @@ def attend_quantized(
                 hidden |= key_positions[None, :] <= row_positions[:, None] - window
             scores = scores.masked_fill(hidden[None], -math.inf)
             weights = torch.softmax(scores, dim=-1)
-            result = torch.zeros((num_heads, num_queries * group, head_dim), dtype=torch.float32, device=query.device)
+            result = torch.zeros((num_heads, num_queries * group, value_dim), dtype=torch.float32, device=query.device)
             first_column = 0
             for run, part in zip(runs, scores_parts, strict=True):
                 tokens = part.shape[2]
@@ -159,9 +161,9 @@ def attend_quantized(
                 result += torch.matmul(run_weights, values)
                 first_column += tokens
             output[q_start:q_stop] = (
-                result.view(num_heads, num_queries, group, head_dim)
+                result.view(num_heads, num_queries, group, value_dim)
                 .transpose(0, 1)
-                .reshape(num_queries, num_heads * group, head_dim)
+                .reshape(num_queries, num_heads * group, value_dim)
                 .to(query.dtype)
             )
     return output

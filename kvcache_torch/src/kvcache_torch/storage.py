@@ -10,6 +10,7 @@ raises :class:`~kvcache_core.errors.ArrayTypeError` before any state changes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -76,9 +77,10 @@ def resolve_device(config: CacheConfig) -> torch.device:
 class TorchStorage:
     """A pool of ``num_layers x (K, V)`` tensors in one allocation on one torch device.
 
-    The pool is ``[num_layers, 2, *config.block_shape()]``; ``key_cache(layer)`` and
-    ``value_cache(layer)`` are views of it, so a later :meth:`write` shows through a
-    reference taken before it. Bytes leave the device only through :meth:`gather`,
+    The pool is ``[num_layers, 2, *config.block_shape()]`` (with a ``value_head_dim``,
+    ``[num_layers, keys + values]``: each layer's keys then its values, flat);
+    ``key_cache(layer)`` and ``value_cache(layer)`` are views of it, so a later :meth:`write`
+    shows through a reference taken before it. Bytes leave the device only through :meth:`gather`,
     :meth:`blocks_to_host` and :meth:`to_numpy`.
 
     Host copies (``blocks_to_host``) are core's host form (:mod:`kvcache_core.offload.host_form`),
@@ -108,14 +110,21 @@ class TorchStorage:
         self._config = config
         self._dtype = torch_dtype(config.dtype)
         self._device = resolve_device(config)
-        # [layer, K/V, *layout]: one block copy moves every layer at once.
-        self._pool = torch.zeros((config.num_layers, 2, *config.block_shape()), dtype=self._dtype, device=self._device)
+        self._split = config.value_head_dim is not None
+        if self._split:  # [layer, keys then values]: the two widths in one allocation
+            key_elements = math.prod(config.block_shape())
+            shape: tuple[int, ...] = (config.num_layers, key_elements + math.prod(config.value_block_shape()))
+        else:  # [layer, K/V, *layout]: one block copy moves every layer at once.
+            shape = (config.num_layers, 2, *config.block_shape())
+        self._pool = torch.zeros(shape, dtype=self._dtype, device=self._device)
         self._block_axis = 3 if config.kv_layout == "heads_first" else 2
         self._bits_dtype = BIT_DTYPES.get(self._dtype, self._dtype)  # what host copies are cut from
         self._scales: torch.Tensor | None = None
         # What the byte-moving kernels index: a quantized pool as its bytes (torch has no
         # index_copy_ / index_select for float8 on every device), any other pool itself.
         self._moved = self._pool.view(torch.uint8) if config.quantized else self._pool
+        self._parts = self._split_parts(self._pool)
+        self._moved_parts = self._split_parts(self._moved)
         if config.quantized:
             self._io_dtype = torch_dtype(config.io_dtype)
             self._scales = torch.zeros(
@@ -129,6 +138,17 @@ class TorchStorage:
             )
             self._head_scales = _tensor_of(head_scales).to(self._device)
             self._track_scales = not calibrated
+
+    def _split_parts(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` views ``[num_layers, *layout]`` of a pool tensor."""
+        config = self._config
+        if not self._split:
+            return pool[:, 0], pool[:, 1]
+        key_elements = math.prod(config.block_shape())
+        return (
+            pool[:, :key_elements].view(config.num_layers, *config.block_shape()),
+            pool[:, key_elements:].view(config.num_layers, *config.value_block_shape()),
+        )
 
     # -- the pool -------------------------------------------------------------------------
 
@@ -149,7 +169,9 @@ class TorchStorage:
 
     @property
     def pool(self) -> torch.Tensor:
-        """The whole pool ``[num_layers, 2, *config.block_shape()]`` (K at index 0, V at 1)."""
+        """The whole pool ``[num_layers, 2, *config.block_shape()]`` (K at index 0, V at 1);
+        with a ``value_head_dim``, ``[num_layers, keys + values]`` (each layer's keys, then
+        its values, flat)."""
         return self._pool
 
     def close(self) -> None:
@@ -158,6 +180,7 @@ class TorchStorage:
         ``manager.close()`` calls this; the storage is not used afterwards."""
         self._pool = torch.empty((0,), dtype=self._dtype, device=self._device)
         self._moved = self._pool
+        self._parts = self._moved_parts = (self._pool, self._pool)
         if self._scales is not None:
             self._scales = torch.empty((0,), dtype=torch.float32, device=self._device)
 
@@ -183,11 +206,11 @@ class TorchStorage:
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """View of the layer's key pool, in the configured layout."""
-        return self._pool[layer, 0]
+        return self._parts[0][layer]
 
     def value_cache(self, layer: int) -> torch.Tensor:
-        """View of the layer's value pool, in the configured layout."""
-        return self._pool[layer, 1]
+        """View of the layer's value pool, in the configured layout (last axis ``value_width``)."""
+        return self._parts[1][layer]
 
     # -- data path ------------------------------------------------------------------------
 
@@ -197,8 +220,8 @@ class TorchStorage:
         return tensor if self._device.type == "cpu" else tensor.to(self._device, non_blocking=True)
 
     def write(self, layer: int, slots: IntArray, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Scatter ``[n, num_heads, head_dim]`` keys and values into distinct ``slots``: one
-        indexed copy per pool (K, V) for the whole batch."""
+        """Scatter ``[n, num_heads, head_dim]`` keys and ``[n, num_heads, value_width]`` values
+        into distinct ``slots``: one indexed copy per pool (K, V) for the whole batch."""
         config = self._config
         slot_index = self._index(slots)
         if self._scales is not None:
@@ -206,7 +229,7 @@ class TorchStorage:
             keys, values = raw_keys.view(torch.uint8), raw_values.view(torch.uint8)
         with torch.no_grad():
             for kv, data in ((0, keys), (1, values)):
-                cache = self._moved[layer, kv]
+                cache = self._moved_parts[kv][layer]
                 if config.kv_layout == "NHD":  # [blocks * bs, H, D]: a slot is a row
                     cache.flatten(0, 1).index_copy_(0, slot_index, data)
                 elif config.kv_layout == "heads_first":  # [H, blocks * bs, D]
@@ -250,17 +273,17 @@ class TorchStorage:
         if self._scales is not None:
             decoded: list[torch.Tensor] = []
             for kv in (0, 1):
-                raw = self._tokens(self._moved[layer, kv], index, num_tokens).view(self._dtype)
+                raw = self._tokens(self._moved_parts[kv][layer], index, num_tokens).view(self._dtype)
                 scales = self._scales[layer, kv].index_select(1, index).permute(1, 2, 0)
                 scales = scales.reshape(-1, self._config.num_heads)[:num_tokens]
                 decoded.append((raw.to(torch.float32) * scales[:, :, None]).to(self._io_dtype))
             return decoded[0], decoded[1]
-        return self._tokens(self._pool[layer, 0], index, num_tokens), self._tokens(
-            self._pool[layer, 1], index, num_tokens
+        return self._tokens(self._parts[0][layer], index, num_tokens), self._tokens(
+            self._parts[1][layer], index, num_tokens
         )
 
     def _tokens(self, cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        heads, dim = self._config.num_heads, self._config.head_dim
+        heads, dim = self._config.num_heads, int(cache.shape[-1])
         layout = self._config.kv_layout
         if layout == "NHD":
             picked = cache.index_select(0, blocks)
@@ -273,8 +296,13 @@ class TorchStorage:
     def copy_blocks(self, source: IntArray, destination: IntArray) -> None:
         """Copy every layer's K and V of ``source[i]`` into ``destination[i]`` (the sources
         are read before any destination is written)."""
-        picked = self._moved.index_select(self._block_axis, self._index(source))
-        self._moved.index_copy_(self._block_axis, self._index(destination), picked)
+        if self._split:
+            for part in self._moved_parts:
+                picked = part.index_select(self._block_axis - 1, self._index(source))
+                part.index_copy_(self._block_axis - 1, self._index(destination), picked)
+        else:
+            picked = self._moved.index_select(self._block_axis, self._index(source))
+            self._moved.index_copy_(self._block_axis, self._index(destination), picked)
         if self._scales is not None:  # [L, 2, H, blocks, bs]
             scales = self._scales.index_select(3, self._index(source))
             self._scales.index_copy_(3, self._index(destination), scales)
@@ -282,7 +310,9 @@ class TorchStorage:
     def blocks_to_host(self, blocks: IntArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """Host copies ``[num_layers, n, block_size, num_heads, head_dim]`` of keys and values
         in core's host form (``uint16`` bit patterns for a bfloat16 pool; through pinned
-        memory on CUDA)."""
+        memory on CUDA); values ``value_width`` wide."""
+        if self._split:
+            return self._split_to_host(blocks)
         picked = self._to_canonical(self._moved.index_select(self._block_axis, self._index(blocks)))
         if self._scales is not None:  # packed: raw bytes + scale per token head
             raw = picked.contiguous().cpu().numpy()
@@ -302,7 +332,10 @@ class TorchStorage:
         config = self._config
         shape = host_form.host_shape(config, len(blocks))
         host_form.check_host_array(config, "keys", keys, shape)
-        host_form.check_host_array(config, "values", values, shape)
+        host_form.check_host_array(config, "values", values, host_form.host_shape(config, len(blocks), "values"))
+        if self._split:
+            self._split_from_host(blocks, keys, values)
+            return
         if self._scales is not None:
             self._quantized_from_host(blocks, keys, values, shape[:-1])
             return
@@ -333,6 +366,43 @@ class TorchStorage:
         index = self._index(blocks)
         self._moved.index_copy_(self._block_axis, index, stacked)
         self._scales.index_copy_(3, index, torch.stack(scales, dim=1).permute(0, 1, 4, 2, 3))
+
+    def _split_to_host(self, blocks: IntArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+        """:meth:`blocks_to_host` of a pool whose values differ in width from its keys."""
+        index = self._index(blocks)
+        copies: list[npt.NDArray[Any]] = []
+        for kv, part in enumerate(self._moved_parts):
+            picked = self._part_to_canonical(part.index_select(self._block_axis - 1, index))
+            if self._scales is None:
+                copies.append(self._host_copy(picked))
+                continue
+            scales = self._scales[:, kv].index_select(2, index).permute(0, 2, 3, 1).cpu().numpy()
+            copies.append(quantization.pack_host(picked.contiguous().cpu().numpy(), scales))
+        return copies[0], copies[1]
+
+    def _split_from_host(self, blocks: IntArray, keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> None:
+        """:meth:`blocks_from_host` of a pool whose values differ in width from its keys."""
+        index = self._index(blocks)
+        for kv, (name, array) in enumerate((("keys", keys), ("values", values))):
+            if self._scales is not None:
+                raw, scale = quantization.unpack_host(self._config, array, name)
+                data = _tensor_of(raw.view(np.uint8)).to(self._device)
+                self._scales[:, kv].index_copy_(2, index, _tensor_of(scale).to(self._device).permute(0, 3, 1, 2))
+            else:
+                data = self._from_host(array)
+            if self._config.kv_layout == "HND":  # [L, n, bs, H, D] -> the pool's layout
+                data = data.transpose(2, 3)
+            elif self._config.kv_layout == "heads_first":
+                data = data.permute(0, 3, 1, 2, 4)
+            self._moved_parts[kv].index_copy_(self._block_axis - 1, index, data)
+
+    def _part_to_canonical(self, picked: torch.Tensor) -> torch.Tensor:
+        """``[L, *layout over n blocks]`` -> ``[L, n, block_size, heads, dim]`` (a view)."""
+        if self._config.kv_layout == "HND":  # [L, n, H, bs, D]
+            return picked.transpose(2, 3)
+        if self._config.kv_layout == "heads_first":  # [L, H, n, bs, D]
+            return picked.permute(0, 2, 3, 1, 4)
+        return picked
 
     def _to_canonical(self, picked: torch.Tensor) -> torch.Tensor:
         """``[L, 2, *layout over n blocks]`` -> ``[L, 2, n, block_size, heads, dim]`` (a view)."""
@@ -391,8 +461,8 @@ class TorchStorage:
             return self._quantized_attention(layer, query, page_table, qo_indptr, scale, causal, features)
         return attend_pool(
             query,
-            self._pool[layer, 0],
-            self._pool[layer, 1],
+            self._parts[0][layer],
+            self._parts[1][layer],
             page_table,
             qo_indptr,
             scale,
@@ -416,7 +486,7 @@ class TorchStorage:
     ) -> torch.Tensor:
         assert self._scales is not None
         config = self._config
-        keys, values = self._pool[layer, 0], self._pool[layer, 1]
+        keys, values = self._parts[0][layer], self._parts[1][layer]
         window, softcap, chunk = features["window"], features["softcap"], features["chunk"]
         sinks: torch.Tensor | None = features["sinks"]
         wanted = sorted(name for name, value in features.items() if value is not None)

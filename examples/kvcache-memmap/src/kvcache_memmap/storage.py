@@ -28,6 +28,7 @@ from kvcache_core.plugin import (
     MEMORY_REGIONS,
     POLICY_CAPABILITIES,
     QUANTIZED_DTYPES,
+    VALUE_HEAD_DIM,
     BackendSpec,
     CacheConfig,
     hookimpl,
@@ -57,7 +58,10 @@ _SCALES_ALIGNMENT_BYTES = 64
 
 
 def _geometry(config: CacheConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in _GEOMETRY_FIELDS}
+    geometry = {name: getattr(config, name) for name in _GEOMETRY_FIELDS}
+    if config.value_head_dim is not None:  # recorded only when set: earlier sidecars still match
+        geometry["value_head_dim"] = config.value_head_dim
+    return geometry
 
 
 @dataclass(frozen=True)
@@ -374,6 +378,7 @@ def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
         kv_layouts=("NHD", "HND", "heads_first"),
         preferred_layout=PREFERRED_LAYOUT,
         description="pool in a memory-mapped file (example third-party backend)",
-        # The policies live in core; the NumPy kernels serve them and every attention feature.
-        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {MEMORY_REGIONS},
+        # The policies live in core; the NumPy kernels serve them, every attention feature and
+        # values of another width than the keys; the pool's memory regions are the file's mapping.
+        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {MEMORY_REGIONS, VALUE_HEAD_DIM},
     )

@@ -389,6 +389,7 @@ def _attend_item(  # type: ignore[no-untyped-def]
     request, head, first_row, last_row = item[0], item[1], item[2], item[3]
     first_key, last_key, partial_row = item[4], item[5], item[6]
     dim = query.shape[2]
+    value_dim = acc.shape[1]  # the values' width may differ from the keys' (MLA, v_head_dim)
     query_start = qo_indptr[request]
     num_queries = qo_indptr[request + 1] - query_start
     seq_len = seq_lens[request]
@@ -415,6 +416,7 @@ def _attend_item(  # type: ignore[no-untyped-def]
             high_all = max(high_all, high)
             for d in range(dim):
                 queries[j, d] = query[query_start + q_index, q_head, d] * scale
+            for d in range(value_dim):
                 acc[j, d] = 0.0
             row_max[j] = -np.inf
             row_sum[j] = 0.0
@@ -442,11 +444,11 @@ def _attend_item(  # type: ignore[no-untyped-def]
                 if sinks.shape[0] > 0:  # the sink joins the denominator, adds no value
                     total += np.float32(math.exp(sinks[q_head] - row_max[j]))
                 inverse = np.float32(1.0) / total
-                for d in range(dim):
+                for d in range(value_dim):
                     out[query_start + q_index, q_head, d] = acc[j, d] * inverse
             else:
                 target = partial_row + r - first_row
-                for d in range(dim):
+                for d in range(value_dim):
                     partial_acc[target, d] = acc[j, d]
                 partial_stats[target, 0] = row_max[j]
                 partial_stats[target, 1] = row_sum[j]
@@ -486,7 +488,8 @@ def attend_share(  # type: ignore[no-untyped-def]
 
     The pools are ``[pool rows, dim]`` (one row per token head) with the row strides
     ``strides`` of (block, token in block, head): ``key_rows``/``value_rows`` float32 for
-    ``POOL_FLOAT32``, ``key_raw``/``value_raw`` the bits of the other kinds (``uint16`` or
+    ``POOL_FLOAT32``, ``key_raw``/``value_raw`` the bits of the other kinds (value rows may be
+    of another width than key rows, with the same row strides; ``out`` is as wide as a value row) (``uint16`` or
     ``uint8``); the pair not used is any array of its type (so one compiled version serves
     float32, float16 and bfloat16 pools, one the quantized ones); ``query [tokens,
     query_heads, dim]`` and ``out`` (same shape) are float32; ``partial_acc [p, dim]`` and
@@ -496,6 +499,7 @@ def attend_share(  # type: ignore[no-untyped-def]
     float32 scales with element strides ``scale_strides`` (block, token, head); other kinds
     ignore them."""
     dim = query.shape[2]
+    value_dim = out.shape[2]
     longest = 1
     for position in range(items.shape[0]):
         longest = max(longest, items[position, 5] - items[position, 4])
@@ -503,7 +507,7 @@ def attend_share(  # type: ignore[no-untyped-def]
     powers = np.empty(KEY_TILE, np.int32)
     work = (
         np.empty((ROW_TILE, KEY_TILE), np.float32),  # scores, then weights
-        np.empty((ROW_TILE, dim), np.float32),  # accumulators
+        np.empty((ROW_TILE, value_dim), np.float32),  # accumulators
         np.empty(ROW_TILE, np.float32),  # running maxima
         np.empty(ROW_TILE, np.float32),  # running sums
         np.empty(ROW_TILE, np.int64),  # first key of each row
@@ -512,7 +516,7 @@ def attend_share(  # type: ignore[no-untyped-def]
         powers.view(np.float32),
     )
     key_bits = np.empty((KEY_TILE, dim), np.uint32)
-    value_bits = np.empty((KEY_TILE, dim), np.uint32)
+    value_bits = np.empty((KEY_TILE, value_dim), np.uint32)
     tiles = (
         np.empty(longest, np.int64),  # pool row of each key of an item
         np.empty(longest, np.int64),  # its scale's index

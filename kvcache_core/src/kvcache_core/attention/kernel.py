@@ -218,10 +218,12 @@ def kernel_reads(dtype: str, key_cache: npt.NDArray[Any], value_cache: npt.NDArr
     """Whether the kernel can read these pools in place: a dtype of :data:`KERNEL_DTYPES` or
     :data:`QUANTIZED_KERNEL_DTYPES`, arrays of its element type (``uint16`` for 16-bit pools,
     ``uint8`` for quantized ones), the feature axis contiguous, the other strides whole
-    multiples of a feature row (the kernel reads rows of ``head_dim``) and none negative."""
+    multiples of a feature row (the kernel reads rows of ``head_dim``) and none negative; values
+    may be rows of another width than keys, with the same strides counted in rows."""
     element = _POOL_ELEMENTS.get(dtype)
     if element is None:
         return False
+    row_strides: list[list[int]] = []
     for cache in (key_cache, value_cache):
         if cache.dtype != element or cache.ndim != 4 or cache.size == 0:
             return False
@@ -232,7 +234,14 @@ def kernel_reads(dtype: str, key_cache: npt.NDArray[Any], value_cache: npt.NDArr
             stride % row_bytes for stride, extent in zip(cache.strides[:3], cache.shape[:3], strict=True) if extent > 1
         ):
             return False  # rows that do not start at whole multiples of head_dim
-    return key_cache.shape == value_cache.shape
+        row_strides.append(
+            [
+                stride // row_bytes if extent > 1 else 0
+                for stride, extent in zip(cache.strides[:3], cache.shape[:3], strict=True)
+            ]
+        )
+    # One pool row index serves a key row and its value row: the same strides, counted in rows.
+    return key_cache.shape[:3] == value_cache.shape[:3] and row_strides[0] == row_strides[1]
 
 
 def _pool_rows(cache: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -426,7 +435,7 @@ def attend_with_kernel(
             awake rather than a second set competing with them for the cores.
 
     Returns:
-        ``[total_queries, num_query_heads, head_dim]`` float32.
+        ``[total_queries, num_query_heads, value_dim]`` float32 (the value pool's last axis).
 
     Raises:
         UnsupportedConfigError: numba is not installed, or the pools are not readable in
@@ -454,7 +463,8 @@ def attend_with_kernel(
     if quantized and (key_scales is None or value_scales is None):
         raise UnsupportedConfigError(f"a {dtype} pool is read with its key_scales and value_scales")
     total_queries, query_heads, head_dim = query.shape
-    out: FloatArray = np.empty((total_queries, query_heads, head_dim), dtype=np.float32)
+    value_dim = value_cache.shape[3]
+    out: FloatArray = np.empty((total_queries, query_heads, value_dim), dtype=np.float32)
     if total_queries == 0:
         return out
     num_heads = key_cache.shape[_HEADS_AXIS[kv_layout]]
@@ -463,7 +473,7 @@ def attend_with_kernel(
     threads = limit if num_threads is None else max(1, min(num_threads, limit))
     plan = _cached_plan(page_table, qo_indptr, num_heads, group, causal, window, threads, chunk_size)
     strides = _row_strides(key_cache.strides, kv_layout, head_dim * key_cache.itemsize)
-    partial_acc = np.empty((plan.partial_rows, head_dim), dtype=np.float32)
+    partial_acc = np.empty((plan.partial_rows, value_dim), dtype=np.float32)
     partial_stats = np.empty((plan.partial_rows, 2), dtype=np.float32)
     attend: Callable[..., None] = module.attend_share
     merge: Callable[..., None] = module.merge_splits

@@ -203,7 +203,8 @@ def paged_attention(
     Args:
         query: ``[total_queries, num_query_heads, head_dim]``, requests packed in batch
             order; ``num_query_heads`` a multiple of the pool's ``num_heads`` (GQA).
-        key_cache, value_cache: one layer's pool in ``kv_layout``.
+        key_cache, value_cache: one layer's pool in ``kv_layout``; the values' last axis
+            (``value_dim``) may differ from the keys' (``head_dim``).
         page_table: the batch's pages (:meth:`KvCacheManager.page_table`).
         qo_indptr: ``[B + 1]`` query offsets per request; ``None`` for decode (one each).
         scale: score scale, ``1 / sqrt(head_dim)`` by default.
@@ -228,7 +229,7 @@ def paged_attention(
             the context is made. Both or neither.
 
     Returns:
-        ``[total_queries, num_query_heads, head_dim]`` in ``query``'s dtype.
+        ``[total_queries, num_query_heads, value_dim]`` in ``query``'s dtype.
 
     Raises:
         ShapeMismatchError: shapes that do not fit together.
@@ -245,12 +246,13 @@ def paged_attention(
     check_chunk_positions(chunk_size, page_table.sliding_window)
     if kv_layout not in KV_LAYOUTS:
         raise InvalidArgumentError(f"kv_layout {kv_layout!r} is unknown; valid: {', '.join(KV_LAYOUTS)}")
-    if key_cache.shape != value_cache.shape or key_cache.ndim != 4:
+    if key_cache.shape[:3] != value_cache.shape[:3] or key_cache.ndim != 4 or value_cache.ndim != 4:
         raise ShapeMismatchError(
-            f"key and value caches must share one 4-D shape, got {key_cache.shape} and {value_cache.shape}"
+            "key and value caches must share one 4-D shape but for their last axis (the key and value widths), "
+            f"got {key_cache.shape} and {value_cache.shape}"
         )
     heads_axis = {"NHD": 2, "HND": 1, "heads_first": 0}[kv_layout]
-    num_heads, head_dim = key_cache.shape[heads_axis], key_cache.shape[3]
+    num_heads, head_dim, value_dim = key_cache.shape[heads_axis], key_cache.shape[3], value_cache.shape[3]
     if query.ndim != 3 or query.shape[2] != head_dim or query.shape[1] % num_heads:
         raise ShapeMismatchError(
             f"query must be [tokens, k * {num_heads}, {head_dim}] for a pool of {num_heads} heads "
@@ -278,7 +280,7 @@ def paged_attention(
             )
         check_finite_logits("sinks", sinks)
         head_sinks = sinks.astype(compute).reshape(num_heads, group)
-    output = np.empty(query.shape, dtype=query.dtype)
+    output = np.empty((*query.shape[:2], value_dim), dtype=query.dtype)
     for b in range(page_table.batch_size):
         q_start, q_stop = int(indptr[b]), int(indptr[b + 1])
         if q_stop == q_start:
@@ -305,7 +307,7 @@ def paged_attention(
             for run in page_table.runs(b)
         ]
         row_positions = np.repeat(np.arange(seq_len - num_queries, seq_len), group)
-        out = np.empty((num_heads, rows, head_dim), dtype=compute)
+        out = np.empty((num_heads, rows, value_dim), dtype=compute)
         row_chunk = max(1, _SCORE_BUDGET // (num_heads * seq_len))  # bounds long prefills' scores
         for first_row in range(0, rows, row_chunk):
             last_row = min(rows, first_row + row_chunk)
@@ -323,9 +325,9 @@ def paged_attention(
                 chunk=chunk_size,
             )
         output[q_start:q_stop] = (
-            out.reshape(num_heads, num_queries, group, head_dim)
+            out.reshape(num_heads, num_queries, group, value_dim)
             .transpose(1, 0, 2, 3)
-            .reshape(num_queries, num_heads * group, head_dim)
+            .reshape(num_queries, num_heads * group, value_dim)
         )
     return output
 
@@ -420,7 +422,7 @@ def _attend_rows(
         top = np.maximum(top, sinks[:, :, None])
     scores -= top
     np.exp(scores, out=scores)
-    result = np.zeros((heads, rows, q.shape[2]), dtype=q.dtype)
+    result = np.zeros((heads, rows, runs[0].values.shape[3]), dtype=q.dtype)
     for run in runs:
         start = run.first_token - base
         result += _run_weighted_values(scores[:, :, start : start + run.tokens], run)

@@ -175,6 +175,9 @@ class CacheConfig:
             :mod:`kvcache_core.contract.quantization`). Stored as nested tuples of floats.
         state_slots: with state layers (``LayerSpec(state=...)``), requests the state pool holds
             at once (:mod:`kvcache_core.contract.states`); ``None``: ``min(num_blocks, 32)``.
+        value_head_dim: the values' features per head (>= 1) where they differ from the keys' (latent
+            attention's rotary part, ``v_head_dim``); ``None`` or :attr:`head_dim` (stored as ``None``): as
+            wide. :attr:`value_width` resolves it; backends claiming ``"value_head_dim"`` hold such pools.
 
     Every field is stored as a plain Python value (NumPy integers, floats and strings
     are accepted and converted; a bool is refused where a number is meant). Counts and
@@ -203,6 +206,7 @@ class CacheConfig:
     kv_scales: tuple[tuple[tuple[float, ...], ...], ...] | None = None
     layer_specs: tuple[LayerSpec, ...] | None = None
     state_slots: int | None = None
+    value_head_dim: int | None = None
     _groups: tuple[KvGroup, ...] = field(default=(), init=False, repr=False, compare=False)
     _slots: tuple[tuple[int, int], ...] = field(default=(), init=False, repr=False, compare=False)
     _specs: tuple[LayerSpec, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -228,6 +232,7 @@ class CacheConfig:
         kv_scales: object = None,
         layer_specs: object = None,
         state_slots: IntLike | None = None,
+        value_head_dim: IntLike | None = None,
     ) -> None:
         # Written out so that ``device`` accepts its text form ("cuda:0") and is stored as
         # a Device; the dataclass still provides eq, repr, hash and replace().
@@ -237,6 +242,9 @@ class CacheConfig:
         for name in ("num_layers", "num_heads", "head_dim", "num_blocks", "block_size"):
             count = check_count(getattr(self, name), f"CacheConfig.{name}", 1, INT32_MAX, error=InvalidConfigError)
             object.__setattr__(self, name, count)
+        if self.value_head_dim is not None:  # stored as None when equal to head_dim
+            dim = check_count(self.value_head_dim, "CacheConfig.value_head_dim", 1, INT32_MAX, error=InvalidConfigError)
+            object.__setattr__(self, "value_head_dim", None if dim == self.head_dim else dim)
         for name in ("dtype", "kv_layout", "model_id", "compute_dtype"):
             object.__setattr__(self, name, _plain_str(getattr(self, name)))
         if self.num_blocks * self.block_size > MAX_POOL_SLOTS:
@@ -469,12 +477,18 @@ class CacheConfig:
         return DTYPE_SIZES[self.dtype]
 
     @property
+    def value_width(self) -> int:
+        """Features per head of the values: :attr:`value_head_dim`, else :attr:`head_dim`."""
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
+
+    @property
     def bytes_per_token(self) -> int:
-        """Bytes one token takes in the pool: keys and values of every layer (with their
-        scales in a quantized pool)."""
+        """Bytes one token takes in the pool: keys (:attr:`head_dim` wide) and values
+        (:attr:`value_width` wide) of every layer (with their scales in a quantized pool)."""
         scale_bytes = SCALE_BYTES if self.dtype in QUANTIZED_DTYPES else 0
         kv_layers = self.pool_layers * len(self._groups)  # state layers keep no K/V
-        return 2 * kv_layers * self.num_heads * (self.head_dim * self.dtype_size + scale_bytes)
+        widths = (self.head_dim + self.value_width) * self.dtype_size + 2 * scale_bytes
+        return kv_layers * self.num_heads * widths
 
     @property
     def bytes_per_block(self) -> int:
@@ -488,15 +502,22 @@ class CacheConfig:
         return self.num_blocks * self.block_size
 
     def block_shape(self) -> tuple[int, ...]:
-        """Shape of one layer's key (or value) pool in :attr:`kv_layout`: ``"NHD"``
+        """Shape of one layer's key pool (values: :meth:`value_block_shape`) in :attr:`kv_layout`: ``"NHD"``
         ``[num_blocks, block_size, num_heads, head_dim]``, ``"HND"`` ``[num_blocks, num_heads,
         block_size, head_dim]``, ``"heads_first"`` ``[num_heads, num_blocks, block_size, head_dim]``.
 
         Raises:
             InvalidConfigError: ``kv_layout`` is ``None`` (not resolved by a backend yet).
         """
+        return self._pool_shape(self.head_dim)
+
+    def value_block_shape(self) -> tuple[int, ...]:
+        """:meth:`block_shape` of the value pool: :attr:`value_width` last. Raises as :meth:`block_shape`."""
+        return self._pool_shape(self.value_width)
+
+    def _pool_shape(self, dim: int) -> tuple[int, ...]:
         layout = self.layout
-        blocks, tokens, heads, dim = self.num_blocks, self.block_size, self.num_heads, self.head_dim
+        blocks, tokens, heads = self.num_blocks, self.block_size, self.num_heads
         if layout == "NHD":
             return (blocks, tokens, heads, dim)
         if layout == "HND":

@@ -46,6 +46,7 @@ __all__ = [
     "POLICY_CAPABILITIES",
     "PROJECT_NAME",
     "STATE_LAYERS",
+    "VALUE_HEAD_DIM",
     "BackendHookSpecs",
     "BackendSpec",
     "hookimpl",
@@ -90,6 +91,8 @@ CAPABILITIES: dict[str, str] = {
     "builds a StateStorage (read, write, copy, zero, to_host, from_host, array)",
     "immutable_arrays": "key_cache hands out the current pool array of an immutable array library "
     "(JAX), which later writes replace but never delete, instead of a view",
+    "value_head_dim": "a pool whose values are narrower or wider than its keys (CacheConfig.value_head_dim): "
+    "value_cache, write, gather, the host form and paged_attention use the value width for values",
 }
 
 #: The cache policies of core a backend claims once its storage serves them: every paged
@@ -104,6 +107,10 @@ ATTENTION_CAPABILITIES: Final = frozenset({"attention_window", "softcap", "sinks
 #: The capability of a backend whose arrays are immutable (``key_cache`` hands out the
 #: current pool array, not a view).
 IMMUTABLE_ARRAYS: Final = "immutable_arrays"
+
+#: The capability of a backend that holds values of another width than its keys
+#: (``CacheConfig.value_head_dim``); a backend that does not claim it is refused such a pool.
+VALUE_HEAD_DIM: Final = "value_head_dim"
 
 
 def _always_available() -> bool:
@@ -131,7 +138,7 @@ class BackendSpec(Generic[ArrayT]):
         description: one line for ``kvcache backends``.
         capabilities: the optional features it claims, names of :data:`CAPABILITIES`
             (``"fork"``, ``"prefix_caching"``, ``"swap"``, ``"eviction"``,
-            ``"sliding_window"``, ``"immutable_arrays"``, and the attention features
+            ``"sliding_window"``, ``"immutable_arrays"``, ``"value_head_dim"``, and the attention features
             ``"attention_window"``, ``"softcap"``, ``"sinks"``, ``"chunked_attention"``, which
             the storage also lists in its ``attention_features``). The policies are core's, but they
             run only over a storage whose methods serve them, so the conformance kit runs a
@@ -204,6 +211,11 @@ class BackendSpec(Generic[ArrayT]):
             problems.append(f"device {str(config.device)!r} (supported kinds: {', '.join(self.devices)})")
         if config.kv_layout is not None and config.kv_layout not in self.kv_layouts:
             problems.append(f"kv_layout {config.kv_layout!r} (supported: {', '.join(self.kv_layouts)})")
+        if config.value_head_dim is not None and VALUE_HEAD_DIM not in self.capabilities:
+            problems.append(
+                f"value_head_dim {config.value_head_dim} beside head_dim {config.head_dim} (values of another width "
+                f"than the keys need the {VALUE_HEAD_DIM!r} capability, which it does not claim)"
+            )
         return problems
 
 

@@ -71,7 +71,8 @@ class KvCacheHandle(Protocol[ArrayT_co]):
         ...
 
     def head_dim(self) -> int:
-        """Features per head."""
+        """Features per head of the keys (a pool's values may differ: the concrete
+        handle's ``value_head_dim()``)."""
         ...
 
     def key_cache(self, layer: int) -> ArrayT_co | None:
@@ -285,16 +286,20 @@ class KvStorage(Protocol[ArrayT]):
         ...
 
     def value_cache(self, layer: int) -> ArrayT:
-        """The layer's value pool itself."""
+        """The layer's value pool itself, shape ``config.value_block_shape()`` (its last axis
+        ``config.value_width``, which differs from the keys' only for a storage claiming the
+        ``"value_head_dim"`` capability)."""
         ...
 
     def write(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT) -> None:
-        """Scatter ``[n, num_heads, head_dim]`` keys and values into distinct ``slots``."""
+        """Scatter ``[n, num_heads, head_dim]`` keys and ``[n, num_heads, value_width]``
+        values into distinct ``slots``."""
         ...
 
     def gather(self, layer: int, blocks: BlockArray, num_tokens: int) -> tuple[ArrayT, ArrayT]:
         """The first ``num_tokens`` tokens stored in ``blocks`` (in order), as contiguous
-        ``[num_tokens, num_heads, head_dim]`` arrays."""
+        ``[num_tokens, num_heads, head_dim]`` keys and ``[num_tokens, num_heads, value_width]``
+        values."""
         ...
 
     def copy_blocks(self, source: BlockArray, destination: BlockArray) -> None:
@@ -308,7 +313,8 @@ class KvStorage(Protocol[ArrayT]):
         float16 and float64 as themselves; bfloat16 as ``uint16``, each element's bit
         pattern; int8 and float8_e4m3fn as ``uint8`` with ``width = head_dim + 4``, each
         token head's raw bytes then its float32 scale (:mod:`kvcache_core.contract.quantization`).
-        ``width`` is ``head_dim`` otherwise."""
+        ``width`` is ``head_dim`` otherwise; for values, ``value_width`` takes the place of
+        ``head_dim`` (:func:`kvcache_core.offload.host_form.host_width`)."""
         ...
 
     def blocks_from_host(self, blocks: BlockArray, keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> None:
@@ -336,7 +342,8 @@ class KvStorage(Protocol[ArrayT]):
         sinks: ArrayT | None = None,
         chunk: int | None = None,
     ) -> ArrayT:
-        """Attention over the pool (arguments validated by the manager).
+        """Attention over the pool (arguments validated by the manager): ``query [total_q,
+        num_query_heads, head_dim]``, returns ``[total_q, num_query_heads, value_width]``.
 
         The keyword arguments are the attention features
         (:mod:`kvcache_core.attention.features`); the manager passes one only if the

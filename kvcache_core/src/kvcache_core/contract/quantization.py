@@ -27,7 +27,8 @@ silently poison the whole token head.
 
 Host form (``blocks_to_host`` of a quantized pool, what swap keeps): ``uint8`` arrays
 ``[num_layers, n, block_size, num_heads, head_dim + 4]``: each token head's ``head_dim`` raw
-bytes followed by the 4 bytes of its float32 scale, so a round trip is bit-exact.
+bytes followed by the 4 bytes of its float32 scale, so a round trip is bit-exact (values:
+``value_width`` raw bytes, in a pool whose values differ in width from its keys).
 :func:`unpack_host` splits it into raw values and scales; :func:`dequantize_host` decodes it.
 """
 
@@ -175,27 +176,30 @@ def pack_host(raw: npt.NDArray[Any], scales: npt.NDArray[np.float32]) -> npt.NDA
 def unpack_host(
     config: CacheConfig, packed: npt.NDArray[Any], name: str = "host blocks"
 ) -> tuple[npt.NDArray[Any], npt.NDArray[np.float32]]:
-    """Split a quantized pool's host form into ``(raw [..., head_dim], scales [...])`` copies.
+    """Split a quantized pool's host form into ``(raw [..., width], scales [...])`` copies;
+    ``width`` is the keys' ``head_dim`` or the values' ``value_width`` (the last axis says which).
 
     Raises:
         DTypeMismatchError: ``packed`` is not uint8.
-        ShapeMismatchError: its last axis is not ``head_dim + 4``.
+        ShapeMismatchError: its last axis is neither ``head_dim + 4`` nor ``value_width + 4``.
     """
     array = np.asarray(packed)
     if array.dtype != np.uint8:
         raise DTypeMismatchError(f"{name} of a {config.dtype} pool are uint8 (raw bytes + scale), got {array.dtype}")
-    width = config.head_dim + SCALE_BYTES
-    if array.ndim < 1 or array.shape[-1] != width:
+    widths = {config.head_dim + SCALE_BYTES, config.value_width + SCALE_BYTES}
+    if array.ndim < 1 or array.shape[-1] not in widths:
+        value_width = "" if config.value_head_dim is None else f" or value_width {config.value_width}"
         raise ShapeMismatchError(
-            f"{name} of a {config.dtype} pool end in an axis of {width} bytes (head_dim {config.head_dim} + "
-            f"a {SCALE_BYTES}-byte scale), got shape {array.shape}"
+            f"{name} of a {config.dtype} pool end in an axis of {' or '.join(str(w) for w in sorted(widths))} bytes "
+            f"(head_dim {config.head_dim}{value_width} + a {SCALE_BYTES}-byte scale), got shape {array.shape}"
         )
-    raw = np.ascontiguousarray(array[..., : config.head_dim]).view(raw_numpy_dtype(config.dtype))
-    scales = np.ascontiguousarray(array[..., config.head_dim :]).view(np.float32)[..., 0]
+    dim = array.shape[-1] - SCALE_BYTES
+    raw = np.ascontiguousarray(array[..., :dim]).view(raw_numpy_dtype(config.dtype))
+    scales = np.ascontiguousarray(array[..., dim:]).view(np.float32)[..., 0]
     return raw, scales
 
 
 def dequantize_host(config: CacheConfig, packed: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-    """Decode a quantized pool's host form to float32 ``[..., head_dim]``."""
+    """Decode a quantized pool's host form to float32 ``[..., width]`` (keys' or values')."""
     raw, scales = unpack_host(config, packed)
     return dequantize(raw, scales)

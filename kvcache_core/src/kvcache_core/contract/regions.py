@@ -113,12 +113,12 @@ class RegionStorage(Protocol):
 
 def part_shape(config: CacheConfig, part: str, num_blocks: int | None = None) -> tuple[int, ...]:
     """The shape of ``part`` of one layer in ``config``'s layout (``num_blocks`` blocks, the
-    pool's by default): ``config.block_shape()`` for keys and values, ``[num_heads,
-    num_blocks, block_size]`` for scales."""
+    pool's by default): ``config.block_shape()`` for keys, ``config.value_block_shape()`` for
+    values (``value_width`` last), ``[num_heads, num_blocks, block_size]`` for scales."""
     blocks = config.num_blocks if num_blocks is None else num_blocks
     if part.endswith("scales"):
         return (config.num_heads, blocks, config.block_size)
-    shape = list(config.block_shape())
+    shape = list(config.value_block_shape() if part == "values" else config.block_shape())
     shape[_block_axis(config.layout)] = blocks
     return tuple(shape)
 
@@ -142,22 +142,23 @@ def pool_regions(
     device_id: int = 0,
 ) -> tuple[MemoryRegion, ...]:
     """The regions of a pool kept as one C-contiguous ``[num_layers, 2, *block_shape]`` array
-    at ``pool_address`` (and a quantized pool's scales as one float32 ``[num_layers, 2,
+    at ``pool_address`` (with a ``value_head_dim``: each layer's keys then its values, of
+    ``value_block_shape``, one layer after the other) (and a quantized pool's scales as one float32 ``[num_layers, 2,
     num_heads, num_blocks, block_size]`` array at ``scales_address``), the arrangement of
     the NumPy and torch backends."""
     regions: list[MemoryRegion] = []
-    kv_shape = part_shape(config, "keys")
-    kv_bytes = math.prod(kv_shape) * element_bytes
+    key_shape, value_shape = part_shape(config, "keys"), part_shape(config, "values")
+    key_bytes = math.prod(key_shape) * element_bytes
+    layer_bytes = key_bytes + math.prod(value_shape) * element_bytes
     scale_shape = part_shape(config, "key_scales")
     scale_bytes = math.prod(scale_shape) * 4
+    axis = _block_axis(config.layout)
     for layer in range(config.num_layers):
-        for index, part in enumerate(("keys", "values")):
-            address = pool_address + (2 * layer + index) * kv_bytes
-            regions.append(
-                MemoryRegion(
-                    layer, part, address, kv_shape, element_bytes, _block_axis(config.layout), device_kind, device_id
-                )
-            )
+        start = pool_address + layer * layer_bytes
+        regions.append(MemoryRegion(layer, "keys", start, key_shape, element_bytes, axis, device_kind, device_id))
+        regions.append(
+            MemoryRegion(layer, "values", start + key_bytes, value_shape, element_bytes, axis, device_kind, device_id)
+        )
         if scales_address is not None:
             for index, part in enumerate(("key_scales", "value_scales")):
                 address = scales_address + (2 * layer + index) * scale_bytes

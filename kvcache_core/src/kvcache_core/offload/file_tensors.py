@@ -43,13 +43,16 @@ def stack_blocks(config: CacheConfig, blocks: Sequence[tuple[HostArray, HostArra
         ArrayTypeError, DTypeMismatchError, ShapeMismatchError: a block is not (the message
             names it).
     """
-    shape = host_form.host_record_shape(config)
+    key_shape = host_form.host_record_shape(config)
+    value_shape = host_form.host_record_shape(config, "values")
     for index, (keys, values) in enumerate(blocks):
-        host_form.check_host_array(config, f"block {index}'s keys", keys, shape)
-        host_form.check_host_array(config, f"block {index}'s values", values, shape)
+        host_form.check_host_array(config, f"block {index}'s keys", keys, key_shape)
+        host_form.check_host_array(config, f"block {index}'s values", values, value_shape)
     if not blocks:
-        empty = np.zeros(host_form.host_shape(config, 0), host_form.host_dtype(config.dtype))
-        return empty, empty.copy()
+        form = host_form.host_dtype(config.dtype)
+        return np.zeros(host_form.host_shape(config, 0), form), np.zeros(
+            host_form.host_shape(config, 0, "values"), form
+        )
     return np.stack([keys for keys, _ in blocks], axis=1), np.stack([values for _, values in blocks], axis=1)
 
 

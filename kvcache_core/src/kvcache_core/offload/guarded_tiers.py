@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
-from kvcache_core.contract.config import SCALE_BYTES
 from kvcache_core.errors import InvalidTypeError, TierError, UnsupportedConfigError
+from kvcache_core.offload import host_form
 from kvcache_core.offload.events import BlockStored, EventHub
 from kvcache_core.offload.prefix_file import BlockRecord, block_checksum, record_key
 from kvcache_core.offload.redis_tier import RedisTier
@@ -112,8 +112,8 @@ class GuardedTiers:
         self.trusted = [type(tier) in (HostTier, DiskTier, RedisTier) for tier in self.tiers]
         self.checksums: dict[bytes, str] = {}  # key -> checksum of what an untrusted tier was given
         self.host_dtype: np.dtype[Any] | None = None  # learnt from the pool's own host copies
-        width = config.head_dim + (SCALE_BYTES if config.quantized else 0)
-        self._record_shape = (config.pool_layers, config.block_size, config.num_heads, width)
+        self._record_shape = host_form.host_record_shape(config)
+        self._value_record_shape = host_form.host_record_shape(config, "values")
         self._root = namespace_root(config.model_id)
         self.counts = {name: [0, 0, 0, 0, 0] for name in self.names}  # hits, demotions, evictions, failures, errors
         self._bind(config)
@@ -234,8 +234,11 @@ class GuardedTiers:
         keys, values = record.keys, record.values
         if not isinstance(keys, np.ndarray) or not isinstance(values, np.ndarray):
             return f"its K/V are {type(keys).__name__} and {type(values).__name__}, not NumPy arrays"
-        if keys.shape != self._record_shape or values.shape != self._record_shape:
-            return f"its K/V have shapes {keys.shape} and {values.shape}, a block's are {self._record_shape}"
+        if keys.shape != self._record_shape or values.shape != self._value_record_shape:
+            return (
+                f"its K/V have shapes {keys.shape} and {values.shape}, a block's are {self._record_shape} and "
+                f"{self._value_record_shape}"
+            )
         expected = self.host_dtype or keys.dtype
         if keys.dtype != expected or values.dtype != expected:
             return f"its K/V are {keys.dtype} and {values.dtype}, the pool's host copies are {expected}"

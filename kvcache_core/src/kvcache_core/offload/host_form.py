@@ -4,7 +4,8 @@ It is what ``KvStorage.blocks_to_host`` returns and ``blocks_from_host`` takes, 
 keeps, what offload tiers hold and what a prefix-cache file stores, so host copies move
 between backends (NumPy, torch, JAX, memmap, a third party's) bit for bit. Arrays are
 ``[layers, n, block_size, num_heads, width]`` (a tier's record drops the ``n`` axis), in
-this order whatever the pool's layout:
+this order whatever the pool's layout; ``head_dim`` below is the keys' width and, for values,
+``CacheConfig.value_width`` (the two differ in a pool with ``value_head_dim``):
 
 ================================  ==========  ====================================================
 pool dtype                        host dtype  elements
@@ -28,7 +29,7 @@ host form to float64.
 
 from __future__ import annotations
 
-from typing import Any, Final, cast
+from typing import Any, Final, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -48,7 +49,11 @@ __all__ = [
     "host_record_shape",
     "host_shape",
     "host_values",
+    "host_width",
 ]
+
+#: Which half of a block a host array holds: its keys or its values (their widths may differ).
+Part = Literal["keys", "values"]
 
 #: The NumPy dtype of the host form of each pool dtype (see the module docstring).
 HOST_DTYPES: Final[dict[str, str]] = {
@@ -76,17 +81,29 @@ def host_dtype(dtype: str) -> np.dtype[Any]:
         raise InvalidArgumentError(f"no host form for dtype {dtype!r}; pool dtypes: {', '.join(HOST_DTYPES)}") from None
 
 
-def host_record_shape(config: CacheConfig) -> tuple[int, int, int, int]:
-    """Shape of one block's keys (or values) in host form: ``[pool_layers, block_size,
-    num_heads, width]`` (``width`` is ``head_dim``, plus the 4 scale bytes when quantized)."""
-    width = config.head_dim + (SCALE_BYTES if config.quantized else 0)
-    return (config.pool_layers, config.block_size, config.num_heads, width)
+def host_width(config: CacheConfig, part: Part = "keys") -> int:
+    """The last axis of the host form of ``part``: ``head_dim`` for keys, ``value_width`` for
+    values, plus the 4 scale bytes when quantized.
+
+    Raises:
+        InvalidArgumentError: ``part`` is neither ``"keys"`` nor ``"values"``.
+    """
+    if part not in ("keys", "values"):
+        raise InvalidArgumentError(f"part must be 'keys' or 'values', got {part!r}")
+    width = config.head_dim if part == "keys" else config.value_width
+    return width + (SCALE_BYTES if config.quantized else 0)
 
 
-def host_shape(config: CacheConfig, count: int) -> tuple[int, int, int, int, int]:
-    """Shape of ``count`` blocks' keys (or values) in host form: ``[pool_layers, count,
-    block_size, num_heads, width]``."""
-    layers, block_size, heads, width = host_record_shape(config)
+def host_record_shape(config: CacheConfig, part: Part = "keys") -> tuple[int, int, int, int]:
+    """Shape of one block's keys (or, with ``part="values"``, values) in host form:
+    ``[pool_layers, block_size, num_heads, width]`` (:func:`host_width`)."""
+    return (config.pool_layers, config.block_size, config.num_heads, host_width(config, part))
+
+
+def host_shape(config: CacheConfig, count: int, part: Part = "keys") -> tuple[int, int, int, int, int]:
+    """Shape of ``count`` blocks' keys (or, with ``part="values"``, values) in host form:
+    ``[pool_layers, count, block_size, num_heads, width]`` (:func:`host_width`)."""
+    layers, block_size, heads, width = host_record_shape(config, part)
     return (layers, count, block_size, heads, width)
 
 
@@ -109,7 +126,12 @@ def check_host_array(config: CacheConfig, name: str, array: object, shape: tuple
             "(kvcache_core.offload.host_form)"
         )
     if tuple(checked.shape) != tuple(shape):
-        width = "head_dim + 4 scale bytes" if config.quantized else "head_dim"
+        dim = (
+            "value_width"
+            if config.value_head_dim is not None and shape[-1] == host_width(config, "values")
+            else "head_dim"
+        )
+        width = f"{dim} + 4 scale bytes" if config.quantized else dim
         axes = "layers, blocks, block_size, heads" if len(shape) == 5 else "layers, block_size, heads"
         raise ShapeMismatchError(
             f"{name} must have shape {tuple(shape)} ([{axes}, {width}] in host form), got {tuple(checked.shape)}"
@@ -145,16 +167,16 @@ def check_host_content(config: CacheConfig, name: str, array: npt.NDArray[Any]) 
             )
 
 
-def check_host_block(config: CacheConfig, name: str, array: object) -> None:
-    """Refuse one block's keys (or values) read from outside (an offload tier's record)
-    unless :func:`check_host_array` (of :func:`host_record_shape`) and
+def check_host_block(config: CacheConfig, name: str, array: object, part: Part = "keys") -> None:
+    """Refuse one block's keys (or, with ``part="values"``, values) read from outside (an
+    offload tier's record) unless :func:`check_host_array` (of :func:`host_record_shape`) and
     :func:`check_host_content` accept it.
 
     Raises:
         ArrayTypeError, DTypeMismatchError, ShapeMismatchError, InvalidArgumentError: naming
             what is wrong.
     """
-    check_host_array(config, name, array, host_record_shape(config))
+    check_host_array(config, name, array, host_record_shape(config, part))
     check_host_content(config, name, cast("npt.NDArray[Any]", array))
 
 

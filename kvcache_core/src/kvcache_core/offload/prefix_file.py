@@ -22,7 +22,9 @@ blocks as packed ``uint8``), and a JSON header in the safetensors metadata under
 A pool with KV-cache groups (``CacheConfig.layer_specs``) saves one block per hash and
 group (a block holds one group's layers), and its geometry names the groups
 (``"kv_groups"``: ``[window, layers]`` each), so it loads only into a pool of the same
-groups. Blocks come parents first. So a file saved by one backend and layout loads into any other
+groups. A pool whose values differ in width from its keys (``CacheConfig.value_head_dim``)
+states it in its geometry (``"value_head_dim"``; its ``values`` tensor is that wide), so it
+loads only into a pool of the same widths; a file without it holds values of ``head_dim``. Blocks come parents first. So a file saved by one backend and layout loads into any other
 with the same namespace, geometry and dtype. Loading checks everything before it touches
 the pool (format, version, namespace, geometry, dtype, every tensor's stored dtype against
 the header's (nothing is cast), shapes, every checksum, a quantized block's scales finite
@@ -52,7 +54,6 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvcache_core.contract.config import SCALE_BYTES
 from kvcache_core.errors import (
     CorruptCacheFileError,
     IncompatibleCacheFileError,
@@ -60,6 +61,7 @@ from kvcache_core.errors import (
     OutOfBlocksError,
     UnsupportedConfigError,
 )
+from kvcache_core.offload import host_form
 from kvcache_core.offload.file_header import block_entry, kvcache_header, read_container, same_json, shown
 from kvcache_core.offload.file_tensors import block_in_host_form, load_tensors, stack_blocks
 from kvcache_core.offload.safe_files import file_path, write_file_atomically
@@ -181,6 +183,8 @@ def _geometry(config: CacheConfig) -> dict[str, Any]:
         "head_dim": config.head_dim,
         "block_size": config.block_size,
     }
+    if config.value_head_dim is not None:
+        geometry["value_head_dim"] = config.value_head_dim
     if config.num_groups > 1:
         geometry["kv_groups"] = [[group.window, list(group.layers)] for group in config.kv_groups]
     return geometry
@@ -300,13 +304,13 @@ def decode_blocks(
     if not isinstance(listed, list):
         raise CorruptCacheFileError(f"{str(source)!r}: the header's 'blocks' is not a list")
     blocks = cast("list[object]", listed)
-    # issue 14: a quantized pool's host blocks are packed uint8, raw bytes + a float32 scale
-    width = config.head_dim + (SCALE_BYTES if config.quantized else 0)
-    expected = (config.pool_layers, len(blocks), config.block_size, config.num_heads, width)
-    if keys.shape != expected or values.shape != expected:
+    # a quantized pool's host blocks are packed uint8, raw bytes + a float32 scale
+    expected = host_form.host_shape(config, len(blocks))
+    expected_values = host_form.host_shape(config, len(blocks), "values")
+    if keys.shape != expected or values.shape != expected_values:
         raise CorruptCacheFileError(
             f"{str(source)!r}: keys {keys.shape} and values {values.shape} do not match the header's "
-            f"{len(blocks)} blocks, expected {expected}"
+            f"{len(blocks)} blocks, expected {expected} and {expected_values}"
         )
     root = namespace_root(config.model_id)
     seen: set[bytes] = set()
@@ -345,6 +349,15 @@ def _check_compatible(header: Mapping[str, Any], config: CacheConfig, source: Pa
             f"{name} holds blocks of namespace {shown(header.get('namespace'))}; this pool's model_id is "
             f"{config.model_id!r}"
         )
+    geometry: object = header.get("geometry")
+    if isinstance(geometry, dict):
+        fields = cast("dict[str, object]", geometry)
+        stated = fields.get("value_head_dim")
+        if not same_json(stated, config.value_head_dim):
+            raise IncompatibleCacheFileError(
+                f"{name} holds values of width {shown(stated) if stated is not None else 'head_dim'} "
+                f"(value_head_dim {shown(stated)}); this pool's value_head_dim is {config.value_head_dim!r}"
+            )
     if not same_json(header.get("geometry"), _geometry(config)):
         raise IncompatibleCacheFileError(
             f"{name} has geometry {shown(header.get('geometry'))}; this pool's is {_geometry(config)!r}"

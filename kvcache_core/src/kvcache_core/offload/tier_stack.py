@@ -251,7 +251,7 @@ class TierChain:
                     raise TierError(problem)
                 # a tier's record is read from outside: host form, sane scales
                 host_form.check_host_block(self._config, "the record's keys", record.keys)
-                host_form.check_host_block(self._config, "the record's values", record.values)
+                host_form.check_host_block(self._config, "the record's values", record.values, "values")
             except Exception as exc:
                 self._guard.failed(level, "give back a block (it is dropped)", exc, dropped=1)
                 self._guard.discard(level, key)

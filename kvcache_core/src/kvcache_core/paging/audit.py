@@ -157,9 +157,10 @@ def _check_requests(sequences: SequenceBlocks, requests: Mapping[str, RequestSta
         record = state.swap
         if record is not None:
             expected = (config.pool_layers, record.num_blocks, block_size, config.num_heads, config.head_dim)
+            expected_values = (*expected[:4], config.value_width)
             if any(t.num_blocks() or t.sequence_length for t in state.tables) or state.awaiting_block is not None:
                 raise InvariantError(f"swapped-out request {state.request_id!r} holds blocks")
-            if tuple(record.keys.shape) != expected or tuple(record.values.shape) != expected:
+            if tuple(record.keys.shape) != expected or tuple(record.values.shape) != expected_values:
                 raise InvariantError(f"swapped-out request {state.request_id!r} has host copies of the wrong shape")
             firsts = record.first_logicals or (record.first_logical,)
             needed = sum(blocks_for(record.sequence_length, block_size) - first for first in firsts)

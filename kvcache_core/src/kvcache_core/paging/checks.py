@@ -209,7 +209,8 @@ class ArgumentChecks:
         (small arrays: ``sinks``) also every value finite, read through a host copy."""
         shape, dtype = self.array_info(name, array)
         if shape != expected:
-            what = " ([n, num_heads, head_dim])" if len(expected) == 3 else ""
+            width = "value_width" if name == "values" and self.config.value_head_dim is not None else "head_dim"
+            what = f" ([n, num_heads, {width}])" if len(expected) == 3 else ""
             raise ShapeMismatchError(f"{name} must have shape {expected}{what}, got {shape}")
         if dtype != self.config.io_dtype:  # a quantized pool computes in its io_dtype
             raise DTypeMismatchError(f"{name} has dtype {dtype}, the pool computes in {self.config.io_dtype}")

@@ -148,7 +148,7 @@ def write_random(
     config = manager.config
     shape = (len(slots), config.num_heads, config.head_dim)
     keys = BackendUnderTest.representable(rng.standard_normal(shape), config.dtype)
-    values = BackendUnderTest.representable(rng.standard_normal(shape), config.dtype)
+    values = BackendUnderTest.representable(rng.standard_normal((*shape[:2], config.value_width)), config.dtype)
     manager.write(layer, slots, BackendUnderTest.native(manager, keys), BackendUnderTest.native(manager, values))
     return keys, values
 

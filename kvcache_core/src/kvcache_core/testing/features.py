@@ -59,17 +59,18 @@ def dense_feature_attention(
 
     Args:
         query: ``[q, query_heads, dim]``, the request's last ``q`` positions.
-        keys, values: ``[n, kv_heads, dim]``, positions ``0 .. n - 1``.
+        keys, values: ``[n, kv_heads, dim]`` and ``[n, kv_heads, value_dim]``, positions
+            ``0 .. n - 1``.
         scale, causal, window, softcap, sinks, chunk: as
             :mod:`kvcache_core.attention.features` defines them.
 
     Returns:
-        ``[q, query_heads, dim]``.
+        ``[q, query_heads, value_dim]``.
     """
-    num_queries, query_heads, dim = query.shape
+    num_queries, query_heads, _ = query.shape
     num_keys, kv_heads, _ = keys.shape
     group = query_heads // kv_heads
-    output = np.zeros((num_queries, query_heads, dim))
+    output = np.zeros((num_queries, query_heads, values.shape[2]))
     for index in range(num_queries):
         position = num_keys - num_queries + index
         # The keys a query sees form one range [low, high): each feature narrows it.

@@ -37,7 +37,7 @@ from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing._plugin import KitSettings
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 
-__all__ = ["POLICIES", "ReferenceMachine", "run_policy_machine", "run_reference_machine"]
+__all__ = ["POLICIES", "ReferenceMachine", "run_config_machine", "run_policy_machine", "run_reference_machine"]
 
 Manager = PagedKvCacheManager[Any]
 Handle = PagedKvCacheHandle[Any]
@@ -153,9 +153,10 @@ class ReferenceMachine(RuleBasedStateMachine):
         # As in a model's step, the new tokens' K/V are written in every layer.
         rng = np.random.default_rng(seed)
         shape = (count, self.config.num_heads, self.config.head_dim)
+        value_shape = (*shape[:2], self.config.value_width)
         for layer in range(self.config.num_layers):
             keys = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
-            values = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
+            values = BackendUnderTest.representable(rng.standard_normal(value_shape), self.config.dtype)
             for manager in (self.subject, self.reference):
                 manager.write(
                     layer, got[1], BackendUnderTest.native(manager, keys), BackendUnderTest.native(manager, values)
@@ -197,7 +198,8 @@ class ReferenceMachine(RuleBasedStateMachine):
         slot_array = np.concatenate(slots, axis=-1)  # [n], or [groups, n] with KV-cache groups
         shape = (slot_array.shape[-1], self.config.num_heads, self.config.head_dim)
         keys = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
-        values = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
+        value_shape = (*shape[:2], self.config.value_width)
+        values = BackendUnderTest.representable(rng.standard_normal(value_shape), self.config.dtype)
         layer %= self.config.num_layers
         self.subject.write(
             layer,
@@ -240,7 +242,9 @@ class ReferenceMachine(RuleBasedStateMachine):
         rtol, atol = TOLERANCES.get(self.config.dtype, (1e-2, 1e-2))
         for layer in range(self.config.num_layers):
             keys = BackendUnderTest.representable(rng.standard_normal((total, heads, dim)), self.config.dtype)
-            values = BackendUnderTest.representable(rng.standard_normal((total, heads, dim)), self.config.dtype)
+            values = BackendUnderTest.representable(
+                rng.standard_normal((total, heads, self.config.value_width)), self.config.dtype
+            )
             query = BackendUnderTest.representable(rng.standard_normal((total, heads, dim)), self.config.dtype)
             outputs: list[npt.NDArray[np.float64]] = []
             for manager, planned in zip((self.subject, self.reference), steps, strict=True):
@@ -305,9 +309,13 @@ class ReferenceMachine(RuleBasedStateMachine):
         shape = (len(rest), self.config.num_heads, self.config.head_dim)
         for layer in range(self.config.num_layers):
             keys = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
+            values = keys  # a pool of two widths draws its values apart
+            if self.config.value_head_dim is not None:
+                value_shape = (*shape[:2], self.config.value_width)
+                values = BackendUnderTest.representable(rng.standard_normal(value_shape), self.config.dtype)
             for manager, slots in ((self.subject, got[1]), (self.reference, want[1])):
                 native = BackendUnderTest.native(manager, keys)
-                manager.write(layer, slots, native, native)
+                manager.write(layer, slots, native, BackendUnderTest.native(manager, values))
 
     @precondition(lambda self: "fork" in self.policies and bool(self.handles))
     @rule(index=st.integers(0, 1 << 16))
@@ -454,6 +462,15 @@ def run_reference_machine(backend: BackendUnderTest, settings: KitSettings) -> N
     """Run :class:`ReferenceMachine` for every layout of ``backend`` (default dtype)."""
     for layout in backend.kv_layouts:
         _run(backend, backend.config(kv_layout=layout, num_blocks=12), frozenset(), layout, settings)
+
+
+def run_config_machine(backend: BackendUnderTest, config: CacheConfig, name: str, settings: KitSettings) -> None:
+    """Run :class:`ReferenceMachine` on ``config`` (a geometry of another case's choosing)
+    with every policy ``backend`` claims (prefix caching as ``config`` says)."""
+    claimed = frozenset(backend.spec.capabilities) & POLICIES
+    if not config.enable_prefix_caching:
+        claimed -= {"prefix_caching"}
+    _run(backend, config, claimed, name, settings)
 
 
 def run_policy_machine(backend: BackendUnderTest, settings: KitSettings, *, window: bool, hybrid: bool = False) -> None:

@@ -43,7 +43,8 @@ def dense_attention(
     Args:
         query: ``[q, num_query_heads, head_dim]``; ``num_query_heads`` is a multiple of the
             KV heads (grouped-query: query head ``h`` reads KV head ``h // group``).
-        keys, values: ``[n, num_kv_heads, head_dim]``, key ``j`` at position ``key_start + j``.
+        keys, values: ``[n, num_kv_heads, head_dim]`` and ``[n, num_kv_heads, value_dim]``
+            (the values' width may differ from the keys'), key ``j`` at position ``key_start + j``.
         causal: mask keys after each row's position.
         scale: the score scale; ``1 / sqrt(head_dim)`` by default.
         sliding_window: ``W``: a row at ``p`` sees only keys after ``p - W``.
@@ -51,7 +52,7 @@ def dense_attention(
         query_start: the position of the first query row; the last ``q`` positions by default.
 
     Returns:
-        ``[q, num_query_heads, head_dim]`` float64. A row that sees no key is all zeros.
+        ``[q, num_query_heads, value_dim]`` float64. A row that sees no key is all zeros.
 
     Raises:
         ValueError: when the shapes do not fit together.
@@ -59,8 +60,10 @@ def dense_attention(
     q = np.asarray(query, dtype=np.float64)
     k = np.asarray(keys, dtype=np.float64)
     v = np.asarray(values, dtype=np.float64)
-    if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
-        raise ValueError(f"query [q, Hq, D] and keys, values [n, H, D] expected, got {q.shape}, {k.shape}, {v.shape}")
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"query [q, Hq, D], keys [n, H, D] and values [n, H, Dv] expected, got {q.shape}, {k.shape}, {v.shape}"
+        )
     num_queries, query_heads, head_dim = q.shape
     num_tokens, kv_heads, _ = k.shape
     if kv_heads == 0 or query_heads % kv_heads:

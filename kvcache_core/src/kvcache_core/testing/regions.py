@@ -1,6 +1,6 @@
 """The kit's cases for a storage's memory regions (the capability ``"memory_regions"``): they
 cover the pool exactly, and the bytes they name are the pool's blocks, in every layout and
-dtype the backend claims, quantized pools with their scales.
+dtype the backend claims, quantized pools with their scales, values of another width.
 """
 
 from __future__ import annotations
@@ -34,22 +34,32 @@ def _fill(manager: PagedKvCacheManager[Any], rng: np.random.Generator) -> None:
     handle = manager.allocate(AllocationRequest("filled"))
     slots = manager.extend(handle, tokens)
     for layer in range(config.num_layers):
-        shape = (tokens, config.num_heads, config.head_dim)
         keys, values = (
             BackendUnderTest.native(
-                manager, BackendUnderTest.representable(rng.standard_normal(shape), config.io_dtype), config.io_dtype
+                manager,
+                BackendUnderTest.representable(rng.standard_normal((tokens, config.num_heads, width)), config.io_dtype),
+                config.io_dtype,
             )
-            for _ in range(2)
+            for width in (config.head_dim, config.value_width)
         )
         manager.write(layer, slots, keys, values)
 
 
 def _configs(kvcache_backend: BackendUnderTest) -> list[CacheConfig]:
-    return [
+    """Every dtype x layout claimed; and, where claimed, values twice as wide as the keys."""
+    configs = [
         kvcache_backend.config(dtype=dtype, kv_layout=layout)
         for dtype in kvcache_backend.dtypes
         for layout in kvcache_backend.kv_layouts
     ]
+    if kvcache_backend.claims("value_head_dim"):
+        width = 2 * kvcache_backend.config().head_dim
+        configs += [
+            kvcache_backend.config(dtype=dtype, kv_layout=layout, value_head_dim=width)
+            for dtype in kvcache_backend.dtypes
+            for layout in kvcache_backend.kv_layouts
+        ]
+    return configs
 
 
 class RegionCases:

@@ -61,6 +61,7 @@ HANDLE_READS = frozenset(
         "num_layers",
         "num_tokens",
         "stats",
+        "value_head_dim",
     }
 )
 

@@ -51,6 +51,7 @@ from kvcache_core.testing.reliability import ReliabilityCases
 from kvcache_core.testing.returns import storage_return_problems
 from kvcache_core.testing.states import StateCases
 from kvcache_core.testing.tiers import TierCases
+from kvcache_core.testing.value_widths import ValueWidthCases
 from kvcache_core.testing.world import World, assert_same_state, make_world, probe, snapshot
 
 __all__ = ["KvCacheConformance"]
@@ -140,6 +141,7 @@ class KvCacheConformance(
     HostFormCases,
     RegionCases,
     StateCases,
+    ValueWidthCases,
 ):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 

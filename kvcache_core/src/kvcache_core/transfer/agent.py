@@ -202,6 +202,7 @@ class KvTransferAgent:
                 "num_layers": config.num_layers,
                 "num_heads": config.num_heads,
                 "head_dim": config.head_dim,
+                "value_head_dim": config.value_width,
                 "block_size": config.block_size,
                 "num_blocks": config.num_blocks,
             },
@@ -411,6 +412,7 @@ class KvTransferAgent:
             "num_layers": config.num_layers,
             "num_heads": config.num_heads,
             "head_dim": config.head_dim,
+            "value_head_dim": config.value_width,
             "block_size": config.block_size,
         }
         theirs = {name: ticket.geometry[name] for name in mine}

@@ -6,7 +6,8 @@ Wire form, one msgpack map::
     {"format": "kvcache-transfer-ticket", "version": 1,
      "agent": the producer's NIXL agent name, "address": its side channel ("tcp://host:port"),
      "namespace": model_id or None,
-     "geometry": {"num_layers", "num_heads", "head_dim", "block_size", "num_blocks"},
+     "geometry": {"num_layers", "num_heads", "head_dim", "value_head_dim" (the values' width,
+                  head_dim unless they differ), "block_size", "num_blocks"},
      "dtype": the pool dtype, "layout": the producer pool's layout,
      "regions": [[layer, part, address, device_kind, device_id], ...],
      "blocks": int64 little-endian bytes, the source blocks in order,
@@ -47,7 +48,7 @@ MAX_TICKET_BYTES: Final = 64 << 20
 _DIGEST_BYTES: Final = 4
 _LEASE = re.compile(r"\A[0-9a-f]{32}\Z")
 _ADDRESS = re.compile(r"\Atcp://[0-9A-Za-z.\-\[\]:]{1,255}:[0-9]{1,5}\Z")
-_GEOMETRY: Final = ("num_layers", "num_heads", "head_dim", "block_size", "num_blocks")
+_GEOMETRY: Final = ("num_layers", "num_heads", "head_dim", "value_head_dim", "block_size", "num_blocks")
 _KEYS: Final = frozenset(
     {
         "format",
@@ -90,7 +91,8 @@ class TransferTicket:
         agent: the producer's NIXL agent name.
         address: the producer's side channel, ``"tcp://host:port"``.
         namespace: the producer pool's ``model_id`` (``None`` when unset).
-        geometry: ``{"num_layers", "num_heads", "head_dim", "block_size", "num_blocks"}``.
+        geometry: ``{"num_layers", "num_heads", "head_dim", "value_head_dim", "block_size",
+            "num_blocks"}`` (``value_head_dim``: the values' width, ``head_dim`` unless it differs).
         dtype: the pool dtype; layout: the producer pool's layout.
         regions: the producer pool's memory, per layer and part.
         blocks: ``[n]`` int64, the request's blocks in order (``n`` covers ``num_tokens``).

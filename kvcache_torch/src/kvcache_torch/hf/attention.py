@@ -181,16 +181,16 @@ def attend_new_tokens(
 
     Args:
         query: ``[batch, query_heads, new_tokens, head_dim]``.
-        key, value: ``[batch, kv_heads, new_tokens, head_dim]``.
+        key, value: ``[batch, kv_heads, new_tokens, head_dim]`` (values may be of another width).
 
     Returns:
-        ``[batch, new_tokens, query_heads, head_dim]``; rows of padding tokens are 0.
+        ``[batch, new_tokens, query_heads, value_width]``; rows of padding tokens are 0.
     """
     if real_lengths is None:
         output, _ = contiguous_attention(module, query, key, value, None, 0.0, scaling)
         return output
-    batch, query_heads, query_length, head_dim = query.shape
-    output = query.new_zeros((batch, query_length, query_heads, head_dim))
+    batch, query_heads, query_length, _ = query.shape
+    output = query.new_zeros((batch, query_length, query_heads, value.shape[-1]))  # as wide as the values
     for row, length in enumerate(real_lengths):
         if length:
             rows = slice(query_length - length, query_length)

@@ -29,7 +29,9 @@ from kvcache_torch.hf.model_config import (
     attention_implementation,
     geometry,
     layer_specs,
+    refuse_latent_on_paged_path,
     text_config,
+    value_head_dim,
 )
 from kvcache_torch.hf.padding import left_padded_lengths, real_tokens, token_major
 from kvcache_torch.hf.prompts import TokenFeed, attach_prompt_hook
@@ -102,12 +104,18 @@ class PagedCache(Cache):
         pool = manager.config
         text = text_config(config)
         _, kv_heads, head_dim = geometry(config)
+        values = value_head_dim(config)
         layers = stored_layer_count(text)  # the layers that keep K/V (others reuse theirs)
-        if (layers, kv_heads, head_dim) != (pool.num_layers, pool.num_heads, pool.head_dim):
+        if (layers, kv_heads, head_dim, values) != (
+            pool.num_layers,
+            pool.num_heads,
+            pool.head_dim,
+            pool.value_head_dim,
+        ):
             raise UnsupportedConfigError(
-                f"the model has {layers} layers of {kv_heads} KV heads of size {head_dim}, the pool "
-                f"{pool.num_layers} layers of {pool.num_heads} heads of size {pool.head_dim}; build the pool "
-                "with cache_config_for(model, ...)"
+                f"the model has {layers} layers of {kv_heads} KV heads of size {head_dim} (values {values or head_dim}), "
+                f"the pool {pool.num_layers} layers of {pool.num_heads} heads of size {pool.head_dim} (values "
+                f"{pool.value_width}); build the pool with cache_config_for(model, ...)"
             )
         if attention_implementation(text) == ATTN_IMPLEMENTATION:
             refuse_unless_interface(text, model)
@@ -422,6 +430,7 @@ class PagedCache(Cache):
                 f"(attn_implementation {implementation!r}); release() the cache before switching"
             )
         if mode == "paged":
+            refuse_latent_on_paged_path(self._text)
             self._check_attended(layer)
         step = self._progress.join(layer, int(key_states.shape[2]), first=not self._rows.handles)
         if mode == "paged":
@@ -460,7 +469,8 @@ class PagedCache(Cache):
         Returns ``[batch, new_tokens, query_heads, head_dim]``; rows of padding tokens are 0.
         """
         step, layer = pending.step, pending.layer
-        batch, query_heads, query_length, head_dim = query.shape
+        batch, query_heads, query_length, _ = query.shape
+        head_dim = int(pending.value.shape[-1])  # the output is as wide as the values
         if batch != len(pending.key) or query_length != step.query_length:
             raise ShapeMismatchError(
                 f"query {tuple(query.shape)} does not match the keys {tuple(pending.key.shape)} of this layer"
@@ -574,16 +584,16 @@ class PagedCache(Cache):
                 f"keys and values must be torch tensors, got {type(keys).__name__} and {type(values).__name__}"
             )
         if (
-            keys.shape != values.shape
+            keys.shape[:3] != values.shape[:3]
             or keys.dim() != 4
-            or (keys.shape[1], keys.shape[3])
-            != (
-                pool.num_heads,
-                pool.head_dim,
-            )
+            or values.dim() != 4
+            or (keys.shape[1], keys.shape[3], values.shape[3]) != (pool.num_heads, pool.head_dim, pool.value_width)
         ):
+            values_wide = (
+                "" if pool.value_head_dim is None else f" and [batch, {pool.num_heads}, new_tokens, {pool.value_width}]"
+            )
             raise ShapeMismatchError(
-                f"keys and values must be [batch, {pool.num_heads}, new_tokens, {pool.head_dim}], got "
+                f"keys and values must be [batch, {pool.num_heads}, new_tokens, {pool.head_dim}]{values_wide}, got "
                 f"{tuple(keys.shape)} and {tuple(values.shape)}"
             )
         if dtype_name(keys.dtype) != pool.io_dtype or values.dtype != keys.dtype:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from typing import Final, cast
+from typing import Any, Final, cast
 
 import torch
 from transformers import PretrainedConfig
@@ -25,9 +25,11 @@ __all__ = [
     "attention_implementation",
     "cache_config_for",
     "geometry",
+    "latent_attention",
     "layer_specs",
     "model_fingerprint",
     "text_config",
+    "value_head_dim",
 ]
 
 #: The name to pass as ``attn_implementation`` (or to ``model.set_attn_implementation``).
@@ -65,9 +67,41 @@ def _one_per_model(value: object, name: str) -> int | None:
     return None if value is None else int(cast("int", value))
 
 
+#: The name of the error transformers raises when a field that differs per layer
+#: (``per_layer_config``: Gemma 4's head sizes) is read from the model's config.
+_PER_LAYER_ERROR: Final = "AmbiguousGlobalPerLayerAttributeError"
+
+
+def _field(text: PretrainedConfig, name: str, what: str) -> object:
+    """``getattr(text, name, None)``, refusing by name a field whose value differs per layer.
+
+    Raises:
+        UnsupportedConfigError: the field is set per layer (``per_layer_config``); the message
+            names it and each layer's value.
+    """
+    try:
+        return getattr(text, name, None)
+    except RuntimeError as exc:
+        if type(exc).__name__ != _PER_LAYER_ERROR:
+            raise
+        values: list[object] = []
+        per_layer: object = getattr(text, "per_layer_config", None)
+        for layer in range(int(text.num_hidden_layers)):
+            try:
+                values.append(getattr(cast("Any", per_layer)[layer], name, None))
+            except Exception:  # a per-layer config of another form: name the field alone
+                values = []
+                break
+        shown = f": {values}" if values else ""
+        raise UnsupportedConfigError(
+            f"the model's layers have different {what} ({name!r} per layer{shown}); a kvcache pool holds one for "
+            "every layer"
+        ) from exc
+
+
 def _kv_heads(text: PretrainedConfig) -> int:
     """The KV heads a decoder hands its cache, as its attention computes them."""
-    query_heads = _one_per_model(text.num_attention_heads, "query head counts") or 1
+    query_heads = _one_per_model(_field(text, "num_attention_heads", "query head counts"), "query head counts") or 1
     if hasattr(text, "new_decoder_architecture") and hasattr(text, "multi_query"):  # Falcon's convention
         if getattr(text, "new_decoder_architecture", False):
             return query_heads  # keys and values are broadcast to every query head before caching
@@ -75,25 +109,55 @@ def _kv_heads(text: PretrainedConfig) -> int:
             return 1
         return _one_per_model(getattr(text, "num_kv_heads", None), "KV head counts") or query_heads
     for name in ("num_key_value_heads", "num_kv_heads"):
-        heads = _one_per_model(getattr(text, name, None), "KV head counts")
+        heads = _one_per_model(_field(text, name, "KV head counts"), "KV head counts")
         if heads is not None:
             return heads
     return query_heads
 
 
+def latent_attention(config: PretrainedConfig) -> tuple[int, int] | None:
+    """``(kv_lora_rank, qk_rope_head_dim)`` of a model with multi-head latent attention
+    (DeepSeek-V2/V3, MiniCPM3, GLM-4 MoE lite, LongCat, Mistral 4, ...), else ``None``.
+
+    Such a model hands its cache the compressed latent as keys ``[batch, 1, new_tokens,
+    kv_lora_rank]`` and the rotary part as values ``[batch, 1, new_tokens, qk_rope_head_dim]``,
+    one head each, and expands them into every head's K/V itself after reading them back."""
+    text = text_config(config)
+    rank = _positive_or_none(getattr(text, "kv_lora_rank", None))
+    rope = _positive_or_none(getattr(text, "qk_rope_head_dim", None))
+    return None if rank is None or rope is None else (rank, rope)
+
+
+def value_head_dim(config: PretrainedConfig) -> int | None:
+    """The width of the values a decoder hands its cache when it differs from the keys'
+    (:func:`geometry`): the rotary part of latent attention (``qk_rope_head_dim``), or a
+    model's ``v_head_dim`` (MiMo-V2-Flash); ``None`` when values are as wide as keys."""
+    latent = latent_attention(config)
+    if latent is not None:
+        return latent[1] if latent[1] != latent[0] else None
+    width = _positive_or_none(_field(text_config(config), "v_head_dim", "value head sizes"))
+    return None if width is None or width == geometry(config)[2] else width
+
+
 def geometry(config: PretrainedConfig) -> tuple[int, int, int]:
-    """``(num_layers, kv_heads, head_dim)`` of a decoder config.
+    """``(num_layers, kv_heads, head_dim)`` of a decoder config, as its attention hands them
+    to the cache: for latent attention one head of the latent's width (``kv_lora_rank``);
+    the values' width is :func:`value_head_dim`.
 
     Raises:
-        UnsupportedConfigError: layers with different KV head counts or head sizes.
+        UnsupportedConfigError: layers with different KV head counts or head sizes (a list
+            per layer, or transformers' ``per_layer_config``: Gemma 4), named in the message.
     """
     text = text_config(config)
     layers = int(text.num_hidden_layers)
     types = layer_types(text, layers)
     if types is not None and set(types) <= STATE_LAYER_TYPES:
         return layers, 1, 1  # no attention layer: the pool's K/V are one head of one feature
-    query_heads = _one_per_model(text.num_attention_heads, "query head counts") or 1
-    head_dim = _one_per_model(getattr(text, "head_dim", None), "head sizes")
+    latent = latent_attention(config)
+    if latent is not None:
+        return layers, 1, latent[0]
+    query_heads = _one_per_model(_field(text, "num_attention_heads", "query head counts"), "query head counts") or 1
+    head_dim = _one_per_model(_field(text, "head_dim", "head sizes"), "head sizes")
     return layers, _kv_heads(text), int(text.hidden_size) // query_heads if head_dim is None else head_dim
 
 
@@ -174,7 +238,11 @@ def cache_config_for(
 
     Layers, KV heads and head size come from the model's (decoder) config; give the pool's
     size as ``num_blocks`` or as ``max_tokens`` (rounded up to whole blocks), not both.
-    Layers that reuse another layer's K/V (Gemma 3n) get no storage in the pool.
+    Layers that reuse another layer's K/V (Gemma 3n) get no storage in the pool. The
+    pool holds what the model's attention hands ``update``: for multi-head latent attention
+    (DeepSeek-V2/V3, MiniCPM3, ...) one head, keys of ``kv_lora_rank`` and values of
+    ``qk_rope_head_dim`` (:func:`latent_attention`); for a model with a ``v_head_dim`` of its
+    own, values of that width (``CacheConfig.value_head_dim``).
 
     Args:
         model: the model (its ``config``, and the dtype and device of its weights), or just
@@ -210,7 +278,10 @@ def cache_config_for(
             otherwise than as the last layers reusing earlier ones, or a config
             set to ``"kvcache_paged"`` for a model whose attention does not call transformers'
             attention interface (Falcon, GPT-Neo, Bloom, MPT, ...: the message names the
-            class and the remedy: its own attention, ``"sdpa"`` or ``"eager"``).
+            class and the remedy: its own attention, ``"sdpa"`` or ``"eager"``), a config
+            set to ``"kvcache_paged"`` for a latent-attention model (which expands the latent
+            before attending: it runs the contiguous path), or layers of different head sizes
+            or KV head counts (Gemma 4's ``per_layer_config``: each layer's value is named).
         InvalidConfigError: any field out of range (from ``CacheConfig``).
 
     The ``"kvcache_paged"`` attention applies each layer's window or chunk, softcap and
@@ -246,10 +317,12 @@ def cache_config_for(
     _, kv_heads, head_dim = geometry(config)
     state_dtype = str(compute_dtype or dtype)
     text = text_config(config)
+    _refuse_per_layer_heads(text)
     kv_sources(text)  # refuses layers sharing K/V in a way PagedCache cannot serve
     layers = stored_layer_count(text)  # layers reusing another's K/V keep no blocks
     specs = layer_specs(config, state_dtype)[:layers]  # refuses layers it cannot hold
     if attention_implementation(text) == ATTN_IMPLEMENTATION:
+        refuse_latent_on_paged_path(text)
         refuse_unless_interface(text, None if isinstance(model, PretrainedConfig) else model)
     if not isinstance(hybrid, bool):
         raise InvalidArgumentError(f"hybrid must be a bool, got {hybrid!r}")
@@ -268,6 +341,50 @@ def cache_config_for(
         if any(spec.kind == "state" for spec in specs) or (hybrid and any(spec.kind != "full" for spec in specs))
         else None,
         state_slots=state_slots,
+        value_head_dim=value_head_dim(config),
+    )
+
+
+def refuse_latent_on_paged_path(config: PretrainedConfig) -> None:
+    """Refuse ``"kvcache_paged"`` for a model with latent attention, by name.
+
+    Its attention reads back the cached latent and expands it into every head's K/V before
+    calling the attention function, so the pool (which holds the latent) is not what it
+    attends over: its cache serves the contiguous path (``"sdpa"`` or ``"eager"``).
+
+    Raises:
+        UnsupportedConfigError: naming the model class and the remedy.
+    """
+    if latent_attention(config) is None:
+        return
+    name = type(config).__name__.removesuffix("Config") or "this model"
+    raise UnsupportedConfigError(
+        f"{name} uses multi-head latent attention: it expands the cached latent into every head's K/V before "
+        f"attending, so {ATTN_IMPLEMENTATION!r} cannot read them from the pool; load it with "
+        "attn_implementation='sdpa' (or 'eager'): PagedCache then holds the latent (kv_lora_rank + "
+        "qk_rope_head_dim per token) on the contiguous path"
+    )
+
+
+#: Model types whose sliding layers hold other KV head counts than their full layers.
+_SLIDING_LAYERS_WITH_OTHER_HEADS: Final = {"mimo_v2_flash": 2}
+
+
+def _refuse_per_layer_heads(text: PretrainedConfig) -> None:
+    """Refuse, by name, a model whose layers hold different KV head counts (one pool holds
+    one count).
+
+    Raises:
+        UnsupportedConfigError: naming the layers and their counts.
+    """
+    factor = _SLIDING_LAYERS_WITH_OTHER_HEADS.get(str(getattr(text, "model_type", "")))
+    types: Sequence[str] = getattr(text, "layer_types", None) or ()
+    if factor is None or "sliding_attention" not in types or "full_attention" not in types:
+        return
+    heads = _kv_heads(text)
+    raise UnsupportedConfigError(
+        f"the model's sliding layers hold {factor * heads} KV heads, its full layers {heads}; a kvcache pool holds "
+        "one head count for every layer"
     )
 
 

@@ -19,7 +19,13 @@ from kvcache_core.attention.reference import paged_attention
 from kvcache_core.backends.numpy.states import NumpyStateStorage
 from kvcache_core.contract import quantization
 from kvcache_core.contract.config import KV_LAYOUTS, CacheConfig
-from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES, BackendSpec, hookimpl
+from kvcache_core.contract.hookspecs import (
+    ATTENTION_CAPABILITIES,
+    POLICY_CAPABILITIES,
+    VALUE_HEAD_DIM,
+    BackendSpec,
+    hookimpl,
+)
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.regions import MEMORY_REGIONS, MemoryRegion, pool_regions
 from kvcache_core.contract.states import STATE_LAYERS, StateArray
@@ -66,7 +72,9 @@ class NumpyStorage:
     """A pool of ``num_layers x (K, V)`` NumPy arrays in one allocation.
 
     ``key_cache(layer)`` and ``value_cache(layer)`` are views of that allocation, so a
-    later :meth:`write` shows through a reference taken before it.
+    later :meth:`write` shows through a reference taken before it. A pool whose values
+    differ in width from its keys (``CacheConfig.value_head_dim``) holds, per layer, its
+    keys then its values in one flat run (:meth:`pool_shape`); each is a C-contiguous view.
 
     A quantized pool (``int8``, ``float8_e4m3fn``: :mod:`kvcache_core.contract.quantization`) holds the
     raw bytes in that allocation and its scales in a second one, :attr:`scales`
@@ -136,6 +144,15 @@ class NumpyStorage:
             _check_memory("pool", pool, self.pool_shape(config), self.element_dtype(config))
         self._pool = pool
         self._block_axis = 3 if config.kv_layout == "heads_first" else 2
+        self._split = config.value_head_dim is not None
+        if self._split:  # [layer, keys then values]: one C-contiguous view of each per layer
+            key_elements = int(np.prod(config.block_shape()))
+            self._parts = (
+                pool[:, :key_elements].reshape(config.num_layers, *config.block_shape()),
+                pool[:, key_elements:].reshape(config.num_layers, *config.value_block_shape()),
+            )
+        else:
+            self._parts = (pool[:, 0], pool[:, 1])
 
     @staticmethod
     def element_dtype(config: CacheConfig) -> np.dtype[Any]:
@@ -156,8 +173,14 @@ class NumpyStorage:
     @staticmethod
     def pool_shape(config: CacheConfig) -> tuple[int, ...]:
         """Shape of the one array holding every layer: ``[num_layers, 2, *block_shape]``
-        (``kv_layout=None`` resolved to :data:`PREFERRED_LAYOUT`)."""
-        return (config.num_layers, 2, *config.with_layout(PREFERRED_LAYOUT).block_shape())
+        (``kv_layout=None`` resolved to :data:`PREFERRED_LAYOUT`); with a ``value_head_dim``
+        ``[num_layers, keys + values]``, each layer's keys (``block_shape``) then its values
+        (``value_block_shape``) flat."""
+        resolved = config.with_layout(PREFERRED_LAYOUT)
+        if resolved.value_head_dim is None:
+            return (config.num_layers, 2, *resolved.block_shape())
+        elements = int(np.prod(resolved.block_shape())) + int(np.prod(resolved.value_block_shape()))
+        return (config.num_layers, elements)
 
     @property
     def pool(self) -> NumpyArray:
@@ -188,23 +211,24 @@ class NumpyStorage:
 
     def key_cache(self, layer: int) -> NumpyArray:
         """View of the layer's key pool."""
-        view: NumpyArray = self._pool[layer, 0]
+        view: NumpyArray = self._parts[0][layer]
         return view
 
     def value_cache(self, layer: int) -> NumpyArray:
-        """View of the layer's value pool."""
-        view: NumpyArray = self._pool[layer, 1]
+        """View of the layer's value pool (its last axis ``value_width``)."""
+        view: NumpyArray = self._parts[1][layer]
         return view
 
     def write(self, layer: int, slots: IntArray, keys: NumpyArray, values: NumpyArray) -> None:
-        """Scatter ``[n, heads, dim]`` keys and values into ``slots`` (quantized pools:
-        encoded in one pass, NaN and infinities refused with InvalidArgumentError first)."""
+        """Scatter ``[n, heads, dim]`` keys and ``[n, heads, value_width]`` values into
+        ``slots`` (quantized pools: encoded in one pass, NaN and infinities refused with
+        InvalidArgumentError first)."""
         if self._scales is not None:
             keys, values = self._quantize(layer, slots, keys, values)
         for kv, data in ((0, keys), (1, values)):
-            cache = self._pool[layer, kv]
+            cache = self._parts[kv][layer]
             if self._config.kv_layout == "NHD":
-                cache.reshape(-1, self._config.num_heads, self._config.head_dim)[slots] = data
+                cache.reshape(-1, self._config.num_heads, data.shape[2])[slots] = data
             else:
                 blocks, offsets = np.divmod(slots, self._config.block_size)
                 if self._config.kv_layout == "HND":
@@ -234,21 +258,21 @@ class NumpyStorage:
         return raw_keys, raw_values
 
     def gather(self, layer: int, blocks: IntArray, num_tokens: int) -> tuple[NumpyArray, NumpyArray]:
-        """Contiguous ``[num_tokens, heads, dim]`` copies of the tokens in ``blocks``
-        (dequantized to the compute dtype for a quantized pool)."""
+        """Contiguous ``[num_tokens, heads, dim]`` copies of the tokens in ``blocks`` (values
+        ``value_width`` wide; dequantized to the compute dtype for a quantized pool)."""
         if self._scales is not None:
             decoded: list[NumpyArray] = []
             for kv in (0, 1):
-                raw = self._tokens(self._pool[layer, kv], blocks, num_tokens)
+                raw = self._tokens(self._parts[kv][layer], blocks, num_tokens)
                 scales = self._scales[layer, kv][:, blocks].transpose(1, 2, 0).reshape(-1, self._config.num_heads)
                 decoded.append(quantization.dequantize(raw, scales[:num_tokens]).astype(self._config.io_dtype))
             return decoded[0], decoded[1]
-        return self._tokens(self._pool[layer, 0], blocks, num_tokens), self._tokens(
-            self._pool[layer, 1], blocks, num_tokens
+        return self._tokens(self._parts[0][layer], blocks, num_tokens), self._tokens(
+            self._parts[1][layer], blocks, num_tokens
         )
 
     def _tokens(self, cache: NumpyArray, blocks: IntArray, num_tokens: int) -> NumpyArray:
-        heads, dim = self._config.num_heads, self._config.head_dim
+        heads, dim = self._config.num_heads, cache.shape[3]
         if self._config.kv_layout == "NHD":
             picked = cache[blocks]
         elif self._config.kv_layout == "HND":
@@ -259,24 +283,30 @@ class NumpyStorage:
 
     def copy_blocks(self, source: IntArray, destination: IntArray) -> None:
         """Copy every layer's K and V of ``source[i]`` into ``destination[i]``."""
-        index: list[Any] = [slice(None)] * self._pool.ndim
-        src, dst = list(index), list(index)
-        src[self._block_axis], dst[self._block_axis] = source, destination
-        self._pool[tuple(dst)] = self._pool[tuple(src)]
+        # One copy moves every layer's K and V at once; a pool of two widths copies each part.
+        parts = self._parts if self._split else (self._pool,)
+        for part in parts:
+            axis = self._block_axis - (1 if self._split else 0)
+            index: list[Any] = [slice(None)] * part.ndim
+            src, dst = list(index), list(index)
+            src[axis], dst[axis] = source, destination
+            part[tuple(dst)] = part[tuple(src)]
         if self._scales is not None:  # [L, 2, H, blocks, bs]
             self._scales[:, :, :, destination] = self._scales[:, :, :, source]
 
     def blocks_to_host(self, blocks: IntArray) -> tuple[NumpyArray, NumpyArray]:
-        """Copies ``[layers, n, block_size, heads, dim]`` of keys and values; for a quantized
-        pool their raw bytes and scales, ``uint8 [layers, n, block_size, heads, dim + 4]``
-        (:func:`kvcache_core.contract.quantization.unpack_host`)."""
-        picked = np.take(self._pool, blocks, axis=self._block_axis)
-        canonical = self._to_nhd(picked)
+        """Copies ``[layers, n, block_size, heads, dim]`` of keys and values (values
+        ``value_width`` wide); for a quantized pool their raw bytes and scales, ``uint8
+        [layers, n, block_size, heads, dim + 4]`` (:func:`kvcache_core.contract.quantization.unpack_host`)."""
+        if self._split:
+            canonical = [self._part_to_nhd(np.take(part, blocks, axis=self._block_axis - 1)) for part in self._parts]
+        else:
+            both = self._to_nhd(np.take(self._pool, blocks, axis=self._block_axis))
+            canonical = [both[:, 0], both[:, 1]]
         if self._scales is not None:
             scales = self._scales[:, :, :, blocks].transpose(0, 1, 3, 4, 2)  # [L, 2, n, bs, H]
-            packed = quantization.pack_host(canonical, scales)
-            return np.ascontiguousarray(packed[:, 0]), np.ascontiguousarray(packed[:, 1])
-        return np.ascontiguousarray(canonical[:, 0]), np.ascontiguousarray(canonical[:, 1])
+            canonical = [quantization.pack_host(canonical[kv], scales[:, kv]) for kv in (0, 1)]
+        return np.ascontiguousarray(canonical[0]), np.ascontiguousarray(canonical[1])
 
     def blocks_from_host(self, blocks: IntArray, keys: NumpyArray, values: NumpyArray) -> None:
         """Write host-form copies (:mod:`kvcache_core.offload.host_form`) into ``blocks``.
@@ -285,20 +315,27 @@ class NumpyStorage:
             ArrayTypeError, DTypeMismatchError, ShapeMismatchError: not the host form of
                 ``len(blocks)`` blocks (nothing is cast or written).
         """
-        shape = host_form.host_shape(self._config, len(blocks))
-        host_form.check_host_array(self._config, "keys", keys, shape)
-        host_form.check_host_array(self._config, "values", values, shape)
+        host_form.check_host_array(self._config, "keys", keys, host_form.host_shape(self._config, len(blocks)))
+        host_form.check_host_array(
+            self._config, "values", values, host_form.host_shape(self._config, len(blocks), "values")
+        )
         if self._scales is not None:
             raw_keys, key_scales = quantization.unpack_host(self._config, keys, "keys")
             raw_values, value_scales = quantization.unpack_host(self._config, values, "values")
             keys, values = raw_keys, raw_values
             self._scales[:, :, :, blocks] = np.stack([key_scales, value_scales], axis=1).transpose(0, 1, 4, 2, 3)
+        if self._split:
+            for part, data in zip(self._parts, (keys, values), strict=True):
+                index: list[Any] = [slice(None)] * part.ndim
+                index[self._block_axis - 1] = blocks
+                part[tuple(index)] = self._part_from_nhd(data)
+            return
         stacked = np.stack([keys, values], axis=1)  # [layers, 2, n, bs, heads, dim]
         if self._config.kv_layout == "HND":
             stacked = stacked.transpose(0, 1, 2, 4, 3, 5)
         elif self._config.kv_layout == "heads_first":
             stacked = stacked.transpose(0, 1, 4, 2, 3, 5)
-        index: list[Any] = [slice(None)] * self._pool.ndim
+        index = [slice(None)] * self._pool.ndim
         index[self._block_axis] = blocks
         self._pool[tuple(index)] = stacked
 
@@ -309,6 +346,24 @@ class NumpyStorage:
         elif self._config.kv_layout == "heads_first":  # [L, 2, H, n, bs, D]
             canonical = pool_part.transpose(0, 1, 3, 4, 2, 5)
         return canonical
+
+    def _part_to_nhd(self, picked: NumpyArray) -> NumpyArray:
+        """One part's blocks ``[L, *layout]`` as ``[L, n, block_size, heads, dim]``."""
+        canonical: NumpyArray = picked
+        if self._config.kv_layout == "HND":  # [L, n, H, bs, D]
+            canonical = picked.transpose(0, 1, 3, 2, 4)
+        elif self._config.kv_layout == "heads_first":  # [L, H, n, bs, D]
+            canonical = picked.transpose(0, 2, 3, 1, 4)
+        return canonical
+
+    def _part_from_nhd(self, canonical: NumpyArray) -> NumpyArray:
+        """``[L, n, block_size, heads, dim]`` in the pool's layout (the inverse of :meth:`_part_to_nhd`)."""
+        laid: NumpyArray = canonical
+        if self._config.kv_layout == "HND":
+            laid = canonical.transpose(0, 1, 3, 2, 4)
+        elif self._config.kv_layout == "heads_first":
+            laid = canonical.transpose(0, 3, 1, 2, 4)
+        return laid
 
     def paged_attention(
         self,
@@ -332,7 +387,7 @@ class NumpyStorage:
         kernel decodes each tile of keys with their scales, the reference folds the scales
         into each run's scores and weights."""
         dtype = self._config.dtype
-        keys, values = self._pool[layer, 0], self._pool[layer, 1]
+        keys, values = self._parts[0][layer], self._parts[1][layer]
         key_scales = value_scales = None
         if self._scales is not None:
             key_scales, value_scales = self._scales[layer, 0], self._scales[layer, 1]
@@ -444,5 +499,5 @@ def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
         kv_layouts=KV_LAYOUTS,
         preferred_layout=PREFERRED_LAYOUT,
         description="NumPy reference backend (host memory), built into kvcache-core",
-        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {MEMORY_REGIONS, STATE_LAYERS},
+        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {MEMORY_REGIONS, STATE_LAYERS, VALUE_HEAD_DIM},
     )
