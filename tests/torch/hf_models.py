@@ -21,6 +21,7 @@ from tests.torch.hf_support import COMMON_CONFIG, PAD, VOCAB, Model, torch, tran
 
 __all__ = [
     "FAMILIES",
+    "LATENT_MODELS",
     "STATE_ATTENTION",
     "STATE_COMMON",
     "STATE_MODELS",
@@ -193,6 +194,67 @@ STATE_MODELS: dict[str, tuple[str, str, dict[str, Any], tuple[str, ...]]] = {
     ),
 }
 
+#: Models whose cached values differ in width from their keys: ``(config class, model class,
+#: config fields, reference attention, path)``.
+LATENT_MODELS: dict[str, tuple[str, str, dict[str, Any], str, str]] = {
+    # Latent attention: a latent of 32 and a rotary part of 8 per token, whatever the heads.
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "kv_lora_rank": 32,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+        "sdpa",
+        "contiguous",
+    ),
+    "minicpm3": (
+        "MiniCPM3Config",
+        "MiniCPM3ForCausalLM",
+        {"kv_lora_rank": 32, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16},
+        "sdpa",
+        "contiguous",
+    ),
+    # Keys of 24 features, values of 16, through transformers' attention interface (no sdpa).
+    "mimo_v2_flash": (
+        "MiMoV2FlashConfig",
+        "MiMoV2FlashForCausalLM",
+        {
+            "head_dim": 24,
+            "v_head_dim": 16,
+            "layer_types": ["full_attention", "full_attention"],
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+        },
+        "eager",
+        "paged",
+    ),
+}
+
+_LATENT_NAMES = {"deepseek_v3": "DeepSeek-V3", "minicpm3": "MiniCPM3", "mimo_v2_flash": "MiMo-V2-Flash"}
+_LATENT = (
+    "expands the cached latent into every head before attending: `kvcache_paged` is refused; the pool holds "
+    "the latent (one head, `kv_lora_rank` keys and `qk_rope_head_dim` values per token)"
+)
+
+
+def _latent_family(key: str) -> Family:
+    config_class, model_class, extra, attention, path = LATENT_MODELS[key]
+    fields = {**COMMON_CONFIG, "num_attention_heads": 4, "num_key_value_heads": 4, **extra}
+    why = _LATENT if path == "contiguous" else f"{_INTERFACE}; values of another width than the keys (`v_head_dim`)"
+    return Family(_LATENT_NAMES[key], config_class, model_class, fields, path, why, attention=attention)
+
+
 _STATE_NAMES = {
     "mamba2": "Mamba2",
     "bamba": "Bamba",
@@ -352,6 +414,7 @@ FAMILIES: tuple[Family, ...] = (
         attention="eager",
     ),
 )
+FAMILIES += tuple(_latent_family(key) for key in LATENT_MODELS)
 FAMILIES += tuple(_state_family(key) for key in STATE_MODELS)
 
 #: The comment lines around the README's generated table.

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from kvcache_core import UnsupportedConfigError, create_manager
+from tests.torch.hf_models import LATENT_MODELS
 from tests.torch.hf_support import (
     ATTN_IMPLEMENTATION,
     COMMON_CONFIG,
@@ -39,51 +40,7 @@ Model = Any
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-#: ``(config class, model class, config fields, reference attention, path)``.
-MODELS: dict[str, tuple[str, str, dict[str, Any], str, str]] = {
-    # Latent attention: a latent of 32 and a rotary part of 8 per token, whatever the heads.
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        "DeepseekV3ForCausalLM",
-        {
-            "kv_lora_rank": 32,
-            "q_lora_rank": None,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 16,
-            "v_head_dim": 16,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "first_k_dense_replace": 1,
-            "n_group": 1,
-            "topk_group": 1,
-        },
-        "sdpa",
-        "contiguous",
-    ),
-    "minicpm3": (
-        "MiniCPM3Config",
-        "MiniCPM3ForCausalLM",
-        {"kv_lora_rank": 32, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16},
-        "sdpa",
-        "contiguous",
-    ),
-    # Keys of 24 features, values of 16, through transformers' attention interface (no sdpa).
-    "mimo_v2_flash": (
-        "MiMoV2FlashConfig",
-        "MiMoV2FlashForCausalLM",
-        {
-            "head_dim": 24,
-            "v_head_dim": 16,
-            "layer_types": ["full_attention", "full_attention"],
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-        },
-        "eager",
-        "paged",
-    ),
-}
+MODELS = LATENT_MODELS
 
 #: The path each model's PagedCache runs, as the module docstring explains.
 PATHS = {name: entry[4] for name, entry in MODELS.items()}

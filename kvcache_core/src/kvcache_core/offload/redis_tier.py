@@ -56,13 +56,13 @@ from urllib.parse import quote
 from kvcache_core.contract.scalars import check_count
 from kvcache_core.errors import InvalidArgumentError, TierError, UnsupportedConfigError
 from kvcache_core.offload import host_form
+from kvcache_core.offload.block_records import file_geometry
 from kvcache_core.offload.file_header import parse_container
 from kvcache_core.offload.prefix_file import (
     FORMAT_NAME,
     FORMAT_VERSION,
     HASH_ALGORITHM,
     BlockRecord,
-    _geometry,  # pyright: ignore[reportPrivateUsage]
     decode_blocks,
     encode_blocks,
     record_key,
@@ -124,7 +124,7 @@ def record_format_tag(config: CacheConfig) -> str:
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "hash_algorithm": HASH_ALGORITHM,
-        "geometry": _geometry(config),
+        "geometry": file_geometry(config),
         "dtype": config.dtype,
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]

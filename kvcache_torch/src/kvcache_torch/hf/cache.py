@@ -17,26 +17,21 @@ from kvcache_core import (
     UnsupportedConfigError,
 )
 from kvcache_core.contract.config import check_count
-from kvcache_core.contract.groups import group_serves_layer
-from kvcache_core.errors import DTypeMismatchError, InvalidTypeError, ShapeMismatchError
-from kvcache_torch.dtypes import dtype_name
+from kvcache_core.errors import InvalidTypeError, ShapeMismatchError
 from kvcache_torch.hf.attention import attend_new_tokens
 from kvcache_torch.hf.forward_pass import ForwardStep, Handoff, LayerProgress, drop_handoff, hand_off
-from kvcache_torch.hf.guard import decoder_class, not_through_interface, refuse_unless_interface, unattended_layer
+from kvcache_torch.hf.guard import decoder_class, not_through_interface, unattended_layer
 from kvcache_torch.hf.layer import PagedCacheLayer
 from kvcache_torch.hf.model_config import (
     ATTN_IMPLEMENTATION,
     attention_implementation,
-    geometry,
-    layer_specs,
     refuse_latent_on_paged_path,
     text_config,
-    value_head_dim,
 )
 from kvcache_torch.hf.padding import left_padded_lengths, real_tokens, token_major
+from kvcache_torch.hf.pool_fit import check_model_fits_pool, check_update_arrays
 from kvcache_torch.hf.prompts import TokenFeed, attach_prompt_hook
 from kvcache_torch.hf.rows import BatchRows, prompt_rows, release_requests, undo_step
-from kvcache_torch.hf.shared_kv import kv_sources, stored_layer_count
 from kvcache_torch.hf.state_layers import StateBridge
 
 __all__ = ["PagedCache"]
@@ -103,39 +98,7 @@ class PagedCache(Cache):
             max_sequence_length = check_count(max_sequence_length, "max_sequence_length", minimum=1)
         pool = manager.config
         text = text_config(config)
-        _, kv_heads, head_dim = geometry(config)
-        values = value_head_dim(config)
-        layers = stored_layer_count(text)  # the layers that keep K/V (others reuse theirs)
-        if (layers, kv_heads, head_dim, values) != (
-            pool.num_layers,
-            pool.num_heads,
-            pool.head_dim,
-            pool.value_head_dim,
-        ):
-            raise UnsupportedConfigError(
-                f"the model has {layers} layers of {kv_heads} KV heads of size {head_dim} (values {values or head_dim}), "
-                f"the pool {pool.num_layers} layers of {pool.num_heads} heads of size {pool.head_dim} (values "
-                f"{pool.value_width}); build the pool with cache_config_for(model, ...)"
-            )
-        if attention_implementation(text) == ATTN_IMPLEMENTATION:
-            refuse_unless_interface(text, model)
-        self._layer_specs = layer_specs(config)  # refuses layers of kinds it cannot hold
-        self._sources = kv_sources(text)
-        for layer, spec in enumerate(self._layer_specs[:layers]):
-            if (spec.kind == "state") != (pool.layer_spec(layer).kind == "state"):
-                raise UnsupportedConfigError(
-                    f"layer {layer} is a {spec.kind} layer of the model and a {pool.layer_spec(layer).kind} layer of "
-                    "the pool; build the pool with cache_config_for(model, ...)"
-                )
-            if spec.kind == "state":
-                continue
-            kept = pool.kv_groups[pool.layer_place(layer)[0]].window
-            if not group_serves_layer(kept, spec):
-                raise UnsupportedConfigError(
-                    f"the pool keeps only the last {kept} positions of layer {layer}, whose attention "
-                    f"({'window ' + str(spec.window) if spec.window else 'full'}) needs more; build the "
-                    "pool with cache_config_for(model, ...)"
-                )
+        layers, self._layer_specs, self._sources = check_model_fits_pool(config, text, pool, model)
         # The window DynamicCache gives each layer: its sliding window, or its chunk.
         self._windows = [spec.window if spec.window is not None else spec.chunk for spec in self._layer_specs]
         faces: list[Any] = [PagedCacheLayer(self, index, self._windows[index]) for index in range(layers)]
@@ -421,7 +384,9 @@ class PagedCache(Cache):
                 (nothing is changed).
         """
         layer = self._manager.config.check_layer(layer_idx)  # the pool's layers are the model's
-        self._check_states(key_states, value_states)
+        check_update_arrays(
+            key_states, value_states, self._manager.config, len(self._rows) if self._rows.handles else None
+        )
         implementation = attention_implementation(self._text)
         mode: Mode = "paged" if implementation == ATTN_IMPLEMENTATION else "contiguous"
         if self._mode is not None and mode != self._mode and self._rows.positions:
@@ -576,36 +541,6 @@ class PagedCache(Cache):
         self._progress.reset(keep)
 
     # -- internals -----------------------------------------------------------------------
-
-    def _check_states(self, keys: object, values: object) -> None:
-        pool = self._manager.config
-        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
-            raise InvalidTypeError(
-                f"keys and values must be torch tensors, got {type(keys).__name__} and {type(values).__name__}"
-            )
-        if (
-            keys.shape[:3] != values.shape[:3]
-            or keys.dim() != 4
-            or values.dim() != 4
-            or (keys.shape[1], keys.shape[3], values.shape[3]) != (pool.num_heads, pool.head_dim, pool.value_width)
-        ):
-            values_wide = (
-                "" if pool.value_head_dim is None else f" and [batch, {pool.num_heads}, new_tokens, {pool.value_width}]"
-            )
-            raise ShapeMismatchError(
-                f"keys and values must be [batch, {pool.num_heads}, new_tokens, {pool.head_dim}]{values_wide}, got "
-                f"{tuple(keys.shape)} and {tuple(values.shape)}"
-            )
-        if dtype_name(keys.dtype) != pool.io_dtype or values.dtype != keys.dtype:
-            raise DTypeMismatchError(
-                f"keys and values are {keys.dtype} and {values.dtype}, the pool computes in {pool.io_dtype}: build it with "
-                "cache_config_for(model, ...), which takes the model's dtype"
-            )
-        if self._rows.handles and keys.shape[0] != len(self._rows):
-            raise ShapeMismatchError(
-                f"the cache holds {len(self._rows)} rows, the model passed a batch of {keys.shape[0]}; "
-                "release() it to start a new batch"
-            )
 
     def _check_attended(self, layer: int) -> None:
         """Refuse a model whose attention does not call the ``kvcache_paged`` attention: an

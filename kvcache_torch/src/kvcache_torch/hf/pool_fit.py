@@ -1,0 +1,108 @@
+"""Whether a model fits a pool, and whether an ``update``'s keys and values fit it: the
+checks :class:`~kvcache_torch.hf.PagedCache` runs when it is built and on every update."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from kvcache_core import CacheConfig, LayerSpec, UnsupportedConfigError
+from kvcache_core.contract.groups import group_serves_layer
+from kvcache_core.errors import DTypeMismatchError, InvalidTypeError, ShapeMismatchError
+from kvcache_torch.dtypes import dtype_name
+from kvcache_torch.hf.guard import refuse_unless_interface
+from kvcache_torch.hf.model_config import (
+    ATTN_IMPLEMENTATION,
+    attention_implementation,
+    geometry,
+    layer_specs,
+    value_head_dim,
+)
+from kvcache_torch.hf.shared_kv import kv_sources, stored_layer_count
+
+__all__ = ["check_model_fits_pool", "check_update_arrays"]
+
+
+def check_model_fits_pool(
+    config: PretrainedConfig, text: PretrainedConfig, pool: CacheConfig, model: torch.nn.Module | None
+) -> tuple[int, tuple[LayerSpec, ...], tuple[int, ...]]:
+    """``(layers kept, each layer's spec, each layer's K/V source layer)`` of a model whose
+    geometry, layer kinds and windows the pool serves.
+
+    Raises:
+        UnsupportedConfigError: the model's geometry differs from the pool's, a layer is a
+            state layer in one and not the other, the pool keeps fewer positions of a layer
+            than its attention needs, or the model's attention is not served on its path.
+    """
+    _, kv_heads, head_dim = geometry(config)
+    values = value_head_dim(config)
+    layers = stored_layer_count(text)  # the layers that keep K/V (others reuse theirs)
+    if (layers, kv_heads, head_dim, values) != (
+        pool.num_layers,
+        pool.num_heads,
+        pool.head_dim,
+        pool.value_head_dim,
+    ):
+        raise UnsupportedConfigError(
+            f"the model has {layers} layers of {kv_heads} KV heads of size {head_dim} (values {values or head_dim}), "
+            f"the pool {pool.num_layers} layers of {pool.num_heads} heads of size {pool.head_dim} (values "
+            f"{pool.value_width}); build the pool with cache_config_for(model, ...)"
+        )
+    if attention_implementation(text) == ATTN_IMPLEMENTATION:
+        refuse_unless_interface(text, model)
+    specs = layer_specs(config)  # refuses layers of kinds it cannot hold
+    sources = kv_sources(text)
+    for layer, spec in enumerate(specs[:layers]):
+        if (spec.kind == "state") != (pool.layer_spec(layer).kind == "state"):
+            raise UnsupportedConfigError(
+                f"layer {layer} is a {spec.kind} layer of the model and a {pool.layer_spec(layer).kind} layer of "
+                "the pool; build the pool with cache_config_for(model, ...)"
+            )
+        if spec.kind == "state":
+            continue
+        kept = pool.kv_groups[pool.layer_place(layer)[0]].window
+        if not group_serves_layer(kept, spec):
+            raise UnsupportedConfigError(
+                f"the pool keeps only the last {kept} positions of layer {layer}, whose attention "
+                f"({'window ' + str(spec.window) if spec.window else 'full'}) needs more; build the "
+                "pool with cache_config_for(model, ...)"
+            )
+    return layers, specs, sources
+
+
+def check_update_arrays(keys: object, values: object, pool: CacheConfig, rows: int | None) -> None:
+    """Refuse keys and values ``[batch, num_heads, new_tokens, width]`` that the pool cannot
+    take (``rows``: the batch the cache holds, ``None`` before its first forward).
+
+    Raises:
+        InvalidTypeError: not torch tensors.
+        ShapeMismatchError: other shapes, or another batch than the cache holds.
+        DTypeMismatchError: another dtype than the pool computes in.
+    """
+    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+        raise InvalidTypeError(
+            f"keys and values must be torch tensors, got {type(keys).__name__} and {type(values).__name__}"
+        )
+    if (
+        keys.shape[:3] != values.shape[:3]
+        or keys.dim() != 4
+        or values.dim() != 4
+        or (keys.shape[1], keys.shape[3], values.shape[3]) != (pool.num_heads, pool.head_dim, pool.value_width)
+    ):
+        values_wide = (
+            "" if pool.value_head_dim is None else f" and [batch, {pool.num_heads}, new_tokens, {pool.value_width}]"
+        )
+        raise ShapeMismatchError(
+            f"keys and values must be [batch, {pool.num_heads}, new_tokens, {pool.head_dim}]{values_wide}, got "
+            f"{tuple(keys.shape)} and {tuple(values.shape)}"
+        )
+    if dtype_name(keys.dtype) != pool.io_dtype or values.dtype != keys.dtype:
+        raise DTypeMismatchError(
+            f"keys and values are {keys.dtype} and {values.dtype}, the pool computes in {pool.io_dtype}: build it with "
+            "cache_config_for(model, ...), which takes the model's dtype"
+        )
+    if rows is not None and keys.shape[0] != rows:
+        raise ShapeMismatchError(
+            f"the cache holds {rows} rows, the model passed a batch of {keys.shape[0]}; "
+            "release() it to start a new batch"
+        )
