@@ -13,7 +13,7 @@ import pytest
 
 from kvcache_core import AllocationRequest, PagedKvCacheManager
 from kvcache_core.backends.numpy import NumpyStorage
-from kvcache_core.errors import TransferError
+from kvcache_core.errors import OutOfBlocksError, TransferError
 from tests.transfer.support import host_blocks, make_pool, needs_transfer, prefill, prompt_of
 
 pytestmark = [needs_transfer, pytest.mark.xdist_group("transfer")]
@@ -268,3 +268,21 @@ def test_another_value_width_is_refused_by_name() -> None:
         with pytest.raises(TransferError, match="value_head_dim"):
             consumer.import_request(producer.export(handle), AllocationRequest("imported"))
         _assert_untouched(target)
+
+
+def test_pinned_blocks_are_neither_evicted_nor_reused_until_the_import(pair: tuple[Any, Any, Any, Any]) -> None:
+    source, producer, target, consumer = pair
+    handle = source.get_handle("r")
+    expected = host_blocks(source, handle)
+    ticket = producer.export(handle)
+    source.deallocate("r")
+    takeable = source.stats().free_blocks + source.stats().cached_blocks  # the pinned blocks are neither
+    more = 4 * (takeable + 1)  # one block more than the pool could give without them
+    crowd = source.allocate(AllocationRequest("crowd", prompt_token_ids=list(range(5000, 5000 + more))))
+    with pytest.raises(OutOfBlocksError):
+        source.extend(crowd, more)
+    source.extend(crowd, 4 * takeable)  # every other block, evicting what it must
+    imported = consumer.import_request(ticket, AllocationRequest("imported"))
+    for got, want in zip(host_blocks(target, imported), expected, strict=True):
+        assert got.tobytes() == want.tobytes()
+    source.check_invariants()
