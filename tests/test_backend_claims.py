@@ -19,6 +19,7 @@ from kvcache_core.contract.hookspecs import (
     VALUE_HEAD_DIM,
     BackendSpec,
 )
+from kvcache_core.contract.regions import MEMORY_REGIONS
 
 POLICIES = {"fork", "prefix_caching", "swap", "eviction", "sliding_window"}
 ATTENTION = {"attention_window", "softcap", "sinks", "chunked_attention"}
@@ -40,14 +41,14 @@ CLAIMS = {
     "numpy": Claim(
         "kvcache_core.backends.numpy",
         "kvcache_core.backends.numpy:NumpyStorage",
-        POLICIES | ATTENTION | WIDTHS | {"state_layers"},
+        POLICIES | ATTENTION | WIDTHS | {"memory_regions", "state_layers"},
         numpy_backend.NUMPY_DTYPES,
         ("cpu",),
     ),
     "torch": Claim(
         "kvcache_torch.plugin",
         "kvcache_torch.storage:TorchStorage",
-        POLICIES | ATTENTION | WIDTHS | {"state_layers"},
+        POLICIES | ATTENTION | WIDTHS | {"memory_regions", "state_layers"},
         ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn"),
         ("cpu", "cuda"),
     ),
@@ -61,7 +62,7 @@ CLAIMS = {
     "memmap": Claim(
         "kvcache_memmap.storage",
         "kvcache_memmap.storage:MemmapStorage",
-        POLICIES | ATTENTION | WIDTHS,
+        POLICIES | ATTENTION | WIDTHS | {"memory_regions"},
         tuple(name for name in numpy_backend.NUMPY_DTYPES if name != "float64"),
         ("cpu",),
     ),
@@ -80,6 +81,7 @@ def test_the_named_sets_split_the_vocabulary() -> None:
     assert ATTENTION_CAPABILITIES == ATTENTION
     assert set(CAPABILITIES) == POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {
         IMMUTABLE_ARRAYS,
+        MEMORY_REGIONS,
         STATE_LAYERS,
         VALUE_HEAD_DIM,
     }

@@ -246,5 +246,7 @@ def test_the_capability_vocabulary_is_one_list() -> None:
     assert (
         KIT_CAPABILITIES
         == set(CAPABILITIES)
-        == POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {"immutable_arrays", "state_layers"}
+        == POLICY_CAPABILITIES
+        | ATTENTION_CAPABILITIES
+        | {"immutable_arrays", "memory_regions", "state_layers", "value_head_dim"}
     )

@@ -32,7 +32,9 @@ from kvcache_core.errors import (
     ManagerClosedError,
     ShapeMismatchError,
     StaleStepError,
+    UnsupportedConfigError,
 )
+from kvcache_core.offload import host_form
 from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.paging.checks import ArgumentChecks
@@ -223,6 +225,44 @@ class DataPath(Generic[ArrayT]):
             written[layer, slots] = True
             self._chains.after_write(slots // config.block_size)  # may register blocks: a new epoch
         return epoch
+
+    def write_host_blocks(self, state: RequestState[ArrayT], start: int, keys: Any, values: Any) -> None:
+        """Write host-form blocks (``[pool_layers, n, block_size, num_heads, width]``, the
+        values' width theirs) into the
+        request's blocks holding positions ``start ..`` its end (``keys`` ``None``: their bytes
+        were written through the storage's memory regions already), and record them written
+        in every layer (prefix caching registers the full ones), as if each layer were written.
+
+        Raises:
+            UnsupportedConfigError: the pool has KV-cache groups, a sliding window or state layers.
+            InvalidArgumentError: ``start`` is not a block boundary in ``[0, num_tokens())``.
+            ArrayTypeError, DTypeMismatchError, ShapeMismatchError: not the host form of those blocks.
+            SharedBlockWriteError: a block is shared or served by the prefix cache.
+        """
+        config, table = self.config, state.table
+        if config.num_groups != 1 or config.sliding_window is not None or table.first_logical or config.states.arrays:
+            raise UnsupportedConfigError(
+                "host blocks are written only into a pool of one KV-cache group without a sliding window or "
+                "recurrent-state layers"
+            )
+        length = table.sequence_length
+        if not (isinstance(start, int) and 0 <= start < length and start % config.block_size == 0):
+            raise InvalidArgumentError(
+                f"start must be a multiple of block_size {config.block_size} in [0, {length}), got {start!r}"
+            )
+        slots = table.slots(start, length)
+        first, stop = start // config.block_size, blocks_for(length, config.block_size)
+        blocks = np.asarray(table.physical_blocks[first:stop], dtype=np.int64)
+        if keys is not None:
+            host_form.check_host_array(config, "keys", keys, host_form.host_shape(config, len(blocks)))
+            host_form.check_host_array(config, "values", values, host_form.host_shape(config, len(blocks), "values"))
+        self._checks.writable(slots)
+        if keys is not None:
+            self.storage.blocks_from_host(blocks, keys, values)
+        written = self._pool.written
+        if written is not None:
+            written[:, slots] = True
+            self._chains.after_write(blocks)
 
     def gather(self, state: RequestState[ArrayT], layer: int) -> tuple[ArrayT, ArrayT]:
         """The request's held K/V of ``layer`` as contiguous copies, in token order."""

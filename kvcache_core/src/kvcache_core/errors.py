@@ -46,6 +46,7 @@ __all__ = [
     "StateRollbackError",
     "SwappedOutError",
     "TierError",
+    "TransferError",
     "UnknownRequestError",
     "UnsupportedConfigError",
 ]
@@ -218,3 +219,12 @@ class CorruptEventBatchError(InvalidArgumentError):
     msgpack, a field of the wrong type (``bool`` is not an int), a value out of its range
     (token ids, block sizes, 32-byte hashes, finite timestamps), or more items than the
     payload's own size could hold. Nothing was decoded."""
+
+
+class TransferError(KvCacheError, RuntimeError):
+    """A request's cache could not move between processes (:mod:`kvcache_core.transfer`): the
+    producer is gone or did not answer in time, its lease expired or was released, the
+    transfer failed or its blocks did not match their checksums, the ticket is malformed or
+    for another namespace, geometry or dtype, or the storage cannot name its memory. Nothing
+    leaked on either side: the consumer's new request was released, its other requests are
+    untouched."""

@@ -182,6 +182,17 @@ class PagedKvCacheHandle(Generic[ArrayT]):
         computed, so ``num_tokens()`` started there and ``extend`` went on from it."""
         return self._state.cached_tokens
 
+    def token_ids(self) -> tuple[int, ...]:
+        """The token ids known for positions ``0 ..`` (the prompt given to ``allocate``, then
+        ``extend``'s ``token_ids``), as far as they were given; recorded with prefix caching.
+
+        Raises:
+            ManagerClosedError: the request's manager is closed.
+        """
+        with self._state.lock:
+            self._state.check_open()
+            return tuple(self._state.token_ids)
+
     def cache_id(self) -> str:
         """Unique id of this cache, shared by its clones."""
         return self._state.cache_id

@@ -5,6 +5,7 @@ A backend registers a :class:`BackendSpec` through a :data:`hookimpl` of
 storage implements :class:`KvStorage` over one of :data:`KV_LAYOUTS` and dtypes of
 :data:`DTYPE_SIZES`, and claims named capabilities (:data:`CAPABILITIES`, composed from
 :data:`POLICY_CAPABILITIES`, :data:`ATTENTION_CAPABILITIES`, :data:`IMMUTABLE_ARRAYS` and
+:data:`MEMORY_REGIONS`, whose storages also have the optional member of :class:`RegionStorage`, and
 :data:`STATE_LAYERS`: a storage serving recurrent-state layers builds a :class:`StateStorage`
 of :class:`StateArray` in its optional ``state_storage(arrays, num_slots)``; values of another
 width than the keys: :data:`VALUE_HEAD_DIM`). A
@@ -37,6 +38,7 @@ from kvcache_core.contract.hookspecs import (
 )
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage
+from kvcache_core.contract.regions import MEMORY_REGIONS, MemoryRegion, RegionStorage
 from kvcache_core.contract.states import STATE_LAYERS, StateArray, StateStorage
 from kvcache_core.errors import KvCachePluginWarning
 from kvcache_core.offload.tiers import TIER_ENTRY_POINT_GROUP, OffloadTier, TierStats
@@ -48,6 +50,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "IMMUTABLE_ARRAYS",
     "KV_LAYOUTS",
+    "MEMORY_REGIONS",
     "POLICY_CAPABILITIES",
     "QUANTIZED_DTYPES",
     "STATE_LAYERS",
@@ -58,8 +61,10 @@ __all__ = [
     "Device",
     "KvCachePluginWarning",
     "KvStorage",
+    "MemoryRegion",
     "OffloadTier",
     "PageTable",
+    "RegionStorage",
     "StateArray",
     "StateStorage",
     "TierStats",

@@ -22,6 +22,7 @@ from kvcache_core.attention.features import combined_window
 from kvcache_core.contract import quantization
 from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.regions import MemoryRegion, pool_regions
 from kvcache_core.contract.states import StateArray
 from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, UnsupportedConfigError
 from kvcache_core.offload import host_form
@@ -188,6 +189,20 @@ class TorchStorage:
         """A quantized pool's scales ``[num_layers, 2, num_heads, num_blocks, block_size]``
         (``raw * scale`` is the value); ``None`` for an unquantized pool."""
         return self._scales
+
+    def memory_regions(self) -> tuple[MemoryRegion, ...]:
+        """The pool's memory per layer and part (:mod:`kvcache_core.contract.regions`): host
+        memory on CPU, device memory on CUDA; stable until :meth:`close`."""
+        device_id = 0 if self._device.index is None else self._device.index
+        scales = None if self._scales is None else int(self._scales.data_ptr())
+        return pool_regions(
+            self._config,
+            int(self._pool.data_ptr()),
+            self._pool.element_size(),
+            scales,
+            device_kind=self._device.type,
+            device_id=device_id,
+        )
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """View of the layer's key pool, in the configured layout."""

@@ -25,6 +25,7 @@ from kvcache_core.backends.numpy import (
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError, UnsupportedConfigError
 from kvcache_core.plugin import (
     ATTENTION_CAPABILITIES,
+    MEMORY_REGIONS,
     POLICY_CAPABILITIES,
     QUANTIZED_DTYPES,
     VALUE_HEAD_DIM,
@@ -378,6 +379,6 @@ def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
         preferred_layout=PREFERRED_LAYOUT,
         description="pool in a memory-mapped file (example third-party backend)",
         # The policies live in core; the NumPy kernels serve them, every attention feature and
-        # values of another width than the keys.
-        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {VALUE_HEAD_DIM},
+        # values of another width than the keys; the pool's memory regions are the file's mapping.
+        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {MEMORY_REGIONS, VALUE_HEAD_DIM},
     )

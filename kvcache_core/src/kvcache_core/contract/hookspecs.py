@@ -85,6 +85,8 @@ CAPABILITIES: dict[str, str] = {
     "(storage.attention_features lists it)",
     "chunked_attention": "paged_attention(chunk=C) lets a query see only the keys of its own chunk of C "
     "positions (storage.attention_features lists it)",
+    "memory_regions": "memory_regions() names the pool's memory (address, shape, device per layer and part, "
+    "with a quantized pool's scales), stable while the storage is open, for a transport to register once",
     "state_layers": "recurrent-state layers (LayerSpec(state=...)): the storage's state_storage(arrays, num_slots) "
     "builds a StateStorage (read, write, copy, zero, to_host, from_host, array)",
     "immutable_arrays": "key_cache hands out the current pool array of an immutable array library "

@@ -263,6 +263,12 @@ class KvStorage(Protocol[ArrayT]):
     more; a storage without ``close`` is left to the garbage collector. It is not a
     Protocol member, so a storage without it still conforms.
 
+    Optional member: ``memory_regions() -> tuple[MemoryRegion, ...]``
+    (:class:`~kvcache_core.contract.regions.RegionStorage`), the pool's memory per layer and
+    part, for a transport that reads blocks in place; a storage that has it claims the
+    capability ``"memory_regions"``, and one that does not is refused by name where a
+    transport needs it.
+
     Registering the storage through :class:`~kvcache_core.BackendSpec` makes mypy and
     pyright check it against this Protocol; to check a class on its own, assign it::
 

@@ -46,6 +46,7 @@ from kvcache_core.testing.inspect import allocator
 from kvcache_core.testing.machine import run_reference_machine
 from kvcache_core.testing.policies import PolicyCases
 from kvcache_core.testing.quantized import QuantizedCases
+from kvcache_core.testing.regions import RegionCases
 from kvcache_core.testing.reliability import ReliabilityCases
 from kvcache_core.testing.returns import storage_return_problems
 from kvcache_core.testing.states import StateCases
@@ -138,6 +139,7 @@ class KvCacheConformance(
     HybridCases,
     TierCases,
     HostFormCases,
+    RegionCases,
     StateCases,
     ValueWidthCases,
 ):

@@ -27,6 +27,7 @@ from kvcache_core.contract.hookspecs import (
     hookimpl,
 )
 from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.regions import MEMORY_REGIONS, MemoryRegion, pool_regions
 from kvcache_core.contract.states import STATE_LAYERS, StateArray
 from kvcache_core.errors import (
     ArrayTypeError,
@@ -201,6 +202,12 @@ class NumpyStorage:
         """A float8 pool's current per-head scales of ``layer``: ``[2, num_heads]`` (K, V)."""
         current: npt.NDArray[np.float32] = self._head_scales[layer].copy()
         return current
+
+    def memory_regions(self) -> tuple[MemoryRegion, ...]:
+        """The pool's memory per layer and part (:mod:`kvcache_core.contract.regions`):
+        host memory, stable for the storage's life (a memmap pool's mapping)."""
+        scales = None if self._scales is None else int(self._scales.ctypes.data)
+        return pool_regions(self._config, int(self._pool.ctypes.data), self._pool.dtype.itemsize, scales)
 
     def key_cache(self, layer: int) -> NumpyArray:
         """View of the layer's key pool."""
@@ -492,5 +499,5 @@ def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
         kv_layouts=KV_LAYOUTS,
         preferred_layout=PREFERRED_LAYOUT,
         description="NumPy reference backend (host memory), built into kvcache-core",
-        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {STATE_LAYERS, VALUE_HEAD_DIM},
+        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {MEMORY_REGIONS, STATE_LAYERS, VALUE_HEAD_DIM},
     )

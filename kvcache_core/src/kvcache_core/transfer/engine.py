@@ -1,0 +1,246 @@
+"""NIXL, behind the few calls a transfer agent makes: register regions, learn a peer, read a
+list of chunks from it by a deadline.
+
+NIXL comes with the ``transfer`` extra (``pip install "kvcache-core[transfer]"``), imported as
+``nixl`` (the meta package) or as the wheel it bundles (``nixl_cu12``, ``nixl_cu13``). UCX,
+its transport, chooses among shared memory, CMA, TCP and RDMA; unless ``UCX_TLS`` is set
+already, the agent sets ``UCX_TLS=tcp`` before NIXL starts (:data:`DEFAULT_UCX_TLS`), which
+works on every host, loopback included, and needs no shared-memory or ptrace permission.
+Set ``UCX_TLS`` yourself (``rc,cuda_copy,tcp``, ...) to let UCX use RDMA or GPU transports.
+NIXL's Python logger writes INFO lines to stdout; unless ``NIXL_LOG_LEVEL`` is set, the agent
+sets it to ``WARN``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final, TypeVar, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.errors import TransferError
+
+__all__ = ["DEFAULT_UCX_TLS", "NixlEngine", "load_nixl", "nixl_unavailable_reason"]
+
+#: The UCX transports the agent asks for unless ``UCX_TLS`` is set.
+DEFAULT_UCX_TLS: Final = "tcp"
+#: NIXL's Python log level unless ``NIXL_LOG_LEVEL`` is set (its INFO lines go to stdout).
+DEFAULT_NIXL_LOG_LEVEL: Final = "WARN"
+_MODULES: Final = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+_MEMORY_TYPES: Final = {"cpu": "DRAM", "cuda": "VRAM"}
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _serialized(method: _Method) -> _Method:
+    """``method`` under the engine's lock."""
+
+    @functools.wraps(method)
+    def locked(self: NixlEngine, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return cast("_Method", locked)
+
+
+def load_nixl() -> Any:
+    """NIXL's Python API module.
+
+    Raises:
+        TransferError: NIXL is not installed (the message says how to install it).
+    """
+    os.environ.setdefault("NIXL_LOG_LEVEL", DEFAULT_NIXL_LOG_LEVEL)
+    problems: list[str] = []
+    for name in _MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            problems.append(f"{name}: {exc}")
+    raise TransferError(
+        "kvcache_core.transfer needs NIXL: pip install 'kvcache-core[transfer]' (or nixl-cu12); " + "; ".join(problems)
+    )
+
+
+def nixl_unavailable_reason() -> str | None:
+    """Why NIXL cannot be imported here, or ``None`` when it can."""
+    try:
+        load_nixl()
+    except TransferError as exc:
+        return str(exc)
+    return None
+
+
+class NixlEngine:
+    """One NIXL agent with the UCX backend; its calls are serialized (the agent runs without
+    NIXL's own locking).
+
+    Raises:
+        TransferError: NIXL is missing or its agent cannot start.
+    """
+
+    def __init__(self, name: str) -> None:
+        os.environ.setdefault("UCX_TLS", DEFAULT_UCX_TLS)
+        api = load_nixl()
+        try:
+            self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        except Exception as exc:
+            raise TransferError(f"the NIXL agent {name!r} could not start: {exc}") from exc
+        if "UCX" not in getattr(self._agent, "backends", {"UCX": None}):
+            raise TransferError(f"the NIXL agent {name!r} has no UCX backend (its plugins: {self._agent.plugin_list})")
+        self.name = name
+        self._peers: dict[str, str] = {}
+        self._stranded: list[object] = []
+        self.lock = threading.RLock()  # serializes the agent's calls
+
+    @_serialized
+    def metadata(self) -> bytes:
+        """This agent's metadata, for a peer's :meth:`add_peer`."""
+        data: bytes = self._agent.get_agent_metadata()
+        return data
+
+    @_serialized
+    def register(self, chunks: list[tuple[int, int, int]], device_kind: str) -> Any:
+        """Register ``(address, length, device_id)`` chunks; returns what :meth:`deregister` takes.
+
+        Raises:
+            TransferError: NIXL refused them.
+        """
+        try:
+            return self._agent.register_memory(
+                [(address, length, device, "") for address, length, device in chunks], _MEMORY_TYPES[device_kind]
+            )
+        except Exception as exc:
+            raise TransferError(f"NIXL could not register {len(chunks)} memory regions: {exc}") from exc
+
+    @_serialized
+    def deregister(self, registered: Any) -> None:
+        """Undo :meth:`register` (best effort: NIXL's own errors are not the caller's)."""
+        with contextlib.suppress(Exception):  # nothing more to free on this side
+            self._agent.deregister_memory(registered)
+
+    @_serialized
+    def add_peer(self, metadata: bytes) -> str:
+        """Learn a peer from its metadata; returns its agent name.
+
+        Raises:
+            TransferError: the metadata is not a NIXL agent's.
+        """
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise TransferError(f"NIXL refused a peer's metadata: {exc}") from exc
+        peer = name.decode() if isinstance(name, bytes) else str(name)
+        self._peers[peer] = peer
+        return peer
+
+    @_serialized
+    def forget_peer(self, peer: str) -> None:
+        """Drop a peer (its connection and metadata), best effort."""
+        if self._peers.pop(peer, None) is not None:
+            with contextlib.suppress(Exception):  # already gone
+                self._agent.remove_remote_agent(peer)
+
+    @_serialized
+    def knows(self, peer: str) -> bool:
+        """Whether :meth:`add_peer` learnt ``peer``."""
+        return peer in self._peers
+
+    @_serialized
+    def read(
+        self,
+        peer: str,
+        remote: npt.NDArray[np.uint64],
+        remote_device_kind: str,
+        destination: npt.NDArray[np.uint8],
+        offsets: npt.NDArray[np.int64],
+        deadline: float,
+    ) -> None:
+        """One READ of ``remote`` chunks (``[n, 3]``: address, length, device id) of ``peer``
+        into host memory ``destination`` at ``offsets`` (``[n]``, chunk ``i`` at byte
+        ``offsets[i]``), waited for until ``deadline`` (``time.monotonic()``). ``destination``
+        is registered for the read only. A transfer NIXL could not abort keeps
+        ``destination`` (and its registration) alive for the engine's life, so no late byte
+        lands in freed memory.
+
+        Raises:
+            TransferError: the transfer could not start, failed, or did not finish in time.
+        """
+        base = int(destination.ctypes.data)
+        registered = self.register([(base, int(destination.nbytes), 0)], "cpu")
+        local = remote.copy()
+        local[:, 0] = (offsets + base).astype(np.uint64)
+        local[:, 2] = 0
+        failure, released = self._read(peer, remote, remote_device_kind, local, "cpu", deadline)
+        if released:
+            self.deregister(registered)
+        else:
+            self._stranded.append((destination, registered))
+        if failure is not None:
+            raise TransferError(failure)
+
+    @_serialized
+    def read_into(
+        self,
+        peer: str,
+        remote: npt.NDArray[np.uint64],
+        remote_device_kind: str,
+        local: npt.NDArray[np.uint64],
+        device_kind: str,
+        deadline: float,
+    ) -> tuple[str | None, bool]:
+        """One READ of ``remote`` chunks of ``peer`` into ``local`` chunks (``[n, 3]`` each)
+        of memory this engine registered, waited for until ``deadline``.
+
+        Returns:
+            ``(failure, released)``: why the transfer failed or did not finish in time
+            (``None`` when it completed), and whether NIXL released it (false: it could not
+            abort one still in flight, and ``local`` may still be written).
+        """
+        return self._read(peer, remote, remote_device_kind, local, device_kind, deadline)
+
+    def _read(
+        self,
+        peer: str,
+        remote: npt.NDArray[np.uint64],
+        remote_device_kind: str,
+        local: npt.NDArray[np.uint64],
+        device_kind: str,
+        deadline: float,
+    ) -> tuple[str | None, bool]:
+        agent = self._agent
+        handle: Any = None
+        state = "ERR"
+        try:
+            local_descs = agent.get_xfer_descs(local, _MEMORY_TYPES[device_kind])
+            remote_descs = agent.get_xfer_descs(remote, _MEMORY_TYPES[remote_device_kind])
+            handle = agent.initialize_xfer("READ", local_descs, remote_descs, peer)
+            state = agent.transfer(handle)
+            pause = 20e-6
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(pause)  # the transfer progresses in NIXL's thread; back off up to 1 ms
+                pause = min(pause * 2, 1e-3)
+                state = agent.check_xfer_state(handle)
+        except Exception as exc:
+            state = f"ERR ({exc})"
+        released = handle is None or _release(agent, handle)
+        if state == "PROC":
+            return f"the NIXL read of {len(remote)} chunks from {peer!r} did not finish in time", released
+        if state != "DONE":
+            return f"the NIXL read from {peer!r} failed (state {state}): the producer may be gone", released
+        return None, released
+
+
+def _release(agent: Any, handle: Any) -> bool:
+    try:
+        agent.release_xfer_handle(handle)
+    except Exception:  # a transfer still in flight could not be aborted
+        return False
+    return True

@@ -1,0 +1,271 @@
+"""The transfer ticket: what a producer's :meth:`KvTransferAgent.export` hands a consumer so it
+can pull a request's blocks, and its wire form (msgpack, versioned, parsed strictly).
+
+Wire form, one msgpack map::
+
+    {"format": "kvcache-transfer-ticket", "version": 1,
+     "agent": the producer's NIXL agent name, "address": its side channel ("tcp://host:port"),
+     "namespace": model_id or None,
+     "geometry": {"num_layers", "num_heads", "head_dim", "value_head_dim" (the values' width,
+                  head_dim unless they differ), "block_size", "num_blocks"},
+     "dtype": the pool dtype, "layout": the producer pool's layout,
+     "regions": [[layer, part, address, device_kind, device_id], ...],
+     "blocks": int64 little-endian bytes, the source blocks in order,
+     "token_ids": int64 little-endian bytes, "num_tokens": int,
+     "digests": 4 bytes per block (CRC-32, kvcache_core.transfer.digests), or empty (device memory),
+     "lease": 32 hex characters, "expires_at": Unix time in seconds}
+
+Parsing accepts exactly these keys, each of its type (``bool`` is not an int) and range,
+and costs no more memory than the payload (arrays are sized by the payload's bytes).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, cast
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.contract.config import DTYPE_SIZES, KV_LAYOUTS, MAX_TOKEN_ID, QUANTIZED_DTYPES
+from kvcache_core.contract.regions import REGION_DEVICE_KINDS, REGION_PARTS
+from kvcache_core.errors import TransferError
+
+# msgpack ships no type information.
+_packb = cast("Callable[..., bytes]", msgpack.packb)  # pyright: ignore[reportUnknownMemberType]
+_unpackb = cast("Callable[..., object]", msgpack.unpackb)  # pyright: ignore[reportUnknownMemberType]
+
+__all__ = ["MAX_TICKET_BYTES", "TICKET_FORMAT", "TICKET_VERSION", "RegionAddress", "TransferTicket"]
+
+TICKET_FORMAT: Final = "kvcache-transfer-ticket"
+TICKET_VERSION: Final = 1
+#: The largest ticket accepted (a 1M-token request's ids and descriptors fit many times).
+MAX_TICKET_BYTES: Final = 64 << 20
+_DIGEST_BYTES: Final = 4
+_LEASE = re.compile(r"\A[0-9a-f]{32}\Z")
+_ADDRESS = re.compile(r"\Atcp://[0-9A-Za-z.\-\[\]:]{1,255}:[0-9]{1,5}\Z")
+_GEOMETRY: Final = ("num_layers", "num_heads", "head_dim", "value_head_dim", "block_size", "num_blocks")
+_KEYS: Final = frozenset(
+    {
+        "format",
+        "version",
+        "agent",
+        "address",
+        "namespace",
+        "geometry",
+        "dtype",
+        "layout",
+        "regions",
+        "blocks",
+        "token_ids",
+        "num_tokens",
+        "digests",
+        "lease",
+        "expires_at",
+    }
+)
+
+
+@dataclass(frozen=True)
+class RegionAddress:
+    """Where one layer's part of the producer's pool lives (its shape follows from the
+    ticket's geometry, layout and dtype)."""
+
+    layer: int
+    part: str
+    address: int
+    device_kind: str
+    device_id: int
+
+
+@dataclass(frozen=True, eq=False)
+class TransferTicket:
+    """A request's cache, exported by a producer and pinned there until :attr:`expires_at`
+    or until a consumer imports it.
+
+    Attributes:
+        agent: the producer's NIXL agent name.
+        address: the producer's side channel, ``"tcp://host:port"``.
+        namespace: the producer pool's ``model_id`` (``None`` when unset).
+        geometry: ``{"num_layers", "num_heads", "head_dim", "value_head_dim", "block_size",
+            "num_blocks"}`` (``value_head_dim``: the values' width, ``head_dim`` unless it differs).
+        dtype: the pool dtype; layout: the producer pool's layout.
+        regions: the producer pool's memory, per layer and part.
+        blocks: ``[n]`` int64, the request's blocks in order (``n`` covers ``num_tokens``).
+        token_ids: ``[num_tokens]`` int64, the request's tokens.
+        digests: ``n * 4`` bytes, each block's CRC-32 (:mod:`kvcache_core.transfer.digests`);
+            empty when the producer's pool is device memory (not checked then).
+        lease: the lease id (32 hex characters); expires_at: Unix time it ends.
+    """
+
+    agent: str
+    address: str
+    namespace: str | None
+    geometry: dict[str, int]
+    dtype: str
+    layout: str
+    regions: tuple[RegionAddress, ...]
+    blocks: npt.NDArray[np.int64]
+    token_ids: npt.NDArray[np.int64]
+    digests: bytes
+    lease: str
+    expires_at: float
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the request holds."""
+        return int(self.token_ids.shape[0])
+
+    def to_bytes(self) -> bytes:
+        """The wire form (msgpack)."""
+        packed = _packb(
+            {
+                "format": TICKET_FORMAT,
+                "version": TICKET_VERSION,
+                "agent": self.agent,
+                "address": self.address,
+                "namespace": self.namespace,
+                "geometry": dict(self.geometry),
+                "dtype": self.dtype,
+                "layout": self.layout,
+                "regions": [[r.layer, r.part, r.address, r.device_kind, r.device_id] for r in self.regions],
+                "blocks": self.blocks.astype("<i8").tobytes(),
+                "token_ids": self.token_ids.astype("<i8").tobytes(),
+                "num_tokens": self.num_tokens,
+                "digests": self.digests,
+                "lease": self.lease,
+                "expires_at": float(self.expires_at),
+            },
+            use_bin_type=True,
+        )
+        return packed
+
+    @classmethod
+    def from_bytes(cls, payload: bytes) -> TransferTicket:
+        """Parse a ticket's wire form strictly.
+
+        Raises:
+            TransferError: not a ticket of this format and version, a field of the wrong
+                type or out of range, or larger than :data:`MAX_TICKET_BYTES`.
+        """
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TransferError(f"a transfer ticket is bytes, got {type(payload).__name__}")
+        data = bytes(payload)
+        if len(data) > MAX_TICKET_BYTES:
+            raise TransferError(f"a transfer ticket is at most {MAX_TICKET_BYTES} bytes, got {len(data)}")
+        try:
+            fields = _unpackb(data, raw=False, strict_map_key=True)
+        except Exception as exc:  # any malformed payload is one refusal
+            raise TransferError(f"the transfer ticket is not valid msgpack: {exc}") from None
+        return _parse(fields)
+
+
+def _fail(message: str) -> TransferError:
+    return TransferError(f"malformed transfer ticket: {message}")
+
+
+def _int(value: object, name: str, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise _fail(f"{name} must be an int in [{low}, {high}], got {value!r}"[:300])
+    return value
+
+
+def _str(value: object, name: str, limit: int = 256) -> str:
+    if type(value) is not str or not 0 < len(value) <= limit:
+        raise _fail(f"{name} must be a non-empty str of at most {limit} characters, got {value!r}"[:300])
+    return value
+
+
+def _int64s(value: object, name: str, count: int | None = None) -> npt.NDArray[np.int64]:
+    if type(value) is not bytes or len(value) % 8 or (count is not None and len(value) != 8 * count):
+        wanted = "8 bytes per int" if count is None else f"{8 * count} bytes ({count} int64)"
+        raise _fail(f"{name} must be bytes of little-endian int64, {wanted}")
+    array: npt.NDArray[np.int64] = np.frombuffer(value, dtype="<i8").astype(np.int64)
+    return array
+
+
+def _parse(payload: object) -> TransferTicket:
+    if type(payload) is not dict:
+        raise _fail(f"expected a map, got {type(payload).__name__}")
+    fields = cast("dict[str, object]", payload)
+    if set(fields) != _KEYS:
+        raise _fail(f"expected the keys {sorted(_KEYS)}, got {sorted(map(str, fields))}"[:400])
+    if fields["format"] != TICKET_FORMAT or fields["version"] != TICKET_VERSION:
+        raise _fail(
+            f"format {fields['format']!r} version {fields['version']!r}; this reads {TICKET_FORMAT!r} "
+            f"version {TICKET_VERSION}"[:300]
+        )
+    address = _str(fields["address"], "address")
+    if not _ADDRESS.match(address):
+        raise _fail(f"address must be 'tcp://host:port', got {address!r}")
+    namespace = fields["namespace"]
+    if namespace is not None:
+        namespace = _str(namespace, "namespace", 4096)
+    geometry_in = cast("dict[str, object]", fields["geometry"])
+    if type(geometry_in) is not dict or set(geometry_in) != set(_GEOMETRY):
+        raise _fail(f"geometry must have exactly the keys {list(_GEOMETRY)}")
+    geometry = {name: _int(geometry_in[name], f"geometry.{name}", 1, 2**31 - 1) for name in _GEOMETRY}
+    dtype = _str(fields["dtype"], "dtype")
+    layout = _str(fields["layout"], "layout")
+    if dtype not in DTYPE_SIZES or layout not in KV_LAYOUTS:
+        raise _fail(f"dtype {dtype!r} or layout {layout!r} unknown (dtypes {list(DTYPE_SIZES)}, layouts {KV_LAYOUTS})")
+    parts = REGION_PARTS if dtype in QUANTIZED_DTYPES else REGION_PARTS[:2]
+    raw_regions = cast("list[object]", fields["regions"])
+    if type(raw_regions) is not list or len(raw_regions) != geometry["num_layers"] * len(parts):
+        raise _fail(f"regions must list {len(parts)} parts of each of {geometry['num_layers']} layers")
+    regions: list[RegionAddress] = []
+    for index, item in enumerate(raw_regions):
+        raw = cast("list[object]", item)
+        if type(raw) is not list or len(raw) != 5:
+            raise _fail(f"regions[{index}] must be [layer, part, address, device_kind, device_id]")
+        layer = _int(raw[0], f"regions[{index}].layer", 0, geometry["num_layers"] - 1)
+        part = _str(raw[1], f"regions[{index}].part")
+        kind = _str(raw[3], f"regions[{index}].device_kind")
+        if part not in parts or kind not in REGION_DEVICE_KINDS:
+            raise _fail(f"regions[{index}] has part {part!r} (of {parts}) on {kind!r} (of {REGION_DEVICE_KINDS})")
+        regions.append(
+            RegionAddress(
+                layer,
+                part,
+                _int(raw[2], f"regions[{index}].address", 1, 2**64 - 1),
+                kind,
+                _int(raw[4], f"regions[{index}].device_id", 0, 1 << 16),
+            )
+        )
+    if len({(region.layer, region.part) for region in regions}) != len(regions):
+        raise _fail("regions name a layer's part twice")
+    num_tokens = _int(fields["num_tokens"], "num_tokens", 1, 2**40)
+    token_ids = _int64s(fields["token_ids"], "token_ids", num_tokens)
+    if token_ids.size and (int(token_ids.min()) < 0 or int(token_ids.max()) > MAX_TOKEN_ID):
+        raise _fail(f"token ids must be in [0, {MAX_TOKEN_ID}]")
+    count = math.ceil(num_tokens / geometry["block_size"])
+    blocks = _int64s(fields["blocks"], "blocks", count)
+    if int(blocks.min()) < 0 or int(blocks.max()) >= geometry["num_blocks"]:
+        raise _fail(f"blocks must be in [0, {geometry['num_blocks']})")
+    digests = fields["digests"]
+    if type(digests) is not bytes or len(digests) not in (0, _DIGEST_BYTES * count):
+        raise _fail(f"digests must be {_DIGEST_BYTES} bytes per block ({_DIGEST_BYTES * count} bytes) or empty")
+    lease = _str(fields["lease"], "lease")
+    if not _LEASE.match(lease):
+        raise _fail(f"lease must be 32 hex characters, got {lease!r}"[:200])
+    expires_at = fields["expires_at"]
+    if type(expires_at) is not float or not math.isfinite(expires_at) or expires_at < 0:
+        raise _fail(f"expires_at must be a finite float >= 0, got {expires_at!r}"[:200])
+    return TransferTicket(
+        agent=_str(fields["agent"], "agent"),
+        address=address,
+        namespace=namespace,
+        geometry=geometry,
+        dtype=dtype,
+        layout=layout,
+        regions=tuple(regions),
+        blocks=blocks,
+        token_ids=token_ids,
+        digests=digests,
+        lease=lease,
+        expires_at=expires_at,
+    )
