@@ -1,4 +1,4 @@
-"""``kvcache_core.host_blocks.write_host_blocks``: a request's blocks filled from host copies,
+"""``PagedKvCacheManager.write_host_blocks``: a request's blocks filled from host copies,
 bit for bit, recorded written (prefix caching registers them), refused whole on bad input;
 and ``handle.token_ids()``, the ids a request was given."""
 
@@ -10,7 +10,6 @@ import pytest
 
 from kvcache_core import AllocationRequest
 from kvcache_core.errors import InvalidArgumentError, ShapeMismatchError, SharedBlockWriteError
-from kvcache_core.host_blocks import write_host_blocks
 from tests.core.support import BLOCK, Manager, make_manager, prompt_of
 
 
@@ -28,7 +27,7 @@ def test_filled_blocks_read_back_bit_for_bit_and_serve_later_prompts() -> None:
     handle = manager.allocate(AllocationRequest("a", prompt_token_ids=prompt))
     manager.extend(handle, len(prompt))
     keys, values = _host_copy(manager, 3, seed=1)
-    write_host_blocks(manager, handle, 0, keys, values)
+    manager.write_host_blocks(handle, 0, keys, values)
     got_keys, got_values = manager.storage.blocks_to_host(np.asarray(handle.block_table().physical_blocks[:3]))
     assert got_keys.tobytes() == keys.tobytes()
     assert got_values.tobytes() == values.tobytes()
@@ -43,9 +42,9 @@ def test_a_start_off_a_block_boundary_is_refused_and_nothing_is_written() -> Non
     manager.extend(handle, 2 * BLOCK)
     before = manager.storage.blocks_to_host(np.arange(manager.config.num_blocks))
     with pytest.raises(InvalidArgumentError, match="multiple of block_size"):
-        write_host_blocks(manager, handle, 1, *_host_copy(manager, 2, seed=2))
+        manager.write_host_blocks(handle, 1, *_host_copy(manager, 2, seed=2))
     with pytest.raises(ShapeMismatchError):
-        write_host_blocks(manager, handle, 0, *_host_copy(manager, 1, seed=2))
+        manager.write_host_blocks(handle, 0, *_host_copy(manager, 1, seed=2))
     after = manager.storage.blocks_to_host(np.arange(manager.config.num_blocks))
     assert all(a.tobytes() == b.tobytes() for a, b in zip(before, after, strict=True))
 
@@ -56,7 +55,7 @@ def test_a_shared_block_is_refused() -> None:
     manager.extend(handle, BLOCK)
     manager.fork(handle, "b")
     with pytest.raises(SharedBlockWriteError):
-        write_host_blocks(manager, handle, 0, *_host_copy(manager, 1, seed=3))
+        manager.write_host_blocks(handle, 0, *_host_copy(manager, 1, seed=3))
 
 
 def test_a_handle_tells_the_token_ids_it_was_given() -> None:

@@ -271,7 +271,7 @@ def test_bad_arguments_to_the_pure_function_raise_kvcache_errors() -> None:
         kvcache_jax.paged_attention(query, pool, pool, tables, lens, sliding_window=0)
     with pytest.raises(InvalidArgumentError, match=r"blocks_per_step.*0"):
         kvcache_jax.paged_attention(query, pool, pool, tables, lens, blocks_per_step=0)
-    with pytest.raises(ShapeMismatchError, match=r"keys, values \[n, 2, 8\]"):
+    with pytest.raises(ShapeMismatchError, match=r"keys \[n, 2, 8\] and values \[n, 2, 8\]"):
         kvcache_jax.write(pool, pool, jnp.zeros((2,), jnp.int32), jnp.zeros((2, 2, 4)), jnp.zeros((2, 2, 4)))
 
 

@@ -552,6 +552,40 @@ class PagedKvCacheManager(Generic[ArrayT]):
             self._check_open()
             return prefix_file.load_prefix_cache(self._pool, self._tiers, path)
 
+    def write_host_blocks(
+        self, handle: KvCacheHandle[ArrayT], start: int, keys: npt.NDArray[Any], values: npt.NDArray[Any]
+    ) -> None:
+        """Write ``keys`` and ``values`` in core's host form (:mod:`kvcache_core.offload.host_form`,
+        ``[pool_layers, n, block_size, num_heads, width]``, whatever the pool's layout) into the
+        ``n`` blocks holding the request's positions ``start`` to ``num_tokens()``, bit for bit,
+        and record every layer of them written (with prefix caching their full blocks are
+        registered once the request's token ids are known). What a transport that moved a
+        request from another pool calls; grow the request first (:meth:`extend`).
+
+        Raises:
+            UnsupportedConfigError: the pool has KV-cache groups, a sliding window or
+                recurrent-state layers.
+            InvalidArgumentError: ``start`` is not a block boundary in ``[0, num_tokens())``.
+            ArrayTypeError, DTypeMismatchError, ShapeMismatchError: not the host form of
+                those blocks (nothing is cast).
+            SharedBlockWriteError: one of the blocks is shared (fork, prefix hit) or cached.
+            InvalidHandleError, SwappedOutError, ForeignHandleError: as :meth:`extend`.
+        Nothing is written when one of these is raised.
+        """
+        with self._lock:
+            self._path.write_host_blocks(self._state_of(handle), start, keys, values)
+
+    def record_blocks_written(self, handle: KvCacheHandle[ArrayT], start: int) -> None:
+        """As :meth:`write_host_blocks` without the copy: the bytes of the request's positions
+        ``start`` to ``num_tokens()`` were written into its blocks through the storage's memory
+        regions (a transport's one-sided read, :mod:`kvcache_core.contract.regions`).
+
+        Raises:
+            As :meth:`write_host_blocks` (no array errors).
+        """
+        with self._lock:
+            self._path.write_host_blocks(self._state_of(handle), start, None, None)
+
     def tier_stats(self) -> list[TierStats]:
         """Each offload tier's figures (blocks, bytes, hits, demotions, evictions), first to
         last, in records (one per hash and KV-cache group); empty without tiers."""

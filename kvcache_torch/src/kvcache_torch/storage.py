@@ -28,6 +28,7 @@ from kvcache_core.errors import ArrayTypeError, DTypeMismatchError, UnsupportedC
 from kvcache_core.offload import host_form
 from kvcache_torch import quantized
 from kvcache_torch.attention import attend_pool
+from kvcache_torch.devices import resolve_device
 from kvcache_torch.dtypes import BIT_DTYPES, VALUE_DTYPES, dtype_name, torch_dtype
 from kvcache_torch.spec import ATTENTION_FEATURES, PREFERRED_LAYOUT
 from kvcache_torch.states import TorchStateStorage
@@ -46,32 +47,6 @@ def _tensor_of(array: npt.NDArray[Any]) -> torch.Tensor:
         array = array.copy()
     tensor: torch.Tensor = torch.from_numpy(array)  # pyright: ignore[reportUnknownMemberType]
     return tensor
-
-
-def resolve_device(config: CacheConfig) -> torch.device:
-    """The torch device of ``config.device``, checked to be present here.
-
-    Raises:
-        UnsupportedConfigError: a CUDA device without a usable GPU, or an index past the
-            last GPU (the message says how many there are).
-    """
-    device = config.device
-    if device.kind == "cpu":
-        return torch.device("cpu")
-    if device.kind == "cuda":
-        if not torch.cuda.is_available():
-            raise UnsupportedConfigError(
-                f"device {str(device)!r} is not available: torch {torch.__version__} sees no CUDA GPU here; "
-                "use device 'cpu'"
-            )
-        count = torch.cuda.device_count()
-        index = torch.cuda.current_device() if device.index is None else device.index
-        if index >= count:
-            raise UnsupportedConfigError(
-                f"device {str(device)!r} is not available: there are {count} CUDA devices (cuda:0 to cuda:{count - 1})"
-            )
-        return torch.device("cuda", index)
-    raise UnsupportedConfigError(f"the torch backend supports devices cpu and cuda, got {str(device)!r}")
 
 
 class TorchStorage:

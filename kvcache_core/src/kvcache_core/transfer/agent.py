@@ -34,7 +34,6 @@ from kvcache_core.contract.regions import (
 )
 from kvcache_core.errors import InvalidArgumentError, KvCacheError, TransferError
 from kvcache_core.handle import PagedKvCacheHandle
-from kvcache_core.host_blocks import record_blocks_written, write_host_blocks
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.transfer.channel import ChannelServer, ask
 from kvcache_core.transfer.digests import DIGEST_BYTES, block_digests, host_memory
@@ -342,13 +341,13 @@ class KvTransferAgent:
         try:
             if self._reads_in_place(ticket):
                 self._pull_in_place(ticket, source, handle, first, deadline)
-                record_blocks_written(manager, handle, cached)
+                manager.record_blocks_written(handle, cached)
                 return
             keys, values = self._pull(ticket, source, first, deadline)
         except TransferError:
             self._engine.forget_peer(ticket.agent)
             raise
-        write_host_blocks(manager, handle, cached, keys, values)
+        manager.write_host_blocks(handle, cached, keys, values)
 
     def _reads_in_place(self, ticket: TransferTicket) -> bool:
         """Whether the blocks can land in this pool's own memory: the same layout (nothing to
