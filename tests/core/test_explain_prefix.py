@@ -162,3 +162,13 @@ def test_a_fleet_store_and_a_manager_behind_it_agree(redis_server: RedisServer) 
         explained = manager.explain_prefix(PROMPT)
     tier.close()
     assert [place.medium for place in explained.blocks] == ["redis", "redis", "redis"]
+
+
+@pytest.mark.parametrize("bad", [None, "abc", [1, -2], [1.5]])
+def test_bad_token_ids_are_refused_by_name_and_change_nothing(bad: object) -> None:
+    config = CacheConfig(num_layers=1, num_heads=1, head_dim=4, num_blocks=8, block_size=4, enable_prefix_caching=True)
+    with create_manager("numpy", config) as manager:
+        before = manager.stats()
+        with pytest.raises(InvalidArgumentError, match="explain_prefix's prompt_token_ids"):
+            manager.explain_prefix(bad)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+        assert manager.stats() == before

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from kvcache_core.contract.config import AllocationRequest
+from kvcache_core.contract.config import AllocationRequest, check_token_ids
 from kvcache_core.contract.scalars import check_count
 from kvcache_core.offload.events import POOL_MEDIUM, BlockRemoved, BlockStored, CacheEvent
 from kvcache_core.offload.redis_tier import namespace_part, record_format_tag
@@ -147,9 +147,11 @@ def explain_prefix(
     manager's lock held.
 
     Raises:
-        InvalidArgumentError, InvalidTypeError: bad token ids or salt (as ``AllocationRequest``).
+        InvalidArgumentError: token ids that are not a sequence of ints in ``[0, MAX_TOKEN_ID]``
+            (named as ``explain_prefix``'s), or a bad salt (as ``AllocationRequest``).
     """
-    request = AllocationRequest("explain", 0, prompt_token_ids=tuple(prompt_token_ids) or None, cache_salt=salt)
+    prompt_ids = check_token_ids(prompt_token_ids, "explain_prefix's prompt_token_ids")
+    request = AllocationRequest("explain", 0, prompt_token_ids=prompt_ids or None, cache_salt=salt)
     prompt = request.prompt_token_ids or ()
     salt_bytes = request.salt_bytes()
     block_size = config.block_size
