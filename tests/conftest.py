@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -34,18 +35,27 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 def _settle_numba() -> None:
     """Load numba's CPU lowering registries now, once per process.
 
-    numba loads them (and registers their types globally) on its first compile or cache load.
-    An in-process ``pytester`` run forgets every module imported during it; if that first load
-    happened inside one, the next compile imports them again and fails with "duplicate
-    registration". Which test compiles first depends on the order (and on the worker), so the
-    registries are loaded before any test runs.
+    numba loads them (and registers their types globally) on its first compile or cache load,
+    and its boxing registry (``numba.core.boxing``) on the first wrapper it builds for a call
+    from Python. An in-process ``pytester`` run forgets every module imported during it; if
+    that first load happened inside one, the next compile imports them again and fails with
+    "duplicate registration for <class '...Boolean'>". Which test compiles first depends on
+    the order (and on the worker), so the registries are loaded, and one function boxing a
+    bool and an array is compiled and called, before any test runs.
     """
     try:
+        import numba
         from numba.core.registry import cpu_target
     except ImportError:  # numba is optional: nothing to settle
         return
     context: Any = cpu_target.target_context  # numba's untyped cached property
     context.refresh()
+
+    def first(flag: bool, values: Any) -> float:
+        return float(values[0]) if flag else 0.0
+
+    compiled: Any = numba.njit(first)  # pyright: ignore[reportUnknownMemberType]
+    compiled(True, np.ones(1))
 
 
 _settle_numba()
