@@ -12,6 +12,10 @@ another, which imports the request's blocks instead of recomputing them::
     agent = KvTransferAgent(manager)
     handle = agent.import_request(TransferTicket.from_bytes(payload), AllocationRequest("r1"))
 
+With transformers, the decode worker hands the imported request to
+``kvcache_torch.hf.PagedCache(manager, model, handles=[handle])`` and ``generate`` goes on
+from it without recomputing the prompt (``examples/disaggregated.py``).
+
 Pools must agree on namespace (``model_id``), geometry and dtype; layouts may differ.
 Storages claim ``"memory_regions"`` (NumPy, torch, memmap; not JAX). Every failure is a
 :class:`~kvcache_core.errors.TransferError` and leaks nothing on either side.

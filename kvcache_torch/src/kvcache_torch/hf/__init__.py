@@ -53,6 +53,12 @@ Two pieces, used together or apart::
   only its config) registers a forward pre-hook that hands each forward's token ids to the
   cache (:mod:`~kvcache_torch.hf.prompts`): a new batch starts from the cached blocks of its
   prompts and computes only the rest; ``map_cached_prefix`` does it by hand.
+- Disaggregated prefill and decode (``examples/disaggregated.py``): a prefill worker runs
+  ``generate(..., max_new_tokens=1)`` on a ``PagedCache`` and exports its request
+  (``KvTransferAgent.export(cache.handles[0])``); a decode worker imports it
+  (``import_request``) and builds ``PagedCache(manager, model, handles=[handle])``, a cache
+  that holds the prompt already; ``generate`` on the prompt and the first token then
+  computes one token per step and never the prompt's K/V.
 - Only public core API is used: the step, ``fork``, ``truncate``, ``gather``; the pool's
   policies (free-block accounting, copies, tables) stay in core.
 

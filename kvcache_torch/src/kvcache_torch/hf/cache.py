@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal
 
@@ -66,6 +67,8 @@ class PagedCache(Cache):
         max_sequence_length: the most tokens a row will hold, if known: the allocator then
             keeps each request's blocks in one run, and growing past it raises
             ``SequenceTooLongError``.
+        handles: live requests of ``manager`` of one length to go on from, one per row (e.g.
+            ``KvTransferAgent.import_request``'s); the cache owns them, ``generate`` computes what follows.
 
     Raises:
         InvalidTypeError: ``manager`` is not a ``PagedKvCacheManager``, or ``config`` is
@@ -76,8 +79,9 @@ class PagedCache(Cache):
             model whose attention does not call transformers' attention interface (the
             message names the class and the remedy, its own ``"sdpa"`` or ``"eager"``; a model
             transformers cannot judge up front is refused at its first forward instead, see
-            :meth:`update`).
-        InvalidArgumentError: a bad ``max_sequence_length``.
+            :meth:`update`); ``handles`` for a model with recurrent-state layers.
+        InvalidArgumentError: a bad ``max_sequence_length``, or ``handles`` not each a live
+            request of ``manager``, once, all of one length.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class PagedCache(Cache):
         config: PretrainedConfig | torch.nn.Module,
         *,
         max_sequence_length: int | None = None,
+        handles: Sequence[PagedKvCacheHandle[torch.Tensor]] | None = None,
     ) -> None:
         if not isinstance(manager, PagedKvCacheManager):
             raise InvalidTypeError(f"manager must be a PagedKvCacheManager, got {type(manager).__name__}")
@@ -121,6 +126,11 @@ class PagedCache(Cache):
         if model is not None and pool.enable_prefix_caching:
             attach_prompt_hook(model)
         self._finalizer = weakref.finalize(self, release_requests, manager, self._rows.request_ids)
+        if handles is not None:
+            if self._states is not None:
+                raise UnsupportedConfigError("a cache of a model with recurrent-state layers cannot adopt requests")
+            mode: Mode = "paged" if attention_implementation(text) == ATTN_IMPLEMENTATION else "contiguous"
+            self._rows_started(self._rows.adopt(handles), mode)
 
     # -- introspection -----------------------------------------------------------------
 
@@ -296,11 +306,7 @@ class PagedCache(Cache):
         prompts = prompt_rows(input_ids, attention_mask)
         columns = int(input_ids.shape[1])
         shared = self._rows.map_prefix(list(prompts), [columns - len(prompt) for prompt in prompts], columns)
-        if self._states is not None:
-            self._states.mapped(shared)
-        self._mode = "paged"
-        self._progress.lengths = [shared] * self._num_layers
-        return shared
+        return self._rows_started(shared, "paged")
 
     def receive_token_ids(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
@@ -317,12 +323,14 @@ class PagedCache(Cache):
             return 0
         mode: Mode = "paged" if attention_implementation(self._text) == ATTN_IMPLEMENTATION else "contiguous"
         shared = self._feed.receive(input_ids, attention_mask, position_ids, stores_padding=mode == "contiguous")
-        if shared is not None:
-            self._mode = mode
-            self._progress.lengths = [shared] * self._num_layers
-            if self._states is not None:
-                self._states.mapped(shared)
-        return shared or 0
+        return 0 if shared is None else self._rows_started(shared, mode)
+
+    def _rows_started(self, positions: int, mode: Mode) -> int:  # the new rows hold positions already
+        self._mode = mode
+        self._progress.lengths = [positions] * self._num_layers
+        if self._states is not None:
+            self._states.mapped(positions)
+        return positions
 
     # -- lifecycle ---------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import uuid
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -197,6 +198,41 @@ class BatchRows:
             real[row, :pad] = False
         self.stored = real[:, :shared].copy()
         return shared
+
+    def adopt(self, handles: Sequence[Handle]) -> int:
+        """Make ``handles`` (live requests of the manager, one per row) the rows, every token
+        of them stored, and return the positions they hold.
+
+        Raises:
+            InvalidArgumentError: rows are held already, no handle, a handle that is not a
+                live request of this manager or appears twice, requests of different lengths
+                or an empty one.
+        """
+        if self.handles:
+            raise InvalidArgumentError(f"the cache holds {len(self.handles)} rows already: release() it first")
+        if isinstance(handles, (str, bytes)) or not isinstance(handles, Sequence) or not handles:
+            raise InvalidArgumentError(f"handles must be a non-empty sequence of request handles, got {handles!r}")
+        for handle in handles:
+            request_id = getattr(handle, "request_id", None)
+            if not isinstance(request_id, str) or self.manager.get_handle(request_id) != handle:
+                raise InvalidArgumentError(f"{handle!r} is not a live request of this cache's manager")
+        request_ids = [handle.request_id for handle in handles]
+        if len(set(request_ids)) != len(request_ids):
+            raise InvalidArgumentError(f"a request appears twice among the handles {request_ids}")
+        lengths = [handle.num_tokens() for handle in handles]
+        if len(set(lengths)) != 1 or lengths[0] == 0:
+            raise InvalidArgumentError(
+                f"the requests hold {lengths} tokens: rows start at one length, at least 1 (adopt requests of "
+                "different lengths in caches of their own)"
+            )
+        positions = lengths[0]
+        self.handles[:] = handles
+        self.request_ids[:] = request_ids
+        self.tokens[:] = lengths
+        self.ids_known[:] = [len(handle.token_ids()) >= positions for handle in handles]
+        self.positions = positions
+        self.stored = np.ones((len(handles), positions), dtype=np.bool_)
+        return positions
 
     # -- batch surgery -------------------------------------------------------------------
 

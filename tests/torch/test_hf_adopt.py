@@ -1,0 +1,154 @@
+"""kvcache_torch.hf: a :class:`PagedCache` that goes on from existing requests
+(``PagedCache(manager, model, handles=[...])``), as a decode worker goes on from a request
+imported from a prefill worker: ``generate`` computes only the tokens past them.
+
+Every equality test compares fp32 logits with ``DynamicCache``'s (max abs difference
+<= 1e-4) and the greedy tokens exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from kvcache_core import (
+    AllocationRequest,
+    InvalidArgumentError,
+    PagedKvCacheManager,
+    UnsupportedConfigError,
+    create_manager,
+)
+from tests.torch.hf_models import STATE_COMMON, STATE_MODELS
+from tests.torch.hf_support import (
+    TOLERANCE,
+    Model,
+    PagedCache,
+    Tensor,
+    cache_config_for,
+    generate,
+    max_logit_difference,
+    model_pair,
+    one_thread,  # noqa: F401  # pyright: ignore[reportUnusedImport]  # a fixture, used by pytestmark
+    prompts,
+    torch,
+    transformers,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLOCK = 8
+
+
+def pool(model: Model, *, prefix_caching: bool = True) -> PagedKvCacheManager[Tensor]:
+    config = dataclasses.replace(
+        cache_config_for(model, num_blocks=64, block_size=BLOCK), enable_prefix_caching=prefix_caching
+    )
+    manager: PagedKvCacheManager[Tensor] = create_manager("torch", config)
+    return manager
+
+
+def computed_per_forward(model: Model) -> tuple[list[int], Any]:
+    """The tokens each forward of ``model`` embeds (what it computes), and the hook to remove."""
+    counts: list[int] = []
+
+    def count(_module: Any, inputs: tuple[Any, ...], _output: Any) -> None:
+        counts.append(int(inputs[0].shape[1]))
+
+    return counts, model.model.embed_tokens.register_forward_hook(count)
+
+
+def prefilled(model: Model, manager: PagedKvCacheManager[Tensor], ids: Tensor) -> tuple[Any, Any]:
+    """Prefill ``ids`` and generate the first token; a fork of the request (what an import
+    gives: the prompt's tokens, nothing more) and the first step's output."""
+    with PagedCache(manager, model) as cache:
+        first = generate(model, ids, torch.ones_like(ids), cache, max_new_tokens=1)
+        copies = [manager.fork(handle, f"copy-{row}") for row, handle in enumerate(cache.handles)]
+    return copies, first
+
+
+@pytest.mark.parametrize("path", ["paged", "sdpa"])
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix caching", "no prefix caching"])
+def test_generate_goes_on_from_adopted_requests_computing_only_the_new_tokens(path: str, prefix_caching: bool) -> None:
+    model, reference = model_pair("llama", path)
+    manager = pool(model, prefix_caching=prefix_caching)
+    ids, mask = prompts(2, 29, seed=31)
+    handles, first = prefilled(model, manager, ids)
+    counts, hook = computed_per_forward(model)
+    try:
+        with PagedCache(manager, model, handles=handles) as cache:
+            assert cache.get_seq_length() == 29
+            assert cache.request_ids == ("copy-0", "copy-1")
+            rest = generate(model, first.sequences, torch.ones_like(first.sequences), cache, max_new_tokens=16)
+            assert cache.request_lengths() == [29 + 16, 29 + 16]
+    finally:
+        hook.remove()
+    assert counts == [1] * 16  # the first token onward, one per step: no prompt token
+    expected = generate(reference, ids, mask, max_new_tokens=17)
+    assert torch.equal(rest.sequences, expected.sequences)
+    assert max_logit_difference([first.logits[0], *rest.logits], expected.logits) <= TOLERANCE
+    assert manager.list_handles() == []  # leaving the cache released the adopted requests
+    manager.check_invariants()
+
+
+def test_an_adopted_request_whose_ids_are_known_caches_the_blocks_decode_writes() -> None:
+    model, _ = model_pair("llama", "paged")
+    manager = pool(model)
+    ids, _ = prompts(1, 16, seed=32)
+    (handle,), first = prefilled(model, manager, ids)
+    with PagedCache(manager, model, handles=[handle]) as cache:
+        rest = generate(model, first.sequences, torch.ones_like(first.sequences), cache, max_new_tokens=9)
+    again = manager.allocate(AllocationRequest("again", prompt_token_ids=(*rest.sequences[0].tolist(), 5)))
+    assert again.num_cached_tokens() == 24  # the prompt's 2 blocks and the one decode filled
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["no handles", "a handle twice", "different lengths", "a released request", "another manager's request"],
+)
+def test_handles_that_are_not_one_batch_of_live_requests_are_refused_by_name(case: str) -> None:
+    model, _ = model_pair("llama", "paged")
+    manager = pool(model)
+    other = pool(model)
+    a = manager.allocate(AllocationRequest("a"))
+    manager.extend(a, 5)
+    b = manager.allocate(AllocationRequest("b"))
+    manager.extend(b, 6 if case == "different lengths" else 5)
+    foreign = other.allocate(AllocationRequest("a"))
+    other.extend(foreign, 5)
+    handles: list[Any] = {
+        "no handles": [],
+        "a handle twice": [a, a],
+        "different lengths": [a, b],
+        "a released request": [a, b],
+        "another manager's request": [foreign],
+    }[case]
+    if case == "a released request":
+        manager.deallocate("b")
+    with pytest.raises(InvalidArgumentError, match=r"handles|live request|twice|tokens"):
+        PagedCache(manager, model, handles=handles)
+    assert sorted(rid for rid, _ in manager.list_handles()) == (["a"] if case == "a released request" else ["a", "b"])
+    assert a.num_tokens() == 5
+    manager.check_invariants()
+
+
+def test_an_empty_request_is_refused() -> None:
+    model, _ = model_pair("llama", "paged")
+    manager = pool(model)
+    empty = manager.allocate(AllocationRequest("empty"))
+    with pytest.raises(InvalidArgumentError, match=r"\[0\] tokens"):
+        PagedCache(manager, model, handles=[empty])
+    assert manager.get_handle("empty") == empty
+
+
+def test_a_model_with_recurrent_state_layers_cannot_adopt_requests() -> None:
+    config_name, model_name, fields, _ = STATE_MODELS["mamba2"]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**STATE_COMMON, **fields})).eval()
+    manager: PagedKvCacheManager[Tensor] = create_manager("torch", cache_config_for(model, num_blocks=16, block_size=4))
+    handle = manager.allocate(AllocationRequest("a"))
+    manager.extend(handle, 3)
+    with pytest.raises(UnsupportedConfigError, match="recurrent-state"):
+        PagedCache(manager, model, handles=[handle])
+    assert manager.get_handle("a") == handle
