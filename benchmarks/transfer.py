@@ -20,25 +20,20 @@ Run, from the repository root::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import multiprocessing
 import sys
-import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-import zmq
 from _harness import BenchParser, int_list, mib, print_environment, ratio, require, run, take_turns
+from _harness.nixl_read import RawReader
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, create_manager
 from kvcache_core.contract.config import KV_LAYOUTS
 from kvcache_core.contract.regions import host_form_from_parts
 from kvcache_core.transfer import KvTransferAgent, TransferTicket
-from kvcache_core.transfer.channel import ask
-from kvcache_core.transfer.engine import NixlEngine
-from kvcache_core.transfer.plan import read_plan
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -98,29 +93,6 @@ def serve(connection: Connection, args: argparse.Namespace) -> None:
             else:
                 agent.close()
                 return
-
-
-class RawReader:
-    """A bare NIXL agent reading a ticket's chunks into a staging buffer, nothing more."""
-
-    def __init__(self, source: CacheConfig) -> None:
-        self._engine = NixlEngine(f"raw-reader-{time.monotonic_ns()}")
-        self._context: zmq.Context[Any] = zmq.Context()
-        self._source = source
-
-    def read(self, ticket: TransferTicket) -> dict[tuple[int, str], Any]:
-        deadline = time.monotonic() + 60
-        if not self._engine.knows(ticket.agent):
-            reply = ask(self._context, ticket.address, {"op": "open", "lease": ticket.lease}, deadline)
-            self._engine.add_peer(reply["metadata"])
-        plan = read_plan(ticket, dataclasses.replace(self._source, kv_layout=ticket.layout), 0)
-        staging = np.empty(plan.total_bytes, dtype=np.uint8)
-        self._engine.read(ticket.agent, plan.remote, plan.device_kind, staging, plan.offsets, deadline)
-        ask(self._context, ticket.address, {"op": "release", "lease": ticket.lease}, deadline)
-        return plan.parts(staging)
-
-    def close(self) -> None:
-        self._context.term()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -62,6 +62,7 @@ def test_every_benchmark_is_listed_here() -> None:
         "fleet.py",
         "generate_hybrid.py",
         "generate_torch.py",
+        "handoff.py",
         "hybrid_memory.py",
         "memory_hybrid.py",
         "memory_mla.py",
@@ -75,7 +76,7 @@ def test_every_benchmark_is_listed_here() -> None:
 
 def _missing_extra(script: str) -> str | None:
     """Why ``script`` cannot run here (an optional extra it needs is not installed), or ``None``."""
-    if script != "transfer.py":
+    if script not in ("handoff.py", "transfer.py"):
         return None
     try:
         from kvcache_core.transfer import nixl_unavailable_reason
