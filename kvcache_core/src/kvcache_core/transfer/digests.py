@@ -11,8 +11,11 @@ lease), at several GB/s; the producer is trusted with the data itself.
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
 import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 import numpy as np
@@ -35,15 +38,45 @@ def host_memory(address: int, length: int) -> ctypes.Array[ctypes.c_ubyte]:
 
 def block_digests(regions: Sequence[MemoryRegion], blocks: npt.NDArray[np.int64], read: Reader) -> bytes:
     """The digests of ``blocks`` of ``regions`` (``DIGEST_BYTES`` each, concatenated), with
-    ``read(address, length)`` giving the bytes at a chunk's address."""
+    ``read(address, length)`` (thread-safe) giving the bytes at a chunk's address.
+
+    Blocks are checksummed on several threads when there are megabytes of them and their
+    chunks are large enough for ``zlib.crc32`` to release the GIL (over 5 KiB)."""
     count = len(blocks)
-    starts = [region.block_chunks(blocks).reshape(region.chunks_per_block, count) for region in regions]
+    # Per region, per block: its chunks' addresses.
+    starts = [region.block_chunks(blocks).reshape(region.chunks_per_block, count).T.tolist() for region in regions]
     lengths = [region.block_stride_bytes for region in regions]
-    digests = bytearray()
-    for index in range(count):
-        checksum = 0
-        for chunk_starts, length in zip(starts, lengths, strict=True):
-            for start in chunk_starts[:, index].tolist():
-                checksum = zlib.crc32(read(start, length), checksum)
-        digests += checksum.to_bytes(DIGEST_BYTES, "big")
-    return bytes(digests)
+
+    def digest(first: int, stop: int) -> bytes:
+        digests = bytearray()
+        for index in range(first, stop):
+            checksum = 0
+            for chunk_starts, length in zip(starts, lengths, strict=True):
+                for start in chunk_starts[index]:
+                    checksum = zlib.crc32(read(start, length), checksum)
+            digests += checksum.to_bytes(DIGEST_BYTES, "big")
+        return bytes(digests)
+
+    total_bytes = count * sum(region.chunks_per_block * region.block_stride_bytes for region in regions)
+    workers = min(_MAX_WORKERS, os.cpu_count() or 1, -(-total_bytes // _BYTES_PER_WORKER))
+    if workers < 2 or min(lengths, default=0) <= _GIL_RELEASED_ABOVE:
+        return digest(0, count)
+    bounds = np.linspace(0, count, workers + 1).astype(np.int64).tolist()
+    return b"".join(_executor().map(digest, bounds[:-1], bounds[1:]))
+
+
+#: ``zlib.crc32`` holds the GIL for buffers up to this many bytes (CPython).
+_GIL_RELEASED_ABOVE: Final = 5 * 1024
+#: Each thread checksums at least this many bytes: less is not worth handing out.
+_BYTES_PER_WORKER: Final = 4 << 20
+_MAX_WORKERS: Final = 8
+_EXECUTOR: list[ThreadPoolExecutor] = []
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The checksum threads, started at the first large request and shared by every agent."""
+    with _EXECUTOR_LOCK:
+        if not _EXECUTOR:
+            _EXECUTOR.append(ThreadPoolExecutor(_MAX_WORKERS, thread_name_prefix="kvcache-digests"))
+        return _EXECUTOR[0]
