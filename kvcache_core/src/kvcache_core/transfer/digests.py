@@ -38,22 +38,26 @@ def host_memory(address: int, length: int) -> ctypes.Array[ctypes.c_ubyte]:
 
 def block_digests(regions: Sequence[MemoryRegion], blocks: npt.NDArray[np.int64], read: Reader) -> bytes:
     """The digests of ``blocks`` of ``regions`` (``DIGEST_BYTES`` each, concatenated), with
-    ``read(address, length)`` (thread-safe) giving the bytes at a chunk's address.
+    ``read(address, length)`` giving the bytes of a whole region at its address.
 
     Blocks are checksummed on several threads when there are megabytes of them and their
     chunks are large enough for ``zlib.crc32`` to release the GIL (over 5 KiB)."""
     count = len(blocks)
-    # Per region, per block: its chunks' addresses.
-    starts = [region.block_chunks(blocks).reshape(region.chunks_per_block, count).T.tolist() for region in regions]
+    views = [memoryview(read(region.address, region.length_bytes)).cast("B") for region in regions]
+    # Per region, per block: its chunks' offsets in the region.
+    starts = [
+        (region.block_chunks(blocks) - region.address).reshape(region.chunks_per_block, count).T.tolist()
+        for region in regions
+    ]
     lengths = [region.block_stride_bytes for region in regions]
 
     def digest(first: int, stop: int) -> bytes:
         digests = bytearray()
         for index in range(first, stop):
             checksum = 0
-            for chunk_starts, length in zip(starts, lengths, strict=True):
+            for view, chunk_starts, length in zip(views, starts, lengths, strict=True):
                 for start in chunk_starts[index]:
-                    checksum = zlib.crc32(read(start, length), checksum)
+                    checksum = zlib.crc32(view[start : start + length], checksum)
             digests += checksum.to_bytes(DIGEST_BYTES, "big")
         return bytes(digests)
 
