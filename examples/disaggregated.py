@@ -31,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the checkpoint is local: nothing
 PROMPT_LENGTH = 45  # 5 full blocks of 8 and 5 tokens
 NEW_TOKENS = 16
 BLOCK_SIZE = 8
+PROMPT = [(7 * position + 3) % 97 + 3 for position in range(PROMPT_LENGTH)]
 
 
 def missing() -> str | None:
@@ -173,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         ours, theirs = spawn.Pipe()
         prefill = spawn.Process(target=prefill_worker, args=(folder, theirs), daemon=True)
         prefill.start()
+        theirs.close()  # the worker's end lives in the worker only: its exit ends the pipe
         try:
-            prompt = [(7 * position + 3) % 97 + 3 for position in range(PROMPT_LENGTH)]
-            ours.send(prompt)
+            ours.send(PROMPT)
             if not ours.poll(300):
                 raise RuntimeError("the prefill worker sent nothing in 300 s")
             ticket, sequence, first_logits = ours.recv()

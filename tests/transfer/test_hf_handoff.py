@@ -41,7 +41,7 @@ def single_process_run(example: Any, folder: Path, implementation: str) -> tuple
 
     model, manager = example.load_worker(str(folder))
     model.set_attn_implementation(implementation)
-    prompt = torch.tensor([[(7 * position + 3) % 97 + 3 for position in range(example.PROMPT_LENGTH)]])
+    prompt = torch.tensor([example.PROMPT])
     settings = example.generate_settings(example.NEW_TOKENS)
     with manager, torch.no_grad():
         if implementation == "sdpa":
