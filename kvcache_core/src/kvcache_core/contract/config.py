@@ -30,6 +30,7 @@ from kvcache_core.contract.states import StatePool, not_kv_layer
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerIndexError
 
 __all__ = [
+    "ATTENTION_PATHS",
     "DTYPE_SIZES",
     "KV_LAYOUTS",
     "MAX_KV_SCALE",
@@ -80,6 +81,9 @@ SCALE_BYTES: Final = 4
 #: ``"heads_first"`` is ``[num_heads, num_blocks, block_size, head_dim]`` (JAX Pallas).
 KV_LAYOUTS: Final[tuple[str, ...]] = ("NHD", "HND", "heads_first")
 
+#: The values of :attr:`CacheConfig.attention_path`: the measured choice, the compiled kernel,
+#: the array library's own path (:mod:`kvcache_core.backends.dispatch`).
+ATTENTION_PATHS: Final[tuple[str, ...]] = ("auto", "kernel", "native")
 
 #: The most slots (``num_blocks * block_size``) a pool may have: page tables are int32.
 MAX_POOL_SLOTS: Final = INT32_MAX
@@ -138,6 +142,11 @@ class CacheConfig:
         value_head_dim: the values' features per head (>= 1) where they differ from the keys' (latent
             attention's rotary part, ``v_head_dim``); ``None`` or :attr:`head_dim` (stored as ``None``): as
             wide. :attr:`value_width` resolves it; backends claiming ``"value_head_dim"`` hold such pools.
+        attention_path: which attention path the backend runs (see
+            :mod:`kvcache_core.backends.dispatch`): ``"auto"`` (the default), the faster on this machine for
+            each shape of batch, measured the first time and kept on disk (``KVCACHE_ATTENTION_PATH`` pins one
+            for the process); ``"kernel"``, the compiled kernel; ``"native"``, the array library's own path.
+            Not part of the pool's identity (configs differing only here compare equal).
 
     Every field is stored as a plain Python value (NumPy integers, floats and strings
     are accepted and converted; a bool is refused where a number is meant). Counts and
@@ -167,6 +176,7 @@ class CacheConfig:
     layer_specs: tuple[LayerSpec, ...] | None = None
     state_slots: int | None = None
     value_head_dim: int | None = None
+    attention_path: str = field(default="auto", compare=False)
     _groups: tuple[KvGroup, ...] = field(default=(), init=False, repr=False, compare=False)
     _slots: tuple[tuple[int, int], ...] = field(default=(), init=False, repr=False, compare=False)
     _specs: tuple[LayerSpec, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -193,6 +203,7 @@ class CacheConfig:
         layer_specs: object = None,
         state_slots: IntLike | None = None,
         value_head_dim: IntLike | None = None,
+        attention_path: str = "auto",
     ) -> None:
         # Written out so that ``device`` accepts its text form ("cuda:0") and is stored as
         # a Device; the dataclass still provides eq, repr, hash and replace().
@@ -239,6 +250,11 @@ class CacheConfig:
                 f"CacheConfig.model_id must be a non-empty str or None, got {shown(self.model_id)}"
             )
         self._check_thresholds()
+        if not isinstance(self.attention_path, str) or self.attention_path not in ATTENTION_PATHS:
+            raise InvalidConfigError(
+                f"CacheConfig.attention_path {shown(self.attention_path)} is unknown; valid: {', '.join(ATTENTION_PATHS)}"
+            )
+        object.__setattr__(self, "attention_path", str(self.attention_path))
 
     def _check_thresholds(self) -> None:
         """Validate the pressure thresholds and store them as floats."""
