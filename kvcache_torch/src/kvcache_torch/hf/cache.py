@@ -102,10 +102,12 @@ class PagedCache(Cache):
         layers, self._layer_specs, self._sources = check_model_fits_pool(config, text, pool, model)
         # The window DynamicCache gives each layer: its sliding window, or its chunk.
         self._windows = [spec.window if spec.window is not None else spec.chunk for spec in self._layer_specs]
+        keeping = [pool.layer_spec(index).keeps_kv or pool.layer_spec(index).keeps_state for index in range(layers)]
         faces: list[Any] = [PagedCacheLayer(self, index, self._windows[index]) for index in range(layers)]
-        if len(self._sources) > layers:  # reusing layers keep nothing, as in DynamicCache
-            from transformers.cache_utils import DummyLayer  # transformers 5: where shared layers are described
+        if len(self._sources) > layers or not all(keeping):  # as in DynamicCache: reusing layers and
+            from transformers.cache_utils import DummyLayer  # MLP layers keep nothing (transformers 5)
 
+            faces = [face if kept else DummyLayer() for face, kept in zip(faces, keeping, strict=True)]  # type: ignore[no-untyped-call]
             faces += [DummyLayer() for _ in self._sources[layers:]]  # type: ignore[no-untyped-call]
         super().__init__(layers=faces)
         self._manager = manager
@@ -117,7 +119,7 @@ class PagedCache(Cache):
         self._kv_layers = tuple(layer for layer in range(layers) if pool.layer_spec(layer).keeps_kv)
         self._attention_layers = len(self._kv_layers)
         self._progress = LayerProgress(layers, self._attention_layers)
-        self._states = StateBridge(manager, states, self._rows) if states else None
+        self._states = StateBridge(manager, states, self._rows, self._progress.placing) if states else None
         self._mode: Mode | None = None
         self._feed = TokenFeed(self._rows)
         if model is not None and pool.enable_prefix_caching:
@@ -172,9 +174,13 @@ class PagedCache(Cache):
 
     @property
     def is_linear(self) -> list[bool]:
-        """Per layer, whether it keeps a recurrent state (alone or beside its K/V)."""
+        """Per layer, whether it keeps a recurrent state and no K/V (as transformers counts: a
+        layer keeping both is not linear, so ``generate`` still skips the cached positions)."""
         states = self._states
-        return [states is not None and states.is_state_layer(layer) for layer in range(self._num_layers)]
+        return [
+            states is not None and states.is_state_layer(layer) and layer not in self._kv_layers
+            for layer in range(self._num_layers)
+        ]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions cached for ``layer_idx`` (padding columns included, as transformers

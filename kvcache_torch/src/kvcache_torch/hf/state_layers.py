@@ -194,25 +194,34 @@ def state_specs(config: PretrainedConfig, layers: int, dtype: str) -> dict[int, 
 class StateBridge:
     """transformers' linear-attention cache calls over the pool's state slots of a batch.
 
-    With prefix caching, when the model's first layer keeps a state, each forward's first
-    call files a checkpoint (``step.checkpoint_states``) of the rows without padding: their
-    slots then hold the states after exactly their tokens, as no layer of the new forward
-    has run. (A model whose first layer is attention files none, and so maps no prefix.)
+    With prefix caching, the first call of each forward to the first state layer, before
+    the forward placed its tokens, files a checkpoint (``step.checkpoint_states``) of the
+    rows without padding: their slots then hold the states after exactly their tokens, as no
+    layer of the new forward has run. (A model whose first layer is attention alone places
+    its tokens before any state layer runs: it files none, and so maps no prefix.)
 
     Args:
         manager: the pool's manager.
         specs: each state layer's spec (:func:`state_specs`).
         rows: the batch's rows (their requests, tokens and positions).
+        placing: whether the forward under way has placed its tokens (grown the rows).
     """
 
     def __init__(
-        self, manager: PagedKvCacheManager[torch.Tensor], specs: dict[int, StateSpec], rows: BatchRows
+        self,
+        manager: PagedKvCacheManager[torch.Tensor],
+        specs: dict[int, StateSpec],
+        rows: BatchRows,
+        placing: Callable[[], bool] = lambda: False,
     ) -> None:
         self._manager = manager
         self._specs = specs
         self._rows = rows
         self._handles = rows.handles
-        self._checkpoints = manager.config.enable_prefix_caching and 0 in specs
+        self._checkpoints = manager.config.enable_prefix_caching
+        self._first = min(specs, default=0)
+        self._placing = placing
+        self._checked_at: int | None = None  # the positions whose forward was considered for a checkpoint
         self._step: Step[torch.Tensor] | None = None
         self._open: int | None = None  # the state layer whose tensors are out
         self._tensors: dict[str, torch.Tensor] = {}
@@ -243,15 +252,25 @@ class StateBridge:
         return step
 
     def _switch(self, layer: int) -> dict[str, torch.Tensor]:
+        if layer == self._first and self._checkpoints and self._handles and self._forward_begins():
+            self.flush()  # the states the last forward left (a single state layer stays open)
+            rows = self._rows
+            unpadded = [h for h, tokens in zip(rows.handles, rows.tokens, strict=True) if tokens == rows.positions]
+            if unpadded:
+                self._manager.begin_step(unpadded, 0).checkpoint_states()
         if self._open != layer:
             self.flush()
             self._open = layer
-            if layer == 0 and self._checkpoints and self._handles:  # a new forward begins
-                rows = self._rows
-                unpadded = [h for h, tokens in zip(rows.handles, rows.tokens, strict=True) if tokens == rows.positions]
-                if unpadded:
-                    self._manager.begin_step(unpadded, 0).checkpoint_states()
         return self._tensors
+
+    def _forward_begins(self) -> bool:
+        """Whether this call is the first of a forward that has not placed its tokens yet
+        (each forward adds positions, so the positions tell one forward from the next)."""
+        positions = self._rows.positions
+        if positions == self._checked_at or self._placing():
+            return False
+        self._checked_at = positions
+        return True
 
     def _read(self, layer: int, name: str) -> torch.Tensor:
         tensors = self._switch(layer)
@@ -309,7 +328,7 @@ class StateBridge:
 
     def reset(self) -> None:
         """Forget the batch (its rows were released): nothing is written back."""
-        self._open, self._tensors, self._step = None, {}, None
+        self._open, self._tensors, self._step, self._checked_at = None, {}, None, None
         self.previous = dict.fromkeys(self._specs, False)
         self._given.clear()
 
