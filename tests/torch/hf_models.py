@@ -475,9 +475,7 @@ _BY_HAND: tuple[Family, ...] = (
 #: Every family: the ones written out above, then those with values of their own width, then
 #: those with recurrent states.
 FAMILIES: tuple[Family, ...] = (
-    _BY_HAND
-    + tuple(_latent_family(key) for key in LATENT_MODELS)
-    + tuple(_state_family(key) for key in STATE_MODELS)
+    _BY_HAND + tuple(_latent_family(key) for key in LATENT_MODELS) + tuple(_state_family(key) for key in STATE_MODELS)
 )
 
 #: The comment lines around the README's generated table.

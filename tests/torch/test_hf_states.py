@@ -166,7 +166,9 @@ def test_hybrid_layers_keep_kv_and_a_state_and_mlp_layers_keep_nothing(
 def test_a_hybrid_layer_of_a_family_without_known_state_shapes_is_refused_by_name() -> None:
     config = transformers.Zamba2Config(**{**COMMON, **ATTENTION, "layers_block_type": ["mamba", "hybrid"] * 2})
     config.model_type = "zamba_unknown"  # hybrid layers whose Mamba state kvcache cannot size
-    with pytest.raises(UnsupportedConfigError, match="'hybrid', 'linear_attention'.*state shapes"):
+    with pytest.raises(
+        UnsupportedConfigError, match=r"'hybrid', 'linear_attention' \(a recurrent state\) whose state shapes"
+    ):
         cache_config_for(config, num_blocks=8)
 
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvcache_core.contract.scalars import INT32_MAX, IntLike, as_integer, check_flag, check_optional_count, shown
 from kvcache_core.contract.states import StateSpec
 from kvcache_core.errors import InvalidConfigError, LayerIndexError
@@ -62,9 +64,10 @@ class LayerSpec:
     - ``LayerSpec(keeps_kv=False)``: nothing (an MLP or mixture-of-experts layer of a
       hybrid stack, Nemotron-H's): it joins no group and holds no state.
 
-    ``keeps_kv`` defaults to ``state is None`` and is stored resolved, as a bool; ``window``
-    and ``chunk`` are stored as ``int`` (NumPy integers are accepted) and span at most
-    ``INT32_MAX`` positions (page tables and kernels hold positions in int32).
+    ``keeps_kv`` defaults to ``state is None`` and is stored resolved, as a ``bool`` (NumPy's
+    bool is accepted); ``window`` and ``chunk`` are stored as ``int`` (NumPy integers are
+    accepted) and span at most ``INT32_MAX`` positions (page tables and kernels hold
+    positions in int32).
 
     Raises:
         InvalidConfigError: a window or chunk that is not an int in ``[1, INT32_MAX]``, or
@@ -82,7 +85,7 @@ class LayerSpec:
         window: IntLike | None = None,
         chunk: IntLike | None = None,
         state: StateSpec | None = None,
-        keeps_kv: bool | None = None,
+        keeps_kv: bool | np.bool_ | None = None,
     ) -> None:
         # Written out so that NumPy integers type-check; stored as ints.
         object.__setattr__(self, "window", window)
@@ -104,7 +107,9 @@ class LayerSpec:
         if self.state is not None and not isinstance(self.state, StateSpec):
             raise InvalidConfigError(f"LayerSpec.state must be a StateSpec or None, got {shown(self.state)}")
         given: object = self.keeps_kv
-        keeps_kv = self.state is None if given is None else check_flag(given, "LayerSpec.keeps_kv", error=InvalidConfigError)
+        keeps_kv = (
+            self.state is None if given is None else check_flag(given, "LayerSpec.keeps_kv", error=InvalidConfigError)
+        )
         object.__setattr__(self, "keeps_kv", keeps_kv)
         if not keeps_kv and (self.window is not None or self.chunk is not None):
             held = "a state only" if self.state is not None else "nothing"

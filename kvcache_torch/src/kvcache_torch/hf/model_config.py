@@ -193,7 +193,8 @@ def layer_specs(config: PretrainedConfig, state_dtype: str = "float32") -> tuple
     types: Sequence[str] | None = getattr(text, "layer_types", None)
     if types is None:
         types = ["sliding_attention" if window is not None else "full_attention"] * layers
-    served = _ATTENTION_LAYER_TYPES | EMPTY_LAYER_TYPES | (STATE_LAYER_TYPES | HYBRID_LAYER_TYPES if states else set())
+    kept_states: frozenset[str] = STATE_LAYER_TYPES | HYBRID_LAYER_TYPES if states else frozenset()
+    served = _ATTENTION_LAYER_TYPES | EMPTY_LAYER_TYPES | kept_states
     other = sorted(set(types) - served)
     if other:
         raise UnsupportedConfigError(

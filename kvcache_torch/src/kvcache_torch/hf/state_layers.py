@@ -25,7 +25,14 @@ from kvcache_core.errors import ShapeMismatchError, StaleStepError
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.rows import BatchRows
 
-__all__ = ["EMPTY_LAYER_TYPES", "HYBRID_LAYER_TYPES", "STATE_FAMILIES", "STATE_LAYER_TYPES", "StateBridge", "state_specs"]
+__all__ = [
+    "EMPTY_LAYER_TYPES",
+    "HYBRID_LAYER_TYPES",
+    "STATE_FAMILIES",
+    "STATE_LAYER_TYPES",
+    "StateBridge",
+    "state_specs",
+]
 
 #: Layer types of ``config.layer_types`` that keep a recurrent state and no K/V.
 STATE_LAYER_TYPES: Final = frozenset({"linear_attention", "conv", "mamba"})
