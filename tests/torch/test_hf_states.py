@@ -38,6 +38,7 @@ from tests.torch.hf_support import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = STATE_MODELS
+PATHS = ("paged", "contiguous")
 
 CASES = [(family, path) for family, (_, _, _, paths) in FAMILIES.items() for path in paths]
 
@@ -192,3 +193,37 @@ def test_a_second_generate_sharing_a_prompt_starts_from_the_last_state_checkpoin
     expected = generate(reference, second_ids, mask, max_new_tokens=8)
     assert max_logit_difference(ours.logits, expected.logits) < TOLERANCE
     assert torch.equal(ours.sequences, expected.sequences)
+
+
+@pytest.mark.parametrize(
+    ("family", "path"), [(family, path) for family in ("bamba", "falcon_h1", "zamba2", "nemotron_h") for path in PATHS]
+)
+def test_generate_alone_starts_a_longer_prompt_from_the_last_checkpoint(family: str, path: str) -> None:
+    model = model_under_test(family, path)
+    reference = build(family)[1]
+    # Slots for the row and the checkpoints filed at 32, 36, 40 and 44 tokens (the oldest is
+    # evicted first when they run short).
+    config = cache_config_for(model, num_blocks=64, block_size=4, hybrid=path == "paged", state_slots=8)
+    manager = create_manager("torch", dataclasses.replace(config, enable_prefix_caching=True))
+    computed: list[int] = []
+
+    def count(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids: Any = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        computed.append(int(ids.shape[1]))
+
+    hook = model.model.register_forward_pre_hook(count, with_kwargs=True)
+    shared = prompts(1, 32, seed=12)[0]  # ends a block: its states are filed as the next forward begins
+    longer = torch.cat([shared, prompts(1, 7, seed=13)[0]], dim=1)
+    prefills: list[int] = []
+    try:
+        for ids in (shared, longer):
+            computed.clear()
+            with PagedCache(manager, model) as cache:  # the model itself: its forwards' ids reach the pool
+                ours = generate(model, ids, torch.ones_like(ids), cache, max_new_tokens=16)
+            prefills.append(computed[0])
+            expected = generate(reference, ids, torch.ones_like(ids), max_new_tokens=16)
+            assert torch.equal(ours.sequences, expected.sequences)
+            assert max_logit_difference(ours.logits, expected.logits) < TOLERANCE
+    finally:
+        hook.remove()
+    assert prefills == [32, 7], "the longer prompt's prefill starts after the checkpoint at 32 tokens"
