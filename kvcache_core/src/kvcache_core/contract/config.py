@@ -127,8 +127,9 @@ class CacheConfig:
             outputs, one of :data:`COMPUTE_DTYPES`; only a quantized pool may differ from
             :attr:`dtype`. ``None`` (the default): the pool's own dtype, or float32 for a
             quantized pool. :attr:`io_dtype` is the resolved name.
-        layer_specs: the attention of every layer (``[num_layers]`` :class:`LayerSpec`:
-            full, sliding window ``W`` or chunked ``C``), or ``None``: every layer full, or
+        layer_specs: what every layer keeps (``[num_layers]`` :class:`LayerSpec`: K/V of
+            full, sliding window ``W`` or chunked ``C`` attention, a recurrent state, both, or
+            nothing), or ``None``: every layer full, or
             sliding with :attr:`sliding_window`. Layers that keep the same blocks form
             KV-cache groups (:attr:`kv_groups`, see :mod:`kvcache_core.contract.groups`), each with
             its own block table per request over the one pool. Stored as a tuple.
@@ -329,14 +330,14 @@ class CacheConfig:
         """``(group, storage layer)`` of ``layer``.
 
         Raises:
-            LayerIndexError: ``layer`` outside ``0 .. num_layers - 1``, or a state layer
-                (it keeps no K/V).
+            LayerIndexError: ``layer`` outside ``0 .. num_layers - 1``, or a layer keeping
+                no K/V (a state only, or nothing).
         """
         index = self.check_layer(layer)
-        place, state = self._slots[index], self._specs[index].state
-        if state is not None:
-            raise not_kv_layer(index, state)
-        return place
+        spec = self._specs[index]
+        if not spec.keeps_kv:
+            raise not_kv_layer(index, spec.state)
+        return self._slots[index]
 
     def storage_config(self) -> CacheConfig:
         """The config the storage is built from: this one, or with KV-cache groups one of
