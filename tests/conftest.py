@@ -60,6 +60,13 @@ def _settle_numba() -> None:
 
 _settle_numba()
 
+# The attention path: the compiled kernel wherever it runs, as before dispatch existed, so
+# that a test's numbers do not depend on which path won a timing on a busy machine; the
+# measured choice ("auto", the users' default) has its own tests (tests/*/test_dispatch.py).
+# Calibration files never land in the home directory of whoever runs the suite.
+os.environ.setdefault("KVCACHE_ATTENTION_PATH", "kernel")
+os.environ.setdefault("KVCACHE_CACHE_DIR", "off")
+
 
 def pytest_report_header() -> str:
     """The size the slowest tests run at (``tests/sizes.py``)."""

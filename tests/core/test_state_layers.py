@@ -73,7 +73,9 @@ def test_a_state_spec_needs_distinct_arrays() -> None:
 
 
 def test_a_state_layer_has_no_window_or_chunk() -> None:
-    with pytest.raises(InvalidConfigError, match="without window or chunk"):
+    with pytest.raises(
+        InvalidConfigError, match=r"window=4 chunk=None on a layer keeping a state only \(keeps_kv=False\)"
+    ):
         LayerSpec(window=4, state=STATE)
     with pytest.raises(InvalidConfigError, match="must be a StateSpec"):
         LayerSpec(state="conv")  # type: ignore[arg-type]

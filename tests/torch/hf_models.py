@@ -192,6 +192,54 @@ STATE_MODELS: dict[str, tuple[str, str, dict[str, Any], tuple[str, ...]]] = {
         {**STATE_ATTENTION, "full_attn_idxs": [1, 3], "conv_L_cache": 3},
         ("paged", "contiguous"),
     ),
+    # Every layer runs a Mamba2 mixer and attention side by side: K/V and a state per layer.
+    "falcon_h1": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        {**STATE_ATTENTION, **_MAMBA2, "mamba_d_ssm": 128},
+        ("paged", "contiguous"),
+    ),
+    # Mamba2 layers; the hybrid ones run a shared attention block (weights tied across them,
+    # K/V of their own) before their mixer.
+    "zamba2": (
+        "Zamba2Config",
+        "Zamba2ForCausalLM",
+        {
+            **STATE_ATTENTION,
+            "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"],
+            "n_mamba_heads": 8,
+            "mamba_d_state": 16,
+            "mamba_ngroups": 2,
+            "mamba_d_conv": 4,
+            "chunk_size": 8,
+            "use_mem_rope": True,
+            "use_shared_attention_adapter": True,  # its adapters need as many KV heads as query heads
+            "num_key_value_heads": 4,
+            "adapter_rank": 8,
+        },
+        ("paged", "contiguous"),
+    ),
+    # Mamba2, attention, MLP and mixture-of-experts blocks: the last two keep nothing.
+    "nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        {
+            **STATE_ATTENTION,
+            "head_dim": 16,
+            "layers_block_type": ["mamba", "attention", "mlp", "moe"],
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 16,
+            "n_groups": 2,
+            "conv_kernel": 4,
+            "chunk_size": 8,
+            "n_routed_experts": 2,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+        },
+        ("paged", "contiguous"),
+    ),
 }
 
 #: Models whose cached values differ in width from their keys: ``(config class, model class,
@@ -262,8 +310,17 @@ _STATE_NAMES = {
     "jamba": "Jamba",
     "qwen3_next": "Qwen3-Next",
     "lfm2": "LFM2",
+    "falcon_h1": "Falcon-H1",
+    "zamba2": "Zamba2",
+    "nemotron_h": "Nemotron-H",
 }
 _STATES = "recurrent states in the pool's state slots, one per batch row"
+#: What a family adds beyond state layers beside attention layers.
+_STATE_EXTRA = {
+    "falcon_h1": "; every layer keeps K/V and a state (`LayerSpec(state=..., keeps_kv=True)`)",
+    "zamba2": "; hybrid layers keep K/V and a state, their shared attention block K/V per layer",
+    "nemotron_h": "; MLP and mixture-of-experts layers keep nothing (`LayerSpec(keeps_kv=False)`)",
+}
 
 
 def _state_family(key: str) -> Family:
@@ -271,7 +328,7 @@ def _state_family(key: str) -> Family:
     if paths[0] == "states":
         name, fields = _STATE_NAMES[key], {**STATE_COMMON, **fields}
         return Family(name, config_class, model_class, fields, "states", _STATES, attention="eager")
-    why = f"{_INTERFACE} on its attention layers; {_STATES}"
+    why = f"{_INTERFACE} on its attention layers; {_STATES}{_STATE_EXTRA.get(key, '')}"
     return Family(_STATE_NAMES[key], config_class, model_class, {**STATE_COMMON, **fields}, why=why)
 
 
@@ -418,9 +475,7 @@ _BY_HAND: tuple[Family, ...] = (
 #: Every family: the ones written out above, then those with values of their own width, then
 #: those with recurrent states.
 FAMILIES: tuple[Family, ...] = (
-    _BY_HAND
-    + tuple(_latent_family(key) for key in LATENT_MODELS)
-    + tuple(_state_family(key) for key in STATE_MODELS)
+    _BY_HAND + tuple(_latent_family(key) for key in LATENT_MODELS) + tuple(_state_family(key) for key in STATE_MODELS)
 )
 
 #: The comment lines around the README's generated table.

@@ -226,6 +226,7 @@ def test_matches_the_numpy_reference_in_every_dtype_and_layout(device: str, dtyp
     causal=st.booleans(),
     fragmented=st.booleans(),
     window=st.none() | st.integers(1, 24),
+    path=st.sampled_from(["auto", "kernel", "native"]),
 )
 def test_any_batch_matches_the_numpy_reference(
     lengths: list[int],
@@ -235,7 +236,9 @@ def test_any_batch_matches_the_numpy_reference(
     causal: bool,
     fragmented: bool,
     window: int | None,
+    path: str,
 ) -> None:
+    """On every attention path, forced (``auto``: the one measured faster here)."""
     counts = [data.draw(st.integers(0, length)) for length in lengths]
     manager = make_manager(kv_layout=layout, placement="fifo" if fragmented else "contiguous", num_blocks=48)
     filled = fill(manager, lengths, seed=sum(lengths))
@@ -243,7 +246,7 @@ def test_any_batch_matches_the_numpy_reference(
     table = manager.page_table(filled.handles)
     storage = manager.storage
     options: dict[str, Any] = {"causal": causal, "kv_layout": layout, "sliding_window": window}
-    output = public_attention(manager, 0, query, table, counts, **options)
+    output = public_attention(manager, 0, query, table, counts, path=path, **options)
     expected = numpy_expected(manager, 0, query, table, counts, **options)
     assert np.allclose(storage.to_numpy(output), expected, rtol=1e-5, atol=1e-5)
 

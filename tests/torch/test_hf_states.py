@@ -4,7 +4,8 @@ transformers' DynamicCache on the same weights.
 
 Paths: ``paged`` runs the attention layers with ``attn_implementation="kvcache_paged"``,
 ``contiguous`` with ``sdpa`` (whole K/V read back); ``states`` is a model without attention
-layers (Mamba2), where only the state slots serve it.
+layers (Mamba2), where only the state slots serve it. Falcon-H1's and Zamba2's hybrid layers
+keep K/V and a state each; Nemotron-H's MLP and mixture-of-experts layers keep nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tests.torch.hf_support import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = STATE_MODELS
+PATHS = ("paged", "contiguous")
 
 CASES = [(family, path) for family, (_, _, _, paths) in FAMILIES.items() for path in paths]
 
@@ -106,9 +108,10 @@ def test_an_unpadded_prefill_matches_dynamic_cache(family: str) -> None:
     assert max_logit_difference(ours.logits, expected.logits) < TOLERANCE
 
 
-def test_beam_search_forks_the_rows_states() -> None:
-    model = model_under_test("bamba", "paged")
-    reference = build("bamba")[1]
+@pytest.mark.parametrize("family", ["bamba", "falcon_h1"])
+def test_beam_search_forks_the_rows_states(family: str) -> None:
+    model = model_under_test(family, "paged")
+    reference = build(family)[1]
     ids, mask = prompts(2, 7, pads=(2, 0), seed=5)
     expected = generate(reference, ids, mask, num_beams=2)
     ours = generate(model, ids, mask, paged_cache(model, slots=8), num_beams=2)
@@ -142,21 +145,35 @@ def test_the_pool_holds_one_state_per_row_beside_the_attention_blocks() -> None:
 
 
 @pytest.mark.parametrize(
-    ("config_name", "fields", "named"),
+    ("family", "groups", "kinds"),
     [
-        ("FalconH1Config", {**ATTENTION}, "'hybrid'"),
-        ("Zamba2Config", {**ATTENTION, "layers_block_type": ["mamba", "hybrid"], "num_hidden_layers": 2}, "'hybrid'"),
+        ("falcon_h1", [(0, 1, 2, 3)], ["full+state"] * 4),
+        ("zamba2", [(1, 3)], ["state", "full+state", "state", "full+state"]),
+        ("nemotron_h", [(1,)], ["state", "full", "none", "none"]),
     ],
 )
-def test_layers_keeping_kv_and_a_state_are_refused_by_name(
-    config_name: str, fields: dict[str, Any], named: str
+def test_hybrid_layers_keep_kv_and_a_state_and_mlp_layers_keep_nothing(
+    family: str, groups: list[tuple[int, ...]], kinds: list[str]
 ) -> None:
-    config = getattr(transformers, config_name)(**{**COMMON, **fields})
-    with pytest.raises(UnsupportedConfigError, match=named):
+    config = cache_config_for(build(family)[1], num_blocks=16, block_size=4, state_slots=2)
+    assert [config.layer_spec(layer).kind for layer in range(config.num_layers)] == kinds
+    assert [group.layers for group in config.kv_groups] == groups
+    state_layers = [layer for layer, kind in enumerate(kinds) if "state" in kind]
+    assert sorted({layer for layer, _ in config.states.arrays}) == state_layers
+    shapes = {array.name: array.shape for layer, array in config.states.arrays if layer == state_layers[0]}
+    assert shapes == {"conv": (2 * 64 + 2 * 2 * 16, 4), "recurrent": (8, 16, 16)}
+
+
+def test_a_hybrid_layer_of_a_family_without_known_state_shapes_is_refused_by_name() -> None:
+    config = transformers.Zamba2Config(**{**COMMON, **ATTENTION, "layers_block_type": ["mamba", "hybrid"] * 2})
+    config.model_type = "zamba_unknown"  # hybrid layers whose Mamba state kvcache cannot size
+    with pytest.raises(
+        UnsupportedConfigError, match=r"'hybrid', 'linear_attention' \(a recurrent state\) whose state shapes"
+    ):
         cache_config_for(config, num_blocks=8)
 
 
-@pytest.mark.parametrize("family", ["bamba", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next", "lfm2", "falcon_h1", "zamba2", "nemotron_h"])
 def test_a_second_generate_sharing_a_prompt_starts_from_the_last_state_checkpoint(family: str) -> None:
     model = model_under_test(family, "paged")
     reference = build(family)[1]
@@ -176,3 +193,37 @@ def test_a_second_generate_sharing_a_prompt_starts_from_the_last_state_checkpoin
     expected = generate(reference, second_ids, mask, max_new_tokens=8)
     assert max_logit_difference(ours.logits, expected.logits) < TOLERANCE
     assert torch.equal(ours.sequences, expected.sequences)
+
+
+@pytest.mark.parametrize(
+    ("family", "path"), [(family, path) for family in ("bamba", "falcon_h1", "zamba2", "nemotron_h") for path in PATHS]
+)
+def test_generate_alone_starts_a_longer_prompt_from_the_last_checkpoint(family: str, path: str) -> None:
+    model = model_under_test(family, path)
+    reference = build(family)[1]
+    # Slots for the row and the checkpoints filed at 32, 36, 40 and 44 tokens (the oldest is
+    # evicted first when they run short).
+    config = cache_config_for(model, num_blocks=64, block_size=4, hybrid=path == "paged", state_slots=8)
+    manager = create_manager("torch", dataclasses.replace(config, enable_prefix_caching=True))
+    computed: list[int] = []
+
+    def count(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids: Any = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        computed.append(int(ids.shape[1]))
+
+    hook = model.model.register_forward_pre_hook(count, with_kwargs=True)
+    shared = prompts(1, 32, seed=12)[0]  # ends a block: its states are filed as the next forward begins
+    longer = torch.cat([shared, prompts(1, 7, seed=13)[0]], dim=1)
+    prefills: list[int] = []
+    try:
+        for ids in (shared, longer):
+            computed.clear()
+            with PagedCache(manager, model) as cache:  # the model itself: its forwards' ids reach the pool
+                ours = generate(model, ids, torch.ones_like(ids), cache, max_new_tokens=16)
+            prefills.append(computed[0])
+            expected = generate(reference, ids, torch.ones_like(ids), max_new_tokens=16)
+            assert torch.equal(ours.sequences, expected.sequences)
+            assert max_logit_difference(ours.logits, expected.logits) < TOLERANCE
+    finally:
+        hook.remove()
+    assert prefills == [32, 7], "the longer prompt's prefill starts after the checkpoint at 32 tokens"

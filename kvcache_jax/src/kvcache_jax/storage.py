@@ -114,6 +114,11 @@ class JaxStorage:
 
     def __init__(self, config: CacheConfig, *, mesh: object = None, axis: object = None) -> None:
         config = config.with_layout(PREFERRED_LAYOUT)  # kv_layout=None: the layout Pallas reads
+        if config.attention_path == "kernel":  # pinned by the environment: XLA's path, as "auto"
+            raise UnsupportedConfigError(
+                "attention_path 'kernel' names the compiled CPU kernel, which the jax backend does not run: its "
+                "attention is XLA's (the 'native' path); use 'auto' or 'native'"
+            )
         if config.dtype not in self.POOL_DTYPES:
             raise UnsupportedConfigError(
                 f"dtype {config.dtype!r} is not offered by the jax backend (supported: {', '.join(self.POOL_DTYPES)})"

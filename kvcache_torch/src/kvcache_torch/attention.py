@@ -43,13 +43,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.attention.features import (
     check_chunk,
     check_chunk_positions,
@@ -59,6 +58,7 @@ from kvcache_core.attention.features import (
     combined_window,
 )
 from kvcache_core.attention.reference import check_scale, validate_query_indptr
+from kvcache_core.backends.dispatch import check_attention_path, pinned_path
 from kvcache_core.contract.config import KV_LAYOUTS
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.errors import (
@@ -66,9 +66,8 @@ from kvcache_core.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
     ShapeMismatchError,
-    UnsupportedConfigError,
 )
-from kvcache_torch.threads import torch_team
+from kvcache_torch.dispatch import DISPATCH, kernel_attention, kernel_reads, shape_class
 
 __all__ = ["attend_pool", "paged_attention"]
 
@@ -81,59 +80,6 @@ _HEADS_AXIS = {"NHD": 2, "HND": 1, "heads_first": 0}
 
 #: Dtypes whose softmax runs in float32 (their products still run in the pool's dtype).
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-#: Pool dtypes the compiled CPU kernel reads, with their names there.
-_KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def _host_view(cache: torch.Tensor) -> npt.NDArray[Any]:
-    """A CPU pool as a NumPy view of the same memory (16-bit floats as their ``uint16`` bits)."""
-    if cache.dtype == torch.float32:
-        return cache.detach().numpy()
-    return cache.detach().view(torch.int16).numpy().view(np.uint16)
-
-
-def _kernel_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    page_table: PageTable,
-    qo_indptr: npt.NDArray[np.int32],
-    scale: float,
-    causal: bool,
-    kv_layout: str,
-    window: int | None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk: int | None = None,
-) -> torch.Tensor | None:
-    """The compiled CPU kernel over the pool read in place (zero-copy NumPy views), with
-    ``torch.get_num_threads()`` threads of torch's team; ``None`` where it does not apply (another device,
-    another dtype, numba missing or switched off)."""
-    dtype = _KERNEL_DTYPES.get(key_cache.dtype)
-    if dtype is None or key_cache.device.type != "cpu" or not paged_kernel.kernel_available():
-        return None
-    try:  # attend_with_kernel refuses pools it cannot read in place (kernel_reads): no second check here
-        output = paged_kernel.attend_with_kernel(
-            query.detach().to(torch.float32).numpy(),
-            _host_view(key_cache),
-            _host_view(value_cache),
-            page_table,
-            qo_indptr,
-            dtype=dtype,
-            scale=scale,
-            causal=causal,
-            kv_layout=kv_layout,
-            sliding_window=window,
-            num_threads=torch.get_num_threads(),
-            team=torch_team(),
-            softcap=softcap,
-            sinks=None if sinks is None else sinks.detach().to(torch.float32).numpy(),
-            chunk=chunk,
-        )
-    except UnsupportedConfigError:
-        return None
-    return torch.from_numpy(output).to(query.dtype)  # pyright: ignore[reportUnknownMemberType]
 
 
 class _Piece(NamedTuple):
@@ -331,10 +277,13 @@ def attend_pool(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk: int | None = None,
+    path: str = "auto",
 ) -> torch.Tensor:
     """The kernel of :func:`paged_attention`, on arguments already validated (the storage
-    calls it after the manager's checks). Runs without autograd. On CPU it is the compiled
-    kernel where it applies (see the module docstring), else the torch path.
+    calls it after the manager's checks). Runs without autograd. On CPU, where the compiled
+    kernel applies (see the module docstring), ``path`` chooses: ``"auto"`` the faster for
+    this shape of batch on this machine (:mod:`kvcache_torch.dispatch`), ``"kernel"`` or
+    ``"native"`` (the torch path); elsewhere it is the torch path.
 
     Args:
         query: ``[total_queries, num_query_heads, head_dim]``.
@@ -351,28 +300,51 @@ def attend_pool(
         softcap: scaled scores become ``tanh(s / softcap) * softcap`` before the mask.
         sinks: ``[num_query_heads]`` logits joining each query head's softmax denominator.
         chunk: a query at ``p`` sees only keys ``k`` with ``k // chunk == p // chunk``.
+        path: ``"auto"``, ``"kernel"`` or ``"native"`` (checked by the caller:
+            :func:`kvcache_core.backends.dispatch.pinned_path`).
 
     Returns:
         ``[total_queries, num_query_heads, value_dim]`` in ``query``'s dtype and device.
     """
     window = combined_window(window, page_table.sliding_window if sliding_window is None else sliding_window)
-    if query.shape[0]:
-        fast = _kernel_attention(
-            query,
-            key_cache,
-            value_cache,
-            page_table,
-            qo_indptr,
-            scale,
-            causal,
-            kv_layout,
-            window,
-            softcap=softcap,
-            sinks=sinks,
-            chunk=chunk,
+    arguments = (query, key_cache, value_cache, page_table, qo_indptr, scale, causal, kv_layout, window)
+    if query.shape[0] and path != "native" and kernel_reads(key_cache, value_cache):
+
+        def kernel() -> torch.Tensor:
+            output = kernel_attention(*arguments, softcap=softcap, sinks=sinks, chunk=chunk)
+            assert output is not None  # _kernel_reads said it applies
+            return output
+
+        if path == "kernel":
+            return kernel()
+
+        def native() -> torch.Tensor:
+            return _native_attention(*arguments, softcap=softcap, sinks=sinks, chunk=chunk)
+
+        used = "".join(
+            letter for letter, value in zip("wsic", (window, softcap, sinks, chunk), strict=True) if value is not None
         )
-        if fast is not None:
-            return fast
+        shape = shape_class(query, key_cache, value_cache, page_table, qo_indptr, kv_layout, causal, used)
+        return DISPATCH.run(shape, {"kernel": kernel, "native": native})
+    return _native_attention(*arguments, softcap=softcap, sinks=sinks, chunk=chunk)
+
+
+def _native_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    page_table: PageTable,
+    qo_indptr: npt.NDArray[np.int32],
+    scale: float,
+    causal: bool,
+    kv_layout: str,
+    window: int | None,
+    *,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    chunk: int | None,
+) -> torch.Tensor:
+    """torch's own path of :func:`attend_pool` (its arguments, ``window`` combined)."""
     num_heads, head_dim = key_cache.shape[_HEADS_AXIS[kv_layout]], key_cache.shape[3]
     value_dim = value_cache.shape[3]
     group = query.shape[1] // num_heads
@@ -455,6 +427,7 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk: int | None = None,
+    path: str = "auto",
 ) -> torch.Tensor:
     """Attention of packed queries over the paged K/V of a batch, read from the pool in place.
 
@@ -477,6 +450,9 @@ def paged_attention(
         window, softcap, sinks, chunk: the attention features of
             :mod:`kvcache_core.attention.features` (``sinks`` a ``[num_query_heads]``
             tensor of the query's dtype and device).
+        path: on CPU where the compiled kernel reads the pool, ``"auto"`` (the faster for
+            this shape of batch on this machine, :mod:`kvcache_torch.dispatch`; pinned by
+            ``KVCACHE_ATTENTION_PATH``), ``"kernel"`` or ``"native"`` (the torch path).
 
     Returns:
         ``[total_queries, num_query_heads, value_dim]`` in ``query``'s dtype.
@@ -489,7 +465,9 @@ def paged_attention(
             ``kv_layout``, ``sliding_window`` (not an int from 1 to ``INT32_MAX``, or unlike
             the page table's), a bad feature (see :mod:`kvcache_core.attention.features`;
             non-finite ``sinks`` too), or a page table naming blocks outside the pool.
+        InvalidConfigError: an unknown ``path`` (or ``KVCACHE_ATTENTION_PATH``).
     """
+    chosen = pinned_path(check_attention_path(path, "path"))
     for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if not isinstance(tensor, torch.Tensor):
             raise ArrayTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -564,4 +542,5 @@ def paged_attention(
         softcap=cap,
         sinks=sinks,
         chunk=chunk_size,
+        path=chosen,
     )

@@ -29,6 +29,7 @@ from kvcache_core.offload import host_form
 from kvcache_torch import quantized
 from kvcache_torch.attention import attend_pool
 from kvcache_torch.devices import resolve_device
+from kvcache_torch.dispatch import pool_path
 from kvcache_torch.dtypes import BIT_DTYPES, VALUE_DTYPES, dtype_name, torch_dtype
 from kvcache_torch.spec import ATTENTION_FEATURES, PREFERRED_LAYOUT
 from kvcache_torch.states import TorchStateStorage
@@ -85,6 +86,7 @@ class TorchStorage:
         self._config = config
         self._dtype = torch_dtype(config.dtype)
         self._device = resolve_device(config)
+        self._path = pool_path(config.attention_path, self._device)
         self._split = config.value_head_dim is not None
         if self._split:  # [layer, keys then values]: the two widths in one allocation
             key_elements = math.prod(config.block_shape())
@@ -447,6 +449,7 @@ class TorchStorage:
             softcap=softcap,
             sinks=sinks,
             chunk=chunk,
+            path=self._path,
         )
 
     def _quantized_attention(

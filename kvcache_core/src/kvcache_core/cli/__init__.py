@@ -11,6 +11,7 @@ from typing import TextIO
 from kvcache_core import __version__
 from kvcache_core._table import write_table
 from kvcache_core.cli.demo import DemoOptions, run_demo
+from kvcache_core.cli.dispatch import run_dispatch
 from kvcache_core.cli.explain import add_explain_parser, run_explain
 from kvcache_core.discovery import KNOWN_BACKENDS, installed_backends
 from kvcache_core.errors import KvCacheError
@@ -98,6 +99,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("-v", "--verbose", action="store_true", help="show every test, not only failures")
     add_explain_parser(commands)
+    dispatch = commands.add_parser(
+        "dispatch", help="show the attention path each shape class runs on this machine (measured, kept on disk)"
+    )
+    dispatch.add_argument("--forget", action="store_true", help="remove the choices: the next run measures again")
     return parser
 
 
@@ -126,6 +131,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             return _check(args, stream)
         if args.command == "explain":
             return run_explain(args, stream)
+        if args.command == "dispatch":
+            return run_dispatch(args, stream)
         return _demo(args, stream)
     except KvCacheError as exc:
         sys.stderr.write(f"kvcache: error: {exc}\n")

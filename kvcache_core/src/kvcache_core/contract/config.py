@@ -30,6 +30,7 @@ from kvcache_core.contract.states import StatePool, not_kv_layer
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerIndexError
 
 __all__ = [
+    "ATTENTION_PATHS",
     "DTYPE_SIZES",
     "KV_LAYOUTS",
     "MAX_KV_SCALE",
@@ -80,6 +81,9 @@ SCALE_BYTES: Final = 4
 #: ``"heads_first"`` is ``[num_heads, num_blocks, block_size, head_dim]`` (JAX Pallas).
 KV_LAYOUTS: Final[tuple[str, ...]] = ("NHD", "HND", "heads_first")
 
+#: The values of :attr:`CacheConfig.attention_path`: the measured choice, the compiled kernel,
+#: the array library's own path (:mod:`kvcache_core.backends.dispatch`).
+ATTENTION_PATHS: Final[tuple[str, ...]] = ("auto", "kernel", "native")
 
 #: The most slots (``num_blocks * block_size``) a pool may have: page tables are int32.
 MAX_POOL_SLOTS: Final = INT32_MAX
@@ -123,8 +127,9 @@ class CacheConfig:
             outputs, one of :data:`COMPUTE_DTYPES`; only a quantized pool may differ from
             :attr:`dtype`. ``None`` (the default): the pool's own dtype, or float32 for a
             quantized pool. :attr:`io_dtype` is the resolved name.
-        layer_specs: the attention of every layer (``[num_layers]`` :class:`LayerSpec`:
-            full, sliding window ``W`` or chunked ``C``), or ``None``: every layer full, or
+        layer_specs: what every layer keeps (``[num_layers]`` :class:`LayerSpec`: K/V of
+            full, sliding window ``W`` or chunked ``C`` attention, a recurrent state, both, or
+            nothing), or ``None``: every layer full, or
             sliding with :attr:`sliding_window`. Layers that keep the same blocks form
             KV-cache groups (:attr:`kv_groups`, see :mod:`kvcache_core.contract.groups`), each with
             its own block table per request over the one pool. Stored as a tuple.
@@ -138,6 +143,11 @@ class CacheConfig:
         value_head_dim: the values' features per head (>= 1) where they differ from the keys' (latent
             attention's rotary part, ``v_head_dim``); ``None`` or :attr:`head_dim` (stored as ``None``): as
             wide. :attr:`value_width` resolves it; backends claiming ``"value_head_dim"`` hold such pools.
+        attention_path: which attention path the backend runs (see
+            :mod:`kvcache_core.backends.dispatch`): ``"auto"`` (the default), the faster on this machine for
+            each shape of batch, measured the first time and kept on disk (``KVCACHE_ATTENTION_PATH`` pins one
+            for the process); ``"kernel"``, the compiled kernel; ``"native"``, the array library's own path.
+            Not part of the pool's identity (configs differing only here compare equal).
 
     Every field is stored as a plain Python value (NumPy integers, floats and strings
     are accepted and converted; a bool is refused where a number is meant). Counts and
@@ -167,6 +177,7 @@ class CacheConfig:
     layer_specs: tuple[LayerSpec, ...] | None = None
     state_slots: int | None = None
     value_head_dim: int | None = None
+    attention_path: str = field(default="auto", compare=False)
     _groups: tuple[KvGroup, ...] = field(default=(), init=False, repr=False, compare=False)
     _slots: tuple[tuple[int, int], ...] = field(default=(), init=False, repr=False, compare=False)
     _specs: tuple[LayerSpec, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -193,6 +204,7 @@ class CacheConfig:
         layer_specs: object = None,
         state_slots: IntLike | None = None,
         value_head_dim: IntLike | None = None,
+        attention_path: str = "auto",
     ) -> None:
         # Written out so that ``device`` accepts its text form ("cuda:0") and is stored as
         # a Device; the dataclass still provides eq, repr, hash and replace().
@@ -239,6 +251,11 @@ class CacheConfig:
                 f"CacheConfig.model_id must be a non-empty str or None, got {shown(self.model_id)}"
             )
         self._check_thresholds()
+        if not isinstance(self.attention_path, str) or self.attention_path not in ATTENTION_PATHS:
+            raise InvalidConfigError(
+                f"CacheConfig.attention_path {shown(self.attention_path)} is unknown; valid: {', '.join(ATTENTION_PATHS)}"
+            )
+        object.__setattr__(self, "attention_path", str(self.attention_path))
 
     def _check_thresholds(self) -> None:
         """Validate the pressure thresholds and store them as floats."""
@@ -313,14 +330,14 @@ class CacheConfig:
         """``(group, storage layer)`` of ``layer``.
 
         Raises:
-            LayerIndexError: ``layer`` outside ``0 .. num_layers - 1``, or a state layer
-                (it keeps no K/V).
+            LayerIndexError: ``layer`` outside ``0 .. num_layers - 1``, or a layer keeping
+                no K/V (a state only, or nothing).
         """
         index = self.check_layer(layer)
-        place, state = self._slots[index], self._specs[index].state
-        if state is not None:
-            raise not_kv_layer(index, state)
-        return place
+        spec = self._specs[index]
+        if not spec.keeps_kv:
+            raise not_kv_layer(index, spec.state)
+        return self._slots[index]
 
     def storage_config(self) -> CacheConfig:
         """The config the storage is built from: this one, or with KV-cache groups one of

@@ -6,6 +6,9 @@ chunked local attention (Llama 4). ``CacheConfig(layer_specs=...)`` names the
 :class:`LayerSpec` of every layer. What a layer *keeps* decides its blocks: a full or
 chunked layer keeps every block of a request, a sliding layer of window ``W`` only the
 blocks its window still sees (``ceil(W / block_size) + 1`` once the request is long).
+A layer keeping a recurrent state besides its K/V (``LayerSpec(state=..., keeps_kv=True)``)
+keeps the blocks of its attention's kind; a layer keeping a state only, or nothing, keeps
+no blocks and joins no group.
 
 Layers that keep the same blocks form a **KV-cache group**; each request has one block
 table per group, and the blocks of every group come from one pool. So that one block's
@@ -25,7 +28,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvcache_core.contract.scalars import INT32_MAX, IntLike, as_integer, check_optional_count, shown
+import numpy as np
+
+from kvcache_core.contract.scalars import INT32_MAX, IntLike, as_integer, check_flag, check_optional_count, shown
 from kvcache_core.contract.states import StateSpec
 from kvcache_core.errors import InvalidConfigError, LayerIndexError
 
@@ -42,30 +47,51 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True, init=False)
 class LayerSpec:
-    """The attention of one layer: full (the default), a sliding window ``W`` (each query
-    sees its last ``W`` positions, itself included) or chunked local attention ``C`` (a
-    query at ``p`` sees the positions of its chunk, ``C * (p // C)`` to ``p``); or, with
-    ``state``, a recurrent-state layer that keeps no K/V (:mod:`kvcache_core.contract.states`).
+    """What one layer keeps: its K/V, its recurrent state, both, or nothing.
 
-    ``window`` and ``chunk`` are stored as ``int`` (NumPy integers are accepted) and span
-    at most ``INT32_MAX`` positions (page tables and kernels hold positions in int32).
+    A layer's attention is full (the default), a sliding window ``W`` (each query sees its
+    last ``W`` positions, itself included) or chunked local attention ``C`` (a query at
+    ``p`` sees the positions of its chunk, ``C * (p // C)`` to ``p``). With ``state`` it also
+    keeps a recurrent state (:mod:`kvcache_core.contract.states`); ``keeps_kv`` says whether
+    it keeps K/V besides:
+
+    - ``LayerSpec()``, ``LayerSpec(window=W)``, ``LayerSpec(chunk=C)``: K/V only;
+    - ``LayerSpec(state=S)``: a state only (a Mamba or linear-attention layer);
+    - ``LayerSpec(state=S, keeps_kv=True)`` (with a window or chunk if its attention has
+      one): K/V *and* a state in one layer (Falcon-H1's and Zamba2's hybrid layers, which
+      run a Mamba mixer and attention side by side); its K/V join the KV-cache group of
+      its window like any attention layer's, its state takes a place in the state pool;
+    - ``LayerSpec(keeps_kv=False)``: nothing (an MLP or mixture-of-experts layer of a
+      hybrid stack, Nemotron-H's): it joins no group and holds no state.
+
+    ``keeps_kv`` defaults to ``state is None`` and is stored resolved, as a ``bool`` (NumPy's
+    bool is accepted); ``window`` and ``chunk`` are stored as ``int`` (NumPy integers are
+    accepted) and span at most ``INT32_MAX`` positions (page tables and kernels hold
+    positions in int32).
 
     Raises:
         InvalidConfigError: a window or chunk that is not an int in ``[1, INT32_MAX]``, or
-            both set; a ``state`` that is not a :class:`StateSpec`, or with a window or chunk.
+            both set; a ``state`` that is not a :class:`StateSpec`; a ``keeps_kv`` that is
+            not a bool (nor ``None``); a window or chunk on a layer keeping no K/V.
     """
 
     window: int | None = None
     chunk: int | None = None
     state: StateSpec | None = None
+    keeps_kv: bool = True
 
     def __init__(
-        self, window: IntLike | None = None, chunk: IntLike | None = None, state: StateSpec | None = None
+        self,
+        window: IntLike | None = None,
+        chunk: IntLike | None = None,
+        state: StateSpec | None = None,
+        keeps_kv: bool | np.bool_ | None = None,
     ) -> None:
         # Written out so that NumPy integers type-check; stored as ints.
         object.__setattr__(self, "window", window)
         object.__setattr__(self, "chunk", chunk)
         object.__setattr__(self, "state", state)
+        object.__setattr__(self, "keeps_kv", keeps_kv)
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -78,20 +104,35 @@ class LayerSpec:
             raise InvalidConfigError(
                 f"LayerSpec has window={self.window} and chunk={self.chunk}: a layer is full, sliding or chunked"
             )
-        if self.state is not None and (
-            not isinstance(self.state, StateSpec) or self.window is not None or self.chunk is not None
-        ):
+        if self.state is not None and not isinstance(self.state, StateSpec):
+            raise InvalidConfigError(f"LayerSpec.state must be a StateSpec or None, got {shown(self.state)}")
+        given: object = self.keeps_kv
+        keeps_kv = (
+            self.state is None if given is None else check_flag(given, "LayerSpec.keeps_kv", error=InvalidConfigError)
+        )
+        object.__setattr__(self, "keeps_kv", keeps_kv)
+        if not keeps_kv and (self.window is not None or self.chunk is not None):
+            held = "a state only" if self.state is not None else "nothing"
             raise InvalidConfigError(
-                f"LayerSpec.state must be a StateSpec on a layer without window or chunk, got state={shown(self.state)} "
-                f"window={self.window} chunk={self.chunk}"
+                f"LayerSpec has window={self.window} chunk={self.chunk} on a layer keeping {held} (keeps_kv=False): "
+                "a window or chunk is for a layer with K/V; a state layer without K/V has no window or chunk "
+                "(keeps_kv=True keeps K/V and a state in one layer)"
             )
 
     @property
+    def keeps_state(self) -> bool:
+        """Whether the layer keeps a recurrent state (:attr:`state` is set)."""
+        return self.state is not None
+
+    @property
     def kind(self) -> str:
-        """``"full"``, ``"sliding"``, ``"chunked"`` or ``"state"``."""
-        if self.state is not None:
-            return "state"
-        return "sliding" if self.window is not None else "chunked" if self.chunk is not None else "full"
+        """``"full"``, ``"sliding"`` or ``"chunked"`` for a layer keeping K/V, with ``"+state"``
+        after it when it keeps a state too; ``"state"`` for a state only; ``"none"`` for a
+        layer keeping nothing."""
+        if not self.keeps_kv:
+            return "state" if self.state is not None else "none"
+        attention = "sliding" if self.window is not None else "chunked" if self.chunk is not None else "full"
+        return attention if self.state is None else f"{attention}+state"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,9 +169,9 @@ def plan_groups(
         )
     by_window: dict[int | None, list[int]] = {}
     for layer, spec in enumerate(specs):
-        if spec.state is None:  # state layers keep no blocks (contract/states.py)
+        if spec.keeps_kv:  # layers keeping a state only, or nothing, keep no blocks (contract/states.py)
             by_window.setdefault(spec.window, []).append(layer)
-    if not by_window:  # only state layers: one group of none still counts each request's tokens
+    if not by_window:  # no layer keeps K/V: one group of none still counts each request's tokens
         return (KvGroup(0, None, ()),)
     size = math.gcd(*(len(layers) for layers in by_window.values()))
     chunks = [
@@ -159,7 +200,7 @@ def group_serves_layer(kept_window: int | None, spec: LayerSpec) -> bool:
 
 
 def layer_slot(groups: tuple[KvGroup, ...], num_layers: int) -> tuple[tuple[int, int], ...]:
-    """Per model layer: ``(group, storage layer)``; ``(-1, -1)`` for a state layer."""
+    """Per model layer: ``(group, storage layer)``; ``(-1, -1)`` for a layer keeping no K/V."""
     where = [(-1, -1)] * num_layers
     for group in groups:
         for slot, layer in enumerate(group.layers):

@@ -5,7 +5,10 @@ carry, per request, a few arrays of fixed shapes (a convolution window, an SSM o
 linear-attention state) that the layer overwrites at every step; they never grow with
 tokens. ``LayerSpec(state=StateSpec(...))`` declares such a layer in
 ``CacheConfig.layer_specs``; the attention layers beside it keep forming KV-cache groups
-(:mod:`kvcache_core.contract.groups`).
+(:mod:`kvcache_core.contract.groups`). ``LayerSpec(state=..., keeps_kv=True)`` declares a
+layer keeping both (Falcon-H1 and Zamba2 run a Mamba mixer and attention in one layer): its
+K/V join a KV-cache group, its state the state pool, each policy treating them as it treats
+those of separate layers.
 
 The states live in a **state pool** beside the block pool: each state array of each state
 layer is one backend array ``[num_state_slots, *shape]``, and each live request holds one
@@ -251,8 +254,12 @@ class StatePool:
         return cls(tuple(arrays), count)
 
 
-def not_kv_layer(layer: int, state: StateSpec) -> LayerIndexError:
-    """The error of a K/V operation on a state layer."""
+def not_kv_layer(layer: int, state: StateSpec | None) -> LayerIndexError:
+    """The error of a K/V operation on a layer keeping no K/V (a state only, or nothing)."""
+    if state is None:
+        return LayerIndexError(
+            f"layer {layer} keeps nothing (LayerSpec(keeps_kv=False) without a state): it has no K/V to write or read"
+        )
     return LayerIndexError(
         f"layer {layer} keeps a recurrent state ({', '.join(state.names())}), not K/V: read and write it with "
         "step.state / step.write_state"

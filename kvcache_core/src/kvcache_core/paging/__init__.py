@@ -57,4 +57,10 @@ move bytes only through ``KvStorage``):
   form KV-cache groups (:mod:`kvcache_core.contract.groups`); a request has a block table per
   group over the one pool, every policy above runs over all of them, and a prefix hit
   maps blocks in every group or in none.
+* **recurrent states** (``LayerSpec(state=...)``): a request holds one state slot
+  (:mod:`.state_slots`) for every state array of every layer keeping a state, whether it
+  keeps K/V besides (``keeps_kv=True``) or not; fork copies the slot, swap carries it,
+  a prefix hit starts from the checkpoint filed at the hit's last block, and ``truncate``
+  goes back only to such a checkpoint. A layer keeping nothing (``keeps_kv=False``
+  without a state) takes part in no policy.
 """

@@ -149,8 +149,9 @@ class StateSlots:
         index = self.config.check_layer(layer)
         state = self.config.layer_spec(index).state
         if state is None:
+            held = "K/V" if self.config.layer_spec(index).keeps_kv else "nothing"
             raise LayerIndexError(
-                f"layer {index} keeps K/V, not a recurrent state: state layers are "
+                f"layer {index} keeps {held}, not a recurrent state: state layers are "
                 f"{sorted({layer for layer, _ in self.config.states.arrays})}"
             )
         found = self._index.get((index, name)) if isinstance(name, str) else None

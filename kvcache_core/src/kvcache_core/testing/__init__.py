@@ -52,6 +52,7 @@ pytest.register_assert_rewrite(
     "kvcache_core.testing.feature_catalogue",
     "kvcache_core.testing.host_forms",
     "kvcache_core.testing.states",
+    "kvcache_core.testing.mixed_layers",
     "kvcache_core.testing.value_widths",
 )
 

@@ -35,13 +35,22 @@ STATE = StateSpec(arrays=(("conv", (6, 3)), ("recurrent", (2, 3, 4))))
 LAYERS = (LayerSpec(state=STATE), LayerSpec(), LayerSpec(state=STATE), LayerSpec())
 
 
-def state_config(backend: BackendUnderTest, dtype: str | None = None, slots: int = 4, **fields: Any) -> CacheConfig:
-    """A small pool with state layers on ``backend``, states in ``dtype`` (the backend's
-    default dtype by default)."""
+def state_config(
+    backend: BackendUnderTest,
+    dtype: str | None = None,
+    slots: int = 4,
+    layers: tuple[LayerSpec, ...] = LAYERS,
+    **fields: Any,
+) -> CacheConfig:
+    """A small pool with state layers on ``backend`` (``layers``: :data:`LAYERS` by default),
+    states in ``dtype`` (the backend's default dtype by default)."""
     spec = STATE
     if dtype is not None:
         spec = StateSpec(arrays=tuple(StateArray(array.name, array.shape, dtype) for array in STATE.arrays))
-    layers = tuple(LayerSpec(state=spec) if layer.state is not None else layer for layer in LAYERS)
+    layers = tuple(
+        LayerSpec(layer.window, layer.chunk, spec, layer.keeps_kv) if layer.state is not None else layer
+        for layer in layers
+    )
     fields = {"num_layers": len(layers), "layer_specs": layers, "state_slots": slots, **fields}
     return backend.config(**fields)
 
@@ -70,10 +79,10 @@ def write_states(
 
 
 def write_attention(manager: Manager, step: Any, rng: np.random.Generator) -> None:
-    """Write random K/V of the step's new tokens in every attention layer."""
+    """Write random K/V of the step's new tokens in every layer keeping K/V."""
     config = manager.config
     for layer in range(config.num_layers):
-        if config.layer_spec(layer).state is None:
+        if config.layer_spec(layer).keeps_kv:
             keys = rng.standard_normal((step.num_new_tokens, config.num_heads, config.head_dim))
             native = BackendUnderTest.native(manager, BackendUnderTest.representable(keys, config.dtype))
             step.write(layer, native, native)
@@ -283,11 +292,14 @@ class StateCases:
             assert fail_at > 5, f"the state fault script made only {fail_at} storage calls"
 
 
-def run_state_walk(backend: BackendUnderTest, seed: int, operations: int) -> None:
-    """Random operations on a pool with state layers, in lockstep with a plain model of
-    each request's states; the records are audited after each, nothing is left at the end."""
+def run_state_walk(
+    backend: BackendUnderTest, seed: int, operations: int, layers: tuple[LayerSpec, ...] = LAYERS
+) -> None:
+    """Random operations on a pool with state layers (``layers``), in lockstep with a plain
+    model of each request's states; the records are audited after each, nothing is left at
+    the end."""
     rng = np.random.default_rng(seed)
-    manager = backend.manager(state_config(backend, slots=3, num_blocks=24))
+    manager = backend.manager(state_config(backend, slots=3, layers=layers, num_blocks=24))
     models: dict[str, Model] = {}
     resident: dict[str, PagedKvCacheHandle[Any]] = {}
     swapped: dict[str, PagedKvCacheHandle[Any]] = {}
@@ -380,13 +392,15 @@ class _FaultyStorageWithStates(FaultyStorage):
         return _FaultyStateStorage(self._inner.state_storage(arrays, num_slots), self)  # type: ignore[attr-defined]
 
 
-def run_fault_script(backend: BackendUnderTest, fail_at: int, when: str) -> bool:
-    """Run the state script with storage call ``fail_at`` failing ``when``; after the
-    fault, the records are consistent, an atomic operation changed nothing, and nothing
-    leaks once every request ends. Returns whether the fault fired."""
+def run_fault_script(
+    backend: BackendUnderTest, fail_at: int, when: str, layers: tuple[LayerSpec, ...] = LAYERS
+) -> bool:
+    """Run the state script on a pool of ``layers`` with storage call ``fail_at`` failing
+    ``when``; after the fault, the records are consistent, an atomic operation changed
+    nothing, and nothing leaks once every request ends. Returns whether the fault fired."""
     rng = np.random.default_rng(fail_at)
     caching = backend.claims("prefix_caching")  # then steps file checkpoints, and prompts hit them
-    config = state_config(backend, slots=3, enable_prefix_caching=caching)
+    config = state_config(backend, slots=3, layers=layers, enable_prefix_caching=caching)
     prompt = tuple(range(50, 59))
     filed: dict[int, Model] = {}  # the states of each checkpoint filed, by length
     inner = backend.manager(config).storage

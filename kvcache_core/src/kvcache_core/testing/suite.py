@@ -44,6 +44,7 @@ from kvcache_core.testing.host_forms import HostFormCases
 from kvcache_core.testing.hybrid import HybridCases
 from kvcache_core.testing.inspect import allocator
 from kvcache_core.testing.machine import run_reference_machine
+from kvcache_core.testing.mixed_layers import MixedLayerCases
 from kvcache_core.testing.policies import PolicyCases
 from kvcache_core.testing.quantized import QuantizedCases
 from kvcache_core.testing.regions import RegionCases
@@ -141,6 +142,7 @@ class KvCacheConformance(
     HostFormCases,
     RegionCases,
     StateCases,
+    MixedLayerCases,
     ValueWidthCases,
 ):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""

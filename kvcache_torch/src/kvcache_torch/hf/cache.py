@@ -75,9 +75,10 @@ class PagedCache(Cache):
             neither a ``PretrainedConfig`` nor a model holding one.
         UnsupportedConfigError: the model's geometry differs from the pool's, the pool keeps
             fewer positions of a layer than its attention needs, the model has layers kvcache
-            cannot hold (K/V and a state in one layer, ...), or the config is set to ``"kvcache_paged"`` for a
-            model whose attention does not call transformers' attention interface (the
-            message names the class and the remedy, its own ``"sdpa"`` or ``"eager"``; a model
+            cannot hold (a recurrent state of a family it does not know, ...), or the config
+            is set to ``"kvcache_paged"`` for a model whose attention does not call
+            transformers' attention interface (the message names the class and the remedy,
+            its own ``"sdpa"`` or ``"eager"``; a model
             transformers cannot judge up front is refused at its first forward instead, see
             :meth:`update`); ``handles`` for a model with recurrent-state layers.
         InvalidArgumentError: a bad ``max_sequence_length``, or ``handles`` not each a live
@@ -106,10 +107,12 @@ class PagedCache(Cache):
         layers, self._layer_specs, self._sources = check_model_fits_pool(config, text, pool, model)
         # The window DynamicCache gives each layer: its sliding window, or its chunk.
         self._windows = [spec.window if spec.window is not None else spec.chunk for spec in self._layer_specs]
+        keeping = [pool.layer_spec(index).keeps_kv or pool.layer_spec(index).keeps_state for index in range(layers)]
         faces: list[Any] = [PagedCacheLayer(self, index, self._windows[index]) for index in range(layers)]
-        if len(self._sources) > layers:  # reusing layers keep nothing, as in DynamicCache
-            from transformers.cache_utils import DummyLayer  # transformers 5: where shared layers are described
+        if len(self._sources) > layers or not all(keeping):  # as in DynamicCache: reusing layers and
+            from transformers.cache_utils import DummyLayer  # MLP layers keep nothing (transformers 5)
 
+            faces = [face if kept else DummyLayer() for face, kept in zip(faces, keeping, strict=True)]  # type: ignore[no-untyped-call]
             faces += [DummyLayer() for _ in self._sources[layers:]]  # type: ignore[no-untyped-call]
         super().__init__(layers=faces)
         self._manager = manager
@@ -118,9 +121,10 @@ class PagedCache(Cache):
         self._num_layers = layers
         self._rows = BatchRows(manager, max_sequence_length)
         states = {layer: spec.state for layer in range(layers) if (spec := pool.layer_spec(layer)).state is not None}
-        self._attention_layers = layers - len(states)
+        self._kv_layers = tuple(layer for layer in range(layers) if pool.layer_spec(layer).keeps_kv)
+        self._attention_layers = len(self._kv_layers)
         self._progress = LayerProgress(layers, self._attention_layers)
-        self._states = StateBridge(manager, states, self._rows) if states else None
+        self._states = StateBridge(manager, states, self._rows, self._progress.placing) if states else None
         self._mode: Mode | None = None
         self._feed = TokenFeed(self._rows)
         if model is not None and pool.enable_prefix_caching:
@@ -180,17 +184,22 @@ class PagedCache(Cache):
 
     @property
     def is_linear(self) -> list[bool]:
-        """Per layer, whether it keeps a recurrent state (and no K/V)."""
+        """Per layer, whether it keeps a recurrent state and no K/V (as transformers counts: a
+        layer keeping both is not linear, so ``generate`` still skips the cached positions)."""
         states = self._states
-        return [states is not None and states.is_state_layer(layer) for layer in range(self._num_layers)]
+        return [
+            states is not None and states.is_state_layer(layer) and layer not in self._kv_layers
+            for layer in range(self._num_layers)
+        ]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions cached for ``layer_idx`` (padding columns included, as transformers
-        counts); a state layer answers for the first attention layer."""
+        counts); a layer keeping no K/V (a state only, or nothing) answers for the first
+        layer that keeps K/V."""
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self._sources):
             return 0
-        if self._states is not None and self._states.is_state_layer(layer_idx):
-            layer_idx = next((i for i in range(self._num_layers) if not self._states.is_state_layer(i)), layer_idx)
+        if layer_idx < self._num_layers and layer_idx not in self._kv_layers:
+            layer_idx = self._kv_layers[0] if self._kv_layers else layer_idx
         return self._progress.lengths[self._sources[layer_idx]]
 
     def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:

@@ -60,7 +60,7 @@ class LayerProgress:
 
     def __init__(self, num_layers: int, attention_layers: int | None = None) -> None:
         self.num_layers = num_layers
-        # The layers a forward updates (recurrent-state layers keep no K/V and never do).
+        # The layers a forward updates (layers keeping a state only, or nothing, never do).
         self.attention_layers = num_layers if attention_layers is None else attention_layers
         self.lengths = [0] * num_layers
         self.step: ForwardStep | None = None
@@ -69,6 +69,12 @@ class LayerProgress:
         """Every layer at ``positions``, no step under way."""
         self.lengths = [positions] * self.num_layers
         self.step = None
+
+    def placing(self) -> bool:
+        """Whether a forward has placed its tokens (grown the rows) and not every layer has
+        finished it yet."""
+        step = self.step
+        return step is not None and step.planned is not None and len(step.layers_done) < self.attention_layers
 
     def check_complete(self) -> None:
         """Refuse to go on after a forward that did not reach every layer.

@@ -18,7 +18,13 @@ from kvcache_core.plugin import DTYPE_SIZES, QUANTIZED_DTYPES
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.guard import refuse_unless_interface
 from kvcache_torch.hf.shared_kv import kv_sources, stored_layer_count
-from kvcache_torch.hf.state_layers import STATE_LAYER_TYPES, layer_types, state_specs
+from kvcache_torch.hf.state_layers import (
+    EMPTY_LAYER_TYPES,
+    HYBRID_LAYER_TYPES,
+    STATE_LAYER_TYPES,
+    layer_types,
+    state_specs,
+)
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -151,7 +157,7 @@ def geometry(config: PretrainedConfig) -> tuple[int, int, int]:
     text = text_config(config)
     layers = int(text.num_hidden_layers)
     types = layer_types(text, layers)
-    if types is not None and set(types) <= STATE_LAYER_TYPES:
+    if types is not None and set(types) <= STATE_LAYER_TYPES | EMPTY_LAYER_TYPES:
         return layers, 1, 1  # no attention layer: the pool's K/V are one head of one feature
     latent = latent_attention(config)
     if latent is not None:
@@ -171,11 +177,13 @@ def layer_specs(config: PretrainedConfig, state_dtype: str = "float32") -> tuple
     ``layer_types``, ``sliding_window`` and ``attention_chunk_size`` (a model without
     ``layer_types`` and with a ``sliding_window``, as Mistral, slides in every layer); a
     recurrent-state layer's state (:mod:`kvcache_torch.hf.state_layers`, conv states in
-    ``state_dtype``).
+    ``state_dtype``), alone or, for a ``"hybrid"`` layer (Falcon-H1, Zamba2), beside its K/V;
+    nothing for an MLP or mixture-of-experts layer (Nemotron-H's ``"mlp"`` and ``"moe"``).
 
     Raises:
-        UnsupportedConfigError: a layer type other than full, sliding or chunked attention
-            or a state layer of a known family, named in the message.
+        UnsupportedConfigError: a layer type other than full, sliding or chunked attention,
+            a state or hybrid layer of a known family, or a layer keeping nothing, named in
+            the message.
     """
     text = text_config(config)
     layers = int(text.num_hidden_layers)
@@ -185,7 +193,9 @@ def layer_specs(config: PretrainedConfig, state_dtype: str = "float32") -> tuple
     types: Sequence[str] | None = getattr(text, "layer_types", None)
     if types is None:
         types = ["sliding_attention" if window is not None else "full_attention"] * layers
-    other = sorted(set(types) - _ATTENTION_LAYER_TYPES - (STATE_LAYER_TYPES if states else frozenset()))
+    kept_states: frozenset[str] = STATE_LAYER_TYPES | HYBRID_LAYER_TYPES if states else frozenset()
+    served = _ATTENTION_LAYER_TYPES | EMPTY_LAYER_TYPES | kept_states
+    other = sorted(set(types) - served)
     if other:
         raise UnsupportedConfigError(
             f"the model has layers of type {', '.join(repr(name) for name in other)}, which keep no paged K/V; "
@@ -193,7 +203,12 @@ def layer_specs(config: PretrainedConfig, state_dtype: str = "float32") -> tuple
         )
     specs: list[LayerSpec] = []
     for index, layer_type in enumerate(types):
-        if index in states:
+        if layer_type in EMPTY_LAYER_TYPES:
+            specs.append(LayerSpec(keeps_kv=False))
+        elif layer_type in HYBRID_LAYER_TYPES:
+            sliding = window if layer_type == "hybrid_sliding" else None
+            specs.append(LayerSpec(window=sliding, state=states[index], keeps_kv=True))
+        elif index in states:
             specs.append(LayerSpec(state=states[index]))
         elif layer_type == "sliding_attention" and window is not None:
             specs.append(LayerSpec(window=window))
@@ -272,9 +287,10 @@ def cache_config_for(
             ``max_tokens`` or ``block_size`` below 1.
         InvalidTypeError: ``model`` is neither a model with a ``config`` nor a config.
         UnsupportedConfigError: a dtype kvcache has no name for, layers that are neither
-            full, sliding or chunked attention nor the recurrent-state layers of a family of
-            :data:`~kvcache_torch.hf.state_layers.STATE_FAMILIES` (the message names their
-            type: Falcon-H1's and Zamba2's ``"hybrid"`` layers, ...), layers sharing K/V
+            full, sliding or chunked attention, the recurrent-state or hybrid (K/V and a
+            state) layers of a family of :data:`~kvcache_torch.hf.state_layers.STATE_FAMILIES`,
+            nor MLP or mixture-of-experts layers keeping nothing (the message names their
+            type), layers sharing K/V
             otherwise than as the last layers reusing earlier ones, or a config
             set to ``"kvcache_paged"`` for a model whose attention does not call transformers'
             attention interface (Falcon, GPT-Neo, Bloom, MPT, ...: the message names the
@@ -338,7 +354,8 @@ def cache_config_for(
         model_id=model_fingerprint(config, str(dtype)) if model_id is None else model_id,
         compute_dtype=compute_dtype,
         layer_specs=specs
-        if any(spec.kind == "state" for spec in specs) or (hybrid and any(spec.kind != "full" for spec in specs))
+        if any(spec.keeps_state or not spec.keeps_kv for spec in specs)
+        or (hybrid and any(spec.kind != "full" for spec in specs))
         else None,
         state_slots=state_slots,
         value_head_dim=value_head_dim(config),

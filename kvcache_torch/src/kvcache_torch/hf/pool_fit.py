@@ -53,12 +53,13 @@ def check_model_fits_pool(
     specs = layer_specs(config)  # refuses layers of kinds it cannot hold
     sources = kv_sources(text)
     for layer, spec in enumerate(specs[:layers]):
-        if (spec.kind == "state") != (pool.layer_spec(layer).kind == "state"):
+        held = pool.layer_spec(layer)
+        if (spec.keeps_kv, spec.keeps_state) != (held.keeps_kv, held.keeps_state):
             raise UnsupportedConfigError(
-                f"layer {layer} is a {spec.kind} layer of the model and a {pool.layer_spec(layer).kind} layer of "
+                f"layer {layer} is a {spec.kind} layer of the model and a {held.kind} layer of "
                 "the pool; build the pool with cache_config_for(model, ...)"
             )
-        if spec.kind == "state":
+        if not spec.keeps_kv:
             continue
         kept = pool.kv_groups[pool.layer_place(layer)[0]].window
         if not group_serves_layer(kept, spec):

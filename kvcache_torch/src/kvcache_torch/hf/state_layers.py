@@ -25,13 +25,26 @@ from kvcache_core.errors import ShapeMismatchError, StaleStepError
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.rows import BatchRows
 
-__all__ = ["STATE_LAYER_TYPES", "StateBridge", "state_specs"]
+__all__ = [
+    "EMPTY_LAYER_TYPES",
+    "HYBRID_LAYER_TYPES",
+    "STATE_FAMILIES",
+    "STATE_LAYER_TYPES",
+    "StateBridge",
+    "state_specs",
+]
 
 #: Layer types of ``config.layer_types`` that keep a recurrent state and no K/V.
 STATE_LAYER_TYPES: Final = frozenset({"linear_attention", "conv", "mamba"})
 
-#: Layer types that keep both K/V and a recurrent state in one layer: not served.
-_BOTH_TYPES: Final = frozenset({"hybrid", "hybrid_sliding"})
+#: Layer types that keep K/V and a recurrent state in one layer (Falcon-H1 runs a Mamba
+#: mixer beside attention in every layer, Zamba2 a shared attention block before a Mamba
+#: mixer): ``LayerSpec(state=..., keeps_kv=True)``.
+HYBRID_LAYER_TYPES: Final = frozenset({"hybrid", "hybrid_sliding"})
+
+#: Layer types that keep nothing (MLP and mixture-of-experts blocks of a hybrid stack,
+#: Nemotron-H's; transformers gives them a ``DummyLayer``): ``LayerSpec(keeps_kv=False)``.
+EMPTY_LAYER_TYPES: Final = frozenset({"mlp", "moe"})
 
 CONV: Final = "conv"
 RECURRENT: Final = "recurrent"
@@ -67,6 +80,42 @@ def _mamba2_hybrid(config: PretrainedConfig, dtype: str) -> tuple[StateArray, ..
         StateArray(CONV, (channels, _int(config, "mamba_d_conv")), dtype),
         StateArray(RECURRENT, (_int(config, "mamba_n_heads"), _int(config, "mamba_d_head"), state), "float32"),
     )
+
+
+def _mamba2_state(
+    config: PretrainedConfig, dtype: str, inner: int, fields: tuple[str, str, str, str, str]
+) -> tuple[StateArray, ...]:
+    """A Mamba2 mixer of ``inner`` channels whose groups, state size, kernel, heads and head
+    size the config names ``fields``: conv over ``inner + 2 * groups * state`` channels, SSM
+    state ``[heads, head_dim, state]``."""
+    groups, size, kernel, heads, head_dim = (_int(config, name) for name in fields)
+    return (
+        StateArray(CONV, (inner + 2 * groups * size, kernel), dtype),
+        StateArray(RECURRENT, (heads, head_dim, size), "float32"),
+    )
+
+
+def _falcon_h1(config: PretrainedConfig, dtype: str) -> tuple[StateArray, ...]:
+    """Falcon-H1's Mamba2 mixers (beside attention in every layer): ``mamba_d_ssm`` channels,
+    else ``mamba_expand * hidden``."""
+    inner: object = getattr(config, "mamba_d_ssm", None)
+    channels = inner if isinstance(inner, int) else int(config.mamba_expand * config.hidden_size)
+    fields = ("mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_n_heads", "mamba_d_head")
+    return _mamba2_state(config, dtype, channels, fields)
+
+
+def _zamba2(config: PretrainedConfig, dtype: str) -> tuple[StateArray, ...]:
+    """Zamba2's Mamba2 mixers (in every layer; hybrid layers run a shared attention block
+    before theirs): ``mamba_expand * hidden`` channels."""
+    fields = ("mamba_ngroups", "mamba_d_state", "mamba_d_conv", "n_mamba_heads", "mamba_headdim")
+    return _mamba2_state(config, dtype, int(config.mamba_expand * config.hidden_size), fields)
+
+
+def _nemotron_h(config: PretrainedConfig, dtype: str) -> tuple[StateArray, ...]:
+    """Nemotron-H's Mamba2 mixers: ``mamba_num_heads * mamba_head_dim`` channels."""
+    fields = ("n_groups", "ssm_state_size", "conv_kernel", "mamba_num_heads", "mamba_head_dim")
+    inner = _int(config, "mamba_num_heads") * _int(config, "mamba_head_dim")
+    return _mamba2_state(config, dtype, inner, fields)
 
 
 def _jamba(config: PretrainedConfig, dtype: str) -> tuple[StateArray, ...]:
@@ -107,6 +156,9 @@ STATE_FAMILIES: Final[dict[str, Arrays]] = {
     "jamba": _jamba,
     "qwen3_next": _gated_delta_net,
     "lfm2": _short_conv,
+    "falcon_h1": _falcon_h1,
+    "zamba2": _zamba2,
+    "nemotron_h": _nemotron_h,
 }
 
 
@@ -122,23 +174,17 @@ def layer_types(config: PretrainedConfig, layers: int) -> list[str] | None:
 
 
 def state_specs(config: PretrainedConfig, layers: int, dtype: str) -> dict[int, StateSpec]:
-    """The :class:`~kvcache_core.StateSpec` of each state layer of a decoder config (empty
-    without state layers); conv states in ``dtype``, recurrent states in float32 (the
-    models compute them in float32).
+    """The :class:`~kvcache_core.StateSpec` of each layer of a decoder config that keeps a
+    recurrent state, alone or beside its K/V (:data:`HYBRID_LAYER_TYPES`); empty without
+    such layers. Conv states in ``dtype``, recurrent states in float32 (the models compute
+    them in float32).
 
     Raises:
-        UnsupportedConfigError: layers keeping both K/V and a state (``"hybrid"``: Falcon-H1,
-            Zamba2), or state layers of a model type whose state shapes kvcache does not
-            know; the message names them and the families served.
+        UnsupportedConfigError: state layers of a model type whose state shapes kvcache does
+            not know; the message names them and the families served.
     """
     types = layer_types(config, layers) or []
-    both = sorted(set(types) & _BOTH_TYPES)
-    if both:
-        raise UnsupportedConfigError(
-            f"the {config.model_type!r} model has layers of type {', '.join(map(repr, both))}, which keep K/V and a "
-            "recurrent state in one layer; kvcache holds a layer's K/V or its state"
-        )
-    indices = [index for index, name in enumerate(types) if name in STATE_LAYER_TYPES]
+    indices = [index for index, name in enumerate(types) if name in STATE_LAYER_TYPES | HYBRID_LAYER_TYPES]
     if not indices:
         return {}
     family = STATE_FAMILIES.get(str(config.model_type))
@@ -155,25 +201,34 @@ def state_specs(config: PretrainedConfig, layers: int, dtype: str) -> dict[int, 
 class StateBridge:
     """transformers' linear-attention cache calls over the pool's state slots of a batch.
 
-    With prefix caching, when the model's first layer keeps a state, each forward's first
-    call files a checkpoint (``step.checkpoint_states``) of the rows without padding: their
-    slots then hold the states after exactly their tokens, as no layer of the new forward
-    has run. (A model whose first layer is attention files none, and so maps no prefix.)
+    With prefix caching, the first call of each forward to the first state layer, before
+    the forward placed its tokens, files a checkpoint (``step.checkpoint_states``) of the
+    rows without padding: their slots then hold the states after exactly their tokens, as no
+    layer of the new forward has run. (A model whose first layer is attention alone places
+    its tokens before any state layer runs: it files none, and so maps no prefix.)
 
     Args:
         manager: the pool's manager.
         specs: each state layer's spec (:func:`state_specs`).
         rows: the batch's rows (their requests, tokens and positions).
+        placing: whether the forward under way has placed its tokens (grown the rows).
     """
 
     def __init__(
-        self, manager: PagedKvCacheManager[torch.Tensor], specs: dict[int, StateSpec], rows: BatchRows
+        self,
+        manager: PagedKvCacheManager[torch.Tensor],
+        specs: dict[int, StateSpec],
+        rows: BatchRows,
+        placing: Callable[[], bool] = lambda: False,
     ) -> None:
         self._manager = manager
         self._specs = specs
         self._rows = rows
         self._handles = rows.handles
-        self._checkpoints = manager.config.enable_prefix_caching and 0 in specs
+        self._checkpoints = manager.config.enable_prefix_caching
+        self._first = min(specs, default=0)
+        self._placing = placing
+        self._checked_at: int | None = None  # the positions whose forward was considered for a checkpoint
         self._step: Step[torch.Tensor] | None = None
         self._open: int | None = None  # the state layer whose tensors are out
         self._tensors: dict[str, torch.Tensor] = {}
@@ -204,15 +259,25 @@ class StateBridge:
         return step
 
     def _switch(self, layer: int) -> dict[str, torch.Tensor]:
+        if layer == self._first and self._checkpoints and self._handles and self._forward_begins():
+            self.flush()  # the states the last forward left (a single state layer stays open)
+            rows = self._rows
+            unpadded = [h for h, tokens in zip(rows.handles, rows.tokens, strict=True) if tokens == rows.positions]
+            if unpadded:
+                self._manager.begin_step(unpadded, 0).checkpoint_states()
         if self._open != layer:
             self.flush()
             self._open = layer
-            if layer == 0 and self._checkpoints and self._handles:  # a new forward begins
-                rows = self._rows
-                unpadded = [h for h, tokens in zip(rows.handles, rows.tokens, strict=True) if tokens == rows.positions]
-                if unpadded:
-                    self._manager.begin_step(unpadded, 0).checkpoint_states()
         return self._tensors
+
+    def _forward_begins(self) -> bool:
+        """Whether this call is the first of a forward that has not placed its tokens yet
+        (each forward adds positions, so the positions tell one forward from the next)."""
+        positions = self._rows.positions
+        if positions == self._checked_at or self._placing():
+            return False
+        self._checked_at = positions
+        return True
 
     def _read(self, layer: int, name: str) -> torch.Tensor:
         tensors = self._switch(layer)
@@ -270,7 +335,7 @@ class StateBridge:
 
     def reset(self) -> None:
         """Forget the batch (its rows were released): nothing is written back."""
-        self._open, self._tensors, self._step = None, {}, None
+        self._open, self._tensors, self._step, self._checked_at = None, {}, None, None
         self.previous = dict.fromkeys(self._specs, False)
         self._given.clear()
 

@@ -16,6 +16,7 @@ import numpy.typing as npt
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.attention.features import combined_window
 from kvcache_core.attention.reference import paged_attention
+from kvcache_core.backends.dispatch import kernel_or_reference
 from kvcache_core.backends.numpy.states import NumpyStateStorage
 from kvcache_core.contract import quantization
 from kvcache_core.contract.config import KV_LAYOUTS, CacheConfig
@@ -112,6 +113,7 @@ class NumpyStorage:
         """
         config = config.with_layout(PREFERRED_LAYOUT)
         self._config = config
+        self._path = kernel_or_reference(config)
         scales_shape = self.scales_shape(config)
         self._scales: npt.NDArray[np.float32] | None = None
         if scales_shape is None:
@@ -381,7 +383,7 @@ class NumpyStorage:
     ) -> NumpyArray:
         """Attention over this layer's pool, read in place: the compiled kernel
         (:mod:`kvcache_core.attention.kernel`) for float32 and float16 pools when numba is
-        installed, else the NumPy reference. ``window``, ``softcap``, ``sinks`` and
+        installed, else (or with ``attention_path="native"``) the NumPy reference. ``window``, ``softcap``, ``sinks`` and
         ``chunk``: the attention features (:mod:`kvcache_core.attention.features`),
         checked by the manager. A quantized pool is dequantized while it is read: the
         kernel decodes each tile of keys with their scales, the reference folds the scales
@@ -397,7 +399,11 @@ class NumpyStorage:
             raw_keys, raw_values = keys.view(np.uint8), values.view(np.uint8)
         elif dtype == "float16":
             raw_keys, raw_values = keys.view(np.uint16), values.view(np.uint16)
-        if paged_kernel.kernel_available() and paged_kernel.kernel_reads(dtype, raw_keys, raw_values):
+        if (
+            self._path != "native"
+            and paged_kernel.kernel_available()
+            and paged_kernel.kernel_reads(dtype, raw_keys, raw_values)
+        ):
             output = paged_kernel.attend_with_kernel(
                 query,
                 raw_keys,

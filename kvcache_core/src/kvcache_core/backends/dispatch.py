@@ -1,0 +1,452 @@
+"""Which attention path a backend runs for a shape of batch, chosen by measuring this machine.
+
+A backend may have several ways to compute the same paged attention: the compiled kernel
+of :mod:`kvcache_core.attention.kernel` (numba), and its array library's own path (in
+torch, ``scaled_dot_product_attention`` on zero-copy views of each request's runs of
+blocks). Which is faster depends on the machine (how much of a context its caches hold,
+its vector units, its cores) as much as on the batch: on one 2-core Xeon the kernel won a
+ragged decode batch 1.5x while the library's path won one long request by 1.3x. So no rule
+is written here; the paths are timed on this machine.
+
+* A **shape class** (:class:`ShapeClass`) is what decides the winner: decode, prefill or a
+  mix; the requests in the batch and the longest context, in power-of-two buckets; whether
+  a request is split over several runs of blocks; the pool's dtype, layout and geometry;
+  the threads; the attention features. Two batches of one class run the same path.
+* The first time a class is seen, :meth:`AttentionDispatch.run` **calibrates** it on the
+  call itself: each path runs once untimed (first-call costs: compiling, warming caches),
+  then each runs in turns (:data:`CALIBRATION_ROUNDS`, fewer for slow calls) and the
+  faster wins, by its fastest run (the one least disturbed by the rest of the machine).
+  The outputs are the call's (every path computes the same attention); the call returns
+  the winner's. A win within the noise (:func:`_decisive`, as on a busy machine) holds for
+  the process but is not kept on disk: the next process measures again. A calibration
+  costs a few calls of the shape's attention: well under a second for a model's shapes.
+* The choices are **cached on disk** per machine and library versions
+  (:func:`machine_key`), in ``$KVCACHE_CACHE_DIR`` (else ``$XDG_CACHE_HOME/kvcache``, else
+  ``~/.cache/kvcache``), one JSON file per backend, rewritten atomically (a temporary file
+  created exclusively, then renamed). A later process reads them and measures nothing.
+  A file that is corrupt, too large, or written on another machine or by other versions is
+  ignored with a warning (and replaced at the next calibration). ``KVCACHE_CACHE_DIR=off``
+  keeps the choices in memory only.
+* A path can be **pinned**: ``CacheConfig.attention_path`` (per pool), else the
+  environment variable ``KVCACHE_ATTENTION_PATH`` (per process), ``"kernel"`` or
+  ``"native"``; ``"auto"`` (the default) is the measured choice.
+
+:meth:`AttentionDispatch.choices` lists the classes seen and the path each runs;
+``kvcache dispatch`` prints them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, TypeVar, cast
+
+from kvcache_core.attention.kernel import DISABLE_ENV, KERNEL_DTYPES, QUANTIZED_KERNEL_DTYPES, kernel_available
+from kvcache_core.contract.config import ATTENTION_PATHS, CacheConfig
+from kvcache_core.errors import CacheFileError, CorruptCacheFileError, InvalidConfigError, UnsupportedConfigError
+from kvcache_core.offload.safe_files import RegularFile, remove_file, write_file_atomically
+from kvcache_core.offload.strict_json import parse_json
+
+__all__ = [
+    "ATTENTION_PATHS",
+    "CACHE_DIR_ENV",
+    "CALIBRATION_ROUNDS",
+    "PATH_ENV",
+    "AttentionDispatch",
+    "DispatchChoice",
+    "ShapeClass",
+    "cache_directory",
+    "check_attention_path",
+    "kernel_or_reference",
+    "machine_key",
+    "pinned_path",
+    "read_dispatch_file",
+]
+
+T = TypeVar("T")
+
+#: The environment variable that pins a path for every pool of the process whose config says "auto".
+PATH_ENV: Final = "KVCACHE_ATTENTION_PATH"
+#: The environment variable naming the directory of the calibration files (``off``: none).
+CACHE_DIR_ENV: Final = "KVCACHE_CACHE_DIR"
+#: Timed calls of each path when a class is calibrated (after one untimed call each).
+CALIBRATION_ROUNDS: Final = 5
+#: A call slower than this (seconds, untimed call) is timed once more only.
+_SLOW_CALL = 0.05
+#: The largest calibration file read (bytes); a larger one is ignored.
+MAX_FILE_BYTES: Final = 1 << 20
+_FORMAT: Final = "kvcache-attention-dispatch"
+_VERSION: Final = 1
+
+
+def check_attention_path(value: object, what: str = "CacheConfig.attention_path") -> str:
+    """``value`` if it is one of :data:`ATTENTION_PATHS`.
+
+    Raises:
+        InvalidConfigError: anything else, named with the valid values.
+    """
+    if not isinstance(value, str) or value not in ATTENTION_PATHS:
+        raise InvalidConfigError(f"{what} {value!r} is unknown; valid: {', '.join(ATTENTION_PATHS)}")
+    return value
+
+
+def pinned_path(configured: str) -> str:
+    """The path a pool runs: its config's unless ``"auto"``, else ``KVCACHE_ATTENTION_PATH``'s
+    (unset or empty: ``"auto"``). A path pinned in a config is refused by the backend where
+    it cannot run; pinned by the environment (for every pool of the process), ``"kernel"``
+    runs where the kernel can and the native path elsewhere.
+
+    Raises:
+        InvalidConfigError: ``KVCACHE_ATTENTION_PATH`` holds another value.
+    """
+    if configured != "auto":
+        return configured
+    return check_attention_path(os.environ.get(PATH_ENV, "") or "auto", PATH_ENV)
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` says)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _usable_cores() -> int:
+    affinity: Callable[[int], set[int]] | None = getattr(os, "sched_getaffinity", None)
+    count = len(affinity(0)) if affinity is not None else os.cpu_count()
+    return max(1, count or 1)
+
+
+def machine_key(libraries: Mapping[str, str]) -> dict[str, str]:
+    """What a calibration file must match to be used: the CPU model, the usable cores, the
+    Python version and ``libraries`` (name -> version: kvcache-core's, the backend's)."""
+    key = {"cpu": _cpu_model(), "cores": str(_usable_cores()), "python": platform.python_version()}
+    key.update({name: str(version) for name, version in sorted(libraries.items())})
+    return key
+
+
+def cache_directory() -> Path | None:
+    """Where calibration files live (see the module docstring); ``None`` when switched off."""
+    chosen = os.environ.get(CACHE_DIR_ENV, "")
+    if chosen == "off":
+        return None
+    if chosen:
+        return Path(chosen)
+    base = os.environ.get("XDG_CACHE_HOME", "") or str(Path.home() / ".cache")
+    return Path(base) / "kvcache"
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeClass:
+    """The features of a batch that decide which attention path is faster (see the module
+    docstring); :attr:`key` is its text form in the calibration file."""
+
+    phase: str
+    requests: int
+    context: int
+    runs: str
+    dtype: str
+    layout: str
+    kv_heads: int
+    group: int
+    head_dim: int
+    value_dim: int
+    threads: int
+    features: str
+
+    @property
+    def key(self) -> str:
+        return (
+            f"{self.phase} requests<={self.requests} context<={self.context} runs={self.runs} {self.dtype} "
+            f"{self.layout} heads={self.kv_heads}x{self.group} dims={self.head_dim}/{self.value_dim} "
+            f"threads={self.threads} features={self.features}"
+        )
+
+    @staticmethod
+    def of(
+        query_counts: list[int],
+        seq_lens: list[int],
+        many_runs: bool,
+        *,
+        dtype: str,
+        layout: str,
+        kv_heads: int,
+        group: int,
+        head_dim: int,
+        value_dim: int,
+        threads: int,
+        features: str,
+    ) -> ShapeClass:
+        """The class of a batch of ``query_counts[b]`` queries over ``seq_lens[b]`` tokens per request."""
+        if all(count <= 1 for count in query_counts):
+            phase = "decode"
+        elif all(count in (0, length) for count, length in zip(query_counts, seq_lens, strict=True)):
+            phase = "prefill"
+        else:
+            phase = "mixed"
+        return ShapeClass(
+            phase,
+            _bucket(sum(1 for count in query_counts if count)),
+            _bucket(max(seq_lens, default=1), floor=256),
+            "many" if many_runs else "one",
+            dtype,
+            layout,
+            kv_heads,
+            group,
+            head_dim,
+            value_dim,
+            threads,
+            features,
+        )
+
+
+def _bucket(value: int, floor: int = 1) -> int:
+    """The power of two at or above ``value`` (at least ``floor``)."""
+    bucket = floor
+    while bucket < value:
+        bucket *= 2
+    return bucket
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchChoice:
+    """The path a shape class runs and the fewest seconds each path took when it was calibrated."""
+
+    path: str
+    seconds: Mapping[str, float]
+    #: Whether the calibration was decisive (:func:`_decisive`): only such choices are kept on
+    #: disk; an undecided one holds for this process, and the next process measures again.
+    settled: bool = True
+
+
+class AttentionDispatch:
+    """The measured choices of one backend on this machine (thread-safe); one per backend
+    per process, shared by its pools.
+
+    Args:
+        backend: the backend's name (the calibration file's name).
+        libraries: name -> version of what the timings depend on, besides the machine.
+        directory: where the file lives; by default :func:`cache_directory` at first use.
+    """
+
+    def __init__(self, backend: str, libraries: Mapping[str, str], directory: Path | str | None = "default") -> None:
+        self._backend = backend
+        self._libraries = dict(libraries)
+        self._directory = directory
+        self._lock = threading.Lock()
+        self._choices: dict[str, DispatchChoice] | None = None
+
+    def _path(self) -> Path | None:
+        directory = cache_directory() if self._directory == "default" else self._directory
+        if directory is None:
+            return None
+        return Path(directory) / f"dispatch-{self._backend}.json"
+
+    def _load(self) -> dict[str, DispatchChoice]:
+        """The choices of the file, or none (a warning says why a file is ignored)."""
+        path = self._path()
+        if path is None or not path.exists():
+            return {}
+        try:
+            machine, choices = read_dispatch_file(path)
+            here = machine_key(self._libraries)
+            if machine != here:
+                raise ValueError(f"it was measured on {machine!r}, this is {here!r}")
+            return choices
+        except (CacheFileError, ValueError) as exc:
+            warnings.warn(f"ignoring the attention dispatch file {str(path)!r}: {exc}", RuntimeWarning, stacklevel=4)
+            return {}
+
+    def _save(self, choices: Mapping[str, DispatchChoice]) -> None:
+        path = self._path()
+        if path is None:
+            return
+        body = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "machine": machine_key(self._libraries),
+            "choices": {
+                key: {"path": choice.path, "seconds": dict(choice.seconds)} for key, choice in sorted(choices.items())
+            },
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_file_atomically(str(path), json.dumps(body, indent=1).encode(), what="the attention dispatch file")
+        except (CacheFileError, OSError) as exc:  # measuring again next time is the only cost
+            warnings.warn(f"cannot keep the attention dispatch choices: {exc}", RuntimeWarning, stacklevel=4)
+
+    def _known(self) -> dict[str, DispatchChoice]:
+        choices = self._choices
+        if choices is None:
+            with self._lock:
+                if self._choices is None:
+                    self._choices = self._load()
+                choices = self._choices
+        return choices
+
+    def choice(self, shape: ShapeClass) -> DispatchChoice | None:
+        """The recorded choice of ``shape``'s class, or ``None`` before it is calibrated."""
+        return self._known().get(shape.key)
+
+    def choices(self) -> dict[str, DispatchChoice]:
+        """Every class calibrated on this machine (in this process or read from the file)."""
+        return dict(self._known())
+
+    def run(self, shape: ShapeClass, paths: Mapping[str, Callable[[], T]]) -> T:
+        """The output of the path ``shape``'s class runs: the recorded one, or, the first
+        time, the winner of a calibration of ``paths`` (name -> the call). A recorded path
+        that is not among ``paths`` (not available here now) is calibrated again."""
+        recorded = self.choice(shape)
+        if recorded is not None and recorded.path in paths:
+            return paths[recorded.path]()
+        if len(paths) == 1:
+            (only,) = paths.values()
+            return only()
+        outputs: dict[str, T] = {}
+        first_call: dict[str, float] = {}
+        for name, call in paths.items():  # untimed: compiling, first touches
+            start = time.perf_counter()
+            outputs[name] = call()
+            first_call[name] = time.perf_counter() - start
+        rounds = 1 if max(first_call.values()) > _SLOW_CALL else CALIBRATION_ROUNDS
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        names = list(paths)
+        for turn in range(rounds):
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:  # order rotates
+                start = time.perf_counter()
+                outputs[name] = paths[name]()
+                times[name].append(time.perf_counter() - start)
+        seconds = {name: min(values) for name, values in times.items()}  # the least disturbed run
+        winner = min(seconds, key=lambda name: seconds[name])
+        settled = all(_decisive(times[winner], values) for name, values in times.items() if name != winner)
+        with self._lock:
+            known = dict(self._choices or {})
+            known[shape.key] = DispatchChoice(winner, seconds, settled)
+            self._choices = known
+            if settled:
+                self._save({key: choice for key, choice in known.items() if choice.settled})
+        return outputs[winner]
+
+    def forget(self) -> None:
+        """Drop every choice and the calibration file: each class is measured again."""
+        with self._lock:
+            self._choices = {}
+            path = self._path()
+            if path is not None:
+                remove_file(str(path), what="the attention dispatch file")
+
+
+def read_dispatch_file(path: str | Path) -> tuple[dict[str, str], dict[str, DispatchChoice]]:
+    """The machine a calibration file was measured on and its choices, checked strictly.
+
+    Raises:
+        CacheFileError: the file cannot be read (missing, a link, not a regular file).
+        CorruptCacheFileError: it is not a calibration file, or larger than :data:`MAX_FILE_BYTES`.
+    """
+    with RegularFile(str(path), what="the attention dispatch file") as file:
+        if file.size > MAX_FILE_BYTES:
+            raise CorruptCacheFileError(f"{str(path)!r} holds {file.size} bytes, more than the {MAX_FILE_BYTES} read")
+        data = file.read_at(0, file.size)
+    body = parse_json(data, what="the attention dispatch file", error=CorruptCacheFileError)
+    try:
+        choices = _parse(body, None)
+    except ValueError as exc:
+        raise CorruptCacheFileError(f"{str(path)!r}: {exc}") from exc
+    return _texts(cast("dict[str, object]", body)["machine"], "its machine"), choices
+
+
+def _decisive(winner: list[float], loser: list[float]) -> bool:
+    """Whether timings of the winning path beat the loser's beyond noise: its fastest run 5%
+    faster than the loser's and, with several rounds, its median below the loser's fastest.
+    On a busy machine the timings overlap and nothing is settled (the next process measures
+    again)."""
+    if min(winner) * 1.05 >= min(loser):
+        return False
+    return len(winner) == 1 or statistics.median(winner) < min(loser)
+
+
+def _parse(body: object, machine: Mapping[str, str] | None) -> dict[str, DispatchChoice]:
+    """The choices of a calibration file's JSON, checked field by field.
+
+    Raises:
+        ValueError: a field missing, of another type, or the file from another machine or
+            versions (when ``machine`` is given).
+    """
+    if not isinstance(body, dict):
+        raise ValueError("it is not an attention dispatch file")
+    fields = cast("dict[str, object]", body)
+    if set(fields) != {"format", "version", "machine", "choices"}:
+        raise ValueError("it is not an attention dispatch file")
+    if fields["format"] != _FORMAT or fields["version"] != _VERSION:
+        raise ValueError(f"format {fields['format']!r} version {fields['version']!r}, expected {_FORMAT!r} {_VERSION}")
+    recorded = _texts(fields["machine"], "its machine")
+    if machine is not None and recorded != dict(machine):
+        raise ValueError(f"it was measured on {recorded!r}, this is {dict(machine)!r}")
+    listed = fields["choices"]
+    if not isinstance(listed, dict):
+        raise ValueError("its choices are not a mapping")
+    choices: dict[str, DispatchChoice] = {}
+    for key, entry in cast("dict[str, object]", listed).items():
+        if not isinstance(entry, dict) or set(cast("dict[str, object]", entry)) != {"path", "seconds"}:
+            raise ValueError(f"the choice {key!r} is malformed")
+        parts = cast("dict[str, object]", entry)
+        path, seconds = parts["path"], parts["seconds"]
+        if not isinstance(path, str) or path not in ATTENTION_PATHS[1:] or not isinstance(seconds, dict):
+            raise ValueError(f"the choice {key!r} names the path {path!r}")
+        timed: dict[str, float] = {}
+        for name, value in cast("dict[str, object]", seconds).items():
+            if name not in ATTENTION_PATHS[1:] or not isinstance(value, float) or not value >= 0.0:
+                raise ValueError(f"the choice {key!r} has a bad time {name!r}: {value!r}")
+            timed[name] = value
+        choices[key] = DispatchChoice(path, timed)
+    return choices
+
+
+def _texts(value: object, what: str) -> dict[str, str]:
+    """``value`` if it is a JSON object of texts."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is not a mapping of texts")
+    items = cast("dict[str, object]", value)
+    texts = {name: text for name, text in items.items() if isinstance(text, str)}
+    if len(texts) != len(items):
+        raise ValueError(f"{what} is not a mapping of texts")
+    return texts
+
+
+def kernel_or_reference(config: CacheConfig) -> str:
+    """The path of a NumPy-held pool (the NumPy and memmap backends): its pin
+    (:func:`pinned_path`), where ``"auto"`` is the compiled kernel whenever it reads the pool
+    (NumPy's own path is the reference, always the slower: nothing is measured), ``"native"``
+    the reference.
+
+    Raises:
+        InvalidConfigError: ``KVCACHE_ATTENTION_PATH`` holds an unknown value.
+        UnsupportedConfigError: ``attention_path="kernel"`` in the config where the kernel
+            cannot run (numba missing or switched off, a dtype it does not read), the reason
+            named. (Pinned by ``KVCACHE_ATTENTION_PATH``, the kernel runs where it can.)
+    """
+    if config.attention_path == "kernel":
+        readable = (*KERNEL_DTYPES, *QUANTIZED_KERNEL_DTYPES)
+        if config.dtype not in readable:
+            raise UnsupportedConfigError(
+                f"attention_path 'kernel' cannot run here: the kernel reads {', '.join(readable)} pools, "
+                f"this one is {config.dtype}"
+            )
+        if not kernel_available():
+            raise UnsupportedConfigError(
+                f"attention_path 'kernel' cannot run here: numba is missing or {DISABLE_ENV} is set (pip install numba)"
+            )
+    return pinned_path(config.attention_path)

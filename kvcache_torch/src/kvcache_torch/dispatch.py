@@ -1,0 +1,183 @@
+"""The torch backend's attention dispatch: the compiled kernel or torch's own path, by shape class.
+
+On a CPU pool of float32, float16 or bfloat16 the torch backend has two ways to the same
+attention (:mod:`kvcache_torch.attention`): the compiled kernel (numba, one call per layer
+for the whole batch) and the *native* path, ``scaled_dot_product_attention`` on zero-copy
+views of each request's runs of blocks. Which is faster is measured on this machine, per
+shape class, by :mod:`kvcache_core.backends.dispatch` (the policy, the calibration file,
+the pins); this module only names the classes of torch's calls and keeps the backend's one
+:class:`~kvcache_core.backends.dispatch.AttentionDispatch`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+import kvcache_core
+from kvcache_core.attention import kernel as paged_kernel
+from kvcache_core.backends.dispatch import AttentionDispatch, ShapeClass, pinned_path
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.errors import UnsupportedConfigError
+from kvcache_torch.threads import torch_team
+
+__all__ = ["DISPATCH", "KERNEL_DTYPES", "host_view", "kernel_attention", "kernel_reads", "pool_path", "shape_class"]
+
+
+def _numba_version() -> str:
+    """numba's version, without importing it (importing numba takes a while)."""
+    try:
+        return version("numba")
+    except PackageNotFoundError:  # the kernel is then unavailable and nothing is dispatched
+        return "missing"
+
+
+#: The torch backend's choices on this machine, shared by its pools.
+DISPATCH: Final = AttentionDispatch(
+    "torch", {"kvcache-core": kvcache_core.__version__, "torch": str(torch.__version__), "numba": _numba_version()}
+)
+
+#: What the class of a page table's batch takes from the table and its query offsets, per
+#: table (the layers of a step share one table: the work is done once per step).
+_BATCHES: weakref.WeakKeyDictionary[PageTable, tuple[object, tuple[list[int], list[int], bool]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _batch(page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> tuple[list[int], list[int], bool]:
+    known = _BATCHES.get(page_table)
+    if known is not None and known[0] is qo_indptr:
+        return known[1]
+    offsets = qo_indptr.tolist()
+    counts = [int(offsets[b + 1] - offsets[b]) for b in range(page_table.batch_size)]
+    lengths = [int(length) for length in page_table.seq_lens.tolist()]
+    many = any(len(page_table.runs(b)) > 1 for b in range(page_table.batch_size))
+    batch = (counts, lengths, many)
+    _BATCHES[page_table] = (qo_indptr, batch)
+    return batch
+
+
+def shape_class(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    page_table: PageTable,
+    qo_indptr: npt.NDArray[np.int32],
+    kv_layout: str,
+    causal: bool,
+    features: str,
+) -> ShapeClass:
+    """The shape class of one call of :func:`kvcache_torch.attention.attend_pool`.
+
+    ``features`` names the attention features in use (window, softcap, sinks, chunk).
+    """
+    counts, lengths, many = _batch(page_table, qo_indptr)
+    kv_heads = key_cache.shape[{"NHD": 2, "HND": 1, "heads_first": 0}[kv_layout]]
+    return ShapeClass.of(
+        counts,
+        lengths,
+        many,
+        dtype=str(key_cache.dtype).removeprefix("torch."),
+        layout=kv_layout,
+        kv_heads=kv_heads,
+        group=query.shape[1] // kv_heads,
+        head_dim=key_cache.shape[3],
+        value_dim=value_cache.shape[3],
+        threads=torch.get_num_threads(),
+        features=("causal" if causal else "full") + (f"+{features}" if features else ""),
+    )
+
+
+def pool_path(configured: str, device: torch.device) -> str:
+    """The path a pool on ``device`` runs, pinned by its config or
+    ``KVCACHE_ATTENTION_PATH`` (:func:`~kvcache_core.backends.dispatch.pinned_path`), else ``"auto"``.
+
+    Raises:
+        InvalidConfigError: ``KVCACHE_ATTENTION_PATH`` holds an unknown value.
+        UnsupportedConfigError: ``attention_path="kernel"`` in the config where the kernel
+            cannot run (not a CPU pool, numba missing or switched off: it reads every dtype
+            of the torch backend); the reason is named. Pinned by ``KVCACHE_ATTENTION_PATH``, the kernel runs
+            where it can.
+    """
+    path = pinned_path(configured)
+    if configured != "kernel":
+        return path
+    reasons: list[str] = []
+    if device.type != "cpu":
+        reasons.append(f"the pool is on {device}, the kernel runs on CPU")
+    if not paged_kernel.kernel_available():
+        reasons.append(f"numba is missing or {paged_kernel.DISABLE_ENV} is set (pip install numba)")
+    if reasons:
+        raise UnsupportedConfigError(f"attention_path 'kernel' cannot run here: {'; '.join(reasons)}")
+    return path
+
+
+#: Pool dtypes the compiled CPU kernel reads, with their names there.
+KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def host_view(cache: torch.Tensor) -> npt.NDArray[Any]:
+    """A CPU pool as a NumPy view of the same memory (16-bit floats as their ``uint16`` bits)."""
+    if cache.dtype == torch.float32:
+        return cache.detach().numpy()
+    return cache.detach().view(torch.int16).numpy().view(np.uint16)
+
+
+def kernel_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    page_table: PageTable,
+    qo_indptr: npt.NDArray[np.int32],
+    scale: float,
+    causal: bool,
+    kv_layout: str,
+    window: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor | None:
+    """The compiled CPU kernel over the pool read in place (zero-copy NumPy views), with
+    ``torch.get_num_threads()`` threads of torch's team; ``None`` where it does not apply (another device,
+    another dtype, numba missing or switched off)."""
+    dtype = KERNEL_DTYPES.get(key_cache.dtype)
+    if dtype is None or key_cache.device.type != "cpu" or not paged_kernel.kernel_available():
+        return None
+    try:  # attend_with_kernel refuses pools it cannot read in place (kernel_reads): no second check here
+        output = paged_kernel.attend_with_kernel(
+            query.detach().to(torch.float32).numpy(),
+            host_view(key_cache),
+            host_view(value_cache),
+            page_table,
+            qo_indptr,
+            dtype=dtype,
+            scale=scale,
+            causal=causal,
+            kv_layout=kv_layout,
+            sliding_window=window,
+            num_threads=torch.get_num_threads(),
+            team=torch_team(),
+            softcap=softcap,
+            sinks=None if sinks is None else sinks.detach().to(torch.float32).numpy(),
+            chunk=chunk,
+        )
+    except UnsupportedConfigError:
+        return None
+    return torch.from_numpy(output).to(query.dtype)  # pyright: ignore[reportUnknownMemberType]
+
+
+def kernel_reads(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the compiled kernel runs on these pools here: a CPU pool of a dtype it reads,
+    in place, and numba available."""
+    dtype = KERNEL_DTYPES.get(key_cache.dtype)
+    return (
+        dtype is not None
+        and key_cache.device.type == "cpu"
+        and paged_kernel.kernel_available()
+        and paged_kernel.kernel_reads(dtype, host_view(key_cache), host_view(value_cache))
+    )
