@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
@@ -78,11 +77,9 @@ class PagedCache(Cache):
             cannot hold (a recurrent state of a family it does not know, ...), or the config
             is set to ``"kvcache_paged"`` for a model whose attention does not call
             transformers' attention interface (the message names the class and the remedy,
-            its own ``"sdpa"`` or ``"eager"``; a model
-            transformers cannot judge up front is refused at its first forward instead, see
-            :meth:`update`); ``handles`` for a model with recurrent-state layers.
-        InvalidArgumentError: a bad ``max_sequence_length``, or ``handles`` not each a live
-            request of ``manager``, once, all of one length.
+            its own ``"sdpa"`` or ``"eager"``; a model transformers cannot judge up front is
+            refused at its first forward, see :meth:`update`); ``handles`` with state layers.
+        InvalidArgumentError: a bad ``max_sequence_length``; ``handles`` not live requests of ``manager`` of one length.
     """
 
     def __init__(
@@ -364,12 +361,7 @@ class PagedCache(Cache):
     def __enter__(self) -> PagedCache:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.release()
 
     # -- the write/read path -------------------------------------------------------------
