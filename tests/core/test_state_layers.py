@@ -12,7 +12,6 @@ import pytest
 from kvcache_core import (
     AllocationRequest,
     CacheConfig,
-    HostTier,
     LayerSpec,
     PagedKvCacheManager,
     StateSpec,
@@ -159,12 +158,6 @@ def test_a_storage_without_state_storage_is_refused_by_capability() -> None:
     config = hybrid_config(kv_layout="NHD")
     with pytest.raises(UnsupportedConfigError, match="'state_layers'"):
         PagedKvCacheManager(OldStorage(config.storage_config()), backend="old", config=config)
-
-
-def test_offload_tiers_with_state_layers_are_refused_by_name() -> None:
-    config = hybrid_config(enable_prefix_caching=True)
-    with pytest.raises(UnsupportedConfigError, match="offload tiers with recurrent-state layers"):
-        create_manager("numpy", config, tiers=[HostTier(1 << 20)])
 
 
 def test_a_checkpoint_is_filed_only_at_a_cached_blocks_end() -> None:

@@ -90,6 +90,9 @@ class PagedKvCacheManager(Generic[ArrayT]):
         self._checks = ArgumentChecks(self._pool, storage, live)
         if self._pool.prefix is not None:
             self._pool.prefix.listener = self._events
+            if self._pool.states.enabled:  # a hash is published once a checkpoint reaches it
+                self._events.gate_on_checkpoints(self._pool.prefix)
+                self._pool.states.on_filed = self._events.checkpoint_filed
         self._tiers = TierChain(tiers, config, self._events)
         if self._tiers:
             self._pool.eviction_sink = self._tiers  # evicted cached blocks are demoted
