@@ -401,3 +401,18 @@ def test_a_pool_without_state_layers_publishes_every_block_as_before() -> None:
     for layer in range(2):
         step.write(layer, keys, keys)
     assert len(index.hashes("pool")) == 3
+
+
+# -- explain -----------------------------------------------------------------------------------------
+
+
+def test_explain_stops_a_state_pools_chain_at_its_last_checkpoint() -> None:
+    manager = create_manager("numpy", config_of(), tiers=[HostTier(1 << 20)])
+    compute(manager, "first", checkpoints=(1,))
+    manager.gc()
+    explained = manager.explain_prefix(PROMPT)
+    assert explained.cached_tokens == 4, str(explained)
+    assert explained.reason == "no state checkpoint"
+    assert "blocks 1 to 2" in explained.detail
+    second = manager.allocate(AllocationRequest("second", prompt_token_ids=PROMPT))
+    assert second.num_cached_tokens() == explained.cached_tokens, "explain and allocate disagree"
