@@ -17,11 +17,14 @@ import pytest
 from kvcache_core import AllocationRequest, CacheConfig, HostTier, LayerSpec, StateSpec, create_manager
 from kvcache_core.contract.states import STATE_RECORD_GROUP
 from kvcache_core.errors import CorruptCacheFileError, IncompatibleCacheFileError
+from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.offload.events import BlockRemoved, BlockStored, CachedBlockIndex, CacheEvent
 from kvcache_core.offload.prefix_file import BlockRecord, record_key
 from kvcache_core.offload.redis_tier import RedisTier
 from kvcache_core.offload.tiers import DiskTier, OffloadTier
+from kvcache_core.testing.faults import InjectedFaultError
 from kvcache_core.testing.inspect import block_pool
+from kvcache_core.testing.states import _FaultyStorageWithStates  # pyright: ignore[reportPrivateUsage]
 from tests.redis_support import RedisServer, unique_prefix
 
 pytest.importorskip("safetensors")
@@ -55,13 +58,15 @@ def config_of(state: StateSpec = STATE, **fields: Any) -> CacheConfig:
     return CacheConfig(**{**base, **fields})
 
 
-def compute(manager: Manager, request_id: str, checkpoints: tuple[int, ...] = (1, 2, 3)) -> list[States]:
+def compute(
+    manager: Manager, request_id: str, checkpoints: tuple[int, ...] = (1, 2, 3), into: list[States] | None = None
+) -> list[States]:
     """Run ``PROMPT``'s three full blocks as request ``request_id``: random K/V and states per
     block, a checkpoint after each block of ``checkpoints``; deallocated at the end. Returns
-    the states after each block."""
+    the states after each block (appended to ``into`` as they are written, when given)."""
     rng = np.random.default_rng(len(request_id))
     handle = manager.allocate(AllocationRequest(request_id, prompt_token_ids=PROMPT))
-    after: list[States] = []
+    after: list[States] = into if into is not None else []
     for block in (1, 2, 3):
         step = manager.begin_step([handle], 4)
         keys = rng.standard_normal((4, 2, 8)).astype(np.float32)
@@ -416,3 +421,53 @@ def test_explain_stops_a_state_pools_chain_at_its_last_checkpoint() -> None:
     assert "blocks 1 to 2" in explained.detail
     second = manager.allocate(AllocationRequest("second", prompt_token_ids=PROMPT))
     assert second.num_cached_tokens() == explained.cached_tokens, "explain and allocate disagree"
+
+
+# -- faults ------------------------------------------------------------------------------------------
+
+
+def run_with_fault(fail_at: int, when: str) -> bool:
+    """Compute ``PROMPT`` with checkpoints, demote it to a tier, hit it again, with storage
+    call ``fail_at`` (K/V or state pool) failing ``when``: a failed allocation changes
+    nothing, a request's states are those of the checkpoint its hit ends at, nothing leaks.
+    Returns whether the fault fired."""
+    base = create_manager("numpy", config_of())  # its config has the layout resolved
+    storage = _FaultyStorageWithStates(base.storage, fail_at, "after" if when == "after" else "before")
+    tier = HostTier(1 << 20)
+    manager: Manager = PagedKvCacheManager(storage, backend="numpy", config=base.config, tiers=[tier])
+    after: list[States] = []
+    try:
+        compute(manager, "first", into=after)
+        manager.gc()
+    except InjectedFaultError:
+        manager.check_invariants()
+    for name in ("second", "third"):
+        before = (manager.stats(), manager.tier_stats(), sorted(tier.hashes()))
+        try:
+            handle = manager.allocate(AllocationRequest(name, prompt_token_ids=PROMPT))
+        except InjectedFaultError:
+            manager.check_invariants()
+            assert (manager.stats(), manager.tier_stats(), sorted(tier.hashes())) == before, (
+                f"a fault {when} storage call {fail_at} ({storage.fired}) left a partial allocation"
+            )
+            continue
+        storage.fail_at = None
+        cached: int = handle.num_cached_tokens() // 4
+        if cached:
+            assert_states(states_of(manager, handle), after[cached - 1], f"a hit after a fault at call {fail_at}")
+        manager.check_invariants()
+    storage.fail_at = None
+    for name, _ in manager.list_handles():
+        manager.deallocate(name)
+    manager.gc()
+    stats = manager.stats()
+    assert (stats.used_state_slots, stats.used_blocks) == (0, 0), f"a fault at call {fail_at} leaked: {stats}"
+    return storage.fired is not None
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_fault_at_any_storage_call_of_a_state_pool_with_tiers_leaks_nothing(when: str) -> None:
+    fail_at = 0
+    while run_with_fault(fail_at, when):
+        fail_at += 1
+    assert fail_at > 10, f"the script made only {fail_at} storage calls"

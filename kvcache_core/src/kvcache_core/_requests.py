@@ -203,7 +203,7 @@ class Requests(Generic[ArrayT]):
         if promoted and promotion is not None and promotion.checkpoint_hash is not None:
             # Its block is the pool's now, so is the checkpoint: it leaves the tiers once filed.
             checkpoint = promotion.checkpoint
-            if checkpoint is not None and states.save_checkpoint(state.state_slot, checkpoint.block_hash):
+            if checkpoint is not None and self._file_promoted(state, checkpoint.block_hash):
                 self._tiers.take_out([(checkpoint.block_hash, STATE_RECORD_GROUP)])
             else:  # the promoted blocks' chain ends at a checkpoint (in the pool or a tier)
                 states.announce(promotion.checkpoint_hash)
@@ -216,6 +216,26 @@ class Requests(Generic[ArrayT]):
         self.allocation_count += 1
         self._pressure.update()
         return state
+
+    def _file_promoted(self, state: RequestState[ArrayT], block_hash: bytes) -> bool:
+        """File a copy of a new request's states as the checkpoint of ``block_hash`` it was
+        promoted from; whether it was. A storage that fails leaves it in the tiers (with a
+        warning); an interrupt gives the request's blocks and slot back first."""
+        states = self._pool.states
+        try:
+            return states.save_checkpoint(state.state_slot, block_hash)
+        except Exception as exc:  # the request is served; the checkpoint stays where it was
+            warnings.warn(
+                f"filing a promoted state checkpoint failed, it stays in the tiers: {exc!r}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return False
+        except BaseException:
+            self._sequences.release(state)
+            states.give(state.state_slot)
+            state.state_slot = -1
+            raise
 
     def _pooled_checkpoint(self, plan: AllocationPlan) -> int | None:
         """The slot of the checkpoint ending the pool's hit of ``plan`` (``None``: zeros)."""
