@@ -471,3 +471,16 @@ def test_a_fault_at_any_storage_call_of_a_state_pool_with_tiers_leaks_nothing(wh
     while run_with_fault(fail_at, when):
         fail_at += 1
     assert fail_at > 10, f"the script made only {fail_at} storage calls"
+
+
+def test_a_checkpoint_evicted_for_a_slot_goes_to_the_tier_and_still_serves_a_hit() -> None:
+    tier = HostTier(1 << 20)
+    manager = create_manager("numpy", config_of(state_slots=2), tiers=[tier])
+    after = compute(manager, "first", checkpoints=(1, 2))  # one slot to spare: the second evicts the first
+    assert manager.stats().checkpoint_state_slots == 1
+    assert sum(1 for key in tier.hashes() if key[32:] == b"\xff\xff") == 1, "the evicted checkpoint was dropped"
+    prompt = PROMPT[:5]  # the first block, one token more: its checkpoint is in the tier only
+    second = manager.allocate(AllocationRequest("second", prompt_token_ids=prompt))
+    assert second.num_cached_tokens() == 4, "the pool's block and the tier's checkpoint serve the first block"
+    assert_states(states_of(manager, second), after[0], "a checkpoint demoted when its slot was needed")
+    manager.check_invariants()

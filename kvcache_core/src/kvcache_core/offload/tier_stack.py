@@ -156,6 +156,24 @@ class TierChain:
         if len(self._guard.checksums) > 1024:
             self._guard.prune_checksums()
 
+    def demote_checkpoint(self, pool: BlockPool, block_hash: bytes, slot: int) -> None:
+        """The pool evicts the state checkpoint of ``block_hash`` (in ``slot``) for a
+        request that needs a slot: a copy goes to the first tier while its block is
+        cached. A storage that fails drops it (counted, with a warning)."""
+        prefix = pool.prefix
+        entry = prefix.get(block_hash) if prefix is not None else None
+        if not self._guard.tiers or entry is None:
+            return
+        try:
+            packed = pack_states(self._config, pool.states.to_host(slot))
+        except Exception as exc:
+            self._guard.counts[self._guard.names[0]][3] += 1
+            warnings.warn(
+                f"demoting an evicted state checkpoint failed, it is dropped: {exc!r}", RuntimeWarning, stacklevel=5
+            )
+            return
+        self._push(0, [BlockRecord.of_checkpoint(entry, packed)])
+
     def _push(self, level: int, records: list[BlockRecord]) -> None:
         """Store ``records`` in tier ``level``; what it lets go moves on, past the last dropped."""
         while records and level < len(self._guard.tiers):

@@ -11,7 +11,8 @@ With prefix caching, a free slot may hold a **checkpoint**: a copy of a request'
 after a whole number of blocks, filed under the hash of its last block
 (``step.checkpoint_states()``). A prompt's prefix hit is cut back to its last block with a
 checkpoint (the new request starts from that copy), and ``truncate`` may go back to one.
-Checkpoints are evicted least recently used first when a request needs a slot.
+Checkpoints are evicted least recently used first when a request needs a slot (to an
+offload tier, when the manager has one: :attr:`StateSlots.on_evict`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class StateSlots:
         self.checkpoints: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, oldest first
         self.failures = 0
         self.on_filed: Callable[[bytes], object] | None = None  # told the hash of each checkpoint filed
+        # Given (hash, slot) of a checkpoint evicted for a take, before its slot is reused.
+        self.on_evict: Callable[[bytes, int], object] | None = None
         if not config.states.arrays:
             return
         factory = getattr(storage, "state_storage", None)
@@ -179,6 +182,8 @@ class StateSlots:
             victim = next((key for key, slot in self.checkpoints.items() if slot not in keep), None)
             if victim is None:
                 raise self.shortage(what)
+            if self.on_evict is not None:  # an offload tier keeps it
+                self.on_evict(victim, self.checkpoints[victim])
             self._free.append(self.checkpoints.pop(victim))
         return self._free[-1]
 
