@@ -62,7 +62,7 @@ CLAIMS = {
     "memmap": Claim(
         "kvcache_memmap.storage",
         "kvcache_memmap.storage:MemmapStorage",
-        POLICIES | ATTENTION | WIDTHS | {"memory_regions"},
+        POLICIES | ATTENTION | WIDTHS | {"memory_regions", "state_layers"},
         tuple(name for name in numpy_backend.NUMPY_DTYPES if name != "float64"),
         ("cpu",),
     ),

@@ -4,6 +4,8 @@ are the kit's: kvcache_core/testing/states.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,7 +14,6 @@ import pytest
 from kvcache_core import (
     AllocationRequest,
     CacheConfig,
-    HostTier,
     LayerSpec,
     PagedKvCacheManager,
     StateSpec,
@@ -161,12 +162,6 @@ def test_a_storage_without_state_storage_is_refused_by_capability() -> None:
         PagedKvCacheManager(OldStorage(config.storage_config()), backend="old", config=config)
 
 
-def test_offload_tiers_with_state_layers_are_refused_by_name() -> None:
-    config = hybrid_config(enable_prefix_caching=True)
-    with pytest.raises(UnsupportedConfigError, match="offload tiers with recurrent-state layers"):
-        create_manager("numpy", config, tiers=[HostTier(1 << 20)])
-
-
 def test_a_checkpoint_is_filed_only_at_a_cached_blocks_end() -> None:
     manager = create_manager("numpy", hybrid_config(enable_prefix_caching=True))
     handle = manager.allocate(AllocationRequest("a", prompt_token_ids=list(range(1, 10))))
@@ -185,7 +180,21 @@ def test_bfloat16_states_are_refused_by_the_numpy_backend() -> None:
         create_manager("numpy", config)
 
 
-def test_a_backend_not_claiming_state_layers_is_refused_by_name() -> None:
-    pytest.importorskip("kvcache_memmap")
+#: A backend whose storage has ``state_storage`` (NumPy's) but whose spec does not claim it.
+UNCLAIMED_PLUGIN = """
+from kvcache_core.plugin import BackendSpec, hookimpl
+from kvcache_core.backends.numpy import NumpyStorage
+
+@hookimpl
+def kvcache_register_backends():
+    yield BackendSpec(name="nostates", storage_factory=NumpyStorage, dtypes=("float32",),
+                      description="a backend not claiming state_layers")
+"""
+
+
+def test_a_backend_not_claiming_state_layers_is_refused_by_name(
+    plugin_dir: Path, add_distribution: Callable[[Path, str, str, str, str, str], None]
+) -> None:
+    add_distribution(plugin_dir, "kvtest-nostates", "1.0", "nostates", "kvtest_nostates", UNCLAIMED_PLUGIN)
     with pytest.raises(UnsupportedConfigError, match="capability 'state_layers' not claimed"):
-        create_manager("memmap", hybrid_config())
+        create_manager("nostates", hybrid_config())

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvcache_core.contract.config import AllocationRequest, CacheConfig, check_count
 from kvcache_core.contract.protocols import KvStorage, SlotArray
+from kvcache_core.contract.states import STATE_RECORD_GROUP
 from kvcache_core.contract.stats import CacheGcStats, CacheManagerStats, MemoryPressure
 from kvcache_core.errors import (
     DuplicateRequestError,
@@ -31,10 +32,12 @@ from kvcache_core.errors import (
     UnsupportedConfigError,
 )
 from kvcache_core.offload.events import AllBlocksCleared, EventHub, OperationLock
+from kvcache_core.offload.state_records import unpack_states
 from kvcache_core.offload.tier_stack import TierChain
 from kvcache_core.paging.block_pool import BlockPool
 from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.paging.figures import manager_stats
+from kvcache_core.paging.planner import AllocationPlan
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import SequenceBlocks
 
@@ -146,11 +149,6 @@ class Requests(Generic[ArrayT]):
         self._tiers = tiers
         self._pressure = pressure
         self.allocation_count = 0
-        if tiers and pool.states.enabled:
-            raise UnsupportedConfigError(
-                "offload tiers with recurrent-state layers: a tier's blocks would continue a prefix hit past the "
-                "last state checkpoint; use the pool's prefix caching (checkpoints) without tiers"
-            )
 
     # -- opening -------------------------------------------------------------------------
 
@@ -177,15 +175,38 @@ class Requests(Generic[ArrayT]):
         if self._tiers:  # the tier blocks continuing the pool's hit
             plan = self._sequences.planner.extend(plan, request, self._tiers)
         state = self.new_state(request.request_id, request.max_sequence_length, request.priority)
-        if states.enabled:  # from zeros, or from the checkpoint that ends its prefix hit
-            source = states.checkpoint_of(plan.entries[-1].block_hash) if plan.entries else None
-            what = f"cannot allocate request {request.request_id!r}"
-            state.state_slot = states.take(what) if source is None else states.take_copy(source, what)
+        promotion = plan.promotion
+        what = f"cannot allocate request {request.request_id!r}"
+        pooled = self._pooled_checkpoint(plan)  # where a hit of the pool alone starts from
+        if states.enabled:  # from zeros, or from the checkpoint ending its prefix hit (pool or tier)
+            if promotion is not None and promotion.checkpoint is not None:
+                host = unpack_states(self._config, promotion.checkpoint.record.keys)
+                kept = _kept(pooled) if states.available() > 1 else ()
+                state.state_slot = states.take_from_host(host, what, kept)
+            else:
+                last = promotion.checkpoint_hash if promotion is not None else None
+                source = states.checkpoint_of(last) if last is not None else pooled
+                kept = _kept(pooled) if states.available() > 1 else ()
+                state.state_slot = states.take(what) if source is None else states.take_copy(source, what, kept)
         try:
             opened = self._sequences.open(state, request, plan, self._tiers)
+            promoted = promotion is not None and opened.hits == plan.hits + promotion.length
+            if states.enabled and promotion is not None and not promoted:  # given up: the pool's hit alone
+                if pooled is not None and (pooled == state.state_slot or pooled not in states.checkpoints.values()):
+                    raise states.shortage(f"{what} (its promotion failed, and its pool hit's checkpoint is gone)")
+                states.refill(state.state_slot, pooled)
         except BaseException:
+            if state.tables and any(table.physical_blocks for table in state.tables):
+                self._sequences.release(state)
             states.give(state.state_slot)
             raise
+        if promoted and promotion is not None and promotion.checkpoint_hash is not None:
+            # Its block is the pool's now, so is the checkpoint: it leaves the tiers once filed.
+            checkpoint = promotion.checkpoint
+            if checkpoint is not None and self._file_promoted(state, checkpoint.block_hash):
+                self._tiers.take_out([(checkpoint.block_hash, STATE_RECORD_GROUP)])
+            else:  # the promoted blocks' chain ends at a checkpoint (in the pool or a tier)
+                states.announce(promotion.checkpoint_hash)
         if self._chains.enabled:
             self._chains.queries += plan.queries
             self._chains.hits += opened.hits
@@ -195,6 +216,32 @@ class Requests(Generic[ArrayT]):
         self.allocation_count += 1
         self._pressure.update()
         return state
+
+    def _file_promoted(self, state: RequestState[ArrayT], block_hash: bytes) -> bool:
+        """File a copy of a new request's states as the checkpoint of ``block_hash`` it was
+        promoted from; whether it was. A storage that fails leaves it in the tiers (with a
+        warning); an interrupt gives the request's blocks and slot back first."""
+        states = self._pool.states
+        try:
+            return states.save_checkpoint(state.state_slot, block_hash)
+        except Exception as exc:  # the request is served; the checkpoint stays where it was
+            warnings.warn(
+                f"filing a promoted state checkpoint failed, it stays in the tiers: {exc!r}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return False
+        except BaseException:
+            self._sequences.release(state)
+            states.give(state.state_slot)
+            state.state_slot = -1
+            raise
+
+    def _pooled_checkpoint(self, plan: AllocationPlan) -> int | None:
+        """The slot of the checkpoint ending the pool's hit of ``plan`` (``None``: zeros)."""
+        if not plan.entries or not self._pool.states.enabled:
+            return None
+        return self._pool.states.checkpoints.get(plan.entries[-1].block_hash)
 
     def can_allocate(self, request: object) -> bool:
         """Whether :meth:`allocate` would succeed now."""
@@ -444,3 +491,9 @@ def _notify_pressure(callback: Callable[[MemoryPressure], object], level: Memory
         warnings.warn(
             f"memory pressure callback {callback!r} raised {exc!r} on level {level.name}", RuntimeWarning, stacklevel=2
         )
+
+
+def _kept(slot: int | None) -> tuple[int, ...]:
+    """The checkpoint slot a new request's state slot is not taken from (a promotion given
+    up falls back to it)."""
+    return () if slot is None else (slot,)

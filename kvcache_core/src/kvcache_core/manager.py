@@ -7,6 +7,7 @@ models, truncation) are described in :mod:`kvcache_core.paging`. The manager own
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -90,9 +91,14 @@ class PagedKvCacheManager(Generic[ArrayT]):
         self._checks = ArgumentChecks(self._pool, storage, live)
         if self._pool.prefix is not None:
             self._pool.prefix.listener = self._events
+            if self._pool.states.enabled:  # a hash is published once a checkpoint reaches it
+                self._events.gate_on_checkpoints(self._pool.prefix)
+                self._pool.states.on_filed = self._events.checkpoint_filed
         self._tiers = TierChain(tiers, config, self._events)
         if self._tiers:
             self._pool.eviction_sink = self._tiers  # evicted cached blocks are demoted
+            if self._pool.states.enabled:  # and so are state checkpoints evicted for a slot
+                self._pool.states.on_evict = functools.partial(self._tiers.demote_checkpoint, self._pool)
         self._path: DataPath[ArrayT] = DataPath(
             config, storage, backend, self._lock, self._pool, self._chains, self._sequences, self._checks
         )

@@ -28,6 +28,7 @@ from kvcache_core.plugin import (
     MEMORY_REGIONS,
     POLICY_CAPABILITIES,
     QUANTIZED_DTYPES,
+    STATE_LAYERS,
     VALUE_HEAD_DIM,
     BackendSpec,
     CacheConfig,
@@ -94,6 +95,12 @@ class MemmapStorage(NumpyStorage):
     A quantized pool (``int8``, ``float8_e4m3fn``: :mod:`kvcache_core.contract.quantization`) keeps its
     raw blocks and, after them in the same file, their float32 scales, so a reopened pool
     decodes what was written.
+
+    Recurrent-state layers (``LayerSpec(state=...)``, capability ``"state_layers"``) keep
+    their states in process memory (:meth:`NumpyStorage.state_storage`): a state belongs to
+    a live request (and a checkpoint to the manager's prefix cache), neither of which
+    outlives the process, so the file holds K/V only and its geometry is the attention
+    layers' (``save_prefix_cache`` carries checkpoints across processes).
 
     While the storage is live it holds two exclusive locks (``fcntl.flock``): one on
     ``<path>.lock``, recording its pid there, and one on the pool file itself. A second
@@ -196,7 +203,7 @@ class MemmapStorage(NumpyStorage):
         except BaseException:
             _release(lock, owned, private_directory)
             raise
-        self._path = Path(paths.pool)
+        self._file_path = Path(paths.pool)
         self._temporary = private_directory is not None
         # The fallback for a storage dropped without close(): it must not refer to self.
         self._finalizer = weakref.finalize(self, _release, lock, owned, private_directory)
@@ -204,7 +211,7 @@ class MemmapStorage(NumpyStorage):
     @property
     def path(self) -> Path:
         """The pool file (absolute; the link's target when following symbolic links)."""
-        return self._path
+        return self._file_path
 
     @property
     def closed(self) -> bool:
@@ -380,5 +387,6 @@ def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
         description="pool in a memory-mapped file (example third-party backend)",
         # The policies live in core; the NumPy kernels serve them, every attention feature and
         # values of another width than the keys; the pool's memory regions are the file's mapping.
-        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {MEMORY_REGIONS, VALUE_HEAD_DIM},
+        # state_layers: NumpyStorage.state_storage, in process memory (see MemmapStorage)
+        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {MEMORY_REGIONS, VALUE_HEAD_DIM, STATE_LAYERS},
     )

@@ -40,6 +40,7 @@ from kvcache_core.errors import (
 __all__ = [
     "STATE_DTYPES",
     "STATE_LAYERS",
+    "STATE_RECORD_GROUP",
     "StateArray",
     "StatePool",
     "StateSpec",
@@ -55,6 +56,11 @@ STATE_DTYPES: Final[dict[str, int]] = {"float16": 2, "bfloat16": 2, "float32": 4
 
 #: The capability name of a backend whose storage serves state layers.
 STATE_LAYERS: Final = "state_layers"
+
+#: The KV-cache group number an offload tier's record of a state checkpoint is filed under
+#: (``record_key(block_hash, STATE_RECORD_GROUP)``): no pool has that many groups, so a
+#: checkpoint's key never meets a block's.
+STATE_RECORD_GROUP: Final = 0xFFFF
 
 #: The most elements one state array may have per request.
 MAX_STATE_ELEMENTS: Final = INT32_MAX

@@ -21,8 +21,9 @@ blocks as packed ``uint8``), and a JSON header in the safetensors metadata under
 
 A pool with KV-cache groups (``CacheConfig.layer_specs``) saves one block per hash and
 group (a block holds one group's layers), and its geometry names the groups
-(``"kv_groups"``: ``[window, layers]`` each), so it loads only into a pool of the same
-groups. A pool whose values differ in width from its keys (``CacheConfig.value_head_dim``)
+(``"kv_groups"``: ``[window, layers]`` each; also for one group when some layers keep no
+K/V), so it loads only into a pool of the same groups. State checkpoints come in version 3
+(:mod:`kvcache_core.offload.state_records`). A pool whose values differ in width from its keys (``CacheConfig.value_head_dim``)
 states it in its geometry (``"value_head_dim"``; its ``values`` tensor is that wide), so it
 loads only into a pool of the same widths; a file without it holds values of ``head_dim``. Blocks come parents first. So a file saved by one backend and layout loads into any other
 with the same namespace, geometry and dtype. Loading checks everything before it touches
@@ -58,11 +59,22 @@ from kvcache_core.errors import (
     CorruptCacheFileError,
     IncompatibleCacheFileError,
     InvalidArgumentError,
+    ShapeMismatchError,
 )
 from kvcache_core.offload import host_form
 from kvcache_core.offload.file_header import block_entry, kvcache_header, read_container, same_json, shown
 from kvcache_core.offload.file_tensors import block_in_host_form, load_tensors, stack_blocks
 from kvcache_core.offload.safe_files import file_path, write_file_atomically
+from kvcache_core.offload.state_records import (
+    STATE_FORMAT_VERSION,
+    STATE_RECORD_GROUP,
+    check_state_arrays,
+    checkpoint_checksum,
+    load_checkpoint_bytes,
+    parse_tensors,
+    state_arrays_of,
+    state_problem,
+)
 from kvcache_core.paging.prefix import PrefixEntry, hash_block, namespace_root
 
 if TYPE_CHECKING:
@@ -86,8 +98,9 @@ __all__ = [
 
 FORMAT_NAME = "kvcache-prefix-cache"
 FORMAT_VERSION = 2
-#: The versions this kvcache reads (1: no ``"tensor_dtype"``; see the module docstring).
-READABLE_VERSIONS = (1, 2)
+#: The versions this kvcache reads (1: no ``"tensor_dtype"``; 3: state checkpoints, see
+#: :mod:`kvcache_core.offload.state_records`).
+READABLE_VERSIONS = (1, 2, STATE_FORMAT_VERSION)
 HASH_ALGORITHM = "sha256:kvcache-core/block-hash/v1"
 _METADATA_KEY = "kvcache"
 
@@ -102,7 +115,10 @@ class BlockRecord:
         salt: the salt hashed with it.
         token_ids: its ``block_size`` token ids.
         keys, values: ``[pool_layers, block_size, num_heads, head_dim]`` host arrays.
-        group: the KV-cache group whose layers it holds (0 without groups).
+        group: the KV-cache group whose layers it holds (0 without groups), or
+            :data:`~kvcache_core.contract.states.STATE_RECORD_GROUP` for a state checkpoint
+            (then ``keys`` are its bytes and ``values`` are empty:
+            :mod:`kvcache_core.offload.state_records`).
     """
 
     block_hash: bytes
@@ -121,6 +137,17 @@ class BlockRecord:
         copied to the host."""
         parent = None if entry.parent is None else entry.parent.block_hash
         return cls(entry.block_hash, parent, entry.salt, entry.token_ids, keys, values, group)
+
+    @classmethod
+    def of_checkpoint(cls, entry: PrefixEntry, packed: npt.NDArray[Any]) -> BlockRecord:
+        """The record of the state checkpoint filed under ``entry``'s hash, whose bytes
+        (:func:`~kvcache_core.offload.state_records.pack_states`) are ``packed``."""
+        return cls.of_entry(entry, packed, np.zeros(0, np.uint8), STATE_RECORD_GROUP)
+
+    @property
+    def is_checkpoint(self) -> bool:
+        """Whether it is a state checkpoint's record rather than a block's."""
+        return self.group == STATE_RECORD_GROUP
 
     @property
     def nbytes(self) -> int:
@@ -181,7 +208,7 @@ def file_geometry(config: CacheConfig) -> dict[str, Any]:
     }
     if config.value_head_dim is not None:
         geometry["value_head_dim"] = config.value_head_dim
-    if config.num_groups > 1:
+    if config.num_groups > 1 or config.pool_layers != config.num_layers:  # some layers keep no K/V
         geometry["kv_groups"] = [[group.window, list(group.layers)] for group in config.kv_groups]
     return geometry
 
@@ -222,10 +249,12 @@ def encode_blocks(config: CacheConfig, records: list[BlockRecord]) -> bytes:
     """
     from safetensors.numpy import save  # the [tiers] extra
 
-    keys, values = stack_blocks(config, [(record.keys, record.values) for record in records])
-    header = {
+    checkpoints = [record for record in records if record.is_checkpoint]
+    blocks = [record for record in records if not record.is_checkpoint]
+    keys, values = stack_blocks(config, [(record.keys, record.values) for record in blocks])
+    header: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": STATE_FORMAT_VERSION if checkpoints else FORMAT_VERSION,
         "namespace": config.model_id,
         "geometry": file_geometry(config),
         "dtype": config.dtype,
@@ -241,13 +270,28 @@ def encode_blocks(config: CacheConfig, records: list[BlockRecord]) -> bytes:
                 "checksum": block_checksum(record.keys, record.values),
                 "group": record.group,
             }
-            for record in records
+            for record in blocks
         ],
     }
-    data: bytes = save(
-        {"keys": np.ascontiguousarray(keys), "values": np.ascontiguousarray(values)},
-        metadata={_METADATA_KEY: json.dumps(header, separators=(",", ":"))},
-    )
+    tensors = {"keys": np.ascontiguousarray(keys), "values": np.ascontiguousarray(values)}
+    if checkpoints:
+        for index, record in enumerate(checkpoints):
+            problem = state_problem(config, record.keys, record.values)
+            if problem is not None:
+                raise ShapeMismatchError(f"checkpoint {index}: {problem}")
+        header["state_arrays"] = state_arrays_of(config)
+        header["checkpoints"] = [
+            {
+                "hash": record.block_hash.hex(),
+                "parent": _hex(record.parent_hash),
+                "salt": _hex(record.salt),
+                "token_ids": list(record.token_ids),
+                "checksum": checkpoint_checksum(record.keys),
+            }
+            for record in checkpoints
+        ]
+        tensors["states"] = np.stack([record.keys for record in checkpoints])
+    data: bytes = save(tensors, metadata={_METADATA_KEY: json.dumps(header, separators=(",", ":"))})
     return data
 
 
@@ -295,6 +339,7 @@ def decode_blocks(
     """
     header = kvcache_header(table, str(source), _METADATA_KEY)
     _check_compatible(header, config, source)
+    check_state_arrays(header, config, source)
     keys, values = load_tensors(data, header, config, source)
     listed = header.get("blocks")
     if not isinstance(listed, list):
@@ -324,7 +369,52 @@ def decode_blocks(
             )
         seen.add(record.block_hash)
         records.append(record)
+    records.extend(_checkpoints(header, data, config, source, seen if chained else None))
     return records
+
+
+def _checkpoints(
+    header: Mapping[str, Any], data: bytes, config: CacheConfig, source: Path, blocks: set[bytes] | None
+) -> list[BlockRecord]:
+    """The state checkpoints a file of version 3 lists, checked like its blocks (checksum,
+    hash) and, with ``blocks`` (a saved prefix cache), each the checkpoint of one of them."""
+    count = check_state_arrays(header, config, source)
+    if not count:
+        return []
+    listed = cast("list[object]", header["checkpoints"])
+    packed = load_checkpoint_bytes(parse_tensors(data, source), count, config, source)
+    root = namespace_root(config.model_id)
+    records: list[BlockRecord] = []
+    for index, fields in enumerate(listed):
+        if _names_group(fields):
+            raise CorruptCacheFileError(f"{str(source)!r}: checkpoint {index}'s header entry names a group")
+        entry = block_entry(fields, index, config, f"{source} (checkpoints)")
+        if checkpoint_checksum(packed[index]) != entry.checksum:
+            raise CorruptCacheFileError(f"{str(source)!r}: checkpoint {index}'s data does not match its checksum")
+        parent = root if entry.parent_hash is None else entry.parent_hash
+        if hash_block(parent, entry.token_ids, entry.salt) != entry.block_hash:
+            raise CorruptCacheFileError(
+                f"{str(source)!r}: checkpoint {index}'s hash does not match its parent, salt and token ids"
+            )
+        if blocks is not None and entry.block_hash not in blocks:
+            raise CorruptCacheFileError(f"{str(source)!r}: checkpoint {index} is of no block of the file")
+        records.append(
+            BlockRecord(
+                entry.block_hash,
+                entry.parent_hash,
+                entry.salt,
+                entry.token_ids,
+                packed[index].copy(),
+                np.zeros(0, np.uint8),
+                STATE_RECORD_GROUP,
+            )
+        )
+    return records
+
+
+def _names_group(fields: object) -> bool:
+    """Whether a checkpoint's header entry names a KV-cache group (a checkpoint has none)."""
+    return isinstance(fields, dict) and "group" in cast("dict[str, object]", fields)
 
 
 def _check_compatible(header: Mapping[str, Any], config: CacheConfig, source: Path) -> None:

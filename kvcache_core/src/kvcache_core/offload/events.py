@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, TypeAlias, cast
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError
 
 if TYPE_CHECKING:
-    from kvcache_core.paging.prefix import PrefixEntry
+    from kvcache_core.paging.prefix import PrefixCache, PrefixEntry
 
 __all__ = [
     "POOL_MEDIUM",
@@ -116,6 +116,11 @@ class EventHub:
         # Operations in progress on the holding thread (the depth of the manager's lock):
         # while positive, notifications wait for the outermost one to end.
         self.depth = 0
+        # A pool with state layers publishes a hash only once a checkpoint was filed at it
+        # or past it (:meth:`gate_on_checkpoints`): None otherwise.
+        self._prefix: PrefixCache | None = None
+        self._released: set[bytes] = set()  # hashes a checkpoint at or past them released
+        self._published: dict[str, set[bytes]] = {}  # medium -> the hashes published there
 
     @property
     def active(self) -> bool:
@@ -156,6 +161,9 @@ class EventHub:
     def emit(self, event: CacheEvent) -> None:
         """Hand ``event`` to every subscriber, in the order they subscribed, when the
         current operation ends."""
+        if isinstance(event, AllBlocksCleared):
+            self._released.clear()
+            self._published.clear()
         if self._callbacks:
             self.defer(lambda: self._hand_out(event))
 
@@ -196,9 +204,59 @@ class EventHub:
         if interrupt is not None:
             raise interrupt
 
+    # -- pools with state layers --------------------------------------------------------
+
+    def gate_on_checkpoints(self, prefix: PrefixCache) -> None:
+        """Publish a hash of ``prefix`` (the pool of a config with state layers) in any medium
+        only once a state checkpoint was filed at it or at a later block of its chain: no
+        prefix hit goes past the last checkpoint, so a router must not count a block
+        before one exists (a hash is then published where it is held, parents first, and
+        a :class:`BlockRemoved` names only hashes that were published)."""
+        self._prefix = prefix
+
+    def checkpoint_filed(self, block_hash: bytes) -> None:
+        """A state checkpoint was filed under ``block_hash``: its chain is released, and the
+        hashes of it the pool holds are published there (parents first)."""
+        if self._prefix is None:
+            return
+        chain: list[PrefixEntry] = []
+        node = self._prefix.get(block_hash)
+        while node is not None and node.block_hash not in self._released:
+            chain.append(node)
+            node = node.parent
+        self._released.update(entry.block_hash for entry in chain)
+        self.stored([entry for entry in reversed(chain) if entry.alive], POOL_MEDIUM)
+
+    def admits(self, block_hash: bytes, medium: str) -> bool:
+        """Whether a hash entering ``medium`` is published (always, but in a pool with state
+        layers before a checkpoint released it)."""
+        if self._prefix is None:
+            return True
+        if block_hash not in self._released:
+            return False
+        self._published.setdefault(medium, set()).add(block_hash)
+        return True
+
+    def _withdrawn(self, block_hashes: Iterable[bytes], medium: str) -> tuple[bytes, ...]:
+        """Of ``block_hashes`` leaving ``medium``, those that were published there (a hash
+        published nowhere any more is forgotten)."""
+        if self._prefix is None:
+            return tuple(block_hashes)
+        published = self._published.get(medium, set())
+        gone = tuple(block_hash for block_hash in block_hashes if block_hash in published)
+        published.difference_update(gone)
+        for block_hash in gone:
+            if not any(block_hash in held for held in self._published.values()):
+                self._released.discard(block_hash)
+        return gone
+
+    # -------------------------------------------------------------------------------------
+
     def stored(self, entries: Iterable[PrefixEntry], medium: str) -> None:
         """Report ``entries`` (a chain, parents first, or unrelated ones) stored in ``medium``:
         one :class:`BlockStored` per run of entries that chain one to the next."""
+        if self._prefix is not None:
+            entries = [entry for entry in entries if self.admits(entry.block_hash, medium)]
         if not self._callbacks:
             return
         run: list[PrefixEntry] = []
@@ -212,9 +270,9 @@ class EventHub:
 
     def removed(self, block_hashes: Iterable[bytes], medium: str) -> None:
         """Report ``block_hashes`` gone from ``medium`` (one :class:`BlockRemoved`)."""
+        hashes = self._withdrawn(block_hashes, medium)
         if not self._callbacks:
             return
-        hashes = tuple(block_hashes)
         if hashes:
             self.emit(BlockRemoved(hashes, medium))
 

@@ -19,6 +19,9 @@ first block found nowhere, and the reason is the most specific one found:
 * ``"evicted"``: the pool held the block and let it go (known when an :class:`EvictionLog`
   subscribed to the manager is given).
 * ``"not cached"``: nothing above: never computed here (or evicted, without a log).
+* ``"no state checkpoint"``: a pool with recurrent-state layers holds the blocks past the
+  cached tokens, but no state checkpoint at any of them (a hit restarts the states from
+  the last checkpoint held, in the pool or a tier).
 
 Looking never changes what is cached (no recency is touched, nothing is promoted).
 """
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvcache_core.contract.config import AllocationRequest, check_token_ids
 from kvcache_core.contract.scalars import check_count
+from kvcache_core.contract.states import STATE_RECORD_GROUP
 from kvcache_core.offload.events import POOL_MEDIUM, BlockRemoved, BlockStored, CacheEvent
 from kvcache_core.offload.redis_tier import namespace_part, record_format_tag
 from kvcache_core.paging.prefix import PrefixEntry, hash_block, namespace_root
@@ -44,7 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = ["REASONS", "BlockPlace", "EvictionLog", "PrefixExplanation", "explain_prefix"]
 
-#: Every reason a chain stops, most specific first (see the module docstring).
+#: Every reason a chain stops, most specific first (see the module docstring; the last one
+#: cuts a chain found further back to its last state checkpoint).
 REASONS = (
     "end of prompt",
     "hash collision",
@@ -54,6 +59,7 @@ REASONS = (
     "other namespace",
     "evicted",
     "not cached",
+    "no state checkpoint",
 )
 #: The block sizes tried when a shared store holds records of another geometry.
 _BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -178,6 +184,15 @@ def explain_prefix(
         if medium is None:
             break
     found = sum(1 for place in places if place.medium is not None)
+    served = _checkpointed(pool, tiers, hashes, found)
+    if served < found:  # a pool with state layers restarts its states from a checkpoint
+        detail = (
+            f"blocks {served} to {found - 1} are cached, but no recurrent-state checkpoint is held at any of "
+            "them (pool or tier): a hit starts from the last checkpoint"
+        )
+        return PrefixExplanation(
+            tuple(places), served * block_size, block_size, len(prompt), "no state checkpoint", detail
+        )
     if found == full:
         left = len(prompt) - found * block_size
         reason, detail = "end of prompt", f"{left} tokens left, a block holds {block_size}; the last is always computed"
@@ -188,6 +203,18 @@ def explain_prefix(
     else:
         reason, detail = _why_missing(config, prompt, salt_bytes, found, pool, tiers)
     return PrefixExplanation(tuple(places), found * block_size, block_size, len(prompt), reason, detail)
+
+
+def _checkpointed(pool: BlockPool | None, tiers: TierChain, hashes: Sequence[bytes], found: int) -> int:
+    """Of the ``found`` blocks, how many a hit serves: with state layers, up to the last one
+    whose checkpoint the pool or a tier holds (recency untouched)."""
+    if pool is None or not pool.states.enabled:
+        return found
+    while found and not (
+        hashes[found - 1] in pool.states.checkpoints or tiers.holds(hashes[found - 1], STATE_RECORD_GROUP) is not None
+    ):
+        found -= 1
+    return found
 
 
 def _chain(

@@ -97,12 +97,13 @@ def read_container(source: str, expected_size: int | None) -> tuple[Mapping[str,
 
 def _tensor_bytes(table: Mapping[str, Any], source: str) -> int:
     """The bytes of tensor data the safetensors header ``table`` declares: exactly the
-    tensors ``keys`` and ``values``, each ``data_offsets`` as long as its dtype and shape
-    make it, together filling the data without gap or overlap."""
+    tensors ``keys`` and ``values`` (and ``states``: state checkpoints), each
+    ``data_offsets`` as long as its dtype and shape make it, together filling the data
+    without gap or overlap."""
     names = sorted(name for name in table if name != "__metadata__")
-    if names != ["keys", "values"]:
+    if names not in (["keys", "values"], ["keys", "states", "values"]):
         raise CorruptCacheFileError(
-            f"{source!r} holds the tensors {shown(names)}; a prefix cache holds keys and values"
+            f"{source!r} holds the tensors {shown(names)}; a prefix cache holds keys and values (and states)"
         )
     spans: list[tuple[int, int, str]] = []
     for name in names:

@@ -28,6 +28,7 @@ from kvcache_core.offload import host_form
 from kvcache_core.offload.events import BlockStored, EventHub
 from kvcache_core.offload.prefix_file import BlockRecord, block_checksum, record_key
 from kvcache_core.offload.redis_tier import RedisTier
+from kvcache_core.offload.state_records import is_state_key, state_problem
 from kvcache_core.offload.tiers import DiskTier, HostTier, OffloadTier, TierStats
 from kvcache_core.paging.prefix import hash_block, namespace_root
 
@@ -214,13 +215,14 @@ class GuardedTiers:
         self.guarded(level, "discard a block", lambda: tier.discard(key), None)
         self.checksums.pop(key, None)
         block_hash = _hash_of(key)
-        if not self.holds(level, block_hash):
+        if not is_state_key(key) and not self.holds(level, block_hash):  # a checkpoint is in no medium
             self._events.removed((block_hash,), self.names[level])
 
     def problem(self, level: int, record: object, key: bytes, parent: bytes | bool | None = True) -> str | None:
         """What is wrong with ``record``, given back by tier ``level`` for ``key``, or
         ``None`` when it may go into the pool: a :class:`BlockRecord` filed under ``key``,
-        host arrays of one block's shape and the pool's host dtype, a hash that its parent,
+        host arrays of one block's shape and the pool's host dtype (a state checkpoint's:
+        one state slot's bytes, :func:`~kvcache_core.offload.state_records.state_problem`), a hash that its parent,
         salt and token ids give (and the expected ``parent`` when one is given), and the
         checksum of what the tier was given."""
         if not isinstance(record, BlockRecord):
@@ -234,6 +236,9 @@ class GuardedTiers:
         keys, values = record.keys, record.values
         if not isinstance(keys, np.ndarray) or not isinstance(values, np.ndarray):
             return f"its K/V are {type(keys).__name__} and {type(values).__name__}, not NumPy arrays"
+        if record.is_checkpoint:  # a state checkpoint: the bytes of one state slot
+            problem = state_problem(self._config, keys, values)
+            return problem if problem is not None else self._chain_problem(level, record, key, parent)
         if keys.shape != self._record_shape or values.shape != self._value_record_shape:
             return (
                 f"its K/V have shapes {keys.shape} and {values.shape}, a block's are {self._record_shape} and "
@@ -242,6 +247,10 @@ class GuardedTiers:
         expected = self.host_dtype or keys.dtype
         if keys.dtype != expected or values.dtype != expected:
             return f"its K/V are {keys.dtype} and {values.dtype}, the pool's host copies are {expected}"
+        return self._chain_problem(level, record, key, parent)
+
+    def _chain_problem(self, level: int, record: BlockRecord, key: bytes, parent: bytes | bool | None) -> str | None:
+        """What is wrong with ``record``'s place in a hash chain and its checksum (``None``: nothing)."""
         if parent is not True and record.parent_hash != parent:
             return "its parent hash is not the prompt's previous block"
         try:
@@ -254,15 +263,18 @@ class GuardedTiers:
         if not tokens_ok or rehashed != record.block_hash:
             return "its hash does not match its parent hash, salt and token ids"
         checksum = None if self.trusted[level] else self.checksums.get(key)
-        if checksum is not None and block_checksum(keys, values) != checksum:
+        if checksum is not None and block_checksum(record.keys, record.values) != checksum:
             return "its K/V do not match the checksum of the block it was given"
         return None
 
     def report(self, level: int, record: BlockRecord, held: bool) -> None:
         """The event for ``record``'s hash in tier ``level`` after a put, given whether the
-        tier held the hash before."""
+        tier held the hash before (none for a state checkpoint: it is in no medium, and
+        a hash is there only while one of its blocks is)."""
+        if record.is_checkpoint:
+            return
         now = self.holds(level, record.block_hash)
-        if now and not held:
+        if now and not held and self._events.admits(record.block_hash, self.names[level]):
             self._events.emit(
                 BlockStored(
                     (record.block_hash,),

@@ -17,6 +17,7 @@ from kvcache_core.errors import (
     UnsupportedConfigError,
 )
 from kvcache_core.offload.safe_files import file_path
+from kvcache_core.offload.state_records import pack_states, unpack_states
 from kvcache_core.paging.block_pool import BlockPool
 from kvcache_core.paging.prefix import PrefixEntry
 
@@ -47,11 +48,13 @@ __all__ = [
     "decode_blocks",
     "encode_blocks",
     "install_cached_blocks",
+    "install_checkpoints",
     "load_prefix_cache",
     "read_blocks",
     "record_key",
     "save_prefix_cache",
     "split_key",
+    "with_checkpoints",
     "write_blocks",
 ]
 
@@ -106,10 +109,56 @@ def cached_records(pool: BlockPool) -> list[BlockRecord]:
     if not picked:
         return []
     keys, values = pool.storage.blocks_to_host(np.asarray([block for _, block in picked], dtype=np.int64))
+    states = pool.states
+    checkpoints = [
+        BlockRecord.of_checkpoint(entry, pack_states(pool.config, states.to_host(slot)))
+        for entry in entries
+        if (slot := states.checkpoints.get(entry.block_hash)) is not None
+    ]
     return [
         BlockRecord.of_entry(entry, keys[:, index], values[:, index], int(pool.group_of[block]))
         for index, (entry, block) in enumerate(picked)
-    ]
+    ] + checkpoints
+
+
+def with_checkpoints(records: list[BlockRecord]) -> list[BlockRecord]:
+    """:func:`chain_order` of the blocks of ``records``, then one checkpoint per hash among
+    them (a checkpoint of no block kept is left out)."""
+    blocks = chain_order([record for record in records if not record.is_checkpoint])
+    kept = {record.block_hash for record in blocks}
+    checkpoints = {
+        record.block_hash: record for record in records if record.is_checkpoint and record.block_hash in kept
+    }
+    return blocks + list(checkpoints.values())
+
+
+def install_checkpoints(pool: BlockPool, tiers: RecordStore, records: list[BlockRecord]) -> int:
+    """Load ``records`` (blocks, then the checkpoints of some) into ``pool`` as
+    :func:`install_cached_blocks` loads blocks, and each checkpoint whose block the pool
+    then holds into a free state slot (none is evicted for them); the rest go to the
+    tiers, if any, else they are left out (a hit stops before their blocks). Transactional
+    as :func:`install_cached_blocks`.
+
+    Returns:
+        The blocks installed (checkpoints are not counted).
+    """
+    blocks = [record for record in records if not record.is_checkpoint]
+    checkpoints = [record for record in records if record.is_checkpoint]
+    states = pool.states
+    if not checkpoints or not states.enabled:
+        return install_cached_blocks(pool, tiers, blocks)
+    prefix = pool.prefix
+    assert prefix is not None
+    fresh = [record for record in checkpoints if record.block_hash not in states.checkpoints]
+    slots = states.stage([unpack_states(pool.config, record.keys) for record in fresh])
+    installed = install_cached_blocks(pool, tiers, blocks)
+    rest: list[BlockRecord] = []
+    for index, record in enumerate(fresh):
+        filed = index < len(slots) and prefix.get(record.block_hash) is not None
+        if not (filed and states.file_staged(slots[index], record.block_hash)):
+            rest.append(record)
+    tiers.store(rest)
+    return installed
 
 
 def install_cached_blocks(pool: BlockPool, tiers: RecordStore, records: list[BlockRecord]) -> int:
@@ -246,9 +295,9 @@ def save_prefix_cache(pool: BlockPool, tiers: RecordStore, path: str | os.PathLi
     file_path(path)
     if pool.prefix is None:
         raise UnsupportedConfigError("save_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
-    records = chain_order(cached_records(pool) + tiers.records())
+    records = with_checkpoints(cached_records(pool) + tiers.records())
     write_blocks(path, pool.config, records)
-    return len(records)
+    return sum(1 for record in records if not record.is_checkpoint)
 
 
 def load_prefix_cache(pool: BlockPool, tiers: RecordStore, path: str | os.PathLike[str]) -> int:
@@ -270,4 +319,4 @@ def load_prefix_cache(pool: BlockPool, tiers: RecordStore, path: str | os.PathLi
     file_path(path)
     if pool.prefix is None:
         raise UnsupportedConfigError("load_prefix_cache needs CacheConfig(enable_prefix_caching=True)")
-    return install_cached_blocks(pool, tiers, read_blocks(path, pool.config))
+    return install_checkpoints(pool, tiers, read_blocks(path, pool.config))

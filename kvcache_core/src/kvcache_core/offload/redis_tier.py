@@ -69,6 +69,7 @@ from kvcache_core.offload.prefix_file import (
     split_key,
 )
 from kvcache_core.offload.redis_writer import Breaker, WriteQueue
+from kvcache_core.offload.state_records import state_arrays_of
 
 if TYPE_CHECKING:
     from kvcache_core.contract.config import CacheConfig
@@ -118,15 +119,17 @@ class RedisTierStats:
 
 def record_format_tag(config: CacheConfig) -> str:
     """16 hex digits naming what a record of ``config``'s pool is: the record format and
-    version, the hash algorithm, the geometry (block size and KV-cache groups included) and
-    the dtype. Pools whose tags differ never read each other's records."""
-    described = {
+    version, the hash algorithm, the geometry (block size and KV-cache groups included), the
+    dtype and, with state layers, the state arrays. Pools whose tags differ never read each other's records."""
+    described: dict[str, object] = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "hash_algorithm": HASH_ALGORITHM,
         "geometry": file_geometry(config),
         "dtype": config.dtype,
     }
+    if config.states.arrays:  # its state checkpoints' arrays
+        described["state_arrays"] = state_arrays_of(config)
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -289,6 +292,9 @@ class RedisTier:
         self._key_stem = ":".join((self._prefix, namespace_part(config.model_id), record_format_tag(config)))
         shape = host_form.host_record_shape(config)
         self._record_bytes = 2 * math.prod(shape) * host_form.host_dtype(config.dtype).itemsize
+        if config.states.arrays:  # a state checkpoint's value: its bytes, its arrays named in the header
+            described = len(json.dumps(state_arrays_of(config))) + _HEADER_SLACK
+            self._record_bytes = max(self._record_bytes, config.states.bytes_per_slot + described)
 
     def put(self, record: BlockRecord) -> list[BlockRecord | bytes]:
         """Queue ``record`` for the server (it is served from the queue until written).

@@ -27,11 +27,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvcache_core.contract.states import STATE_RECORD_GROUP
 from kvcache_core.errors import TierError
 from kvcache_core.offload import host_form
 from kvcache_core.offload.events import EventHub
 from kvcache_core.offload.guarded_tiers import GuardedTiers, overflow_items
 from kvcache_core.offload.prefix_file import BlockRecord, block_checksum, record_key
+from kvcache_core.offload.state_records import is_state_key, pack_states
 from kvcache_core.offload.tiers import OffloadTier, TierStats
 from kvcache_core.paging.block_pool import BlockPool
 from kvcache_core.paging.prefix import PrefixEntry
@@ -101,8 +103,9 @@ class TierChain:
     def demote(self, pool: BlockPool, count: int) -> None:
         """Copy the ``count`` cached blocks the pool is about to evict (least recently used
         first) into the first tier, where the last block of their hash in their KV-cache
-        group leaves the pool with them: one record per hash and group. The one storage
-        call comes first: if it raises, nothing has changed. A tier that fails drops the
+        group leaves the pool with them: one record per hash and group, and one for the
+        state checkpoint filed under such a hash (it leaves the pool: its slot is freed).
+        The storage calls come first: if one raises, nothing has changed. A tier that fails drops the
         blocks it was given (a miss later); an interrupt propagates before the pool evicts
         anything."""
         if not self._guard.tiers or not count:
@@ -125,8 +128,16 @@ class TierChain:
             picked.append((entry, block, group))
         if not picked:
             return
+        states = pool.states
+        # A state checkpoint filed under a leaving hash goes with its block (its slot is freed).
+        moving = [
+            (entry, states.checkpoints[entry.block_hash])
+            for entry in dict.fromkeys(entry for entry, _, _ in picked)
+            if entry.block_hash in states.checkpoints
+        ]
         try:
             keys, values = pool.storage.blocks_to_host(np.asarray([block for _, block, _ in picked], dtype=np.int64))
+            packed = [pack_states(self._config, states.to_host(slot)) for _, slot in moving]
         except Exception as exc:  # the eviction goes on as without tiers: the blocks are dropped
             self._guard.counts[self._guard.names[0]][3] += len(picked)
             warnings.warn(
@@ -138,9 +149,30 @@ class TierChain:
             BlockRecord.of_entry(entry, keys[:, index], values[:, index], group)
             for index, (entry, _, group) in enumerate(picked)
         ]
+        for (entry, _), checkpoint in zip(moving, packed, strict=True):
+            records.append(BlockRecord.of_checkpoint(entry, checkpoint))
+            states.drop_checkpoint(entry.block_hash)
         self._push(0, records)
         if len(self._guard.checksums) > 1024:
             self._guard.prune_checksums()
+
+    def demote_checkpoint(self, pool: BlockPool, block_hash: bytes, slot: int) -> None:
+        """The pool evicts the state checkpoint of ``block_hash`` (in ``slot``) for a
+        request that needs a slot: a copy goes to the first tier while its block is
+        cached. A storage that fails drops it (counted, with a warning)."""
+        prefix = pool.prefix
+        entry = prefix.get(block_hash) if prefix is not None else None
+        if not self._guard.tiers or entry is None:
+            return
+        try:
+            packed = pack_states(self._config, pool.states.to_host(slot))
+        except Exception as exc:
+            self._guard.counts[self._guard.names[0]][3] += 1
+            warnings.warn(
+                f"demoting an evicted state checkpoint failed, it is dropped: {exc!r}", RuntimeWarning, stacklevel=5
+            )
+            return
+        self._push(0, [BlockRecord.of_checkpoint(entry, packed)])
 
     def _push(self, level: int, records: list[BlockRecord]) -> None:
         """Store ``records`` in tier ``level``; what it lets go moves on, past the last dropped."""
@@ -179,8 +211,9 @@ class TierChain:
             others: dict[bytes, None] = {}  # hashes let go, each held before the put
             for item in overflow:
                 item_key = item if isinstance(item, bytes) else getattr(item, "key", b"")
-                item_hash = _hash_of(item_key if isinstance(item_key, bytes) else b"")
-                if item_hash != record.block_hash:
+                item_key = item_key if isinstance(item_key, bytes) else b""
+                item_hash = _hash_of(item_key)
+                if item_hash != record.block_hash and not is_state_key(item_key):
                     others[item_hash] = None
                 if isinstance(item, bytes):
                     continue
@@ -215,8 +248,9 @@ class TierChain:
     def prefetch(self, block_hashes: Sequence[bytes], salt: bytes | None) -> None:
         """Tell each tier that looks ahead (it has ``prefetch(keys, salt)``) the keys of
         ``block_hashes`` in every KV-cache group, in the prompt's order (block by block), and
-        the salt hashed into them; one that fails is a miss (counted, with a warning)."""
-        keys = [record_key(block_hash, group) for block_hash in block_hashes for group in range(len(self._windows))]
+        the salt hashed into them (and, with state layers, their checkpoints' keys); one that fails is a miss (counted, with a warning)."""
+        groups = [*range(len(self._windows)), *([STATE_RECORD_GROUP] if self._config.states.arrays else [])]
+        keys = [record_key(block_hash, group) for block_hash in block_hashes for group in groups]
         for level, prefetch in self._ahead:
             self._guard.guarded(level, "look blocks up", partial(prefetch, keys, salt), None)
 
@@ -250,8 +284,9 @@ class TierChain:
                 if problem is not None:
                     raise TierError(problem)
                 # a tier's record is read from outside: host form, sane scales
-                host_form.check_host_block(self._config, "the record's keys", record.keys)
-                host_form.check_host_block(self._config, "the record's values", record.values, "values")
+                if not record.is_checkpoint:
+                    host_form.check_host_block(self._config, "the record's keys", record.keys)
+                    host_form.check_host_block(self._config, "the record's values", record.values, "values")
             except Exception as exc:
                 self._guard.failed(level, "give back a block (it is dropped)", exc, dropped=1)
                 self._guard.discard(level, key)
@@ -265,8 +300,9 @@ class TierChain:
         would); return how many the tiers hold afterwards."""
         if not self._guard.tiers or not records:
             return 0
-        if self._guard.host_dtype is None:
-            self._guard.host_dtype = np.dtype(records[0].keys.dtype)
+        block = next((record for record in records if not record.is_checkpoint), None)
+        if self._guard.host_dtype is None and block is not None:
+            self._guard.host_dtype = np.dtype(block.keys.dtype)
         self._push(0, records)
         return sum(1 for record in records if self._guard.anywhere(record.key))
 

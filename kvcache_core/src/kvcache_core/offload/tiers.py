@@ -37,6 +37,16 @@ tier instead of dropped, and a prompt that hits a demoted block promotes it back
   tier's medium while at least one of its records is there (``BlockStored`` when the
   first enters, ``BlockRemoved`` when the last leaves); a tier's figures count records
   (each one pool block's K/V).
+* **State checkpoints** (a pool with recurrent-state layers, :mod:`kvcache_core.contract.states`).
+  When the pool demotes a block whose hash has a state checkpoint, the checkpoint goes
+  with it: a record of the reserved group
+  :data:`~kvcache_core.contract.states.STATE_RECORD_GROUP` holding the slot's bytes
+  (:mod:`kvcache_core.offload.state_records`), which a tier files and lets go like any
+  record. A prompt promotes blocks only up to the last one whose checkpoint the pool or a
+  tier holds: that checkpoint is written into the new request's state slot (and becomes
+  the pool's again), so a hit never goes past the last checkpoint it can start from.
+  Checkpoint records count in a tier's ``blocks``, ``used_bytes`` and ``demotions``, not in
+  its ``hits``, and are in no event's medium.
 * **Cost.** Demotion and promotion run inside the manager's call (under its lock): a disk
   tier's writes and reads are paid by the ``allocate`` or ``extend`` that evicts or hits.
 
@@ -75,6 +85,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvcache_core.contract.scalars import check_count
+from kvcache_core.contract.states import STATE_RECORD_GROUP
 from kvcache_core.errors import (
     CacheFileError,
     InvalidArgumentError,
@@ -107,7 +118,8 @@ class TierStats:
     Attributes:
         name: the tier's name (the ``medium`` of its events).
         blocks: blocks it holds: records, one per hash and KV-cache group (each one pool
-            block's K/V), so a hash of a pool with two groups may count twice.
+            block's K/V), so a hash of a pool with two groups may count twice; a state
+            checkpoint's record counts as one.
         used_bytes, max_bytes: bytes it holds and may hold.
         hits: blocks (records) promoted from it into the pool.
         demotions: blocks (records) it took (from the pool or the tier before it).
@@ -134,8 +146,9 @@ class OffloadTier(Protocol):
 
     A block's key is :attr:`BlockRecord.key <kvcache_core.offload.prefix_file.BlockRecord.key>`: its
     hash for a pool without KV-cache groups (and for group 0 of one with groups), the hash
-    and the group for the other groups. A tier files each record under its ``key`` and
-    treats keys as opaque bytes. (A tier written before groups existed, filing records
+    and the group for the other groups (a state checkpoint's: the hash and the reserved
+    group ``0xFFFF``). A tier files each record under its ``key`` and treats keys as
+    opaque bytes. (A tier written before groups existed, filing records
     under ``block_hash``, serves pools without groups unchanged; behind a pool with groups
     the manager never maps a record it gives back under another key: it drops it as
     unreadable.)
@@ -330,9 +343,9 @@ class DiskTier(_BoundedTier):
     def path_of(self, key: bytes) -> Path:
         """The file of the block of ``key``: ``<hash hex>.safetensors`` in KV-cache group 0,
         ``<hash hex>.g<group>.safetensors`` in the others (the file's header also names
-        the group)."""
+        the group), ``<hash hex>.state.safetensors`` for a state checkpoint."""
         block_hash, group = split_key(key)
-        suffix = f".g{group}" if group else ""
+        suffix = ".state" if group == STATE_RECORD_GROUP else f".g{group}" if group else ""
         return self._directory / f"{block_hash.hex()}{suffix}.safetensors"
 
     def bind(self, config: CacheConfig) -> None:

@@ -61,6 +61,8 @@ move bytes only through ``KvStorage``):
   (:mod:`.state_slots`) for every state array of every layer keeping a state, whether it
   keeps K/V besides (``keeps_kv=True``) or not; fork copies the slot, swap carries it,
   a prefix hit starts from the checkpoint filed at the hit's last block, and ``truncate``
-  goes back only to such a checkpoint. A layer keeping nothing (``keeps_kv=False``
+  goes back only to such a checkpoint. A checkpoint leaves the pool for an offload tier
+  with its block, and a hit through the tiers stops at the last block whose checkpoint
+  the pool or a tier holds (it is written into the new request's slot). A layer keeping nothing (``keeps_kv=False``
   without a state) takes part in no policy.
 """

@@ -12,7 +12,11 @@ group holds each (so the hash chain goes on); ``n`` shrinks until that holds. Th
 planned first (:meth:`PrefixPlanner.plan`: its hit is the longest prefix every group of the
 pool serves, and whether the request fits is decided on it alone); the tiers then continue
 it (:meth:`PrefixPlanner.extend`), a group's block being its record in a tier or its block
-of that hash still in the pool, as far as the pool has the blocks to take for them.
+of that hash still in the pool, as far as the pool has the blocks to take for them. With
+state layers the tiers continue it only to a block whose state checkpoint the pool or a
+tier holds (a tier's checkpoint is the record of that hash in the reserved group
+:data:`~kvcache_core.contract.states.STATE_RECORD_GROUP`): a hit never goes past the last
+checkpoint it can start from.
 
 Tiers are consulted through :class:`TierLookup` (paging knows no tier): it says which tier
 holds a group's record of a hash and gives records back checked, a failing tier or a bad
@@ -28,6 +32,7 @@ import numpy.typing as npt
 
 from kvcache_core.contract.config import AllocationRequest
 from kvcache_core.contract.groups import first_visible_block
+from kvcache_core.contract.states import STATE_RECORD_GROUP
 from kvcache_core.paging import prefix as hashing
 from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.prefix import PrefixEntry
@@ -103,6 +108,8 @@ class Promotion(NamedTuple):
     length: int  # logical blocks
     pooled: list[list[int | None]]  # per group, per block: the pool block mapped, None where it is new
     records: list[TierHit]  # group by group, in logical order
+    checkpoint_hash: bytes | None = None  # with state layers: the last promoted block's, its checkpoint's
+    checkpoint: TierHit | None = None  # that checkpoint's record, when a tier (not the pool) holds it
 
 
 class AllocationPlan(NamedTuple):
@@ -284,11 +291,35 @@ class PrefixPlanner:
             parent_hash = block_hash
         parents: list[bytes | None] = [plan.entries[-1].block_hash if start else None, *hashes[:-1]]
         fetched: dict[tuple[int, int], tuple[int, TierBlock]] = {}  # (group, index) -> (tier level, record)
+        states = self.pool.states
+        # With state layers a promotion ends at a block whose checkpoint the pool or a tier holds.
+        checkpointed = (
+            [
+                block_hash in states.checkpoints or tiers.holds(block_hash, STATE_RECORD_GROUP) is not None
+                for block_hash in hashes
+            ]
+            if states.enabled
+            else None
+        )
+        checkpoint: TierHit | None = None
         while True:
-            count = self._promotable(plan, have, pooled, spare)
+            count = self._promotable(plan, have, pooled, spare, checkpointed)
             if not count:
                 return plan
             missing = False
+            last = count - 1
+            if checkpointed is not None and hashes[last] not in states.checkpoints:
+                hit = fetched.get((STATE_RECORD_GROUP, last)) or tiers.fetch(
+                    hashes[last], STATE_RECORD_GROUP, parents[last]
+                )
+                tokens = prompt[(start + last) * block_size : (start + last + 1) * block_size]
+                if hit is None or hit[1].token_ids != tokens or hit[1].salt != salt:
+                    checkpointed[last] = False  # unreadable, or another prefix's: shorten
+                    continue
+                fetched[(STATE_RECORD_GROUP, last)] = hit
+                checkpoint = TierHit(STATE_RECORD_GROUP, last, hit[0], hashes[last], hit[1])
+            else:
+                checkpoint = None
             for group, index in self._needed(start, count):
                 if pooled[group][index] is not None or (group, index) in fetched:
                     continue
@@ -306,7 +337,10 @@ class PrefixPlanner:
             if pooled[group][index] is None:
                 level, record = fetched[(group, index)]
                 records.append(TierHit(group, index, level, hashes[index], record))
-        return plan._replace(promotion=Promotion(count, [row[:count] for row in pooled], records))
+        last_hash = hashes[count - 1] if checkpointed is not None else None
+        return plan._replace(
+            promotion=Promotion(count, [row[:count] for row in pooled], records, last_hash, checkpoint)
+        )
 
     def _needed(self, start: int, count: int) -> list[tuple[int, int]]:
         """``(group, index)`` of every block that promoting ``count`` blocks from logical
@@ -318,12 +352,18 @@ class PrefixPlanner:
         ]
 
     def _promotable(
-        self, plan: AllocationPlan, have: list[list[bool]], pooled: list[list[int | None]], spare: int
+        self,
+        plan: AllocationPlan,
+        have: list[list[bool]],
+        pooled: list[list[int | None]],
+        spare: int,
+        checkpointed: list[bool] | None,
     ) -> int:
         """The most blocks after the pool's hits that every group can be served: a full
         group has a block or record of every one, a sliding group of those its window
-        sees, some group holds each, and the pool has the blocks to take for them beyond
-        the ``spare`` left once the plan's own are taken."""
+        sees, some group holds each, the pool has the blocks to take for them beyond
+        the ``spare`` left once the plan's own are taken, and (``checkpointed`` given: a
+        pool with state layers) the last one's state checkpoint is held."""
         start = plan.hits
         count = len(have[0]) if have else 0
         for group, window in enumerate(self.windows):
@@ -332,6 +372,9 @@ class PrefixPlanner:
         is_cached = self.pool.allocator.is_cached
         reserved = plan.logical_total - start  # new blocks every group takes for the plan itself
         while count:
+            if checkpointed is not None and not checkpointed[count - 1]:
+                count -= 1
+                continue
             firsts = [self.first_held(group, start + count) for group in range(len(self.windows))]
             if min(firsts) <= start and all(have[group][index] for group, index in self._needed(start, count)):
                 rows = [

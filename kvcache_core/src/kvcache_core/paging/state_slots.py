@@ -11,13 +11,14 @@ With prefix caching, a free slot may hold a **checkpoint**: a copy of a request'
 after a whole number of blocks, filed under the hash of its last block
 (``step.checkpoint_states()``). A prompt's prefix hit is cut back to its last block with a
 checkpoint (the new request starts from that copy), and ``truncate`` may go back to one.
-Checkpoints are evicted least recently used first when a request needs a slot.
+Checkpoints are evicted least recently used first when a request needs a slot (to an
+offload tier, when the manager has one: :attr:`StateSlots.on_evict`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -61,6 +62,9 @@ class StateSlots:
         self.taken: set[int] = set()
         self.checkpoints: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, oldest first
         self.failures = 0
+        self.on_filed: Callable[[bytes], object] | None = None  # told the hash of each checkpoint filed
+        # Given (hash, slot) of a checkpoint evicted for a take, before its slot is reused.
+        self.on_evict: Callable[[bytes, int], object] | None = None
         if not config.states.arrays:
             return
         factory = getattr(storage, "state_storage", None)
@@ -95,38 +99,49 @@ class StateSlots:
             "with recurrent-state layers; CacheConfig.state_slots sets how many)"
         )
 
-    def take(self, what: str) -> int:
-        """A free slot, zero-filled (a new request's states start from zeros).
+    def take(self, what: str, keep: tuple[int, ...] = ()) -> int:
+        """A free slot, zero-filled (a new request's states start from zeros); the
+        checkpoints of the slots ``keep`` are not evicted for it.
 
         Raises:
             OutOfStateSlotsError: none is free.
         """
-        slot = self._peek(what)
+        slot = self._peek(what, keep)
         assert self.storage is not None
         self.storage.zero(_one(slot))
         return self._mark(slot)
 
-    def take_copy(self, source: int, what: str) -> int:
-        """A free slot holding a copy of ``source``'s states (fork, a checkpoint's hit).
+    def take_copy(self, source: int, what: str, keep: tuple[int, ...] = ()) -> int:
+        """A free slot holding a copy of ``source``'s states (fork, a checkpoint's hit);
+        neither ``source``'s checkpoint nor those of ``keep`` are evicted for it.
 
         Raises:
             OutOfStateSlotsError: none is free.
         """
-        slot = self._peek(what, keep=source)
+        slot = self._peek(what, (source, *keep))
         assert self.storage is not None
         self.storage.copy(_one(source), _one(slot))
         return self._mark(slot)
 
-    def take_from_host(self, arrays: Sequence[npt.NDArray[Any]], what: str) -> int:
-        """A free slot holding ``arrays`` (a swapped-out request's host copies).
+    def take_from_host(self, arrays: Sequence[npt.NDArray[Any]], what: str, keep: tuple[int, ...] = ()) -> int:
+        """A free slot holding ``arrays`` (a swapped-out request's host copies, a tier's
+        checkpoint); the checkpoints of the slots ``keep`` are not evicted for it.
 
         Raises:
             OutOfStateSlotsError: none is free.
         """
-        slot = self._peek(what)
+        slot = self._peek(what, keep)
         assert self.storage is not None
         self.storage.from_host(_one(slot), arrays)
         return self._mark(slot)
+
+    def refill(self, slot: int, source: int | None) -> None:
+        """Overwrite taken ``slot`` with ``source``'s states (``None``: zeros)."""
+        assert self.storage is not None
+        if source is None:
+            self.storage.zero(_one(slot))
+        else:
+            self.storage.copy(_one(source), _one(slot))
 
     def to_host(self, slot: int) -> tuple[npt.NDArray[Any], ...]:
         """Host copies of a slot's states, ``[1, *shape]`` per array."""
@@ -161,12 +176,14 @@ class StateSlots:
             )
         return found
 
-    def _peek(self, what: str, keep: int = -1) -> int:
-        """The slot the next take fills: a free one, else the oldest checkpoint's but ``keep``'s."""
+    def _peek(self, what: str, keep: tuple[int, ...] = ()) -> int:
+        """The slot the next take fills: a free one, else the oldest checkpoint's but those of ``keep``."""
         if not self._free:
-            victim = next((key for key, slot in self.checkpoints.items() if slot != keep), None)
+            victim = next((key for key, slot in self.checkpoints.items() if slot not in keep), None)
             if victim is None:
                 raise self.shortage(what)
+            if self.on_evict is not None:  # an offload tier keeps it
+                self.on_evict(victim, self.checkpoints[victim])
             self._free.append(self.checkpoints.pop(victim))
         return self._free[-1]
 
@@ -197,12 +214,52 @@ class StateSlots:
             return True
         if not self._free and not self.checkpoints:
             return False
-        target = self._peek("", keep=slot)
+        target = self._peek("", (slot,))
         assert self.storage is not None
         self.storage.copy(_one(slot), _one(target))
         self._free.pop()
         self.checkpoints[block_hash] = target
+        if self.on_filed is not None:
+            self.on_filed(block_hash)
         return True
+
+    def stage(self, hosts: Sequence[Sequence[npt.NDArray[Any]]]) -> list[int]:
+        """Write the host states of checkpoints (one slot's each) into free slots, as many
+        as are free (no checkpoint is evicted for them), in one storage call; the slots
+        stay free until :meth:`file_staged` files them. Returns the slots, in order.
+
+        Raises:
+            Exception: what the storage raises (nothing has changed).
+        """
+        slots = self._free[::-1][: len(hosts)]
+        if slots and self.storage is not None:
+            arrays = [np.concatenate([host[index] for host in hosts[: len(slots)]]) for index in range(len(hosts[0]))]
+            self.storage.from_host(np.asarray(slots, dtype=np.int64), arrays)
+        return slots
+
+    def file_staged(self, slot: int, block_hash: bytes) -> bool:
+        """File the staged ``slot`` (:meth:`stage`) as the checkpoint of ``block_hash``,
+        unless one of that hash is filed already; whether it was."""
+        if block_hash in self.checkpoints or slot not in self._free:
+            return False
+        self._free.remove(slot)
+        self.checkpoints[block_hash] = slot
+        if self.on_filed is not None:
+            self.on_filed(block_hash)
+        return True
+
+    def announce(self, block_hash: bytes) -> None:
+        """Tell :attr:`on_filed` that a checkpoint of ``block_hash`` is held (in the pool or
+        an offload tier) although none was filed now (a promotion ending at one)."""
+        if self.on_filed is not None:
+            self.on_filed(block_hash)
+
+    def drop_checkpoint(self, block_hash: bytes) -> None:
+        """Forget the checkpoint filed under ``block_hash`` (it went to an offload tier with
+        its block); its slot is free."""
+        slot = self.checkpoints.pop(block_hash, None)
+        if slot is not None:
+            self._free.append(slot)
 
     def _mark(self, slot: int) -> int:
         popped = self._free.pop()

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.config import AllocationRequest, CacheConfig
 from kvcache_core.contract.groups import LayerSpec
 from kvcache_core.errors import TierError
 from kvcache_core.manager import PagedKvCacheManager
@@ -54,6 +54,7 @@ from kvcache_core.testing.faults import (
     InjectedFaultError,
     check_after_fault,
 )
+from kvcache_core.testing.states import Model, assert_states, state_config, write_attention, write_states, zeros
 
 __all__ = [
     "TIER_CALLS",
@@ -474,6 +475,35 @@ class TierCases:
             assert script.handles["b"].num_cached_tokens() == 8, "the demoted blocks were not promoted"
             assert script.mismatches() == []
             assert manager.tier_stats()[0].hits == 2
+            manager.check_invariants()
+
+    def test_a_state_checkpoint_goes_with_its_block_and_comes_back_bit_exact(
+        self, kvcache_backend: BackendUnderTest, kvcache_tier_factory: TierFactory
+    ) -> None:
+        self._needs_tiers(kvcache_backend)
+        if not kvcache_backend.claims("state_layers"):
+            pytest.skip("state checkpoints in tiers need 'state_layers', unclaimed")
+        config = state_config(kvcache_backend, enable_prefix_caching=True)
+        room = 64 * (config.bytes_per_block + config.states.bytes_per_slot) + (1 << 16)
+        rng = np.random.default_rng(12)
+        prompt = tuple(range(10, 23))  # three full blocks of 4, one token more
+        with kvcache_backend.manager(config, tiers=[kvcache_tier_factory(room, "tier")]) as manager:
+            first = manager.allocate(AllocationRequest("first", prompt_token_ids=prompt))
+            models: dict[str, Model] = {"first": zeros(config)}
+            after: list[Model] = []
+            for block in range(3):
+                write_attention(manager, manager.begin_step([first], 4), rng)
+                write_states(manager, [first], rng, models)
+                after.append(dict(models["first"]))
+                if block < 2:  # the third block has no checkpoint
+                    assert manager.begin_step([first], 0).checkpoint_states() == 1
+            manager.deallocate("first")
+            manager.gc()  # blocks and checkpoints leave the pool for the tier
+            assert manager.stats().checkpoint_state_slots == 0, "a demoted block's checkpoint stayed in the pool"
+            second = manager.allocate(AllocationRequest("second", prompt_token_ids=prompt))
+            assert second.num_cached_tokens() == 8, "a hit through the tier must stop at its last checkpoint"
+            models["second"] = after[1]
+            assert_states(manager, [second], models, "a checkpoint promoted from the tier")
             manager.check_invariants()
 
     def test_a_tier_is_bound_to_one_manager_until_it_closes(
