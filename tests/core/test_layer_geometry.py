@@ -1,0 +1,148 @@
+"""Layers of their own geometry (``LayerSpec(num_heads=..., head_dim=..., value_head_dim=...)``,
+Gemma 4's full-attention layers): the configuration, its sizes and its refusals, the storage
+core builds per geometry, and the refusal of a backend or storage that does not serve it.
+What every backend must do with such a pool is the kit's
+(:mod:`kvcache_core.testing.layer_geometry`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcache_core import AllocationRequest, CacheConfig, LayerSpec, create_manager
+from kvcache_core.backends.layered import LayeredStorage
+from kvcache_core.backends.numpy import NumpyStorage
+from kvcache_core.contract.groups import LayerGeometry
+from kvcache_core.contract.states import StateArray, StateSpec
+from kvcache_core.errors import InvalidConfigError, LayerIndexError, UnsupportedConfigError
+from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.plugin import LAYER_GEOMETRY, BackendSpec
+
+GEOMETRY: dict[str, Any] = {"num_layers": 3, "num_heads": 2, "head_dim": 8, "num_blocks": 8, "block_size": 4}
+SPECS = (LayerSpec(), LayerSpec(num_heads=1, head_dim=16), LayerSpec(value_head_dim=4))
+
+
+def config(**fields: Any) -> CacheConfig:
+    given: dict[str, Any] = {**GEOMETRY, "layer_specs": SPECS, **fields}
+    return CacheConfig(**given)
+
+
+@pytest.mark.parametrize("field", ["num_heads", "head_dim", "value_head_dim"])
+@pytest.mark.parametrize("value", [0, -1, 2**31, True, 2.5], ids=["zero", "negative", "too-large", "bool", "float"])
+def test_a_layer_geometry_outside_its_range_is_refused_by_name(field: str, value: object) -> None:
+    with pytest.raises(InvalidConfigError, match=rf"LayerSpec\.{field} must be None or an int >= 1, got .*"):
+        LayerSpec(**{field: value})  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]  # refused
+
+
+def test_a_state_layer_with_a_geometry_is_refused_by_name() -> None:
+    state = StateSpec((StateArray("conv", (4, 3), "float32"),))
+
+    with pytest.raises(InvalidConfigError, match=r"without window, chunk or K/V geometry.*head_dim=16"):
+        LayerSpec(state=state, head_dim=16)
+
+
+def test_each_layer_resolves_its_geometry_from_its_spec_then_the_pool() -> None:
+    pool = config()
+
+    assert [pool.layer_geometry(layer) for layer in range(3)] == [
+        LayerGeometry(2, 8, 8),
+        LayerGeometry(1, 16, 16),  # values as wide as its own keys
+        LayerGeometry(2, 8, 4),
+    ]
+    assert pool.mixed_geometry
+    assert not CacheConfig(**GEOMETRY).mixed_geometry
+    assert not CacheConfig(**GEOMETRY, layer_specs=[LayerSpec(head_dim=8)] * 3).mixed_geometry  # the pool's own
+    with pytest.raises(LayerIndexError, match="layer 3 is out of range"):
+        pool.layer_geometry(3)
+
+
+def test_sizes_sum_every_layers_own_bytes() -> None:
+    pool = config(dtype="float16")
+
+    assert pool.bytes_per_token == (2 * (8 + 8) + 1 * (16 + 16) + 2 * (8 + 4)) * 2
+    assert pool.bytes_per_block == 4 * pool.bytes_per_token
+    with create_manager("numpy", pool) as manager:
+        assert manager.stats().total_memory_bytes == 8 * pool.bytes_per_block
+        handle = manager.allocate(AllocationRequest("r"))
+        manager.extend(handle, 5)
+        assert handle.stats().memory_bytes == 2 * pool.bytes_per_block
+
+
+def test_a_layers_block_shape_follows_the_layout() -> None:
+    for layout, shape in (("NHD", (8, 4, 1, 16)), ("HND", (8, 1, 4, 16)), ("heads_first", (1, 8, 4, 16))):
+        assert config(kv_layout=layout).layer_block_shape(1) == shape
+    assert config(kv_layout="NHD").layer_block_shape(2, "values") == (8, 4, 2, 4)
+
+
+def test_the_storage_config_keeps_each_storage_layers_geometry_and_is_its_own() -> None:
+    grouped = config(
+        num_layers=4,
+        layer_specs=[LayerSpec(window=4), LayerSpec(window=4, head_dim=16), LayerSpec(), LayerSpec(head_dim=16)],
+    )  # groups [0, 1] (window 4) and [2, 3]: storage layer 1 is 16 wide in both
+
+    storage = grouped.storage_config()
+
+    assert grouped.num_groups == 2
+    assert [storage.layer_geometry(layer).head_dim for layer in range(2)] == [8, 16]
+    assert storage.storage_config() == storage
+    assert grouped.bytes_per_token == (2 * 16 + 2 * 32) * 2 * 4
+
+
+def test_groups_whose_shared_storage_layers_differ_in_geometry_are_refused_by_name() -> None:
+    with pytest.raises(UnsupportedConfigError, match=r"layers \[0, 1\] share storage layer 0 .*2 heads of 16"):
+        config(num_layers=2, layer_specs=[LayerSpec(window=4), LayerSpec(head_dim=16)])
+
+
+def test_a_quantized_pool_of_mixed_geometry_is_refused_by_name() -> None:
+    with pytest.raises(UnsupportedConfigError, match="a int8 pool holds one geometry for every layer"):
+        config(dtype="int8")
+
+
+def test_a_backend_that_does_not_claim_the_capability_is_refused_by_name() -> None:
+    spec = BackendSpec(
+        name="old", storage_factory=NumpyStorage, kv_layouts=("NHD",), capabilities=frozenset({"value_head_dim"})
+    )
+
+    problems = spec.check_config(config(kv_layout="NHD"))
+
+    assert len(problems) == 1
+    assert repr(LAYER_GEOMETRY) in problems[0]
+    assert "1 heads of 16" in problems[0]
+
+
+def test_create_manager_builds_one_part_per_geometry_over_the_same_blocks() -> None:
+    with create_manager("numpy", config()) as manager:
+        storage = manager.storage
+        assert isinstance(storage, LayeredStorage)
+        parts = storage.parts
+        assert [part.config.num_layers for part in parts] == [1, 1, 1]
+        assert {part.config.num_blocks for part in parts} == {8}
+        handle = manager.allocate(AllocationRequest("r"))
+        slots = manager.extend(handle, 3)
+        keys = np.ones((3, 1, 16), dtype=np.float32)
+        manager.write(1, slots, keys, 2 * keys)
+        child = manager.fork(handle, "child")
+        manager.write(1, manager.extend(child, 1), keys[:1], keys[:1])  # copies the shared block in every part
+        gathered = manager.gather(handle, 1)
+        assert np.array_equal(gathered[0], keys)
+        assert np.array_equal(gathered[1], 2 * keys)
+        manager.check_invariants()
+
+
+def test_a_manager_refuses_a_storage_that_holds_one_shape_for_every_layer() -> None:
+    storage = NumpyStorage(config())  # built as if every layer had the pool's geometry
+
+    with pytest.raises(UnsupportedConfigError, match=r"layer 1 as .* not \(1, 8, 4, 16\).*'layer_geometry'"):
+        PagedKvCacheManager(storage)
+
+
+def test_the_layered_storage_refuses_host_copies_by_name() -> None:
+    storage = LayeredStorage(config(), NumpyStorage)
+    blocks = np.zeros(1, dtype=np.int64)
+
+    with pytest.raises(UnsupportedConfigError, match="blocks_to_host moves host copies"):
+        storage.blocks_to_host(blocks)
+    with pytest.raises(UnsupportedConfigError, match="blocks_from_host moves host copies"):
+        storage.blocks_from_host(blocks, np.zeros(1), np.zeros(1))
