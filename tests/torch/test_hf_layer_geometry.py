@@ -1,6 +1,7 @@
 """kvcache_torch.hf on models whose layers differ in geometry: Gemma 4, whose full-attention
 layers have a head size (``global_head_dim``) and, with ``attention_k_eq_v``, a KV head count
-(``num_global_key_value_heads``) of their own (transformers' ``per_layer_config``).
+(``num_global_key_value_heads``) of their own (transformers' ``per_layer_config``); and
+MiMo-V2-Flash, whose sliding layers hold twice its full layers' KV heads.
 
 The pool gives each layer its own shape (``LayerSpec(num_heads=..., head_dim=...)``), every
 layer over the same blocks; its sliding layers keep every block (one KV-cache group: groups
@@ -8,9 +9,8 @@ would put layers of two shapes in one storage layer) and their attention applies
 Both paths serve it (Gemma 4's attention goes through transformers' interface), except that a
 Gemma 4 with layers reusing K/V runs the contiguous path only: it slices a prefill's queries
 before those layers, and ``"kvcache_paged"`` is refused by name (:data:`RUNS`). Every equality
-test runs a tiny random-weight Gemma 4 (4 layers, sliding and full; with and without layers
-reusing earlier layers' K/V) with ``DynamicCache`` and with :class:`PagedCache`, and compares
-the fp32 logits (max abs difference <= 1e-4).
+test runs a tiny random-weight model (:data:`VARIANTS`) with ``DynamicCache`` and with
+:class:`PagedCache`, and compares the fp32 logits (max abs difference <= 1e-4).
 """
 
 from __future__ import annotations
@@ -43,26 +43,56 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 PATHS = ("paged", "contiguous")
 
-#: The tiny models: the catalogue's Gemma 4, and one whose last two layers reuse the first
-#: two's K/V (``num_kv_shared_layers``, as Gemma 4 E2B), values of their own projection.
-VARIANTS: dict[str, dict[str, Any]] = {
-    "gemma4": GEMMA4,
-    "gemma4-shared": {**GEMMA4, "attention_k_eq_v": False, "num_kv_shared_layers": 2},
+#: The tiny models, ``(config class, model class, fields, reference attention)``: the
+#: catalogue's Gemma 4; one whose last two layers reuse the first two's K/V
+#: (``num_kv_shared_layers``, as Gemma 4 E2B), values of their own projection; and MiMo-V2-Flash,
+#: whose sliding layers hold twice its full layers' KV heads (in its code, not its config), values
+#: narrower than keys.
+VARIANTS: dict[str, tuple[str, str, dict[str, Any], str]] = {
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4, "sdpa"),
+    "gemma4-shared": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {**GEMMA4, "attention_k_eq_v": False, "num_kv_shared_layers": 2},
+        "sdpa",
+    ),
+    "mimo-v2-flash": (
+        "MiMoV2FlashConfig",
+        "MiMoV2FlashForCausalLM",
+        {
+            **COMMON_CONFIG,
+            "head_dim": 24,
+            "v_head_dim": 16,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+        },
+        "eager",
+    ),
 }
 
-#: ``(variant, path)`` of every equality test.
-RUNS = [("gemma4", "paged"), ("gemma4", "contiguous"), ("gemma4-shared", "contiguous")]
+#: ``(variant, path)`` of every equality test (MiMo-V2-Flash has no sdpa: the paged path).
+RUNS = [
+    ("gemma4", "paged"),
+    ("gemma4", "contiguous"),
+    ("gemma4-shared", "contiguous"),
+    ("mimo-v2-flash", "paged"),
+]
 
 _MODELS: dict[str, tuple[Any, Any]] = {}
 
 
 def pair(variant: str, path: str) -> tuple[Any, Any]:
-    """``(model under test, reference)``, the same weights: the reference runs ``sdpa``; on
-    the paged path the model under test runs ``"kvcache_paged"``, else it is the reference."""
+    """``(model under test, reference)``, the same weights: the reference runs the model's
+    own attention; on the paged path the model under test runs ``"kvcache_paged"``, else it is
+    the reference."""
     if variant not in _MODELS:
+        config_class, model_class, fields, attention = VARIANTS[variant]
         torch.manual_seed(0)
-        reference = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**VARIANTS[variant])).eval()
-        reference.set_attn_implementation("sdpa")
+        reference = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields)).eval()
+        reference.set_attn_implementation(attention)
         paged = copy.deepcopy(reference)
         paged.set_attn_implementation(ATTN_IMPLEMENTATION)
         _MODELS[variant] = (paged, reference)
@@ -81,6 +111,14 @@ def test_the_pool_gives_each_layer_the_geometry_its_attention_hands_the_cache() 
     assert pool.bytes_per_token == 2 * (2 * 16 * 2 + 1 * 32 * 2) * 4
     with PagedCache(create_manager("torch", pool), model.config) as cache:
         assert cache.is_sliding == transformers.DynamicCache(config=model.config).is_sliding
+
+
+def test_sliding_layers_of_twice_the_kv_heads_get_their_own_and_values_the_pools_width() -> None:
+    model, _ = pair("mimo-v2-flash", "paged")
+
+    pool = cache_config_for(model, num_blocks=8)
+
+    assert [pool.layer_geometry(layer) for layer in range(2)] == [LayerGeometry(4, 24, 16), LayerGeometry(2, 24, 16)]
 
 
 def test_the_layers_reusing_k_v_keep_nothing_and_the_others_their_own_geometry() -> None:

@@ -3,7 +3,8 @@ head_dim=..., value_head_dim=...)``: Gemma 4's full-attention layers have a head
 head count of their own), run on every backend that claims the ``"layer_geometry"`` capability.
 
 What they hold the backend to: each layer's arrays in its own shape, over the same blocks
-(``key_cache``, ``value_cache``, ``gather``), ``stats()`` counting each layer's bytes; writes
+(``key_cache``, ``value_cache``, ``gather``), ``stats()`` counting each layer's bytes; the
+lockstep state machine against the NumPy reference with every policy it claims; writes
 of another layer's shape refused by name; attention per layer, with the features it serves,
 against the float64 dense reference in every dtype and layout; fork with copy-on-write and a
 prefix hit serving every layer in its own shape; host copies (swap, tiers, prefix files)
@@ -121,6 +122,18 @@ class LayerGeometryCases:
                 assert resolved.bytes_per_token == per_token * resolved.dtype_size, context
                 assert handle.stats().memory_bytes == 2 * resolved.bytes_per_block, context
                 assert manager.stats().total_memory_bytes == resolved.num_blocks * resolved.bytes_per_block, context
+
+    @pytest.mark.kvcache_requires("layer_geometry")
+    def test_state_machine_with_layers_of_their_own_geometry(
+        self, kvcache_backend: BackendUnderTest, request: pytest.FixtureRequest
+    ) -> None:
+        from kvcache_core.testing._plugin import kit_settings
+        from kvcache_core.testing.machine import run_config_machine
+
+        caching = kvcache_backend.claims("prefix_caching")
+        for layout in dict.fromkeys((kvcache_backend.kv_layouts[0], kvcache_backend.kv_layouts[-1])):
+            config = geometry_config(kvcache_backend, kv_layout=layout, num_blocks=12, enable_prefix_caching=caching)
+            run_config_machine(kvcache_backend, config, f"layer_geometry_{layout}", kit_settings(request.config))
 
     @pytest.mark.kvcache_requires("layer_geometry")
     def test_a_write_of_another_layers_shape_is_refused_by_name(self, kvcache_backend: BackendUnderTest) -> None:

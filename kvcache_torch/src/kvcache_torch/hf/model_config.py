@@ -147,14 +147,29 @@ def _head_size(text: PretrainedConfig) -> int:
     return int(text.hidden_size) // query_heads if head_dim is None else head_dim
 
 
+#: Model types whose sliding layers hold a multiple of their full layers' KV heads, in code
+#: rather than in their config (MiMo-V2-Flash: twice).
+_SLIDING_LAYERS_WITH_OTHER_HEADS: Final = {"mimo_v2_flash": 2}
+
+
 def layer_geometries(config: PretrainedConfig) -> tuple[tuple[int, int], ...] | None:
     """Each layer's ``(kv_heads, head_dim)`` where a decoder's layers differ in them
     (transformers' ``per_layer_config``: Gemma 4's full-attention layers, of ``global_head_dim``
-    and ``num_global_key_value_heads``), else ``None``. The pool then gives each layer its own
-    geometry (``LayerSpec(num_heads=..., head_dim=...)``)."""
+    and ``num_global_key_value_heads``; MiMo-V2-Flash's sliding layers, of twice the KV heads),
+    else ``None``. The pool then gives each layer its own geometry (``LayerSpec(num_heads=...,
+    head_dim=...)``)."""
     text = text_config(config)
+    if latent_attention(config) is not None:
+        return None
+    factor = _SLIDING_LAYERS_WITH_OTHER_HEADS.get(str(getattr(text, "model_type", "")))
+    if factor is not None:
+        types: Sequence[str] = getattr(text, "layer_types", None) or ()
+        if "sliding_attention" not in types or "full_attention" not in types:
+            return None
+        heads, size = _kv_heads(text), _head_size(text)
+        return tuple((factor * heads if kind == "sliding_attention" else heads, size) for kind in types)
     per_layer: Any = getattr(text, "per_layer_config", None)
-    if per_layer is None or latent_attention(config) is not None:
+    if per_layer is None:
         return None
     shapes: list[tuple[int, int]] = []
     for layer in range(int(text.num_hidden_layers)):
@@ -329,8 +344,7 @@ def cache_config_for(
             class and the remedy: its own attention, ``"sdpa"`` or ``"eager"``), a config
             set to ``"kvcache_paged"`` for a latent-attention model (which expands the latent
             before attending: it runs the contiguous path) or for Gemma 4 with layers reusing
-            K/V (which slices their queries: it runs the contiguous path), sliding layers holding other KV
-            head counts than full ones given model-wide (MiMo-V2-Flash), or a quantized
+            K/V (which slices their queries: it runs the contiguous path), or a quantized
             ``dtype`` for layers of different geometries.
         InvalidConfigError: any field out of range (from ``CacheConfig``).
 
@@ -367,7 +381,6 @@ def cache_config_for(
     _, kv_heads, head_dim = geometry(config)
     state_dtype = str(compute_dtype or dtype)
     text = text_config(config)
-    _refuse_per_layer_heads(text)
     kv_sources(text)  # refuses layers sharing K/V in a way PagedCache cannot serve
     layers = stored_layer_count(text)  # layers reusing another's K/V keep no blocks
     specs = layer_specs(config, state_dtype)[:layers]  # refuses layers it cannot hold
@@ -420,28 +433,6 @@ def refuse_latent_on_paged_path(config: PretrainedConfig) -> None:
         f"attending, so {ATTN_IMPLEMENTATION!r} cannot read them from the pool; load it with "
         "attn_implementation='sdpa' (or 'eager'): PagedCache then holds the latent (kv_lora_rank + "
         "qk_rope_head_dim per token) on the contiguous path"
-    )
-
-
-#: Model types whose sliding layers hold other KV head counts than their full layers.
-_SLIDING_LAYERS_WITH_OTHER_HEADS: Final = {"mimo_v2_flash": 2}
-
-
-def _refuse_per_layer_heads(text: PretrainedConfig) -> None:
-    """Refuse, by name, a model whose layers hold different KV head counts (one pool holds
-    one count).
-
-    Raises:
-        UnsupportedConfigError: naming the layers and their counts.
-    """
-    factor = _SLIDING_LAYERS_WITH_OTHER_HEADS.get(str(getattr(text, "model_type", "")))
-    types: Sequence[str] = getattr(text, "layer_types", None) or ()
-    if factor is None or "sliding_attention" not in types or "full_attention" not in types:
-        return
-    heads = _kv_heads(text)
-    raise UnsupportedConfigError(
-        f"the model's sliding layers hold {factor * heads} KV heads, its full layers {heads}; a kvcache pool holds "
-        "one head count for every layer"
     )
 
 
