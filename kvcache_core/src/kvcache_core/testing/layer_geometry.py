@@ -4,7 +4,8 @@ head count of their own), run on every backend that claims the ``"layer_geometry
 
 What they hold the backend to: each layer's arrays in its own shape, over the same blocks
 (``key_cache``, ``value_cache``, ``gather``), ``stats()`` counting each layer's bytes; the
-lockstep state machine against the NumPy reference with every policy it claims; writes
+lockstep state machine against the NumPy reference with every policy it claims; a storage
+failure at any call leaking nothing and corrupting no request (fault injection); writes
 of another layer's shape refused by name; attention per layer, with the features it serves,
 against the float64 dense reference in every dtype and layout; fork with copy-on-write and a
 prefix hit serving every layer in its own shape; host copies (swap, tiers, prefix files)
@@ -134,6 +135,22 @@ class LayerGeometryCases:
         for layout in dict.fromkeys((kvcache_backend.kv_layouts[0], kvcache_backend.kv_layouts[-1])):
             config = geometry_config(kvcache_backend, kv_layout=layout, num_blocks=12, enable_prefix_caching=caching)
             run_config_machine(kvcache_backend, config, f"layer_geometry_{layout}", kit_settings(request.config))
+
+    @pytest.mark.kvcache_requires("layer_geometry")
+    def test_a_storage_failure_at_any_call_leaks_nothing_in_a_pool_of_mixed_geometry(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        from kvcache_core.testing.faults import run_fault_injection
+
+        report = run_fault_injection(kvcache_backend, layer_specs=GEOMETRY_SPECS)
+        expected = {"write", "gather", "paged_attention"}
+        if kvcache_backend.claims("fork"):
+            expected.add("copy_blocks")
+        assert expected <= report.kinds, f"the script never called {sorted(expected - report.kinds)}"
+        shown = "\n".join(report.failures[:5])
+        assert not report.failures, (
+            f"{len(report.failures)} of {report.injections} injected faults broke a promise:\n{shown}"
+        )
 
     @pytest.mark.kvcache_requires("layer_geometry")
     def test_a_write_of_another_layers_shape_is_refused_by_name(self, kvcache_backend: BackendUnderTest) -> None:
