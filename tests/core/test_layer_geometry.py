@@ -146,3 +146,27 @@ def test_the_layered_storage_refuses_host_copies_by_name() -> None:
         storage.blocks_to_host(blocks)
     with pytest.raises(UnsupportedConfigError, match="blocks_from_host moves host copies"):
         storage.blocks_from_host(blocks, np.zeros(1), np.zeros(1))
+
+
+def test_a_backend_that_does_not_claim_it_is_refused_by_create_manager_before_any_pool() -> None:
+    pytest.importorskip("kvcache_memmap", reason="the memmap example backend is not installed")
+
+    with pytest.raises(UnsupportedConfigError, match=r"backend 'memmap' does not support layers of different geometry"):
+        create_manager("memmap", config())
+
+
+def test_state_layers_beside_layers_of_their_own_geometry() -> None:
+    state = StateSpec((StateArray("conv", (4, 3), "float32"),))
+    pool = config(layer_specs=(LayerSpec(state=state), LayerSpec(), LayerSpec(num_heads=1, head_dim=16)))
+
+    assert pool.bytes_per_token == (2 * 16 + 1 * 32) * 4  # the state layer keeps no K/V
+    with create_manager("numpy", pool) as manager:
+        handle = manager.allocate(AllocationRequest("r"))
+        step = manager.begin_step([handle], [5])
+        for layer, (heads, dim) in ((1, (2, 8)), (2, (1, 16))):
+            keys = np.ones((5, heads, dim), dtype=np.float32)
+            step.write(layer, keys, keys)
+            assert step.attention(layer, np.ones((5, 2 * heads, dim), dtype=np.float32)).shape == (5, 2 * heads, dim)
+        step.write_state(0, "conv", np.ones((1, 4, 3), dtype=np.float32))
+        assert np.array_equal(step.state(0, "conv"), np.ones((1, 4, 3), dtype=np.float32))
+        manager.check_invariants()
