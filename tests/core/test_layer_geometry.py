@@ -16,7 +16,7 @@ from kvcache_core.backends.layered import LayeredStorage
 from kvcache_core.backends.numpy import NumpyStorage
 from kvcache_core.contract.groups import LayerGeometry
 from kvcache_core.contract.states import StateArray, StateSpec
-from kvcache_core.errors import InvalidConfigError, LayerIndexError, UnsupportedConfigError
+from kvcache_core.errors import InvalidConfigError, LayerIndexError, ShapeMismatchError, UnsupportedConfigError
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.plugin import LAYER_GEOMETRY, BackendSpec
 
@@ -39,7 +39,7 @@ def test_a_layer_geometry_outside_its_range_is_refused_by_name(field: str, value
 def test_a_state_layer_with_a_geometry_is_refused_by_name() -> None:
     state = StateSpec((StateArray("conv", (4, 3), "float32"),))
 
-    with pytest.raises(InvalidConfigError, match=r"without window, chunk or K/V geometry.*head_dim=16"):
+    with pytest.raises(InvalidConfigError, match=r"without window or chunk \(nor K/V geometry\).*head_dim=16"):
         LayerSpec(state=state, head_dim=16)
 
 
@@ -138,14 +138,28 @@ def test_a_manager_refuses_a_storage_that_holds_one_shape_for_every_layer() -> N
         PagedKvCacheManager(storage)
 
 
-def test_the_layered_storage_refuses_host_copies_by_name() -> None:
-    storage = LayeredStorage(config(), NumpyStorage)
-    blocks = np.zeros(1, dtype=np.int64)
+def test_host_copies_of_the_layered_storage_are_packed_per_block_and_come_back_bit_exact() -> None:
+    pool = config(kv_layout="HND").storage_config()
+    storage = LayeredStorage(pool, NumpyStorage)
+    rng = np.random.default_rng(5)
+    for layer in range(3):
+        shape = pool.layer_geometry(layer)
+        slots = np.arange(8, dtype=np.int64)  # blocks 0 and 1
+        keys = rng.standard_normal((8, shape.num_heads, shape.head_dim)).astype(np.float32)
+        values = rng.standard_normal((8, shape.num_heads, shape.value_width)).astype(np.float32)
+        storage.write(layer, slots, keys, values)
 
-    with pytest.raises(UnsupportedConfigError, match="blocks_to_host moves host copies"):
-        storage.blocks_to_host(blocks)
-    with pytest.raises(UnsupportedConfigError, match="blocks_from_host moves host copies"):
-        storage.blocks_from_host(blocks, np.zeros(1), np.zeros(1))
+    keys, values = storage.blocks_to_host(np.array([1, 0], dtype=np.int64))
+
+    assert keys.shape == (2, pool.packed_block_elements()) == (2, 4 * (2 * 8 + 1 * 16 + 2 * 8))
+    assert values.shape == (2, 4 * (2 * 8 + 1 * 16 + 2 * 4))
+    storage.blocks_from_host(np.array([3, 2], dtype=np.int64), keys, values)
+    for layer in range(3):
+        moved = storage.gather(layer, np.array([2, 3], dtype=np.int64), 8)
+        kept = storage.gather(layer, np.array([0, 1], dtype=np.int64), 8)
+        assert np.array_equal(moved[0], kept[0]) and np.array_equal(moved[1], kept[1])  # noqa: PT018
+    with pytest.raises(ShapeMismatchError, match=r"keys must have shape \(1, 192\) \(the packed host form"):
+        storage.blocks_from_host(np.array([3], dtype=np.int64), keys, values)
 
 
 def test_a_backend_that_does_not_claim_it_is_refused_by_create_manager_before_any_pool() -> None:

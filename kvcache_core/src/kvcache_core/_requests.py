@@ -402,12 +402,11 @@ class Requests(Generic[ArrayT]):
         """Move the request's blocks to host memory (see ``manager.swap_out``).
 
         Raises:
-            UnknownRequestError, SwappedOutError, UnsupportedConfigError (layers of mixed geometry).
+            UnknownRequestError, SwappedOutError.
         """
         state = self.live_state(request_id)
         if state.swap is not None:
             raise SwappedOutError(f"request {request_id!r} is already swapped out; swap_in brings it back")
-        self._config.refuse_host_copies(f"swap_out of request {request_id!r}")
         states = self._pool.states
         host = states.to_host(state.state_slot) if states.enabled else None
         self._sequences.swap_out(state)

@@ -265,7 +265,6 @@ class PagedKvCacheManager(Generic[ArrayT]):
         Raises:
             UnknownRequestError: no live request has this id.
             SwappedOutError: the request is already swapped out.
-            UnsupportedConfigError: the pool's layers differ in geometry (host copies hold one).
         """
         with self._lock:
             self._check_open()

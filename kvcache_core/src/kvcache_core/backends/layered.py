@@ -7,10 +7,12 @@ storage of the backend per geometry (the layers of one shape, each in its own ar
 shape, all ``num_blocks`` long) and routes each layer's calls to its part, so a block id names
 the same block in every part and a block copy (fork, copy-on-write) copies it in each.
 
-Host copies of blocks (swap, offload tiers, prefix files, host writes, transfer) are in one
-form per pool, ``[layers, n, block_size, num_heads, width]``, which layers of several shapes do
-not fit: the manager refuses them by name for such a pool before anything changes
-(``CacheConfig.refuse_host_copies``); this storage refuses them too.
+Host copies of blocks are in one form per pool, ``[layers, n, block_size, num_heads, width]``,
+which layers of several shapes do not fit: this storage hands swap a packed form, ``[n,
+elements]`` per part (keys, values), each storage layer's block flat, layer after layer
+(``CacheConfig.packed_block_elements``). What keeps host copies beyond one pool (offload tiers,
+prefix files, host writes, transfer: records with a geometry header) is refused by name for
+such a pool before anything changes (``CacheConfig.refuse_host_copies``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar, cast
 
+import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract.config import CacheConfig
@@ -26,7 +29,8 @@ from kvcache_core.contract.groups import LayerGeometry
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import BlockArray, KvStorage, SlotArray
 from kvcache_core.contract.states import StateArray
-from kvcache_core.errors import UnsupportedConfigError
+from kvcache_core.errors import ShapeMismatchError, UnsupportedConfigError
+from kvcache_core.offload.host_form import check_host_array
 
 __all__ = ["LayeredStorage", "geometry_classes", "part_config"]
 
@@ -122,21 +126,54 @@ class LayeredStorage(Generic[ArrayT]):
             part.copy_blocks(source, destination)
 
     def blocks_to_host(self, blocks: BlockArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-        """Refused: the host form holds one geometry (see the module).
-
-        Raises:
-            UnsupportedConfigError: always, naming the geometries.
-        """
-        self._config.refuse_host_copies("blocks_to_host")
-        raise AssertionError("unreachable: a layered storage has mixed geometry")
+        """Host copies of ``blocks`` in the packed form ``[n, elements]`` (keys, then values):
+        per block, each storage layer's ``[block_size, its heads, its width]`` in host form
+        (:mod:`kvcache_core.offload.host_form`), flat, layer after layer
+        (``CacheConfig.packed_block_elements``)."""
+        copies = [part.blocks_to_host(blocks) for part in self.parts]
+        count = len(blocks)
+        packed = [
+            np.concatenate(
+                [
+                    copies[index][kv][local].reshape(count, int(np.prod(copies[index][kv].shape[2:])))
+                    for index, local in self._route
+                ],
+                axis=1,
+            )
+            for kv in (0, 1)
+        ]
+        return packed[0], packed[1]
 
     def blocks_from_host(self, blocks: BlockArray, keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> None:
-        """Refused, as :meth:`blocks_to_host`.
+        """Write packed host copies (:meth:`blocks_to_host`) into ``blocks``.
 
         Raises:
-            UnsupportedConfigError: always, naming the geometries.
+            ArrayTypeError, DTypeMismatchError, ShapeMismatchError: not the packed form of
+                ``len(blocks)`` blocks (nothing is written).
         """
-        self._config.refuse_host_copies("blocks_from_host")
+        count = len(blocks)
+        for name, array in (("keys", keys), ("values", values)):
+            expected = (count, self._config.packed_block_elements(name))
+            if isinstance(array, np.ndarray) and tuple(array.shape) != expected:
+                raise ShapeMismatchError(
+                    f"{name} must have shape {expected} (the packed host form of a pool of mixed geometry: [blocks, "
+                    f"elements]), got {tuple(array.shape)}"
+                )
+            check_host_array(self._config, name, array, expected)
+        parts: list[list[list[npt.NDArray[Any]]]] = [[[], []] for _ in self.parts]
+        for kv, (name, array) in enumerate((("keys", keys), ("values", values))):
+            start = 0
+            for layer, (index, _) in enumerate(self._route):
+                shape = self._config.layer_geometry(layer)
+                width = shape.head_dim if name == "keys" else shape.value_width
+                elements = self._config.block_size * shape.num_heads * width
+                block = array[:, start : start + elements].reshape(
+                    count, self._config.block_size, shape.num_heads, width
+                )
+                parts[index][kv].append(block)
+                start += elements
+        for part, (part_keys, part_values) in zip(self.parts, parts, strict=True):
+            part.blocks_from_host(blocks, np.stack(part_keys), np.stack(part_values))
 
     def paged_attention(
         self,

@@ -342,6 +342,15 @@ class CacheConfig:
                 f"layers differ ({shapes}: LayerSpec geometry), so it is refused"
             )
 
+    def packed_block_elements(self, part: str = "keys") -> int:
+        """Elements of one block's ``"keys"`` or ``"values"`` over every storage layer, each of
+        its own geometry: the width of the packed host form of a pool of mixed geometry
+        (``[n, elements]``, :class:`~kvcache_core.backends.layered.LayeredStorage`)."""
+        built = self.storage_config()
+        shapes = [built.layer_geometry(layer) for layer in range(built.num_layers)]
+        widths = [shape.value_width if part == "values" else shape.head_dim for shape in shapes]
+        return sum(self.block_size * shape.num_heads * width for shape, width in zip(shapes, widths, strict=True))
+
     def layer_geometry(self, layer: object) -> LayerGeometry:
         """The KV heads, key width and value width of ``layer``: its ``LayerSpec``'s where
         set, else the pool's (a layer's values are as wide as the pool's ``value_head_dim``,

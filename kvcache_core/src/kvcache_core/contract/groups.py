@@ -129,7 +129,7 @@ class LayerSpec:
             or self.has_geometry
         ):
             raise InvalidConfigError(
-                f"LayerSpec.state must be a StateSpec on a layer without window, chunk or K/V geometry, got "
+                f"LayerSpec.state must be a StateSpec on a layer without window or chunk (nor K/V geometry), got "
                 f"state={shown(self.state)} window={self.window} chunk={self.chunk} num_heads={self.num_heads} "
                 f"head_dim={self.head_dim} value_head_dim={self.value_head_dim}"
             )

@@ -513,8 +513,7 @@ def run_fault_injection(
     """Run the script once per storage call and per side (before/after), failing that call
     with ``fault`` (any exception class, ``KeyboardInterrupt`` subclasses included). With
     ``hybrid``, on a pool of a full and a sliding layer (window 5: two KV-cache groups); with
-    ``layer_specs``, on a pool of those layers (layers of their own geometry: no swap, which
-    such a pool refuses).
+    ``layer_specs``, on a pool of those layers (layers of their own geometry).
 
     Returns:
         The calls covered and every failure found (see the module docstring).
@@ -529,10 +528,7 @@ def run_fault_injection(
     config = backend.config(**fields)
     failures: list[str] = []
 
-    def claims(name: str) -> bool:
-        return backend.claims(name) and not (name == "swap" and config.mixed_geometry)
-
-    clean = FaultScript(_faulty_manager(backend, config, None, "before"), claims)
+    clean = FaultScript(_faulty_manager(backend, config, None, "before"), backend.claims)
     for _, step in clean.steps():
         step()
     storage = clean.manager.storage
@@ -544,7 +540,7 @@ def run_fault_injection(
     for fail_at in range(len(calls)):
         for when in ("before", "after"):
             manager = _faulty_manager(backend, config, fail_at, when, fault)
-            script = FaultScript(manager, claims)
+            script = FaultScript(manager, backend.claims)
             faulty = manager.storage
             assert isinstance(faulty, FaultyStorage)
             label = f"fault {when} storage call {fail_at} ({calls[fail_at]})"

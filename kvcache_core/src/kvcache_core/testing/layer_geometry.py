@@ -8,9 +8,8 @@ lockstep state machine against the NumPy reference with every policy it claims; 
 failure at any call leaking nothing and corrupting no request (fault injection); writes
 of another layer's shape refused by name; attention per layer, with the features it serves,
 against the float64 dense reference in every dtype and layout; fork with copy-on-write and a
-prefix hit serving every layer in its own shape; host copies (swap, tiers, prefix files)
-refused by name, nothing changed; a backend that does not claim the capability is refused
-such a pool by name.
+prefix hit serving every layer in its own shape; swap bit-exact in every layer (a packed host
+form); host copies beyond the pool (tiers, prefix files) refused by name, nothing changed.
 """
 
 from __future__ import annotations
@@ -146,6 +145,8 @@ class LayerGeometryCases:
         expected = {"write", "gather", "paged_attention"}
         if kvcache_backend.claims("fork"):
             expected.add("copy_blocks")
+        if kvcache_backend.claims("swap"):
+            expected |= {"blocks_to_host", "blocks_from_host"}
         assert expected <= report.kinds, f"the script never called {sorted(expected - report.kinds)}"
         shown = "\n".join(report.failures[:5])
         assert not report.failures, (
@@ -248,7 +249,28 @@ class LayerGeometryCases:
             manager.check_invariants()
 
     @pytest.mark.kvcache_requires("layer_geometry")
-    def test_host_copies_of_a_pool_of_mixed_geometry_are_refused_by_name(
+    @pytest.mark.kvcache_requires("swap")
+    def test_swap_keeps_every_layer_bit_exact_in_its_own_shape(self, kvcache_backend: BackendUnderTest) -> None:
+        rng = np.random.default_rng(79)
+        for config in kvcache_backend.configs(num_layers=len(GEOMETRY_SPECS), layer_specs=GEOMETRY_SPECS):
+            context = f"dtype {config.dtype}, layout {config.kv_layout}"
+            with kvcache_backend.manager(config) as manager:
+                handle = manager.allocate(AllocationRequest("r"))
+                _write_all(manager, manager.extend(handle, 7), rng)
+                other = manager.allocate(AllocationRequest("other"))
+                _write_all(manager, manager.extend(other, 5), rng)
+                before = _gathered(manager, handle)
+                manager.swap_out("r")
+                manager.deallocate("other")  # swap_in lands in other blocks
+                _write_all(manager, manager.extend(manager.allocate(AllocationRequest("x")), 9), rng)
+                manager.swap_in("r")
+                for layer, (after, sent) in enumerate(zip(_gathered(manager, handle), before, strict=True)):
+                    for name, got, wrote in zip(("keys", "values"), after, sent, strict=True):
+                        assert np.array_equal(got, wrote), f"{context}, layer {layer}: {name} changed through swap"
+                manager.check_invariants()
+
+    @pytest.mark.kvcache_requires("layer_geometry")
+    def test_host_copies_beyond_the_pool_are_refused_by_name(
         self, kvcache_backend: BackendUnderTest, tmp_path: Path
     ) -> None:
         rng = np.random.default_rng(73)
@@ -257,13 +279,10 @@ class LayerGeometryCases:
             handle = manager.allocate(AllocationRequest("r", prompt_token_ids=tuple(range(5))))
             _write_all(manager, manager.extend(handle, 5), rng)
             before = manager.stats().used_blocks
-            with pytest.raises(UnsupportedConfigError, match=r"swap_out of request 'r'.*1 heads of 16"):
-                manager.swap_out("r")
-            with pytest.raises(UnsupportedConfigError, match="save_prefix_cache moves host copies"):
+            with pytest.raises(UnsupportedConfigError, match=r"save_prefix_cache moves host copies.*1 heads of 16"):
                 manager.save_prefix_cache(tmp_path / "cache.safetensors")
             with pytest.raises(UnsupportedConfigError, match="load_prefix_cache moves host copies"):
                 manager.load_prefix_cache(tmp_path / "cache.safetensors")
-            assert not handle.is_swapped_out()
             assert manager.stats().used_blocks == before
             assert not (tmp_path / "cache.safetensors").exists()
             manager.check_invariants()
