@@ -429,7 +429,9 @@ def test_the_summary_is_printed_under_pytest_xdist(
     # The worker's sys.path is the one this process started with, and the run's directory: the
     # faulty distribution goes there.
     add_distribution(pytester.path, "kvtest-faulty", "0.1", "faulty", "kvtest_faulty", FAULTY_PLUGIN)
-    result = run_kit(pytester, "-p", "xdist", "-n", "1", "--kvcache-backend", "bare", "-k", "fork_copies or geometry_device")
+    result = run_kit(
+        pytester, "-p", "xdist", "-n", "1", "--kvcache-backend", "bare", "-k", "fork_copies or geometry_device"
+    )
 
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(
