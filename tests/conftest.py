@@ -68,6 +68,24 @@ os.environ.setdefault("KVCACHE_ATTENTION_PATH", "kernel")
 os.environ.setdefault("KVCACHE_CACHE_DIR", "off")
 
 
+def _settle_ml_dtypes() -> None:
+    """Import ``ml_dtypes`` now, once per process (when installed: JAX and float8 pools use it).
+
+    It registers its dtypes with NumPy as it is imported; if that first import happened inside
+    an in-process ``pytester`` run, the run forgets the module and the next import registers
+    them again and fails with "DType <class 'ml_dtypes.bfloat16'> appears already registered?"
+    (every later JAX or float8 case of that worker fails so). Which test imports it first
+    depends on the order and on the worker, as with numba above.
+    """
+    try:
+        import ml_dtypes  # noqa: F401  # pyright: ignore[reportUnusedImport]  # imported for its registration
+    except ImportError:  # optional: nothing to settle
+        return
+
+
+_settle_ml_dtypes()
+
+
 def pytest_report_header() -> str:
     """The size the slowest tests run at (``tests/sizes.py``)."""
     return f"test size: {chosen_size()} ({SIZE_ENV}=full: the slowest tests at full size)"

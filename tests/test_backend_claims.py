@@ -14,6 +14,7 @@ from kvcache_core.contract.hookspecs import (
     ATTENTION_CAPABILITIES,
     CAPABILITIES,
     IMMUTABLE_ARRAYS,
+    LAYER_GEOMETRY,
     POLICY_CAPABILITIES,
     STATE_LAYERS,
     VALUE_HEAD_DIM,
@@ -41,21 +42,21 @@ CLAIMS = {
     "numpy": Claim(
         "kvcache_core.backends.numpy",
         "kvcache_core.backends.numpy:NumpyStorage",
-        POLICIES | ATTENTION | WIDTHS | {"memory_regions", "state_layers"},
+        POLICIES | ATTENTION | WIDTHS | {"memory_regions", "state_layers", "layer_geometry"},
         numpy_backend.NUMPY_DTYPES,
         ("cpu",),
     ),
     "torch": Claim(
         "kvcache_torch.plugin",
         "kvcache_torch.storage:TorchStorage",
-        POLICIES | ATTENTION | WIDTHS | {"memory_regions", "state_layers"},
+        POLICIES | ATTENTION | WIDTHS | {"memory_regions", "state_layers", "layer_geometry"},
         ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn"),
         ("cpu", "cuda"),
     ),
     "jax": Claim(
         "kvcache_jax.plugin",
         "kvcache_jax.storage:JaxStorage",
-        POLICIES | ATTENTION | WIDTHS | {"immutable_arrays", "state_layers"},
+        POLICIES | ATTENTION | WIDTHS | {"immutable_arrays", "state_layers", "layer_geometry"},
         ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn"),
         ("cpu", "cuda", "gpu", "rocm", "tpu"),
     ),
@@ -81,6 +82,7 @@ def test_the_named_sets_split_the_vocabulary() -> None:
     assert ATTENTION_CAPABILITIES == ATTENTION
     assert set(CAPABILITIES) == POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {
         IMMUTABLE_ARRAYS,
+        LAYER_GEOMETRY,
         MEMORY_REGIONS,
         STATE_LAYERS,
         VALUE_HEAD_DIM,

@@ -409,7 +409,7 @@ def test_require_all_fails_the_tests_of_unclaimed_policies(pytester: pytest.Pyte
 
 
 def test_a_pytest_run_lists_the_unclaimed_policies_and_the_seed(pytester: pytest.Pytester, faulty: Path) -> None:
-    result = run_kit(pytester, "--kvcache-backend", "bare", "-k", "fork_copies or geometry")
+    result = run_kit(pytester, "--kvcache-backend", "bare", "-k", "fork_copies or geometry_device")
 
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(
@@ -429,7 +429,9 @@ def test_the_summary_is_printed_under_pytest_xdist(
     # The worker's sys.path is the one this process started with, and the run's directory: the
     # faulty distribution goes there.
     add_distribution(pytester.path, "kvtest-faulty", "0.1", "faulty", "kvtest_faulty", FAULTY_PLUGIN)
-    result = run_kit(pytester, "-p", "xdist", "-n", "1", "--kvcache-backend", "bare", "-k", "fork_copies or geometry")
+    result = run_kit(
+        pytester, "-p", "xdist", "-n", "1", "--kvcache-backend", "bare", "-k", "fork_copies or geometry_device"
+    )
 
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(

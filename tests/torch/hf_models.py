@@ -21,6 +21,7 @@ from tests.torch.hf_support import COMMON_CONFIG, PAD, VOCAB, Model, torch, tran
 
 __all__ = [
     "FAMILIES",
+    "GEMMA4",
     "LATENT_MODELS",
     "STATE_ATTENTION",
     "STATE_COMMON",
@@ -91,6 +92,18 @@ def _decoder(**fields: Any) -> dict[str, Any]:
 def _hybrid(**fields: Any) -> dict[str, Any]:
     return {**COMMON_CONFIG, "num_hidden_layers": 4, "sliding_window": WINDOW, **fields}
 
+
+#: A tiny Gemma 4 text decoder: its full layers have a head size (``global_head_dim``) and KV
+#: head count (``num_global_key_value_heads``, with ``attention_k_eq_v``) of their own.
+GEMMA4: dict[str, Any] = _hybrid(
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    vocab_size_per_layer_input=VOCAB,
+    hidden_size_per_layer_input=8,
+)
 
 #: The fields every tiny recurrent-state model shares.
 STATE_COMMON: dict[str, Any] = {
@@ -381,6 +394,14 @@ _BY_HAND: tuple[Family, ...] = (
             activation_sparsity_pattern=[0.0] * 4,
         ),
         why=f"{_INTERFACE}; its last layers reuse earlier layers' K/V and keep no blocks",
+    ),
+    Family(
+        "Gemma 4",
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {**GEMMA4},
+        why=f"{_INTERFACE}; full layers of their own head size and KV heads (per-layer geometry: every layer "
+        "keeps every block, in its own shape)",
     ),
     Family("Phi-3", "Phi3Config", "Phi3ForCausalLM", _decoder()),
     Family(

@@ -168,20 +168,14 @@ def test_the_real_deepseek_v3_config_is_sized_for_its_latent() -> None:
     assert pool.bytes_per_token == 61 * (512 + 64) * 2  # 128 expanded heads of 192 + 128 would be 71x this
 
 
-def test_a_model_whose_sliding_layers_hold_other_head_counts_is_refused_by_name() -> None:
-    config = _config("mimo_v2_flash", layer_types=["sliding_attention", "full_attention"])
-
-    with pytest.raises(UnsupportedConfigError, match="sliding layers hold 8 KV heads, its full layers 4"):
-        cache_config_for(config, num_blocks=8)
-
-
-def test_per_layer_head_sizes_are_refused_by_name() -> None:
-    """Gemma 4's full-attention layers have a head size of their own (``per_layer_config``)."""
+def test_per_layer_head_sizes_give_each_layer_its_own() -> None:
+    """Gemma 4's full-attention layers have a head size of their own (``per_layer_config``): the
+    pool gives each layer its own (the equality tests: ``tests/torch/test_hf_layer_geometry.py``)."""
     config = transformers.Gemma4TextConfig(
         **{**COMMON_CONFIG, "num_hidden_layers": 6, "head_dim": 16}, global_head_dim=32
     )
 
-    with pytest.raises(
-        UnsupportedConfigError, match=r"different head sizes \('head_dim' per layer: \[16, 16, 16, 16, 16, 32\]\)"
-    ):
-        cache_config_for(config, num_blocks=8)
+    pool = cache_config_for(config, num_blocks=8)
+
+    assert [pool.layer_geometry(layer).head_dim for layer in range(6)] == [16, 16, 16, 16, 16, 32]
+    assert pool.num_groups == 1

@@ -86,6 +86,9 @@ class DataPath(Generic[ArrayT]):
         self._chains = chains
         self._sequences = sequences
         self._checks = checks
+        built = config.storage_config()
+        # Each storage layer's (heads, key width, value width): its own in a pool of mixed geometry.
+        self._geometry = tuple(built.layer_geometry(index) for index in range(built.num_layers))
 
     def check_open(self) -> None:
         """Raise :class:`~kvcache_core.errors.ManagerClosedError` once the manager closed."""
@@ -209,10 +212,10 @@ class DataPath(Generic[ArrayT]):
         last found writable (``-1``: never): no block can have become immutable since, so the
         mask lookup is skipped. Returns the epoch at which they were found writable now.
         """
-        config = self.config
-        expected = (int(slots.shape[0]), config.num_heads, config.head_dim)
+        config, shape = self.config, self._geometry[layer]
+        expected = (int(slots.shape[0]), shape.num_heads, shape.head_dim)
         self._checks.array("keys", keys, expected)
-        self._checks.array("values", values, (*expected[:2], config.value_width))
+        self._checks.array("values", values, (*expected[:2], shape.value_width))
         pool = self._pool
         epoch = pool.immutable_epoch
         if not slots.shape[0]:
@@ -240,10 +243,16 @@ class DataPath(Generic[ArrayT]):
             SharedBlockWriteError: a block is shared or served by the prefix cache.
         """
         config, table = self.config, state.table
-        if config.num_groups != 1 or config.sliding_window is not None or table.first_logical or config.states.arrays:
+        if (
+            config.num_groups != 1
+            or config.sliding_window is not None
+            or table.first_logical
+            or config.states.arrays
+            or config.mixed_geometry
+        ):
             raise UnsupportedConfigError(
-                "host blocks are written only into a pool of one KV-cache group without a sliding window or "
-                "recurrent-state layers"
+                "host blocks are written only into a pool of one KV-cache group without a sliding window, "
+                "recurrent-state layers or layers of their own geometry"
             )
         length = table.sequence_length
         if not (isinstance(start, int) and 0 <= start < length and start % config.block_size == 0):
@@ -302,7 +311,8 @@ class DataPath(Generic[ArrayT]):
             SwappedOutError: as ``manager.paged_attention`` and :meth:`Step.attention`.
         """
         group, index = self.config.layer_place(layer)
-        shape = self._checks.query(query)
+        geometry = self._geometry[index]
+        shape = self._checks.query(query, geometry.num_heads, geometry.head_dim)
         if step is None:
             table = self._checks.page_table(page_table)
             if table.group != group:
@@ -323,7 +333,7 @@ class DataPath(Generic[ArrayT]):
         checked_scale, keywords = check_attention_call(
             scale,
             causal,
-            self.config.head_dim,
+            geometry.head_dim,
             features,
             served=storage_attention_features(self.storage) if served is None else served,
             backend=self.backend,

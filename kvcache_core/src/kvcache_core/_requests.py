@@ -53,7 +53,8 @@ def storage_config(storage: KvStorage[Any], config: object) -> CacheConfig:
         InvalidTypeError: ``config`` is not a ``CacheConfig`` (nor ``None``).
         InvalidConfigError: ``config`` is not the one ``storage`` was built from.
         UnsupportedConfigError: a config with ``value_head_dim`` over a storage whose value
-            pool is not that wide (one written before values could differ from keys).
+            pool is not that wide (one written before values could differ from keys), or of
+            layers of their own geometry over a storage that holds one shape for all.
     """
     _check_value_width(storage)
     if config is None:
@@ -72,6 +73,8 @@ def _check_value_width(storage: KvStorage[Any]) -> None:
     """Refuse a storage whose config has ``value_head_dim`` but whose value pool is not
     ``value_block_shape()`` (a storage that does not know the field holds ``head_dim``)."""
     built = storage.config
+    if built.mixed_geometry:
+        _check_layer_shapes(storage)
     if built.value_head_dim is None:
         return
     try:
@@ -84,6 +87,24 @@ def _check_value_width(storage: KvStorage[Any]) -> None:
             f"{built.value_block_shape()} (value_head_dim {built.value_head_dim} beside head_dim {built.head_dim}): "
             "it does not serve the 'value_head_dim' capability"
         )
+
+
+def _check_layer_shapes(storage: KvStorage[Any]) -> None:
+    """Refuse a storage of mixed geometry (``LayerSpec(num_heads=..., head_dim=...)``) whose
+    layers are not each of their own shape (a storage that builds one shape for all)."""
+    built = storage.config
+    for layer in range(built.num_layers):
+        try:
+            shapes = [tuple(storage.array_info(cache(layer))[0]) for cache in (storage.key_cache, storage.value_cache)]
+        except TypeError:
+            return  # not a native array: its own checks decide
+        expected = [built.layer_block_shape(layer), built.layer_block_shape(layer, "values")]
+        if shapes != expected:
+            raise UnsupportedConfigError(
+                f"the storage {type(storage).__name__} holds layer {layer} as {shapes[0]} keys and {shapes[1]} values, "
+                f"not {expected[0]} and {expected[1]} ({built.layer_geometry(layer)}): it does not serve the "
+                "'layer_geometry' capability (create_manager builds one storage per geometry)"
+            )
 
 
 class PressureGauge:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import pluggy
 
+from kvcache_core.backends.layered import LayeredStorage
 from kvcache_core.backends.numpy import NumpyArray
 from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, STATE_LAYERS, BackendHookSpecs, BackendSpec
@@ -334,7 +335,11 @@ def create_manager(
             raise UnsupportedConfigError(
                 f"backend {backend!r} does not take the options {sorted(options)}: {exc}"
             ) from exc
-    storage = spec.storage_factory(storage_config, **options)
+    storage: Any
+    if storage_config.mixed_geometry:  # one part per geometry of the layers (capability checked above)
+        storage = LayeredStorage(storage_config, spec.storage_factory, **options)
+    else:
+        storage = spec.storage_factory(storage_config, **options)
     missing = [name for name in _STORAGE_MEMBERS if not hasattr(storage, name)]
     if missing:
         raise BackendUnavailableError(

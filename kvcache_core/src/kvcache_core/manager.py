@@ -537,11 +537,12 @@ class PagedKvCacheManager(Generic[ArrayT]):
         pickle); returns the blocks written.
 
         Raises:
-            UnsupportedConfigError: no prefix caching. CacheFileError: the file cannot be
-                written (no partial file is left).
+            UnsupportedConfigError: no prefix caching, or layers of mixed geometry. CacheFileError:
+                the file cannot be written (no partial file is left).
         """
         with self._lock:
             self._check_open()
+            self._config.refuse_host_copies("save_prefix_cache")
             return prefix_file.save_prefix_cache(self._pool, self._tiers, path)
 
     def load_prefix_cache(self, path: str | os.PathLike[str]) -> int:
@@ -551,11 +552,12 @@ class PagedKvCacheManager(Generic[ArrayT]):
 
         Raises:
             CorruptCacheFileError, IncompatibleCacheFileError, CacheFileError,
-                OutOfBlocksError, UnsupportedConfigError (no prefix caching): nothing is
-                loaded.
+                OutOfBlocksError, UnsupportedConfigError (no prefix caching, or layers of
+                mixed geometry): nothing is loaded.
         """
         with self._lock:
             self._check_open()
+            self._config.refuse_host_copies("load_prefix_cache")
             return prefix_file.load_prefix_cache(self._pool, self._tiers, path)
 
     def write_host_blocks(
@@ -569,8 +571,8 @@ class PagedKvCacheManager(Generic[ArrayT]):
         request from another pool calls; grow the request first (:meth:`extend`).
 
         Raises:
-            UnsupportedConfigError: the pool has KV-cache groups, a sliding window or
-                recurrent-state layers.
+            UnsupportedConfigError: the pool has KV-cache groups, a sliding window,
+                recurrent-state layers or layers of mixed geometry.
             InvalidArgumentError: ``start`` is not a block boundary in ``[0, num_tokens())``.
             ArrayTypeError, DTypeMismatchError, ShapeMismatchError: not the host form of
                 those blocks (nothing is cast).

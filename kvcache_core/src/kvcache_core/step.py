@@ -72,7 +72,8 @@ class Step(Generic[ArrayT]):
         page_tables: the page table of every KV-cache group, in group order.
         qo_indptr: ``[B + 1]`` int32 offsets of each request's new tokens in ``slots``
             and in the query (read-only).
-        num_heads, head_dim: the pool's KV heads and features (of queries and keys).
+        num_heads, head_dim: the pool's KV heads and features (of queries and keys); a layer
+            of its own geometry takes its own (``CacheConfig.layer_geometry``).
         value_width: features of the values and of attention's output (``head_dim`` unless
             the pool's ``value_head_dim`` differs).
     """

@@ -13,6 +13,7 @@ from kvcache_core.contract.config import KV_LAYOUTS, QUANTIZED_DTYPES
 from kvcache_core.contract.hookspecs import (
     ATTENTION_CAPABILITIES,
     IMMUTABLE_ARRAYS,
+    LAYER_GEOMETRY,
     POLICY_CAPABILITIES,
     VALUE_HEAD_DIM,
 )
@@ -55,5 +56,15 @@ ATTENTION_FEATURES: Final = ATTENTION_CAPABILITIES
 #: What the conformance kit may check: the pool arrays are immutable (``key_cache`` hands
 #: out the current array, never deleted under its holder), the core policies run through
 #: the storage's block copies and host transfers, the attention features, recurrent-state
-#: layers, and values of another width than the keys.
-CAPABILITIES: Final = POLICY_CAPABILITIES | ATTENTION_FEATURES | {IMMUTABLE_ARRAYS, STATE_LAYERS, VALUE_HEAD_DIM}
+#: layers, values of another width than the keys, and layers of their own geometry (one
+#: storage per geometry).
+CAPABILITIES: Final = (
+    POLICY_CAPABILITIES
+    | ATTENTION_FEATURES
+    | {
+        IMMUTABLE_ARRAYS,
+        LAYER_GEOMETRY,
+        STATE_LAYERS,
+        VALUE_HEAD_DIM,
+    }
+)

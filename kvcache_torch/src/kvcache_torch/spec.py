@@ -10,7 +10,12 @@ from __future__ import annotations
 from typing import Final
 
 from kvcache_core.contract.config import KV_LAYOUTS
-from kvcache_core.contract.hookspecs import ATTENTION_CAPABILITIES, POLICY_CAPABILITIES, VALUE_HEAD_DIM
+from kvcache_core.contract.hookspecs import (
+    ATTENTION_CAPABILITIES,
+    LAYER_GEOMETRY,
+    POLICY_CAPABILITIES,
+    VALUE_HEAD_DIM,
+)
 from kvcache_core.contract.regions import MEMORY_REGIONS
 from kvcache_core.contract.states import STATE_LAYERS
 
@@ -37,6 +42,15 @@ ATTENTION_FEATURES: Final = ATTENTION_CAPABILITIES
 #: Optional features of the conformance kit the backend claims: core's policies, over this
 #: storage's block copies (fork), host transfers (swap) and windowed attention, the
 #: attention features, recurrent-state layers (``TorchStorage.state_storage``), values of
-#: another width than the keys, and its pool's memory regions (CPU and CUDA tensors keep
-#: their addresses).
-CAPABILITIES: Final = POLICY_CAPABILITIES | ATTENTION_FEATURES | {MEMORY_REGIONS, STATE_LAYERS, VALUE_HEAD_DIM}
+#: another width than the keys, layers of their own geometry (one storage per geometry), and
+#: its pool's memory regions (CPU and CUDA tensors keep their addresses).
+CAPABILITIES: Final = (
+    POLICY_CAPABILITIES
+    | ATTENTION_FEATURES
+    | {
+        LAYER_GEOMETRY,
+        MEMORY_REGIONS,
+        STATE_LAYERS,
+        VALUE_HEAD_DIM,
+    }
+)

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract.device import Device
-from kvcache_core.contract.groups import KvGroup, LayerSpec, layer_slot, plan_groups
+from kvcache_core.contract.groups import KvGroup, LayerGeometry, LayerSpec, layer_slot, plan_groups
 from kvcache_core.contract.request import MAX_TOKEN_ID, AllocationRequest, check_token_ids, store_fields
 from kvcache_core.contract.scalars import (
     FLOAT32_MAX,
@@ -27,7 +27,7 @@ from kvcache_core.contract.scalars import (
     shown,
 )
 from kvcache_core.contract.states import StatePool, not_kv_layer
-from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerIndexError
+from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, LayerIndexError, UnsupportedConfigError
 
 __all__ = [
     "ATTENTION_PATHS",
@@ -143,11 +143,14 @@ class CacheConfig:
         value_head_dim: the values' features per head (>= 1) where they differ from the keys' (latent
             attention's rotary part, ``v_head_dim``); ``None`` or :attr:`head_dim` (stored as ``None``): as
             wide. :attr:`value_width` resolves it; backends claiming ``"value_head_dim"`` hold such pools.
-        attention_path: which attention path the backend runs (see
-            :mod:`kvcache_core.backends.dispatch`): ``"auto"`` (the default), the faster on this machine for
-            each shape of batch, measured the first time and kept on disk (``KVCACHE_ATTENTION_PATH`` pins one
-            for the process); ``"kernel"``, the compiled kernel; ``"native"``, the array library's own path.
+        attention_path: the backend's attention path (:mod:`kvcache_core.backends.dispatch`): ``"auto"``, the
+            faster on this machine per shape of batch, measured once and kept on disk (``KVCACHE_ATTENTION_PATH``
+            pins one per process); ``"kernel"``, the compiled kernel; ``"native"``, the array library's own.
             Not part of the pool's identity (configs differing only here compare equal).
+
+    ``num_heads``, ``head_dim`` and ``value_head_dim`` are the pool's geometry; a layer of
+    :attr:`layer_specs` may hold its own (``LayerSpec(num_heads=..., head_dim=...)``:
+    :meth:`layer_geometry`, :attr:`mixed_geometry`), on backends claiming ``"layer_geometry"``.
 
     Every field is stored as a plain Python value (NumPy integers, floats and strings
     are accepted and converted; a bool is refused where a number is meant). Counts and
@@ -156,6 +159,8 @@ class CacheConfig:
     Raises:
         InvalidConfigError: any field out of its range; the message names it and the
             valid range.
+        UnsupportedConfigError: layers of their own geometry in a quantized pool, or in
+            KV-cache groups whose layers sharing a storage layer differ in geometry.
     """
 
     num_layers: int
@@ -182,6 +187,7 @@ class CacheConfig:
     _slots: tuple[tuple[int, int], ...] = field(default=(), init=False, repr=False, compare=False)
     _specs: tuple[LayerSpec, ...] = field(default=(), init=False, repr=False, compare=False)
     _states: StatePool = field(default=StatePool(), init=False, repr=False, compare=False)
+    _geometry: tuple[LayerGeometry, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -301,6 +307,85 @@ class CacheConfig:
         object.__setattr__(self, "_specs", specs or (LayerSpec(window=self.sliding_window),) * self.num_layers)
         object.__setattr__(self, "_states", StatePool.of(self._specs, self.state_slots, self.num_blocks))
         object.__setattr__(self, "state_slots", None if self.state_slots is None else self._states.num_slots)
+        self._check_layer_geometry()
+
+    def _check_layer_geometry(self) -> None:
+        """Resolve every layer's geometry; refuse mixed geometry where the pool cannot hold it."""
+        values = self.value_head_dim
+        geometry = tuple(
+            LayerGeometry(
+                spec.num_heads or self.num_heads,
+                spec.head_dim or self.head_dim,
+                spec.value_head_dim or values or spec.head_dim or self.head_dim,
+            )
+            for spec in self._specs
+        )
+        object.__setattr__(self, "_geometry", geometry)
+        if not self.mixed_geometry:
+            return
+        if self.quantized:
+            raise UnsupportedConfigError(
+                f"a {self.dtype} pool holds one geometry for every layer (its scales are per KV head); layers of "
+                "their own num_heads, head_dim or value_head_dim need an unquantized pool"
+            )
+        for slot in range(self.pool_layers if self._groups[0].layers else 0):
+            shapes = {str(geometry[group.layers[slot]]): group.layers[slot] for group in self._groups}
+            if len(shapes) > 1:
+                raise UnsupportedConfigError(
+                    f"layers {sorted(shapes.values())} share storage layer {slot} of different KV-cache groups but "
+                    f"differ in geometry ({'; '.join(shapes)}); a pool of mixed geometry needs the layers of each "
+                    "storage layer to agree: drop the windows of layer_specs (one group keeping every block) or "
+                    "give the groups' layers one geometry"
+                )
+
+    @property
+    def mixed_geometry(self) -> bool:
+        """Whether some layer's geometry (:meth:`layer_geometry`) differs from the pool's."""
+        pool = LayerGeometry(self.num_heads, self.head_dim, self.value_width)
+        return any(shape != pool for spec, shape in zip(self._specs, self._geometry, strict=True) if spec.state is None)
+
+    def refuse_host_copies(self, what: str) -> None:
+        """Refuse ``what``, which moves host copies of blocks (swap, tiers, prefix files, host
+        writes), in a pool of mixed geometry: the host form holds one geometry for every layer.
+
+        Raises:
+            UnsupportedConfigError: naming ``what`` and the layers' geometries.
+        """
+        if self.mixed_geometry:
+            shapes = "; ".join(sorted({str(shape) for shape in self._geometry}))
+            raise UnsupportedConfigError(
+                f"{what} moves host copies of blocks, whose form holds one geometry for every layer; this pool's "
+                f"layers differ ({shapes}: LayerSpec geometry), so it is refused"
+            )
+
+    def packed_block_elements(self, part: str = "keys") -> int:
+        """Elements of one block's ``"keys"`` or ``"values"`` over every storage layer, each of
+        its own geometry: the width of the packed host form of a pool of mixed geometry
+        (``[n, elements]``, :class:`~kvcache_core.backends.layered.LayeredStorage`)."""
+        built = self.storage_config()
+        shapes = [built.layer_geometry(layer) for layer in range(built.num_layers)]
+        widths = [shape.value_width if part == "values" else shape.head_dim for shape in shapes]
+        return sum(self.block_size * shape.num_heads * width for shape, width in zip(shapes, widths, strict=True))
+
+    def layer_geometry(self, layer: object) -> LayerGeometry:
+        """The KV heads, key width and value width of ``layer``: its ``LayerSpec``'s where
+        set, else the pool's (a layer's values are as wide as the pool's ``value_head_dim``,
+        else as its own keys).
+
+        Raises:
+            LayerIndexError: ``layer`` outside ``0 .. num_layers - 1``.
+        """
+        return self._geometry[self.check_layer(layer)]
+
+    def layer_block_shape(self, layer: object, part: str = "keys") -> tuple[int, ...]:
+        """:meth:`block_shape` of ``layer``'s ``"keys"`` or ``"values"`` (its own geometry).
+
+        Raises:
+            LayerIndexError: a bad layer. InvalidConfigError: ``kv_layout`` not resolved.
+        """
+        shape = self.layer_geometry(layer)
+        width = shape.value_width if part == "values" else shape.head_dim
+        return self._pool_shape(width, shape.num_heads)
 
     @property
     def kv_groups(self) -> tuple[KvGroup, ...]:
@@ -351,8 +436,15 @@ class CacheConfig:
                 stacked[[group.layers[slot] for group in self._groups]].max(axis=0) for slot in range(self.pool_layers)
             ]
             scales = tuple(tuple(tuple(float(x) for x in kv) for kv in layer.tolist()) for layer in per_slot)
+        slot_specs: tuple[LayerSpec, ...] | None = None
+        if self.mixed_geometry:  # each storage layer's geometry (the same in every group: checked)
+            first = self._groups[0].layers
+            slot_specs = tuple(
+                LayerSpec(num_heads=shape.num_heads, head_dim=shape.head_dim, value_head_dim=shape.value_width)
+                for shape in (self._geometry[layer] for layer in first)
+            )
         return dataclasses.replace(
-            self, num_layers=self.pool_layers, layer_specs=None, kv_scales=scales, state_slots=None
+            self, num_layers=self.pool_layers, layer_specs=slot_specs, kv_scales=scales, state_slots=None
         )
 
     def _check_quantization(self) -> None:
@@ -463,6 +555,12 @@ class CacheConfig:
         """Bytes one token takes in the pool: keys (:attr:`head_dim` wide) and values
         (:attr:`value_width` wide) of every layer (with their scales in a quantized pool)."""
         scale_bytes = SCALE_BYTES if self.dtype in QUANTIZED_DTYPES else 0
+        if self.mixed_geometry:  # each layer its own heads and widths (state layers keep no K/V)
+            return sum(
+                shape.num_heads * (shape.head_dim + shape.value_width) * self.dtype_size
+                for spec, shape in zip(self._specs, self._geometry, strict=True)
+                if spec.state is None
+            )
         kv_layers = self.pool_layers * len(self._groups)  # state layers keep no K/V
         widths = (self.head_dim + self.value_width) * self.dtype_size + 2 * scale_bytes
         return kv_layers * self.num_heads * widths
@@ -492,9 +590,9 @@ class CacheConfig:
         """:meth:`block_shape` of the value pool: :attr:`value_width` last. Raises as :meth:`block_shape`."""
         return self._pool_shape(self.value_width)
 
-    def _pool_shape(self, dim: int) -> tuple[int, ...]:
+    def _pool_shape(self, dim: int, heads: int | None = None) -> tuple[int, ...]:
         layout = self.layout
-        blocks, tokens, heads = self.num_blocks, self.block_size, self.num_heads
+        blocks, tokens, heads = self.num_blocks, self.block_size, self.num_heads if heads is None else heads
         if layout == "NHD":
             return (blocks, tokens, heads, dim)
         if layout == "HND":

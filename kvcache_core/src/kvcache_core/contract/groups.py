@@ -21,6 +21,11 @@ split in layer order into groups of ``g``. The storage is built for ``g`` layers
 
 A pool without ``layer_specs`` is one group of every layer (with the pool's
 ``sliding_window``, if any): nothing changes for it.
+
+A layer may also hold its own **geometry** (Gemma 4's full-attention layers have a head size
+and KV head count of their own): ``LayerSpec(num_heads=..., head_dim=..., value_head_dim=...)``,
+each ``None`` for the pool's. Every layer keeps the same blocks and block ids; only the shape
+of its arrays differs (:meth:`CacheConfig.layer_geometry`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from kvcache_core.errors import InvalidConfigError, LayerIndexError
 
 __all__ = [
     "KvGroup",
+    "LayerGeometry",
     "LayerSpec",
     "check_group",
     "first_visible_block",
@@ -43,6 +49,24 @@ __all__ = [
     "layer_slot",
     "plan_groups",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGeometry:
+    """The shape of one layer's K/V: ``num_heads`` KV heads, keys ``head_dim`` wide, values
+    ``value_width`` wide (:meth:`CacheConfig.layer_geometry`)."""
+
+    num_heads: int
+    head_dim: int
+    value_width: int
+
+    def __str__(self) -> str:
+        values = "" if self.value_width == self.head_dim else f", values of {self.value_width}"
+        return f"{self.num_heads} heads of {self.head_dim}{values}"
+
+
+#: The geometry fields of :class:`LayerSpec`, in order.
+GEOMETRY_FIELDS = ("num_heads", "head_dim", "value_head_dim")
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -69,16 +93,26 @@ class LayerSpec:
     accepted) and span at most ``INT32_MAX`` positions (page tables and kernels hold
     positions in int32).
 
+    ``num_heads``, ``head_dim`` and ``value_head_dim`` give an attention layer a geometry of
+    its own (KV heads, key width, value width), each ``None`` for the pool's
+    (:meth:`CacheConfig.layer_geometry` resolves them: a layer's values are as wide as the
+    pool's ``value_head_dim``, else as its own keys). Backends claiming ``"layer_geometry"``
+    hold such pools.
+
     Raises:
-        InvalidConfigError: a window or chunk that is not an int in ``[1, INT32_MAX]``, or
-            both set; a ``state`` that is not a :class:`StateSpec`; a ``keeps_kv`` that is
-            not a bool (nor ``None``); a window or chunk on a layer keeping no K/V.
+        InvalidConfigError: a window, chunk, head count or width that is not an int in
+            ``[1, INT32_MAX]``, or window and chunk both set; a ``state`` that is not a
+            :class:`StateSpec`; a ``keeps_kv`` that is not a bool (nor ``None``); a window,
+            chunk or geometry on a layer keeping no K/V.
     """
 
     window: int | None = None
     chunk: int | None = None
     state: StateSpec | None = None
     keeps_kv: bool = True
+    num_heads: int | None = None
+    head_dim: int | None = None
+    value_head_dim: int | None = None
 
     def __init__(
         self,
@@ -86,16 +120,23 @@ class LayerSpec:
         chunk: IntLike | None = None,
         state: StateSpec | None = None,
         keeps_kv: bool | np.bool_ | None = None,
+        *,
+        num_heads: IntLike | None = None,
+        head_dim: IntLike | None = None,
+        value_head_dim: IntLike | None = None,
     ) -> None:
         # Written out so that NumPy integers type-check; stored as ints.
         object.__setattr__(self, "window", window)
         object.__setattr__(self, "chunk", chunk)
         object.__setattr__(self, "state", state)
         object.__setattr__(self, "keeps_kv", keeps_kv)
+        object.__setattr__(self, "num_heads", num_heads)
+        object.__setattr__(self, "head_dim", head_dim)
+        object.__setattr__(self, "value_head_dim", value_head_dim)
         self.__post_init__()
 
     def __post_init__(self) -> None:
-        for name in ("window", "chunk"):
+        for name in ("window", "chunk", *GEOMETRY_FIELDS):
             value = check_optional_count(
                 getattr(self, name), f"LayerSpec.{name}", 1, INT32_MAX, error=InvalidConfigError
             )
@@ -111,18 +152,24 @@ class LayerSpec:
             self.state is None if given is None else check_flag(given, "LayerSpec.keeps_kv", error=InvalidConfigError)
         )
         object.__setattr__(self, "keeps_kv", keeps_kv)
-        if not keeps_kv and (self.window is not None or self.chunk is not None):
+        if not keeps_kv and (self.window is not None or self.chunk is not None or self.has_geometry):
             held = "a state only" if self.state is not None else "nothing"
             raise InvalidConfigError(
-                f"LayerSpec has window={self.window} chunk={self.chunk} on a layer keeping {held} (keeps_kv=False): "
-                "a window or chunk is for a layer with K/V; a state layer without K/V has no window or chunk "
-                "(keeps_kv=True keeps K/V and a state in one layer)"
+                f"LayerSpec has window={self.window} chunk={self.chunk} num_heads={self.num_heads} "
+                f"head_dim={self.head_dim} value_head_dim={self.value_head_dim} on a layer keeping {held} "
+                "(keeps_kv=False): a window, chunk or K/V geometry is for a layer with K/V; a state layer without "
+                "K/V has none (keeps_kv=True keeps K/V and a state in one layer)"
             )
 
     @property
     def keeps_state(self) -> bool:
         """Whether the layer keeps a recurrent state (:attr:`state` is set)."""
         return self.state is not None
+
+    @property
+    def has_geometry(self) -> bool:
+        """Whether the layer sets any of ``num_heads``, ``head_dim``, ``value_head_dim``."""
+        return self.num_heads is not None or self.head_dim is not None or self.value_head_dim is not None
 
     @property
     def kind(self) -> str:

@@ -43,6 +43,7 @@ __all__ = [
     "CAPABILITIES",
     "ENTRY_POINT_GROUP",
     "IMMUTABLE_ARRAYS",
+    "LAYER_GEOMETRY",
     "POLICY_CAPABILITIES",
     "PROJECT_NAME",
     "STATE_LAYERS",
@@ -93,6 +94,10 @@ CAPABILITIES: dict[str, str] = {
     "(JAX), which later writes replace but never delete, instead of a view",
     "value_head_dim": "a pool whose values are narrower or wider than its keys (CacheConfig.value_head_dim): "
     "value_cache, write, gather, the host form and paged_attention use the value width for values",
+    "layer_geometry": "a pool whose layers differ in KV heads or widths (LayerSpec(num_heads=..., head_dim=..., "
+    "value_head_dim=...)): the storage factory may be called once per geometry of one pool (core's "
+    "LayeredStorage routes each layer to its part and packs swap's host copies); tiers, prefix files, host "
+    "writes and transfer refuse such a pool by name",
 }
 
 #: The cache policies of core a backend claims once its storage serves them: every paged
@@ -111,6 +116,10 @@ IMMUTABLE_ARRAYS: Final = "immutable_arrays"
 #: The capability of a backend that holds values of another width than its keys
 #: (``CacheConfig.value_head_dim``); a backend that does not claim it is refused such a pool.
 VALUE_HEAD_DIM: Final = "value_head_dim"
+
+#: The capability of a backend whose storage factory builds one part of a pool whose layers
+#: differ in geometry (``LayerSpec(num_heads=..., head_dim=...)``); others are refused such a pool.
+LAYER_GEOMETRY: Final = "layer_geometry"
 
 
 def _always_available() -> bool:
@@ -216,6 +225,19 @@ class BackendSpec(Generic[ArrayT]):
                 f"value_head_dim {config.value_head_dim} beside head_dim {config.head_dim} (values of another width "
                 f"than the keys need the {VALUE_HEAD_DIM!r} capability, which it does not claim)"
             )
+        if config.mixed_geometry:
+            shapes = [config.layer_geometry(layer) for layer in range(config.num_layers)]
+            if LAYER_GEOMETRY not in self.capabilities:
+                problems.append(
+                    f"layers of different geometry ({'; '.join(sorted({str(shape) for shape in shapes}))}: "
+                    f"LayerSpec geometry needs the {LAYER_GEOMETRY!r} capability, which it does not claim)"
+                )
+            wide = [shape for shape in shapes if shape.value_width != shape.head_dim]
+            if wide and config.value_head_dim is None and VALUE_HEAD_DIM not in self.capabilities:
+                problems.append(
+                    f"a layer of {wide[0]} (values of another width than the keys need the {VALUE_HEAD_DIM!r} "
+                    "capability, which it does not claim)"
+                )
         return problems
 
 

@@ -60,6 +60,9 @@ class TierChain:
     """
 
     def __init__(self, tiers: Iterable[OffloadTier], config: CacheConfig, events: EventHub) -> None:
+        tiers = tuple(tiers)
+        if tiers:  # a tier holds host copies of blocks, of one geometry
+            config.refuse_host_copies("an offload tier")
         self._guard = GuardedTiers(tiers, config, events)
         self._events = events
         self._config = config

@@ -156,8 +156,17 @@ def _check_requests(sequences: SequenceBlocks, requests: Mapping[str, RequestSta
             raise InvariantError(f"request {state.request_id!r} is live but invalid")
         record = state.swap
         if record is not None:
-            expected = (config.pool_layers, record.num_blocks, block_size, config.num_heads, config.head_dim)
-            expected_values = (*expected[:4], config.value_width)
+            expected: tuple[int, ...] = (
+                config.pool_layers,
+                record.num_blocks,
+                block_size,
+                config.num_heads,
+                config.head_dim,
+            )
+            expected_values: tuple[int, ...] = (*expected[:4], config.value_width)
+            if config.mixed_geometry:  # the packed host form (backends/layered.py)
+                expected = (record.num_blocks, config.packed_block_elements())
+                expected_values = (record.num_blocks, config.packed_block_elements("values"))
             if any(t.num_blocks() or t.sequence_length for t in state.tables) or state.awaiting_block is not None:
                 raise InvariantError(f"swapped-out request {state.request_id!r} holds blocks")
             if tuple(record.keys.shape) != expected or tuple(record.values.shape) != expected_values:

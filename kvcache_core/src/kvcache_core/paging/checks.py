@@ -192,10 +192,12 @@ class ArgumentChecks:
             raise ArrayTypeError(f"{name}: {exc}") from exc
         return tuple(shape), dtype
 
-    def query(self, query: object) -> tuple[int, ...]:
-        """The shape of a query ``[tokens, k * num_heads, head_dim]`` of the pool's dtype."""
+    def query(self, query: object, heads: int | None = None, dim: int | None = None) -> tuple[int, ...]:
+        """The shape of a query ``[tokens, k * num_heads, head_dim]`` of the pool's dtype
+        (``heads`` and ``dim``: a layer's own geometry, by default the pool's)."""
         shape, dtype = self.array_info("query", query)
-        heads, dim = self.config.num_heads, self.config.head_dim
+        heads = self.config.num_heads if heads is None else heads
+        dim = self.config.head_dim if dim is None else dim
         if len(shape) != 3 or shape[2] != dim or shape[1] < heads or shape[1] % heads:
             raise ShapeMismatchError(
                 f"query must be [tokens, k * {heads}, {dim}] (k >= 1 query heads per KV head), got {shape}"

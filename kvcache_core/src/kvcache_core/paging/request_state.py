@@ -39,7 +39,8 @@ class SwapRecord:
     Attributes:
         keys, values: ``[pool_layers, n, block_size, num_heads, head_dim]`` host copies
             of the ``n`` blocks that held its tokens, group after group, each in logical
-            order.
+            order (a pool of mixed geometry: the packed ``[n, elements]``,
+            ``CacheConfig.packed_block_elements``).
         sequence_length: the request's length.
         first_logical: leading blocks a sliding window had released (first group).
         written: ``[pool_layers, n * block_size]`` which slots had been written (kept only
@@ -61,7 +62,8 @@ class SwapRecord:
     @property
     def num_blocks(self) -> int:
         """Blocks held in host memory."""
-        return int(self.keys.shape[1])
+        # [layers, n, block_size, heads, width], or the packed [n, elements] of mixed geometry
+        return int(self.keys.shape[1] if self.keys.ndim == 5 else self.keys.shape[0])
 
     @property
     def memory_bytes(self) -> int:

@@ -54,6 +54,7 @@ pytest.register_assert_rewrite(
     "kvcache_core.testing.states",
     "kvcache_core.testing.mixed_layers",
     "kvcache_core.testing.value_widths",
+    "kvcache_core.testing.layer_geometry",
 )
 
 from kvcache_core.testing._plugin import (  # noqa: E402  (after the rewrite registration)

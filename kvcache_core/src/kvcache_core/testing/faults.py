@@ -214,9 +214,14 @@ class FaultyStorage(CallInjector):
 PROMPT = tuple(range(101, 111))  # 10 tokens: two full blocks of 4 and two tokens more
 
 
-def _kv_of(key: object, heads: int, dim: int, layer: int) -> tuple[FloatArray, FloatArray]:
-    """K/V determined by ``key`` and the layer, exact in every float dtype (multiples of 1/8)."""
-    return keyed_kv((key, layer), (heads, dim))
+def _kv_of(key: object, config: CacheConfig, layer: int) -> tuple[FloatArray, FloatArray]:
+    """K/V of ``layer``'s own geometry determined by ``key`` and the layer, exact in every
+    float dtype (multiples of 1/8); values of another width than the keys drawn apart."""
+    shape = config.layer_geometry(layer)
+    keys, values = keyed_kv((key, layer), (shape.num_heads, shape.head_dim))
+    if shape.value_width != shape.head_dim:
+        values = keyed_kv((key, layer, "values"), (shape.num_heads, shape.value_width))[1]
+    return keys, values
 
 
 @dataclass
@@ -303,7 +308,7 @@ class FaultScript:
         self.expected[request_id] = expected
 
     def prompt_kv(self, prompt: tuple[int, ...], position: int, layer: int) -> tuple[FloatArray, FloatArray]:
-        return _kv_of(("prompt", prompt[: position + 1]), self.config.num_heads, self.config.head_dim, layer)
+        return _kv_of(("prompt", prompt[: position + 1]), self.config, layer)
 
     def extend_and_write(self, request_id: str, count: int | None, prompt: tuple[int, ...] | None) -> None:
         handle = self.handles[request_id]
@@ -316,18 +321,20 @@ class FaultScript:
         self.write(request_id, slots, start, prompt)
 
     def write(self, request_id: str, slots: SlotArray, start: int, prompt: tuple[int, ...] | None) -> None:
-        heads, dim = self.config.num_heads, self.config.head_dim
         count = int(slots.shape[-1])  # [n], or [groups, n] with KV-cache groups
         self.versions += 1
         for layer in range(self.config.num_layers):
+            shape = self.config.layer_geometry(layer)
             pairs = [
                 self.prompt_kv(prompt, start + row, layer)
                 if prompt is not None
-                else _kv_of(("noise", request_id, start + row, self.versions), heads, dim, layer)
+                else _kv_of(("noise", request_id, start + row, self.versions), self.config, layer)
                 for row in range(count)
             ]
-            keys = np.stack([pair[0] for pair in pairs]) if pairs else np.zeros((0, heads, dim))
-            values = np.stack([pair[1] for pair in pairs]) if pairs else np.zeros((0, heads, dim))
+            keys = np.stack([pair[0] for pair in pairs]) if pairs else np.zeros((0, shape.num_heads, shape.head_dim))
+            values = (
+                np.stack([pair[1] for pair in pairs]) if pairs else np.zeros((0, shape.num_heads, shape.value_width))
+            )
             rows = self.expected[request_id].rows[layer]
             for row in range(count):
                 rows.pop(start + row, None)  # unknown until the write returns
@@ -339,14 +346,13 @@ class FaultScript:
 
     def decode_step(self, request_ids: list[str]) -> None:
         """One token more for each request, through a planned step, every layer written and attended."""
-        heads, dim = self.config.num_heads, self.config.head_dim
         handles = [self.handles[request_id] for request_id in request_ids]
         positions = [handle.num_tokens() for handle in handles]
         step = self.manager.begin_step(handles, 1)
         self.versions += 1
         for layer in range(self.config.num_layers):
             pairs = [
-                _kv_of(("noise", request_id, position, self.versions), heads, dim, layer)
+                _kv_of(("noise", request_id, position, self.versions), self.config, layer)
                 for request_id, position in zip(request_ids, positions, strict=True)
             ]
             for request_id, position in zip(request_ids, positions, strict=True):
@@ -375,8 +381,8 @@ class FaultScript:
 
     def attend(self) -> None:
         handles = [h for h in self.handles.values() if not h.is_swapped_out()]
-        heads, dim = self.config.num_heads, self.config.head_dim
-        query = BackendUnderTest.native(self.manager, np.ones((len(handles), heads, dim)) / 8)
+        shape = self.config.layer_geometry(0)
+        query = BackendUnderTest.native(self.manager, np.ones((len(handles), shape.num_heads, shape.head_dim)) / 8)
         self.manager.paged_attention(0, query, self.manager.page_table(handles))
 
     def fill_pool(self) -> None:
@@ -498,11 +504,16 @@ def _check_run(script: FaultScript, label: str, failures: list[str]) -> None:
 
 
 def run_fault_injection(
-    backend: BackendUnderTest, fault: type[BaseException] = InjectedFaultError, *, hybrid: bool = False
+    backend: BackendUnderTest,
+    fault: type[BaseException] = InjectedFaultError,
+    *,
+    hybrid: bool = False,
+    layer_specs: tuple[LayerSpec, ...] | None = None,
 ) -> FaultReport:
     """Run the script once per storage call and per side (before/after), failing that call
     with ``fault`` (any exception class, ``KeyboardInterrupt`` subclasses included). With
-    ``hybrid``, on a pool of a full and a sliding layer (window 5: two KV-cache groups).
+    ``hybrid``, on a pool of a full and a sliding layer (window 5: two KV-cache groups); with
+    ``layer_specs``, on a pool of those layers (layers of their own geometry).
 
     Returns:
         The calls covered and every failure found (see the module docstring).
@@ -512,6 +523,8 @@ def run_fault_injection(
         fields["enable_prefix_caching"] = True
     if hybrid:
         fields.update(num_blocks=28, num_layers=2, layer_specs=(LayerSpec(), LayerSpec(window=5)))
+    if layer_specs is not None:
+        fields.update(num_layers=len(layer_specs), layer_specs=layer_specs)
     config = backend.config(**fields)
     failures: list[str] = []
 

@@ -138,6 +138,11 @@ class ReferenceMachine(RuleBasedStateMachine):
             return None
         return [int(token) for token in np.random.default_rng(seed).integers(0, 3, count)]
 
+    def kv_shapes(self, layer: int, count: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """The shapes of ``count`` tokens' keys and values in ``layer`` (its own geometry)."""
+        shape = self.config.layer_geometry(layer)
+        return (count, shape.num_heads, shape.head_dim), (count, shape.num_heads, shape.value_width)
+
     @precondition(lambda self: bool(self.handles))
     @rule(index=st.integers(0, 1 << 16), count=st.integers(0, 9), seed=st.integers(0, 2**16))
     def extend(self, index: int, count: int, seed: int) -> None:
@@ -152,9 +157,8 @@ class ReferenceMachine(RuleBasedStateMachine):
         assert np.array_equal(got[1], want[1]), f"extend({request_id!r}, {count}): slots differ"
         # As in a model's step, the new tokens' K/V are written in every layer.
         rng = np.random.default_rng(seed)
-        shape = (count, self.config.num_heads, self.config.head_dim)
-        value_shape = (*shape[:2], self.config.value_width)
         for layer in range(self.config.num_layers):
+            shape, value_shape = self.kv_shapes(layer, count)
             keys = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
             values = BackendUnderTest.representable(rng.standard_normal(value_shape), self.config.dtype)
             for manager in (self.subject, self.reference):
@@ -196,11 +200,10 @@ class ReferenceMachine(RuleBasedStateMachine):
         if not slots:
             return
         slot_array = np.concatenate(slots, axis=-1)  # [n], or [groups, n] with KV-cache groups
-        shape = (slot_array.shape[-1], self.config.num_heads, self.config.head_dim)
-        keys = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
-        value_shape = (*shape[:2], self.config.value_width)
-        values = BackendUnderTest.representable(rng.standard_normal(value_shape), self.config.dtype)
         layer %= self.config.num_layers
+        shape, value_shape = self.kv_shapes(layer, slot_array.shape[-1])
+        keys = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
+        values = BackendUnderTest.representable(rng.standard_normal(value_shape), self.config.dtype)
         self.subject.write(
             layer,
             slot_array,
@@ -238,14 +241,12 @@ class ReferenceMachine(RuleBasedStateMachine):
         assert np.array_equal(steps[0].slots, steps[1].slots), f"{what}: slots differ"
         rng = np.random.default_rng(seed)
         total = steps[0].num_new_tokens
-        heads, dim = self.config.num_heads, self.config.head_dim
         rtol, atol = TOLERANCES.get(self.config.dtype, (1e-2, 1e-2))
         for layer in range(self.config.num_layers):
-            keys = BackendUnderTest.representable(rng.standard_normal((total, heads, dim)), self.config.dtype)
-            values = BackendUnderTest.representable(
-                rng.standard_normal((total, heads, self.config.value_width)), self.config.dtype
-            )
-            query = BackendUnderTest.representable(rng.standard_normal((total, heads, dim)), self.config.dtype)
+            shape, value_shape = self.kv_shapes(layer, total)
+            keys = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
+            values = BackendUnderTest.representable(rng.standard_normal(value_shape), self.config.dtype)
+            query = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
             outputs: list[npt.NDArray[np.float64]] = []
             for manager, planned in zip((self.subject, self.reference), steps, strict=True):
                 planned.write(layer, BackendUnderTest.native(manager, keys), BackendUnderTest.native(manager, values))
@@ -306,12 +307,11 @@ class ReferenceMachine(RuleBasedStateMachine):
             return
         assert np.array_equal(got[1], want[1]), f"extend({request_id!r}) for its prompt: slots differ"
         rng = np.random.default_rng(seed)
-        shape = (len(rest), self.config.num_heads, self.config.head_dim)
         for layer in range(self.config.num_layers):
+            shape, value_shape = self.kv_shapes(layer, len(rest))
             keys = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
             values = keys  # a pool of two widths draws its values apart
-            if self.config.value_head_dim is not None:
-                value_shape = (*shape[:2], self.config.value_width)
+            if value_shape != shape:
                 values = BackendUnderTest.representable(rng.standard_normal(value_shape), self.config.dtype)
             for manager, slots in ((self.subject, got[1]), (self.reference, want[1])):
                 native = BackendUnderTest.native(manager, keys)
@@ -384,8 +384,11 @@ class ReferenceMachine(RuleBasedStateMachine):
             return
         rng = np.random.default_rng(seed)
         shape = (len(live), self.config.num_heads * group, self.config.head_dim)
-        query = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
         layer = int(rng.integers(0, self.config.num_layers))
+        own = self.config.layer_geometry(layer)
+        if self.config.mixed_geometry:  # the layer's own heads and width (the draws above unchanged)
+            shape = (len(live), own.num_heads * group, own.head_dim)
+        query = BackendUnderTest.representable(rng.standard_normal(shape), self.config.dtype)
         kv_group = self.config.layer_place(layer)[0]
         got = self.subject.paged_attention(
             layer,

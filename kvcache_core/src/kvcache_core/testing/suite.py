@@ -43,6 +43,7 @@ from kvcache_core.testing.features import FeatureCases
 from kvcache_core.testing.host_forms import HostFormCases
 from kvcache_core.testing.hybrid import HybridCases
 from kvcache_core.testing.inspect import allocator
+from kvcache_core.testing.layer_geometry import LayerGeometryCases
 from kvcache_core.testing.machine import run_reference_machine
 from kvcache_core.testing.mixed_layers import MixedLayerCases
 from kvcache_core.testing.policies import PolicyCases
@@ -144,6 +145,7 @@ class KvCacheConformance(
     StateCases,
     MixedLayerCases,
     ValueWidthCases,
+    LayerGeometryCases,
 ):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 

@@ -64,7 +64,8 @@ class KvTransferAgent:
 
     Raises:
         TransferError: NIXL or ZMQ is missing, the storage cannot name its memory, the pool has
-            several KV-cache groups, a sliding window or recurrent-state layers, an argument is
+            several KV-cache groups, a sliding window, recurrent-state layers or layers of mixed
+            geometry, an argument is
             out of range, or the side channel cannot bind.
     """
 
@@ -95,6 +96,11 @@ class KvTransferAgent:
             raise TransferError(
                 f"KvTransferAgent does not move recurrent-state layers yet: this pool has {len(config.states.arrays)} "
                 "state arrays (LayerSpec(state=...)); only attention K/V pools transfer"
+            )
+        if config.mixed_geometry:
+            raise TransferError(
+                "KvTransferAgent moves pools of one geometry for every layer (its tickets and host form hold one); "
+                f"this pool's layers differ (LayerSpec geometry: layer 0 {config.layer_geometry(0)}, ...)"
             )
         regions = storage_regions(manager.storage)
         if regions is None:

@@ -32,6 +32,7 @@ from kvcache_torch.hf.padding import left_padded_lengths, real_tokens, token_maj
 from kvcache_torch.hf.pool_fit import check_model_fits_pool, check_update_arrays
 from kvcache_torch.hf.prompts import TokenFeed, attach_prompt_hook
 from kvcache_torch.hf.rows import BatchRows, prompt_rows, release_requests, undo_step
+from kvcache_torch.hf.shared_kv import refuse_sliced_shared_layers_on_paged_path
 from kvcache_torch.hf.state_layers import StateBridge
 
 __all__ = ["PagedCache"]
@@ -394,7 +395,7 @@ class PagedCache(Cache):
         """
         layer = self._manager.config.check_layer(layer_idx)  # the pool's layers are the model's
         check_update_arrays(
-            key_states, value_states, self._manager.config, len(self._rows) if self._rows.handles else None
+            key_states, value_states, self._manager.config, len(self._rows) if self._rows.handles else None, layer
         )
         implementation = attention_implementation(self._text)
         mode: Mode = "paged" if implementation == ATTN_IMPLEMENTATION else "contiguous"
@@ -405,6 +406,7 @@ class PagedCache(Cache):
             )
         if mode == "paged":
             refuse_latent_on_paged_path(self._text)
+            refuse_sliced_shared_layers_on_paged_path(self._text)
             self._check_attended(layer)
         step = self._progress.join(layer, int(key_states.shape[2]), first=not self._rows.handles)
         if mode == "paged":

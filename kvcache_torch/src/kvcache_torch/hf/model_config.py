@@ -17,7 +17,7 @@ from kvcache_core.errors import InvalidTypeError
 from kvcache_core.plugin import DTYPE_SIZES, QUANTIZED_DTYPES
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.guard import refuse_unless_interface
-from kvcache_torch.hf.shared_kv import kv_sources, stored_layer_count
+from kvcache_torch.hf.shared_kv import kv_sources, refuse_sliced_shared_layers_on_paged_path, stored_layer_count
 from kvcache_torch.hf.state_layers import (
     EMPTY_LAYER_TYPES,
     HYBRID_LAYER_TYPES,
@@ -32,6 +32,7 @@ __all__ = [
     "cache_config_for",
     "geometry",
     "latent_attention",
+    "layer_geometries",
     "layer_specs",
     "model_fingerprint",
     "text_config",
@@ -145,14 +146,59 @@ def value_head_dim(config: PretrainedConfig) -> int | None:
     return None if width is None or width == geometry(config)[2] else width
 
 
+def _head_size(text: PretrainedConfig) -> int:
+    """A (per-layer) config's head size: ``head_dim``, else ``hidden_size / query heads``."""
+    query_heads = _one_per_model(_field(text, "num_attention_heads", "query head counts"), "query head counts") or 1
+    head_dim = _one_per_model(_field(text, "head_dim", "head sizes"), "head sizes")
+    return int(text.hidden_size) // query_heads if head_dim is None else head_dim
+
+
+#: Model types whose sliding layers hold a multiple of their full layers' KV heads, in code
+#: rather than in their config (MiMo-V2-Flash: twice).
+_SLIDING_LAYERS_WITH_OTHER_HEADS: Final = {"mimo_v2_flash": 2}
+
+
+def layer_geometries(config: PretrainedConfig) -> tuple[tuple[int, int], ...] | None:
+    """Each layer's ``(kv_heads, head_dim)`` where a decoder's layers differ in them
+    (transformers' ``per_layer_config``: Gemma 4's full-attention layers, of ``global_head_dim``
+    and ``num_global_key_value_heads``; MiMo-V2-Flash's sliding layers, of twice the KV heads),
+    else ``None``. The pool then gives each layer its own geometry (``LayerSpec(num_heads=...,
+    head_dim=...)``)."""
+    text = text_config(config)
+    if latent_attention(config) is not None:
+        return None
+    factor = _SLIDING_LAYERS_WITH_OTHER_HEADS.get(str(getattr(text, "model_type", "")))
+    if factor is not None:
+        types: Sequence[str] = getattr(text, "layer_types", None) or ()
+        if "sliding_attention" not in types or "full_attention" not in types:
+            return None
+        heads, size = _kv_heads(text), _head_size(text)
+        return tuple((factor * heads if kind == "sliding_attention" else heads, size) for kind in types)
+    per_layer: Any = getattr(text, "per_layer_config", None)
+    if per_layer is None:
+        return None
+    shapes: list[tuple[int, int]] = []
+    for layer in range(int(text.num_hidden_layers)):
+        try:
+            entry = per_layer[layer]
+        except (IndexError, KeyError, TypeError):
+            return None  # not a per-layer view this reads: the model-wide fields decide
+        if not isinstance(entry, PretrainedConfig):
+            return None
+        shapes.append((_kv_heads(entry), _head_size(entry)))
+    return tuple(shapes) if len(set(shapes)) > 1 else None
+
+
 def geometry(config: PretrainedConfig) -> tuple[int, int, int]:
     """``(num_layers, kv_heads, head_dim)`` of a decoder config, as its attention hands them
     to the cache: for latent attention one head of the latent's width (``kv_lora_rank``);
-    the values' width is :func:`value_head_dim`.
+    the values' width is :func:`value_head_dim`. For layers of different geometries
+    (:func:`layer_geometries`: Gemma 4) the first layer's: the pool's, which the others' specs
+    override.
 
     Raises:
-        UnsupportedConfigError: layers with different KV head counts or head sizes (a list
-            per layer, or transformers' ``per_layer_config``: Gemma 4), named in the message.
+        UnsupportedConfigError: layers with different KV head counts or head sizes given
+            model-wide as a list per layer, named in the message.
     """
     text = text_config(config)
     layers = int(text.num_hidden_layers)
@@ -162,9 +208,10 @@ def geometry(config: PretrainedConfig) -> tuple[int, int, int]:
     latent = latent_attention(config)
     if latent is not None:
         return layers, 1, latent[0]
-    query_heads = _one_per_model(_field(text, "num_attention_heads", "query head counts"), "query head counts") or 1
-    head_dim = _one_per_model(_field(text, "head_dim", "head sizes"), "head sizes")
-    return layers, _kv_heads(text), int(text.hidden_size) // query_heads if head_dim is None else head_dim
+    shapes = layer_geometries(config)
+    if shapes is not None:
+        return layers, *shapes[0]
+    return layers, _kv_heads(text), _head_size(text)
 
 
 def _positive_or_none(value: object) -> int | None:
@@ -178,7 +225,9 @@ def layer_specs(config: PretrainedConfig, state_dtype: str = "float32") -> tuple
     ``layer_types`` and with a ``sliding_window``, as Mistral, slides in every layer); a
     recurrent-state layer's state (:mod:`kvcache_torch.hf.state_layers`, conv states in
     ``state_dtype``), alone or, for a ``"hybrid"`` layer (Falcon-H1, Zamba2), beside its K/V;
-    nothing for an MLP or mixture-of-experts layer (Nemotron-H's ``"mlp"`` and ``"moe"``).
+    nothing for an MLP or mixture-of-experts layer (Nemotron-H's ``"mlp"`` and ``"moe"``);
+    with layers of different geometries (:func:`layer_geometries`), each attention layer's KV
+    heads and head size.
 
     Raises:
         UnsupportedConfigError: a layer type other than full, sliding or chunked attention,
@@ -201,22 +250,38 @@ def layer_specs(config: PretrainedConfig, state_dtype: str = "float32") -> tuple
             f"the model has layers of type {', '.join(repr(name) for name in other)}, which keep no paged K/V; "
             f"kvcache serves {sorted(_ATTENTION_LAYER_TYPES)} layers"
         )
+    shapes = layer_geometries(config)
     specs: list[LayerSpec] = []
     for index, layer_type in enumerate(types):
+        heads, size = shapes[index] if shapes is not None else (None, None)
         if layer_type in EMPTY_LAYER_TYPES:
             specs.append(LayerSpec(keeps_kv=False))
         elif layer_type in HYBRID_LAYER_TYPES:
             sliding = window if layer_type == "hybrid_sliding" else None
-            specs.append(LayerSpec(window=sliding, state=states[index], keeps_kv=True))
+            specs.append(LayerSpec(window=sliding, state=states[index], keeps_kv=True, num_heads=heads, head_dim=size))
         elif index in states:
             specs.append(LayerSpec(state=states[index]))
         elif layer_type == "sliding_attention" and window is not None:
-            specs.append(LayerSpec(window=window))
+            specs.append(LayerSpec(window=window, num_heads=heads, head_dim=size))
         elif layer_type == "chunked_attention" and chunk is not None:
-            specs.append(LayerSpec(chunk=chunk))
+            specs.append(LayerSpec(chunk=chunk, num_heads=heads, head_dim=size))
         else:
-            specs.append(LayerSpec())
+            specs.append(LayerSpec(num_heads=heads, head_dim=size))
     return tuple(specs)
+
+
+def _keeping_every_block(spec: LayerSpec) -> LayerSpec:
+    """``spec`` without its window or chunk (its geometry kept): a layer of the pool's one
+    KV-cache group, whose window its attention applies."""
+    if not spec.keeps_kv:
+        return spec
+    return LayerSpec(
+        state=spec.state,
+        keeps_kv=True,
+        num_heads=spec.num_heads,
+        head_dim=spec.head_dim,
+        value_head_dim=spec.value_head_dim,
+    )
 
 
 def _pool_dtype_name(dtype: object) -> str:
@@ -257,7 +322,12 @@ def cache_config_for(
     pool holds what the model's attention hands ``update``: for multi-head latent attention
     (DeepSeek-V2/V3, MiniCPM3, ...) one head, keys of ``kv_lora_rank`` and values of
     ``qk_rope_head_dim`` (:func:`latent_attention`); for a model with a ``v_head_dim`` of its
-    own, values of that width (``CacheConfig.value_head_dim``).
+    own, values of that width (``CacheConfig.value_head_dim``); for layers of different KV
+    heads or head sizes (Gemma 4's ``per_layer_config``: :func:`layer_geometries`), each layer
+    its own (``LayerSpec(num_heads=..., head_dim=...)``); where KV-cache groups would put
+    layers of different geometries in one storage layer (Gemma 4's sliding and full layers),
+    the pool keeps every block of every layer, as ``hybrid=False``, each sliding layer's window
+    applied by its attention.
 
     Args:
         model: the model (its ``config``, and the dtype and device of its weights), or just
@@ -296,8 +366,9 @@ def cache_config_for(
             attention interface (Falcon, GPT-Neo, Bloom, MPT, ...: the message names the
             class and the remedy: its own attention, ``"sdpa"`` or ``"eager"``), a config
             set to ``"kvcache_paged"`` for a latent-attention model (which expands the latent
-            before attending: it runs the contiguous path), or layers of different head sizes
-            or KV head counts (Gemma 4's ``per_layer_config``: each layer's value is named).
+            before attending: it runs the contiguous path) or for Gemma 4 with layers reusing
+            K/V (which slices their queries: it runs the contiguous path), or a quantized
+            ``dtype`` for layers of different geometries.
         InvalidConfigError: any field out of range (from ``CacheConfig``).
 
     The ``"kvcache_paged"`` attention applies each layer's window or chunk, softcap and
@@ -333,33 +404,40 @@ def cache_config_for(
     _, kv_heads, head_dim = geometry(config)
     state_dtype = str(compute_dtype or dtype)
     text = text_config(config)
-    _refuse_per_layer_heads(text)
     kv_sources(text)  # refuses layers sharing K/V in a way PagedCache cannot serve
     layers = stored_layer_count(text)  # layers reusing another's K/V keep no blocks
     specs = layer_specs(config, state_dtype)[:layers]  # refuses layers it cannot hold
     if attention_implementation(text) == ATTN_IMPLEMENTATION:
         refuse_latent_on_paged_path(text)
+        refuse_sliced_shared_layers_on_paged_path(text)
         refuse_unless_interface(text, None if isinstance(model, PretrainedConfig) else model)
     if not isinstance(hybrid, bool):
         raise InvalidArgumentError(f"hybrid must be a bool, got {hybrid!r}")
     assert num_blocks is not None  # exactly one of the two was given, checked above
-    return CacheConfig(
-        num_layers=layers,
-        num_heads=kv_heads,
-        head_dim=head_dim,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        dtype=dtype,
-        device="cpu" if device is None else str(device),
-        model_id=model_fingerprint(config, str(dtype)) if model_id is None else model_id,
-        compute_dtype=compute_dtype,
-        layer_specs=specs
-        if any(spec.keeps_state or not spec.keeps_kv for spec in specs)
-        or (hybrid and any(spec.kind != "full" for spec in specs))
-        else None,
-        state_slots=state_slots,
-        value_head_dim=value_head_dim(config),
+    fields: dict[str, Any] = {
+        "num_layers": layers,
+        "num_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "dtype": dtype,
+        "device": "cpu" if device is None else str(device),
+        "model_id": model_fingerprint(config, str(dtype)) if model_id is None else model_id,
+        "compute_dtype": compute_dtype,
+        "state_slots": state_slots,
+        "value_head_dim": value_head_dim(config),
+    }
+    grouped = any(spec.keeps_state or not spec.keeps_kv for spec in specs) or (
+        hybrid and any(spec.kind != "full" for spec in specs)
     )
+    if layer_geometries(config) is None:
+        return CacheConfig(**fields, layer_specs=specs if grouped else None)
+    if grouped:
+        try:
+            return CacheConfig(**fields, layer_specs=specs)
+        except UnsupportedConfigError:
+            pass  # groups whose layers differ in geometry: one group keeping every block, below
+    return CacheConfig(**fields, layer_specs=tuple(_keeping_every_block(spec) for spec in specs))
 
 
 def refuse_latent_on_paged_path(config: PretrainedConfig) -> None:
@@ -380,28 +458,6 @@ def refuse_latent_on_paged_path(config: PretrainedConfig) -> None:
         f"attending, so {ATTN_IMPLEMENTATION!r} cannot read them from the pool; load it with "
         "attn_implementation='sdpa' (or 'eager'): PagedCache then holds the latent (kv_lora_rank + "
         "qk_rope_head_dim per token) on the contiguous path"
-    )
-
-
-#: Model types whose sliding layers hold other KV head counts than their full layers.
-_SLIDING_LAYERS_WITH_OTHER_HEADS: Final = {"mimo_v2_flash": 2}
-
-
-def _refuse_per_layer_heads(text: PretrainedConfig) -> None:
-    """Refuse, by name, a model whose layers hold different KV head counts (one pool holds
-    one count).
-
-    Raises:
-        UnsupportedConfigError: naming the layers and their counts.
-    """
-    factor = _SLIDING_LAYERS_WITH_OTHER_HEADS.get(str(getattr(text, "model_type", "")))
-    types: Sequence[str] = getattr(text, "layer_types", None) or ()
-    if factor is None or "sliding_attention" not in types or "full_attention" not in types:
-        return
-    heads = _kv_heads(text)
-    raise UnsupportedConfigError(
-        f"the model's sliding layers hold {factor * heads} KV heads, its full layers {heads}; a kvcache pool holds "
-        "one head count for every layer"
     )
 
 

@@ -7,7 +7,7 @@ import torch
 from transformers import PretrainedConfig
 
 from kvcache_core import CacheConfig, LayerSpec, UnsupportedConfigError
-from kvcache_core.contract.groups import group_serves_layer
+from kvcache_core.contract.groups import LayerGeometry, group_serves_layer
 from kvcache_core.errors import DTypeMismatchError, InvalidTypeError, ShapeMismatchError
 from kvcache_torch.dtypes import dtype_name
 from kvcache_torch.hf.guard import refuse_unless_interface
@@ -18,7 +18,7 @@ from kvcache_torch.hf.model_config import (
     layer_specs,
     value_head_dim,
 )
-from kvcache_torch.hf.shared_kv import kv_sources, stored_layer_count
+from kvcache_torch.hf.shared_kv import kv_sources, refuse_sliced_shared_layers_on_paged_path, stored_layer_count
 
 __all__ = ["check_model_fits_pool", "check_update_arrays"]
 
@@ -32,25 +32,32 @@ def check_model_fits_pool(
     Raises:
         UnsupportedConfigError: the model's geometry differs from the pool's, a layer is a
             state layer in one and not the other, the pool keeps fewer positions of a layer
-            than its attention needs, or the model's attention is not served on its path.
+            than its attention needs, or the model's attention is not served on its path
+            (Gemma 4 with layers reusing K/V on the paged path, by name).
     """
     _, kv_heads, head_dim = geometry(config)
     values = value_head_dim(config)
     layers = stored_layer_count(text)  # the layers that keep K/V (others reuse theirs)
-    if (layers, kv_heads, head_dim, values) != (
-        pool.num_layers,
-        pool.num_heads,
-        pool.head_dim,
-        pool.value_head_dim,
-    ):
-        raise UnsupportedConfigError(
-            f"the model has {layers} layers of {kv_heads} KV heads of size {head_dim} (values {values or head_dim}), "
-            f"the pool {pool.num_layers} layers of {pool.num_heads} heads of size {pool.head_dim} (values "
-            f"{pool.value_width}); build the pool with cache_config_for(model, ...)"
-        )
-    if attention_implementation(text) == ATTN_IMPLEMENTATION:
-        refuse_unless_interface(text, model)
     specs = layer_specs(config)  # refuses layers of kinds it cannot hold
+    if layers != pool.num_layers:
+        raise UnsupportedConfigError(
+            f"the model has {layers} layers that keep K/V, the pool {pool.num_layers}; build the pool with "
+            "cache_config_for(model, ...)"
+        )
+    for layer, spec in enumerate(specs[:layers]):
+        wanted = LayerGeometry(
+            spec.num_heads or kv_heads, spec.head_dim or head_dim, values or spec.head_dim or head_dim
+        )
+        held = pool.layer_geometry(layer)
+        if spec.kind != "state" and held != wanted:
+            raise UnsupportedConfigError(
+                f"layer {layer} of the model has {wanted.num_heads} KV heads of size {wanted.head_dim} (values "
+                f"{wanted.value_width}), of the pool {held.num_heads} heads of size {held.head_dim} (values "
+                f"{held.value_width}); build the pool with cache_config_for(model, ...)"
+            )
+    if attention_implementation(text) == ATTN_IMPLEMENTATION:
+        refuse_sliced_shared_layers_on_paged_path(text)
+        refuse_unless_interface(text, model)
     sources = kv_sources(text)
     for layer, spec in enumerate(specs[:layers]):
         held = pool.layer_spec(layer)
@@ -71,9 +78,10 @@ def check_model_fits_pool(
     return layers, specs, sources
 
 
-def check_update_arrays(keys: object, values: object, pool: CacheConfig, rows: int | None) -> None:
+def check_update_arrays(keys: object, values: object, pool: CacheConfig, rows: int | None, layer: int = 0) -> None:
     """Refuse keys and values ``[batch, num_heads, new_tokens, width]`` that the pool cannot
-    take (``rows``: the batch the cache holds, ``None`` before its first forward).
+    take in ``layer`` (its own geometry: :meth:`~kvcache_core.CacheConfig.layer_geometry`;
+    ``rows``: the batch the cache holds, ``None`` before its first forward).
 
     Raises:
         InvalidTypeError: not torch tensors.
@@ -84,18 +92,22 @@ def check_update_arrays(keys: object, values: object, pool: CacheConfig, rows: i
         raise InvalidTypeError(
             f"keys and values must be torch tensors, got {type(keys).__name__} and {type(values).__name__}"
         )
+    shape = pool.layer_geometry(layer)
     if (
         keys.shape[:3] != values.shape[:3]
         or keys.dim() != 4
         or values.dim() != 4
-        or (keys.shape[1], keys.shape[3], values.shape[3]) != (pool.num_heads, pool.head_dim, pool.value_width)
+        or (keys.shape[1], keys.shape[3], values.shape[3]) != (shape.num_heads, shape.head_dim, shape.value_width)
     ):
         values_wide = (
-            "" if pool.value_head_dim is None else f" and [batch, {pool.num_heads}, new_tokens, {pool.value_width}]"
+            ""
+            if shape.value_width == shape.head_dim
+            else f" and [batch, {shape.num_heads}, new_tokens, {shape.value_width}]"
         )
+        where = f" in layer {layer}" if pool.mixed_geometry else ""
         raise ShapeMismatchError(
-            f"keys and values must be [batch, {pool.num_heads}, new_tokens, {pool.head_dim}]{values_wide}, got "
-            f"{tuple(keys.shape)} and {tuple(values.shape)}"
+            f"keys and values must be [batch, {shape.num_heads}, new_tokens, {shape.head_dim}]{values_wide}{where}, "
+            f"got {tuple(keys.shape)} and {tuple(values.shape)}"
         )
     if dtype_name(keys.dtype) != pool.io_dtype or values.dtype != keys.dtype:
         raise DTypeMismatchError(

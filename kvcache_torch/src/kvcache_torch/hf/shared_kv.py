@@ -10,13 +10,18 @@ reads its source's K/V.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Final, cast
 
 from transformers import PretrainedConfig
 
 from kvcache_core import UnsupportedConfigError
 
-__all__ = ["kv_sources", "stored_layer_count"]
+__all__ = ["kv_sources", "refuse_sliced_shared_layers_on_paged_path", "stored_layer_count"]
+
+#: Model types that cut a prefill down to its kept logits' positions before their reusing
+#: layers (Gemma 4's ``_maybe_slice_kv_shared_inputs``): those layers' queries are then not the
+#: forward's new tokens, which the paged kernel attends for.
+_SLICED_BEFORE_SHARED_LAYERS: Final = frozenset({"gemma4_text", "gemma4_unified_text"})
 
 
 def kv_sources(text: PretrainedConfig) -> tuple[int, ...]:
@@ -60,3 +65,23 @@ def stored_layer_count(text: PretrainedConfig) -> int:
     layers = int(text.num_hidden_layers)
     shared = getattr(text, "num_kv_shared_layers", 0)
     return layers - int(shared) if isinstance(shared, int) and 0 < shared < layers else layers
+
+
+def refuse_sliced_shared_layers_on_paged_path(text: PretrainedConfig) -> None:
+    """Refuse ``"kvcache_paged"`` for a model that slices a prefill to its kept logits before
+    its reusing layers (Gemma 4 with ``num_kv_shared_layers``), by name.
+
+    Raises:
+        UnsupportedConfigError: naming the model and the remedy (its ``"sdpa"`` or ``"eager"``
+            attention: the contiguous path serves it).
+    """
+    if str(getattr(text, "model_type", "")) not in _SLICED_BEFORE_SHARED_LAYERS or stored_layer_count(text) == int(
+        text.num_hidden_layers
+    ):
+        return
+    raise UnsupportedConfigError(
+        f"{type(text).__name__.removesuffix('Config')} runs its {getattr(text, 'num_kv_shared_layers', 0)} layers "
+        "reusing K/V on the last positions of a prefill only (it slices their queries and 4-D masks), which "
+        "'kvcache_paged' cannot attend for; load it with attn_implementation='sdpa' (or 'eager'): PagedCache "
+        "serves it on the contiguous path"
+    )

@@ -22,6 +22,7 @@ from kvcache_core.contract import quantization
 from kvcache_core.contract.config import KV_LAYOUTS, CacheConfig
 from kvcache_core.contract.hookspecs import (
     ATTENTION_CAPABILITIES,
+    LAYER_GEOMETRY,
     POLICY_CAPABILITIES,
     VALUE_HEAD_DIM,
     BackendSpec,
@@ -505,5 +506,12 @@ def kvcache_register_backends() -> Iterator[BackendSpec[NumpyArray]]:
         kv_layouts=KV_LAYOUTS,
         preferred_layout=PREFERRED_LAYOUT,
         description="NumPy reference backend (host memory), built into kvcache-core",
-        capabilities=POLICY_CAPABILITIES | ATTENTION_CAPABILITIES | {MEMORY_REGIONS, STATE_LAYERS, VALUE_HEAD_DIM},
+        capabilities=POLICY_CAPABILITIES
+        | ATTENTION_CAPABILITIES
+        | {
+            LAYER_GEOMETRY,
+            MEMORY_REGIONS,
+            STATE_LAYERS,
+            VALUE_HEAD_DIM,
+        },
     )

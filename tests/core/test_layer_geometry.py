@@ -1,0 +1,186 @@
+"""Layers of their own geometry (``LayerSpec(num_heads=..., head_dim=..., value_head_dim=...)``,
+Gemma 4's full-attention layers): the configuration, its sizes and its refusals, the storage
+core builds per geometry, and the refusal of a backend or storage that does not serve it.
+What every backend must do with such a pool is the kit's
+(:mod:`kvcache_core.testing.layer_geometry`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcache_core import AllocationRequest, CacheConfig, LayerSpec, create_manager
+from kvcache_core.backends.layered import LayeredStorage
+from kvcache_core.backends.numpy import NumpyStorage
+from kvcache_core.contract.groups import LayerGeometry
+from kvcache_core.contract.states import StateArray, StateSpec
+from kvcache_core.errors import InvalidConfigError, LayerIndexError, ShapeMismatchError, UnsupportedConfigError
+from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.plugin import LAYER_GEOMETRY, BackendSpec
+
+GEOMETRY: dict[str, Any] = {"num_layers": 3, "num_heads": 2, "head_dim": 8, "num_blocks": 8, "block_size": 4}
+SPECS = (LayerSpec(), LayerSpec(num_heads=1, head_dim=16), LayerSpec(value_head_dim=4))
+
+
+def config(**fields: Any) -> CacheConfig:
+    given: dict[str, Any] = {**GEOMETRY, "layer_specs": SPECS, **fields}
+    return CacheConfig(**given)
+
+
+@pytest.mark.parametrize("field", ["num_heads", "head_dim", "value_head_dim"])
+@pytest.mark.parametrize("value", [0, -1, 2**31, True, 2.5], ids=["zero", "negative", "too-large", "bool", "float"])
+def test_a_layer_geometry_outside_its_range_is_refused_by_name(field: str, value: object) -> None:
+    with pytest.raises(InvalidConfigError, match=rf"LayerSpec\.{field} must be None or an int >= 1, got .*"):
+        LayerSpec(**{field: value})  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]  # refused
+
+
+def test_a_state_layer_with_a_geometry_is_refused_by_name() -> None:
+    state = StateSpec((StateArray("conv", (4, 3), "float32"),))
+
+    with pytest.raises(InvalidConfigError, match=r"without window or chunk \(nor K/V geometry\).*head_dim=16"):
+        LayerSpec(state=state, head_dim=16)
+
+
+def test_each_layer_resolves_its_geometry_from_its_spec_then_the_pool() -> None:
+    pool = config()
+
+    assert [pool.layer_geometry(layer) for layer in range(3)] == [
+        LayerGeometry(2, 8, 8),
+        LayerGeometry(1, 16, 16),  # values as wide as its own keys
+        LayerGeometry(2, 8, 4),
+    ]
+    assert pool.mixed_geometry
+    assert not CacheConfig(**GEOMETRY).mixed_geometry
+    assert not CacheConfig(**GEOMETRY, layer_specs=[LayerSpec(head_dim=8)] * 3).mixed_geometry  # the pool's own
+    with pytest.raises(LayerIndexError, match="layer 3 is out of range"):
+        pool.layer_geometry(3)
+
+
+def test_sizes_sum_every_layers_own_bytes() -> None:
+    pool = config(dtype="float16")
+
+    assert pool.bytes_per_token == (2 * (8 + 8) + 1 * (16 + 16) + 2 * (8 + 4)) * 2
+    assert pool.bytes_per_block == 4 * pool.bytes_per_token
+    with create_manager("numpy", pool) as manager:
+        assert manager.stats().total_memory_bytes == 8 * pool.bytes_per_block
+        handle = manager.allocate(AllocationRequest("r"))
+        manager.extend(handle, 5)
+        assert handle.stats().memory_bytes == 2 * pool.bytes_per_block
+
+
+def test_a_layers_block_shape_follows_the_layout() -> None:
+    for layout, shape in (("NHD", (8, 4, 1, 16)), ("HND", (8, 1, 4, 16)), ("heads_first", (1, 8, 4, 16))):
+        assert config(kv_layout=layout).layer_block_shape(1) == shape
+    assert config(kv_layout="NHD").layer_block_shape(2, "values") == (8, 4, 2, 4)
+
+
+def test_the_storage_config_keeps_each_storage_layers_geometry_and_is_its_own() -> None:
+    grouped = config(
+        num_layers=4,
+        layer_specs=[LayerSpec(window=4), LayerSpec(window=4, head_dim=16), LayerSpec(), LayerSpec(head_dim=16)],
+    )  # groups [0, 1] (window 4) and [2, 3]: storage layer 1 is 16 wide in both
+
+    storage = grouped.storage_config()
+
+    assert grouped.num_groups == 2
+    assert [storage.layer_geometry(layer).head_dim for layer in range(2)] == [8, 16]
+    assert storage.storage_config() == storage
+    assert grouped.bytes_per_token == (2 * 16 + 2 * 32) * 2 * 4
+
+
+def test_groups_whose_shared_storage_layers_differ_in_geometry_are_refused_by_name() -> None:
+    with pytest.raises(UnsupportedConfigError, match=r"layers \[0, 1\] share storage layer 0 .*2 heads of 16"):
+        config(num_layers=2, layer_specs=[LayerSpec(window=4), LayerSpec(head_dim=16)])
+
+
+def test_a_quantized_pool_of_mixed_geometry_is_refused_by_name() -> None:
+    with pytest.raises(UnsupportedConfigError, match="a int8 pool holds one geometry for every layer"):
+        config(dtype="int8")
+
+
+def test_a_backend_that_does_not_claim_the_capability_is_refused_by_name() -> None:
+    spec = BackendSpec(
+        name="old", storage_factory=NumpyStorage, kv_layouts=("NHD",), capabilities=frozenset({"value_head_dim"})
+    )
+
+    problems = spec.check_config(config(kv_layout="NHD"))
+
+    assert len(problems) == 1
+    assert repr(LAYER_GEOMETRY) in problems[0]
+    assert "1 heads of 16" in problems[0]
+
+
+def test_create_manager_builds_one_part_per_geometry_over_the_same_blocks() -> None:
+    with create_manager("numpy", config()) as manager:
+        storage = manager.storage
+        assert isinstance(storage, LayeredStorage)
+        parts = storage.parts
+        assert [part.config.num_layers for part in parts] == [1, 1, 1]
+        assert {part.config.num_blocks for part in parts} == {8}
+        handle = manager.allocate(AllocationRequest("r"))
+        slots = manager.extend(handle, 3)
+        keys = np.ones((3, 1, 16), dtype=np.float32)
+        manager.write(1, slots, keys, 2 * keys)
+        child = manager.fork(handle, "child")
+        manager.write(1, manager.extend(child, 1), keys[:1], keys[:1])  # copies the shared block in every part
+        gathered = manager.gather(handle, 1)
+        assert np.array_equal(gathered[0], keys)
+        assert np.array_equal(gathered[1], 2 * keys)
+        manager.check_invariants()
+
+
+def test_a_manager_refuses_a_storage_that_holds_one_shape_for_every_layer() -> None:
+    storage = NumpyStorage(config())  # built as if every layer had the pool's geometry
+
+    with pytest.raises(UnsupportedConfigError, match=r"layer 1 as .* not \(1, 8, 4, 16\).*'layer_geometry'"):
+        PagedKvCacheManager(storage)
+
+
+def test_host_copies_of_the_layered_storage_are_packed_per_block_and_come_back_bit_exact() -> None:
+    pool = config(kv_layout="HND").storage_config()
+    storage = LayeredStorage(pool, NumpyStorage)
+    rng = np.random.default_rng(5)
+    for layer in range(3):
+        shape = pool.layer_geometry(layer)
+        slots = np.arange(8, dtype=np.int64)  # blocks 0 and 1
+        keys = rng.standard_normal((8, shape.num_heads, shape.head_dim)).astype(np.float32)
+        values = rng.standard_normal((8, shape.num_heads, shape.value_width)).astype(np.float32)
+        storage.write(layer, slots, keys, values)
+
+    keys, values = storage.blocks_to_host(np.array([1, 0], dtype=np.int64))
+
+    assert keys.shape == (2, pool.packed_block_elements()) == (2, 4 * (2 * 8 + 1 * 16 + 2 * 8))
+    assert values.shape == (2, 4 * (2 * 8 + 1 * 16 + 2 * 4))
+    storage.blocks_from_host(np.array([3, 2], dtype=np.int64), keys, values)
+    for layer in range(3):
+        moved = storage.gather(layer, np.array([2, 3], dtype=np.int64), 8)
+        kept = storage.gather(layer, np.array([0, 1], dtype=np.int64), 8)
+        assert np.array_equal(moved[0], kept[0]) and np.array_equal(moved[1], kept[1])  # noqa: PT018
+    with pytest.raises(ShapeMismatchError, match=r"keys must have shape \(1, 192\) \(the packed host form"):
+        storage.blocks_from_host(np.array([3], dtype=np.int64), keys, values)
+
+
+def test_a_backend_that_does_not_claim_it_is_refused_by_create_manager_before_any_pool() -> None:
+    pytest.importorskip("kvcache_memmap", reason="the memmap example backend is not installed")
+
+    with pytest.raises(UnsupportedConfigError, match=r"backend 'memmap' does not support layers of different geometry"):
+        create_manager("memmap", config())
+
+
+def test_state_layers_beside_layers_of_their_own_geometry() -> None:
+    state = StateSpec((StateArray("conv", (4, 3), "float32"),))
+    pool = config(layer_specs=(LayerSpec(state=state), LayerSpec(), LayerSpec(num_heads=1, head_dim=16)))
+
+    assert pool.bytes_per_token == (2 * 16 + 1 * 32) * 4  # the state layer keeps no K/V
+    with create_manager("numpy", pool) as manager:
+        handle = manager.allocate(AllocationRequest("r"))
+        step = manager.begin_step([handle], [5])
+        for layer, (heads, dim) in ((1, (2, 8)), (2, (1, 16))):
+            keys = np.ones((5, heads, dim), dtype=np.float32)
+            step.write(layer, keys, keys)
+            assert step.attention(layer, np.ones((5, 2 * heads, dim), dtype=np.float32)).shape == (5, 2 * heads, dim)
+        step.write_state(0, "conv", np.ones((1, 4, 3), dtype=np.float32))
+        assert np.array_equal(step.state(0, "conv"), np.ones((1, 4, 3), dtype=np.float32))
+        manager.check_invariants()
