@@ -152,13 +152,18 @@ class LayerSpec:
             self.state is None if given is None else check_flag(given, "LayerSpec.keeps_kv", error=InvalidConfigError)
         )
         object.__setattr__(self, "keeps_kv", keeps_kv)
-        if not keeps_kv and (self.window is not None or self.chunk is not None or self.has_geometry):
-            held = "a state only" if self.state is not None else "nothing"
+        held = "a state only" if self.state is not None else "nothing"
+        if not keeps_kv and (self.window is not None or self.chunk is not None):
             raise InvalidConfigError(
-                f"LayerSpec has window={self.window} chunk={self.chunk} num_heads={self.num_heads} "
-                f"head_dim={self.head_dim} value_head_dim={self.value_head_dim} on a layer keeping {held} "
-                "(keeps_kv=False): a window, chunk or K/V geometry is for a layer with K/V; a state layer without "
-                "K/V has none (keeps_kv=True keeps K/V and a state in one layer)"
+                f"LayerSpec has window={self.window} chunk={self.chunk} on a layer keeping {held} (keeps_kv=False): "
+                "a window or chunk is for a layer with K/V; a state layer without K/V has no window or chunk "
+                "(keeps_kv=True keeps K/V and a state in one layer)"
+            )
+        if not keeps_kv and self.has_geometry:
+            raise InvalidConfigError(
+                f"LayerSpec keeping {held} (keeps_kv=False) is a layer without window or chunk (nor K/V geometry), "
+                f"got num_heads={self.num_heads} head_dim={self.head_dim} value_head_dim={self.value_head_dim}; "
+                "keeps_kv=True keeps K/V of that geometry and a state in one layer"
             )
 
     @property

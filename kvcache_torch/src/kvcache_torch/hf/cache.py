@@ -485,11 +485,9 @@ class PagedCache(Cache):
     # -- batch surgery: beam search, crop --------------------------------------------------
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Row ``i`` becomes a copy of row ``beam_idx[i]`` (beam search).
-
-        A source row used once moves; each further use is a ``fork`` of its request, which
-        shares every block: only the block a beam goes on to write in is copied, by the
-        next forward (copy-on-write).
+        """Row ``i`` becomes a copy of row ``beam_idx[i]`` (beam search). A source row used once
+        moves; each further use is a ``fork`` of its request, sharing every block: only the
+        block a beam goes on to write in is copied, by the next forward (copy-on-write).
 
         Raises:
             InvalidArgumentError: an index outside the rows, or not one per row.
@@ -531,10 +529,8 @@ class PagedCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last positions: ``crop(-n)`` removes ``n`` (transformers 5 style);
         ``crop(n)`` with ``n >= 0`` keeps the first ``n`` (the older style); ``crop(0)`` and
-        ``crop(n)`` with ``n`` at or past the length change nothing.
-
-        Each row's request is truncated (``manager.truncate``): the blocks wholly past its
-        new end go back to the pool at once.
+        ``crop(n)`` with ``n`` at or past the length change nothing. Each row's request is
+        truncated (``manager.truncate``): the blocks wholly past its new end go back at once.
 
         Raises:
             InvalidArgumentError: removing more positions than cached, or not an int.

@@ -49,7 +49,7 @@ def check_model_fits_pool(
             spec.num_heads or kv_heads, spec.head_dim or head_dim, values or spec.head_dim or head_dim
         )
         held = pool.layer_geometry(layer)
-        if spec.kind != "state" and held != wanted:
+        if spec.keeps_kv and held != wanted:
             raise UnsupportedConfigError(
                 f"layer {layer} of the model has {wanted.num_heads} KV heads of size {wanted.head_dim} (values "
                 f"{wanted.value_width}), of the pool {held.num_heads} heads of size {held.head_dim} (values "
@@ -60,10 +60,10 @@ def check_model_fits_pool(
         refuse_unless_interface(text, model)
     sources = kv_sources(text)
     for layer, spec in enumerate(specs[:layers]):
-        held = pool.layer_spec(layer)
-        if (spec.keeps_kv, spec.keeps_state) != (held.keeps_kv, held.keeps_state):
+        pooled = pool.layer_spec(layer)
+        if (spec.keeps_kv, spec.keeps_state) != (pooled.keeps_kv, pooled.keeps_state):
             raise UnsupportedConfigError(
-                f"layer {layer} is a {spec.kind} layer of the model and a {held.kind} layer of "
+                f"layer {layer} is a {spec.kind} layer of the model and a {pooled.kind} layer of "
                 "the pool; build the pool with cache_config_for(model, ...)"
             )
         if not spec.keeps_kv:
