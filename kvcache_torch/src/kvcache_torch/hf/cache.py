@@ -25,6 +25,7 @@ from kvcache_torch.hf.layer import PagedCacheLayer
 from kvcache_torch.hf.model_config import (
     ATTN_IMPLEMENTATION,
     attention_implementation,
+    latent_attention,
     refuse_latent_on_paged_path,
     text_config,
 )
@@ -115,6 +116,7 @@ class PagedCache(Cache):
         super().__init__(layers=faces)
         self._manager = manager
         self._text = text
+        self._latent = latent_attention(text) is not None  # fixed by the config: checked once
         self._max_sequence_length = max_sequence_length
         self._num_layers = layers
         self._rows = BatchRows(manager, max_sequence_length)
@@ -405,7 +407,8 @@ class PagedCache(Cache):
                 f"(attn_implementation {implementation!r}); release() the cache before switching"
             )
         if mode == "paged":
-            refuse_latent_on_paged_path(self._text)
+            if self._latent:
+                refuse_latent_on_paged_path(self._text)
             refuse_sliced_shared_layers_on_paged_path(self._text)
             self._check_attended(layer)
         step = self._progress.join(layer, int(key_states.shape[2]), first=not self._rows.handles)
@@ -508,8 +511,7 @@ class PagedCache(Cache):
         self._remap_rows([row for row in range(len(self._rows)) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the rows ``indices`` (in that order); the others are released and a
-        repeated row is forked (shared blocks).
+        """Keep only the rows ``indices`` (in that order); the others are released, a repeated row forked.
 
         Raises:
             InvalidArgumentError: an index outside the rows.
@@ -527,10 +529,9 @@ class PagedCache(Cache):
         self._progress.step = None
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last positions: ``crop(-n)`` removes ``n`` (transformers 5 style);
-        ``crop(n)`` with ``n >= 0`` keeps the first ``n`` (the older style); ``crop(0)`` and
-        ``crop(n)`` with ``n`` at or past the length change nothing. Each row's request is
-        truncated (``manager.truncate``): the blocks wholly past its new end go back at once.
+        """Drop the last positions: ``crop(-n)`` removes ``n`` (transformers 5), ``crop(n >= 0)``
+        keeps the first ``n`` (older), ``crop(0)`` or past the length changes nothing; each row's
+        request is truncated (``manager.truncate``), blocks past its new end freed at once.
 
         Raises:
             InvalidArgumentError: removing more positions than cached, or not an int.
