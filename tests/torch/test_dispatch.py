@@ -100,3 +100,28 @@ def test_pinning_the_kernel_where_it_cannot_run_is_refused_by_name(monkeypatch: 
         create_manager("torch", CacheConfig(1, 2, 8, 4, attention_path="kernel"))
     monkeypatch.setenv(dispatch.PATH_ENV, "kernel")  # pinned by the environment: the torch path where it cannot
     create_manager("torch", CacheConfig(1, 2, 8, 4))
+
+
+@needs_numba
+def test_the_layers_of_a_step_after_the_first_reuse_its_choice(measured: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shape class is computed once per step and kind of call, not per layer."""
+    from kvcache_torch import attention
+    from kvcache_torch import dispatch as torch_dispatch_module
+
+    manager = make_manager(kv_layout="heads_first", num_layers=3)
+    filled = fill(manager, [30, 9])
+    table = manager.page_table(filled.handles)
+    query = torch.randn(2, 4, 8)
+    classes: list[object] = []
+    real = torch_dispatch_module.shape_class
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        classes.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "shape_class", counted)
+    outputs = [manager.paged_attention(layer, query, table) for layer in range(3)]
+    assert len(classes) == 1
+    manager.paged_attention(0, query, table, softcap=5.0)  # another kind of call: its own class
+    assert len(classes) == 2
+    assert all(output.shape == (2, 4, 8) for output in outputs)

@@ -67,7 +67,7 @@ from kvcache_core.errors import (
     InvalidArgumentError,
     ShapeMismatchError,
 )
-from kvcache_torch.dispatch import DISPATCH, kernel_attention, kernel_reads, shape_class
+from kvcache_torch.dispatch import DISPATCH, chosen_path, kernel_attention, kernel_reads, remember_path, shape_class
 
 __all__ = ["attend_pool", "paged_attention"]
 
@@ -307,26 +307,58 @@ def attend_pool(
         ``[total_queries, num_query_heads, value_dim]`` in ``query``'s dtype and device.
     """
     window = combined_window(window, page_table.sliding_window if sliding_window is None else sliding_window)
-    arguments = (query, key_cache, value_cache, page_table, qo_indptr, scale, causal, kv_layout, window)
-    if query.shape[0] and path != "native" and kernel_reads(key_cache, value_cache):
+    arguments: _Arguments = (query, key_cache, value_cache, page_table, qo_indptr, scale, causal, kv_layout, window)
 
-        def kernel() -> torch.Tensor:
-            output = kernel_attention(*arguments, softcap=softcap, sinks=sinks, chunk=chunk)
-            assert output is not None  # _kernel_reads said it applies
-            return output
+    def native() -> torch.Tensor:
+        return _native_attention(*arguments, softcap=softcap, sinks=sinks, chunk=chunk)
 
-        if path == "kernel":
-            return kernel()
+    if not query.shape[0] or path == "native":
+        return native()
+    if path == "auto":
+        features = (window is not None, softcap is not None, sinks is not None, chunk is not None)
+        call = (key_cache.shape, value_cache.shape, key_cache.dtype, query.shape[1], causal, features)
+        path = chosen_path(page_table, qo_indptr, call) or _choose(arguments, call, features, softcap, sinks, chunk)
+        if path == "native":
+            return native()
+    output = kernel_attention(*arguments, softcap=softcap, sinks=sinks, chunk=chunk)
+    return native() if output is None else output  # None: the kernel cannot read these pools
 
-        def native() -> torch.Tensor:
-            return _native_attention(*arguments, softcap=softcap, sinks=sinks, chunk=chunk)
 
-        used = "".join(
-            letter for letter, value in zip("wsic", (window, softcap, sinks, chunk), strict=True) if value is not None
-        )
+#: The positional arguments of the kernel and native paths (``window`` combined).
+_Arguments = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, PageTable, npt.NDArray[np.int32], float, bool, str, "int | None"
+]
+
+
+def _choose(
+    arguments: _Arguments,
+    call: tuple[object, ...],
+    features: tuple[bool, ...],
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    chunk: int | None,
+) -> str:
+    """The path of a step's first call of its kind: the measured choice of its shape class
+    (measured now, the first time the class is seen), ``"native"`` where the kernel cannot
+    read the pools; remembered for the step's other layers."""
+    query, key_cache, value_cache, page_table, qo_indptr, _, causal, kv_layout, _ = arguments
+    path = "native"
+    if kernel_reads(key_cache, value_cache):
+        used = "".join(letter for letter, flag in zip("wsic", features, strict=True) if flag)
         shape = shape_class(query, key_cache, value_cache, page_table, qo_indptr, kv_layout, causal, used)
-        return DISPATCH.run(shape, {"kernel": kernel, "native": native})
-    return _native_attention(*arguments, softcap=softcap, sinks=sinks, chunk=chunk)
+        choice = DISPATCH.choice(shape)
+        if choice is None or choice.path not in ("kernel", "native"):
+            DISPATCH.run(
+                shape,
+                {
+                    "kernel": lambda: kernel_attention(*arguments, softcap=softcap, sinks=sinks, chunk=chunk),
+                    "native": lambda: _native_attention(*arguments, softcap=softcap, sinks=sinks, chunk=chunk),
+                },
+            )
+            choice = DISPATCH.choice(shape)
+        path = "native" if choice is None else choice.path
+    remember_path(page_table, qo_indptr, call, path)
+    return path
 
 
 def _native_attention(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -26,7 +26,17 @@ from kvcache_core.contract.page_table import PageTable
 from kvcache_core.errors import UnsupportedConfigError
 from kvcache_torch.threads import torch_team
 
-__all__ = ["DISPATCH", "KERNEL_DTYPES", "host_view", "kernel_attention", "kernel_reads", "pool_path", "shape_class"]
+__all__ = [
+    "DISPATCH",
+    "KERNEL_DTYPES",
+    "chosen_path",
+    "host_view",
+    "kernel_attention",
+    "kernel_reads",
+    "pool_path",
+    "remember_path",
+    "shape_class",
+]
 
 
 def _numba_version() -> str:
@@ -49,9 +59,16 @@ _BATCHES: weakref.WeakKeyDictionary[PageTable, tuple[object, tuple[list[int], li
 )
 
 
+def _same_offsets(known: object, offsets: npt.NDArray[np.int32]) -> bool:
+    """Whether ``known`` are these query offsets (the same array, as a step's layers pass, or equal ones)."""
+    if known is offsets:
+        return True
+    return isinstance(known, np.ndarray) and np.array_equal(cast("npt.NDArray[np.int32]", known), offsets)
+
+
 def _batch(page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> tuple[list[int], list[int], bool]:
     known = _BATCHES.get(page_table)
-    if known is not None and known[0] is qo_indptr:
+    if known is not None and _same_offsets(known[0], qo_indptr):
         return known[1]
     offsets = qo_indptr.tolist()
     counts = [int(offsets[b + 1] - offsets[b]) for b in range(page_table.batch_size)]
@@ -60,6 +77,33 @@ def _batch(page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> tuple[lis
     batch = (counts, lengths, many)
     _BATCHES[page_table] = (qo_indptr, batch)
     return batch
+
+
+#: The path each kind of call of a step runs, once measured or read (per page table: the
+#: layers of a step share it, so a layer after the first looks its path up here and skips
+#: the shape class, the pool check and the choice).
+_CHOSEN: weakref.WeakKeyDictionary[PageTable, tuple[object, dict[tuple[object, ...], str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def chosen_path(page_table: PageTable, qo_indptr: npt.NDArray[np.int32], call: tuple[object, ...]) -> str | None:
+    """The path an earlier call of this step with the same ``call`` signature ran (pools'
+    shapes and dtype, query heads, causal, features, threads), or ``None``."""
+    known = _CHOSEN.get(page_table)
+    if known is None or not _same_offsets(known[0], qo_indptr):
+        return None
+    return known[1].get(call)
+
+
+def remember_path(page_table: PageTable, qo_indptr: npt.NDArray[np.int32], call: tuple[object, ...], path: str) -> None:
+    """Record the path of a call of this step (see :func:`chosen_path`)."""
+    known = _CHOSEN.get(page_table)
+    if known is None or not _same_offsets(known[0], qo_indptr):
+        paths: dict[tuple[object, ...], str] = {}
+        known = (qo_indptr, paths)
+        _CHOSEN[page_table] = known
+    known[1][call] = path
 
 
 def shape_class(
