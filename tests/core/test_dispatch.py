@@ -145,6 +145,32 @@ def test_slow_calls_are_timed_once(tmp_path: Path, clock: Clock) -> None:
     assert log.count("n") == 2
 
 
+def test_a_slow_first_call_does_not_cut_the_rounds(tmp_path: Path, clock: Clock) -> None:
+    """Compiling makes a path's first call slow: the rounds are judged by the warm calls, so
+    a path whose second call is still warming up is not chosen against on one round."""
+    costs = {
+        "kernel": iter([1.2, 0.006, *[0.0008] * dispatch.CALIBRATION_ROUNDS]),
+        "native": iter([0.002, *[0.0015] * dispatch.CALIBRATION_ROUNDS]),
+    }
+    log: list[str] = []
+
+    def timed(name: str) -> Callable[[], str]:
+        def call() -> str:
+            clock.now += next(costs[name])
+            log.append(name)
+            return name
+
+        return call
+
+    chooser = AttentionDispatch("test", LIBRARIES, tmp_path)
+    assert chooser.run(shape(), {"kernel": timed("kernel"), "native": timed("native")}) == "kernel"
+    assert log.count("kernel") == log.count("native") == 1 + dispatch.CALIBRATION_ROUNDS
+    choice = chooser.choice(shape())
+    assert choice is not None
+    assert choice.path == "kernel"
+    assert choice.seconds == pytest.approx({"kernel": 0.0008, "native": 0.0015})
+
+
 def test_a_recorded_path_not_offered_now_is_measured_again(tmp_path: Path, clock: Clock) -> None:
     log: list[str] = []
     chooser = AttentionDispatch("test", LIBRARIES, tmp_path)

@@ -89,6 +89,10 @@ class DataPath(Generic[ArrayT]):
         built = config.storage_config()
         # Each storage layer's (heads, key width, value width): its own in a pool of mixed geometry.
         self._geometry = tuple(built.layer_geometry(index) for index in range(built.num_layers))
+        # Per KV-cache group, the last page table issued, its requests and their used blocks.
+        self._last_tables: dict[int, tuple[tuple[RequestState[ArrayT], ...], list[tuple[int, ...]], PageTable]] = {}
+        # Each layer's attention chunk (its LayerSpec's), read once.
+        self._chunks = tuple(config.layer_spec(layer).chunk for layer in range(config.num_layers))
 
     def check_open(self) -> None:
         """Raise :class:`~kvcache_core.errors.ManagerClosedError` once the manager closed."""
@@ -190,17 +194,36 @@ class DataPath(Generic[ArrayT]):
     # -- page tables, writes, reads --------------------------------------------------------
 
     def issue_page_table(self, states: list[RequestState[ArrayT]], group: int = 0) -> PageTable:
-        """The checked, generation-stamped page table of ``states`` in KV-cache ``group``."""
-        return self._checks.issue(
-            PageTable.from_block_tables(
-                [state.tables[group] for state in states],
+        """The checked, generation-stamped page table of ``states`` in KV-cache ``group``.
+
+        The last table issued for the same requests (per group) is kept with each one's
+        used blocks: when those are unchanged (a decode step that filled no new block), the
+        new table shares its arrays of pages and only the lengths are new.
+        """
+        tables = [state.tables[group] for state in states]
+        block_size = self.config.block_size
+        held = [table.held_tokens() for table in tables]
+        used = [table.physical_blocks[: -(-tokens // block_size)] for table, tokens in zip(tables, held, strict=True)]
+        generations = [state.generation for state in states]
+        last = self._last_tables.get(group)
+        if (
+            last is not None
+            and len(last[0]) == len(states)
+            and all(known is state for known, state in zip(last[0], states, strict=True))
+            and last[1] == used
+        ):
+            table = last[2].with_seq_lens(held, generations)
+        else:
+            table = PageTable.from_block_tables(
+                tables,
                 [state.request_id for state in states],
-                self.config.block_size,
+                block_size,
                 sliding_window=self.config.kv_groups[group].window,
-                generations=[state.generation for state in states],
+                generations=generations,
                 group=group,
             )
-        )
+        self._last_tables[group] = (tuple(states), used, table)
+        return self._checks.issue(table)
 
     def write(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT, writable_at: int = -1) -> int:
         """The one write path of ``manager.write`` and :meth:`Step.write`: check the arrays
@@ -310,7 +333,32 @@ class DataPath(Generic[ArrayT]):
             InvalidArgumentError, InvalidTypeError, UnsupportedConfigError, SlotError,
             SwappedOutError: as ``manager.paged_attention`` and :meth:`Step.attention`.
         """
-        group, index = self.config.layer_place(layer)
+        _, call, keywords = self.attention_call(
+            layer, query, scale, causal, features, page_table, qo_indptr, step, served
+        )
+        return self.storage.paged_attention(*call, **keywords)
+
+    def attention_call(
+        self,
+        layer: int,
+        query: ArrayT,
+        scale: float | None,
+        causal: bool,
+        features: dict[str, Any],
+        page_table: object,
+        qo_indptr: object,
+        step: Step[ArrayT] | None,
+        served: frozenset[str] | None,
+    ) -> tuple[int, tuple[int, ArrayT, PageTable, Any, float, bool], dict[str, Any]]:
+        """``(group, arguments, keywords)``: the layer's KV-cache group and the checked
+        arguments of the storage's ``paged_attention`` for :meth:`attention` (the storage
+        layer, query, table, offsets, scale, ``causal``; the features): every check of the
+        call, nothing run.
+
+        Raises:
+            What :meth:`attention` raises.
+        """
+        group, index = self.config.layer_place(layer)  # layer: an int in range from here on
         geometry = self._geometry[index]
         shape = self._checks.query(query, geometry.num_heads, geometry.head_dim)
         if step is None:
@@ -328,7 +376,7 @@ class DataPath(Generic[ArrayT]):
                     f"(new tokens per request: {list(step.new_tokens)})"
                 )
         if features["chunk"] is None:
-            features["chunk"] = self.config.layer_spec(int(layer)).chunk  # a chunked layer of layer_specs
+            features["chunk"] = self._chunks[int(layer)]  # a chunked layer of layer_specs
         indptr = validate_query_indptr(qo_indptr, table, shape[0]) if step is None else step.qo_indptr
         checked_scale, keywords = check_attention_call(
             scale,
@@ -341,7 +389,7 @@ class DataPath(Generic[ArrayT]):
             table_window=table.sliding_window,
             check_array=self._checks.array,
         )
-        return self.storage.paged_attention(index, query, table, indptr, checked_scale, causal, **keywords)
+        return group, (index, query, table, indptr, checked_scale, causal), keywords
 
     # -- recurrent states -----------------------------------------------------------------
 
@@ -439,7 +487,7 @@ class _StepRunner(Generic[ArrayT]):
     """The data path bound to one step's requests: what its :class:`Step` calls
     (:class:`~kvcache_core.step.StepRunner`), under the manager's lock."""
 
-    __slots__ = ("_check_current", "_path", "_served", "_state_slots", "_states", "_writable_at")
+    __slots__ = ("_check_current", "_group_slots", "_path", "_served", "_state_slots", "_states", "_writable_at")
 
     def __init__(self, path: DataPath[ArrayT], states: list[RequestState[ArrayT]], groups: int) -> None:
         self._path = path
@@ -451,14 +499,24 @@ class _StepRunner(Generic[ArrayT]):
         # (-1: not yet): a block of the step that is registered in the prefix cache or
         # mapped by another request after planning is never written in place.
         self._writable_at = [-1] * groups
+        self._group_slots: tuple[SlotArray, ...] | None = None
+
+    def _slots(self, step: Step[ArrayT], group: int) -> SlotArray:
+        """The step's slots of KV-cache ``group``: the same read-only array for every layer
+        (a storage converts it once)."""
+        if self._group_slots is None:
+            slots = step.slots
+            self._group_slots = (slots,) if slots.ndim == 1 else tuple(slots)
+        return self._group_slots[group]
 
     def write(self, step: Step[ArrayT], layer: int, keys: ArrayT, values: ArrayT) -> None:
         path = self._path
         with path.lock:
             self._check_current()
             group, index = path.config.layer_place(layer)
-            slots = step.slots if step.slots.ndim == 1 else step.slots[group]
-            self._writable_at[group] = path.write(index, slots, keys, values, self._writable_at[group])
+            self._writable_at[group] = path.write(
+                index, self._slots(step, group), keys, values, self._writable_at[group]
+            )
 
     def attention(
         self, step: Step[ArrayT], layer: int, query: ArrayT, scale: float | None, causal: bool, features: dict[str, Any]
@@ -467,6 +525,29 @@ class _StepRunner(Generic[ArrayT]):
         with path.lock:
             self._check_current()
             return path.attention(layer, query, scale, causal, features, step=step, served=self._served)
+
+    def write_and_attend(
+        self,
+        step: Step[ArrayT],
+        layer: int,
+        keys: ArrayT,
+        values: ArrayT,
+        query: ArrayT,
+        scale: float | None,
+        causal: bool,
+        features: dict[str, Any],
+    ) -> ArrayT:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            # Every check of the attention first: a refused call writes nothing.
+            group, call, keywords = path.attention_call(
+                layer, query, scale, causal, features, None, None, step, self._served
+            )
+            self._writable_at[group] = path.write(
+                call[0], self._slots(step, group), keys, values, self._writable_at[group]
+            )
+            return path.storage.paged_attention(*call, **keywords)
 
     def read_state(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT:
         path = self._path

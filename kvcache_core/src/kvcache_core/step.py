@@ -44,6 +44,20 @@ class StepRunner(Protocol[ArrayT]):
         """The manager's one attention entry, over ``step``'s page tables and offsets."""
         ...
 
+    def write_and_attend(
+        self,
+        step: Step[ArrayT],
+        layer: int,
+        keys: ArrayT,
+        values: ArrayT,
+        query: ArrayT,
+        scale: float | None,
+        causal: bool,
+        features: dict[str, Any],
+    ) -> ArrayT:
+        """:meth:`write` then :meth:`attention` of one layer, under one hold of the lock."""
+        ...
+
     def read_state(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT:
         """A copy of the step's requests' state array ``name`` of ``layer``."""
         ...
@@ -105,8 +119,9 @@ class Step(Generic[ArrayT]):
         self._runner = runner
         self.request_ids = request_ids
         self.new_tokens = new_tokens
-        slots = np.array(slots, dtype=np.int64)
-        slots.flags.writeable = False
+        owned = np.array(slots, dtype=np.int64)
+        owned.flags.writeable = False
+        slots = owned.view()  # a view of a read-only base: nobody can make it writeable again
         self.slots: SlotArray = slots
         self.page_tables = page_tables
         self.page_table = page_tables[0]
@@ -187,6 +202,28 @@ class Step(Generic[ArrayT]):
         """
         features = {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk}
         return self._runner.attention(self, layer, query, scale, causal, features)
+
+    def write_and_attend(
+        self,
+        layer: int,
+        keys: ArrayT,
+        values: ArrayT,
+        query: ArrayT,
+        *,
+        scale: float | None = None,
+        causal: bool = True,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: ArrayT | None = None,
+        chunk: int | None = None,
+    ) -> ArrayT:
+        """:meth:`write` the layer's new K/V, then its :meth:`attention`, in one call: what a
+        model's layer does once per step (one hold of the manager's lock, one staleness
+        check). The arguments and errors are those of the two calls; when the write is
+        refused, nothing is written and no attention runs.
+        """
+        features = {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk}
+        return self._runner.write_and_attend(self, layer, keys, values, query, scale, causal, features)
 
     def state(self, layer: int, name: str) -> ArrayT:
         """The recurrent state array ``name`` of state layer ``layer`` for the step's

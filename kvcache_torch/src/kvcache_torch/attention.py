@@ -68,6 +68,7 @@ from kvcache_core.errors import (
     ShapeMismatchError,
 )
 from kvcache_torch.dispatch import DISPATCH, chosen_path, kernel_attention, kernel_reads, remember_path, shape_class
+from kvcache_torch.run_views import one_run_decode
 
 __all__ = ["attend_pool", "paged_attention"]
 
@@ -377,6 +378,10 @@ def _native_attention(
     chunk: int | None,
 ) -> torch.Tensor:
     """torch's own path of :func:`attend_pool` (its arguments, ``window`` combined)."""
+    if window is None and softcap is None and sinks is None and chunk is None:
+        output = one_run_decode(query, key_cache, value_cache, page_table, qo_indptr, scale, kv_layout)
+        if output is not None:
+            return output
     num_heads, head_dim = key_cache.shape[_HEADS_AXIS[kv_layout]], key_cache.shape[3]
     value_dim = value_cache.shape[3]
     group = query.shape[1] // num_heads

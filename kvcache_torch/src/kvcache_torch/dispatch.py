@@ -73,7 +73,12 @@ def _batch(page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> tuple[lis
     offsets = qo_indptr.tolist()
     counts = [int(offsets[b + 1] - offsets[b]) for b in range(page_table.batch_size)]
     lengths = [int(length) for length in page_table.seq_lens.tolist()]
-    many = any(len(page_table.runs(b)) > 1 for b in range(page_table.batch_size))
+    # A request of several runs: a break between two consecutive entries of kv_indices
+    # that belong to one request (a request's last block and the next one's first are apart).
+    breaks = np.diff(page_table.kv_indices.astype(np.int64)) != 1
+    starts = page_table.kv_indptr[1:-1].astype(np.int64) - 1
+    breaks[starts[(starts >= 0) & (starts < breaks.shape[0])]] = False
+    many = bool(breaks.any())
     batch = (counts, lengths, many)
     _BATCHES[page_table] = (qo_indptr, batch)
     return batch

@@ -39,4 +39,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"`` (any torch dtype, held by the pool or not)."""
-    return str(dtype).removeprefix("torch.")
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+#: Names already made (a dtype per entry: a few dozen at most).
+_NAMES: dict[torch.dtype, str] = {}

@@ -16,12 +16,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.quantization import QUANTIZED_RANGE, non_finite_message
 from kvcache_core.contract.scalars import FLOAT32_TINY
 from kvcache_core.errors import InvalidArgumentError
+from kvcache_torch.threads import torch_team
 
-__all__ = ["attend_quantized", "check_finite", "grow_running_scales", "quantize"]
+__all__ = ["attend_quantized", "check_finite", "grow_running_scales", "kernel_attention", "quantize"]
 
 _HEADS_FIRST_RUN = {"NHD": (2, 0, 1, 3), "HND": (1, 0, 2, 3)}
 
@@ -167,3 +169,50 @@ def attend_quantized(
                 .to(query.dtype)
             )
     return output
+
+
+def kernel_attention(
+    query: torch.Tensor,
+    pools: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor],
+    page_table: PageTable,
+    qo_indptr: npt.NDArray[np.int32],
+    dtype: str,
+    layout: str,
+    *,
+    scale: float,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    chunk: int | None,
+) -> torch.Tensor | None:
+    """The compiled CPU kernel over one layer's quantized CPU pools (``pools``: K and V of
+    ``dtype``, ``scales``: theirs), decoding each tile as it reads it, with torch's threads;
+    ``None`` where it cannot run (numba missing or switched off, pools it cannot read in place)."""
+    if not paged_kernel.kernel_available():
+        return None
+    raw_keys, raw_values = (pool.detach().view(torch.uint8).numpy() for pool in pools)
+    if not paged_kernel.kernel_reads(dtype, raw_keys, raw_values):
+        return None
+    output = paged_kernel.attend_with_kernel(
+        query.detach().to(torch.float32).numpy(),
+        raw_keys,
+        raw_values,
+        page_table,
+        qo_indptr,
+        dtype=dtype,
+        scale=scale,
+        causal=causal,
+        kv_layout=layout,
+        sliding_window=window,
+        num_threads=torch.get_num_threads(),
+        team=torch_team(),
+        softcap=softcap,
+        sinks=None if sinks is None else sinks.detach().to(torch.float32).numpy(),
+        chunk=chunk,
+        key_scales=scales[0].numpy(),
+        value_scales=scales[1].numpy(),
+    )
+    tensor: torch.Tensor = torch.from_numpy(output)  # pyright: ignore[reportUnknownMemberType]
+    return tensor.to(query.dtype)

@@ -17,7 +17,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.attention.features import combined_window
 from kvcache_core.contract import quantization
 from kvcache_core.contract.config import CacheConfig
@@ -33,7 +32,6 @@ from kvcache_torch.dispatch import pool_path
 from kvcache_torch.dtypes import BIT_DTYPES, VALUE_DTYPES, dtype_name, torch_dtype
 from kvcache_torch.spec import ATTENTION_FEATURES, PREFERRED_LAYOUT
 from kvcache_torch.states import TorchStateStorage
-from kvcache_torch.threads import torch_team
 
 __all__ = ["TorchStorage", "resolve_device"]
 
@@ -41,9 +39,7 @@ IntArray = npt.NDArray[np.int64]
 
 
 def _tensor_of(array: npt.NDArray[Any]) -> torch.Tensor:
-    """``torch.from_numpy`` with its parameter typed (torch leaves it unannotated); a
-    read-only array (a step's slots, a page table's indices) is copied, as torch has no
-    read-only tensors."""
+    """``torch.from_numpy``, typed; a read-only array is copied (torch has no read-only tensors)."""
     if not array.flags.writeable:
         array = array.copy()
     tensor: torch.Tensor = torch.from_numpy(array)  # pyright: ignore[reportUnknownMemberType]
@@ -102,6 +98,9 @@ class TorchStorage:
         self._moved = self._pool.view(torch.uint8) if config.quantized else self._pool
         self._parts = self._split_parts(self._pool)
         self._moved_parts = self._split_parts(self._moved)
+        self._views, self._targets = self._layer_views()
+        # The last slot array converted and its tensor (a step's layers pass one frozen array).
+        self._index_memo: tuple[IntArray, torch.Tensor] | None = None
         if config.quantized:
             self._io_dtype = torch_dtype(config.io_dtype)
             self._scales = torch.zeros(
@@ -115,6 +114,15 @@ class TorchStorage:
             )
             self._head_scales = _tensor_of(head_scales).to(self._device)
             self._track_scales = not calibrated
+
+    def _layer_views(self) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], tuple[list[torch.Tensor], ...]]:
+        """Per layer, made once: the K and V views attention reads and (NHD, heads-first) the flat
+        views ``[slots, H, D]``, ``[H, slots, D]`` a write indexes (a quantized pool's bytes)."""
+        views = (list(self._parts[0].unbind(0)), list(self._parts[1].unbind(0)))
+        axes = {"NHD": (0, 1), "heads_first": (1, 2)}.get(self._config.layout)  # HND: none
+        if axes is None:
+            return views, ()
+        return views, tuple([x.flatten(*axes) for x in part.unbind(0)] for part in self._moved_parts)
 
     def _split_parts(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` views ``[num_layers, *layout]`` of a pool tensor."""
@@ -158,6 +166,8 @@ class TorchStorage:
         self._pool = torch.empty((0,), dtype=self._dtype, device=self._device)
         self._moved = self._pool
         self._parts = self._moved_parts = (self._pool, self._pool)
+        self._views, self._targets = self._layer_views()  # none: an empty pool
+        self._index_memo = None
         if self._scales is not None:
             self._scales = torch.empty((0,), dtype=torch.float32, device=self._device)
 
@@ -183,38 +193,54 @@ class TorchStorage:
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """View of the layer's key pool, in the configured layout."""
-        return self._parts[0][layer]
+        return self._views[0][layer]
 
     def value_cache(self, layer: int) -> torch.Tensor:
         """View of the layer's value pool, in the configured layout (last axis ``value_width``)."""
-        return self._parts[1][layer]
+        return self._views[1][layer]
 
     # -- data path ------------------------------------------------------------------------
 
     def _index(self, indices: IntArray) -> torch.Tensor:
-        """Host int64 indices as a tensor on the pool's device."""
+        """Host int64 indices as a tensor on the pool's device (the same tensor again for the
+        same frozen array: a read-only view of a read-only base, as a step's slots are)."""
+        memo = self._index_memo
+        if memo is not None and memo[0] is indices:
+            return memo[1]
         tensor = _tensor_of(np.ascontiguousarray(indices, dtype=np.int64))
-        return tensor if self._device.type == "cpu" else tensor.to(self._device, non_blocking=True)
+        tensor = tensor if self._device.type == "cpu" else tensor.to(self._device, non_blocking=True)
+        base = indices.base
+        if not indices.flags.writeable and isinstance(base, np.ndarray) and not base.flags.writeable:
+            self._index_memo = (indices, tensor)
+        return tensor
 
     def write(self, layer: int, slots: IntArray, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Scatter ``[n, num_heads, head_dim]`` keys and ``[n, num_heads, value_width]`` values
         into distinct ``slots``: one indexed copy per pool (K, V) for the whole batch."""
-        config = self._config
         slot_index = self._index(slots)
         if self._scales is not None:
             raw_keys, raw_values = self._quantize(layer, slot_index, keys, values)
             keys, values = raw_keys.view(torch.uint8), raw_values.view(torch.uint8)
-        with torch.no_grad():
+        if torch.is_grad_enabled():  # keys that need grad must not make the pool record autograd
+            with torch.no_grad():
+                self._scatter(layer, slot_index, keys, values)
+        else:
+            self._scatter(layer, slot_index, keys, values)
+
+    def _scatter(self, layer: int, slot_index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """One indexed copy per pool (NHD, heads-first: flat views; HND: its token-major view)."""
+        layout = self._config.kv_layout
+        if layout == "NHD":
+            self._targets[0][layer].index_copy_(0, slot_index, keys)
+            self._targets[1][layer].index_copy_(0, slot_index, values)
+        elif layout == "heads_first":
+            self._targets[0][layer].index_copy_(1, slot_index, keys.transpose(0, 1))
+            self._targets[1][layer].index_copy_(1, slot_index, values.transpose(0, 1))
+        else:
+            blocks = torch.div(slot_index, self._config.block_size, rounding_mode="floor")
+            offsets = slot_index - blocks * self._config.block_size
             for kv, data in ((0, keys), (1, values)):
-                cache = self._moved_parts[kv][layer]
-                if config.kv_layout == "NHD":  # [blocks * bs, H, D]: a slot is a row
-                    cache.flatten(0, 1).index_copy_(0, slot_index, data)
-                elif config.kv_layout == "heads_first":  # [H, blocks * bs, D]
-                    cache.flatten(1, 2).index_copy_(1, slot_index, data.transpose(0, 1))
-                else:  # HND [blocks, H, bs, D], written through its [blocks, bs, H, D] view
-                    blocks = torch.div(slot_index, config.block_size, rounding_mode="floor")
-                    offsets = slot_index - blocks * config.block_size
-                    cache.transpose(1, 2).index_put_((blocks, offsets), data)
+                self._moved_parts[kv][layer].transpose(1, 2).index_put_((blocks, offsets), data)
 
     def _quantize(
         self, layer: int, slot_index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
@@ -438,8 +464,8 @@ class TorchStorage:
             return self._quantized_attention(layer, query, page_table, qo_indptr, scale, causal, features)
         return attend_pool(
             query,
-            self._parts[0][layer],
-            self._parts[1][layer],
+            self._views[0][layer],
+            self._views[1][layer],
             page_table,
             qo_indptr,
             scale,
@@ -464,34 +490,28 @@ class TorchStorage:
     ) -> torch.Tensor:
         assert self._scales is not None
         config = self._config
-        keys, values = self._parts[0][layer], self._parts[1][layer]
+        keys, values = self._views[0][layer], self._views[1][layer]
         window, softcap, chunk = features["window"], features["softcap"], features["chunk"]
         sinks: torch.Tensor | None = features["sinks"]
         wanted = sorted(name for name, value in features.items() if value is not None)
-        if self._device.type == "cpu" and query.shape[0] and paged_kernel.kernel_available():
-            raw_keys = keys.detach().view(torch.uint8).numpy()
-            raw_values = values.detach().view(torch.uint8).numpy()
-            if paged_kernel.kernel_reads(config.dtype, raw_keys, raw_values):
-                output = paged_kernel.attend_with_kernel(
-                    query.detach().to(torch.float32).numpy(),
-                    raw_keys,
-                    raw_values,
-                    page_table,
-                    qo_indptr,
-                    dtype=config.dtype,
-                    scale=scale,
-                    causal=causal,
-                    kv_layout=config.layout,
-                    sliding_window=combined_window(window, page_table.sliding_window),
-                    num_threads=torch.get_num_threads(),
-                    team=torch_team(),
-                    softcap=softcap,
-                    sinks=None if sinks is None else sinks.detach().to(torch.float32).numpy(),
-                    chunk=chunk,
-                    key_scales=self._scales[layer, 0].numpy(),
-                    value_scales=self._scales[layer, 1].numpy(),
-                )
-                return _tensor_of(output).to(query.dtype)
+        if self._device.type == "cpu" and query.shape[0]:
+            output = quantized.kernel_attention(
+                query,
+                (keys, values),
+                (self._scales[layer, 0], self._scales[layer, 1]),
+                page_table,
+                qo_indptr,
+                config.dtype,
+                config.layout,
+                scale=scale,
+                causal=causal,
+                window=combined_window(window, page_table.sliding_window),
+                softcap=softcap,
+                sinks=sinks,
+                chunk=chunk,
+            )
+            if output is not None:
+                return output
         if wanted:
             raise UnsupportedConfigError(
                 f"the attention features {wanted} on a quantized {config.dtype} pool are served by the compiled "

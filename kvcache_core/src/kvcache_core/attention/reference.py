@@ -117,7 +117,12 @@ def check_attention_call(
     checked_scale = check_scale(scale, head_dim)
     if not isinstance(causal, bool):
         raise InvalidTypeError(f"causal must be a bool, got {shown(causal)}")
-    if all(value is None for value in features.values()):
+    if (
+        features["window"] is None
+        and features["softcap"] is None
+        and features["sinks"] is None
+        and features["chunk"] is None
+    ):
         return checked_scale, {}
     return checked_scale, check_attention_features(
         **features,

@@ -79,7 +79,7 @@ PATH_ENV: Final = "KVCACHE_ATTENTION_PATH"
 CACHE_DIR_ENV: Final = "KVCACHE_CACHE_DIR"
 #: Timed calls of each path when a class is calibrated (after one untimed call each).
 CALIBRATION_ROUNDS: Final = 5
-#: A call slower than this (seconds, untimed call) is timed once more only.
+#: A call slower than this (seconds, in the first timed round, once warm) is timed once only.
 _SLOW_CALL = 0.05
 #: The largest calibration file read (bytes); a larger one is ignored.
 MAX_FILE_BYTES: Final = 1 << 20
@@ -315,20 +315,16 @@ class AttentionDispatch:
         if len(paths) == 1:
             (only,) = paths.values()
             return only()
-        outputs: dict[str, T] = {}
-        first_call: dict[str, float] = {}
-        for name, call in paths.items():  # untimed: compiling, first touches
-            start = time.perf_counter()
-            outputs[name] = call()
-            first_call[name] = time.perf_counter() - start
-        rounds = 1 if max(first_call.values()) > _SLOW_CALL else CALIBRATION_ROUNDS
+        outputs = {name: call() for name, call in paths.items()}  # untimed: compiling, first touches
         times: dict[str, list[float]] = {name: [] for name in paths}
         names = list(paths)
-        for turn in range(rounds):
+        for turn in range(CALIBRATION_ROUNDS):
             for name in names[turn % len(names) :] + names[: turn % len(names)]:  # order rotates
                 start = time.perf_counter()
                 outputs[name] = paths[name]()
                 times[name].append(time.perf_counter() - start)
+            if turn == 0 and max(values[0] for values in times.values()) > _SLOW_CALL:
+                break  # slow calls (judged once warm, not by the compiling first call): one round
         seconds = {name: min(values) for name, values in times.items()}  # the least disturbed run
         winner = min(seconds, key=lambda name: seconds[name])
         settled = all(_decisive(times[winner], values) for name, values in times.items() if name != winner)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final, cast
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -177,31 +177,131 @@ class PageTable:
         if not sizes:
             raise InvalidArgumentError("an empty batch needs its block_size")
         block_size = sizes.pop()
+        batch = len(tables)
         held = [table.held_tokens() for table in tables]
-        counts = np.asarray([-(-tokens // block_size) for tokens in held], dtype=np.int64).reshape(len(held))
+        counts = [-(-tokens // block_size) for tokens in held]
         # The used blocks of every table read in one C loop, then one masked fill of the
         # padded form: no Python loop over the blocks themselves.
-        rows = [table.physical_blocks[:count] for table, count in zip(tables, counts.tolist(), strict=True)]
-        indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        indptr = np.zeros(batch + 1, dtype=np.int64)
         np.cumsum(counts, out=indptr[1:])
-        indices = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(indptr[-1]))
-        seq_lens = np.asarray(held, dtype=np.int64).reshape(len(rows))
-        last = np.where(seq_lens > 0, seq_lens - (counts - 1) * block_size, 0).astype(np.int64)
-        width = int(counts.max(initial=0))
-        padded = np.zeros((len(rows), width), dtype=np.int64)
-        padded[np.arange(width) < counts[:, None]] = indices  # row-major: the CSR order
-        # int64 here; __post_init__ range-checks and stores read-only int32 copies.
-        return cls(
-            cast("IndexArray", indptr),
-            cast("IndexArray", indices),
-            cast("IndexArray", last),
-            cast("IndexArray", padded),
-            cast("IndexArray", seq_lens),
-            block_size,
+        total = int(indptr[-1])
+        indices = np.fromiter(
+            itertools.chain.from_iterable(
+                table.physical_blocks[:count] for table, count in zip(tables, counts, strict=True)
+            ),
+            dtype=np.int64,
+            count=total,
+        )
+        if total and (int(indices.min()) < 0 or int(indices.max()) > INDEX_MAX):
+            raise InvalidArgumentError(f"PageTable.kv_indices must be in [0, {INDEX_MAX}], got {indices.tolist()}")
+        seq_lens = np.asarray(held, dtype=np.int64).reshape(batch)
+        if batch and int(seq_lens.max()) > INDEX_MAX:
+            raise InvalidArgumentError(f"PageTable.seq_lens must be in [0, {INDEX_MAX}], got {seq_lens.tolist()}")
+        used = np.asarray(counts, dtype=np.int64).reshape(batch)
+        last = np.where(seq_lens > 0, seq_lens - (used - 1) * block_size, 0)
+        width = max(counts, default=0)
+        padded = np.zeros((batch, width), dtype=np.int32)
+        padded[np.arange(width) < used[:, None]] = indices  # row-major: the CSR order
+        # Consistent by construction (block tables hold distinct non-negative ids, their
+        # lengths fit their blocks): the arrays are frozen as they are, not checked again.
+        return cls._consistent(
+            indptr,
+            indices,
+            last,
+            padded,
+            seq_lens,
+            check_count(block_size, "PageTable.block_size", 1, INT32_MAX),
             tuple(request_ids),
-            sliding_window,
+            check_optional_count(sliding_window, "PageTable.sliding_window", 1, INT32_MAX),
             tuple(generations),
-            group,
+            check_count(group, "PageTable.group", 0),
+        )
+
+    @classmethod
+    def _consistent(
+        cls,
+        indptr: npt.NDArray[np.integer],
+        indices: npt.NDArray[np.integer],
+        last: npt.NDArray[np.integer],
+        padded: npt.NDArray[np.integer],
+        seq_lens: npt.NDArray[np.integer],
+        block_size: int,
+        request_ids: tuple[str, ...],
+        sliding_window: int | None,
+        generations: tuple[int, ...],
+        group: int,
+    ) -> PageTable:
+        """A table of arrays known to describe a consistent batch, in range: frozen as
+        read-only int32, without the checks of ``__post_init__`` (the caller's duty)."""
+        batch = int(seq_lens.shape[0])
+        if request_ids and len(request_ids) != batch:
+            raise InvalidArgumentError(
+                f"PageTable.request_ids names {len(request_ids)} requests for a batch of {batch}"
+            )
+        if generations and (
+            len(generations) != batch
+            or len(request_ids) != batch
+            or not all(isinstance(g, int) and not isinstance(g, bool) for g in generations)
+        ):
+            raise InvalidArgumentError(
+                f"PageTable.generations must give one int per request of request_ids ({batch}), got {generations!r}"
+            )
+        table = object.__new__(cls)
+        for name, array in (
+            ("kv_indptr", indptr),
+            ("kv_indices", indices),
+            ("kv_last_page_len", last),
+            ("block_tables", padded),
+            ("seq_lens", seq_lens),
+        ):
+            base = array.base
+            if array.dtype == np.int32 and isinstance(base, np.ndarray) and not base.flags.writeable:
+                object.__setattr__(table, name, array)  # another table's frozen array: shared
+                continue
+            base = np.array(array, dtype=np.int32, order="C")
+            base.flags.writeable = False
+            object.__setattr__(table, name, base.view())
+        for name, value in (
+            ("block_size", block_size),
+            ("request_ids", request_ids),
+            ("sliding_window", sliding_window),
+            ("generations", generations),
+            ("group", group),
+            ("_runs", None),
+        ):
+            object.__setattr__(table, name, value)
+        return table
+
+    def with_seq_lens(self, seq_lens: Sequence[int], generations: Sequence[int] | None = None) -> PageTable:
+        """The same pages with other lengths: each request's ``seq_lens[b]`` tokens still
+        need every one of its pages (a decode step that filled no new block); ``generations``
+        replace the recorded ones when given. The arrays of pages are shared, not copied.
+
+        Raises:
+            InvalidArgumentError: another batch size, or a length its pages do not fit
+                exactly.
+        """
+        lengths = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+        pages = np.diff(self.kv_indptr)
+        if lengths.shape[0] != pages.shape[0] or not np.array_equal(
+            (lengths + self.block_size - 1) // self.block_size, pages
+        ):
+            raise InvalidArgumentError(
+                f"seq_lens {lengths.tolist()} do not need exactly the pages {pages.tolist()} at block_size "
+                f"{self.block_size}"
+            )
+        last = np.where(lengths > 0, lengths - (pages - 1) * self.block_size, 0)
+        return PageTable._consistent(
+            self.kv_indptr,
+            self.kv_indices,
+            last,
+            self.block_tables,
+            lengths,
+            self.block_size,
+            self.request_ids,
+            self.sliding_window,
+            self.generations if generations is None else tuple(generations),
+            self.group,
         )
 
     @property

@@ -155,16 +155,21 @@ def check_positive_float32(
         InvalidArgumentError: anything else (or ``error``); the message names ``name``,
             the value and the valid range.
     """
-    message = (
-        f"{name} must be {'None or ' if optional else ''}a finite number > 0, got {shown(value)}; "
-        f"valid: {FLOAT32_TINY!r} to {maximum!r} (a normal float32)"
-    )
+    if type(value) is float and math.isfinite(value) and FLOAT32_TINY <= value <= maximum:
+        return value  # the common case, without building the message
+
+    def message() -> str:
+        return (
+            f"{name} must be {'None or ' if optional else ''}a finite number > 0, got {shown(value)}; "
+            f"valid: {FLOAT32_TINY!r} to {maximum!r} (a normal float32)"
+        )
+
     try:
         number = check_real(value, name, error=error)
     except KvCacheError as exc:
-        raise error(message) from exc
+        raise error(message()) from exc
     if not (math.isfinite(number) and FLOAT32_TINY <= number <= maximum):
-        raise error(message)
+        raise error(message())
     return number
 
 

@@ -85,6 +85,7 @@ class ArgumentChecks:
         self.storage = storage
         self.requests = requests
         self.config = pool.config
+        self._io_dtype = pool.config.io_dtype  # what arrays must hold (the config is frozen)
         # Tables this manager issued (read-only: their blocks are the requests' own).
         self.issued_tables: weakref.WeakSet[PageTable] = weakref.WeakSet()
         self._checked: tuple[PageTable, int] | None = None
@@ -202,8 +203,8 @@ class ArgumentChecks:
             raise ShapeMismatchError(
                 f"query must be [tokens, k * {heads}, {dim}] (k >= 1 query heads per KV head), got {shape}"
             )
-        if dtype != self.config.io_dtype:  # issue 14: a quantized pool computes in its io_dtype
-            raise DTypeMismatchError(f"query has dtype {dtype}, the pool computes in {self.config.io_dtype}")
+        if dtype != self._io_dtype:  # issue 14: a quantized pool computes in its io_dtype
+            raise DTypeMismatchError(f"query has dtype {dtype}, the pool computes in {self._io_dtype}")
         return shape
 
     def array(self, name: str, array: object, expected: tuple[int, ...], *, finite: bool = False) -> None:
@@ -214,8 +215,8 @@ class ArgumentChecks:
             width = "value_width" if name == "values" and self.config.value_head_dim is not None else "head_dim"
             what = f" ([n, num_heads, {width}])" if len(expected) == 3 else ""
             raise ShapeMismatchError(f"{name} must have shape {expected}{what}, got {shape}")
-        if dtype != self.config.io_dtype:  # a quantized pool computes in its io_dtype
-            raise DTypeMismatchError(f"{name} has dtype {dtype}, the pool computes in {self.config.io_dtype}")
+        if dtype != self._io_dtype:  # a quantized pool computes in its io_dtype
+            raise DTypeMismatchError(f"{name} has dtype {dtype}, the pool computes in {self._io_dtype}")
         if finite:
             check_finite_logits(name, np.asarray(self.storage.to_numpy(array)))
 

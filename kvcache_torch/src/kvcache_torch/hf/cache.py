@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -19,26 +19,17 @@ from kvcache_core import (
 from kvcache_core.contract.config import check_count
 from kvcache_core.errors import InvalidTypeError, ShapeMismatchError
 from kvcache_torch.hf.attention import attend_new_tokens
-from kvcache_torch.hf.forward_pass import ForwardStep, Handoff, LayerProgress, drop_handoff, hand_off
+from kvcache_torch.hf.forward_pass import ForwardStep, Handoff, LayerProgress, Mode, drop_handoff, hand_off
 from kvcache_torch.hf.guard import decoder_class, not_through_interface, unattended_layer
 from kvcache_torch.hf.layer import PagedCacheLayer
-from kvcache_torch.hf.model_config import (
-    ATTN_IMPLEMENTATION,
-    attention_implementation,
-    latent_attention,
-    refuse_latent_on_paged_path,
-    text_config,
-)
+from kvcache_torch.hf.model_config import ATTN_IMPLEMENTATION, attention_implementation, latent_attention, text_config
 from kvcache_torch.hf.padding import left_padded_lengths, real_tokens, token_major
-from kvcache_torch.hf.pool_fit import check_model_fits_pool, check_update_arrays
+from kvcache_torch.hf.pool_fit import check_model_fits_pool, check_update_arrays, forward_mode
 from kvcache_torch.hf.prompts import TokenFeed, attach_prompt_hook
 from kvcache_torch.hf.rows import BatchRows, prompt_rows, release_requests, undo_step
-from kvcache_torch.hf.shared_kv import refuse_sliced_shared_layers_on_paged_path
 from kvcache_torch.hf.state_layers import StateBridge
 
 __all__ = ["PagedCache"]
-
-Mode = Literal["paged", "contiguous"]
 
 
 class PagedCache(Cache):
@@ -117,6 +108,7 @@ class PagedCache(Cache):
         self._manager = manager
         self._text = text
         self._latent = latent_attention(text) is not None  # fixed by the config: checked once
+        self._read_later = frozenset(self._sources[layers:])  # layers whose K/V later layers reuse
         self._max_sequence_length = max_sequence_length
         self._num_layers = layers
         self._rows = BatchRows(manager, max_sequence_length)
@@ -399,24 +391,17 @@ class PagedCache(Cache):
         check_update_arrays(
             key_states, value_states, self._manager.config, len(self._rows) if self._rows.handles else None, layer
         )
-        implementation = attention_implementation(self._text)
-        mode: Mode = "paged" if implementation == ATTN_IMPLEMENTATION else "contiguous"
-        if self._mode is not None and mode != self._mode and self._rows.positions:
-            raise UnsupportedConfigError(
-                f"the cache was filled with the {self._mode} path and the model now runs the {mode} path "
-                f"(attn_implementation {implementation!r}); release() the cache before switching"
-            )
+        step = self._progress.step
+        # The attention implementation cannot change within a forward: read at its first layer.
+        mode = step.mode if step is not None and layer not in step.layers_done else self._mode_now()
         if mode == "paged":
-            if self._latent:
-                refuse_latent_on_paged_path(self._text)
-            refuse_sliced_shared_layers_on_paged_path(self._text)
             self._check_attended(layer)
         step = self._progress.join(layer, int(key_states.shape[2]), first=not self._rows.handles)
+        step.mode = mode
         if mode == "paged":
             step.updated.add(layer)
             step.awaiting = layer
-            shared = layer in self._sources[self._num_layers :]
-            hand_off(Handoff(self, layer, key_states, value_states, step, self._attend, shared))
+            hand_off(Handoff(self, layer, key_states, value_states, step, self._attend, layer in self._read_later))
             return key_states, value_states
         if step.planned is None:
             self._place_step(step, int(key_states.shape[0]), None, "contiguous")
@@ -428,6 +413,10 @@ class PagedCache(Cache):
         # positions before the step, and the step's.
         kept = None if window is None else min(step.start, window - 1) + step.query_length
         return self._rows.gather_padded(layer, kept)
+
+    def _mode_now(self) -> Mode:
+        """The path of a forward starting now (:func:`~kvcache_torch.hf.guard.forward_mode`)."""
+        return forward_mode(self._text, self._latent, self._mode if self._rows.positions else None)
 
     def _attend(
         self,
@@ -450,7 +439,7 @@ class PagedCache(Cache):
         step, layer = pending.step, pending.layer
         batch, query_heads, query_length, _ = query.shape
         head_dim = int(pending.value.shape[-1])  # the output is as wide as the values
-        if batch != len(pending.key) or query_length != step.query_length:
+        if batch != pending.key.shape[0] or query_length != step.query_length:
             raise ShapeMismatchError(
                 f"query {tuple(query.shape)} does not match the keys {tuple(pending.key.shape)} of this layer"
             )
@@ -460,22 +449,29 @@ class PagedCache(Cache):
         planned = step.planned
         assert planned is not None  # placed just above
         valid = step.valid
-        if step.stored and not pending.reader:  # the step was checked when planned: per layer only the arrays are
-            planned.write(layer, token_major(pending.key, valid), token_major(pending.value, valid))
-        layer_features = {name: value for name, value in features.items() if value is not None}
+        window, softcap, sinks = features["window"], features["softcap"], features["sinks"]
         chunk = self._layer_specs[layer].chunk
-        if chunk is not None:
-            layer_features["chunk"] = chunk
-        first_prefill = step.start == 0 and query_length > 1 and not layer_features
+        plain = window is None and softcap is None and sinks is None and chunk is None
+        first_prefill = plain and step.start == 0 and query_length > 1
         if first_prefill and valid is not None and step.real_lengths is None:
             step.real_lengths = left_padded_lengths(valid) or []  # []: not left padding
         real_lengths = step.real_lengths if first_prefill and valid is not None else None
+        keys = values = None
+        if step.stored and not pending.reader:  # the step was checked when planned: per layer only the arrays are
+            keys, values = token_major(pending.key, valid), token_major(pending.value, valid)
         if first_prefill and (valid is None or real_lengths):
+            if keys is not None and values is not None:
+                planned.write(layer, keys, values)
             output = attend_new_tokens(module, query, pending.key, pending.value, scaling, real_lengths)
         elif not step.stored:
             output = query.new_zeros((batch, query_length, query_heads, head_dim))
         else:
-            attended = planned.attention(layer, token_major(query, valid), scale=scaling, causal=True, **layer_features)
+            rows = token_major(query, valid)
+            arguments: dict[str, Any] = dict(scale=scaling, window=window, softcap=softcap, sinks=sinks, chunk=chunk)
+            if keys is not None and values is not None:  # one call: the write, then the attention
+                attended = planned.write_and_attend(layer, keys, values, rows, **arguments)
+            else:
+                attended = planned.attention(layer, rows, **arguments)
             if valid is None:
                 output = attended.view(batch, query_length, query_heads, head_dim)
             else:

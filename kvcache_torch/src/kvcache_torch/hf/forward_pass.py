@@ -9,7 +9,7 @@ import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -21,12 +21,18 @@ __all__ = [
     "Handoff",
     "LayerAttend",
     "LayerProgress",
+    "Mode",
     "drop_handoff",
     "hand_off",
     "keep_for_readers",
     "reader_of",
     "take_handoff",
 ]
+
+
+#: The path of a forward: ``"paged"`` (``kvcache_paged`` attention reads the pool) or
+#: ``"contiguous"`` (the cache returns contiguous K/V to the model's own attention).
+Mode = Literal["paged", "contiguous"]
 
 
 @dataclass
@@ -52,6 +58,7 @@ class ForwardStep:
     awaiting: int | None = None
     # A left-padded first forward: each row's real tokens (computed once, for every layer).
     real_lengths: list[int] | None = None
+    mode: Mode = "contiguous"  # the forward's path, read at its first layer
 
 
 class LayerProgress:

@@ -10,17 +10,19 @@ from kvcache_core import CacheConfig, LayerSpec, UnsupportedConfigError
 from kvcache_core.contract.groups import LayerGeometry, group_serves_layer
 from kvcache_core.errors import DTypeMismatchError, InvalidTypeError, ShapeMismatchError
 from kvcache_torch.dtypes import dtype_name
+from kvcache_torch.hf.forward_pass import Mode
 from kvcache_torch.hf.guard import refuse_unless_interface
 from kvcache_torch.hf.model_config import (
     ATTN_IMPLEMENTATION,
     attention_implementation,
     geometry,
     layer_specs,
+    refuse_latent_on_paged_path,
     value_head_dim,
 )
 from kvcache_torch.hf.shared_kv import kv_sources, refuse_sliced_shared_layers_on_paged_path, stored_layer_count
 
-__all__ = ["check_model_fits_pool", "check_update_arrays"]
+__all__ = ["check_model_fits_pool", "check_update_arrays", "forward_mode"]
 
 
 def check_model_fits_pool(
@@ -78,6 +80,18 @@ def check_model_fits_pool(
     return layers, specs, sources
 
 
+def _fits(keys: torch.Size, values: torch.Size, shape: LayerGeometry) -> bool:
+    """Whether keys and values of these shapes are ``[batch, heads, new_tokens, width]`` of the layer."""
+    return (
+        len(keys) == 4
+        and len(values) == 4
+        and keys[:3] == values[:3]
+        and keys[1] == shape.num_heads
+        and keys[3] == shape.head_dim
+        and values[3] == shape.value_width
+    )
+
+
 def check_update_arrays(keys: object, values: object, pool: CacheConfig, rows: int | None, layer: int = 0) -> None:
     """Refuse keys and values ``[batch, num_heads, new_tokens, width]`` that the pool cannot
     take in ``layer`` (its own geometry: :meth:`~kvcache_core.CacheConfig.layer_geometry`;
@@ -88,6 +102,15 @@ def check_update_arrays(keys: object, values: object, pool: CacheConfig, rows: i
         ShapeMismatchError: other shapes, or another batch than the cache holds.
         DTypeMismatchError: another dtype than the pool computes in.
     """
+    if (
+        type(keys) is torch.Tensor
+        and type(values) is torch.Tensor
+        and (rows is None or keys.shape[0] == rows)
+        and _fits(keys.shape, values.shape, pool.layer_geometry(layer))
+        and keys.dtype == values.dtype
+        and dtype_name(keys.dtype) == pool.io_dtype
+    ):
+        return  # what every update of a fitting model passes, checked in few steps
     if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
         raise InvalidTypeError(
             f"keys and values must be torch tensors, got {type(keys).__name__} and {type(values).__name__}"
@@ -119,3 +142,27 @@ def check_update_arrays(keys: object, values: object, pool: CacheConfig, rows: i
             f"the cache holds {rows} rows, the model passed a batch of {keys.shape[0]}; "
             "release() it to start a new batch"
         )
+
+
+def forward_mode(text: PretrainedConfig, latent: bool, filled: Mode | None) -> Mode:
+    """The path of a forward starting now: ``"paged"`` when the config's attention
+    implementation is ``"kvcache_paged"``, else ``"contiguous"`` (``latent``: the model has
+    latent attention; ``filled``: the path that filled the cache's tokens, ``None`` when it
+    holds none).
+
+    Raises:
+        UnsupportedConfigError: a switch of path while the cache holds tokens; the paged
+            path for a model it cannot serve (latent attention, sliced shared layers).
+    """
+    implementation = attention_implementation(text)
+    mode: Mode = "paged" if implementation == ATTN_IMPLEMENTATION else "contiguous"
+    if filled is not None and mode != filled:
+        raise UnsupportedConfigError(
+            f"the cache was filled with the {filled} path and the model now runs the {mode} path "
+            f"(attn_implementation {implementation!r}); release() the cache before switching"
+        )
+    if mode == "paged":
+        if latent:
+            refuse_latent_on_paged_path(text)
+        refuse_sliced_shared_layers_on_paged_path(text)
+    return mode
