@@ -1,15 +1,29 @@
-"""Memory and decode time of a hybrid state-space model: PagedCache against DynamicCache.
+"""Memory and decode-step time of a hybrid state-space model: PagedCache against DynamicCache.
 
-A Bamba-shaped random-weight model (Mamba2 mixers in three layers of four, attention in the
-fourth; float32, CPU) generates greedily through transformers' ``generate``, once with
-transformers' ``DynamicCache`` and once with kvcache's ``PagedCache`` (``kvcache_paged``
-attention; recurrent states in the pool's state slots, K/V in its blocks). Printed, side by
-side: the bytes each cache holds at the end (DynamicCache: every layer's K/V and states;
-ours: ``stats().used_memory_bytes``, the blocks and state slots in use) for a batch of
-equal prompts and for a ragged, left-padded batch, and the time per generated token. Both
-runs must produce the same tokens.
+The model is Bamba-9B's shape scaled down uniformly by 16 in width, so that what matters for
+memory keeps its proportion: transformers' ``BambaConfig`` defaults (those of
+``ibm-fms/Bamba-9.8b-2.2T-hf``: hidden 4096, 32 layers, attention in layers 9, 18 and 27, 32
+query and 8 KV heads of 128, Mamba2 mixers of 128 heads of 64 with a state of 256, one group,
+expand 2, conv 4) become hidden 256, 8 query and 2 KV heads of 32, 8 Mamba heads of 64, the
+state of 256, the 32 layers and their pattern kept. A row's recurrent states then weigh as
+many K/V tokens as in Bamba-9B (about 10,000: the break-even is printed), since each mixer's
+state (heads x head size x state size) and each attention layer's K/V per token shrink by 16
+alike. Random weights, float32, CPU.
 
-    .venv/bin/python benchmarks/memory_hybrid.py [--batch 4] [--prompt 256] [--new-tokens 32]
+It generates greedily through transformers' ``generate``, once with transformers'
+``DynamicCache`` and once with kvcache's ``PagedCache`` (``kvcache_paged`` attention;
+recurrent states in the pool's state slots, K/V in its blocks). Printed per prompt length
+(``--lengths``, the longest row's), for a batch of equal prompts and a ragged, left-padded
+batch (row ``i`` holds ``length / 2**i`` tokens): the bytes each cache holds at the end
+(DynamicCache: every layer's K/V and states; ours: ``stats().used_memory_bytes``, the blocks
+and state slots in use), ours / DynamicCache, and the floor no cache keeping every real
+token can go below (the states plus the real tokens' K/V, over DynamicCache's). Then the
+decode-step time of each on the equal batch of the first length (``--statistic`` of
+``--repeats`` runs in turns: a generate of ``--new-tokens`` less one of 1 token, per new
+token). Both must produce the same tokens (exit 1 otherwise). Nothing asserts a time.
+
+    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \\
+        .venv/bin/python benchmarks/memory_hybrid.py [--quick] [--lengths 256,2048]
 """
 
 from __future__ import annotations
@@ -21,30 +35,33 @@ from typing import Any
 
 import torch
 import transformers
-from _harness import BenchParser, DisagreementError, mib, print_environment, run, take_turns
+from _harness import BenchParser, int_list, mib, print_environment, require, run, take_turns
 
 from kvcache_core import create_manager
 from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for
 
-VOCAB, BLOCK = 512, 16
+VOCAB, BLOCK, SCALE = 512, 16, 16
+#: Bamba-9B (``BambaConfig``'s defaults) and its attention layers.
+HIDDEN, LAYERS, QUERY_HEADS, KV_HEADS, ATTENTION_LAYERS = 4096, 32, 32, 8, (9, 18, 27)
+MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE, MAMBA_CONV, MAMBA_EXPAND = 128, 64, 256, 4, 2
 
 
-def build(layers: int, hidden: int) -> tuple[Any, Any]:
+def build() -> tuple[Any, Any]:
     """``(ours, reference)``: the same random weights, ours with the paged attention."""
     config = transformers.BambaConfig(
         vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        attn_layer_indices=list(range(3, layers, 4)),
-        mamba_n_heads=hidden // 16,
-        mamba_d_head=32,
-        mamba_d_state=64,
+        hidden_size=HIDDEN // SCALE,
+        intermediate_size=2 * HIDDEN // SCALE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=QUERY_HEADS // 4,  # head size 32: KV heads x head size shrink by 16
+        num_key_value_heads=KV_HEADS // 4,
+        attn_layer_indices=list(ATTENTION_LAYERS),
+        mamba_n_heads=MAMBA_HEADS // SCALE,
+        mamba_d_head=MAMBA_HEAD_DIM,
+        mamba_d_state=MAMBA_STATE,
         mamba_n_groups=1,
-        mamba_expand=2,
-        mamba_d_conv=4,
+        mamba_expand=MAMBA_EXPAND,
+        mamba_d_conv=MAMBA_CONV,
         mamba_chunk_size=64,
         initializer_range=0.1,
         pad_token_id=0,
@@ -69,16 +86,16 @@ def prompts(batch: int, length: int, ragged: bool) -> tuple[torch.Tensor, torch.
     return ids, mask
 
 
-def dynamic_bytes(cache: Any) -> int:
-    """Bytes a ``DynamicCache`` holds: each layer's K/V and its conv and recurrent states."""
-    total = 0
+def dynamic_bytes(cache: Any) -> tuple[int, int]:
+    """``(K/V bytes, state bytes)`` a ``DynamicCache`` holds: each layer's K/V, and its conv and recurrent states."""
+    kv = states = 0
     for layer in cache.layers:
         for name in ("keys", "values"):
             tensor = getattr(layer, name, None)
-            total += tensor.nbytes if isinstance(tensor, torch.Tensor) else 0
-        for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
-            total += sum(tensor.nbytes for tensor in states.values() if isinstance(tensor, torch.Tensor))
-    return total
+            kv += tensor.nbytes if isinstance(tensor, torch.Tensor) else 0
+        for held in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+            states += sum(tensor.nbytes for tensor in held.values() if isinstance(tensor, torch.Tensor))
+    return kv, states
 
 
 def generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, cache: Any = None) -> Any:
@@ -92,51 +109,75 @@ def generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
 def paged_cache(model: Any, batch: int, tokens: int) -> PagedCache:
     blocks = batch * -(-tokens // BLOCK) + batch
     config = cache_config_for(model, num_blocks=blocks, block_size=BLOCK, state_slots=batch)
-    return PagedCache(create_manager("torch", config), model.config)
+    return PagedCache(create_manager("torch", config), model)
+
+
+def break_even(model: Any) -> str:
+    """A row's recurrent states in K/V tokens (bytes per row of every state layer over bytes
+    per token of every attention layer), from our pool's figures."""
+    config = cache_config_for(model, num_blocks=1, block_size=BLOCK)
+    return f"a row's states weigh {config.states.bytes_per_slot / config.bytes_per_token:,.0f} K/V tokens"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print bytes and time per token of both caches."""
-    parser = BenchParser(__doc__, quick="a small model, short prompts")
+    """Print bytes and decode-step time of both caches."""
+    parser = BenchParser(__doc__, quick="2 rows, prompts of 32, 4 new tokens, 1 repeat")
     parser.flag("--batch", (4, 2), help="requests")
-    parser.flag("--prompt", (256, 32), help="prompt tokens (the longest row of the ragged batch)")
-    parser.flag("--new-tokens", (32, 4), help="tokens generated")
-    parser.flag("--layers", (8, 4), help="layers (every fourth is attention)")
-    parser.flag("--hidden", (256, 64), help="hidden size")
-    parser.flag("--rounds", (3, 1), help="timed rounds")
+    parser.flag("--lengths", ([256, 2048], [32]), type=int_list, help="prompt tokens (the longest row's)")
+    parser.flag("--new-tokens", (16, 4), help="tokens generated")
+    parser.timing((3, 1), what="timed runs of each")
     args = parser.parse(argv)
     print_environment()
     torch.set_num_threads(1)
-    ours, reference = build(args.layers, args.hidden)
-    tokens = args.prompt + args.new_tokens
-    print(f"Bamba-shaped: {args.layers} layers (every fourth attention), hidden {args.hidden}, float32")
-    print(f"{'batch':>8} {'DynamicCache':>14} {'PagedCache':>12} {'ratio':>7}")
-    for ragged in (False, True):
-        ids, mask = prompts(args.batch, args.prompt, ragged)
-        expected = generate(reference, ids, mask, args.new_tokens)
-        cache = paged_cache(ours, args.batch, tokens)
-        found = generate(ours, ids, mask, args.new_tokens, cache)
-        if not torch.equal(found.sequences, expected.sequences):
-            raise DisagreementError("PagedCache generated other tokens than DynamicCache")
-        theirs, mine = dynamic_bytes(expected.cache), cache.manager.stats().used_memory_bytes
-        print(f"{'ragged' if ragged else 'equal':>8} {mib(theirs):>14} {mib(mine):>12} {mine / theirs:>6.3f}x")
-        cache.release()
-    ids, mask = prompts(args.batch, args.prompt, False)
-    cache = paged_cache(ours, args.batch, tokens)
+    ours, reference = build()
+    print(
+        f"Bamba-9B-shaped, 1/{SCALE} the width: {LAYERS} layers (attention in {list(ATTENTION_LAYERS)}), hidden "
+        f"{HIDDEN // SCALE}, {KV_HEADS // 4}x32 KV heads, {MAMBA_HEADS // SCALE} Mamba heads of {MAMBA_HEAD_DIM}, "
+        f"state {MAMBA_STATE}, float32; {args.batch} rows, {args.new_tokens} new tokens; {break_even(ours)}"
+    )
+    print(
+        f"{'tokens':>7} {'batch':>7} {'DynamicCache':>13} {'(states)':>9} {'PagedCache':>11} {'ratio':>7} {'floor':>7}"
+    )
+    for length in args.lengths:
+        for ragged in (False, True):
+            ids, mask = prompts(args.batch, length, ragged)
+            expected = generate(reference, ids, mask, args.new_tokens)
+            cache = paged_cache(ours, args.batch, length + args.new_tokens)
+            found = generate(ours, ids, mask, args.new_tokens, cache)
+            require(torch.equal(found.sequences, expected.sequences), "PagedCache generated other tokens")
+            kv, states = dynamic_bytes(expected.cache)
+            theirs, mine = kv + states, cache.manager.stats().used_memory_bytes
+            stored = int(mask.sum()) + args.batch * (args.new_tokens - 1)  # the last token is never fed back
+            floor = (states + kv * stored / (args.batch * (length + args.new_tokens - 1))) / theirs
+            print(
+                f"{length:>7} {'ragged' if ragged else 'equal':>7} {mib(theirs):>13} {mib(states):>9} "
+                f"{mib(mine):>11} {mine / theirs:>6.3f}x {floor:>6.3f}x"
+            )
+            cache.release()
+    ids, mask = prompts(args.batch, args.lengths[0], False)
+    cache = paged_cache(ours, args.batch, args.lengths[0] + args.new_tokens)
 
-    def with_paged() -> Any:
+    def with_paged(new_tokens: int) -> Any:
         cache.release()
-        return generate(ours, ids, mask, args.new_tokens, cache)
+        return generate(ours, ids, mask, new_tokens, cache)
 
     timings = take_turns(
-        {"dynamic": lambda: generate(reference, ids, mask, args.new_tokens), "paged": with_paged},
-        rounds=args.rounds,
+        {
+            "dynamic": lambda: generate(reference, ids, mask, args.new_tokens),
+            "dynamic prefill": lambda: generate(reference, ids, mask, 1),
+            "paged": lambda: with_paged(args.new_tokens),
+            "paged prefill": lambda: with_paged(1),
+        },
+        rounds=args.repeats,
         warmup=1,
+        statistic=args.statistic,
     )
-    per_token = {name: timings.seconds(name) / args.new_tokens * 1e3 for name in ("dynamic", "paged")}
+    steps = args.new_tokens - 1
+    mine = (timings.seconds("paged") - timings.seconds("paged prefill")) / steps
+    theirs = (timings.seconds("dynamic") - timings.seconds("dynamic prefill")) / steps
     print(
-        f"generate, ms per token (prefill included): DynamicCache {per_token['dynamic']:.2f}, "
-        f"PagedCache {per_token['paged']:.2f}, {per_token['paged'] / per_token['dynamic']:.2f}x"
+        f"decode step, {args.lengths[0]}-token prompts ({args.statistic} of {args.repeats}): PagedCache "
+        f"{mine * 1e3:.2f} ms, DynamicCache {theirs * 1e3:.2f} ms: DynamicCache / ours {theirs / mine:.2f}x"
     )
     return 0
 

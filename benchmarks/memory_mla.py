@@ -6,7 +6,9 @@ a latent of ``kv_lora_rank = 128`` and a rotary part of 32 per token, 1 dense la
 mixture of experts), fp32 on the CPU. Its attention reads the cached latent back and
 expands it into every head's K/V itself, so PagedCache runs the contiguous path (``sdpa``);
 the pool (``cache_config_for``) holds what ``update`` receives: one head, keys of 128 and
-values of 32 (``CacheConfig.value_head_dim``), not expanded heads. Two batches generate
+values of 32 (``CacheConfig.value_head_dim``), not expanded heads, and no padding (the cache
+is built with the model, whose forward hook hands it each forward's padding mask; the
+contiguous K/V handed back hold zeros there, a transient tensor). Two batches generate
 ``--new-tokens`` tokens greedily:
 
 * **equal**: ``--batch-size`` prompts of one length (the tokens cached at the end fill whole
@@ -15,8 +17,10 @@ values of 32 (``CacheConfig.value_head_dim``), not expanded heads. Two batches g
 
 Printed per batch: one run of each checked first (same tokens, logits within 1e-3; exit 1
 otherwise), the KV bytes each holds at the end (ours: the pool's ``used_memory_bytes``;
-DynamicCache: the bytes of its key and value tensors) and ours / DynamicCache, beside what a
-pool of expanded heads (``num_heads x (qk_head_dim + v_head_dim)``) would take; then the
+DynamicCache: the bytes of its key and value tensors) and ours / DynamicCache, beside the
+floor of a cache keeping every real token and no padding (the batch's real tokens over its
+padded positions) and what a pool of expanded heads (``num_heads x (qk_head_dim +
+v_head_dim)``) would take; then the
 decode-step time of each (``--statistic`` of ``--repeats`` runs in turns: a generate of
 ``--new-tokens`` less one of 1 token, per new token) and DynamicCache / ours. Nothing asserts
 a time.
@@ -119,7 +123,7 @@ def compare(
     )
 
     def ours(new_tokens: int, **options: Any) -> tuple[Any, int]:
-        with PagedCache(manager, ours_model.config) as cache:
+        with PagedCache(manager, ours_model) as cache:  # the model: its hook brings the padding mask
             out = generate(ours_model, ids, mask, new_tokens, cache=cache, **options)
             return out, manager.stats().used_memory_bytes
 
@@ -130,9 +134,14 @@ def compare(
     require(same and worst <= generation.LOGIT_TOLERANCE, f"{name}: ours and DynamicCache disagree")
     reference_bytes = kv_tensor_bytes(expected.cache)
     stored = int(mask.sum()) + ids.shape[0] * args.new_tokens
+    # The floor of any cache keeping every real token: real tokens over the padded batch's positions
+    # (the last new token is never fed back).
+    kept = int(mask.sum()) + ids.shape[0] * (args.new_tokens - 1)
+    floor = kept / (ids.shape[0] * (ids.shape[1] + args.new_tokens - 1))
     print(
         f"{name}: KV memory at the end: ours {mib(ours_bytes)}, DynamicCache {mib(reference_bytes)}: "
-        f"ours / DynamicCache {ours_bytes / reference_bytes:.2f}x (expanded heads: {mib(expanded_bytes(ours_model, stored))})"
+        f"ours / DynamicCache {ours_bytes / reference_bytes:.2f}x (the real tokens alone: {floor:.2f}x; "
+        f"expanded heads: {mib(expanded_bytes(ours_model, stored))})"
     )
     times = take_turns(
         {

@@ -64,6 +64,7 @@ def test_every_benchmark_is_listed_here() -> None:
         "generate_torch.py",
         "handoff.py",
         "hybrid_memory.py",
+        "memory_gemma4.py",
         "memory_hybrid.py",
         "memory_mla.py",
         "prefix.py",

@@ -62,21 +62,28 @@ def pairs() -> Iterator[dict[str, tuple[Model, Model]]]:
     built.clear()
 
 
+def fresh_pair(architecture: str) -> tuple[Model, Model]:
+    """``(model on its PagedCache path, reference)``, built now: no cache has hooked them yet."""
+    _, model_name, _, reference_attention, path = MODELS[architecture]
+    torch.manual_seed(0)
+    reference = getattr(transformers, model_name)(_config(architecture)).eval()
+    reference.set_attn_implementation(reference_attention)
+    tested = copy.deepcopy(reference)  # its own config object
+    tested.set_attn_implementation(ATTN_IMPLEMENTATION if path == "paged" else reference_attention)
+    return tested, reference
+
+
 def pair(pairs: dict[str, tuple[Model, Model]], architecture: str) -> tuple[Model, Model]:
     if architecture not in pairs:
-        _, model_name, _, reference_attention, path = MODELS[architecture]
-        torch.manual_seed(0)
-        reference = getattr(transformers, model_name)(_config(architecture)).eval()
-        reference.set_attn_implementation(reference_attention)
-        tested = copy.deepcopy(reference)  # its own config object
-        tested.set_attn_implementation(ATTN_IMPLEMENTATION if path == "paged" else reference_attention)
-        pairs[architecture] = (tested, reference)
+        pairs[architecture] = fresh_pair(architecture)
     return pairs[architecture]
 
 
-def make_cache(model: Model, num_blocks: int = 96) -> PagedCache:
+def make_cache(model: Model, num_blocks: int = 96, *, given: str = "model") -> PagedCache:
+    """A cache built with the model (its forward hook brings the padding mask: no padding is
+    stored on either path) or with its config alone (the contiguous path then stores it)."""
     manager = create_manager("torch", cache_config_for(model, num_blocks=num_blocks, block_size=4))
-    return PagedCache(manager, model.config)
+    return PagedCache(manager, model if given == "model" else model.config)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -101,15 +108,21 @@ def test_an_unpadded_prefill_gives_the_logits_of_dynamic_cache(
     assert float((ours - expected).abs().max()) <= TOLERANCE
 
 
+@pytest.mark.parametrize("given", ["model", "config"])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_greedy_generate_of_a_left_padded_batch_gives_the_logits_of_dynamic_cache(
-    pairs: dict[str, tuple[Model, Model]], architecture: str
+    pairs: dict[str, tuple[Model, Model]], architecture: str, given: str
 ) -> None:
-    model, reference = pair(pairs, architecture)
+    # A cache given the config alone of a model no cache hooked sees no mask on the contiguous path.
+    model, reference = pair(pairs, architecture) if given == "model" else fresh_pair(architecture)
     ids, mask = prompts(3, 11, pads=(0, 4, 1), seed=2)
-    with make_cache(model) as cache:
+    with make_cache(model, given=given) as cache:
         ours = generate(model, ids, mask, cache, max_new_tokens=16)
         assert cache.batch_size == 3
+        # The prompts and 15 new tokens (the last is never fed back); the padding columns too
+        # where the contiguous path never saw the mask.
+        stores_padding = given == "config" and PATHS[architecture] == "contiguous"
+        assert cache.request_lengths() == [11 + 15 if stores_padding else 11 - pad + 15 for pad in (0, 4, 1)]
     expected = generate(reference, ids, mask, max_new_tokens=16)
     assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
     assert torch.equal(ours.sequences, expected.sequences)

@@ -119,23 +119,25 @@ def test_a_left_padded_batch_on_the_paged_path_starts_from_the_blocks_every_row_
     assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
 
 
-def test_the_contiguous_path_caches_no_padded_row(computed: Any) -> None:
+def test_the_contiguous_path_caches_padded_rows(computed: Any) -> None:
+    """The contiguous path stores no padding either (the model's forward hook brings the
+    mask): a left-padded row hits its cached blocks as on the paged path."""
     model, reference = model_pair("llama", "sdpa")
     manager = prefix_caching_manager(model)
     ids, mask = prompts(2, 30, pads=(0, 3), seed=23)
     watch = computed(model)
     with PagedCache(manager, model) as cache:
         generate(model, ids, mask, cache, max_new_tokens=1)
+        assert cache.request_lengths() == [30, 27]  # the 3 padding columns are not stored
     with PagedCache(manager, model) as cache:
         ours = generate(model, ids, mask, cache)
-    assert watch.counts[0] == watch.counts[1] == 30  # the padded row hits nothing: nothing is skipped
-    with PagedCache(manager, model) as cache:  # the unpadded row alone hits
-        alone = generate(model, ids[:1], mask[:1], cache)
-    assert watch.counts[-len(alone.logits)] == 30 - 24
+        # Row 0 hits 3 blocks, row 1 3 blocks after its 3 padding columns: they share 24
+        # positions, of which row 1 holds 21.
+        assert [handle.num_cached_tokens() for handle in cache.handles] == [24, 21]
+    assert watch.counts[1] == 30 - 24
     expected = generate(reference, ids, mask)
+    assert torch.equal(ours.sequences, expected.sequences)
     assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
-    expected_alone = generate(reference, ids[:1], mask[:1])
-    assert max_logit_difference(alone.logits, expected_alone.logits) <= TOLERANCE
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -10,12 +10,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from kvcache_core import (
-    InvalidArgumentError,
-    PagedKvCacheHandle,
-    PagedKvCacheManager,
-    UnsupportedConfigError,
-)
+from kvcache_core import InvalidArgumentError, PagedKvCacheHandle, PagedKvCacheManager, UnsupportedConfigError
 from kvcache_core.contract.config import check_count
 from kvcache_core.errors import InvalidTypeError, ShapeMismatchError
 from kvcache_torch.hf.attention import attend_new_tokens
@@ -43,8 +38,8 @@ class PagedCache(Cache):
 
     Positions, lengths and masks are counted as transformers counts them: every column of
     the batch's 2-D ``attention_mask``, padding included (``get_seq_length``,
-    ``get_mask_sizes``, ``crop``). With ``"kvcache_paged"`` attention the padding columns
-    are not stored, so a request holds only its real tokens (``request_lengths()``).
+    ``get_mask_sizes``, ``crop``). Padding columns are not stored (``request_lengths()``):
+    on the contiguous path only when built with the model, whose hook brings the mask.
 
     Prefix caching needs the prompts' token ids, which ``generate`` shows only to the model:
     pass the model itself as ``config`` (:mod:`~kvcache_torch.hf.prompts`), else call
@@ -119,8 +114,8 @@ class PagedCache(Cache):
         self._states = StateBridge(manager, states, self._rows, self._progress.placing) if states else None
         self._mode: Mode | None = None
         self._feed = TokenFeed(self._rows)
-        if model is not None and pool.enable_prefix_caching:
-            attach_prompt_hook(model)
+        if model is not None and (pool.enable_prefix_caching or attention_implementation(text) != ATTN_IMPLEMENTATION):
+            attach_prompt_hook(model)  # each forward's ids (prefix caching) and padding mask (contiguous path)
         self._finalizer = weakref.finalize(self, release_requests, manager, self._rows.request_ids)
         if handles is not None:
             if self._states is not None:
@@ -293,8 +288,7 @@ class PagedCache(Cache):
         Raises:
             InvalidArgumentError: the cache already holds rows (``release()`` it first), or
                 ids and mask that are not 2-D integer tensors of one shape, left-padded.
-            UnsupportedConfigError: the model does not run ``"kvcache_paged"`` attention
-                (the contiguous path stores padding, so rows cannot skip it).
+            UnsupportedConfigError: the model does not run ``"kvcache_paged"`` attention.
             OutOfBlocksError: the pool cannot hold the rows (nothing is kept).
         """
         if self._rows.handles:
@@ -312,18 +306,19 @@ class PagedCache(Cache):
     def receive_token_ids(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
     ) -> int:
-        """Take the coming forward's token ids ``[batch, new_tokens]`` (the model's forward
-        pre-hook calls it); with prefix caching on, a new batch's first forward starts from
-        the prefix cache (:meth:`~kvcache_torch.hf.prompts.TokenFeed.receive`). Returns the
-        positions the forward skips, cached already (0: none).
+        """Take the coming forward's token ids ``[batch, new_tokens]`` and padding mask (the
+        model's forward pre-hook calls it); with prefix caching on, a new batch's first forward
+        starts from the prefix cache (:meth:`~kvcache_torch.hf.prompts.TokenFeed.receive`).
+        Returns the positions the forward skips, cached already (0: none).
 
         Raises:
             OutOfBlocksError: the pool cannot hold the rows (nothing is kept).
         """
+        self._feed.mask = attention_mask  # the contiguous path stores the tokens it marks real
         if not self._manager.config.enable_prefix_caching:
             return 0
         mode: Mode = "paged" if attention_implementation(self._text) == ATTN_IMPLEMENTATION else "contiguous"
-        shared = self._feed.receive(input_ids, attention_mask, position_ids, stores_padding=mode == "contiguous")
+        shared = self._feed.receive(input_ids, attention_mask, position_ids)
         return 0 if shared is None else self._rows_started(shared, mode)
 
     def _rows_started(self, positions: int, mode: Mode) -> int:  # the new rows hold positions already
@@ -343,7 +338,7 @@ class PagedCache(Cache):
             self._states.reset()
         self._rows.release()
         self._progress.reset(0)
-        self._mode = None
+        self._mode, self._feed.mask = None, None
 
     def close(self) -> None:
         """:meth:`release`."""
@@ -369,9 +364,10 @@ class PagedCache(Cache):
         With ``"kvcache_paged"`` attention the write happens in the attention function (it
         sees the padding mask, so padding is not stored) and the new K/V are returned as
         they are. Otherwise they are written now and the whole contiguous K/V ``[batch,
-        kv_heads, positions, head_dim]`` are returned; for a sliding or chunked layer of
-        window ``W``, its last ``W - 1`` positions before this forward and the new ones, as
-        ``DynamicSlidingWindowLayer`` returns them (:meth:`get_mask_sizes` sizes its mask so).
+        kv_heads, positions, head_dim]`` returned (zeros where a row stored no padding); for
+        a sliding or chunked layer of window ``W``, its last ``W - 1`` positions before this
+        forward and the new ones, as ``DynamicSlidingWindowLayer`` returns them
+        (:meth:`get_mask_sizes` sizes its mask so).
 
         Raises:
             LayerIndexError: ``layer_idx`` outside the model's layers.
@@ -403,14 +399,15 @@ class PagedCache(Cache):
             step.awaiting = layer
             hand_off(Handoff(self, layer, key_states, value_states, step, self._attend, layer in self._read_later))
             return key_states, value_states
-        if step.planned is None:
-            self._place_step(step, int(key_states.shape[0]), None, "contiguous")
+        if step.planned is None:  # the padding the hook's mask marks is not stored
+            valid = self._feed.real_new_tokens(step.start + step.query_length, step.query_length, len(key_states))
+            self._place_step(step, len(key_states), valid, "contiguous")
         assert step.planned is not None  # placed just above
-        step.planned.write(layer, token_major(key_states), token_major(value_states))
+        step.planned.write(layer, token_major(key_states, step.valid), token_major(value_states, step.valid))
         self._progress.finish(step, layer)
-        window = self._windows[layer]
-        # A sliding or chunked layer sees what DynamicSlidingWindowLayer returns: its last W - 1
-        # positions before the step, and the step's.
+        if step.start == 0:  # a first forward's K/V are the new ones, as DynamicCache returns them
+            return key_states, value_states
+        window = self._windows[layer]  # a sliding layer's last W - 1 positions and the step's
         kept = None if window is None else min(step.start, window - 1) + step.query_length
         return self._rows.gather_padded(layer, kept)
 
@@ -574,7 +571,7 @@ class PagedCache(Cache):
 
     def _place_step(self, step: ForwardStep, batch: int, valid: torch.Tensor | None, mode: Mode) -> None:
         """Plan the step in the manager: allocate the rows at the first forward, then grow
-        every row by its real new tokens (all new tokens on the contiguous path), for the
+        every row by its real new tokens (``valid``; ``None``: all of them), for the
         whole batch at once.
 
         Atomic: when the pool cannot hold the step, nothing is allocated or grown.

@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from kvcache_torch.hf.padding import real_tokens
 from kvcache_torch.hf.rows import BatchRows
 
 __all__ = ["PromptReceiver", "TokenFeed", "attach_prompt_hook", "cacheable_prompts"]
@@ -92,13 +93,11 @@ def cacheable_prompts(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
-    *,
-    stores_padding: bool,
 ) -> tuple[list[tuple[int, ...] | None], list[int]]:
     """Per row of a first forward ``[batch, columns]``: the ids of the tokens its request
     stores, or ``None`` where their K/V are not those of the ids alone (positions other
-    than ``0, 1, ...`` for the real tokens; with ``stores_padding``, any padding), and the
-    leading columns it does not store (its left padding on the paged path, else 0).
+    than ``0, 1, ...`` for the real tokens), and the leading columns it does not store (its
+    left padding, on either path).
 
     A row that is not left-padded stores what its mask says and caches nothing.
     """
@@ -120,9 +119,9 @@ def cacheable_prompts(
         pad = columns - count
         left_padded = bool(real[row, pad:].all())
         canonical = left_padded and bool((positions[row, pad:] == np.arange(count)).all())
-        cacheable = canonical and count > 0 and not (stores_padding and pad)
+        cacheable = canonical and count > 0
         prompts.append(tuple(int(token) for token in ids[row, pad:]) if cacheable else None)
-        pads.append(pad if left_padded and not stores_padding else 0)
+        pads.append(pad if left_padded else 0)
     return prompts, pads
 
 
@@ -132,6 +131,7 @@ class TokenFeed:
     def __init__(self, rows: BatchRows) -> None:
         self.rows = rows
         self.incoming: torch.Tensor | None = None  # the coming step's ids
+        self.mask: torch.Tensor | None = None  # the coming forward's 2-D padding mask, if it came
         self.warned = False
 
     def receive(
@@ -139,8 +139,6 @@ class TokenFeed:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
-        *,
-        stores_padding: bool,
     ) -> int | None:
         """A forward's ids ``[batch, new_tokens]``: before a new batch's first forward, start
         its rows from the prefix cache (:func:`cacheable_prompts`, :meth:`BatchRows.map_prefix`)
@@ -148,10 +146,20 @@ class TokenFeed:
         if self.rows.handles:
             self.incoming = input_ids
             return None
-        prompts, pads = cacheable_prompts(input_ids, attention_mask, position_ids, stores_padding=stores_padding)
+        prompts, pads = cacheable_prompts(input_ids, attention_mask, position_ids)
         shared = self.rows.map_prefix(prompts, pads, int(input_ids.shape[1]))
         self.incoming = input_ids[:, shared:]  # what the forward computes
         return shared
+
+    def real_new_tokens(self, kv_length: int, query_length: int, batch: int) -> torch.Tensor | None:
+        """Which of the coming forward's ``query_length`` new tokens are real, ``[batch,
+        query_length]`` bool, from the 2-D mask its hook brought (:attr:`mask`, taken); ``None``
+        when all are, or when no mask of ``[batch, kv_length]`` came (every token is then stored,
+        padding included, as a cache that never sees the mask must)."""
+        mask, self.mask = self.mask, None
+        if mask is None or tuple(mask.shape) != (batch, kv_length):
+            return None
+        return real_tokens(mask, kv_length, query_length, batch)
 
     def step_ids(
         self, batch: int, query_length: int, valid: torch.Tensor | None

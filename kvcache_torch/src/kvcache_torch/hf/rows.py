@@ -140,27 +140,34 @@ class BatchRows:
         self.positions = 0
 
     def gather_padded(self, layer: int, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's K/V as ``[batch, kv_heads, positions, head_dim]`` (contiguous path:
-        every row stored every position), or only its ``last`` positions.
+        """Every row's K/V as ``[batch, kv_heads, positions, head_dim]`` (contiguous path), or
+        only its ``last`` positions; a position a row did not store (its padding) holds zeros,
+        which the model's mask hides (a transient tensor: the pool holds no padding).
 
         Raises:
             UnsupportedConfigError: the pool no longer holds the positions asked for (its
                 sliding window released them).
         """
+        start = 0 if last is None else self.positions - last
+        width = self.positions - start
+        held = self.stored[: len(self.handles), start : self.positions]
+        counts = held.sum(axis=1)
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        for handle, tokens in zip(self.handles, self.tokens, strict=True):
+        for handle, tokens, count in zip(self.handles, self.tokens, counts.tolist(), strict=True):
             k, v = self.manager.gather(handle, layer)
             held_from = handle.num_tokens() - int(k.shape[0])  # a sliding window released the positions before
-            start = 0 if last is None else tokens - last
-            if start < held_from:
+            first = tokens - count
+            if first < held_from:
                 raise UnsupportedConfigError(
-                    f"layer {layer} needs positions {start} to {tokens} of request {handle.request_id}, whose "
+                    f"layer {layer} needs tokens {first} to {tokens} of request {handle.request_id}, whose "
                     f"sliding window holds them from {held_from} on"
                 )
-            keys.append(k[start - held_from : tokens - held_from].transpose(0, 1))
-            values.append(v[start - held_from : tokens - held_from].transpose(0, 1))
-        return torch.stack(keys), torch.stack(values)
+            keys.append(k[first - held_from : tokens - held_from].transpose(0, 1))
+            values.append(v[first - held_from : tokens - held_from].transpose(0, 1))
+        if bool((counts == width).all()):  # no padding among these positions
+            return torch.stack(keys), torch.stack(values)
+        return _with_gaps(keys, held, width), _with_gaps(values, held, width)
 
     # -- prefix caching ------------------------------------------------------------------
 
@@ -294,6 +301,20 @@ class BatchRows:
         self.ids_known[:] = [self.ids_known[source] for source in sources]
         release_requests(self.manager, unused)
         self.stored = self.stored[sources]
+
+
+def _with_gaps(rows: list[torch.Tensor], held: npt.NDArray[np.bool_], width: int) -> torch.Tensor:
+    """``[batch, heads, width, dim]``: row ``b``'s tokens ``rows[b]`` ``[heads, tokens, dim]`` at
+    the positions ``held[b]`` marks, zeros elsewhere."""
+    sample = rows[0]
+    out = sample.new_zeros((len(rows), sample.shape[0], width, sample.shape[2]))
+    for row, (tokens, where) in enumerate(zip(rows, held, strict=True)):
+        count = int(tokens.shape[1])
+        if count and bool(where[width - count :].all()):  # left padding: the row's tokens end the positions
+            out[row, :, width - count :] = tokens
+        elif count:
+            out[row, :, torch.tensor(np.flatnonzero(where).tolist(), device=out.device)] = tokens
+    return out
 
 
 def undo_step(step: ForwardStep, rows: BatchRows) -> bool:
