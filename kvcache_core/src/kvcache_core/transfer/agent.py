@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import time
 import uuid
@@ -28,6 +29,7 @@ from kvcache_core.contract.config import AllocationRequest, CacheConfig, check_t
 from kvcache_core.contract.protocols import KvCacheHandle
 from kvcache_core.contract.regions import (
     MEMORY_REGIONS,
+    MemoryRegion,
     check_regions,
     host_form_from_parts,
     storage_regions,
@@ -36,7 +38,14 @@ from kvcache_core.errors import InvalidArgumentError, KvCacheError, TransferErro
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.transfer.channel import ChannelServer, ask
-from kvcache_core.transfer.digests import DIGEST_BYTES, block_digests, host_memory
+from kvcache_core.transfer.digests import (
+    DIGEST_BYTES,
+    Reader,
+    block_checksums,
+    block_digests,
+    host_memory,
+    pack_digests,
+)
 from kvcache_core.transfer.engine import NixlEngine
 from kvcache_core.transfer.leases import LEASE_PREFIX, Leases
 from kvcache_core.transfer.plan import read_plan
@@ -46,6 +55,9 @@ __all__ = ["KvTransferAgent"]
 
 #: How long a consumer waits for the producer to take an acknowledgement.
 _ACK_SECONDS: Final = 2.0
+#: Transfers one import's read is split into, so that what arrived is checksummed while the
+#: rest is in flight (the last piece's checksum is the only one not overlapped).
+_READ_PIECES: Final = 8
 
 
 class KvTransferAgent:
@@ -379,7 +391,17 @@ class KvTransferAgent:
                 )
             )
         local = np.concatenate(rows).astype(np.uint64)
-        failure, released = self._engine.read_into(ticket.agent, plan.remote, plan.device_kind, local, "cpu", deadline)
+        check = _Checksums(regions, blocks, host_memory) if ticket.digests else None
+        failure, released = self._engine.read_into(
+            ticket.agent,
+            plan.remote,
+            plan.device_kind,
+            local,
+            "cpu",
+            deadline,
+            pieces=check.piece_rows if check is not None else (),
+            arrived=check.arrived if check is not None else None,
+        )
         if not released:  # a read NIXL could not abort may still land: keep the blocks out of reuse
             self._held.add(handle.request_id)
         if failure is not None:
@@ -391,8 +413,8 @@ class KvTransferAgent:
                     else f"; request {handle.request_id!r} stays allocated (the read could not be aborted)"
                 )
             )
-        if ticket.digests:
-            _check_digests(block_digests(regions, blocks, host_memory), ticket.digests[first * DIGEST_BYTES :], first)
+        if check is not None:
+            _check_digests(check.digests(), ticket.digests[first * DIGEST_BYTES :], first)
 
     def _pull(
         self, ticket: TransferTicket, source: CacheConfig, first: int, deadline: float
@@ -400,13 +422,26 @@ class KvTransferAgent:
         """The blocks ``ticket.blocks[first:]`` of the producer's pool, in host form."""
         plan = read_plan(ticket, source, first)
         staging = np.empty(plan.total_bytes, dtype=np.uint8)
-        self._engine.read(ticket.agent, plan.remote, plan.device_kind, staging, plan.offsets, deadline)
-        if ticket.digests:
-            view = memoryview(staging.data)
-            got = block_digests(
+        view = memoryview(staging.data)
+        check = (
+            _Checksums(
                 plan.staged, np.arange(plan.count, dtype=np.int64), lambda start, size: view[start : start + size]
             )
-            _check_digests(got, ticket.digests[first * DIGEST_BYTES :], first)
+            if ticket.digests
+            else None
+        )
+        self._engine.read(
+            ticket.agent,
+            plan.remote,
+            plan.device_kind,
+            staging,
+            plan.offsets,
+            deadline,
+            pieces=check.piece_rows if check is not None else (),
+            arrived=check.arrived if check is not None else None,
+        )
+        if check is not None:
+            _check_digests(check.digests(), ticket.digests[first * DIGEST_BYTES :], first)
         return host_form_from_parts(source, ticket.layout, plan.parts(staging))
 
     def _source_config(self, ticket: TransferTicket) -> CacheConfig:
@@ -484,6 +519,33 @@ class KvTransferAgent:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class _Checksums:
+    """The digests of blocks read region after region, computed as the read arrives: the
+    regions are split into a few pieces of about equal bytes, each read by a transfer of its
+    own, and a piece is checksummed while the later ones are still in flight."""
+
+    def __init__(self, regions: Sequence[MemoryRegion], blocks: npt.NDArray[np.int64], read: Reader) -> None:
+        self._blocks, self._read = blocks, read
+        sizes = [region.chunks_per_block * region.block_stride_bytes for region in regions]
+        pieces = min(_READ_PIECES, len(regions))
+        # Cut before the region where the bytes so far pass each piece's share.
+        cuts = np.searchsorted(np.cumsum(sizes), np.arange(1, pieces) * (sum(sizes) / pieces), side="right") + 1
+        bounds = sorted({0, *(int(cut) for cut in cuts if 0 < cut < len(regions)), len(regions)})
+        self._groups = [list(regions[first:stop]) for first, stop in itertools.pairwise(bounds)]
+        rows = np.cumsum([0, *(region.chunks_per_block * len(blocks) for region in regions)])
+        self.piece_rows: tuple[int, ...] = tuple(int(rows[bound]) for bound in bounds[1:-1])
+        self._running: list[int] | None = None
+
+    def arrived(self, piece: int) -> None:
+        """Checksum piece ``piece`` (pieces arrive in order)."""
+        self._running = block_checksums(self._groups[piece], self._blocks, self._read, self._running)
+
+    def digests(self) -> bytes:
+        """The blocks' digests, once every piece arrived."""
+        assert self._running is not None
+        return pack_digests(self._running)
 
 
 def _check_digests(got: bytes, expected: bytes, first: int) -> None:

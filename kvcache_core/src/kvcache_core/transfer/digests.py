@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from kvcache_core.contract.regions import MemoryRegion
 
-__all__ = ["DIGEST_BYTES", "block_digests", "host_memory"]
+__all__ = ["DIGEST_BYTES", "block_checksums", "block_digests", "host_memory", "pack_digests"]
 
 #: Bytes of one block's digest.
 DIGEST_BYTES: Final = 4
@@ -38,11 +38,29 @@ def host_memory(address: int, length: int) -> ctypes.Array[ctypes.c_ubyte]:
 
 def block_digests(regions: Sequence[MemoryRegion], blocks: npt.NDArray[np.int64], read: Reader) -> bytes:
     """The digests of ``blocks`` of ``regions`` (``DIGEST_BYTES`` each, concatenated), with
-    ``read(address, length)`` giving the bytes of a whole region at its address.
+    ``read(address, length)`` giving the bytes of a whole region at its address."""
+    return pack_digests(block_checksums(regions, blocks, read))
+
+
+def pack_digests(checksums: Sequence[int]) -> bytes:
+    """Blocks' running checksums (:func:`block_checksums`) as their digests."""
+    return b"".join(checksum.to_bytes(DIGEST_BYTES, "big") for checksum in checksums)
+
+
+def block_checksums(
+    regions: Sequence[MemoryRegion],
+    blocks: npt.NDArray[np.int64],
+    read: Reader,
+    running: Sequence[int] | None = None,
+) -> list[int]:
+    """Each block's CRC-32 over ``regions`` (in order), going on from ``running`` (one per
+    block: the checksums over the regions before these; zeros by default), so a transfer
+    that arrives region after region is checksummed as it arrives.
 
     Blocks are checksummed on several threads when there are megabytes of them and their
     chunks are large enough for ``zlib.crc32`` to release the GIL (over 5 KiB)."""
     count = len(blocks)
+    start_from = [0] * count if running is None else list(running)
     views = [memoryview(read(region.address, region.length_bytes)).cast("B") for region in regions]
     # Per region, per block: its chunks' offsets in the region.
     starts = [
@@ -51,22 +69,22 @@ def block_digests(regions: Sequence[MemoryRegion], blocks: npt.NDArray[np.int64]
     ]
     lengths = [region.block_stride_bytes for region in regions]
 
-    def digest(first: int, stop: int) -> bytes:
-        digests = bytearray()
+    def checksum(first: int, stop: int) -> list[int]:
+        out: list[int] = []
         for index in range(first, stop):
-            checksum = 0
+            value = start_from[index]
             for view, chunk_starts, length in zip(views, starts, lengths, strict=True):
                 for start in chunk_starts[index]:
-                    checksum = zlib.crc32(view[start : start + length], checksum)
-            digests += checksum.to_bytes(DIGEST_BYTES, "big")
-        return bytes(digests)
+                    value = zlib.crc32(view[start : start + length], value)
+            out.append(value)
+        return out
 
     total_bytes = count * sum(region.chunks_per_block * region.block_stride_bytes for region in regions)
     workers = min(_MAX_WORKERS, os.cpu_count() or 1, -(-total_bytes // _BYTES_PER_WORKER))
     if workers < 2 or min(lengths, default=0) <= _GIL_RELEASED_ABOVE:
-        return digest(0, count)
+        return checksum(0, count)
     bounds = np.linspace(0, count, workers + 1).astype(np.int64).tolist()
-    return b"".join(_executor().map(digest, bounds[:-1], bounds[1:]))
+    return [value for part in _executor().map(checksum, bounds[:-1], bounds[1:]) for value in part]
 
 
 #: ``zlib.crc32`` holds the GIL for buffers up to this many bytes (CPython).
