@@ -79,6 +79,7 @@ def serve(connection: Connection, args: argparse.Namespace) -> None:
         agent = KvTransferAgent(manager, lease_seconds=120.0)
         rng = np.random.default_rng(args.seed)
         config = manager.config
+        native = _torch_tensor if backend == "torch" else _same
         while True:
             command = connection.recv()
             if command[0] == "prefill":
@@ -88,10 +89,7 @@ def serve(connection: Connection, args: argparse.Namespace) -> None:
                 slots = manager.extend(handle, tokens)
                 shape = (tokens, config.num_heads, config.head_dim)
                 for layer in range(config.num_layers):
-                    keys, values = (
-                        manager.storage.from_numpy(rng.random(shape, dtype=np.float32).astype(config.dtype))
-                        for _ in range(2)
-                    )
+                    keys, values = (native(rng.random(shape, dtype=np.float32).astype(config.dtype)) for _ in range(2))
                     manager.write(layer, slots, keys, values)
                 connection.send(("ok",))
             elif command[0] == "export":
@@ -101,6 +99,16 @@ def serve(connection: Connection, args: argparse.Namespace) -> None:
             else:
                 agent.close()
                 return
+
+
+def _same(array: np.ndarray[Any, Any]) -> Any:
+    return array
+
+
+def _torch_tensor(array: np.ndarray[Any, Any]) -> Any:
+    import torch  # the torch backend's pools take tensors; imported for it only
+
+    return torch.from_numpy(array)  # pyright: ignore[reportUnknownMemberType]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import math
 import time
 import uuid
@@ -29,35 +28,25 @@ from kvcache_core.contract.config import AllocationRequest, CacheConfig, check_t
 from kvcache_core.contract.protocols import KvCacheHandle
 from kvcache_core.contract.regions import (
     MEMORY_REGIONS,
-    MemoryRegion,
     check_regions,
     host_form_from_parts,
     storage_regions,
 )
-from kvcache_core.errors import InvalidArgumentError, KvCacheError, TransferError
+from kvcache_core.errors import KvCacheError, TransferError
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.transfer.channel import ChannelServer, ask
-from kvcache_core.transfer.digests import (
-    DIGEST_BYTES,
-    Reader,
-    block_checksums,
-    block_digests,
-    host_memory,
-    pack_digests,
-)
+from kvcache_core.transfer.digests import DIGEST_BYTES, ArrivingChecksums, block_digests, host_memory
 from kvcache_core.transfer.engine import NixlEngine
 from kvcache_core.transfer.leases import LEASE_PREFIX, Leases
 from kvcache_core.transfer.plan import read_plan
+from kvcache_core.transfer.pool_description import describe_layers, group_reads, source_config, state_addresses
 from kvcache_core.transfer.ticket import RegionAddress, TransferTicket
 
 __all__ = ["KvTransferAgent"]
 
 #: How long a consumer waits for the producer to take an acknowledgement.
 _ACK_SECONDS: Final = 2.0
-#: Transfers one import's read is split into, so that what arrived is checksummed while the
-#: rest is in flight (the last piece's checksum is the only one not overlapped).
-_READ_PIECES: Final = 8
 
 
 class KvTransferAgent:
@@ -66,7 +55,10 @@ class KvTransferAgent:
     Args:
         manager: the pool this agent exports from and imports into; its storage must claim
             ``"memory_regions"`` (NumPy, torch, memmap; not JAX, whose writes replace its
-            buffers), with one KV-cache group, no sliding window and no recurrent-state layers.
+            buffers), and its state pool name its memory when it has state layers. Any pool
+            moves: KV-cache groups (sliding windows), recurrent-state layers, layers of their
+            own geometry; such a pool's blocks are read in place only (both pools of one
+            layout, in host memory).
         name: the NIXL agent name (unique among the agents that talk); default: a random one.
         host: the side channel's interface, loopback by default (``"0.0.0.0"`` binds every
             interface: only when asked).
@@ -75,10 +67,8 @@ class KvTransferAgent:
         timeout_seconds: the longest an import waits for the producer, all steps together.
 
     Raises:
-        TransferError: NIXL or ZMQ is missing, the storage cannot name its memory, the pool has
-            several KV-cache groups, a sliding window, recurrent-state layers or layers of mixed
-            geometry, an argument is
-            out of range, or the side channel cannot bind.
+        TransferError: NIXL or ZMQ is missing, the storage or state pool cannot name its
+            memory, an argument is out of range, or the side channel cannot bind.
     """
 
     def __init__(
@@ -98,22 +88,6 @@ class KvTransferAgent:
                 raise TransferError(f"{label} must be a number in (0, 86400], got {seconds!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise TransferError(f"port must be an int in [0, 65535], got {port!r}")
-        config = manager.config
-        if config.num_groups != 1 or config.sliding_window is not None:
-            raise TransferError(
-                "KvTransferAgent moves pools of one KV-cache group without a sliding window; this pool has "
-                f"{config.num_groups} groups, sliding_window={config.sliding_window}"
-            )
-        if config.states.arrays:
-            raise TransferError(
-                f"KvTransferAgent does not move recurrent-state layers yet: this pool has {len(config.states.arrays)} "
-                "state arrays (LayerSpec(state=...)); only attention K/V pools transfer"
-            )
-        if config.mixed_geometry:
-            raise TransferError(
-                "KvTransferAgent moves pools of one geometry for every layer (its tickets and host form hold one); "
-                f"this pool's layers differ (LayerSpec geometry: layer 0 {config.layer_geometry(0)}, ...)"
-            )
         regions = storage_regions(manager.storage)
         if regions is None:
             raise TransferError(
@@ -122,9 +96,10 @@ class KvTransferAgent:
             )
         try:
             self._regions = check_regions(manager.storage.config, regions)
-        except InvalidArgumentError as exc:
+            state_pool = manager.state_regions()
+        except KvCacheError as exc:
             raise TransferError(f"the {manager.backend!r} storage's memory regions are unusable: {exc}") from exc
-        kinds = {region.device_kind for region in self._regions.values()}
+        kinds = {region.device_kind for region in (*self._regions.values(), *state_pool)}
         if len(kinds) != 1:
             raise TransferError(f"the pool's regions span several device kinds {sorted(kinds)}")
         self._manager = manager
@@ -134,7 +109,11 @@ class KvTransferAgent:
         self._held: set[str] = set()  # requests a read that could not be aborted may still write
         self._engine = NixlEngine(name if name is not None else f"kvcache-{uuid.uuid4().hex}")
         (kind,) = kinds
-        chunks = [(region.address, region.length_bytes, region.device_id) for region in self._regions.values()]
+        self._kind: str = kind
+        self._layout: str = manager.storage.config.layout
+        chunks = [
+            (region.address, region.length_bytes, region.device_id) for region in (*self._regions.values(), *state_pool)
+        ]
         self._registered = self._engine.register(chunks, kind)
         self._metadata = self._engine.metadata()  # read once: the server thread never calls NIXL
         self._context: zmq.Context[Any] = zmq.Context()
@@ -204,11 +183,26 @@ class KvTransferAgent:
             raise TransferError(f"cannot export: {exc}") from exc
         try:
             count = math.ceil(length / manager.config.block_size)
-            blocks = np.asarray(pinned.block_table().physical_blocks[:count], dtype=np.int64)
+            tables = pinned.block_tables()
+            groups = tuple((table.first_logical, count - table.first_logical) for table in tables)
+            blocks = np.concatenate(
+                [
+                    np.asarray(table.physical_blocks[:held], dtype=np.int64)
+                    for table, (_, held) in zip(tables, groups, strict=True)
+                ]
+            )
             digests = self._digests(blocks)
+            slot = manager.state_regions(pinned)
+            state_digests = (
+                b"".join(block_digests([region], np.zeros(1, dtype=np.int64), host_memory) for region in slot)
+                if all(region.device_kind == "cpu" for region in slot)
+                else b""
+            )
             self._leases.add(lease, pin, self._lease_seconds)
-        except BaseException:
+        except BaseException as exc:
             manager.deallocate(pin)
+            if isinstance(exc, KvCacheError) and not isinstance(exc, TransferError):
+                raise TransferError(f"cannot export: {exc}") from exc
             raise
         config = manager.storage.config
         return TransferTicket(
@@ -233,6 +227,10 @@ class KvTransferAgent:
             digests=digests,
             lease=lease,
             expires_at=time.time() + self._lease_seconds,
+            layers=describe_layers(manager.config),
+            groups=groups,
+            states=state_addresses(manager.config, slot),
+            state_digests=state_digests,
         )
 
     def _digests(self, blocks: npt.NDArray[np.int64]) -> bytes:
@@ -354,13 +352,27 @@ class KvTransferAgent:
         length = ticket.num_tokens
         if cached >= length:
             return
-        manager.extend(handle, length - cached, token_ids=ticket.token_ids[cached:].tolist())
+        ids = ticket.token_ids.tolist()
+        if length - cached > 1 and any(group.window is not None for group in manager.config.kv_groups):
+            # Grown to its last token apart, then by it: a sliding group releases the blocks
+            # its window no longer sees, as the producer's did, rather than holding them unread.
+            manager.extend(handle, length - cached - 1, token_ids=ids[cached:-1])
+            manager.extend(handle, 1, token_ids=ids[-1:])
+        else:
+            manager.extend(handle, length - cached, token_ids=ids[cached:])
         first = cached // block_size
         try:
             if self._reads_in_place(ticket):
                 self._pull_in_place(ticket, source, handle, first, deadline)
                 manager.record_blocks_written(handle, cached)
                 return
+            if not _plain(manager.config):
+                raise TransferError(
+                    "a pool with KV-cache groups, recurrent-state layers or layers of their own geometry is read in "
+                    f"place only: both pools of one layout in host memory (the ticket's {ticket.layout!r} on "
+                    f"{ticket.regions[0].device_kind!r}, this pool's {self._layout!r} on "
+                    f"{self._kind!r})"
+                )
             keys, values = self._pull(ticket, source, first, deadline)
         except TransferError:
             self._engine.forget_peer(ticket.agent)
@@ -370,31 +382,35 @@ class KvTransferAgent:
     def _reads_in_place(self, ticket: TransferTicket) -> bool:
         """Whether the blocks can land in this pool's own memory: the same layout (nothing to
         convert) in host memory (their checksums are read in place)."""
-        local = self._manager.storage.config.layout
-        return ticket.layout == local and all(region.device_kind == "cpu" for region in self._regions.values())
+        return ticket.layout == self._layout and self._kind == "cpu"
 
     def _pull_in_place(
         self, ticket: TransferTicket, source: CacheConfig, handle: PagedKvCacheHandle[Any], first: int, deadline: float
     ) -> None:
-        """Read ``ticket.blocks[first:]`` straight into the request's blocks from ``first`` on,
-        through this pool's registered regions, and check their checksums there."""
-        plan = read_plan(ticket, source, first)
-        blocks = np.asarray(handle.block_table().physical_blocks[first : first + plan.count], dtype=np.int64)
+        """Read every group's blocks from logical block ``first`` on (each group's from the
+        first it holds) and the request's states straight into the request's blocks and
+        state slot, through this pool's registered regions, and check their checksums there."""
+        count = math.ceil(ticket.num_tokens / source.block_size)
+        reads = group_reads(ticket, handle.block_tables(), first, count)
+        plan = read_plan(ticket, source, reads.picks)
         regions = [self._regions[(address.layer, address.part)] for address in ticket.regions]
-        rows: list[npt.NDArray[np.int64]] = []
-        for region in regions:
-            starts = region.block_chunks(blocks)
-            rows.append(
-                np.stack(
-                    [starts, np.full(len(starts), region.block_stride_bytes), np.full(len(starts), region.device_id)],
-                    axis=1,
-                )
+        rows = [
+            np.stack(
+                [starts, np.full(len(starts), region.block_stride_bytes), np.full(len(starts), region.device_id)],
+                axis=1,
             )
-        local = np.concatenate(rows).astype(np.uint64)
-        check = _Checksums(regions, blocks, host_memory) if ticket.digests else None
+            for region in regions
+            if len(starts := region.block_chunks(reads.blocks))
+        ]
+        slot = self._manager.state_regions(handle)
+        remote_states = [[state.address, state.nbytes, state.device_id] for state in ticket.states]
+        local_states = [[region.address, region.block_stride_bytes, region.device_id] for region in slot]
+        local = np.concatenate([*rows, np.asarray(local_states, dtype=np.int64).reshape(-1, 3)]).astype(np.uint64)
+        remote = np.concatenate([plan.remote, np.asarray(remote_states, dtype=np.uint64).reshape(-1, 3)])
+        check = ArrivingChecksums(regions, reads.blocks, host_memory) if ticket.digests and len(reads.blocks) else None
         failure, released = self._engine.read_into(
             ticket.agent,
-            plan.remote,
+            remote,
             plan.device_kind,
             local,
             "cpu",
@@ -414,17 +430,21 @@ class KvTransferAgent:
                 )
             )
         if check is not None:
-            _check_digests(check.digests(), ticket.digests[first * DIGEST_BYTES :], first)
+            _check_digests(check.digests(), _picked(ticket.digests, reads.picks), reads.picks, "block")
+        if ticket.state_digests:
+            got = b"".join(block_digests([region], np.zeros(1, dtype=np.int64), host_memory) for region in slot)
+            _check_digests(got, ticket.state_digests, np.arange(len(slot), dtype=np.int64), "state array")
 
     def _pull(
         self, ticket: TransferTicket, source: CacheConfig, first: int, deadline: float
     ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-        """The blocks ``ticket.blocks[first:]`` of the producer's pool, in host form."""
-        plan = read_plan(ticket, source, first)
+        """The blocks ``ticket.blocks[first:]`` of the producer's pool (one group), in host form."""
+        picks = np.arange(first, len(ticket.blocks), dtype=np.int64)
+        plan = read_plan(ticket, source, picks)
         staging = np.empty(plan.total_bytes, dtype=np.uint8)
         view = memoryview(staging.data)
         check = (
-            _Checksums(
+            ArrivingChecksums(
                 plan.staged, np.arange(plan.count, dtype=np.int64), lambda start, size: view[start : start + size]
             )
             if ticket.digests
@@ -441,34 +461,13 @@ class KvTransferAgent:
             arrived=check.arrived if check is not None else None,
         )
         if check is not None:
-            _check_digests(check.digests(), ticket.digests[first * DIGEST_BYTES :], first)
+            _check_digests(check.digests(), _picked(ticket.digests, picks), picks, "block")
         return host_form_from_parts(source, ticket.layout, plan.parts(staging))
 
     def _source_config(self, ticket: TransferTicket) -> CacheConfig:
         """The producer pool's config (this pool's, in its layout and size), once the ticket
         is found compatible."""
-        config = self._manager.storage.config
-        mine = {
-            "num_layers": config.num_layers,
-            "num_heads": config.num_heads,
-            "head_dim": config.head_dim,
-            "value_head_dim": config.value_width,
-            "block_size": config.block_size,
-        }
-        theirs = {name: ticket.geometry[name] for name in mine}
-        if ticket.namespace != self._manager.config.model_id:
-            raise TransferError(
-                f"the ticket's namespace {ticket.namespace!r} is not this pool's model_id {self._manager.config.model_id!r}"
-            )
-        if theirs != mine or ticket.dtype != config.dtype:
-            raise TransferError(
-                f"the ticket's geometry {theirs} and dtype {ticket.dtype!r} differ from this pool's {mine} and "
-                f"{config.dtype!r}; a transfer converts layouts only"
-            )
-        try:
-            return dataclasses.replace(config, num_blocks=ticket.geometry["num_blocks"], kv_layout=ticket.layout)
-        except KvCacheError as exc:
-            raise TransferError(f"the ticket's pool cannot be described here: {exc}") from exc
+        return source_config(ticket, self._manager.config, self._manager.storage.config)
 
     @staticmethod
     def _request_for(ticket: TransferTicket, request: AllocationRequest) -> AllocationRequest:
@@ -521,35 +520,24 @@ class KvTransferAgent:
         self.close()
 
 
-class _Checksums:
-    """The digests of blocks read region after region, computed as the read arrives: the
-    regions are split into a few pieces of about equal bytes, each read by a transfer of its
-    own, and a piece is checksummed while the later ones are still in flight."""
-
-    def __init__(self, regions: Sequence[MemoryRegion], blocks: npt.NDArray[np.int64], read: Reader) -> None:
-        self._blocks, self._read = blocks, read
-        sizes = [region.chunks_per_block * region.block_stride_bytes for region in regions]
-        pieces = min(_READ_PIECES, len(regions))
-        # Cut before the region where the bytes so far pass each piece's share.
-        cuts = np.searchsorted(np.cumsum(sizes), np.arange(1, pieces) * (sum(sizes) / pieces), side="right") + 1
-        bounds = sorted({0, *(int(cut) for cut in cuts if 0 < cut < len(regions)), len(regions)})
-        self._groups = [list(regions[first:stop]) for first, stop in itertools.pairwise(bounds)]
-        rows = np.cumsum([0, *(region.chunks_per_block * len(blocks) for region in regions)])
-        self.piece_rows: tuple[int, ...] = tuple(int(rows[bound]) for bound in bounds[1:-1])
-        self._running: list[int] | None = None
-
-    def arrived(self, piece: int) -> None:
-        """Checksum piece ``piece`` (pieces arrive in order)."""
-        self._running = block_checksums(self._groups[piece], self._blocks, self._read, self._running)
-
-    def digests(self) -> bytes:
-        """The blocks' digests, once every piece arrived."""
-        assert self._running is not None
-        return pack_digests(self._running)
+def _plain(config: CacheConfig) -> bool:
+    """Whether a pool is of one group and geometry without states (host writes take it)."""
+    return (
+        config.num_groups == 1
+        and config.sliding_window is None
+        and not config.states.arrays
+        and not config.mixed_geometry
+    )
 
 
-def _check_digests(got: bytes, expected: bytes, first: int) -> None:
-    """Refuse blocks whose digests differ from the ticket's (the first of them named)."""
+def _picked(digests: bytes, picks: npt.NDArray[np.int64]) -> bytes:
+    """The digests of the ticket's blocks ``picks``."""
+    return np.frombuffer(digests, dtype=">u4")[picks].tobytes()
+
+
+def _check_digests(got: bytes, expected: bytes, picks: npt.NDArray[np.int64], what: str) -> None:
+    """Refuse blocks (or state arrays) whose digests differ from the ticket's (the first of
+    them named by its index in the ticket)."""
     if got == expected:
         return
     bad = next(
@@ -558,7 +546,9 @@ def _check_digests(got: bytes, expected: bytes, first: int) -> None:
         if got[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES]
         != expected[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES]
     )
-    raise TransferError(f"block {first + bad} of the ticket arrived different from what was exported (digest mismatch)")
+    raise TransferError(
+        f"{what} {int(picks[bad])} of the ticket arrived different from what was exported (digest mismatch)"
+    )
 
 
 def _known_ids(handle: KvCacheHandle[Any]) -> tuple[int, ...]:

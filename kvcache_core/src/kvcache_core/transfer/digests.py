@@ -11,6 +11,7 @@ lease), at several GB/s; the producer is trusted with the data itself.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import threading
 import zlib
@@ -23,7 +24,16 @@ import numpy.typing as npt
 
 from kvcache_core.contract.regions import MemoryRegion
 
-__all__ = ["DIGEST_BYTES", "block_checksums", "block_digests", "host_memory", "pack_digests"]
+__all__ = [
+    "DIGEST_BYTES",
+    "PIECE_BYTES",
+    "READ_PIECES",
+    "ArrivingChecksums",
+    "block_checksums",
+    "block_digests",
+    "host_memory",
+    "pack_digests",
+]
 
 #: Bytes of one block's digest.
 DIGEST_BYTES: Final = 4
@@ -85,6 +95,40 @@ def block_checksums(
         return checksum(0, count)
     bounds = np.linspace(0, count, workers + 1).astype(np.int64).tolist()
     return [value for part in _executor().map(checksum, bounds[:-1], bounds[1:]) for value in part]
+
+
+#: Transfers one import's read is split into, so that what arrived is checksummed while the
+#: rest is in flight (the last piece's checksum is the only one not overlapped), and the
+#: fewest bytes worth a transfer of their own (each one costs NIXL a request to post).
+READ_PIECES: Final = 8
+PIECE_BYTES: Final = 16 << 20
+
+
+class ArrivingChecksums:
+    """The digests of blocks read region after region, computed as the read arrives: the
+    regions are split into a few pieces of about equal bytes, each read by a transfer of its
+    own, and a piece is checksummed while the later ones are still in flight."""
+
+    def __init__(self, regions: Sequence[MemoryRegion], blocks: npt.NDArray[np.int64], read: Reader) -> None:
+        self._blocks, self._read = blocks, read
+        sizes = [region.chunks_per_block * region.block_stride_bytes for region in regions]
+        pieces = max(1, min(READ_PIECES, len(regions), sum(sizes) * len(blocks) // PIECE_BYTES))
+        # Cut before the region where the bytes so far pass each piece's share.
+        cuts = np.searchsorted(np.cumsum(sizes), np.arange(1, pieces) * (sum(sizes) / pieces), side="right") + 1
+        bounds = sorted({0, *(int(cut) for cut in cuts if 0 < cut < len(regions)), len(regions)})
+        self._groups = [list(regions[first:stop]) for first, stop in itertools.pairwise(bounds)]
+        rows = np.cumsum([0, *(region.chunks_per_block * len(blocks) for region in regions)])
+        self.piece_rows: tuple[int, ...] = tuple(int(rows[bound]) for bound in bounds[1:-1])
+        self._running: list[int] | None = None
+
+    def arrived(self, piece: int) -> None:
+        """Checksum piece ``piece`` (pieces arrive in order)."""
+        self._running = block_checksums(self._groups[piece], self._blocks, self._read, self._running)
+
+    def digests(self) -> bytes:
+        """The blocks' digests, once every piece arrived."""
+        assert self._running is not None
+        return pack_digests(self._running)
 
 
 #: ``zlib.crc32`` holds the GIL for buffers up to this many bytes (CPython).
