@@ -11,8 +11,9 @@ Host copies of blocks are in one form per pool, ``[layers, n, block_size, num_he
 which layers of several shapes do not fit: this storage hands swap a packed form, ``[n,
 elements]`` per part (keys, values), each storage layer's block flat, layer after layer
 (``CacheConfig.packed_block_elements``). What keeps host copies beyond one pool (offload tiers,
-prefix files, host writes, transfer: records with a geometry header) is refused by name for
-such a pool before anything changes (``CacheConfig.refuse_host_copies``).
+prefix files, host writes: records with a geometry header) is refused by name for such a pool
+before anything changes (``CacheConfig.refuse_host_copies``). Its memory regions are its parts',
+each layer of its own geometry (a transfer reads them in place).
 """
 
 from __future__ import annotations

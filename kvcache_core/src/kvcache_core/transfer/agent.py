@@ -293,9 +293,11 @@ class KvTransferAgent:
     def import_request(self, ticket: TransferTicket | bytes, request: AllocationRequest) -> PagedKvCacheHandle[Any]:
         """Allocate ``request`` and fill it with the ticket's request from the producer's pool.
 
-        Blocks the local prefix cache already holds are mapped, not pulled; the others come
-        in one NIXL READ (every layer, keys, values and scales), straight into the request's
-        blocks when both pools have one layout (else into a staging buffer, converted on
+        Blocks the local prefix cache already holds are mapped, not pulled; the others (of
+        every KV-cache group: a sliding group's from the first block it holds) and the
+        request's states come in one NIXL READ (every layer, keys, values and scales), straight
+        into the request's blocks and state slot when both pools have one layout (else, for a
+        pool of one group and geometry without states, into a staging buffer, converted on
         arrival), are checked against their checksums, and recorded as if computed here
         (prefix caching registers them). The producer's lease is then released.
 
@@ -308,8 +310,9 @@ class KvTransferAgent:
             The request's handle, ``num_tokens() == ticket.num_tokens``.
 
         Raises:
-            TransferError: a malformed ticket; another namespace, geometry or dtype; an
-                expired or released lease; the producer gone or too slow; a failed read or a
+            TransferMismatchError: another namespace, dtype or block size, or a layer or state
+                array of another kind or shape (the first one named, with both values).
+            TransferError: a malformed ticket; an expired or released lease; the producer gone or too slow; a failed read or a
                 block whose digest differs; no room in the pool; a bad ``request``. The new
                 request is released (nothing leaks); other requests are untouched.
         """
