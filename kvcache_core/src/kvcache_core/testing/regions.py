@@ -15,8 +15,8 @@ import pytest
 
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
 from kvcache_core.contract.groups import LayerSpec
-from kvcache_core.contract.states import StateSpec
 from kvcache_core.contract.regions import MemoryRegion, check_regions, host_form_from_parts, storage_regions
+from kvcache_core.contract.states import StateSpec
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing.backend import BackendUnderTest
 
