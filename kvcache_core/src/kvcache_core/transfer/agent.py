@@ -353,7 +353,9 @@ class KvTransferAgent:
         block_size = source.block_size
         cached = handle.num_tokens()
         length = ticket.num_tokens
-        if cached >= length:
+        if cached >= length:  # every block is cached here; the states are the request's own
+            if ticket.states and self._reads_in_place(ticket):
+                self._pull_in_place(ticket, source, handle, math.ceil(length / block_size), deadline)
             return
         ids = ticket.token_ids.tolist()
         if length - cached > 1 and any(group.window is not None for group in manager.config.kv_groups):
