@@ -349,3 +349,14 @@ def test_pinned_blocks_are_neither_evicted_nor_reused_until_the_import(pair: tup
     for got, want in zip(host_blocks(target, imported), expected, strict=True):
         assert got.tobytes() == want.tobytes()
     source.check_invariants()
+
+
+def test_a_lease_ended_before_the_read_is_refused_from_a_known_producer(pair: tuple[Any, Any, Any, Any]) -> None:
+    source, producer, target, consumer = pair
+    first, second = (producer.export(source.get_handle("r")) for _ in range(2))
+    consumer.import_request(first, AllocationRequest("first"))  # the producer is known from now on
+    assert producer.release(second.lease)
+    with pytest.raises(TransferError, match="expired or was released before the read ended"):
+        consumer.import_request(second, AllocationRequest("second"))
+    assert [request_id for request_id, _ in target.list_handles()] == ["first"]
+    target.check_invariants()

@@ -324,12 +324,15 @@ class KvTransferAgent:
         deadline = time.monotonic() + self._timeout_seconds
         if parsed.expires_at <= time.time():
             raise TransferError(f"the lease of the ticket expired at {parsed.expires_at:.3f} (Unix time)")
-        reply = ask(self._context, parsed.address, {"op": "open", "lease": parsed.lease}, deadline)
-        metadata = reply.get("metadata")
-        if not isinstance(metadata, bytes):
-            raise TransferError(f"the agent at {parsed.address} sent no NIXL metadata")
-        if not self._engine.knows(parsed.agent) and self._engine.add_peer(metadata) != parsed.agent:
-            raise TransferError(f"the agent at {parsed.address} is not the ticket's agent {parsed.agent!r}")
+        # A known producer is not asked first when the blocks carry digests: the lease is
+        # confirmed alive after the read instead (by its release), before anything is recorded.
+        if not (self._engine.knows(parsed.agent) and parsed.digests):
+            reply = ask(self._context, parsed.address, {"op": "open", "lease": parsed.lease}, deadline)
+            metadata = reply.get("metadata")
+            if not isinstance(metadata, bytes):
+                raise TransferError(f"the agent at {parsed.address} sent no NIXL metadata")
+            if not self._engine.knows(parsed.agent) and self._engine.add_peer(metadata) != parsed.agent:
+                raise TransferError(f"the agent at {parsed.address} is not the ticket's agent {parsed.agent!r}")
         try:
             handle = manager.allocate(request)
         except KvCacheError as exc:
@@ -343,7 +346,6 @@ class KvTransferAgent:
             if isinstance(exc, TransferError) or not isinstance(exc, Exception):
                 raise
             raise TransferError(f"cannot import into this pool: {exc}") from exc
-        self._acknowledge(parsed)
         return handle
 
     def _fill(
@@ -356,6 +358,7 @@ class KvTransferAgent:
         if cached >= length:  # every block is cached here; the states are the request's own
             if ticket.states and self._reads_in_place(ticket):
                 self._pull_in_place(ticket, source, handle, math.ceil(length / block_size), deadline)
+            self._release(ticket)
             return
         ids = ticket.token_ids.tolist()
         if length - cached > 1 and any(group.window is not None for group in manager.config.kv_groups):
@@ -369,6 +372,7 @@ class KvTransferAgent:
         try:
             if self._reads_in_place(ticket):
                 self._pull_in_place(ticket, source, handle, first, deadline)
+                self._release(ticket)
                 manager.record_blocks_written(handle, cached)
                 return
             if not _plain(manager.config):
@@ -382,6 +386,7 @@ class KvTransferAgent:
         except TransferError:
             self._engine.forget_peer(ticket.agent)
             raise
+        self._release(ticket)
         manager.write_host_blocks(handle, cached, keys, values)
 
     def _reads_in_place(self, ticket: TransferTicket) -> bool:
@@ -488,17 +493,30 @@ class KvTransferAgent:
             )
         return request
 
-    def _acknowledge(self, ticket: TransferTicket) -> None:
-        """Release the producer's lease (best effort: unacknowledged, it expires)."""
+    def _release(self, ticket: TransferTicket) -> None:
+        """Release the producer's lease once the read is over, and refuse what was read if
+        the lease had ended before (its blocks may have been reused meanwhile). A producer
+        that does not answer is warned about (unacknowledged, its lease expires): what was
+        read was checked against its digests or, without them, the lease when it began.
+
+        Raises:
+            TransferError: the lease had expired or been released.
+        """
         try:
-            ask(
+            reply = ask(
                 self._context, ticket.address, {"op": "release", "lease": ticket.lease}, time.monotonic() + _ACK_SECONDS
             )
         except TransferError as exc:
             warnings.warn(
                 f"the producer did not take the acknowledgement; its lease will expire: {exc}",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
+            )
+            return
+        if reply.get("was_alive") is False:
+            raise TransferError(
+                f"the lease {ticket.lease!r} of the ticket expired or was released before the read ended: its blocks "
+                "may have been reused, nothing is kept"
             )
 
     # -- life --------------------------------------------------------------------------------
