@@ -1,10 +1,11 @@
 """A request's KV cache handed from one process's pool to another's over NIXL (UCX's TCP
 transport on loopback), against the raw NIXL read of the same bytes, side by side.
 
-A producer process (spawned) prefills a request of each ``--tokens`` length into a NumPy pool
-(``NHD``, float16 by default) and exports it; this process imports it into its own pool
-(``--consumer-layout``: ``NHD``, read straight into its blocks; another layout is read into a
-staging buffer and converted on arrival) with ``KvTransferAgent.import_request`` (side
+A producer process (spawned) prefills a request of each ``--tokens`` length into a pool of
+``--backend`` (``numpy`` or ``torch``, CPU; ``--layout``, ``NHD`` by default; float16) and
+exports it; this process imports it into its own pool (``--consumer-layout``: by default the
+producer's, read straight into its blocks; another layout is read into a staging buffer and
+converted on arrival) with ``KvTransferAgent.import_request`` (side
 channel, allocation, one NIXL READ of every layer's blocks, checksums, registration) and, in
 turn, reads the same chunks with a bare NIXL READ into a staging buffer (no checks, no
 conversion). Printed per length: milliseconds, GiB/s and blocks/s of both and the ratio of
@@ -15,6 +16,7 @@ Run, from the repository root::
 
     .venv/bin/python benchmarks/transfer.py              # 1k, 4k, 16k tokens, a minute
     .venv/bin/python benchmarks/transfer.py --quick      # 512 and 1k tokens, seconds
+    .venv/bin/python benchmarks/transfer.py --backend torch --layout heads_first   # torch's own layout
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.flag("--tokens", ([1024, 4096, 16384], [512, 1024]), type=int_list, help="request lengths")
     parser.geometry(layers=(4, 2), kv_heads=8, head_dim=128, block_size=16)
     parser.add_argument("--dtype", choices=("float16", "float32"), default="float16", help="pool dtype (float16)")
+    parser.add_argument("--backend", choices=("numpy", "torch"), default="numpy", help="both pools' backend (numpy)")
+    parser.add_argument("--layout", choices=KV_LAYOUTS, default="NHD", help="layout of the exporting pool (NHD)")
     parser.add_argument(
         "--consumer-layout",
         choices=KV_LAYOUTS,
-        default="NHD",
-        help="layout of the importing pool (NHD: as the producer's)",
+        default=None,
+        help="layout of the importing pool (default: the producer's, read in place)",
     )
     parser.timing((3, 2), what="timed handoffs per competitor and length")
     parser.seed(what="K/V")
@@ -70,10 +74,12 @@ def pool_config(args: argparse.Namespace, layout: str, *, prefix_caching: bool) 
 
 def serve(connection: Connection, args: argparse.Namespace) -> None:
     """The producer: prefill, export on request; ``("stop",)`` ends it."""
-    with create_manager("numpy", pool_config(args, "NHD", prefix_caching=True)) as manager:
+    backend: str = args.backend
+    with create_manager(backend, pool_config(args, args.layout, prefix_caching=True)) as manager:
         agent = KvTransferAgent(manager, lease_seconds=120.0)
         rng = np.random.default_rng(args.seed)
         config = manager.config
+        native = _torch_tensor if backend == "torch" else _same
         while True:
             command = connection.recv()
             if command[0] == "prefill":
@@ -83,7 +89,7 @@ def serve(connection: Connection, args: argparse.Namespace) -> None:
                 slots = manager.extend(handle, tokens)
                 shape = (tokens, config.num_heads, config.head_dim)
                 for layer in range(config.num_layers):
-                    keys, values = (rng.random(shape, dtype=np.float32).astype(config.dtype) for _ in range(2))
+                    keys, values = (native(rng.random(shape, dtype=np.float32).astype(config.dtype)) for _ in range(2))
                     manager.write(layer, slots, keys, values)
                 connection.send(("ok",))
             elif command[0] == "export":
@@ -95,23 +101,36 @@ def serve(connection: Connection, args: argparse.Namespace) -> None:
                 return
 
 
+def _same(array: np.ndarray[Any, Any]) -> Any:
+    return array
+
+
+def _torch_tensor(array: np.ndarray[Any, Any]) -> Any:
+    import torch  # the torch backend's pools take tensors; imported for it only
+
+    return torch.from_numpy(array)  # pyright: ignore[reportUnknownMemberType]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Handoffs of each length, ours and raw; ``DisagreementError`` when they differ."""
     args = parse_args(argv)
+    if args.consumer_layout is None:
+        args.consumer_layout = args.layout
     print_environment()
     spawn = multiprocessing.get_context("spawn")
     ours_end, producer_end = spawn.Pipe()
     producer = spawn.Process(target=serve, args=(producer_end, args), daemon=True)
     producer.start()
+    backend: str = args.backend
     consumer: PagedKvCacheManager[Any] = create_manager(
-        "numpy", pool_config(args, args.consumer_layout, prefix_caching=False)
+        backend, pool_config(args, args.consumer_layout, prefix_caching=False)
     )
     agent = KvTransferAgent(consumer, timeout_seconds=120.0)
     raw = RawReader(consumer.config)
     config = consumer.config
     bytes_per_token = 2 * config.num_layers * config.num_heads * config.head_dim * config.dtype_size
     print(
-        f"producer: numpy NHD {config.dtype}, consumer: numpy {args.consumer_layout}; {config.num_layers} layers x "
+        f"producer: {args.backend} {args.layout} {config.dtype}, consumer: {args.backend} {args.consumer_layout}; {config.num_layers} layers x "
         f"{config.num_heads} KV heads x {config.head_dim}, block {config.block_size}; UCX over TCP on 127.0.0.1"
     )
     header = (
@@ -145,9 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     np.asarray(table.physical_blocks, dtype=np.int64)
                 )
                 consumer.deallocate(handle.request_id)
-                keys, values = host_form_from_parts(consumer.config, "NHD", results["raw"])
+                keys, values = host_form_from_parts(consumer.config, args.layout, results["raw"])
                 require(
-                    ours_keys.tobytes() == keys.tobytes() and ours_values.tobytes() == values.tobytes(),
+                    np.asarray(ours_keys).tobytes() == keys.tobytes()
+                    and np.asarray(ours_values).tobytes() == values.tobytes(),
                     f"the imported blocks of {tokens} tokens differ from the raw read",
                 )
 

@@ -38,7 +38,7 @@ class RawReader:
         producer = dataclasses.replace(
             self._source, kv_layout=ticket.layout, num_blocks=int(ticket.geometry["num_blocks"])
         )
-        plan = read_plan(ticket, producer, 0)
+        plan = read_plan(ticket, producer, np.arange(len(ticket.blocks), dtype=np.int64))
         staging = np.empty(plan.total_bytes, dtype=np.uint8)
         self._engine.read(ticket.agent, plan.remote, plan.device_kind, staging, plan.offsets, deadline)
         ask(self._context, ticket.address, {"op": "release", "lease": ticket.lease}, deadline)

@@ -29,6 +29,8 @@ import numpy as np
 import pytest
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, create_manager
+from kvcache_core.contract.groups import LayerSpec
+from kvcache_core.contract.states import StateSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,11 +49,31 @@ def _transfer_missing() -> str | None:
 needs_transfer = pytest.mark.skipif(_transfer_missing() is not None, reason=str(_transfer_missing()))
 
 
+def layer_specs(spec: dict[str, Any]) -> tuple[LayerSpec, ...] | None:
+    """``spec["layers"]`` (one dict per layer: ``window``, ``state`` (``[[name, shape,
+    dtype], ...]``), ``keeps_kv``, ``num_heads``, ``head_dim``) as layer specs."""
+    layers: list[dict[str, Any]] | None = spec.get("layers")
+    if layers is None:
+        return None
+    return tuple(
+        LayerSpec(
+            window=layer.get("window"),
+            state=None if layer.get("state") is None else StateSpec([tuple(item) for item in layer["state"]]),
+            keeps_kv=layer.get("keeps_kv"),
+            num_heads=layer.get("num_heads"),
+            head_dim=layer.get("head_dim"),
+        )
+        for layer in layers
+    )
+
+
 def make_pool(spec: dict[str, Any]) -> PagedKvCacheManager[Any]:
-    """A manager of ``spec``: ``backend``, ``dtype``, ``layout``, ``num_blocks`` and the
-    geometry ``num_layers``, ``num_heads``, ``head_dim``, ``value_head_dim``, ``block_size``."""
+    """A manager of ``spec``: ``backend``, ``dtype``, ``layout``, ``num_blocks``, the
+    geometry ``num_layers``, ``num_heads``, ``head_dim``, ``value_head_dim``, ``block_size``
+    and :func:`layer_specs` (with ``state_slots``)."""
+    specs = layer_specs(spec)
     config = CacheConfig(
-        num_layers=spec.get("num_layers", 2),
+        num_layers=spec.get("num_layers", 2) if specs is None else len(specs),
         num_heads=spec.get("num_heads", 2),
         head_dim=spec.get("head_dim", 8),
         value_head_dim=spec.get("value_head_dim"),
@@ -61,6 +83,8 @@ def make_pool(spec: dict[str, Any]) -> PagedKvCacheManager[Any]:
         kv_layout=spec.get("layout"),
         enable_prefix_caching=True,
         model_id=spec.get("model_id", "test-model"),
+        layer_specs=specs,
+        state_slots=spec.get("state_slots"),
     )
     backend: str = spec.get("backend", "numpy")
     return create_manager(backend, config)
@@ -85,6 +109,51 @@ def prefill(manager: Any, request_id: str, length: int, seed: int = 0) -> Any:
         )
         manager.write(layer, slots, *(_as_io(manager, array) for array in (keys, values)))
     return handle
+
+
+def prefill_steps(manager: Any, request_id: str, steps: list[int], seed: int = 0) -> Any:
+    """Allocate ``request_id`` (its prompt :func:`prompt_of` all the steps' tokens) and run
+    ``steps`` steps of that many tokens, writing seeded Gaussian K/V into every layer keeping
+    K/V (its own geometry) and seeded states into every state array; a sliding group
+    releases the blocks its window passed, as a model's prefill in chunks does."""
+    prompt = prompt_of(sum(steps))
+    handle = manager.allocate(AllocationRequest(request_id, prompt_token_ids=prompt))
+    config = manager.config
+    rng = np.random.default_rng(seed)
+    storage = manager.storage
+    for count in steps:
+        step = manager.begin_step([handle], [count])
+        for layer in range(config.num_layers):
+            spec = config.layer_spec(layer)
+            if spec.keeps_kv:
+                shape = config.layer_geometry(layer)
+                keys, values = (
+                    storage.from_numpy(rng.standard_normal((count, shape.num_heads, width), dtype=np.float32))
+                    for width in (shape.head_dim, shape.value_width)
+                )
+                step.write(layer, keys, values)
+            for array in () if spec.state is None else spec.state.arrays:
+                state = rng.standard_normal((1, *array.shape)).astype(array.dtype)
+                step.write_state(layer, array.name, storage.from_numpy(state))
+    return handle
+
+
+def state_bytes(manager: Any, handle: Any) -> list[bytes]:
+    """The bytes of the request's state slot, one entry per state array."""
+    from kvcache_core.transfer.digests import host_memory
+
+    return [bytes(host_memory(region.address, region.length_bytes)) for region in manager.state_regions(handle)]
+
+
+def kv_gathers(manager: Any, handle: Any) -> dict[str, np.ndarray[Any, Any]]:
+    """Every K/V layer's gathered keys and values (the positions its group holds), by name."""
+    out: dict[str, np.ndarray[Any, Any]] = {}
+    for layer in range(manager.config.num_layers):
+        if manager.config.layer_spec(layer).keeps_kv:
+            keys, values = manager.gather(handle, layer)
+            out[f"keys{layer}"] = np.asarray(manager.storage.to_numpy(keys))
+            out[f"values{layer}"] = np.asarray(manager.storage.to_numpy(values))
+    return out
 
 
 def _as_io(manager: Any, array: Any) -> Any:
@@ -207,10 +276,19 @@ def _serve(spec: dict[str, Any], directory: Path) -> None:
     from kvcache_core.transfer import KvTransferAgent
 
     manager = make_pool(spec)
-    handle = prefill(manager, "r", spec.get("tokens", 18), spec.get("seed", 0))
+    if "steps" in spec:
+        handle = prefill_steps(manager, "r", spec["steps"], spec.get("seed", 0))
+    else:
+        handle = prefill(manager, "r", spec.get("tokens", 18), spec.get("seed", 0))
     agent = KvTransferAgent(manager, lease_seconds=spec.get("lease_seconds", 30.0))
     ticket = agent.export(handle)
-    if spec.get("expected", True):
+    if "steps" in spec:
+        expected = kv_gathers(manager, handle)
+        expected.update(
+            {f"state{index}": np.frombuffer(data, np.uint8) for index, data in enumerate(state_bytes(manager, handle))}
+        )
+        np.savez(directory / "expected.npz", **expected)  # type: ignore[arg-type]
+    elif spec.get("expected", True):
         keys, values = host_blocks(manager, handle)
         expected = {"keys": keys, "values": values}
         if manager.config.dtype == "float32":

@@ -13,8 +13,17 @@ import pytest
 
 from kvcache_core import AllocationRequest, PagedKvCacheManager
 from kvcache_core.backends.numpy import NumpyStorage
-from kvcache_core.errors import OutOfBlocksError, TransferError
-from tests.transfer.support import host_blocks, make_pool, needs_transfer, prefill, prompt_of
+from kvcache_core.errors import OutOfBlocksError, TransferError, TransferMismatchError
+from tests.transfer.support import (
+    host_blocks,
+    kv_gathers,
+    make_pool,
+    needs_transfer,
+    prefill,
+    prefill_steps,
+    prompt_of,
+    state_bytes,
+)
 
 pytestmark = [needs_transfer, pytest.mark.xdist_group("transfer")]
 
@@ -55,8 +64,12 @@ def _mutated(fields: dict[str, Any], change: str) -> dict[str, Any]:
     else:
         value: Any = {
             "extra": 1,
-            "version": 2,
+            "version": 1,
             "num_tokens": True,
+            "groups": [[0, 99]],
+            "layers": [[None, None, "yes", 2, 8, 8]] * 2,
+            "states": [[0, "conv", "float128", [4], 4096, "cpu", 0]],
+            "state_digests": b"\x00",
             "token_ids": fields["token_ids"][:-8],
             "address": "tcp://*:5555",
             "blocks": np.full(5, 10**6, "<i8").tobytes(),
@@ -81,6 +94,10 @@ _unpackb = cast("Callable[..., dict[str, Any]]", msgpack.unpackb)  # pyright: ig
         ("blocks", "blocks"),
         ("expires_at", "expires_at"),
         ("geometry", "geometry"),
+        ("groups", "groups"),
+        ("layers", "keeps_kv"),
+        ("states", "dtype"),
+        ("state_digests", "state_digests"),
     ],
 )
 def test_a_malformed_ticket_is_refused_by_name(pair: tuple[Any, Any, Any, Any], change: str, message: str) -> None:
@@ -138,7 +155,7 @@ def test_another_geometry_is_refused_and_nothing_is_allocated(pair: tuple[Any, A
 
     source, producer, _, _ = pair
     with make_pool({"head_dim": 16}) as other, KvTransferAgent(other) as consumer:
-        with pytest.raises(TransferError, match="geometry"):
+        with pytest.raises(TransferMismatchError, match=r"layer 0 differs: head_dim 8 .* 16"):
             consumer.import_request(producer.export(source.get_handle("r")), AllocationRequest("imported"))
         _assert_untouched(other)
 
@@ -203,24 +220,70 @@ def test_a_closed_agent_refuses_work(pair: tuple[Any, Any, Any, Any]) -> None:
         producer.export(source.get_handle("r"))
 
 
-def test_a_pool_with_recurrent_state_layers_is_refused_by_name() -> None:
-    from kvcache_core import CacheConfig, create_manager
-    from kvcache_core.contract.groups import LayerSpec
-    from kvcache_core.contract.states import StateSpec
+#: A state layer, a hybrid one (K/V and a state), a sliding one and a full one: three groups
+#: of one layer (two full, one sliding) and two state arrays.
+HYBRID = {
+    "layers": [
+        {"state": [["conv", [6, 3], "float32"]]},
+        {"state": [["ssm", [2, 5], "float32"]], "keeps_kv": True},
+        {"window": 5},
+        {},
+    ],
+    "state_slots": 3,
+    "layout": "HND",
+}
+
+
+@pytest.mark.parametrize("tamper", [False, True], ids=["intact", "state checksums differ"])
+def test_states_and_groups_move_and_a_state_that_differs_is_refused(tamper: bool) -> None:
     from kvcache_core.transfer import KvTransferAgent
 
-    state = StateSpec(arrays=(("conv", (6, 3)),))
-    config = CacheConfig(
-        num_layers=2,
-        num_heads=2,
-        head_dim=8,
-        num_blocks=16,
-        block_size=4,
-        layer_specs=(LayerSpec(state=state), LayerSpec()),
-        state_slots=2,
-    )
-    with create_manager("numpy", config) as manager, pytest.raises(TransferError, match="recurrent-state"):
-        KvTransferAgent(manager)
+    source, target = make_pool(HYBRID), make_pool(HYBRID)
+    handle = prefill_steps(source, "r", [7, 6, 3])
+    with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
+        ticket = producer.export(handle)
+        assert ticket.groups == ((0, 4), (2, 2), (0, 4))  # the sliding group released 2 blocks
+        assert [(state.layer, state.name) for state in ticket.states] == [(0, "conv"), (1, "ssm")]
+        if tamper:
+            with pytest.raises(TransferError, match="state array 1 of the ticket arrived different"):
+                consumer.import_request(
+                    dataclasses.replace(ticket, state_digests=ticket.state_digests[:4] + bytes(4)),
+                    AllocationRequest("imported"),
+                )
+            _assert_untouched(target)
+            return
+        imported = consumer.import_request(ticket, AllocationRequest("imported"))
+        assert state_bytes(target, imported) == state_bytes(source, handle)
+        got, want = kv_gathers(target, imported), kv_gathers(source, handle)
+        for name, array in got.items():
+            assert array.tobytes() == want[name][len(want[name]) - len(array) :].tobytes(), name
+        target.check_invariants()
+
+
+def test_layers_of_their_own_geometry_move_bit_exact() -> None:
+    from kvcache_core.transfer import KvTransferAgent
+
+    spec = {"layers": [{"num_heads": 4, "head_dim": 16}, {}, {"num_heads": 4, "head_dim": 16}], "layout": "NHD"}
+    source, target = make_pool({**spec, "backend": "torch"}), make_pool(spec)
+    handle = prefill_steps(source, "r", [11])
+    with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
+        imported = consumer.import_request(producer.export(handle), AllocationRequest("imported"))
+        got, want = kv_gathers(target, imported), kv_gathers(source, handle)
+        assert got.keys() == want.keys()
+        for name, array in got.items():
+            assert array.tobytes() == want[name].tobytes(), name
+        target.check_invariants()
+
+
+def test_a_pool_of_groups_is_read_in_place_only() -> None:
+    from kvcache_core.transfer import KvTransferAgent
+
+    source, target = make_pool(HYBRID), make_pool({**HYBRID, "layout": "NHD"})
+    handle = prefill_steps(source, "r", [9])
+    with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
+        with pytest.raises(TransferError, match="read in place only"):
+            consumer.import_request(producer.export(handle), AllocationRequest("imported"))
+        _assert_untouched(target)
 
 
 @pytest.mark.parametrize("tamper", [False, True], ids=["intact", "checksums differ"])
@@ -286,3 +349,14 @@ def test_pinned_blocks_are_neither_evicted_nor_reused_until_the_import(pair: tup
     for got, want in zip(host_blocks(target, imported), expected, strict=True):
         assert got.tobytes() == want.tobytes()
     source.check_invariants()
+
+
+def test_a_lease_ended_before_the_read_is_refused_from_a_known_producer(pair: tuple[Any, Any, Any, Any]) -> None:
+    source, producer, target, consumer = pair
+    first, second = (producer.export(source.get_handle("r")) for _ in range(2))
+    consumer.import_request(first, AllocationRequest("first"))  # the producer is known from now on
+    assert producer.release(second.lease)
+    with pytest.raises(TransferError, match="expired or was released before the read ended"):
+        consumer.import_request(second, AllocationRequest("second"))
+    assert [request_id for request_id, _ in target.list_handles()] == ["first"]
+    target.check_invariants()

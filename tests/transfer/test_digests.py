@@ -41,3 +41,21 @@ def test_digests_on_several_threads_equal_those_of_one(monkeypatch: pytest.Monke
         for start in sorted(region.block_chunks(blocks[:1]).tolist()):
             checksum = zlib.crc32(digests.host_memory(start, region.block_stride_bytes), checksum)
     assert alone[: digests.DIGEST_BYTES] == checksum.to_bytes(digests.DIGEST_BYTES, "big")
+
+
+def test_checksums_going_on_region_after_region_equal_the_digests_of_all() -> None:
+    config = CacheConfig(num_layers=3, num_heads=2, head_dim=16, num_blocks=12, block_size=4, kv_layout="heads_first")
+    with create_manager("numpy", config) as manager:
+        found = storage_regions(manager.storage)
+        assert found is not None
+        regions = list(check_regions(manager.storage.config, found).values())
+        rng = np.random.default_rng(1)
+        for region in regions:
+            memory = np.frombuffer(memoryview(digests.host_memory(region.address, region.length_bytes)), dtype=np.uint8)
+            memory[:] = rng.integers(0, 256, memory.size, dtype=np.uint8)
+        blocks = np.array([7, 2, 9], dtype=np.int64)
+        running = None
+        for first in range(0, len(regions), 2):  # as a read arriving in pieces of two regions
+            running = digests.block_checksums(regions[first : first + 2], blocks, digests.host_memory, running)
+        assert running is not None
+        assert digests.pack_digests(running) == digests.block_digests(regions, blocks, digests.host_memory)

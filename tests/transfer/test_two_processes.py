@@ -13,7 +13,16 @@ import pytest
 
 from kvcache_core import AllocationRequest
 from kvcache_core.errors import TransferError
-from tests.transfer.support import gathers, host_blocks, make_pool, needs_transfer, producer, wait_for
+from tests.transfer.support import (
+    gathers,
+    host_blocks,
+    kv_gathers,
+    make_pool,
+    needs_transfer,
+    producer,
+    state_bytes,
+    wait_for,
+)
 
 pytestmark = [needs_transfer, pytest.mark.xdist_group("transfer")]
 
@@ -47,6 +56,57 @@ def test_an_imported_request_gathers_bit_exact_across_processes_and_layouts(
                 assert got.tobytes() == expected[f"gather{index}"].tobytes(), f"gather {index} differs"
             manager.check_invariants()
             wait_for(lambda: peer.command("status")["leases"] == 0, 10, "the producer to take the acknowledgement")
+
+
+#: Sliding layers (window 6) between full ones: two KV-cache groups of 2 layers.
+GROUPED = {"layers": [{"window": 6}, {}, {"window": 6}, {}], "steps": [14, 5, 4], "num_blocks": 48}
+#: A Mamba-like state layer, a hybrid layer (K/V and a state), an attention layer.
+WITH_STATES = {
+    "layers": [
+        {"state": [["conv", [6, 3], "float32"], ["ssm", [2, 4, 5], "float16"]]},
+        {"state": [["conv", [6, 3], "float32"]], "keeps_kv": True},
+        {},
+    ],
+    "state_slots": 4,
+    "steps": [9, 8],
+}
+
+
+@pytest.mark.parametrize(
+    ("spec", "backends"),
+    [(GROUPED, ("numpy", "torch")), (GROUPED, ("torch", "numpy")), (WITH_STATES, ("numpy", "torch"))],
+    ids=["grouped numpy -> torch", "grouped torch -> numpy", "states numpy -> torch"],
+)
+def test_groups_and_states_arrive_bit_exact(tmp_path: Path, spec: dict[str, Any], backends: tuple[str, str]) -> None:
+    source, target = ({**spec, "backend": backend, "layout": "NHD"} for backend in backends)
+    with producer(source, tmp_path) as peer:
+        manager, agent = _import(target)
+        with manager, agent:
+            handle = agent.import_request(peer.ticket, AllocationRequest("imported"))
+            assert handle.num_tokens() == sum(spec["steps"])
+            expected = peer.expected()
+            for name, got in kv_gathers(manager, handle).items():
+                # A sliding layer holds the positions its window sees: the producer's tail.
+                want = expected[name][len(expected[name]) - len(got) :]
+                assert got.tobytes() == want.tobytes(), f"{name} differs"
+            for index, got_state in enumerate(state_bytes(manager, handle)):
+                assert got_state == expected[f"state{index}"].tobytes(), f"state array {index} differs"
+            manager.check_invariants()
+            wait_for(lambda: peer.command("status")["leases"] == 0, 10, "the producer to take the acknowledgement")
+
+
+def test_a_consumer_of_other_layer_kinds_refuses_by_name_and_keeps_nothing(tmp_path: Path) -> None:
+    from kvcache_core.errors import TransferMismatchError
+
+    with producer({**GROUPED, "layout": "NHD"}, tmp_path) as peer:
+        other = {**GROUPED, "layout": "NHD", "layers": [{"window": 6}, {}, {"window": 8}, {}]}
+        manager, agent = _import(other)
+        with manager, agent:
+            with pytest.raises(TransferMismatchError, match=r"layer 2 differs: window 6 .* 8"):
+                agent.import_request(peer.ticket, AllocationRequest("imported"))
+            assert manager.list_handles() == []
+            assert manager.stats().used_blocks == 0
+            manager.check_invariants()
 
 
 def test_a_quantized_pool_arrives_with_its_scales(tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ __all__ = [
     "SwappedOutError",
     "TierError",
     "TransferError",
+    "TransferMismatchError",
     "UnknownRequestError",
     "UnsupportedConfigError",
 ]
@@ -228,3 +229,10 @@ class TransferError(KvCacheError, RuntimeError):
     for another namespace, geometry or dtype, or the storage cannot name its memory. Nothing
     leaked on either side: the consumer's new request was released, its other requests are
     untouched."""
+
+
+class TransferMismatchError(TransferError, ValueError):
+    """A transfer ticket describes a pool this one cannot take the request into: another
+    namespace, dtype, block size, layer count, or a layer of another kind (window, chunk,
+    K/V or not), geometry (KV heads, key or value width) or recurrent state (arrays, shapes,
+    dtypes). The message names the first layer and field that differ, both values."""

@@ -21,6 +21,7 @@ from kvcache_core.contract.config import AllocationRequest, CacheConfig
 from kvcache_core.contract.groups import check_group
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvCacheHandle, KvStorage, SlotArray, SlotsLike
+from kvcache_core.contract.regions import MemoryRegion, slot_regions
 from kvcache_core.contract.stats import CacheGcStats, CacheManagerStats, MemoryPressure
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, InvariantError
 from kvcache_core.handle import PagedKvCacheHandle, resident_state
@@ -36,6 +37,7 @@ from kvcache_core.paging.checks import ArgumentChecks, check_handle_sequence, st
 from kvcache_core.paging.prefix import PrefixCache
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import SequenceBlocks
+from kvcache_core.paging.transported import record_transported
 from kvcache_core.step import Step
 
 __all__ = ["InvariantError", "PagedKvCacheManager"]
@@ -584,15 +586,35 @@ class PagedKvCacheManager(Generic[ArrayT]):
             self._path.write_host_blocks(self._state_of(handle), start, keys, values)
 
     def record_blocks_written(self, handle: KvCacheHandle[ArrayT], start: int) -> None:
-        """As :meth:`write_host_blocks` without the copy: the bytes of the request's positions
-        ``start`` to ``num_tokens()`` were written into its blocks through the storage's memory
-        regions (a transport's one-sided read, :mod:`kvcache_core.contract.regions`).
+        """Record the request's positions ``start`` to ``num_tokens()`` written in every layer
+        of every KV-cache group holding them (a sliding group: the blocks it still holds):
+        their bytes were written into its blocks through the storage's memory regions (a
+        transport's one-sided read, :mod:`kvcache_core.contract.regions`); with prefix
+        caching their full blocks are registered. Any pool: groups, windows, state layers,
+        mixed geometry (:mod:`kvcache_core.paging.transported`).
 
         Raises:
-            As :meth:`write_host_blocks` (no array errors).
+            InvalidArgumentError: ``start`` is not a block boundary in ``[0, num_tokens())``.
+            SharedBlockWriteError: one of the blocks is shared (fork, prefix hit) or cached.
+            InvalidHandleError, SwappedOutError, ForeignHandleError: as :meth:`extend`.
         """
         with self._lock:
-            self._path.write_host_blocks(self._state_of(handle), start, None, None)
+            self._path.check_open()
+            record_transported(self._pool, self._chains, self._checks, self._state_of(handle), start)
+
+    def state_regions(self, handle: KvCacheHandle[ArrayT] | None = None) -> tuple[MemoryRegion, ...]:
+        """The memory of the state pool, one region per state array (``config.states.arrays``
+        order; :mod:`kvcache_core.contract.regions`): ``[state_slots, *shape]`` each, or with
+        ``handle`` its request's slot only, ``[1, *shape]``; empty without state layers.
+
+        Raises:
+            UnsupportedConfigError: the backend's state pool names no memory.
+            InvalidHandleError, SwappedOutError, ForeignHandleError: as :meth:`extend`.
+        """
+        with self._lock:
+            self._path.check_open()
+            slot = None if handle is None else self._state_of(handle).state_slot
+            return slot_regions(self._config.states, self._pool.states.storage, slot)
 
     def tier_stats(self) -> list[TierStats]:
         """Each offload tier's figures (blocks, bytes, hits, demotions, evictions), first to

@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvcache_core.contract.regions import STATE_PART, MemoryRegion
 from kvcache_core.contract.states import StateArray, check_state_host, state_host_dtype
 from kvcache_torch.dtypes import BIT_DTYPES, torch_dtype
 
@@ -82,3 +83,22 @@ class TorchStateStorage:
     def array(self, index: int) -> torch.Tensor:
         """Array ``index`` itself, ``[num_slots, *shape]``."""
         return self._pools[index]
+
+    def memory_regions(self) -> tuple[MemoryRegion, ...]:
+        """Each array's memory (:mod:`kvcache_core.contract.regions`): host memory on CPU,
+        device memory on CUDA, slots along axis 0; stable while the storage lives (writes go
+        into the tensors in place)."""
+        device_id = 0 if self._device.index is None else self._device.index
+        return tuple(
+            MemoryRegion(
+                index,
+                STATE_PART,
+                int(pool.data_ptr()),
+                tuple(pool.shape),
+                pool.element_size(),
+                0,
+                self._device.type,
+                device_id,
+            )
+            for index, pool in enumerate(self._pools)
+        )

@@ -11,8 +11,9 @@ Host copies of blocks are in one form per pool, ``[layers, n, block_size, num_he
 which layers of several shapes do not fit: this storage hands swap a packed form, ``[n,
 elements]`` per part (keys, values), each storage layer's block flat, layer after layer
 (``CacheConfig.packed_block_elements``). What keeps host copies beyond one pool (offload tiers,
-prefix files, host writes, transfer: records with a geometry header) is refused by name for
-such a pool before anything changes (``CacheConfig.refuse_host_copies``).
+prefix files, host writes: records with a geometry header) is refused by name for such a pool
+before anything changes (``CacheConfig.refuse_host_copies``). Its memory regions are its parts',
+each layer of its own geometry (a transfer reads them in place).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.groups import LayerGeometry
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import BlockArray, KvStorage, SlotArray
+from kvcache_core.contract.regions import MemoryRegion, storage_regions
 from kvcache_core.contract.states import StateArray
 from kvcache_core.errors import ShapeMismatchError, UnsupportedConfigError
 from kvcache_core.offload.host_form import check_host_array
@@ -205,6 +207,26 @@ class LayeredStorage(Generic[ArrayT]):
     def array_namespace(self) -> Any:
         """The backend's array namespace."""
         return self.parts[0].array_namespace()
+
+    def memory_regions(self) -> tuple[MemoryRegion, ...]:
+        """Every layer's regions (:mod:`kvcache_core.contract.regions`), each of its own
+        geometry: its part's, numbered by the pool's layers.
+
+        Raises:
+            UnsupportedConfigError: the backend's storage names no memory (no ``memory_regions``).
+        """
+        found: list[tuple[MemoryRegion, ...]] = []
+        for part in self.parts:
+            regions = storage_regions(part)
+            if regions is None:
+                raise UnsupportedConfigError(f"the storage {type(part).__name__} names no memory (no memory_regions)")
+            found.append(regions)
+        return tuple(
+            dataclasses.replace(region, layer=layer)
+            for layer, (index, local) in enumerate(self._route)
+            for region in found[index]
+            if region.layer == local
+        )
 
     def state_storage(self, arrays: tuple[StateArray, ...], num_slots: int) -> Any:
         """The backend's state pool (capability ``"state_layers"``), built by the first part.

@@ -7,8 +7,14 @@ one region per layer and part (``"keys"``, ``"values"``, and for a quantized poo
 ``"key_scales"``, ``"value_scales"``), each a C-contiguous array whose axis
 :attr:`MemoryRegion.block_axis` indexes the pool's blocks. The addresses stay valid while the
 storage is open (a backend whose writes replace its buffers, such as JAX, cannot claim it).
-Parts are laid out as the pool's layout says (``"NHD"``, ``"HND"``, ``"heads_first"``);
-scales as ``[num_heads, num_blocks, block_size]`` float32.
+Parts are laid out as the pool's layout says (``"NHD"``, ``"HND"``, ``"heads_first"``), each
+layer of its own geometry in a pool of mixed geometry; scales as ``[num_heads, num_blocks,
+block_size]`` float32.
+
+A state pool (:mod:`kvcache_core.contract.states`) that can name its memory has the optional
+member ``memory_regions()`` too (:class:`RegionStorage`): one region per state array, in the
+pool's order, ``layer`` the array's index, part :data:`STATE_PART`, shape ``[num_slots,
+*shape]``, its slots along axis 0 (a slot is a "block" of the region).
 """
 
 from __future__ import annotations
@@ -24,18 +30,22 @@ import numpy.typing as npt
 
 from kvcache_core.contract import quantization
 from kvcache_core.contract.config import CacheConfig
-from kvcache_core.errors import InvalidArgumentError
+from kvcache_core.contract.states import STATE_DTYPES, StateArray, StatePool
+from kvcache_core.errors import InvalidArgumentError, UnsupportedConfigError
 
 __all__ = [
     "MEMORY_REGIONS",
     "REGION_PARTS",
+    "STATE_PART",
     "MemoryRegion",
     "RegionStorage",
     "block_axis",
     "check_regions",
+    "check_state_regions",
     "host_form_from_parts",
     "part_shape",
     "pool_regions",
+    "slot_regions",
     "storage_regions",
 ]
 
@@ -44,6 +54,9 @@ MEMORY_REGIONS: Final = "memory_regions"
 
 #: The parts of one layer, in order: keys and values, then a quantized pool's scales.
 REGION_PARTS: Final = ("keys", "values", "key_scales", "value_scales")
+
+#: The part of a state pool's region (one per state array).
+STATE_PART: Final = "state"
 
 #: Device kinds a region may be on (NIXL's DRAM and VRAM).
 REGION_DEVICE_KINDS: Final = ("cpu", "cuda")
@@ -111,14 +124,21 @@ class RegionStorage(Protocol):
         ...
 
 
-def part_shape(config: CacheConfig, part: str, num_blocks: int | None = None) -> tuple[int, ...]:
+def part_shape(
+    config: CacheConfig, part: str, num_blocks: int | None = None, layer: int | None = None
+) -> tuple[int, ...]:
     """The shape of ``part`` of one layer in ``config``'s layout (``num_blocks`` blocks, the
     pool's by default): ``config.block_shape()`` for keys, ``config.value_block_shape()`` for
-    values (``value_width`` last), ``[num_heads, num_blocks, block_size]`` for scales."""
+    values (``value_width`` last), ``[num_heads, num_blocks, block_size]`` for scales; of
+    ``layer``'s own geometry when given (a pool of mixed geometry)."""
     blocks = config.num_blocks if num_blocks is None else num_blocks
+    heads = config.num_heads if layer is None else config.layer_geometry(layer).num_heads
     if part.endswith("scales"):
-        return (config.num_heads, blocks, config.block_size)
-    shape = list(config.value_block_shape() if part == "values" else config.block_shape())
+        return (heads, blocks, config.block_size)
+    if layer is not None:
+        shape = list(config.layer_block_shape(layer, part))
+    else:
+        shape = list(config.value_block_shape() if part == "values" else config.block_shape())
     shape[_block_axis(config.layout)] = blocks
     return tuple(shape)
 
@@ -194,10 +214,11 @@ def check_regions(config: CacheConfig, regions: Sequence[MemoryRegion]) -> dict[
             raise InvalidArgumentError(
                 f"memory region of layer {region.layer} part {region.part!r} is repeated or outside [0, {config.num_layers})"
             )
-        if region.shape != part_shape(config, region.part) or region.device_kind not in REGION_DEVICE_KINDS:
+        shape = part_shape(config, region.part, layer=region.layer)
+        if region.shape != shape or region.device_kind not in REGION_DEVICE_KINDS:
             raise InvalidArgumentError(
                 f"memory region of layer {region.layer} part {region.part!r} has shape {region.shape} on "
-                f"{region.device_kind!r}; expected {part_shape(config, region.part)} on one of {REGION_DEVICE_KINDS}"
+                f"{region.device_kind!r}; expected {shape} on one of {REGION_DEVICE_KINDS}"
             )
         wanted = 4 if region.part.endswith("scales") else config.dtype_size
         if region.element_bytes != wanted:
@@ -212,6 +233,65 @@ def check_regions(config: CacheConfig, regions: Sequence[MemoryRegion]) -> dict[
     if missing:
         raise InvalidArgumentError(f"memory regions miss (layer, part) {missing[:4]} of {len(missing)}")
     return by_key
+
+
+def check_state_regions(
+    arrays: Sequence[tuple[int, StateArray]], num_slots: int, regions: Sequence[MemoryRegion]
+) -> tuple[MemoryRegion, ...]:
+    """A state pool's regions, checked to cover it exactly: one per state array of
+    ``arrays`` (``CacheConfig.states.arrays``), in order, of shape ``[num_slots, *shape]`` and
+    the element size of its dtype, slots along axis 0.
+
+    Raises:
+        InvalidArgumentError: a region missing, extra, out of order or of another shape,
+            element size, axis or device kind.
+    """
+    if len(regions) != len(arrays):
+        raise InvalidArgumentError(f"the state pool names {len(regions)} memory regions; it has {len(arrays)} arrays")
+    for index, (region, (layer, array)) in enumerate(zip(regions, arrays, strict=True)):
+        expected = MemoryRegion(
+            index, STATE_PART, region.address, (num_slots, *array.shape), STATE_DTYPES[array.dtype], 0
+        )
+        if (
+            not isinstance(region, MemoryRegion)
+            or dataclasses.replace(region, device_kind="cpu", device_id=0) != expected
+            or region.device_kind not in REGION_DEVICE_KINDS
+        ):
+            raise InvalidArgumentError(
+                f"memory region {region!r} of state array {array.name!r} (layer {layer}) is not {expected!r} "
+                f"on one of {REGION_DEVICE_KINDS}"
+            )
+    return tuple(regions)
+
+
+def slot_regions(states: StatePool, storage: object, slot: int | None) -> tuple[MemoryRegion, ...]:
+    """The memory of state ``slot`` of a state pool (``storage``, of ``states``): one region
+    ``[1, *shape]`` per state array (``slot`` ``None``: the whole pool's, checked); empty
+    without state layers.
+
+    Raises:
+        UnsupportedConfigError: the state pool names no memory, or not its exact arrays.
+    """
+    if not states.arrays:
+        return ()
+    found = storage_regions(storage)
+    if found is None:
+        raise UnsupportedConfigError(
+            f"the state pool {type(storage).__name__} names no memory (no memory_regions()): its states cannot be "
+            "read in place"
+        )
+    try:
+        checked = check_state_regions(states.arrays, states.num_slots, found)
+    except InvalidArgumentError as exc:
+        raise UnsupportedConfigError(f"the state pool's memory regions are unusable: {exc}") from exc
+    if slot is None:
+        return checked
+    return tuple(
+        dataclasses.replace(
+            region, address=region.address + slot * region.block_stride_bytes, shape=(1, *region.shape[1:])
+        )
+        for region in checked
+    )
 
 
 def host_form_from_parts(

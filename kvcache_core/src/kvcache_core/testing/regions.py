@@ -1,6 +1,7 @@
 """The kit's cases for a storage's memory regions (the capability ``"memory_regions"``): they
 cover the pool exactly, and the bytes they name are the pool's blocks, in every layout and
-dtype the backend claims, quantized pools with their scales, values of another width.
+dtype the backend claims, quantized pools with their scales, values of another width; with
+``"state_layers"`` too, the state pool's regions name each request's states.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import numpy.typing as npt
 import pytest
 
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
+from kvcache_core.contract.groups import LayerSpec
 from kvcache_core.contract.regions import MemoryRegion, check_regions, host_form_from_parts, storage_regions
+from kvcache_core.contract.states import StateSpec
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing.backend import BackendUnderTest
 
@@ -90,3 +93,25 @@ class RegionCases:
                 context = f"dtype {config.dtype}, layout {config.kv_layout}"
                 assert keys.tobytes() == np.ascontiguousarray(expected_keys).tobytes(), f"{context}: keys differ"
                 assert values.tobytes() == np.ascontiguousarray(expected_values).tobytes(), f"{context}: values differ"
+
+    @pytest.mark.kvcache_requires("memory_regions", "state_layers")
+    def test_state_pool_regions_hold_each_requests_states(self, kvcache_backend: BackendUnderTest) -> None:
+        state = StateSpec([("conv", (3, 4), "float32"), ("ssm", (2, 3), "float16")])
+        config = kvcache_backend.config(
+            dtype="float32", num_layers=2, layer_specs=(LayerSpec(state=state), LayerSpec()), state_slots=3
+        )
+        rng = np.random.default_rng(11)
+        with kvcache_backend.manager(config) as manager:
+            whole = manager.state_regions()  # raises when the state pool names no memory
+            assert [region.shape for region in whole] == [(3, 3, 4), (3, 2, 3)]
+            if any(region.device_kind != "cpu" for region in whole):
+                pytest.skip("the state regions are device memory: their bytes are read by a transport, not here")
+            handles = [manager.allocate(AllocationRequest(name)) for name in ("a", "b")]
+            step = manager.begin_step(handles, [1, 1])
+            written = {array.name: rng.standard_normal((2, *array.shape)).astype(array.dtype) for array in state.arrays}
+            for name, values in written.items():
+                step.write_state(0, name, BackendUnderTest.native(manager, values, str(values.dtype)))
+            for row, handle in enumerate(handles):
+                regions = manager.state_regions(handle)
+                got = [region_bytes(region).tobytes() for region in regions]
+                assert got == [values[row].tobytes() for values in written.values()], f"request {row}'s states differ"

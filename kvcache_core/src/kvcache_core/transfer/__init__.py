@@ -16,9 +16,16 @@ With transformers, the decode worker hands the imported request to
 ``kvcache_torch.hf.PagedCache(manager, model, handles=[handle])`` and ``generate`` goes on
 from it without recomputing the prompt (``examples/disaggregated.py``).
 
-Pools must agree on namespace (``model_id``), geometry and dtype; layouts may differ.
-Storages claim ``"memory_regions"`` (NumPy, torch, memmap; not JAX). Every failure is a
-:class:`~kvcache_core.errors.TransferError` and leaks nothing on either side.
+Every kind of layer moves: each KV-cache group's blocks (a sliding group's from the first it
+still holds), the request's recurrent states (its state slot: conv and SSM states) and layers
+of their own geometry, in one NIXL read. Pools must agree on namespace (``model_id``), dtype,
+block size and every layer (kind, window or chunk, KV heads and widths, state arrays), or the
+import raises :class:`~kvcache_core.errors.TransferMismatchError` naming the first layer and
+field that differ. Layouts may differ for a pool of one group and geometry without states
+(converted on arrival); other pools are read in place (one layout, host memory). Storages
+claim ``"memory_regions"`` (NumPy, torch, memmap; not JAX), and state pools name their memory
+(NumPy, torch). Every failure is a :class:`~kvcache_core.errors.TransferError` and leaks
+nothing on either side.
 Requires ``pip install "kvcache-core[transfer]"`` (NIXL, pyzmq, msgpack).
 """
 
@@ -27,7 +34,7 @@ from __future__ import annotations
 from kvcache_core.transfer.agent import KvTransferAgent
 from kvcache_core.transfer.engine import DEFAULT_UCX_TLS, nixl_unavailable_reason
 from kvcache_core.transfer.leases import LEASE_PREFIX
-from kvcache_core.transfer.ticket import TICKET_VERSION, RegionAddress, TransferTicket
+from kvcache_core.transfer.ticket import TICKET_VERSION, RegionAddress, StateAddress, TransferTicket
 
 __all__ = [
     "DEFAULT_UCX_TLS",
@@ -35,6 +42,7 @@ __all__ = [
     "TICKET_VERSION",
     "KvTransferAgent",
     "RegionAddress",
+    "StateAddress",
     "TransferTicket",
     "nixl_unavailable_reason",
 ]

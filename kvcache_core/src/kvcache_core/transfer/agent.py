@@ -32,14 +32,15 @@ from kvcache_core.contract.regions import (
     host_form_from_parts,
     storage_regions,
 )
-from kvcache_core.errors import InvalidArgumentError, KvCacheError, TransferError
+from kvcache_core.errors import KvCacheError, TransferError
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.transfer.channel import ChannelServer, ask
-from kvcache_core.transfer.digests import DIGEST_BYTES, block_digests, host_memory
+from kvcache_core.transfer.digests import DIGEST_BYTES, ArrivingChecksums, block_digests, host_memory
 from kvcache_core.transfer.engine import NixlEngine
 from kvcache_core.transfer.leases import LEASE_PREFIX, Leases
 from kvcache_core.transfer.plan import read_plan
+from kvcache_core.transfer.pool_description import describe_layers, group_reads, source_config, state_addresses
 from kvcache_core.transfer.ticket import RegionAddress, TransferTicket
 
 __all__ = ["KvTransferAgent"]
@@ -54,7 +55,10 @@ class KvTransferAgent:
     Args:
         manager: the pool this agent exports from and imports into; its storage must claim
             ``"memory_regions"`` (NumPy, torch, memmap; not JAX, whose writes replace its
-            buffers), with one KV-cache group, no sliding window and no recurrent-state layers.
+            buffers), and its state pool name its memory when it has state layers. Any pool
+            moves: KV-cache groups (sliding windows), recurrent-state layers, layers of their
+            own geometry; such a pool's blocks are read in place only (both pools of one
+            layout, in host memory).
         name: the NIXL agent name (unique among the agents that talk); default: a random one.
         host: the side channel's interface, loopback by default (``"0.0.0.0"`` binds every
             interface: only when asked).
@@ -63,10 +67,8 @@ class KvTransferAgent:
         timeout_seconds: the longest an import waits for the producer, all steps together.
 
     Raises:
-        TransferError: NIXL or ZMQ is missing, the storage cannot name its memory, the pool has
-            several KV-cache groups, a sliding window, recurrent-state layers or layers of mixed
-            geometry, an argument is
-            out of range, or the side channel cannot bind.
+        TransferError: NIXL or ZMQ is missing, the storage or state pool cannot name its
+            memory, an argument is out of range, or the side channel cannot bind.
     """
 
     def __init__(
@@ -86,22 +88,6 @@ class KvTransferAgent:
                 raise TransferError(f"{label} must be a number in (0, 86400], got {seconds!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise TransferError(f"port must be an int in [0, 65535], got {port!r}")
-        config = manager.config
-        if config.num_groups != 1 or config.sliding_window is not None:
-            raise TransferError(
-                "KvTransferAgent moves pools of one KV-cache group without a sliding window; this pool has "
-                f"{config.num_groups} groups, sliding_window={config.sliding_window}"
-            )
-        if config.states.arrays:
-            raise TransferError(
-                f"KvTransferAgent does not move recurrent-state layers yet: this pool has {len(config.states.arrays)} "
-                "state arrays (LayerSpec(state=...)); only attention K/V pools transfer"
-            )
-        if config.mixed_geometry:
-            raise TransferError(
-                "KvTransferAgent moves pools of one geometry for every layer (its tickets and host form hold one); "
-                f"this pool's layers differ (LayerSpec geometry: layer 0 {config.layer_geometry(0)}, ...)"
-            )
         regions = storage_regions(manager.storage)
         if regions is None:
             raise TransferError(
@@ -110,9 +96,10 @@ class KvTransferAgent:
             )
         try:
             self._regions = check_regions(manager.storage.config, regions)
-        except InvalidArgumentError as exc:
+            state_pool = manager.state_regions()
+        except KvCacheError as exc:
             raise TransferError(f"the {manager.backend!r} storage's memory regions are unusable: {exc}") from exc
-        kinds = {region.device_kind for region in self._regions.values()}
+        kinds = {region.device_kind for region in (*self._regions.values(), *state_pool)}
         if len(kinds) != 1:
             raise TransferError(f"the pool's regions span several device kinds {sorted(kinds)}")
         self._manager = manager
@@ -122,7 +109,11 @@ class KvTransferAgent:
         self._held: set[str] = set()  # requests a read that could not be aborted may still write
         self._engine = NixlEngine(name if name is not None else f"kvcache-{uuid.uuid4().hex}")
         (kind,) = kinds
-        chunks = [(region.address, region.length_bytes, region.device_id) for region in self._regions.values()]
+        self._kind: str = kind
+        self._layout: str = manager.storage.config.layout
+        chunks = [
+            (region.address, region.length_bytes, region.device_id) for region in (*self._regions.values(), *state_pool)
+        ]
         self._registered = self._engine.register(chunks, kind)
         self._metadata = self._engine.metadata()  # read once: the server thread never calls NIXL
         self._context: zmq.Context[Any] = zmq.Context()
@@ -192,11 +183,26 @@ class KvTransferAgent:
             raise TransferError(f"cannot export: {exc}") from exc
         try:
             count = math.ceil(length / manager.config.block_size)
-            blocks = np.asarray(pinned.block_table().physical_blocks[:count], dtype=np.int64)
+            tables = pinned.block_tables()
+            groups = tuple((table.first_logical, count - table.first_logical) for table in tables)
+            blocks = np.concatenate(
+                [
+                    np.asarray(table.physical_blocks[:held], dtype=np.int64)
+                    for table, (_, held) in zip(tables, groups, strict=True)
+                ]
+            )
             digests = self._digests(blocks)
+            slot = manager.state_regions(pinned)
+            state_digests = (
+                b"".join(block_digests([region], np.zeros(1, dtype=np.int64), host_memory) for region in slot)
+                if all(region.device_kind == "cpu" for region in slot)
+                else b""
+            )
             self._leases.add(lease, pin, self._lease_seconds)
-        except BaseException:
+        except BaseException as exc:
             manager.deallocate(pin)
+            if isinstance(exc, KvCacheError) and not isinstance(exc, TransferError):
+                raise TransferError(f"cannot export: {exc}") from exc
             raise
         config = manager.storage.config
         return TransferTicket(
@@ -221,6 +227,10 @@ class KvTransferAgent:
             digests=digests,
             lease=lease,
             expires_at=time.time() + self._lease_seconds,
+            layers=describe_layers(manager.config),
+            groups=groups,
+            states=state_addresses(manager.config, slot),
+            state_digests=state_digests,
         )
 
     def _digests(self, blocks: npt.NDArray[np.int64]) -> bytes:
@@ -283,9 +293,11 @@ class KvTransferAgent:
     def import_request(self, ticket: TransferTicket | bytes, request: AllocationRequest) -> PagedKvCacheHandle[Any]:
         """Allocate ``request`` and fill it with the ticket's request from the producer's pool.
 
-        Blocks the local prefix cache already holds are mapped, not pulled; the others come
-        in one NIXL READ (every layer, keys, values and scales), straight into the request's
-        blocks when both pools have one layout (else into a staging buffer, converted on
+        Blocks the local prefix cache already holds are mapped, not pulled; the others (of
+        every KV-cache group: a sliding group's from the first block it holds) and the
+        request's states come in one NIXL READ (every layer, keys, values and scales), straight
+        into the request's blocks and state slot when both pools have one layout (else, for a
+        pool of one group and geometry without states, into a staging buffer, converted on
         arrival), are checked against their checksums, and recorded as if computed here
         (prefix caching registers them). The producer's lease is then released.
 
@@ -298,8 +310,9 @@ class KvTransferAgent:
             The request's handle, ``num_tokens() == ticket.num_tokens``.
 
         Raises:
-            TransferError: a malformed ticket; another namespace, geometry or dtype; an
-                expired or released lease; the producer gone or too slow; a failed read or a
+            TransferMismatchError: another namespace, dtype or block size, or a layer or state
+                array of another kind or shape (the first one named, with both values).
+            TransferError: a malformed ticket; an expired or released lease; the producer gone or too slow; a failed read or a
                 block whose digest differs; no room in the pool; a bad ``request``. The new
                 request is released (nothing leaks); other requests are untouched.
         """
@@ -311,12 +324,15 @@ class KvTransferAgent:
         deadline = time.monotonic() + self._timeout_seconds
         if parsed.expires_at <= time.time():
             raise TransferError(f"the lease of the ticket expired at {parsed.expires_at:.3f} (Unix time)")
-        reply = ask(self._context, parsed.address, {"op": "open", "lease": parsed.lease}, deadline)
-        metadata = reply.get("metadata")
-        if not isinstance(metadata, bytes):
-            raise TransferError(f"the agent at {parsed.address} sent no NIXL metadata")
-        if not self._engine.knows(parsed.agent) and self._engine.add_peer(metadata) != parsed.agent:
-            raise TransferError(f"the agent at {parsed.address} is not the ticket's agent {parsed.agent!r}")
+        # A known producer is not asked first when the blocks carry digests: the lease is
+        # confirmed alive after the read instead (by its release), before anything is recorded.
+        if not (self._engine.knows(parsed.agent) and parsed.digests):
+            reply = ask(self._context, parsed.address, {"op": "open", "lease": parsed.lease}, deadline)
+            metadata = reply.get("metadata")
+            if not isinstance(metadata, bytes):
+                raise TransferError(f"the agent at {parsed.address} sent no NIXL metadata")
+            if not self._engine.knows(parsed.agent) and self._engine.add_peer(metadata) != parsed.agent:
+                raise TransferError(f"the agent at {parsed.address} is not the ticket's agent {parsed.agent!r}")
         try:
             handle = manager.allocate(request)
         except KvCacheError as exc:
@@ -330,7 +346,6 @@ class KvTransferAgent:
             if isinstance(exc, TransferError) or not isinstance(exc, Exception):
                 raise
             raise TransferError(f"cannot import into this pool: {exc}") from exc
-        self._acknowledge(parsed)
         return handle
 
     def _fill(
@@ -340,46 +355,79 @@ class KvTransferAgent:
         block_size = source.block_size
         cached = handle.num_tokens()
         length = ticket.num_tokens
-        if cached >= length:
+        if cached >= length:  # every block is cached here; the states are the request's own
+            if ticket.states and self._reads_in_place(ticket):
+                self._pull_in_place(ticket, source, handle, math.ceil(length / block_size), deadline)
+            self._release(ticket)
             return
-        manager.extend(handle, length - cached, token_ids=ticket.token_ids[cached:].tolist())
+        ids = ticket.token_ids.tolist()
+        if length - cached > 1 and any(group.window is not None for group in manager.config.kv_groups):
+            # Grown to its last token apart, then by it: a sliding group releases the blocks
+            # its window no longer sees, as the producer's did, rather than holding them unread.
+            manager.extend(handle, length - cached - 1, token_ids=ids[cached:-1])
+            manager.extend(handle, 1, token_ids=ids[-1:])
+        else:
+            manager.extend(handle, length - cached, token_ids=ids[cached:])
         first = cached // block_size
         try:
             if self._reads_in_place(ticket):
                 self._pull_in_place(ticket, source, handle, first, deadline)
+                self._release(ticket)
                 manager.record_blocks_written(handle, cached)
                 return
+            if not _plain(manager.config):
+                raise TransferError(
+                    "a pool with KV-cache groups, recurrent-state layers or layers of their own geometry is read in "
+                    f"place only: both pools of one layout in host memory (the ticket's {ticket.layout!r} on "
+                    f"{ticket.regions[0].device_kind!r}, this pool's {self._layout!r} on "
+                    f"{self._kind!r})"
+                )
             keys, values = self._pull(ticket, source, first, deadline)
         except TransferError:
             self._engine.forget_peer(ticket.agent)
             raise
+        self._release(ticket)
         manager.write_host_blocks(handle, cached, keys, values)
 
     def _reads_in_place(self, ticket: TransferTicket) -> bool:
         """Whether the blocks can land in this pool's own memory: the same layout (nothing to
         convert) in host memory (their checksums are read in place)."""
-        local = self._manager.storage.config.layout
-        return ticket.layout == local and all(region.device_kind == "cpu" for region in self._regions.values())
+        return ticket.layout == self._layout and self._kind == "cpu"
 
     def _pull_in_place(
         self, ticket: TransferTicket, source: CacheConfig, handle: PagedKvCacheHandle[Any], first: int, deadline: float
     ) -> None:
-        """Read ``ticket.blocks[first:]`` straight into the request's blocks from ``first`` on,
-        through this pool's registered regions, and check their checksums there."""
-        plan = read_plan(ticket, source, first)
-        blocks = np.asarray(handle.block_table().physical_blocks[first : first + plan.count], dtype=np.int64)
+        """Read every group's blocks from logical block ``first`` on (each group's from the
+        first it holds) and the request's states straight into the request's blocks and
+        state slot, through this pool's registered regions, and check their checksums there."""
+        count = math.ceil(ticket.num_tokens / source.block_size)
+        reads = group_reads(ticket, handle.block_tables(), first, count)
+        plan = read_plan(ticket, source, reads.picks)
         regions = [self._regions[(address.layer, address.part)] for address in ticket.regions]
-        rows: list[npt.NDArray[np.int64]] = []
-        for region in regions:
-            starts = region.block_chunks(blocks)
-            rows.append(
-                np.stack(
-                    [starts, np.full(len(starts), region.block_stride_bytes), np.full(len(starts), region.device_id)],
-                    axis=1,
-                )
+        rows = [
+            np.stack(
+                [starts, np.full(len(starts), region.block_stride_bytes), np.full(len(starts), region.device_id)],
+                axis=1,
             )
-        local = np.concatenate(rows).astype(np.uint64)
-        failure, released = self._engine.read_into(ticket.agent, plan.remote, plan.device_kind, local, "cpu", deadline)
+            for region in regions
+            if len(starts := region.block_chunks(reads.blocks))
+        ]
+        slot = self._manager.state_regions(handle)
+        remote_states = [[state.address, state.nbytes, state.device_id] for state in ticket.states]
+        local_states = [[region.address, region.block_stride_bytes, region.device_id] for region in slot]
+        local = np.concatenate([*rows, np.asarray(local_states, dtype=np.int64).reshape(-1, 3)]).astype(np.uint64)
+        remote = np.concatenate([plan.remote, np.asarray(remote_states, dtype=np.uint64).reshape(-1, 3)])
+        check = ArrivingChecksums(regions, reads.blocks, host_memory) if ticket.digests and len(reads.blocks) else None
+        failure, released = self._engine.read_into(
+            ticket.agent,
+            remote,
+            plan.device_kind,
+            local,
+            "cpu",
+            deadline,
+            pieces=check.piece_rows if check is not None else (),
+            arrived=check.arrived if check is not None else None,
+        )
         if not released:  # a read NIXL could not abort may still land: keep the blocks out of reuse
             self._held.add(handle.request_id)
         if failure is not None:
@@ -391,49 +439,45 @@ class KvTransferAgent:
                     else f"; request {handle.request_id!r} stays allocated (the read could not be aborted)"
                 )
             )
-        if ticket.digests:
-            _check_digests(block_digests(regions, blocks, host_memory), ticket.digests[first * DIGEST_BYTES :], first)
+        if check is not None:
+            _check_digests(check.digests(), _picked(ticket.digests, reads.picks), reads.picks, "block")
+        if ticket.state_digests:
+            got = b"".join(block_digests([region], np.zeros(1, dtype=np.int64), host_memory) for region in slot)
+            _check_digests(got, ticket.state_digests, np.arange(len(slot), dtype=np.int64), "state array")
 
     def _pull(
         self, ticket: TransferTicket, source: CacheConfig, first: int, deadline: float
     ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-        """The blocks ``ticket.blocks[first:]`` of the producer's pool, in host form."""
-        plan = read_plan(ticket, source, first)
+        """The blocks ``ticket.blocks[first:]`` of the producer's pool (one group), in host form."""
+        picks = np.arange(first, len(ticket.blocks), dtype=np.int64)
+        plan = read_plan(ticket, source, picks)
         staging = np.empty(plan.total_bytes, dtype=np.uint8)
-        self._engine.read(ticket.agent, plan.remote, plan.device_kind, staging, plan.offsets, deadline)
-        if ticket.digests:
-            view = memoryview(staging.data)
-            got = block_digests(
+        view = memoryview(staging.data)
+        check = (
+            ArrivingChecksums(
                 plan.staged, np.arange(plan.count, dtype=np.int64), lambda start, size: view[start : start + size]
             )
-            _check_digests(got, ticket.digests[first * DIGEST_BYTES :], first)
+            if ticket.digests
+            else None
+        )
+        self._engine.read(
+            ticket.agent,
+            plan.remote,
+            plan.device_kind,
+            staging,
+            plan.offsets,
+            deadline,
+            pieces=check.piece_rows if check is not None else (),
+            arrived=check.arrived if check is not None else None,
+        )
+        if check is not None:
+            _check_digests(check.digests(), _picked(ticket.digests, picks), picks, "block")
         return host_form_from_parts(source, ticket.layout, plan.parts(staging))
 
     def _source_config(self, ticket: TransferTicket) -> CacheConfig:
         """The producer pool's config (this pool's, in its layout and size), once the ticket
         is found compatible."""
-        config = self._manager.storage.config
-        mine = {
-            "num_layers": config.num_layers,
-            "num_heads": config.num_heads,
-            "head_dim": config.head_dim,
-            "value_head_dim": config.value_width,
-            "block_size": config.block_size,
-        }
-        theirs = {name: ticket.geometry[name] for name in mine}
-        if ticket.namespace != self._manager.config.model_id:
-            raise TransferError(
-                f"the ticket's namespace {ticket.namespace!r} is not this pool's model_id {self._manager.config.model_id!r}"
-            )
-        if theirs != mine or ticket.dtype != config.dtype:
-            raise TransferError(
-                f"the ticket's geometry {theirs} and dtype {ticket.dtype!r} differ from this pool's {mine} and "
-                f"{config.dtype!r}; a transfer converts layouts only"
-            )
-        try:
-            return dataclasses.replace(config, num_blocks=ticket.geometry["num_blocks"], kv_layout=ticket.layout)
-        except KvCacheError as exc:
-            raise TransferError(f"the ticket's pool cannot be described here: {exc}") from exc
+        return source_config(ticket, self._manager.config, self._manager.storage.config)
 
     @staticmethod
     def _request_for(ticket: TransferTicket, request: AllocationRequest) -> AllocationRequest:
@@ -449,17 +493,30 @@ class KvTransferAgent:
             )
         return request
 
-    def _acknowledge(self, ticket: TransferTicket) -> None:
-        """Release the producer's lease (best effort: unacknowledged, it expires)."""
+    def _release(self, ticket: TransferTicket) -> None:
+        """Release the producer's lease once the read is over, and refuse what was read if
+        the lease had ended before (its blocks may have been reused meanwhile). A producer
+        that does not answer is warned about (unacknowledged, its lease expires): what was
+        read was checked against its digests or, without them, the lease when it began.
+
+        Raises:
+            TransferError: the lease had expired or been released.
+        """
         try:
-            ask(
+            reply = ask(
                 self._context, ticket.address, {"op": "release", "lease": ticket.lease}, time.monotonic() + _ACK_SECONDS
             )
         except TransferError as exc:
             warnings.warn(
                 f"the producer did not take the acknowledgement; its lease will expire: {exc}",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
+            )
+            return
+        if reply.get("was_alive") is False:
+            raise TransferError(
+                f"the lease {ticket.lease!r} of the ticket expired or was released before the read ended: its blocks "
+                "may have been reused, nothing is kept"
             )
 
     # -- life --------------------------------------------------------------------------------
@@ -486,8 +543,24 @@ class KvTransferAgent:
         self.close()
 
 
-def _check_digests(got: bytes, expected: bytes, first: int) -> None:
-    """Refuse blocks whose digests differ from the ticket's (the first of them named)."""
+def _plain(config: CacheConfig) -> bool:
+    """Whether a pool is of one group and geometry without states (host writes take it)."""
+    return (
+        config.num_groups == 1
+        and config.sliding_window is None
+        and not config.states.arrays
+        and not config.mixed_geometry
+    )
+
+
+def _picked(digests: bytes, picks: npt.NDArray[np.int64]) -> bytes:
+    """The digests of the ticket's blocks ``picks``."""
+    return np.frombuffer(digests, dtype=">u4")[picks].tobytes()
+
+
+def _check_digests(got: bytes, expected: bytes, picks: npt.NDArray[np.int64], what: str) -> None:
+    """Refuse blocks (or state arrays) whose digests differ from the ticket's (the first of
+    them named by its index in the ticket)."""
     if got == expected:
         return
     bad = next(
@@ -496,7 +569,9 @@ def _check_digests(got: bytes, expected: bytes, first: int) -> None:
         if got[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES]
         != expected[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES]
     )
-    raise TransferError(f"block {first + bad} of the ticket arrived different from what was exported (digest mismatch)")
+    raise TransferError(
+        f"{what} {int(picks[bad])} of the ticket arrived different from what was exported (digest mismatch)"
+    )
 
 
 def _known_ids(handle: KvCacheHandle[Any]) -> tuple[int, ...]:

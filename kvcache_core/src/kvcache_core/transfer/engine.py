@@ -16,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import itertools
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar, cast
 
 import numpy as np
@@ -69,6 +70,39 @@ def load_nixl() -> Any:
     )
 
 
+#: Microseconds NIXL's UCX progress thread waits for network events when it has nothing to do.
+#: NIXL's Python API starts it with 0, and then it spins a core per agent, idle or not: on a
+#: small machine, the producer's, the consumer's and the rest of the process starve each other.
+PROGRESS_WAIT_US: Final = 100
+_AGENT_START_LOCK = threading.Lock()
+
+
+def _start_agent(api: Any, name: str) -> Any:
+    """A NIXL agent with the UCX backend whose progress thread waits for events
+    (:data:`PROGRESS_WAIT_US`) instead of spinning.
+
+    NIXL's Python wrapper builds its binding's agent config itself and sets the progress
+    thread's wait to 0; while the agent is built, the config class is a subclass that keeps
+    :data:`PROGRESS_WAIT_US` whatever is assigned (a NIXL without that field starts as is)."""
+    config = api.nixl_agent_config(backends=["UCX"])
+    bindings: Any = getattr(api, "nixlBind", None)
+    base: Any = getattr(bindings, "nixlAgentConfig", None)
+    field: Any = getattr(base, "pthrDelay", None)
+    if bindings is None or base is None or not hasattr(field, "__set__"):
+        return api.nixl_agent(name, config)
+
+    def keep_wait(config: Any, _: object) -> None:
+        field.__set__(config, PROGRESS_WAIT_US)
+
+    waiting = type("WaitingAgentConfig", (base,), {"pthrDelay": property(field.__get__, keep_wait)})
+    with _AGENT_START_LOCK:  # the binding's class is swapped for this construction only
+        bindings.nixlAgentConfig = waiting
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bindings.nixlAgentConfig = base
+
+
 def nixl_unavailable_reason() -> str | None:
     """Why NIXL cannot be imported here, or ``None`` when it can."""
     try:
@@ -90,7 +124,7 @@ class NixlEngine:
         os.environ.setdefault("UCX_TLS", DEFAULT_UCX_TLS)
         api = load_nixl()
         try:
-            self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+            self._agent = _start_agent(api, name)
         except Exception as exc:
             raise TransferError(f"the NIXL agent {name!r} could not start: {exc}") from exc
         if "UCX" not in getattr(self._agent, "backends", {"UCX": None}):
@@ -162,13 +196,16 @@ class NixlEngine:
         destination: npt.NDArray[np.uint8],
         offsets: npt.NDArray[np.int64],
         deadline: float,
+        *,
+        pieces: Sequence[int] = (),
+        arrived: Callable[[int], None] | None = None,
     ) -> None:
         """One READ of ``remote`` chunks (``[n, 3]``: address, length, device id) of ``peer``
         into host memory ``destination`` at ``offsets`` (``[n]``, chunk ``i`` at byte
-        ``offsets[i]``), waited for until ``deadline`` (``time.monotonic()``). ``destination``
-        is registered for the read only. A transfer NIXL could not abort keeps
-        ``destination`` (and its registration) alive for the engine's life, so no late byte
-        lands in freed memory.
+        ``offsets[i]``), waited for until ``deadline`` (``time.monotonic()``); ``pieces`` and
+        ``arrived`` as :meth:`read_into`. ``destination`` is registered for the read only. A
+        transfer NIXL could not abort keeps ``destination`` (and its registration) alive for
+        the engine's life, so no late byte lands in freed memory.
 
         Raises:
             TransferError: the transfer could not start, failed, or did not finish in time.
@@ -178,7 +215,7 @@ class NixlEngine:
         local = remote.copy()
         local[:, 0] = (offsets + base).astype(np.uint64)
         local[:, 2] = 0
-        failure, released = self._read(peer, remote, remote_device_kind, local, "cpu", deadline)
+        failure, released = self._read(peer, remote, remote_device_kind, local, "cpu", deadline, pieces, arrived)
         if released:
             self.deregister(registered)
         else:
@@ -195,16 +232,23 @@ class NixlEngine:
         local: npt.NDArray[np.uint64],
         device_kind: str,
         deadline: float,
+        *,
+        pieces: Sequence[int] = (),
+        arrived: Callable[[int], None] | None = None,
     ) -> tuple[str | None, bool]:
         """One READ of ``remote`` chunks of ``peer`` into ``local`` chunks (``[n, 3]`` each)
         of memory this engine registered, waited for until ``deadline``.
+
+        ``pieces`` (ascending row indices) split the rows into transfers posted together and
+        waited for in order; ``arrived(i)`` runs as soon as piece ``i`` has landed, while the
+        later ones are still in flight (a consumer checksums what arrived meanwhile).
 
         Returns:
             ``(failure, released)``: why the transfer failed or did not finish in time
             (``None`` when it completed), and whether NIXL released it (false: it could not
             abort one still in flight, and ``local`` may still be written).
         """
-        return self._read(peer, remote, remote_device_kind, local, device_kind, deadline)
+        return self._read(peer, remote, remote_device_kind, local, device_kind, deadline, pieces, arrived)
 
     def _read(
         self,
@@ -214,28 +258,47 @@ class NixlEngine:
         local: npt.NDArray[np.uint64],
         device_kind: str,
         deadline: float,
+        pieces: Sequence[int],
+        arrived: Callable[[int], None] | None,
     ) -> tuple[str | None, bool]:
         agent = self._agent
-        handle: Any = None
+        bounds = [0, *(int(row) for row in pieces if 0 < row < len(remote)), len(remote)]
+        handles: list[Any] = []
         state = "ERR"
         try:
-            local_descs = agent.get_xfer_descs(local, _MEMORY_TYPES[device_kind])
-            remote_descs = agent.get_xfer_descs(remote, _MEMORY_TYPES[remote_device_kind])
-            handle = agent.initialize_xfer("READ", local_descs, remote_descs, peer)
-            state = agent.transfer(handle)
-            pause = 20e-6
-            while state == "PROC" and time.monotonic() < deadline:
-                time.sleep(pause)  # the transfer progresses in NIXL's thread; back off up to 1 ms
-                pause = min(pause * 2, 1e-3)
-                state = agent.check_xfer_state(handle)
+            for first, stop in itertools.pairwise(bounds):
+                local_descs = agent.get_xfer_descs(local[first:stop], _MEMORY_TYPES[device_kind])
+                remote_descs = agent.get_xfer_descs(remote[first:stop], _MEMORY_TYPES[remote_device_kind])
+                handles.append(agent.initialize_xfer("READ", local_descs, remote_descs, peer))
+                state = agent.transfer(handles[-1])
+                if state not in ("PROC", "DONE"):
+                    break
+            else:
+                for index, handle in enumerate(handles):
+                    state = _wait(agent, handle, deadline)
+                    if state != "DONE":
+                        break
+                    if arrived is not None:
+                        arrived(index)
         except Exception as exc:
             state = f"ERR ({exc})"
-        released = handle is None or _release(agent, handle)
+        released = all([_release(agent, handle) for handle in handles])  # every one, even after a failure
         if state == "PROC":
             return f"the NIXL read of {len(remote)} chunks from {peer!r} did not finish in time", released
         if state != "DONE":
             return f"the NIXL read from {peer!r} failed (state {state}): the producer may be gone", released
         return None, released
+
+
+def _wait(agent: Any, handle: Any, deadline: float) -> str:
+    """The transfer's state once it is no longer in progress, or ``"PROC"`` at ``deadline``."""
+    state: str = agent.check_xfer_state(handle)
+    pause = 20e-6
+    while state == "PROC" and time.monotonic() < deadline:
+        time.sleep(pause)  # the transfer progresses in NIXL's thread; back off up to 1 ms
+        pause = min(pause * 2, 1e-3)
+        state = agent.check_xfer_state(handle)
+    return state
 
 
 def _release(agent: Any, handle: Any) -> bool:

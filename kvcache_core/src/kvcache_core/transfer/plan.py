@@ -39,14 +39,15 @@ class ReadPlan:
         }
 
 
-def read_plan(ticket: TransferTicket, source: CacheConfig, first: int) -> ReadPlan:
-    """The plan reading ``ticket.blocks[first:]`` of every region of a producer pool of
-    ``source`` (its config: geometry, dtype, layout and size).
+def read_plan(ticket: TransferTicket, source: CacheConfig, picks: npt.NDArray[np.int64]) -> ReadPlan:
+    """The plan reading the ticket's blocks ``picks`` (indices into ``ticket.blocks``) of
+    every region of a producer pool of ``source`` (its storage config: geometry per layer,
+    dtype, layout and size).
 
     Raises:
         TransferError: the regions span several device kinds.
     """
-    blocks = ticket.blocks[first:]
+    blocks = ticket.blocks[picks]
     count = len(blocks)
     kinds = {address.device_kind for address in ticket.regions}
     if len(kinds) != 1:
@@ -60,13 +61,15 @@ def read_plan(ticket: TransferTicket, source: CacheConfig, first: int) -> ReadPl
             address.layer,
             address.part,
             address.address,
-            part_shape(source, address.part),
+            part_shape(source, address.part, layer=address.layer),
             4 if address.part.endswith("scales") else source.dtype_size,
             block_axis(source, address.part),
             address.device_kind,
             address.device_id,
         )
-        local = dataclasses.replace(remote, address=total, shape=part_shape(source, address.part, count))
+        local = dataclasses.replace(
+            remote, address=total, shape=part_shape(source, address.part, count, layer=address.layer)
+        )
         starts = remote.block_chunks(blocks)
         rows.append(
             np.stack(

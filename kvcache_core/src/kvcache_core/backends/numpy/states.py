@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvcache_core.contract.regions import STATE_PART, MemoryRegion
 from kvcache_core.contract.states import StateArray, check_state_host
 from kvcache_core.errors import UnsupportedConfigError
 
@@ -69,3 +70,11 @@ class NumpyStateStorage:
     def array(self, index: int) -> NumpyArray:
         """Array ``index`` itself, ``[num_slots, *shape]``."""
         return self._pools[index]
+
+    def memory_regions(self) -> tuple[MemoryRegion, ...]:
+        """Each array's memory (:mod:`kvcache_core.contract.regions`), slots along axis 0;
+        stable while the storage lives (writes go into the arrays in place)."""
+        return tuple(
+            MemoryRegion(index, STATE_PART, int(pool.ctypes.data), tuple(pool.shape), pool.itemsize, 0)
+            for index, pool in enumerate(self._pools)
+        )
