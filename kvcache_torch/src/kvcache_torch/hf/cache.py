@@ -412,7 +412,7 @@ class PagedCache(Cache):
         return self._rows.gather_padded(layer, kept)
 
     def _mode_now(self) -> Mode:
-        """The path of a forward starting now (:func:`~kvcache_torch.hf.guard.forward_mode`)."""
+        """The path of a forward starting now (:func:`~kvcache_torch.hf.pool_fit.forward_mode`)."""
         return forward_mode(self._text, self._latent, self._mode if self._rows.positions else None)
 
     def _attend(
