@@ -17,9 +17,14 @@ from hypothesis import HealthCheck, settings
 
 from kvcache_core.discovery import refresh_backends
 from kvcache_core.plugin import ENTRY_POINT_GROUP
-from tests.sizes import SIZE_ENV, chosen_size
+from tests.sizes import FULL, SIZE_ENV, chosen_size
+from tests.temp_files import use_memory_temp_folder
 
 pytest_plugins = ["pytester", "tests.workers", "tests.redis_support"]
+
+# Temporary files (tmp_path, the memmap backend's temporary pools) in memory at the everyday
+# size, before anything makes one; the workers and processes the tests start inherit TMPDIR.
+TEMP_FOLDER = use_memory_temp_folder(os.environ, full=FULL)
 
 # Shared CI machines are noisy: no deadlines. "ci" is derandomized so a run is repeatable.
 settings.register_profile("default", deadline=None)
@@ -86,9 +91,14 @@ def _settle_ml_dtypes() -> None:
 _settle_ml_dtypes()
 
 
-def pytest_report_header() -> str:
-    """The size the slowest tests run at (``tests/sizes.py``)."""
-    return f"test size: {chosen_size()} ({SIZE_ENV}=full: the slowest tests at full size)"
+def pytest_report_header() -> list[str]:
+    """The size the slowest tests run at (``tests/sizes.py``) and where temporary files go
+    (``tests/temp_files.py``)."""
+    where = "the system's temporary folder" if TEMP_FOLDER is None else f"{TEMP_FOLDER} (in memory)"
+    return [
+        f"test size: {chosen_size()} ({SIZE_ENV}=full: the slowest tests at full size)",
+        f"temporary files: {where}",
+    ]
 
 
 def _add_distribution(root: Path, dist: str, version: str, entry_name: str, module: str, source: str) -> None:
