@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,14 +111,10 @@ def test_the_faster_path_wins_once_and_is_kept_on_disk(tmp_path: Path, clock: Cl
     assert not [name for name in os.listdir(tmp_path) if name != "dispatch-test.json"]  # no temporary left
 
 
-def test_a_win_within_the_noise_holds_for_the_process_but_is_not_kept(tmp_path: Path, clock: Clock) -> None:
-    costs = {  # untimed call, then the rounds: overlapping
-        "kernel": iter([0.001, 0.0010, 0.0012, 0.0009, 0.0011, 0.0010, 0.001]),
-        "native": iter([0.001, 0.0011, 0.0009, 0.0012, 0.0010, 0.00105, 0.001]),
-    }
-    log: list[str] = []
+def scripted(clock: Clock, costs: dict[str, Iterator[float]], log: list[str]) -> Callable[[str], Callable[[], str]]:
+    """Paths whose calls take the next of their ``costs`` on ``clock``, logged by name."""
 
-    def noisy(name: str) -> Callable[[], str]:
+    def path(name: str) -> Callable[[], str]:
         def call() -> str:
             clock.now += next(costs[name])
             log.append(name)
@@ -126,6 +122,16 @@ def test_a_win_within_the_noise_holds_for_the_process_but_is_not_kept(tmp_path: 
 
         return call
 
+    return path
+
+
+def test_a_win_within_the_noise_holds_for_the_process_but_is_not_kept(tmp_path: Path, clock: Clock) -> None:
+    costs = {  # untimed call, then the rounds: overlapping
+        "kernel": iter([0.001, 0.0010, 0.0012, 0.0009, 0.0011, 0.0010, 0.001]),
+        "native": iter([0.001, 0.0011, 0.0009, 0.0012, 0.0010, 0.00105, 0.001]),
+    }
+    log: list[str] = []
+    noisy = scripted(clock, costs, log)
     chooser = AttentionDispatch("test", LIBRARIES, tmp_path)
     chooser.run(shape(), {"kernel": noisy("kernel"), "native": noisy("native")})
     choice = chooser.choice(shape())
@@ -153,15 +159,7 @@ def test_a_slow_first_call_does_not_cut_the_rounds(tmp_path: Path, clock: Clock)
         "native": iter([0.002, *[0.0015] * dispatch.CALIBRATION_ROUNDS]),
     }
     log: list[str] = []
-
-    def timed(name: str) -> Callable[[], str]:
-        def call() -> str:
-            clock.now += next(costs[name])
-            log.append(name)
-            return name
-
-        return call
-
+    timed = scripted(clock, costs, log)
     chooser = AttentionDispatch("test", LIBRARIES, tmp_path)
     assert chooser.run(shape(), {"kernel": timed("kernel"), "native": timed("native")}) == "kernel"
     assert log.count("kernel") == log.count("native") == 1 + dispatch.CALIBRATION_ROUNDS

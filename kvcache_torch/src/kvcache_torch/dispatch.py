@@ -35,6 +35,7 @@ __all__ = [
     "kernel_reads",
     "pool_path",
     "remember_path",
+    "run_kernel",
     "shape_class",
 ]
 
@@ -198,25 +199,66 @@ def kernel_attention(
     if dtype is None or key_cache.device.type != "cpu" or not paged_kernel.kernel_available():
         return None
     try:  # attend_with_kernel refuses pools it cannot read in place (kernel_reads): no second check here
-        output = paged_kernel.attend_with_kernel(
-            query.detach().to(torch.float32).numpy(),
-            host_view(key_cache),
-            host_view(value_cache),
+        return run_kernel(
+            query,
+            (host_view(key_cache), host_view(value_cache)),
             page_table,
             qo_indptr,
-            dtype=dtype,
+            dtype,
+            kv_layout,
             scale=scale,
             causal=causal,
-            kv_layout=kv_layout,
-            sliding_window=window,
-            num_threads=torch.get_num_threads(),
-            team=torch_team(),
+            window=window,
             softcap=softcap,
-            sinks=None if sinks is None else sinks.detach().to(torch.float32).numpy(),
+            sinks=sinks,
             chunk=chunk,
         )
     except UnsupportedConfigError:
         return None
+
+
+def run_kernel(
+    query: torch.Tensor,
+    pools: tuple[npt.NDArray[Any], npt.NDArray[Any]],
+    page_table: PageTable,
+    qo_indptr: npt.NDArray[np.int32],
+    dtype: str,
+    kv_layout: str,
+    *,
+    scale: float,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    chunk: int | None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One call of the compiled kernel on host views of a layer's pools (``dtype``: the
+    kernel's name for them; ``scales``: a quantized pool's), with torch's threads; the output
+    in ``query``'s dtype.
+
+    Raises:
+        UnsupportedConfigError: the kernel cannot read these pools in place, or numba is missing.
+    """
+    output = paged_kernel.attend_with_kernel(
+        query.detach().to(torch.float32).numpy(),
+        pools[0],
+        pools[1],
+        page_table,
+        qo_indptr,
+        dtype=dtype,
+        scale=scale,
+        causal=causal,
+        kv_layout=kv_layout,
+        sliding_window=window,
+        num_threads=torch.get_num_threads(),
+        team=torch_team(),
+        softcap=softcap,
+        sinks=None if sinks is None else sinks.detach().to(torch.float32).numpy(),
+        chunk=chunk,
+        key_scales=None if scales is None else scales[0].numpy(),
+        value_scales=None if scales is None else scales[1].numpy(),
+    )
     return torch.from_numpy(output).to(query.dtype)  # pyright: ignore[reportUnknownMemberType]
 
 

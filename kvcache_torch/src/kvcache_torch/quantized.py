@@ -21,7 +21,7 @@ from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.quantization import QUANTIZED_RANGE, non_finite_message
 from kvcache_core.contract.scalars import FLOAT32_TINY
 from kvcache_core.errors import InvalidArgumentError
-from kvcache_torch.threads import torch_team
+from kvcache_torch.dispatch import run_kernel
 
 __all__ = ["attend_quantized", "check_finite", "grow_running_scales", "kernel_attention", "quantize"]
 
@@ -195,24 +195,18 @@ def kernel_attention(
     raw_keys, raw_values = (pool.detach().view(torch.uint8).numpy() for pool in pools)
     if not paged_kernel.kernel_reads(dtype, raw_keys, raw_values):
         return None
-    output = paged_kernel.attend_with_kernel(
-        query.detach().to(torch.float32).numpy(),
-        raw_keys,
-        raw_values,
+    return run_kernel(
+        query,
+        (raw_keys, raw_values),
         page_table,
         qo_indptr,
-        dtype=dtype,
+        dtype,
+        layout,
         scale=scale,
         causal=causal,
-        kv_layout=layout,
-        sliding_window=window,
-        num_threads=torch.get_num_threads(),
-        team=torch_team(),
+        window=window,
         softcap=softcap,
-        sinks=None if sinks is None else sinks.detach().to(torch.float32).numpy(),
+        sinks=sinks,
         chunk=chunk,
-        key_scales=scales[0].numpy(),
-        value_scales=scales[1].numpy(),
+        scales=scales,
     )
-    tensor: torch.Tensor = torch.from_numpy(output)  # pyright: ignore[reportUnknownMemberType]
-    return tensor.to(query.dtype)
