@@ -278,10 +278,10 @@ class PageTable:
         replace the recorded ones when given. The arrays of pages are shared, not copied.
 
         Raises:
-            InvalidArgumentError: another batch size, or a length its pages do not fit
-                exactly.
+            InvalidArgumentError: lengths that are not integers in ``[0, INDEX_MAX]``, another
+                batch size, or a length its pages do not fit exactly.
         """
-        lengths = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+        lengths = _int32(seq_lens, "seq_lens", 1).astype(np.int64)  # integers in range, or refused
         pages = np.diff(self.kv_indptr)
         if lengths.shape[0] != pages.shape[0] or not np.array_equal(
             (lengths + self.block_size - 1) // self.block_size, pages
