@@ -20,6 +20,7 @@ from kvcache_core.contract.hookspecs import (
     VALUE_HEAD_DIM,
     BackendSpec,
 )
+from kvcache_core.contract.lanes import STEP_LANES
 from kvcache_core.contract.regions import MEMORY_REGIONS
 
 POLICIES = {"fork", "prefix_caching", "swap", "eviction", "sliding_window"}
@@ -49,7 +50,7 @@ CLAIMS = {
     "torch": Claim(
         "kvcache_torch.plugin",
         "kvcache_torch.storage:TorchStorage",
-        POLICIES | ATTENTION | WIDTHS | {"memory_regions", "state_layers", "layer_geometry"},
+        POLICIES | ATTENTION | WIDTHS | {"memory_regions", "state_layers", "layer_geometry", "step_lanes"},
         ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn"),
         ("cpu", "cuda"),
     ),
@@ -85,6 +86,7 @@ def test_the_named_sets_split_the_vocabulary() -> None:
         LAYER_GEOMETRY,
         MEMORY_REGIONS,
         STATE_LAYERS,
+        STEP_LANES,
         VALUE_HEAD_DIM,
     }
     assert POLICY_CAPABILITIES.isdisjoint(ATTENTION_CAPABILITIES)

@@ -248,5 +248,5 @@ def test_the_capability_vocabulary_is_one_list() -> None:
         == set(CAPABILITIES)
         == POLICY_CAPABILITIES
         | ATTENTION_CAPABILITIES
-        | {"immutable_arrays", "layer_geometry", "memory_regions", "state_layers", "value_head_dim"}
+        | {"immutable_arrays", "layer_geometry", "memory_regions", "state_layers", "step_lanes", "value_head_dim"}
     )

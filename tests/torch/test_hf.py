@@ -373,10 +373,24 @@ def test_paged_decode_attends_over_the_pool_without_gathering_it(
         queries.append(tuple(query.shape))
         return attend(layer, query, *arguments)
 
+    lane_of = manager.storage.step_lane
+
+    def spy_lane(*arguments: Any) -> Any:  # a step's plain layers attend through the storage's lane
+        lane = lane_of(*arguments)
+        if lane is None:
+            return None
+
+        def spied(layer: int, keys: Tensor, values: Tensor, query: Tensor, scale: float) -> Tensor | None:
+            queries.append(tuple(query.shape))
+            return lane(layer, keys, values, query, scale)
+
+        return spied
+
     def no_gather(*arguments: object) -> object:
         raise AssertionError("the paged path must not gather a request's K/V")
 
     monkeypatch.setattr(manager.storage, "paged_attention", spy_attention)
+    monkeypatch.setattr(manager.storage, "step_lane", spy_lane)
     monkeypatch.setattr(manager, "gather", no_gather)
     monkeypatch.setattr(manager.storage, "gather", no_gather)
     ids, mask = prompts(2, 9, pads=pads)

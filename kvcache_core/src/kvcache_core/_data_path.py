@@ -24,6 +24,7 @@ import numpy as np
 from kvcache_core.attention.features import storage_attention_features
 from kvcache_core.attention.reference import check_attention_call, validate_query_indptr
 from kvcache_core.contract.config import CacheConfig, check_count, check_token_ids
+from kvcache_core.contract.lanes import LaneStorage
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
 from kvcache_core.errors import (
@@ -40,6 +41,7 @@ from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.paging.checks import ArgumentChecks
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import GrowthPlan, SequenceBlocks
+from kvcache_core._step_runner import DataPathRunner
 from kvcache_core.step import Step
 
 __all__ = ["DataPath", "extend_arguments"]
@@ -93,6 +95,13 @@ class DataPath(Generic[ArrayT]):
         self._last_tables: dict[int, tuple[tuple[RequestState[ArrayT], ...], list[tuple[int, ...]], PageTable]] = {}
         # Each layer's attention chunk (its LayerSpec's), read once.
         self._chunks = tuple(config.layer_spec(layer).chunk for layer in range(config.num_layers))
+        # Per layer, (group, storage layer, head_dim) where a step lane may serve it (no chunk).
+        plain = [config.layer_spec(layer).keeps_kv and chunk is None for layer, chunk in enumerate(self._chunks)]
+        places = [config.layer_place(layer) if keeps else None for layer, keeps in enumerate(plain)]
+        self.lane_places = tuple(
+            None if place is None else (*place, self._geometry[place[1]].head_dim) for place in places
+        )
+        self.lanes = isinstance(storage, LaneStorage)  # the storage prepares steps' plain layers
 
     def check_open(self) -> None:
         """Raise :class:`~kvcache_core.errors.ManagerClosedError` once the manager closed."""
@@ -185,7 +194,7 @@ class DataPath(Generic[ArrayT]):
         tables = tuple(self.issue_page_table(states, group) for group in range(config.num_groups))
         empty = np.zeros((0,) if config.num_groups == 1 else (config.num_groups, 0), dtype=np.int64)
         slots = np.concatenate(grown, axis=-1) if grown else empty
-        runner = _StepRunner(self, states, len(tables))
+        runner = DataPathRunner(self, states, len(tables))
         request_ids = tuple(state.request_id for state in states)
         return Step(
             runner, request_ids, tuple(counts), slots, tables, config.num_heads, config.head_dim, config.value_width
@@ -235,22 +244,33 @@ class DataPath(Generic[ArrayT]):
         last found writable (``-1``: never): no block can have become immutable since, so the
         mask lookup is skipped. Returns the epoch at which they were found writable now.
         """
-        config, shape = self.config, self._geometry[layer]
+        shape = self._geometry[layer]
         expected = (int(slots.shape[0]), shape.num_heads, shape.head_dim)
         self._checks.array("keys", keys, expected)
         self._checks.array("values", values, (*expected[:2], shape.value_width))
-        pool = self._pool
-        epoch = pool.immutable_epoch
         if not slots.shape[0]:
-            return epoch
+            return self._pool.immutable_epoch
+        epoch = self.writable(slots, writable_at)
+        self.storage.write(layer, slots, keys, values)
+        self.record_written(layer, slots)
+        return epoch
+
+    def writable(self, slots: SlotArray, writable_at: int) -> int:
+        """Refuse ``slots`` in a block several requests share or the prefix cache serves
+        (``SharedBlockWriteError``), unless they were found writable at the current
+        immutable epoch ``writable_at``; the epoch now."""
+        epoch = self._pool.immutable_epoch
         if writable_at != epoch:
             self._checks.writable(slots)
-        self.storage.write(layer, slots, keys, values)
-        written = pool.written
+        return epoch
+
+    def record_written(self, layer: int, slots: SlotArray) -> None:
+        """Record that storage layer ``layer`` holds ``slots`` now (prefix caching: a block
+        every layer wrote is registered)."""
+        written = self._pool.written
         if written is not None:
             written[layer, slots] = True
-            self._chains.after_write(slots // config.block_size)  # may register blocks: a new epoch
-        return epoch
+            self._chains.after_write(slots // self.config.block_size)  # may register blocks: a new epoch
 
     def write_host_blocks(self, state: RequestState[ArrayT], start: int, keys: Any, values: Any) -> None:
         """Write host-form blocks (``[pool_layers, n, block_size, num_heads, width]``, the
@@ -481,88 +501,3 @@ def extend_arguments(additional_tokens: object, token_ids: object) -> tuple[int,
             f"token_ids holds {len(ids)} ids for additional_tokens={count}; give one id per new token"
         )
     return count, ids
-
-
-class _StepRunner(Generic[ArrayT]):
-    """The data path bound to one step's requests: what its :class:`Step` calls
-    (:class:`~kvcache_core.step.StepRunner`), under the manager's lock."""
-
-    __slots__ = ("_check_current", "_group_slots", "_path", "_served", "_state_slots", "_states", "_writable_at")
-
-    def __init__(self, path: DataPath[ArrayT], states: list[RequestState[ArrayT]], groups: int) -> None:
-        self._path = path
-        self._check_current = path.stamp(states)
-        self._state_slots = np.array([state.state_slot for state in states], dtype=np.int64)
-        self._states = states
-        self._served = storage_attention_features(path.storage)
-        # Per KV-cache group, the epoch at which the group's slots were last found writable
-        # (-1: not yet): a block of the step that is registered in the prefix cache or
-        # mapped by another request after planning is never written in place.
-        self._writable_at = [-1] * groups
-        self._group_slots: tuple[SlotArray, ...] | None = None
-
-    def _slots(self, step: Step[ArrayT], group: int) -> SlotArray:
-        """The step's slots of KV-cache ``group``: the same read-only array for every layer
-        (a storage converts it once)."""
-        if self._group_slots is None:
-            slots = step.slots
-            self._group_slots = (slots,) if slots.ndim == 1 else tuple(slots)
-        return self._group_slots[group]
-
-    def write(self, step: Step[ArrayT], layer: int, keys: ArrayT, values: ArrayT) -> None:
-        path = self._path
-        with path.lock:
-            self._check_current()
-            group, index = path.config.layer_place(layer)
-            self._writable_at[group] = path.write(
-                index, self._slots(step, group), keys, values, self._writable_at[group]
-            )
-
-    def attention(
-        self, step: Step[ArrayT], layer: int, query: ArrayT, scale: float | None, causal: bool, features: dict[str, Any]
-    ) -> ArrayT:
-        path = self._path
-        with path.lock:
-            self._check_current()
-            return path.attention(layer, query, scale, causal, features, step=step, served=self._served)
-
-    def write_and_attend(
-        self,
-        step: Step[ArrayT],
-        layer: int,
-        keys: ArrayT,
-        values: ArrayT,
-        query: ArrayT,
-        scale: float | None,
-        causal: bool,
-        features: dict[str, Any],
-    ) -> ArrayT:
-        path = self._path
-        with path.lock:
-            self._check_current()
-            # Every check of the attention first: a refused call writes nothing.
-            group, call, keywords = path.attention_call(
-                layer, query, scale, causal, features, None, None, step, self._served
-            )
-            self._writable_at[group] = path.write(
-                call[0], self._slots(step, group), keys, values, self._writable_at[group]
-            )
-            return path.storage.paged_attention(*call, **keywords)
-
-    def read_state(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT:
-        path = self._path
-        with path.lock:
-            self._check_current()
-            return path.read_state(self._state_slots, layer, name)
-
-    def write_state(self, step: Step[ArrayT], layer: int, name: str, values: ArrayT) -> None:
-        path = self._path
-        with path.lock:
-            self._check_current()
-            path.write_state(self._state_slots, layer, name, values)
-
-    def checkpoint_states(self, step: Step[ArrayT]) -> int:
-        path = self._path
-        with path.lock:
-            self._check_current()
-            return path.checkpoint_states(self._states)

@@ -8,7 +8,8 @@ storage implements :class:`KvStorage` over one of :data:`KV_LAYOUTS` and dtypes 
 :data:`MEMORY_REGIONS`, whose storages also have the optional member of :class:`RegionStorage`, and
 :data:`STATE_LAYERS`: a storage serving recurrent-state layers builds a :class:`StateStorage`
 of :class:`StateArray` in its optional ``state_storage(arrays, num_slots)``; values of another
-width than the keys: :data:`VALUE_HEAD_DIM`). A
+width than the keys: :data:`VALUE_HEAD_DIM`; a storage that prepares a step's plain layers
+claims :data:`STEP_LANES` and has the optional member of :class:`LaneStorage`). A
 storage without a kernel of its own can answer with the NumPy reference
 (:func:`paged_attention`). A tier implements :class:`OffloadTier` and registers a factory
 under :data:`TIER_ENTRY_POINT_GROUP`. The conformance kit (``pytest -p kvcache_core.testing``)
@@ -37,6 +38,7 @@ from kvcache_core.contract.hookspecs import (
     BackendSpec,
     hookimpl,
 )
+from kvcache_core.contract.lanes import STEP_LANES, LaneStorage
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage
 from kvcache_core.contract.regions import MEMORY_REGIONS, MemoryRegion, RegionStorage
@@ -56,6 +58,7 @@ __all__ = [
     "POLICY_CAPABILITIES",
     "QUANTIZED_DTYPES",
     "STATE_LAYERS",
+    "STEP_LANES",
     "TIER_ENTRY_POINT_GROUP",
     "VALUE_HEAD_DIM",
     "BackendSpec",
@@ -63,6 +66,7 @@ __all__ = [
     "Device",
     "KvCachePluginWarning",
     "KvStorage",
+    "LaneStorage",
     "MemoryRegion",
     "OffloadTier",
     "PageTable",

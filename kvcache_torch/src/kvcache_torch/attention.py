@@ -67,7 +67,15 @@ from kvcache_core.errors import (
     InvalidArgumentError,
     ShapeMismatchError,
 )
-from kvcache_torch.dispatch import DISPATCH, chosen_path, kernel_attention, kernel_reads, remember_path, shape_class
+from kvcache_torch.dispatch import (
+    DISPATCH,
+    call_kind,
+    chosen_path,
+    kernel_attention,
+    kernel_reads,
+    remember_path,
+    shape_class,
+)
 from kvcache_torch.run_views import one_run_decode
 
 __all__ = ["attend_pool", "paged_attention"]
@@ -317,7 +325,7 @@ def attend_pool(
         return native()
     if path == "auto":
         features = (window is not None, softcap is not None, sinks is not None, chunk is not None)
-        call = (key_cache.shape, value_cache.shape, key_cache.dtype, query.shape[1], causal, features)
+        call = call_kind(query, key_cache, value_cache, causal, features)
         path = chosen_path(page_table, qo_indptr, call) or _choose(arguments, call, features, softcap, sinks, chunk)
         if path == "native":
             return native()

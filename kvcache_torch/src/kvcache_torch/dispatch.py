@@ -29,10 +29,12 @@ from kvcache_torch.threads import torch_team
 __all__ = [
     "DISPATCH",
     "KERNEL_DTYPES",
+    "call_kind",
     "chosen_path",
     "host_view",
     "kernel_attention",
     "kernel_reads",
+    "plain_path",
     "pool_path",
     "remember_path",
     "run_kernel",
@@ -110,6 +112,33 @@ def remember_path(page_table: PageTable, qo_indptr: npt.NDArray[np.int32], call:
         known = (qo_indptr, paths)
         _CHOSEN[page_table] = known
     known[1][call] = path
+
+
+def call_kind(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, causal: bool, features: tuple[bool, ...]
+) -> tuple[object, ...]:
+    """What the dispatch's choice for a step depends on besides the step's batch."""
+    return (key_cache.shape, value_cache.shape, key_cache.dtype, query.shape[1], causal, features)
+
+
+def plain_path(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    page_table: PageTable,
+    qo_indptr: npt.NDArray[np.int32],
+    causal: bool,
+    path: str,
+) -> str | None:
+    """The path :func:`~kvcache_torch.attention.attend_pool` took for a call without attention features of this step
+    (after one such call): ``"kernel"`` or ``"native"``; ``None`` when none is known."""
+    if path != "auto":
+        return path
+    return chosen_path(page_table, qo_indptr, call_kind(query, key_cache, value_cache, causal, _PLAIN))
+
+
+#: The features of a plain call: no window, softcap, sinks or chunk.
+_PLAIN: tuple[bool, ...] = (False, False, False, False)
 
 
 def shape_class(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy.typing as npt
 import torch
 
 from kvcache_core.errors import UnsupportedConfigError
 from kvcache_torch.spec import DTYPES
 
-__all__ = ["BIT_DTYPES", "TORCH_DTYPES", "VALUE_DTYPES", "dtype_name", "torch_dtype"]
+__all__ = ["BIT_DTYPES", "TORCH_DTYPES", "VALUE_DTYPES", "dtype_name", "tensor_of", "torch_dtype"]
 
 #: Pool dtypes of the backend, by name: those :data:`kvcache_torch.spec.DTYPES` claims, each
 #: torch's dtype of that name.
@@ -47,3 +50,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 #: Names already made (a dtype per entry: a few dozen at most).
 _NAMES: dict[torch.dtype, str] = {}
+
+
+def tensor_of(array: npt.NDArray[Any]) -> torch.Tensor:
+    """``torch.from_numpy``, typed; a read-only array is copied (torch has no read-only tensors)."""
+    if not array.flags.writeable:
+        array = array.copy()
+    tensor: torch.Tensor = torch.from_numpy(array)  # pyright: ignore[reportUnknownMemberType]
+    return tensor

@@ -18,11 +18,19 @@ import torch
 
 from kvcache_core.contract.page_table import PageTable
 
-__all__ = ["one_run_decode"]
+__all__ = ["one_run_decode", "one_run_span"]
 
 #: Per page table: ``(first slot, tokens)`` of its one request when that request's blocks
 #: are one run, else ``None`` (the layers of a step share the table: found once per step).
 _SPANS: weakref.WeakKeyDictionary[PageTable, tuple[int, int] | None] = weakref.WeakKeyDictionary()
+
+
+def one_run_span(page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> tuple[int, int] | None:
+    """``(first slot, tokens)`` of a decode step of one request whose blocks are one run of
+    consecutive blocks, without the table's window; ``None`` for any other step."""
+    if qo_indptr.shape[0] != 2 or int(qo_indptr[1]) != 1 or page_table.sliding_window is not None:
+        return None
+    return _span(page_table)
 
 
 def _span(page_table: PageTable) -> tuple[int, int] | None:

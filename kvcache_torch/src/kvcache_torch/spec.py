@@ -16,6 +16,7 @@ from kvcache_core.contract.hookspecs import (
     POLICY_CAPABILITIES,
     VALUE_HEAD_DIM,
 )
+from kvcache_core.contract.lanes import STEP_LANES
 from kvcache_core.contract.regions import MEMORY_REGIONS
 from kvcache_core.contract.states import STATE_LAYERS
 
@@ -42,8 +43,9 @@ ATTENTION_FEATURES: Final = ATTENTION_CAPABILITIES
 #: Optional features of the conformance kit the backend claims: core's policies, over this
 #: storage's block copies (fork), host transfers (swap) and windowed attention, the
 #: attention features, recurrent-state layers (``TorchStorage.state_storage``), values of
-#: another width than the keys, layers of their own geometry (one storage per geometry), and
-#: its pool's memory regions (CPU and CUDA tensors keep their addresses).
+#: another width than the keys, layers of their own geometry (one storage per geometry), its
+#: pool's memory regions (CPU and CUDA tensors keep their addresses), and step lanes
+#: (:mod:`kvcache_torch.lanes`).
 CAPABILITIES: Final = (
     POLICY_CAPABILITIES
     | ATTENTION_FEATURES
@@ -51,6 +53,7 @@ CAPABILITIES: Final = (
         LAYER_GEOMETRY,
         MEMORY_REGIONS,
         STATE_LAYERS,
+        STEP_LANES,
         VALUE_HEAD_DIM,
     }
 )

@@ -29,21 +29,14 @@ from kvcache_torch import quantized
 from kvcache_torch.attention import attend_pool
 from kvcache_torch.devices import resolve_device
 from kvcache_torch.dispatch import pool_path
-from kvcache_torch.dtypes import BIT_DTYPES, VALUE_DTYPES, dtype_name, torch_dtype
+from kvcache_torch.dtypes import BIT_DTYPES, VALUE_DTYPES, dtype_name, tensor_of, torch_dtype
+from kvcache_torch.lanes import TorchLane
 from kvcache_torch.spec import ATTENTION_FEATURES, PREFERRED_LAYOUT
 from kvcache_torch.states import TorchStateStorage
 
 __all__ = ["TorchStorage", "resolve_device"]
 
 IntArray = npt.NDArray[np.int64]
-
-
-def _tensor_of(array: npt.NDArray[Any]) -> torch.Tensor:
-    """``torch.from_numpy``, typed; a read-only array is copied (torch has no read-only tensors)."""
-    if not array.flags.writeable:
-        array = array.copy()
-    tensor: torch.Tensor = torch.from_numpy(array)  # pyright: ignore[reportUnknownMemberType]
-    return tensor
 
 
 class TorchStorage:
@@ -99,6 +92,7 @@ class TorchStorage:
         self._parts = self._split_parts(self._pool)
         self._moved_parts = self._split_parts(self._moved)
         self._views, self._targets = self._layer_views()
+        self._hosts: list[tuple[npt.NDArray[Any], npt.NDArray[Any]] | None] = [None] * config.num_layers  # lanes
         # The last slot array converted and its tensor (a step's layers pass one frozen array).
         self._index_memo: tuple[IntArray, torch.Tensor] | None = None
         if config.quantized:
@@ -112,7 +106,7 @@ class TorchStorage:
             head_scales = np.asarray(config.kv_scales if calibrated else 0.0, dtype=np.float32) * np.ones(
                 (config.num_layers, 2, config.num_heads), dtype=np.float32
             )
-            self._head_scales = _tensor_of(head_scales).to(self._device)
+            self._head_scales = tensor_of(head_scales).to(self._device)
             self._track_scales = not calibrated
 
     def _layer_views(self) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], tuple[list[torch.Tensor], ...]]:
@@ -167,6 +161,7 @@ class TorchStorage:
         self._moved = self._pool
         self._parts = self._moved_parts = (self._pool, self._pool)
         self._views, self._targets = self._layer_views()  # none: an empty pool
+        self._hosts = []
         self._index_memo = None
         if self._scales is not None:
             self._scales = torch.empty((0,), dtype=torch.float32, device=self._device)
@@ -180,16 +175,17 @@ class TorchStorage:
     def memory_regions(self) -> tuple[MemoryRegion, ...]:
         """The pool's memory per layer and part (:mod:`kvcache_core.contract.regions`): host
         memory on CPU, device memory on CUDA; stable until :meth:`close`."""
-        device_id = 0 if self._device.index is None else self._device.index
-        scales = None if self._scales is None else int(self._scales.data_ptr())
-        return pool_regions(
-            self._config,
-            int(self._pool.data_ptr()),
-            self._pool.element_size(),
-            scales,
-            device_kind=self._device.type,
-            device_id=device_id,
-        )
+        device, scales = self._device, None if self._scales is None else int(self._scales.data_ptr())
+        pool, element = int(self._pool.data_ptr()), self._pool.element_size()
+        return pool_regions(self._config, pool, element, scales, device_kind=device.type, device_id=device.index or 0)
+
+    def step_lane(self, page_table: PageTable, slots: IntArray, qo_indptr: npt.NDArray[np.int32]) -> TorchLane | None:
+        """A step's lane for its plain layers (capability ``"step_lanes"``:
+        :mod:`kvcache_torch.lanes`); ``None`` for a quantized pool or the HND layout."""
+        if self._scales is not None or not self._targets:
+            return None
+        views = (self._views, self._targets, self._hosts)
+        return TorchLane(*views, self._config.layout, self._path, self._dtype, self._device, page_table, slots, qo_indptr)
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """View of the layer's key pool, in the configured layout."""
@@ -207,7 +203,7 @@ class TorchStorage:
         memo = self._index_memo
         if memo is not None and memo[0] is indices:
             return memo[1]
-        tensor = _tensor_of(np.ascontiguousarray(indices, dtype=np.int64))
+        tensor = tensor_of(np.ascontiguousarray(indices, dtype=np.int64))
         tensor = tensor if self._device.type == "cpu" else tensor.to(self._device, non_blocking=True)
         base = indices.base
         if not indices.flags.writeable and isinstance(base, np.ndarray) and not base.flags.writeable:
@@ -359,8 +355,8 @@ class TorchStorage:
         for name, array in (("keys", keys), ("values", values)):
             raw, scale = quantization.unpack_host(self._config, array, name)
             assert tuple(scale.shape) == leading  # checked by the caller
-            raws.append(_tensor_of(raw.view(np.uint8)).to(self._device))
-            scales.append(_tensor_of(scale).to(self._device))
+            raws.append(tensor_of(raw.view(np.uint8)).to(self._device))
+            scales.append(tensor_of(scale).to(self._device))
         stacked = torch.stack(raws, dim=1)  # [L, 2, n, bs, H, D]
         if self._config.kv_layout == "HND":
             stacked = stacked.transpose(3, 4)
@@ -389,8 +385,8 @@ class TorchStorage:
         for kv, (name, array) in enumerate((("keys", keys), ("values", values))):
             if self._scales is not None:
                 raw, scale = quantization.unpack_host(self._config, array, name)
-                data = _tensor_of(raw.view(np.uint8)).to(self._device)
-                self._scales[:, kv].index_copy_(2, index, _tensor_of(scale).to(self._device).permute(0, 3, 1, 2))
+                data = tensor_of(raw.view(np.uint8)).to(self._device)
+                self._scales[:, kv].index_copy_(2, index, tensor_of(scale).to(self._device).permute(0, 3, 1, 2))
             else:
                 data = self._from_host(array)
             if self._config.kv_layout == "HND":  # [L, n, bs, H, D] -> the pool's layout
@@ -434,7 +430,7 @@ class TorchStorage:
         contiguous = np.ascontiguousarray(array)
         if self._bits_dtype != self._dtype:  # uint16 patterns -> int16 (torch's) -> bfloat16
             contiguous = contiguous.view(np.int16)
-        tensor = _tensor_of(contiguous)
+        tensor = tensor_of(contiguous)
         if self._device.type != "cpu":
             tensor = tensor.pin_memory().to(self._device, non_blocking=True)
         return tensor.view(self._dtype)
@@ -558,7 +554,7 @@ class TorchStorage:
         if not array.flags.writeable:  # torch cannot share read-only memory
             array = array.copy()
         try:
-            tensor = _tensor_of(array)
+            tensor = tensor_of(array)
         except TypeError as exc:
             raise DTypeMismatchError(f"torch cannot hold the NumPy dtype {array.dtype}: {exc}") from exc
         return tensor if self._device.type == "cpu" else tensor.to(self._device)

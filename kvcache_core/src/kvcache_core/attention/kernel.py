@@ -66,6 +66,7 @@ from kvcache_core.errors import InvalidTypeError, UnsupportedConfigError
 __all__ = [
     "DISABLE_ENV",
     "KERNEL_DTYPES",
+    "KernelCall",
     "MIN_SPLIT_KEYS",
     "MIN_THREAD_WORK",
     "QUANTIZED_KERNEL_DTYPES",
@@ -76,6 +77,7 @@ __all__ = [
     "kernel_available",
     "kernel_reads",
     "max_threads",
+    "prepare_kernel_call",
     "python_team",
 ]
 
@@ -447,6 +449,51 @@ def attend_with_kernel(
     if team is not None and not callable(team):
         raise InvalidTypeError(f"team must be a ThreadTeam (a callable) or None, got {team!r}")
     checked_scale = check_positive_float32(scale, "scale")
+    call = prepare_kernel_call(
+        query.shape,
+        key_cache,
+        value_cache,
+        page_table,
+        qo_indptr,
+        dtype=dtype,
+        causal=causal,
+        kv_layout=kv_layout,
+        sliding_window=sliding_window,
+        num_threads=num_threads,
+        softcap=softcap,
+        sinks=sinks,
+        chunk=chunk,
+        team=team,
+    )
+    return call(query, key_cache, value_cache, checked_scale, key_scales, value_scales)
+
+
+def prepare_kernel_call(
+    query_shape: tuple[int, ...],
+    key_cache: npt.NDArray[Any],
+    value_cache: npt.NDArray[Any],
+    page_table: PageTable,
+    qo_indptr: npt.NDArray[np.int32],
+    *,
+    dtype: str,
+    causal: bool,
+    kv_layout: str,
+    sliding_window: int | None,
+    num_threads: int | None = None,
+    softcap: float | None = None,
+    sinks: npt.NDArray[Any] | None = None,
+    chunk: int | None = None,
+    team: ThreadTeam | None = None,
+) -> KernelCall:
+    """The kernel's call for one batch, prepared once (its plan, the page table's arrays, the
+    checked options) for every layer whose pools have the shapes, strides and dtype of
+    ``key_cache`` and ``value_cache``: what :func:`attend_with_kernel` runs, for a caller that
+    runs the same batch over many layers (a step's). Arguments as there; the call takes the
+    query, the layer's pools, the scale and a quantized pool's scales.
+
+    Raises:
+        UnsupportedConfigError, InvalidArgumentError: as :func:`attend_with_kernel`.
+    """
     window = check_window(sliding_window, "sliding_window") or 0  # 0: none
     chunk_size = check_chunk(chunk) or 0
     cap = check_softcap(softcap)
@@ -459,65 +506,96 @@ def attend_with_kernel(
         raise UnsupportedConfigError(
             f"the kernel cannot read {dtype} pools of dtype {key_cache.dtype}, strides {key_cache.strides} in place"
         )
-    quantized = dtype in QUANTIZED_KERNEL_DTYPES
-    if quantized and (key_scales is None or value_scales is None):
-        raise UnsupportedConfigError(f"a {dtype} pool is read with its key_scales and value_scales")
-    total_queries, query_heads, head_dim = query.shape
-    value_dim = value_cache.shape[3]
-    out: FloatArray = np.empty((total_queries, query_heads, value_dim), dtype=np.float32)
-    if total_queries == 0:
-        return out
-    num_heads = key_cache.shape[_HEADS_AXIS[kv_layout]]
-    group = query_heads // num_heads
-    limit = max_threads()
-    threads = limit if num_threads is None else max(1, min(num_threads, limit))
+    total_queries, query_heads, head_dim = query_shape
+    num_heads, limit = key_cache.shape[_HEADS_AXIS[kv_layout]], max_threads()
+    group, threads = query_heads // num_heads, limit if num_threads is None else max(1, min(num_threads, limit))
     plan = _cached_plan(page_table, qo_indptr, num_heads, group, causal, window, threads, chunk_size)
     strides = _row_strides(key_cache.strides, kv_layout, head_dim * key_cache.itemsize)
-    partial_acc = np.empty((plan.partial_rows, value_dim), dtype=np.float32)
-    partial_stats = np.empty((plan.partial_rows, 2), dtype=np.float32)
-    attend: Callable[..., None] = module.attend_share
-    merge: Callable[..., None] = module.merge_splits
-    # float32 pools are read in place as float32 rows, the others as their bits; the pair not
-    # used is a stand-in, so one compiled version serves every float pool (one every quantized).
-    if dtype == "float32":
-        pools = (_pool_rows(key_cache), _pool_rows(value_cache), _NO_BITS, _NO_BITS)
-    else:
-        pools = (_NO_ROWS, _NO_ROWS, _pool_rows(key_cache), _pool_rows(value_cache))
-    arguments = (
-        _read_only(query, np.float32),
-        *pools,
-        _POOL_KINDS[dtype],
-        strides,
-        _read_only(page_table.block_tables, np.int32),
-        _read_only(page_table.seq_lens, np.int32),
-        _read_only(qo_indptr, np.int32),
-    )
-    options = (group, page_table.block_size, checked_scale, bool(causal), window, out, partial_acc, partial_stats)
+    tables = tuple(_read_only(array, np.int32) for array in (page_table.block_tables, page_table.seq_lens, qo_indptr))
     # The attention features: softcap 0 and chunk 0 mean none, an empty sinks array no sinks.
     head_sinks = _NO_SINKS if sinks is None else _read_only(np.asarray(sinks), np.float32)
-    features: tuple[Any, ...] = (0.0 if cap is None else cap, head_sinks, chunk_size)
-    # A quantized pool's scales (flat, with element strides block, token, head); empty otherwise.
-    if quantized and key_scales is not None and value_scales is not None:
-        scale_options = (
-            _read_only(key_scales, np.float32).reshape(-1),
-            _read_only(value_scales, np.float32).reshape(-1),
-            _read_only(np.asarray([key_scales.shape[2], 1, key_scales.shape[1] * key_scales.shape[2]]), np.int64),
-        )
-    else:
-        scale_options = (_NO_SCALES, _NO_SCALES, _NO_STRIDES)
-    features = (*features, *scale_options)
-    # The threads claim items from one counter: a worker the OS leaves waiting (a busy
-    # machine) delays the call by the item it holds at most, not by a share of its own.
-    claimed = np.zeros(1, dtype=np.int64)
+    features = (0.0 if cap is None else cap, head_sinks, chunk_size)
+    shape = (total_queries, query_heads, int(value_cache.shape[3]))
+    return KernelCall(
+        module, plan, dtype, strides, tables, shape, (group, page_table.block_size, bool(causal), window), features, team
+    )
 
-    def share() -> None:
-        attend(*arguments, plan.items, claimed, *options, *features)
 
-    with _launch_lock:
-        if plan.threads > 1:
-            (team or python_team)(share, plan.threads)
+class KernelCall:
+    """A prepared call of the kernel (:func:`prepare_kernel_call`): ``call(query, key_cache,
+    value_cache, scale, key_scales=None, value_scales=None)`` attends one layer's pools
+    (checked scale; a quantized pool's scales) and returns ``[total_queries, query_heads,
+    value_dim]`` float32."""
+
+    __slots__ = ("_buffers", "_dtype", "_features", "_module", "_options", "_plan", "_shape", "_strides", "_tables", "_team")
+
+    def __init__(
+        self,
+        module: ModuleType,
+        plan: _Plan,
+        dtype: str,
+        strides: IndexArray,
+        tables: tuple[npt.NDArray[np.int32], ...],
+        shape: tuple[int, int, int],
+        options: tuple[int, int, bool, int],
+        features: tuple[Any, ...],
+        team: ThreadTeam | None,
+    ) -> None:
+        self._module, self._plan, self._dtype, self._strides, self._tables = module, plan, dtype, strides, tables
+        self._shape, self._options, self._features, self._team = shape, options, features, team
+        # The split rows' partial results: used within one launch (under the launch lock), so reused.
+        rows = plan.partial_rows
+        self._buffers = (np.empty((rows, shape[2]), dtype=np.float32), np.empty((rows, 2), dtype=np.float32))
+
+    def __call__(
+        self,
+        query: npt.NDArray[Any],
+        key_cache: npt.NDArray[Any],
+        value_cache: npt.NDArray[Any],
+        scale: float,
+        key_scales: npt.NDArray[np.float32] | None = None,
+        value_scales: npt.NDArray[np.float32] | None = None,
+    ) -> FloatArray:
+        out: FloatArray = np.empty(self._shape, dtype=np.float32)
+        if self._shape[0] == 0:
+            return out
+        dtype, plan, quantized = self._dtype, self._plan, self._dtype in QUANTIZED_KERNEL_DTYPES
+        if quantized and (key_scales is None or value_scales is None):
+            raise UnsupportedConfigError(f"a {dtype} pool is read with its key_scales and value_scales")
+        # float32 pools are read in place as float32 rows, the others as their bits; the pair not
+        # used is a stand-in, so one compiled version serves every float pool (one every quantized).
+        if dtype == "float32":
+            pools = (_pool_rows(key_cache), _pool_rows(value_cache), _NO_BITS, _NO_BITS)
         else:
-            share()
-        if plan.merges.shape[0]:
-            merge(arguments[9], plan.merges, group, out, partial_acc, partial_stats, head_sinks)
-    return out
+            pools = (_NO_ROWS, _NO_ROWS, _pool_rows(key_cache), _pool_rows(value_cache))
+        arguments = (_read_only(query, np.float32), *pools, _POOL_KINDS[dtype], self._strides, *self._tables)
+        group, block_size, causal, window = self._options
+        partial_acc, partial_stats = self._buffers
+        options = (group, block_size, scale, causal, window, out, partial_acc, partial_stats)
+        # A quantized pool's scales (flat, with element strides block, token, head); empty otherwise.
+        if quantized and key_scales is not None and value_scales is not None:
+            scale_options = (
+                _read_only(key_scales, np.float32).reshape(-1),
+                _read_only(value_scales, np.float32).reshape(-1),
+                _read_only(np.asarray([key_scales.shape[2], 1, key_scales.shape[1] * key_scales.shape[2]]), np.int64),
+            )
+        else:
+            scale_options = (_NO_SCALES, _NO_SCALES, _NO_STRIDES)
+        features = (*self._features, *scale_options)
+        # The threads claim items from one counter: a worker the OS leaves waiting (a busy
+        # machine) delays the call by the item it holds at most, not by a share of its own.
+        claimed = np.zeros(1, dtype=np.int64)
+        attend: Callable[..., None] = self._module.attend_share
+
+        def share() -> None:
+            attend(*arguments, plan.items, claimed, *options, *features)
+
+        with _launch_lock:
+            if plan.threads > 1:
+                (self._team or python_team)(share, plan.threads)
+            else:
+                share()
+            if plan.merges.shape[0]:
+                merge: Callable[..., None] = self._module.merge_splits
+                merge(arguments[9], plan.merges, group, out, partial_acc, partial_stats, self._features[1])
+        return out

@@ -94,6 +94,9 @@ CAPABILITIES: dict[str, str] = {
     "(JAX), which later writes replace but never delete, instead of a view",
     "value_head_dim": "a pool whose values are narrower or wider than its keys (CacheConfig.value_head_dim): "
     "value_cache, write, gather, the host form and paged_attention use the value width for values",
+    "step_lanes": "step_lane(page_table, slots, qo_indptr) prepares a step's plain layers once: each then writes "
+    "its K/V and attends in one call of the returned lane, which declines (writing nothing) arrays it was not "
+    "prepared for (kvcache_core.contract.lanes)",
     "layer_geometry": "a pool whose layers differ in KV heads or widths (LayerSpec(num_heads=..., head_dim=..., "
     "value_head_dim=...)): the storage factory may be called once per geometry of one pool (core's "
     "LayeredStorage routes each layer to its part and packs swap's host copies); tiers, prefix files, host "

@@ -1,0 +1,221 @@
+"""The data path bound to one step's requests: what a :class:`~kvcache_core.step.Step` calls
+(manager internals). Each call holds the manager's lock and checks that the step is current;
+a plain layer's write and attention go through the storage's step lane where it has one
+(:mod:`kvcache_core.contract.lanes`), every other call through the data path's checked calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Generic, Literal, Protocol, TypeVar
+
+import numpy as np
+
+from kvcache_core.attention.features import storage_attention_features
+from kvcache_core.attention.reference import check_scale
+from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.lanes import StepLane, storage_step_lane
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.protocols import KvStorage, SlotArray
+from kvcache_core.paging.request_state import RequestState
+from kvcache_core.step import Step
+
+__all__ = ["DataPathRunner", "RunnerPath"]
+
+ArrayT = TypeVar("ArrayT")
+
+
+class RunnerPath(Protocol[ArrayT]):
+    """What a step's runner uses of the manager's data path
+    (:class:`~kvcache_core._data_path.DataPath`)."""
+
+    config: CacheConfig
+    storage: KvStorage[ArrayT]
+    lock: AbstractContextManager[object]
+    #: Per layer, ``(group, storage layer, head_dim)`` where a lane may serve it, else ``None``.
+    lane_places: tuple[tuple[int, int, int] | None, ...]
+    #: Whether the storage prepares step lanes.
+    lanes: bool
+
+    def stamp(self, states: list[RequestState[ArrayT]]) -> Callable[[], None]: ...
+
+    def write(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT, writable_at: int = -1) -> int: ...
+
+    def writable(self, slots: SlotArray, writable_at: int) -> int: ...
+
+    def record_written(self, layer: int, slots: SlotArray) -> None: ...
+
+    def attention(
+        self,
+        layer: int,
+        query: ArrayT,
+        scale: float | None,
+        causal: bool,
+        features: dict[str, Any],
+        *,
+        page_table: object = None,
+        qo_indptr: object = None,
+        step: Step[ArrayT] | None = None,
+        served: frozenset[str] | None = None,
+    ) -> ArrayT: ...
+
+    def attention_call(
+        self,
+        layer: int,
+        query: ArrayT,
+        scale: float | None,
+        causal: bool,
+        features: dict[str, Any],
+        page_table: object,
+        qo_indptr: object,
+        step: Step[ArrayT] | None,
+        served: frozenset[str] | None,
+    ) -> tuple[int, tuple[int, ArrayT, PageTable, Any, float, bool], dict[str, Any]]: ...
+
+    def read_state(self, slots: SlotArray, layer: object, name: object) -> ArrayT: ...
+
+    def write_state(self, slots: SlotArray, layer: object, name: object, values: ArrayT) -> None: ...
+
+    def checkpoint_states(self, states: list[RequestState[ArrayT]]) -> int: ...
+
+
+#: The types of scale a lane takes (anything else takes the general path, which checks it).
+_SCALES: frozenset[type] = frozenset({float, type(None)})
+
+
+class DataPathRunner(Generic[ArrayT]):
+    """The data path bound to one step's requests: what its :class:`Step` calls
+    (:class:`~kvcache_core.step.StepRunner`), under the manager's lock."""
+
+    __slots__ = (
+        "_check_current",
+        "_group_slots",
+        "_lanes",
+        "_path",
+        "_scale",
+        "_served",
+        "_state_slots",
+        "_states",
+        "_writable_at",
+    )
+
+    def __init__(self, path: RunnerPath[ArrayT], states: list[RequestState[ArrayT]], groups: int) -> None:
+        self._path = path
+        self._check_current = path.stamp(states)
+        self._state_slots = np.array([state.state_slot for state in states], dtype=np.int64)
+        self._states = states
+        self._served = storage_attention_features(path.storage)
+        # Per KV-cache group, the epoch at which the group's slots were last found writable
+        # (-1: not yet): a block of the step that is registered in the prefix cache or
+        # mapped by another request after planning is never written in place.
+        self._writable_at = [-1] * groups
+        self._group_slots: tuple[SlotArray, ...] | None = None
+        # Per KV-cache group, the storage's lane for this step (None: not asked yet; False: none).
+        unasked: list[StepLane[Any] | Literal[False] | None] = [None] * groups
+        self._lanes = unasked if path.lanes else None
+        self._scale: tuple[float | None, float] = (None, 0.0)  # the last scale given and checked
+
+    def _slots(self, step: Step[ArrayT], group: int) -> SlotArray:
+        """The step's slots of KV-cache ``group``: the same read-only array for every layer
+        (a storage converts it once)."""
+        if self._group_slots is None:
+            slots = step.slots
+            self._group_slots = (slots,) if slots.ndim == 1 else tuple(slots)
+        return self._group_slots[group]
+
+    def write(self, step: Step[ArrayT], layer: int, keys: ArrayT, values: ArrayT) -> None:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            group, index = path.config.layer_place(layer)
+            self._writable_at[group] = path.write(
+                index, self._slots(step, group), keys, values, self._writable_at[group]
+            )
+
+    def attention(
+        self, step: Step[ArrayT], layer: int, query: ArrayT, scale: float | None, causal: bool, features: dict[str, Any]
+    ) -> ArrayT:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            return path.attention(layer, query, scale, causal, features, step=step, served=self._served)
+
+    def write_and_attend(
+        self,
+        step: Step[ArrayT],
+        layer: int,
+        keys: ArrayT,
+        values: ArrayT,
+        query: ArrayT,
+        scale: float | None,
+        causal: bool,
+        features: dict[str, Any],
+    ) -> ArrayT:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            plain = features["window"] is None and features["softcap"] is None and features["sinks"] is None
+            if self._lanes is not None and causal is True and plain and features["chunk"] is None:
+                output = self._lane_call(step, layer, keys, values, query, scale)
+                if output is not None:
+                    return output
+            # Every check of the attention first: a refused call writes nothing.
+            group, call, keywords = path.attention_call(
+                layer, query, scale, causal, features, None, None, step, self._served
+            )
+            self._writable_at[group] = path.write(
+                call[0], self._slots(step, group), keys, values, self._writable_at[group]
+            )
+            return path.storage.paged_attention(*call, **keywords)
+
+    def _lane_call(
+        self, step: Step[ArrayT], layer: int, keys: ArrayT, values: ArrayT, query: ArrayT, scale: float | None
+    ) -> ArrayT | None:
+        """A plain layer's write and attention through the storage's lane for the step
+        (:mod:`kvcache_core.contract.lanes`), the manager's policies kept; ``None`` where no
+        lane serves the call (nothing written: the general path then runs)."""
+        path, lanes = self._path, self._lanes
+        places = path.lane_places
+        if lanes is None or type(layer) is not int or not 0 <= layer < len(places) or type(scale) not in _SCALES:
+            return None
+        place = places[layer]
+        if place is None:
+            return None
+        group, index, head_dim = place
+        lane = lanes[group]
+        if lane is None:
+            slots = self._slots(step, group)
+            made = storage_step_lane(path.storage, step.page_tables[group], slots, step.qo_indptr) if len(slots) else None
+            lanes[group] = lane = False if made is None else made
+        if lane is False:
+            return None
+        given, checked = self._scale
+        if scale != given or scale is None:
+            checked = check_scale(scale, head_dim)
+            self._scale = (scale, checked)
+        slots = self._slots(step, group)
+        epoch = path.writable(slots, self._writable_at[group])  # a shared block is refused first
+        output = lane(index, keys, values, query, checked)
+        if output is not None:
+            self._writable_at[group] = epoch
+            path.record_written(index, slots)
+        return output
+
+    def read_state(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            return path.read_state(self._state_slots, layer, name)
+
+    def write_state(self, step: Step[ArrayT], layer: int, name: str, values: ArrayT) -> None:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            path.write_state(self._state_slots, layer, name, values)
+
+    def checkpoint_states(self, step: Step[ArrayT]) -> int:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            return path.checkpoint_states(self._states)

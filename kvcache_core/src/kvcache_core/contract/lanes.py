@@ -1,0 +1,76 @@
+"""Step lanes: a storage's own path for a step's plain layers, prepared once per step.
+
+Inside a model, a decode step calls the same write and attention once per layer with arrays
+of one shape; what the manager checks and what the storage looks up are the same for every
+layer. A storage that claims :data:`STEP_LANES` has the optional member
+``step_lane(page_table, slots, qo_indptr) -> StepLane | None`` (:class:`LaneStorage`): once
+per step and KV-cache group, the manager hands it the group's page table, the step's slots
+of that group and the query offsets, every one already checked, and the storage prepares
+what its layers share (the slots as its own index, the path its attention takes, a kernel's
+plan). The manager then runs each plain layer (causal, no per-call window, softcap, sinks or
+chunk) of the group through the returned :class:`StepLane`: one call writes the layer's new
+K/V into the slots and returns its attention over the pool.
+
+The manager keeps every policy: the staleness of the step, the scale, that no slot is in a
+block the prefix cache serves or several requests share, the record of written blocks. The
+lane checks only its arrays, cheaply, and declines (``None``) *before writing anything*
+whatever it was not prepared for: another shape, dtype or device, a non-contiguous array.
+The manager then runs its general, fully checked path, which raises the specific error or
+serves the call; so a lane never changes what a call means, only how fast it runs. A storage
+may return ``None`` from ``step_lane`` for a step it has no lane for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.contract.protocols import SlotArray
+
+__all__ = ["STEP_LANES", "LaneStorage", "StepLane", "storage_step_lane"]
+
+#: The capability of a storage whose ``step_lane(...)`` prepares a step's plain layers.
+STEP_LANES: Final = "step_lanes"
+
+ArrayT = TypeVar("ArrayT")
+
+
+class StepLane(Protocol[ArrayT]):
+    """One step's lane for one KV-cache group (from :meth:`LaneStorage.step_lane`)."""
+
+    def __call__(self, layer: int, keys: ArrayT, values: ArrayT, query: ArrayT, scale: float) -> ArrayT | None:
+        """Write ``keys`` ``[n, num_heads, head_dim]`` and ``values`` ``[n, num_heads,
+        value_width]`` into the step's slots of storage layer ``layer``, then return the causal
+        attention of ``query`` ``[n, k * num_heads, head_dim]`` over the pool, ``[n, k *
+        num_heads, value_width]`` in the query's dtype, as ``write`` then ``paged_attention``
+        would (``scale`` checked by the manager).
+
+        Returns ``None``, having written nothing, for arrays the lane was not prepared for.
+        """
+        ...
+
+
+@runtime_checkable
+class LaneStorage(Protocol):
+    """The optional :class:`~kvcache_core.plugin.KvStorage` member of a storage that claims
+    :data:`STEP_LANES`."""
+
+    def step_lane(
+        self, page_table: PageTable, slots: SlotArray, qo_indptr: npt.NDArray[np.int32]
+    ) -> StepLane[Any] | None:
+        """A lane for the layers of one step's KV-cache group (``page_table``: the group's;
+        ``slots``: the step's slots in that group, read-only; ``qo_indptr``: the step's query
+        offsets, read-only), or ``None`` where the storage has none for this step."""
+        ...
+
+
+def storage_step_lane(
+    storage: object, page_table: PageTable, slots: SlotArray, qo_indptr: npt.NDArray[np.int32]
+) -> StepLane[Any] | None:
+    """``storage.step_lane(...)``, or ``None`` when the storage has no such member."""
+    if not isinstance(storage, LaneStorage):
+        return None
+    return storage.step_lane(page_table, slots, qo_indptr)

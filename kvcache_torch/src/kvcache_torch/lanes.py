@@ -1,0 +1,190 @@
+"""The torch pool's step lane (:mod:`kvcache_core.contract.lanes`): a step's plain layers in a
+few torch operations each.
+
+Prepared once per step and KV-cache group: the step's slots as an index tensor, and whether
+the step is a decode of one request whose blocks are one run (then its keys and values are
+one view of the pool per layer). Per layer, the lane checks its three arrays in a few
+comparisons, writes the new K/V with one indexed copy per pool, and attends:
+
+* one request in one run, where the dispatch chose torch's own path (or it is pinned, or the
+  pool is not on the CPU): one ``scaled_dot_product_attention`` on the views, nothing gathered;
+* where the dispatch chose the compiled kernel: its call prepared once for the step
+  (:func:`~kvcache_core.attention.kernel.prepare_kernel_call`: the plan, the page table's
+  arrays, the options), run on each layer's pools;
+* otherwise through :func:`~kvcache_torch.attention.attend_pool`, the storage's own attention.
+
+The step's first layer always takes the second way, which runs (or calibrates) the dispatch;
+the lane reads the choice from it once for the step's other layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvcache_core.attention.kernel import KernelCall, prepare_kernel_call
+from kvcache_core.contract.page_table import PageTable
+from kvcache_torch.attention import attend_pool
+from kvcache_torch.dispatch import KERNEL_DTYPES, host_view, kernel_reads, plain_path
+from kvcache_torch.dtypes import tensor_of
+from kvcache_torch.run_views import one_run_span
+from kvcache_torch.threads import torch_team
+
+__all__ = ["TorchLane"]
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+class TorchLane:
+    """One step's lane over a torch pool (unquantized, NHD or heads-first layout).
+
+    Args:
+        views: per layer, the ``(keys, values)`` pool views in the layout.
+        rows: per layer, the flat ``(keys, values)`` write views (``[slots, H, D]`` in NHD,
+            ``[H, slots, D]`` heads-first).
+        hosts: per layer, the pools' host views for the kernel once made (the storage's list,
+            filled as lanes need them).
+        layout: ``"NHD"`` or ``"heads_first"``.
+        path: the pool's attention path (``"auto"``, ``"kernel"``, ``"native"``).
+        dtype, device: the pool's.
+        page_table, slots, qo_indptr: the step's, of this KV-cache group.
+    """
+
+    __slots__ = (
+        "_heads_first",
+        "_index",
+        "_key_shape",
+        "_mode",
+        "_path",
+        "_qo_indptr",
+        "_rows",
+        "_span",
+        "_table",
+        "_value_shape",
+        "_views",
+        "_device",
+        "_dtype",
+        "_heads",
+        "_head_dim",
+        "_kernel",
+        "_hosts",
+    )
+
+    def __init__(
+        self,
+        views: tuple[list[torch.Tensor], list[torch.Tensor]],
+        rows: tuple[list[torch.Tensor], ...],
+        hosts: list[tuple[npt.NDArray[Any], npt.NDArray[Any]] | None],
+        layout: str,
+        path: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        page_table: PageTable,
+        slots: npt.NDArray[np.int64],
+        qo_indptr: npt.NDArray[np.int32],
+    ) -> None:
+        self._views, self._rows, self._hosts = views, rows, hosts
+        self._heads_first = layout == "heads_first"
+        self._path, self._dtype = path, dtype
+        self._device = -1 if device.type == "cpu" else (device.index or 0)  # as Tensor.get_device() gives it
+        self._table, self._qo_indptr = page_table, qo_indptr
+        index = tensor_of(np.array(slots, dtype=np.int64))
+        self._index = index if device.type == "cpu" else index.to(device)
+        keys, values = views[0][0], views[1][0]
+        heads_axis = 0 if self._heads_first else 2
+        self._heads, self._head_dim = int(keys.shape[heads_axis]), int(keys.shape[3])
+        count = int(slots.shape[0])
+        self._key_shape = (count, self._heads, self._head_dim)
+        self._value_shape = (count, self._heads, int(values.shape[3]))
+        self._span = one_run_span(page_table, qo_indptr)
+        # None: not known yet (the first layer runs the dispatch); "views" or "pool" after it.
+        self._mode: str | None = None
+        self._kernel: KernelCall | None = None  # the kernel's call, prepared where the dispatch chose it
+
+    def __call__(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, scale: float
+    ) -> torch.Tensor | None:
+        dtype, device = self._dtype, self._device
+        if (
+            keys.shape != self._key_shape
+            or values.shape != self._value_shape
+            or keys.dtype is not dtype
+            or values.dtype is not dtype
+            or query.dtype is not dtype
+            or keys.get_device() != device
+            or values.get_device() != device
+            or query.get_device() != device
+        ):
+            return None
+        query_shape = query.shape
+        heads, count = self._heads, self._key_shape[0]
+        if len(query_shape) != 3 or query_shape[0] != count or query_shape[2] != self._head_dim:
+            return None
+        if query_shape[1] % heads or query_shape[1] < heads:
+            return None
+        if torch.is_grad_enabled():  # the pool must never record autograd
+            with torch.no_grad():
+                return self._run(layer, keys, values, query, scale)
+        return self._run(layer, keys, values, query, scale)
+
+    def _run(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        key_rows, value_rows = self._rows[0][layer], self._rows[1][layer]
+        index = self._index
+        if self._heads_first:
+            key_rows.index_copy_(1, index, keys.transpose(0, 1))
+            value_rows.index_copy_(1, index, values.transpose(0, 1))
+        else:
+            key_rows.index_copy_(0, index, keys)
+            value_rows.index_copy_(0, index, values)
+        span = self._span
+        if self._mode == "views" and span is not None:
+            first, tokens = span
+            if self._heads_first:  # [H, tokens, D]
+                cached_keys, cached_values = key_rows.narrow(1, first, tokens), value_rows.narrow(1, first, tokens)
+            else:
+                cached_keys = key_rows.narrow(0, first, tokens).transpose(0, 1)
+                cached_values = value_rows.narrow(0, first, tokens).transpose(0, 1)
+            heads = self._heads
+            # [1, H, G, D]: query head h * G + g reads KV head h (4-D: torch's fused CPU kernel takes it)
+            rows = query.reshape(1, heads, query.shape[1] // heads, self._head_dim)
+            output: torch.Tensor = _SDPA(rows, cached_keys[None], cached_values[None], scale=scale)
+            return output.view(1, query.shape[1], output.shape[-1])
+        key_cache, value_cache = self._views[0][layer], self._views[1][layer]
+        kernel = self._kernel
+        if kernel is not None:
+            host = kernel(query.detach().to(torch.float32).numpy(), *self._host_pools(layer), scale)
+            return tensor_of(host).to(query.dtype)
+        table, indptr = self._table, self._qo_indptr
+        layout = "heads_first" if self._heads_first else "NHD"
+        attended = attend_pool(query, key_cache, value_cache, table, indptr, scale, True, layout, path=self._path)
+        if self._mode is None:
+            chosen = plain_path(query, key_cache, value_cache, table, indptr, True, self._path)
+            self._mode = "views" if span is not None and chosen == "native" else "pool"
+            if chosen == "kernel" and kernel_reads(key_cache, value_cache):
+                self._kernel = prepare_kernel_call(
+                    tuple(query.shape),
+                    *self._host_pools(layer),
+                    table,
+                    indptr,
+                    dtype=KERNEL_DTYPES[key_cache.dtype],
+                    causal=True,
+                    kv_layout=layout,
+                    sliding_window=table.sliding_window,
+                    num_threads=torch.get_num_threads(),
+                    team=torch_team(),
+                )
+        return attended
+
+    def _host_pools(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+        """The layer's pools as the host views the kernel reads (made once per pool)."""
+        known = self._hosts[layer]
+        if known is None:
+            known = self._hosts[layer] = (host_view(self._views[0][layer]), host_view(self._views[1][layer]))
+        return known
+
+    def __repr__(self) -> str:
+        return f"TorchLane(tokens={self._key_shape[0]}, mode={self._mode!r}, one_run={self._span is not None})"
