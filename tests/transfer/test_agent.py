@@ -61,6 +61,8 @@ def _mutated(fields: dict[str, Any], change: str) -> dict[str, Any]:
     changed: dict[str, Any] = {**fields, "geometry": dict(fields["geometry"])}
     if change == "geometry":
         del changed["geometry"]["num_heads"]
+    elif change == "version 2":
+        changed["version"] = 2
     else:
         value: Any = {
             "extra": 1,
@@ -87,7 +89,8 @@ _unpackb = cast("Callable[..., dict[str, Any]]", msgpack.unpackb)  # pyright: ig
     ("change", "message"),
     [
         ("extra", "expected the keys"),
-        ("version", "version"),
+        ("version", "version 1 was never released"),
+        ("version 2", r"version 2 carried CRC-32 digests.*re-export"),
         ("num_tokens", "num_tokens"),
         ("token_ids", "token_ids"),
         ("address", "address"),
@@ -247,7 +250,7 @@ def test_states_and_groups_move_and_a_state_that_differs_is_refused(tamper: bool
         if tamper:
             with pytest.raises(TransferError, match="state array 1 of the ticket arrived different"):
                 consumer.import_request(
-                    dataclasses.replace(ticket, state_digests=ticket.state_digests[:4] + bytes(4)),
+                    dataclasses.replace(ticket, state_digests=ticket.state_digests[:8] + bytes(8)),
                     AllocationRequest("imported"),
                 )
             _assert_untouched(target)

@@ -483,7 +483,7 @@ class KvTransferAgent:
     def _request_for(ticket: TransferTicket, request: AllocationRequest) -> AllocationRequest:
         if not isinstance(request, AllocationRequest):
             raise TransferError(f"import_request needs an AllocationRequest, got {type(request).__name__}")
-        ids = tuple(int(token) for token in ticket.token_ids)
+        ids = tuple(ticket.token_ids.tolist())
         if request.prompt_token_ids is None:
             return dataclasses.replace(request, prompt_token_ids=ids)
         if tuple(request.prompt_token_ids) != ids:
@@ -555,7 +555,7 @@ def _plain(config: CacheConfig) -> bool:
 
 def _picked(digests: bytes, picks: npt.NDArray[np.int64]) -> bytes:
     """The digests of the ticket's blocks ``picks``."""
-    return np.frombuffer(digests, dtype=">u4")[picks].tobytes()
+    return np.frombuffer(digests, dtype=f">u{DIGEST_BYTES}")[picks].tobytes()
 
 
 def _check_digests(got: bytes, expected: bytes, picks: npt.NDArray[np.int64], what: str) -> None:
