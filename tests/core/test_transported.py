@@ -70,3 +70,32 @@ def test_a_requests_state_slot_is_its_memory() -> None:
         assert [region.shape for region in regions] == [(1, 3, 2), (1, 2, 2)]
         assert ctypes.string_at(regions[0].address, regions[0].length_bytes) == conv.tobytes()
         assert [region.shape for region in manager.state_regions()] == [(3, 3, 2), (3, 2, 2)]
+
+
+@pytest.mark.parametrize("states", [True, False], ids=["states written", "blocks only"])
+def test_states_written_with_the_blocks_are_filed_as_the_checkpoint_at_a_block_boundary(states: bool) -> None:
+    config = CacheConfig(
+        num_layers=2,
+        num_heads=2,
+        head_dim=8,
+        num_blocks=16,
+        block_size=4,
+        layer_specs=(LayerSpec(state=StateSpec([("conv", (3, 2))])), LayerSpec()),
+        state_slots=3,
+        enable_prefix_caching=True,
+    )
+    with create_manager("numpy", config) as manager:
+        handle = manager.allocate(AllocationRequest("r", prompt_token_ids=PROMPT[:8]))
+        manager.extend(handle, 8, token_ids=PROMPT[:8])
+        (region,) = manager.state_regions(handle)
+        conv = np.arange(6, dtype=np.float32) + 0.5
+        ctypes.memmove(region.address, conv.tobytes(), conv.nbytes)  # as a transport writes the slot
+        manager.record_blocks_written(handle, 0, states=states)
+        assert manager.stats().checkpoint_state_slots == int(states)
+        manager.deallocate("r")
+        later = manager.allocate(AllocationRequest("later", prompt_token_ids=PROMPT[:10]))
+        assert later.num_tokens() == (8 if states else 0)  # a state pool serves prefixes up to a checkpoint
+        if states:
+            (slot,) = manager.state_regions(later)
+            assert ctypes.string_at(slot.address, slot.length_bytes) == conv.tobytes()
+        manager.check_invariants()

@@ -363,3 +363,32 @@ def test_a_lease_ended_before_the_read_is_refused_from_a_known_producer(pair: tu
         consumer.import_request(second, AllocationRequest("second"))
     assert [request_id for request_id, _ in target.list_handles()] == ["first"]
     target.check_invariants()
+
+
+#: A state layer and a full attention layer: one KV-cache group and one state array.
+STATEFUL = {"layers": [{"state": [["conv", [6, 3], "float32"]]}, {}], "state_slots": 4, "layout": "HND"}
+
+
+@pytest.mark.parametrize("steps", [[7, 5], [7, 6]], ids=["ends a block", "ends inside a block"])
+def test_an_imported_state_is_filed_as_the_checkpoint_where_the_request_ends_a_block(steps: list[int]) -> None:
+    from kvcache_core.transfer import KvTransferAgent
+
+    length = sum(steps)
+    source, target = make_pool(STATEFUL), make_pool(STATEFUL)
+    handle = prefill_steps(source, "r", steps)
+    with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
+        imported = consumer.import_request(producer.export(handle), AllocationRequest("imported"))
+        filed = target.stats().checkpoint_state_slots
+        consumer_states = state_bytes(target, imported)
+        target.deallocate("imported")
+        # A later prompt sharing the request's tokens: served up to the checkpoint (states
+        # and blocks as if computed here), or not at all without one.
+        again = target.allocate(AllocationRequest("again", prompt_token_ids=(*prompt_of(length), 5, 6)))
+        if length % 4 == 0:
+            assert filed == 1
+            assert again.num_cached_tokens() == length
+            assert state_bytes(target, again) == consumer_states == state_bytes(source, handle)
+        else:
+            assert filed == 0
+            assert again.num_cached_tokens() == 0
+        target.check_invariants()

@@ -299,7 +299,9 @@ class KvTransferAgent:
         into the request's blocks and state slot when both pools have one layout (else, for a
         pool of one group and geometry without states, into a staging buffer, converted on
         arrival), are checked against their checksums, and recorded as if computed here
-        (prefix caching registers them). The producer's lease is then released.
+        (prefix caching registers them; a request of state layers that ends a block files its
+        states as the checkpoint there, so later prompts sharing it are served). The
+        producer's lease is then released.
 
         Args:
             ticket: a ticket (or its wire form) of a producer's :meth:`export`.
@@ -373,7 +375,7 @@ class KvTransferAgent:
             if self._reads_in_place(ticket):
                 self._pull_in_place(ticket, source, handle, first, deadline)
                 self._release(ticket)
-                manager.record_blocks_written(handle, cached)
+                manager.record_blocks_written(handle, cached, states=bool(ticket.states))
                 return
             if not _plain(manager.config):
                 raise TransferError(
