@@ -50,16 +50,13 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {"num_hidden_layers": 2, "max_position_embeddings": 256}),
     "bamba": (
         "BambaConfig",
+        # Mamba2 mixers of 8 heads of 16 (twice the width), states of 8, chunks of 16 tokens.
         {
             "num_hidden_layers": 4,
             "attn_layer_indices": [1, 3],
             "mamba_n_heads": 8,
-            "mamba_d_head": 16,
-            "mamba_d_state": 16,
-            "mamba_n_groups": 2,
-            "mamba_expand": 2,
-            "mamba_d_conv": 4,
-            "mamba_chunk_size": 8,
+            "mamba_d_state": 8,
+            "mamba_chunk_size": 16,
         },
     ),
 }

@@ -51,16 +51,22 @@ def test_a_start_off_a_block_boundary_is_refused() -> None:
         assert manager.stats().cached_blocks == 0
 
 
-def test_a_requests_state_slot_is_its_memory() -> None:
-    config = CacheConfig(
+def _stateful(state: StateSpec, *, prefix_caching: bool = False) -> CacheConfig:
+    """A pool of a state layer (``state``) and a full attention layer, 3 state slots."""
+    return CacheConfig(
         num_layers=2,
         num_heads=2,
         head_dim=8,
         num_blocks=16,
         block_size=4,
-        layer_specs=(LayerSpec(state=StateSpec([("conv", (3, 2)), ("ssm", (2, 2), "float64")])), LayerSpec()),
+        layer_specs=(LayerSpec(state=state), LayerSpec()),
         state_slots=3,
+        enable_prefix_caching=prefix_caching,
     )
+
+
+def test_a_requests_state_slot_is_its_memory() -> None:
+    config = _stateful(StateSpec([("conv", (3, 2)), ("ssm", (2, 2), "float64")]))
     with create_manager("numpy", config) as manager:
         handle = manager.allocate(AllocationRequest("r"))
         step = manager.begin_step([handle], [1])
@@ -74,17 +80,7 @@ def test_a_requests_state_slot_is_its_memory() -> None:
 
 @pytest.mark.parametrize("states", [True, False], ids=["states written", "blocks only"])
 def test_states_written_with_the_blocks_are_filed_as_the_checkpoint_at_a_block_boundary(states: bool) -> None:
-    config = CacheConfig(
-        num_layers=2,
-        num_heads=2,
-        head_dim=8,
-        num_blocks=16,
-        block_size=4,
-        layer_specs=(LayerSpec(state=StateSpec([("conv", (3, 2))])), LayerSpec()),
-        state_slots=3,
-        enable_prefix_caching=True,
-    )
-    with create_manager("numpy", config) as manager:
+    with create_manager("numpy", _stateful(StateSpec([("conv", (3, 2))]), prefix_caching=True)) as manager:
         handle = manager.allocate(AllocationRequest("r", prompt_token_ids=PROMPT[:8]))
         manager.extend(handle, 8, token_ids=PROMPT[:8])
         (region,) = manager.state_regions(handle)
