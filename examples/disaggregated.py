@@ -7,9 +7,10 @@ The prefill worker (a process of its own) runs ``generate`` for one token with a
 lease) and sends the ticket and the first token; the decode worker (this process) imports the
 request into its own pool (one NIXL READ of every layer) and hands it to a ``PagedCache``
 (``handles=``): ``generate`` then computes one token per step, never the prompt. Both load the
-same checkpoint (a tiny random Llama saved to a temporary folder).
+same checkpoint (a tiny random Llama saved to a temporary folder; ``--family bamba``: a tiny
+hybrid of Mamba2 state layers and attention, whose recurrent states travel in the same read).
 
-Run: python examples/disaggregated.py [--save results.npz]
+Run: python examples/disaggregated.py [--family llama|bamba] [--save results.npz]
 (``--save``: the decode worker's tokens and logits, and the tokens each of its forwards
 computed; tests/transfer/test_hf_handoff.py compares them with a single-process run.)
 """
@@ -32,6 +33,33 @@ PROMPT_LENGTH = 45  # 5 full blocks of 8 and 5 tokens
 NEW_TOKENS = 16
 BLOCK_SIZE = 8
 PROMPT = [(7 * position + 3) % 97 + 3 for position in range(PROMPT_LENGTH)]
+#: The model families the example builds: a Llama, and Bamba (Mamba2 layers 0 and 2, attention 1 and 3).
+FAMILIES = ("llama", "bamba")
+_SHARED: dict[str, Any] = {
+    "vocab_size": 101,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "initializer_range": 0.2,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": None,  # never stop early
+}
+_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"num_hidden_layers": 2, "max_position_embeddings": 256}),
+    "bamba": (
+        "BambaConfig",
+        # Mamba2 mixers of 8 heads of 16 (twice the width), states of 8, chunks of 16 tokens.
+        {
+            "num_hidden_layers": 4,
+            "attn_layer_indices": [1, 3],
+            "mamba_n_heads": 8,
+            "mamba_d_state": 8,
+            "mamba_chunk_size": 16,
+        },
+    ),
+}
 
 
 def missing() -> str | None:
@@ -54,32 +82,24 @@ def quiet() -> None:
     logging.disable_progress_bar()
 
 
-def save_tiny_model(folder: str) -> None:
-    """A tiny Llama with random weights (seeded), saved as a checkpoint both workers load."""
+def save_tiny_model(folder: str, family: str = "llama") -> None:
+    """A tiny model of ``family`` (:data:`FAMILIES`) with random weights (seeded), saved as a
+    checkpoint both workers load."""
     import torch
     import transformers
 
     quiet()
     torch.random.manual_seed(0)  # pyright: ignore[reportUnknownMemberType]  # seed untyped in torch
-    config = transformers.LlamaConfig(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=None,  # never stop early
-    )
-    model: Any = transformers.LlamaForCausalLM(config)
+    name, fields = _CONFIGS[family]
+    config: Any = getattr(transformers, name)(**_SHARED, **fields)
+    model_class: Any = getattr(transformers, name.replace("Config", "ForCausalLM"))
+    model: Any = model_class(config)
     model.save_pretrained(folder)
 
 
 def load_worker(folder: str) -> tuple[Any, Any]:
-    """A worker's model (``"kvcache_paged"`` attention) and its pool (torch, prefix caching)."""
+    """A worker's model (``"kvcache_paged"`` attention) and its pool (torch, prefix caching;
+    a state slot per request for a model with state layers)."""
     import transformers
 
     quiet()
@@ -90,9 +110,11 @@ def load_worker(folder: str) -> tuple[Any, Any]:
     auto: Any = transformers.AutoModelForCausalLM
     model: Any = auto.from_pretrained(folder, attn_implementation="kvcache_paged")
     model.eval()
-    config = cache_config_for(model, num_blocks=64, block_size=BLOCK_SIZE)
+    slots = 4 if model.config.model_type == "bamba" else None  # state slots: for state layers only
+    config = cache_config_for(model, num_blocks=64, block_size=BLOCK_SIZE, state_slots=slots)
     # The namespace names the checkpoint: both pools must agree on it.
-    config = dataclasses.replace(config, enable_prefix_caching=True, model_id="tiny-llama@example")
+    namespace = f"tiny-{model.config.model_type}@example"
+    config = dataclasses.replace(config, enable_prefix_caching=True, model_id=namespace)
     return model, create_manager("torch", config)
 
 
@@ -121,7 +143,7 @@ def prefill_worker(folder: str, connection: Connection) -> None:
         cache = PagedCache(manager, model)
         with torch.no_grad():
             out = model.generate(prompt, cache=cache, **generate_settings(1))  # the prompt's K/V and the first token
-        ticket = agent.export(cache.handles[0])  # pinned under a lease: the cache may let go now
+        ticket = agent.export(cache.handles[0])  # pinned under a lease (states too): the cache may let go now
         cache.release()
         connection.send((ticket.to_bytes(), out.sequences[0].tolist(), out.logits[0].numpy()))
         connection.recv()  # "done": the decode worker imported the request (it released the lease)
@@ -160,6 +182,7 @@ def decode_worker(folder: str, ticket: bytes, sequence: list[int]) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Disaggregated prefill and decode with transformers over NIXL.")
+    parser.add_argument("--family", choices=FAMILIES, default="llama", help="the tiny model's family (llama)")
     parser.add_argument("--save", help="write the decode worker's results to this .npz file")
     args = parser.parse_args(argv)
     reason = missing()
@@ -170,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as folder:
-        save_tiny_model(folder)
+        save_tiny_model(folder, args.family)
         ours, theirs = spawn.Pipe()
         prefill = spawn.Process(target=prefill_worker, args=(folder, theirs), daemon=True)
         prefill.start()

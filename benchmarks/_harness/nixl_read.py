@@ -13,7 +13,7 @@ import zmq
 
 from kvcache_core import CacheConfig
 from kvcache_core.transfer import TransferTicket
-from kvcache_core.transfer.channel import ask
+from kvcache_core.transfer.channel import Requests
 from kvcache_core.transfer.engine import NixlEngine
 from kvcache_core.transfer.plan import read_plan
 
@@ -27,13 +27,14 @@ class RawReader:
     def __init__(self, source: CacheConfig) -> None:
         self._engine = NixlEngine(f"raw-reader-{time.monotonic_ns()}")
         self._context: zmq.Context[Any] = zmq.Context()
+        self._requests = Requests(self._context)  # one connection per producer, as an agent keeps
         self._source = source
 
     def read(self, ticket: TransferTicket) -> dict[tuple[int, str], Any]:
         """The ticket's blocks, per ``(layer, part)`` region, as the producer's pool holds them."""
         deadline = time.monotonic() + 60
         if not self._engine.knows(ticket.agent):
-            reply = ask(self._context, ticket.address, {"op": "open", "lease": ticket.lease}, deadline)
+            reply = self._requests.ask(ticket.address, {"op": "open", "lease": ticket.lease}, deadline)
             self._engine.add_peer(reply["metadata"])
         producer = dataclasses.replace(
             self._source, kv_layout=ticket.layout, num_blocks=int(ticket.geometry["num_blocks"])
@@ -41,8 +42,9 @@ class RawReader:
         plan = read_plan(ticket, producer, np.arange(len(ticket.blocks), dtype=np.int64))
         staging = np.empty(plan.total_bytes, dtype=np.uint8)
         self._engine.read(ticket.agent, plan.remote, plan.device_kind, staging, plan.offsets, deadline)
-        ask(self._context, ticket.address, {"op": "release", "lease": ticket.lease}, deadline)
+        self._requests.ask(ticket.address, {"op": "release", "lease": ticket.lease}, deadline)
         return plan.parts(staging)
 
     def close(self) -> None:
+        self._requests.close()
         self._context.term()

@@ -51,16 +51,22 @@ def test_a_start_off_a_block_boundary_is_refused() -> None:
         assert manager.stats().cached_blocks == 0
 
 
-def test_a_requests_state_slot_is_its_memory() -> None:
-    config = CacheConfig(
+def _stateful(state: StateSpec, *, prefix_caching: bool = False) -> CacheConfig:
+    """A pool of a state layer (``state``) and a full attention layer, 3 state slots."""
+    return CacheConfig(
         num_layers=2,
         num_heads=2,
         head_dim=8,
         num_blocks=16,
         block_size=4,
-        layer_specs=(LayerSpec(state=StateSpec([("conv", (3, 2)), ("ssm", (2, 2), "float64")])), LayerSpec()),
+        layer_specs=(LayerSpec(state=state), LayerSpec()),
         state_slots=3,
+        enable_prefix_caching=prefix_caching,
     )
+
+
+def test_a_requests_state_slot_is_its_memory() -> None:
+    config = _stateful(StateSpec([("conv", (3, 2)), ("ssm", (2, 2), "float64")]))
     with create_manager("numpy", config) as manager:
         handle = manager.allocate(AllocationRequest("r"))
         step = manager.begin_step([handle], [1])
@@ -70,3 +76,22 @@ def test_a_requests_state_slot_is_its_memory() -> None:
         assert [region.shape for region in regions] == [(1, 3, 2), (1, 2, 2)]
         assert ctypes.string_at(regions[0].address, regions[0].length_bytes) == conv.tobytes()
         assert [region.shape for region in manager.state_regions()] == [(3, 3, 2), (3, 2, 2)]
+
+
+@pytest.mark.parametrize("states", [True, False], ids=["states written", "blocks only"])
+def test_states_written_with_the_blocks_are_filed_as_the_checkpoint_at_a_block_boundary(states: bool) -> None:
+    with create_manager("numpy", _stateful(StateSpec([("conv", (3, 2))]), prefix_caching=True)) as manager:
+        handle = manager.allocate(AllocationRequest("r", prompt_token_ids=PROMPT[:8]))
+        manager.extend(handle, 8, token_ids=PROMPT[:8])
+        (region,) = manager.state_regions(handle)
+        conv = np.arange(6, dtype=np.float32) + 0.5
+        ctypes.memmove(region.address, conv.tobytes(), conv.nbytes)  # as a transport writes the slot
+        manager.record_blocks_written(handle, 0, states=states)
+        assert manager.stats().checkpoint_state_slots == int(states)
+        manager.deallocate("r")
+        later = manager.allocate(AllocationRequest("later", prompt_token_ids=PROMPT[:10]))
+        assert later.num_tokens() == (8 if states else 0)  # a state pool serves prefixes up to a checkpoint
+        if states:
+            (slot,) = manager.state_regions(later)
+            assert ctypes.string_at(slot.address, slot.length_bytes) == conv.tobytes()
+        manager.check_invariants()

@@ -8,6 +8,7 @@ Every equality test compares fp32 logits with ``DynamicCache``'s (max abs differ
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -17,11 +18,11 @@ from kvcache_core import (
     AllocationRequest,
     InvalidArgumentError,
     PagedKvCacheManager,
-    UnsupportedConfigError,
     create_manager,
 )
 from tests.torch.hf_models import STATE_COMMON, STATE_MODELS
 from tests.torch.hf_support import (
+    ATTN_IMPLEMENTATION,
     TOLERANCE,
     Model,
     PagedCache,
@@ -142,13 +143,28 @@ def test_an_empty_request_is_refused() -> None:
     assert manager.get_handle("empty") == empty
 
 
-def test_a_model_with_recurrent_state_layers_cannot_adopt_requests() -> None:
-    config_name, model_name, fields, _ = STATE_MODELS["mamba2"]
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next"])
+def test_a_hybrid_model_goes_on_from_adopted_requests_and_their_states(family: str) -> None:
+    config_name, model_name, fields, _ = STATE_MODELS[family]
     torch.manual_seed(0)
-    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**STATE_COMMON, **fields})).eval()
-    manager: PagedKvCacheManager[Tensor] = create_manager("torch", cache_config_for(model, num_blocks=16, block_size=4))
-    handle = manager.allocate(AllocationRequest("a"))
-    manager.extend(handle, 3)
-    with pytest.raises(UnsupportedConfigError, match="recurrent-state"):
-        PagedCache(manager, model, handles=[handle])
-    assert manager.get_handle("a") == handle
+    reference = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**STATE_COMMON, **fields}))
+    reference = reference.eval()
+    model = copy.deepcopy(reference)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    config = cache_config_for(model, num_blocks=64, block_size=BLOCK, state_slots=4)
+    manager: PagedKvCacheManager[Tensor] = create_manager("torch", config)
+    ids, mask = prompts(1, 21, seed=33)
+    # The fork copies the state slots: cache.handles wrote the prefill's last states there.
+    (handle,), first = prefilled(model, manager, ids)
+    counts, hook = computed_per_forward(model)
+    try:
+        with PagedCache(manager, model, handles=[handle]) as cache:
+            rest = generate(model, first.sequences, torch.ones_like(first.sequences), cache, max_new_tokens=12)
+    finally:
+        hook.remove()
+    assert counts == [1] * 12  # no prompt token: the state layers went on from the slots
+    expected = generate(reference, ids, mask, max_new_tokens=13)
+    assert torch.equal(rest.sequences, expected.sequences)
+    assert max_logit_difference([first.logits[0], *rest.logits], expected.logits) <= TOLERANCE
+    assert manager.list_handles() == []
+    manager.check_invariants()

@@ -61,6 +61,8 @@ def _mutated(fields: dict[str, Any], change: str) -> dict[str, Any]:
     changed: dict[str, Any] = {**fields, "geometry": dict(fields["geometry"])}
     if change == "geometry":
         del changed["geometry"]["num_heads"]
+    elif change == "version 2":
+        changed["version"] = 2
     else:
         value: Any = {
             "extra": 1,
@@ -87,7 +89,8 @@ _unpackb = cast("Callable[..., dict[str, Any]]", msgpack.unpackb)  # pyright: ig
     ("change", "message"),
     [
         ("extra", "expected the keys"),
-        ("version", "version"),
+        ("version", "version 1 was never released"),
+        ("version 2", r"version 2 carried CRC-32 digests.*re-export"),
         ("num_tokens", "num_tokens"),
         ("token_ids", "token_ids"),
         ("address", "address"),
@@ -247,7 +250,7 @@ def test_states_and_groups_move_and_a_state_that_differs_is_refused(tamper: bool
         if tamper:
             with pytest.raises(TransferError, match="state array 1 of the ticket arrived different"):
                 consumer.import_request(
-                    dataclasses.replace(ticket, state_digests=ticket.state_digests[:4] + bytes(4)),
+                    dataclasses.replace(ticket, state_digests=ticket.state_digests[:8] + bytes(8)),
                     AllocationRequest("imported"),
                 )
             _assert_untouched(target)
@@ -360,3 +363,32 @@ def test_a_lease_ended_before_the_read_is_refused_from_a_known_producer(pair: tu
         consumer.import_request(second, AllocationRequest("second"))
     assert [request_id for request_id, _ in target.list_handles()] == ["first"]
     target.check_invariants()
+
+
+#: A state layer and a full attention layer: one KV-cache group and one state array.
+STATEFUL = {"layers": [{"state": [["conv", [6, 3], "float32"]]}, {}], "state_slots": 4, "layout": "HND"}
+
+
+@pytest.mark.parametrize("steps", [[7, 5], [7, 6]], ids=["ends a block", "ends inside a block"])
+def test_an_imported_state_is_filed_as_the_checkpoint_where_the_request_ends_a_block(steps: list[int]) -> None:
+    from kvcache_core.transfer import KvTransferAgent
+
+    length = sum(steps)
+    source, target = make_pool(STATEFUL), make_pool(STATEFUL)
+    handle = prefill_steps(source, "r", steps)
+    with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
+        imported = consumer.import_request(producer.export(handle), AllocationRequest("imported"))
+        filed = target.stats().checkpoint_state_slots
+        consumer_states = state_bytes(target, imported)
+        target.deallocate("imported")
+        # A later prompt sharing the request's tokens: served up to the checkpoint (states
+        # and blocks as if computed here), or not at all without one.
+        again = target.allocate(AllocationRequest("again", prompt_token_ids=(*prompt_of(length), 5, 6)))
+        if length % 4 == 0:
+            assert filed == 1
+            assert again.num_cached_tokens() == length
+            assert state_bytes(target, again) == consumer_states == state_bytes(source, handle)
+        else:
+            assert filed == 0
+            assert again.num_cached_tokens() == 0
+        target.check_invariants()

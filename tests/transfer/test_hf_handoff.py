@@ -1,7 +1,8 @@
 """Disaggregated prefill and decode with transformers, two real processes on 127.0.0.1: the
 example ``examples/disaggregated.py`` prefills a prompt in one process and decodes it in
 another from the imported request; its tokens and logits equal a single-process ``generate``
-and its decode worker computes no prompt token."""
+and its decode worker computes no prompt token. For a Llama and for a Bamba hybrid (Mamba2
+state layers beside attention: the request's recurrent states travel with its blocks)."""
 
 from __future__ import annotations
 
@@ -52,9 +53,10 @@ def single_process_run(example: Any, folder: Path, implementation: str) -> tuple
     return out.sequences[0].numpy(), np.stack([logits[0].numpy() for logits in out.logits])
 
 
-def test_a_request_prefilled_in_one_process_decodes_in_another_as_in_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["llama", "bamba"])
+def test_a_request_prefilled_in_one_process_decodes_in_another_as_in_one(tmp_path: Path, family: str) -> None:
     saved = tmp_path / "handoff.npz"
-    result = run_python(str(EXAMPLE), "--save", str(saved), cwd=ROOT, timeout=600)
+    result = run_python(str(EXAMPLE), "--family", family, "--save", str(saved), cwd=ROOT, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "skipped" not in result.stdout
     example = example_module()
@@ -65,7 +67,7 @@ def test_a_request_prefilled_in_one_process_decodes_in_another_as_in_one(tmp_pat
     assert handed_off["logits"].shape[0] == example.NEW_TOKENS >= 16
 
     folder = tmp_path / "checkpoint"
-    example.save_tiny_model(str(folder))  # seeded: the checkpoint both workers loaded
+    example.save_tiny_model(str(folder), family)  # seeded: the checkpoint both workers loaded
     for implementation in ("kvcache_paged", "sdpa"):
         tokens, logits = single_process_run(example, folder, implementation)
         assert handed_off["tokens"].tolist() == tokens.tolist(), implementation

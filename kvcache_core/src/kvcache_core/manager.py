@@ -585,13 +585,16 @@ class PagedKvCacheManager(Generic[ArrayT]):
         with self._lock:
             self._path.write_host_blocks(self._state_of(handle), start, keys, values)
 
-    def record_blocks_written(self, handle: KvCacheHandle[ArrayT], start: int) -> None:
+    def record_blocks_written(self, handle: KvCacheHandle[ArrayT], start: int, *, states: bool = False) -> None:
         """Record the request's positions ``start`` to ``num_tokens()`` written in every layer
         of every KV-cache group holding them (a sliding group: the blocks it still holds):
         their bytes were written into its blocks through the storage's memory regions (a
         transport's one-sided read, :mod:`kvcache_core.contract.regions`); with prefix
         caching their full blocks are registered. Any pool: groups, windows, state layers,
-        mixed geometry (:mod:`kvcache_core.paging.transported`).
+        mixed geometry (:mod:`kvcache_core.paging.transported`). ``states=True``: its state
+        slot was written too, with the states after its last token; with prefix caching,
+        when that ends a block, they are filed as the checkpoint there, as
+        ``Step.checkpoint_states`` does (a later prompt sharing the prefix starts from them).
 
         Raises:
             InvalidArgumentError: ``start`` is not a block boundary in ``[0, num_tokens())``.
@@ -600,7 +603,10 @@ class PagedKvCacheManager(Generic[ArrayT]):
         """
         with self._lock:
             self._path.check_open()
-            record_transported(self._pool, self._chains, self._checks, self._state_of(handle), start)
+            state = self._state_of(handle)
+            record_transported(self._pool, self._chains, self._checks, state, start)
+            if states:
+                self._path.checkpoint_states([state])
 
     def state_regions(self, handle: KvCacheHandle[ArrayT] | None = None) -> tuple[MemoryRegion, ...]:
         """The memory of the state pool, one region per state array (``config.states.arrays``

@@ -37,6 +37,10 @@ def check_token_ids(value: object, name: str) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise InvalidArgumentError(f"{name} must be a sequence of ints in [0, {MAX_TOKEN_ID}], got {shown(value)}")
     items: list[object] = list(cast("Iterable[object]", value))
+    if items and set(map(type, items)) == {int}:  # plain ints (the common case): checked at C speed
+        plain = cast("list[int]", items)
+        if min(plain) >= 0 and max(plain) <= MAX_TOKEN_ID:
+            return tuple(plain)
     checked: list[int] = []
     for index, item in enumerate(items):
         token = as_integer(item)

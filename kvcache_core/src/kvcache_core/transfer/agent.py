@@ -35,7 +35,7 @@ from kvcache_core.contract.regions import (
 from kvcache_core.errors import KvCacheError, TransferError
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
-from kvcache_core.transfer.channel import ChannelServer, ask
+from kvcache_core.transfer.channel import ChannelServer, Requests
 from kvcache_core.transfer.digests import DIGEST_BYTES, ArrivingChecksums, block_digests, host_memory
 from kvcache_core.transfer.engine import NixlEngine
 from kvcache_core.transfer.leases import LEASE_PREFIX, Leases
@@ -117,6 +117,7 @@ class KvTransferAgent:
         self._registered = self._engine.register(chunks, kind)
         self._metadata = self._engine.metadata()  # read once: the server thread never calls NIXL
         self._context: zmq.Context[Any] = zmq.Context()
+        self._requests = Requests(self._context)
         try:
             self._server = ChannelServer(
                 self._context, host, port, self._answer, self._expire, min(0.05, self._lease_seconds / 4)
@@ -284,7 +285,7 @@ class KvTransferAgent:
         """
         self._check_open()
         deadline = time.monotonic() + self._timeout_seconds
-        reply = ask(self._context, address, {"op": "export", "request_id": request_id}, deadline)
+        reply = self._requests.ask(address, {"op": "export", "request_id": request_id}, deadline)
         payload = reply.get("ticket")
         if not isinstance(payload, bytes):
             raise TransferError(f"the agent at {address} answered export without a ticket")
@@ -299,7 +300,9 @@ class KvTransferAgent:
         into the request's blocks and state slot when both pools have one layout (else, for a
         pool of one group and geometry without states, into a staging buffer, converted on
         arrival), are checked against their checksums, and recorded as if computed here
-        (prefix caching registers them). The producer's lease is then released.
+        (prefix caching registers them; a request of state layers that ends a block files its
+        states as the checkpoint there, so later prompts sharing it are served). The
+        producer's lease is then released.
 
         Args:
             ticket: a ticket (or its wire form) of a producer's :meth:`export`.
@@ -327,7 +330,7 @@ class KvTransferAgent:
         # A known producer is not asked first when the blocks carry digests: the lease is
         # confirmed alive after the read instead (by its release), before anything is recorded.
         if not (self._engine.knows(parsed.agent) and parsed.digests):
-            reply = ask(self._context, parsed.address, {"op": "open", "lease": parsed.lease}, deadline)
+            reply = self._requests.ask(parsed.address, {"op": "open", "lease": parsed.lease}, deadline)
             metadata = reply.get("metadata")
             if not isinstance(metadata, bytes):
                 raise TransferError(f"the agent at {parsed.address} sent no NIXL metadata")
@@ -373,7 +376,7 @@ class KvTransferAgent:
             if self._reads_in_place(ticket):
                 self._pull_in_place(ticket, source, handle, first, deadline)
                 self._release(ticket)
-                manager.record_blocks_written(handle, cached)
+                manager.record_blocks_written(handle, cached, states=bool(ticket.states))
                 return
             if not _plain(manager.config):
                 raise TransferError(
@@ -483,7 +486,7 @@ class KvTransferAgent:
     def _request_for(ticket: TransferTicket, request: AllocationRequest) -> AllocationRequest:
         if not isinstance(request, AllocationRequest):
             raise TransferError(f"import_request needs an AllocationRequest, got {type(request).__name__}")
-        ids = tuple(int(token) for token in ticket.token_ids)
+        ids = tuple(ticket.token_ids.tolist())
         if request.prompt_token_ids is None:
             return dataclasses.replace(request, prompt_token_ids=ids)
         if tuple(request.prompt_token_ids) != ids:
@@ -503,8 +506,8 @@ class KvTransferAgent:
             TransferError: the lease had expired or been released.
         """
         try:
-            reply = ask(
-                self._context, ticket.address, {"op": "release", "lease": ticket.lease}, time.monotonic() + _ACK_SECONDS
+            reply = self._requests.ask(
+                ticket.address, {"op": "release", "lease": ticket.lease}, time.monotonic() + _ACK_SECONDS
             )
         except TransferError as exc:
             warnings.warn(
@@ -534,6 +537,7 @@ class KvTransferAgent:
         for pin in self._leases.take_all():
             self._unpin(pin)
         self._engine.deregister(self._registered)
+        self._requests.close()
         self._context.term()
 
     def __enter__(self) -> KvTransferAgent:
@@ -555,7 +559,7 @@ def _plain(config: CacheConfig) -> bool:
 
 def _picked(digests: bytes, picks: npt.NDArray[np.int64]) -> bytes:
     """The digests of the ticket's blocks ``picks``."""
-    return np.frombuffer(digests, dtype=">u4")[picks].tobytes()
+    return np.frombuffer(digests, dtype=f">u{DIGEST_BYTES}")[picks].tobytes()
 
 
 def _check_digests(got: bytes, expected: bytes, picks: npt.NDArray[np.int64], what: str) -> None:

@@ -2,8 +2,9 @@
 
 A producer's :class:`ChannelServer` answers in its own thread (one REP socket bound to one
 address, loopback by default, never every interface unless asked); a consumer's
-:func:`ask` sends one request on a fresh REQ socket and waits for the reply no longer than
-its deadline, so a producer that is gone costs a timeout, never a hang. Every message is a
+:func:`ask` sends one request on a fresh REQ socket (:class:`Requests`: on the one kept for
+that producer) and waits for the reply no longer than its deadline, so a producer that is
+gone costs a timeout, never a hang. Every message is a
 msgpack map parsed strictly (:func:`decode`).
 """
 
@@ -23,7 +24,7 @@ from kvcache_core.errors import TransferError
 _packb = cast("Callable[..., bytes]", msgpack.packb)  # pyright: ignore[reportUnknownMemberType]
 _unpackb = cast("Callable[..., object]", msgpack.unpackb)  # pyright: ignore[reportUnknownMemberType]
 
-__all__ = ["MAX_MESSAGE_BYTES", "ChannelServer", "ask", "decode", "encode"]
+__all__ = ["MAX_MESSAGE_BYTES", "ChannelServer", "Requests", "ask", "decode", "encode"]
 
 #: The largest side-channel message accepted (tickets ride on it).
 MAX_MESSAGE_BYTES: Final = 64 << 20
@@ -134,26 +135,79 @@ class ChannelServer:
 
 def ask(context: zmq.Context[Any], address: str, message: dict[str, Any], deadline: float) -> dict[str, Any]:
     """Send ``message`` to the server at ``address`` and return its reply, by ``deadline``
-    (``time.monotonic()`` seconds).
+    (``time.monotonic()`` seconds), on a fresh socket.
 
     Raises:
         TransferError: no reply by the deadline, a malformed reply, or one with ``ok`` false
             (its error in the message).
     """
-    socket = context.socket(zmq.REQ)
+    socket = _request_socket(context, address)
+    try:
+        reply = _exchange(socket, address, message, deadline)
+    finally:
+        socket.close()
+    return _accepted(reply, address, message)
+
+
+class Requests:
+    """:func:`ask`, keeping one connected socket per server between requests (a fresh one
+    costs a connection handshake each time); a socket whose request failed or timed out is
+    closed, the next request to that server connects again. Usable from several threads (a
+    socket is taken out while in use)."""
+
+    def __init__(self, context: zmq.Context[Any]) -> None:
+        self._context = context
+        self._idle: dict[str, zmq.Socket[Any]] = {}
+        self._lock = threading.Lock()
+
+    def ask(self, address: str, message: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """As :func:`ask`."""
+        with self._lock:
+            socket = self._idle.pop(address, None)
+        if socket is None:
+            socket = _request_socket(self._context, address)
+        try:
+            reply = _exchange(socket, address, message, deadline)
+        except BaseException:
+            socket.close()
+            raise
+        with self._lock:
+            kept = self._idle.setdefault(address, socket)
+        if kept is not socket:
+            socket.close()
+        return _accepted(reply, address, message)
+
+    def close(self) -> None:
+        """Close the kept sockets (idempotent)."""
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for socket in idle.values():
+            socket.close()
+
+
+def _request_socket(context: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+    socket: zmq.Socket[Any] = context.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     try:
         socket.connect(address)
-        socket.send(encode(message))
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0 or not socket.poll(remaining_ms, zmq.POLLIN):
-            raise TransferError(
-                f"the transfer agent at {address} did not answer {message.get('op')!r} in time (gone or busy)"
-            )
-        reply = decode(socket.recv(), f"the reply of {address}")
-    finally:
+    except BaseException:
         socket.close()
+        raise
+    return socket
+
+
+def _exchange(socket: zmq.Socket[Any], address: str, message: dict[str, Any], deadline: float) -> dict[str, Any]:
+    socket.send(encode(message))
+    remaining_ms = int((deadline - time.monotonic()) * 1000)
+    if remaining_ms <= 0 or not socket.poll(remaining_ms, zmq.POLLIN):
+        raise TransferError(
+            f"the transfer agent at {address} did not answer {message.get('op')!r} in time (gone or busy)"
+        )
+    return decode(socket.recv(), f"the reply of {address}")
+
+
+def _accepted(reply: dict[str, Any], address: str, message: dict[str, Any]) -> dict[str, Any]:
     if reply.get("ok") is not True:
         error = reply.get("error")
         raise TransferError(f"the transfer agent at {address} refused {message.get('op')!r}: {error!s}"[:500])

@@ -1,20 +1,26 @@
 """Block digests: what a consumer checks the bytes it read against.
 
-A block's digest is the CRC-32 (big-endian, 4 bytes) of its bytes in the producer's pool,
-region after region in the ticket's order, each region's chunks of the block in address
-order (the producer's layout, before any conversion), so the producer checksums its pool in
-place and the consumer what it read before converting it. A checksum, not a cryptographic
-hash: it catches bytes damaged or overwritten in flight (a block reused under an expired
-lease), at several GB/s; the producer is trusted with the data itself.
+A block's digest (8 bytes, big-endian) is a position-weighted sum modulo 2**64: the block's
+bytes in the producer's pool, region after region in the ticket's order, each region's
+chunks of the block in address order (the producer's layout, before any conversion), each
+region's part zero-padded to a multiple of 8 bytes and read as little-endian 64-bit words;
+word ``k`` of that concatenation weighs :func:`word_weights` ``[k]`` (odd, pseudo-random), so
+a change confined to one word always changes the digest, and anything else (a block reused
+under an expired lease, a chunk landing in the wrong place, words swapped) does except with
+a chance of about 2**-64. A checksum, not a cryptographic hash: the producer is trusted with
+the data itself. It runs at several GB/s (one matrix product per region and a few blocks)
+and releases the GIL, so it overlaps the read in flight; being a sum, the parts of a read
+arriving region after region add up to the digest of the whole. (Version 2 tickets carried
+CRC-32s: they are refused by their version.)
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final
@@ -26,6 +32,7 @@ from kvcache_core.contract.regions import MemoryRegion
 
 __all__ = [
     "DIGEST_BYTES",
+    "DIGEST_KIND",
     "PIECE_BYTES",
     "READ_PIECES",
     "ArrivingChecksums",
@@ -33,10 +40,13 @@ __all__ = [
     "block_digests",
     "host_memory",
     "pack_digests",
+    "word_weights",
 ]
 
 #: Bytes of one block's digest.
-DIGEST_BYTES: Final = 4
+DIGEST_BYTES: Final = 8
+#: The digest's name in the ticket's documentation and errors.
+DIGEST_KIND: Final = "position-weighted 64-bit sum"
 
 Reader = Callable[[int, int], "memoryview | ctypes.Array[ctypes.c_ubyte]"]
 
@@ -52,56 +62,83 @@ def block_digests(regions: Sequence[MemoryRegion], blocks: npt.NDArray[np.int64]
     return pack_digests(block_checksums(regions, blocks, read))
 
 
-def pack_digests(checksums: Sequence[int]) -> bytes:
-    """Blocks' running checksums (:func:`block_checksums`) as their digests."""
-    return b"".join(checksum.to_bytes(DIGEST_BYTES, "big") for checksum in checksums)
+def pack_digests(checksums: npt.NDArray[np.uint64]) -> bytes:
+    """Blocks' sums (:func:`block_checksums`) as their digests."""
+    packed: bytes = np.asarray(checksums, dtype=np.uint64).astype(">u8").tobytes()
+    return packed
+
+
+@functools.lru_cache(maxsize=8)
+def word_weights(count: int) -> npt.NDArray[np.uint64]:
+    """The weights of a block's first ``count`` words: splitmix64 of the word's index, made
+    odd (read-only)."""
+    with np.errstate(over="ignore"):
+        value: npt.NDArray[np.uint64] = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        value = (value ^ (value >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        value = (value ^ (value >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        value ^= value >> np.uint64(31)
+    value |= np.uint64(1)
+    value.flags.writeable = False
+    return value
+
+
+def _words(length: int) -> int:
+    return -(-length // 8)
 
 
 def block_checksums(
     regions: Sequence[MemoryRegion],
     blocks: npt.NDArray[np.int64],
     read: Reader,
-    running: Sequence[int] | None = None,
-) -> list[int]:
-    """Each block's CRC-32 over ``regions`` (in order), going on from ``running`` (one per
-    block: the checksums over the regions before these; zeros by default), so a transfer
-    that arrives region after region is checksummed as it arrives.
+    first_word: int = 0,
+) -> npt.NDArray[np.uint64]:
+    """Each block's weighted sum over ``regions`` (in order), the first of them starting at
+    word ``first_word`` of the block (the words of the regions before these), ``[n]`` uint64:
+    the digests of a read arriving region after region are the sums of its parts'.
 
-    Blocks are checksummed on several threads when there are megabytes of them and their
-    chunks are large enough for ``zlib.crc32`` to release the GIL (over 5 KiB)."""
+    A few blocks at a time, each region's part of them is gathered into one contiguous
+    ``[blocks, words]`` array (zero-padded) and multiplied by its weights; several threads
+    share the blocks when there are megabytes of them (NumPy releases the GIL)."""
     count = len(blocks)
-    start_from = [0] * count if running is None else list(running)
-    views = [memoryview(read(region.address, region.length_bytes)).cast("B") for region in regions]
-    # Per region, per block: its chunks' offsets in the region.
-    starts = [
-        (region.block_chunks(blocks) - region.address).reshape(region.chunks_per_block, count).T.tolist()
+    # Per region: [chunks per block, blocks of the pool, bytes of a chunk].
+    arrays: list[npt.NDArray[np.uint8]] = [
+        np.frombuffer(memoryview(read(region.address, region.length_bytes)).cast("B"), dtype=np.uint8).reshape(
+            region.chunks_per_block, -1, region.block_stride_bytes
+        )
         for region in regions
     ]
-    lengths = [region.block_stride_bytes for region in regions]
+    sizes = [region.chunks_per_block * region.block_stride_bytes for region in regions]
+    offsets = np.cumsum([first_word, *(_words(size) for size in sizes)]).tolist()
+    weights = word_weights(int(offsets[-1]))
+    batch = max(1, _GATHER_BYTES // max(1, sum(sizes)))
 
-    def checksum(first: int, stop: int) -> list[int]:
-        out: list[int] = []
-        for index in range(first, stop):
-            value = start_from[index]
-            for view, chunk_starts, length in zip(views, starts, lengths, strict=True):
-                for start in chunk_starts[index]:
-                    value = zlib.crc32(view[start : start + length], value)
-            out.append(value)
+    def checksum(first: int, stop: int) -> npt.NDArray[np.uint64]:
+        out = np.zeros(stop - first, dtype=np.uint64)
+        for begin in range(first, stop, batch):
+            picked = blocks[begin : min(begin + batch, stop)]
+            for array, size, offset in zip(arrays, sizes, offsets[:-1], strict=True):
+                part: npt.NDArray[np.uint8] = array.transpose(1, 0, 2)[picked].reshape(len(picked), size)  # a gather
+                if size % 8:
+                    part = np.concatenate([part, np.zeros((len(picked), -size % 8), dtype=np.uint8)], axis=1)
+                words: npt.NDArray[np.uint64] = part.view("<u8")
+                sums: npt.NDArray[np.uint64] = words @ weights[offset : offset + words.shape[1]]
+                out[begin - first : begin - first + len(picked)] += sums
         return out
 
-    total_bytes = count * sum(region.chunks_per_block * region.block_stride_bytes for region in regions)
+    total_bytes = count * sum(sizes)
     workers = min(_MAX_WORKERS, os.cpu_count() or 1, -(-total_bytes // _BYTES_PER_WORKER))
-    if workers < 2 or min(lengths, default=0) <= _GIL_RELEASED_ABOVE:
+    if workers < 2:
         return checksum(0, count)
     bounds = np.linspace(0, count, workers + 1).astype(np.int64).tolist()
-    return [value for part in _executor().map(checksum, bounds[:-1], bounds[1:]) for value in part]
+    parts: list[npt.NDArray[np.uint64]] = list(_executor().map(checksum, bounds[:-1], bounds[1:]))
+    return np.concatenate(parts)
 
 
 #: Transfers one import's read is split into, so that what arrived is checksummed while the
 #: rest is in flight (the last piece's checksum is the only one not overlapped), and the
 #: fewest bytes worth a transfer of their own (each one costs NIXL a request to post).
 READ_PIECES: Final = 8
-PIECE_BYTES: Final = 16 << 20
+PIECE_BYTES: Final = 2 << 20
 
 
 class ArrivingChecksums:
@@ -119,20 +156,24 @@ class ArrivingChecksums:
         self._groups = [list(regions[first:stop]) for first, stop in itertools.pairwise(bounds)]
         rows = np.cumsum([0, *(region.chunks_per_block * len(blocks) for region in regions)])
         self.piece_rows: tuple[int, ...] = tuple(int(rows[bound]) for bound in bounds[1:-1])
-        self._running: list[int] | None = None
+        words = np.cumsum([0, *(_words(size) for size in sizes)])
+        self._first_words = [int(words[bound]) for bound in bounds[:-1]]
+        self._sums = np.zeros(len(blocks), dtype=np.uint64)
+        self._arrived = 0
 
     def arrived(self, piece: int) -> None:
-        """Checksum piece ``piece`` (pieces arrive in order)."""
-        self._running = block_checksums(self._groups[piece], self._blocks, self._read, self._running)
+        """Checksum piece ``piece``."""
+        self._sums += block_checksums(self._groups[piece], self._blocks, self._read, self._first_words[piece])
+        self._arrived += 1
 
     def digests(self) -> bytes:
         """The blocks' digests, once every piece arrived."""
-        assert self._running is not None
-        return pack_digests(self._running)
+        assert self._arrived == len(self._groups)
+        return pack_digests(self._sums)
 
 
-#: ``zlib.crc32`` holds the GIL for buffers up to this many bytes (CPython).
-_GIL_RELEASED_ABOVE: Final = 5 * 1024
+#: Bytes of blocks gathered at a time (a few blocks, in cache while they are checksummed).
+_GATHER_BYTES: Final = 1 << 20
 #: Each thread checksums at least this many bytes: less is not worth handing out.
 _BYTES_PER_WORKER: Final = 4 << 20
 _MAX_WORKERS: Final = 8

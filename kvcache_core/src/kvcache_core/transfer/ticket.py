@@ -1,9 +1,10 @@
 """The transfer ticket: what a producer's :meth:`KvTransferAgent.export` hands a consumer so it
 can pull a request's blocks and states, and its wire form (msgpack, versioned, parsed strictly).
 
-Wire form, one msgpack map (version 2; version 1 was never released and is refused)::
+Wire form, one msgpack map (version 3; version 2 carried CRC-32 digests of 4 bytes and
+version 1 was never released: both are refused by their version)::
 
-    {"format": "kvcache-transfer-ticket", "version": 2,
+    {"format": "kvcache-transfer-ticket", "version": 3,
      "agent": the producer's NIXL agent name, "address": its side channel ("tcp://host:port"),
      "namespace": model_id or None,
      "geometry": {"num_layers" (the storage's layers), "num_heads", "head_dim", "value_head_dim"
@@ -15,9 +16,10 @@ Wire form, one msgpack map (version 2; version 1 was never released and is refus
      "groups": [[first logical block, block count], ...] per KV-cache group,
      "blocks": int64 little-endian bytes, every group's source blocks in group order,
      "token_ids": int64 little-endian bytes, "num_tokens": int,
-     "digests": 4 bytes per block (CRC-32, kvcache_core.transfer.digests), or empty (device memory),
+     "digests": 8 bytes per block (a position-weighted 64-bit sum, kvcache_core.transfer.digests),
+                or empty (device memory),
      "states": [[layer, name, dtype, [dims], address, device_kind, device_id], ...] per state
-               array (the request's slot), "state_digests": 4 bytes per state array, or empty,
+               array (the request's slot), "state_digests": 8 bytes per state array, or empty,
      "lease": 32 hex characters, "expires_at": Unix time in seconds}
 
 Parsing accepts exactly these keys, each of its type (``bool`` is not an int) and range,
@@ -40,6 +42,7 @@ from kvcache_core.contract.config import DTYPE_SIZES, KV_LAYOUTS, MAX_TOKEN_ID, 
 from kvcache_core.contract.regions import REGION_DEVICE_KINDS, REGION_PARTS
 from kvcache_core.contract.states import STATE_DTYPES
 from kvcache_core.errors import TransferError
+from kvcache_core.transfer.digests import DIGEST_BYTES
 
 # msgpack ships no type information.
 _packb = cast("Callable[..., bytes]", msgpack.packb)  # pyright: ignore[reportUnknownMemberType]
@@ -57,12 +60,17 @@ __all__ = [
 ]
 
 TICKET_FORMAT: Final = "kvcache-transfer-ticket"
-TICKET_VERSION: Final = 2
+TICKET_VERSION: Final = 3
+#: Versions that existed and are refused, and why.
+_OLD_VERSIONS: Final = {
+    1: "version 1 was never released",
+    2: "version 2 carried CRC-32 digests, 4 bytes a block, which this one no longer computes",
+}
 #: The most model layers a ticket describes, and state arrays it lists.
 MAX_LAYERS: Final = 1 << 16
 #: The largest ticket accepted (a 1M-token request's ids and descriptors fit many times).
 MAX_TICKET_BYTES: Final = 64 << 20
-_DIGEST_BYTES: Final = 4
+_DIGEST_BYTES: Final = DIGEST_BYTES
 _LEASE = re.compile(r"\A[0-9a-f]{32}\Z")
 _ADDRESS = re.compile(r"\Atcp://[0-9A-Za-z.\-\[\]:]{1,255}:[0-9]{1,5}\Z")
 _GEOMETRY: Final = ("num_layers", "num_heads", "head_dim", "value_head_dim", "block_size", "num_blocks")
@@ -145,10 +153,11 @@ class TransferTicket:
             ``first .. first + count - 1`` (a sliding group released those before ``first``).
         blocks: ``[n]`` int64, every group's blocks in order, group after group.
         token_ids: ``[num_tokens]`` int64, the request's tokens.
-        digests: ``n * 4`` bytes, each block's CRC-32 (:mod:`kvcache_core.transfer.digests`);
-            empty when the producer's pool is device memory (not checked then).
+        digests: ``n * 8`` bytes, each block's position-weighted 64-bit sum
+            (:mod:`kvcache_core.transfer.digests`); empty when the producer's pool is device
+            memory (not checked then).
         states: the request's state slot, one :class:`StateAddress` per state array.
-        state_digests: 4 bytes per state array (their CRC-32), or empty (device memory).
+        state_digests: 8 bytes per state array (their digests), or empty (device memory).
         lease: the lease id (32 hex characters); expires_at: Unix time it ends.
     """
 
@@ -256,9 +265,11 @@ def _parse(payload: object) -> TransferTicket:
     fields = cast("dict[str, object]", payload)
     form, version = fields.get("format"), fields.get("version")
     if form != TICKET_FORMAT or type(version) is not int or version != TICKET_VERSION:
+        why = _OLD_VERSIONS.get(version) if form == TICKET_FORMAT and type(version) is int else None
         raise _fail(
-            f"format {form!r} version {version!r}; this reads {TICKET_FORMAT!r} "
-            f"version {TICKET_VERSION} (version 1 was never released)"[:300]
+            f"format {form!r} version {version!r}"[:200]
+            + f"; this reads {TICKET_FORMAT!r} version {TICKET_VERSION} only"
+            + (f" ({why}): re-export the request with this version" if why else "")
         )
     if set(fields) != _KEYS:
         raise _fail(f"expected the keys {sorted(_KEYS)}, got {sorted(map(str, fields))}"[:400])

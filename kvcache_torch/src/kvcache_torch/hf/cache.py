@@ -55,7 +55,8 @@ class PagedCache(Cache):
             keeps each request's blocks in one run, and growing past it raises
             ``SequenceTooLongError``.
         handles: live requests of ``manager`` of one length to go on from, one per row (e.g.
-            ``KvTransferAgent.import_request``'s); the cache owns them, ``generate`` computes what follows.
+            ``KvTransferAgent.import_request``'s); the cache owns them, ``generate`` computes what follows
+            (a model's state layers go on from the states in their slots).
 
     Raises:
         InvalidTypeError: ``manager`` is not a ``PagedKvCacheManager``, or ``config`` is
@@ -66,7 +67,7 @@ class PagedCache(Cache):
             is set to ``"kvcache_paged"`` for a model whose attention does not call
             transformers' attention interface (the message names the class and the remedy,
             its own ``"sdpa"`` or ``"eager"``; a model transformers cannot judge up front is
-            refused at its first forward, see :meth:`update`); ``handles`` with state layers.
+            refused at its first forward, see :meth:`update`).
         InvalidArgumentError: a bad ``max_sequence_length``; ``handles`` not live requests of ``manager`` of one length.
     """
 
@@ -118,8 +119,6 @@ class PagedCache(Cache):
             attach_prompt_hook(model)  # each forward's ids (prefix caching) and padding mask (contiguous path)
         self._finalizer = weakref.finalize(self, release_requests, manager, self._rows.request_ids)
         if handles is not None:
-            if self._states is not None:
-                raise UnsupportedConfigError("a cache of a model with recurrent-state layers cannot adopt requests")
             mode: Mode = "paged" if attention_implementation(text) == ATTN_IMPLEMENTATION else "contiguous"
             self._rows_started(self._rows.adopt(handles), mode)
 
@@ -132,7 +131,11 @@ class PagedCache(Cache):
 
     @property
     def handles(self) -> tuple[PagedKvCacheHandle[torch.Tensor], ...]:
-        """The kvcache handle of each batch row, in row order."""
+        """The kvcache handle of each batch row, in row order. The state layers' latest
+        states are written to the rows' slots first (the last forward's stay in tensors until
+        the next one), so that what reads the requests from the pool (an export) finds them."""
+        if self._states is not None:
+            self._states.flush()
         return tuple(self._rows.handles)
 
     @property
