@@ -10,6 +10,7 @@ import torch
 
 from kvcache_core import AllocationRequest, PagedKvCacheManager, create_manager
 from kvcache_core.errors import DTypeMismatchError, SharedBlockWriteError, StaleStepError
+from kvcache_torch import TorchStorage
 from kvcache_torch.lanes import TorchLane
 from tests.core.support import make_config
 from tests.torch.support import Manager, make_manager
@@ -28,9 +29,8 @@ def arrays(manager: Manager, tokens: int, seed: int) -> tuple[torch.Tensor, torc
 
 def pool_copy(manager: Manager) -> torch.Tensor:
     storage = manager.storage
-    assert hasattr(storage, "pool")
-    pool: torch.Tensor = getattr(storage, "pool")
-    return pool.clone()
+    assert isinstance(storage, TorchStorage)
+    return storage.pool.clone()
 
 
 @pytest.mark.parametrize("layout", ["NHD", "heads_first"])
@@ -60,7 +60,9 @@ def test_a_stale_step_is_refused_before_the_lane_writes() -> None:
 
 
 def test_a_block_the_prefix_cache_took_since_planning_is_not_rewritten_through_the_lane() -> None:
-    config = make_config(32, 4, num_layers=2, num_heads=2, head_dim=8, enable_prefix_caching=True, kv_layout="heads_first")
+    config = make_config(
+        32, 4, num_layers=2, num_heads=2, head_dim=8, enable_prefix_caching=True, kv_layout="heads_first"
+    )
     manager: Manager = create_manager("torch", config)
     handle = manager.allocate(AllocationRequest("a"))
     step = manager.begin_step([handle], [4], token_ids=[[1, 2, 3, 4]])
@@ -95,15 +97,23 @@ def test_the_lane_records_no_autograd_in_the_pool() -> None:
     with torch.enable_grad():
         output = step.write_and_attend(0, keys, values, query)
     assert not output.requires_grad
-    pool = getattr(manager.storage, "pool")
-    assert isinstance(pool, torch.Tensor) and not pool.requires_grad and pool.grad_fn is None
+    storage = manager.storage
+    assert isinstance(storage, TorchStorage)
+    assert not storage.pool.requires_grad
+    assert storage.pool.grad_fn is None
 
 
 def test_a_one_run_decode_through_the_lane_equals_the_kernels_and_the_general_path() -> None:
     outputs: list[list[torch.Tensor]] = []
     for path in ("native", "kernel", "native-general"):
         config = make_config(
-            64, 4, num_layers=3, num_heads=2, head_dim=8, enable_prefix_caching=False, kv_layout="heads_first",
+            64,
+            4,
+            num_layers=3,
+            num_heads=2,
+            head_dim=8,
+            enable_prefix_caching=False,
+            kv_layout="heads_first",
             attention_path="kernel" if path == "kernel" else "native",
         )
         manager: PagedKvCacheManager[torch.Tensor] = create_manager("torch", config)

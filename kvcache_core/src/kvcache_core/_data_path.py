@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from kvcache_core._step_runner import DataPathRunner
 from kvcache_core.attention.features import storage_attention_features
 from kvcache_core.attention.reference import check_attention_call, validate_query_indptr
 from kvcache_core.contract.config import CacheConfig, check_count, check_token_ids
@@ -41,7 +42,6 @@ from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.paging.checks import ArgumentChecks
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import GrowthPlan, SequenceBlocks
-from kvcache_core._step_runner import DataPathRunner
 from kvcache_core.step import Step
 
 __all__ = ["DataPath", "extend_arguments"]

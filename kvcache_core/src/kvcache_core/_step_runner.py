@@ -186,7 +186,9 @@ class DataPathRunner(Generic[ArrayT]):
         lane = lanes[group]
         if lane is None:
             slots = self._slots(step, group)
-            made = storage_step_lane(path.storage, step.page_tables[group], slots, step.qo_indptr) if len(slots) else None
+            made = (
+                storage_step_lane(path.storage, step.page_tables[group], slots, step.qo_indptr) if len(slots) else None
+            )
             lanes[group] = lane = False if made is None else made
         if lane is False:
             return None

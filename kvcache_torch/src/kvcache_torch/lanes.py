@@ -37,6 +37,7 @@ __all__ = ["TorchLane"]
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 
+
 class TorchLane:
     """One step's lane over a torch pool (unquantized, NHD or heads-first layout).
 
@@ -53,8 +54,14 @@ class TorchLane:
     """
 
     __slots__ = (
+        "_device",
+        "_dtype",
+        "_head_dim",
+        "_heads",
         "_heads_first",
+        "_hosts",
         "_index",
+        "_kernel",
         "_key_shape",
         "_mode",
         "_path",
@@ -64,12 +71,6 @@ class TorchLane:
         "_table",
         "_value_shape",
         "_views",
-        "_device",
-        "_dtype",
-        "_heads",
-        "_head_dim",
-        "_kernel",
-        "_hosts",
     )
 
     def __init__(

@@ -185,7 +185,9 @@ class TorchStorage:
         if self._scales is not None or not self._targets:
             return None
         views = (self._views, self._targets, self._hosts)
-        return TorchLane(*views, self._config.layout, self._path, self._dtype, self._device, page_table, slots, qo_indptr)
+        return TorchLane(
+            *views, self._config.layout, self._path, self._dtype, self._device, page_table, slots, qo_indptr
+        )
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """View of the layer's key pool, in the configured layout."""

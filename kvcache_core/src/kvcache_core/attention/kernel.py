@@ -45,13 +45,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 import os
 import threading
-import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Final
 
@@ -59,6 +56,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.attention.features import check_chunk, check_finite_logits, check_softcap, check_window
+from kvcache_core.attention.kernel_plan import MIN_SPLIT_KEYS, MIN_THREAD_WORK, ROW_SPLIT, Plan
+from kvcache_core.attention.kernel_plan import cached_plan as _cached_plan
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.scalars import check_count, check_positive_float32
 from kvcache_core.errors import InvalidTypeError, UnsupportedConfigError
@@ -66,11 +65,11 @@ from kvcache_core.errors import InvalidTypeError, UnsupportedConfigError
 __all__ = [
     "DISABLE_ENV",
     "KERNEL_DTYPES",
-    "KernelCall",
     "MIN_SPLIT_KEYS",
     "MIN_THREAD_WORK",
     "QUANTIZED_KERNEL_DTYPES",
     "ROW_SPLIT",
+    "KernelCall",
     "ThreadTeam",
     "attend_with_kernel",
     "check_team_call",
@@ -89,17 +88,6 @@ DISABLE_ENV: Final = "KVCACHE_DISABLE_NUMBA"
 KERNEL_DTYPES: Final = ("float32", "float16", "bfloat16")
 #: Quantized pool dtypes the kernel reads too, handed over as ``uint8`` bytes with their scales.
 QUANTIZED_KERNEL_DTYPES: Final = ("int8", "float8_e4m3fn")
-
-#: Rows (queries x group) per work item of a long prefill.
-ROW_SPLIT: Final = 64
-#: Fewest keys in one KV split.
-MIN_SPLIT_KEYS: Final = 512
-
-#: Rough cost of reading one K/V row from memory, in units of one query row's products with it.
-_ROW_READ_COST = 8
-#: Least work (in those units, about 3 ns each) worth a thread of its own: waking a worker and
-#: waiting for it costs some 30-50 us, so a small batch runs on the calling thread alone.
-MIN_THREAD_WORK = 16384
 
 _POOL_KINDS: Final = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "float8_e4m3fn": 4}
 _POOL_ELEMENTS: Final = {
@@ -279,114 +267,6 @@ def _row_strides(strides: tuple[int, ...], kv_layout: str, row_bytes: int) -> In
     return rows
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """The work of one batch: items ``[n, 7]`` (request, kv_head, first_row, last_row,
-    first_key, last_key, partial_row), longest first, for ``threads`` threads; merges ``[m,
-    5]`` (request, kv_head, rows, first_partial_row, splits), partial rows."""
-
-    items: IndexArray
-    threads: int
-    merges: IndexArray
-    partial_rows: int
-
-
-_plans: weakref.WeakKeyDictionary[PageTable, dict[tuple[Any, ...], _Plan]] = weakref.WeakKeyDictionary()
-_plans_lock = threading.Lock()
-
-
-def _plan(
-    page_table: PageTable,
-    qo_indptr: npt.NDArray[np.int32],
-    num_heads: int,
-    group: int,
-    causal: bool,
-    window: int,
-    threads: int,
-    chunk: int = 0,
-) -> _Plan:
-    """Work items and their shares for ``threads`` threads (see the module docstring);
-    ``window`` and ``chunk`` 0 when unset."""
-    seq_lens = page_table.seq_lens.tolist()
-    offsets = qo_indptr.tolist()
-    # (work, request, head, first_row, last_row, first_key, last_key)
-    chunks: list[tuple[int, int, int, int, int, int, int]] = []
-    decode_like: list[tuple[int, int, int]] = []  # (request, rows, first_key) of one-chunk requests
-    for request, seq_len in enumerate(seq_lens):
-        num_queries = offsets[request + 1] - offsets[request]
-        if num_queries == 0:
-            continue
-        rows = num_queries * group
-        for first_row in range(0, rows, ROW_SPLIT):
-            last_row = min(rows, first_row + ROW_SPLIT)
-            last_position = seq_len - num_queries + (last_row - 1) // group
-            first_position = seq_len - num_queries + first_row // group
-            high = last_position + 1 if causal else seq_len
-            low = _first_visible(first_position, window, chunk)
-            work = (high - low) * (_ROW_READ_COST + last_row - first_row)
-            chunks.extend((work, request, head, first_row, last_row, 0, seq_len) for head in range(num_heads))
-        if rows <= ROW_SPLIT:
-            first_key = _first_visible(seq_len - num_queries, window, chunk)
-            decode_like.append((request, rows, first_key))
-    threads = max(1, min(threads, sum(chunk[0] for chunk in chunks) // MIN_THREAD_WORK))
-    split_rows: dict[int, int] = {}
-    if threads > 1 and len(chunks) < 4 * threads and decode_like:
-        wanted = math.ceil(4 * threads / len(chunks))
-        for request, _, first_key in decode_like:
-            splits = min(wanted, (seq_lens[request] - first_key) // MIN_SPLIT_KEYS)
-            if splits > 1:
-                split_rows[request] = splits
-    items: list[tuple[int, list[int]]] = []
-    merges: list[list[int]] = []
-    partial_rows = 0
-    for work, request, head, first_row, last_row, first_key, last_key in chunks:
-        splits = split_rows.get(request, 1)
-        if splits == 1:
-            items.append((work, [request, head, first_row, last_row, first_key, last_key, -1]))
-            continue
-        rows = last_row - first_row
-        merges.append([request, head, rows, partial_rows, splits])
-        low = _first_visible(seq_lens[request] - (offsets[request + 1] - offsets[request]), window, chunk)
-        bounds = np.linspace(low, last_key, splits + 1).astype(np.int64).tolist()
-        for split in range(splits):
-            items.append(
-                (
-                    work // splits,
-                    [request, head, first_row, last_row, bounds[split], bounds[split + 1], partial_rows + split * rows],
-                )
-            )
-        partial_rows += splits * rows
-    items.sort(key=lambda entry: -entry[0])  # longest first: the threads claim them in this order
-    return _Plan(
-        items=_read_only(np.asarray([item for _, item in items], dtype=np.int64).reshape(-1, 7), np.int64),
-        threads=min(threads, len(items)),
-        merges=_read_only(np.asarray(merges, dtype=np.int64).reshape(-1, 5), np.int64),
-        partial_rows=partial_rows,
-    )
-
-
-def _first_visible(position: int, window: int, chunk: int) -> int:
-    """The oldest key the query at ``position`` may see (``window``/``chunk`` 0: unset)."""
-    low = max(0, position - window + 1) if window > 0 else 0
-    return max(low, position // chunk * chunk) if chunk > 0 else low
-
-
-def _cached_plan(page_table: PageTable, qo_indptr: npt.NDArray[np.int32], *key: Any) -> _Plan:
-    """:func:`_plan`, computed once per page table, query offsets and geometry."""
-    full_key = (qo_indptr.tobytes(), *key)
-    with _plans_lock:
-        known = _plans.get(page_table)
-        if known is not None and full_key in known:
-            return known[full_key]
-    plan = _plan(page_table, qo_indptr, *key)
-    with _plans_lock:
-        known = _plans.setdefault(page_table, {})
-        if len(known) > 8:  # one table attended in many ways: keep the latest few
-            known.clear()
-        known[full_key] = plan
-    return plan
-
-
 def attend_with_kernel(
     query: npt.NDArray[Any],
     key_cache: npt.NDArray[Any],
@@ -517,7 +397,15 @@ def prepare_kernel_call(
     features = (0.0 if cap is None else cap, head_sinks, chunk_size)
     shape = (total_queries, query_heads, int(value_cache.shape[3]))
     return KernelCall(
-        module, plan, dtype, strides, tables, shape, (group, page_table.block_size, bool(causal), window), features, team
+        module,
+        plan,
+        dtype,
+        strides,
+        tables,
+        shape,
+        (group, page_table.block_size, bool(causal), window),
+        features,
+        team,
     )
 
 
@@ -527,12 +415,23 @@ class KernelCall:
     (checked scale; a quantized pool's scales) and returns ``[total_queries, query_heads,
     value_dim]`` float32."""
 
-    __slots__ = ("_buffers", "_dtype", "_features", "_module", "_options", "_plan", "_shape", "_strides", "_tables", "_team")
+    __slots__ = (
+        "_buffers",
+        "_dtype",
+        "_features",
+        "_module",
+        "_options",
+        "_plan",
+        "_shape",
+        "_strides",
+        "_tables",
+        "_team",
+    )
 
     def __init__(
         self,
         module: ModuleType,
-        plan: _Plan,
+        plan: Plan,
         dtype: str,
         strides: IndexArray,
         tables: tuple[npt.NDArray[np.int32], ...],
@@ -569,8 +468,7 @@ class KernelCall:
         else:
             pools = (_NO_ROWS, _NO_ROWS, _pool_rows(key_cache), _pool_rows(value_cache))
         arguments = (_read_only(query, np.float32), *pools, _POOL_KINDS[dtype], self._strides, *self._tables)
-        group, block_size, causal, window = self._options
-        partial_acc, partial_stats = self._buffers
+        (group, block_size, causal, window), (partial_acc, partial_stats) = self._options, self._buffers
         options = (group, block_size, scale, causal, window, out, partial_acc, partial_stats)
         # A quantized pool's scales (flat, with element strides block, token, head); empty otherwise.
         if quantized and key_scales is not None and value_scales is not None:

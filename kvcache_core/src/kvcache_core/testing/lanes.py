@@ -103,7 +103,8 @@ class LaneCases:
                         for request_id, _ in list(manager.list_handles()):
                             manager.deallocate(request_id)
                     cached = fused.stats().cached_blocks
-                    assert cached > 0 and cached == general.stats().cached_blocks, f"{context}: prefix cache"
+                    assert cached > 0, f"{context}: nothing entered the prefix cache"
+                    assert cached == general.stats().cached_blocks, f"{context}: the prefix caches differ"
 
     @pytest.mark.kvcache_requires("step_lanes")
     def test_a_lane_declines_arrays_it_was_not_prepared_for_and_writes_nothing(
@@ -123,8 +124,12 @@ class LaneCases:
                 before = _pool(manager)
                 scale = 1.0 / np.sqrt(config.head_dim)
                 for arrays in ((short_keys, values, query), (keys, short_values, query), (keys, values, short_query)):
-                    assert lane(0, *arrays, scale) is None, f"dtype {config.dtype}: a lane took arrays of 4 tokens for 5"
-                assert _pool(manager) == before, f"dtype {config.dtype}, layout {config.kv_layout}: a declined call wrote"
+                    assert lane(0, *arrays, scale) is None, (
+                        f"dtype {config.dtype}: a lane took arrays of 4 tokens for 5"
+                    )
+                assert _pool(manager) == before, (
+                    f"dtype {config.dtype}, layout {config.kv_layout}: a declined call wrote"
+                )
                 with pytest.raises(ShapeMismatchError):  # the general path names what is wrong
                     step.write_and_attend(0, short_keys, short_values, query)
                 assert _pool(manager) == before

@@ -42,8 +42,8 @@ from kvcache_core.testing.catalogue import MANAGER_CASES, BadCall, check_bad_cal
 from kvcache_core.testing.features import FeatureCases
 from kvcache_core.testing.host_forms import HostFormCases
 from kvcache_core.testing.hybrid import HybridCases
-from kvcache_core.testing.lanes import LaneCases
 from kvcache_core.testing.inspect import allocator
+from kvcache_core.testing.lanes import LaneCases
 from kvcache_core.testing.layer_geometry import LayerGeometryCases
 from kvcache_core.testing.machine import run_reference_machine
 from kvcache_core.testing.mixed_layers import MixedLayerCases
