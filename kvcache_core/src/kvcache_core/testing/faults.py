@@ -21,7 +21,7 @@ it checks that
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -526,6 +526,8 @@ def run_fault_injection(
     if layer_specs is not None:
         fields.update(num_layers=len(layer_specs), layer_specs=layer_specs)
     config = backend.config(**fields)
+    if config.num_groups > 1:  # each group takes its own blocks
+        config = replace(config, num_blocks=14 * config.num_groups)
     failures: list[str] = []
 
     clean = FaultScript(_faulty_manager(backend, config, None, "before"), backend.claims)

@@ -159,17 +159,18 @@ class LayerGeometryCases:
     ) -> None:
         from kvcache_core.testing.faults import run_fault_injection
 
-        report = run_fault_injection(kvcache_backend, layer_specs=GEOMETRY_SPECS)
-        expected = {"write", "gather", "paged_attention"}
-        if kvcache_backend.claims("fork"):
-            expected.add("copy_blocks")
-        if kvcache_backend.claims("swap"):
-            expected |= {"blocks_to_host", "blocks_from_host"}
-        assert expected <= report.kinds, f"the script never called {sorted(expected - report.kinds)}"
-        shown = "\n".join(report.failures[:5])
-        assert not report.failures, (
-            f"{len(report.failures)} of {report.injections} injected faults broke a promise:\n{shown}"
-        )
+        for specs in (GEOMETRY_SPECS, GROUPED_GEOMETRY_SPECS):  # each layer its part; layers viewing one page
+            report = run_fault_injection(kvcache_backend, layer_specs=specs)
+            expected = {"write", "gather", "paged_attention"}
+            if kvcache_backend.claims("fork"):
+                expected.add("copy_blocks")
+            if kvcache_backend.claims("swap"):
+                expected |= {"blocks_to_host", "blocks_from_host"}
+            assert expected <= report.kinds, f"{specs}: the script never called {sorted(expected - report.kinds)}"
+            shown = "\n".join(report.failures[:5])
+            assert not report.failures, (
+                f"{specs}: {len(report.failures)} of {report.injections} injected faults broke a promise:\n{shown}"
+            )
 
     @pytest.mark.kvcache_requires("layer_geometry")
     def test_a_write_of_another_layers_shape_is_refused_by_name(self, kvcache_backend: BackendUnderTest) -> None:
