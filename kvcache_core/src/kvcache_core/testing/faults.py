@@ -447,6 +447,21 @@ class FaultReport:
         """The storage methods the script called."""
         return frozenset(self.storage_calls)
 
+    def check(self, claims: Callable[[str], bool], context: str = "") -> None:
+        """Assert that the script called every storage method the backend's ``claims`` imply
+        (write, gather, attention; copies with fork; host copies with swap) and that no
+        injected fault broke a promise; ``context`` leads each message."""
+        expected = {"write", "gather", "paged_attention"}
+        if claims("fork"):
+            expected.add("copy_blocks")
+        if claims("swap"):
+            expected |= {"blocks_to_host", "blocks_from_host"}
+        assert expected <= self.kinds, f"{context}the script never called {sorted(expected - self.kinds)}"
+        shown = "\n".join(self.failures[:5])
+        assert not self.failures, (
+            f"{context}{len(self.failures)} of {self.injections} injected faults broke a promise:\n{shown}"
+        )
+
 
 def _faulty_manager(
     backend: BackendUnderTest,

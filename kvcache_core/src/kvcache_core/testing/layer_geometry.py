@@ -150,8 +150,16 @@ class LayerGeometryCases:
 
         caching = kvcache_backend.claims("prefix_caching")
         for layout in dict.fromkeys((kvcache_backend.kv_layouts[0], kvcache_backend.kv_layouts[-1])):
-            config = geometry_config(kvcache_backend, kv_layout=layout, num_blocks=12, enable_prefix_caching=caching)
-            run_config_machine(kvcache_backend, config, f"layer_geometry_{layout}", kit_settings(request.config))
+            # each layer its own part; then KV-cache groups whose layers view one page
+            for name, specs, blocks in (("layer", GEOMETRY_SPECS, 12), ("grouped", GROUPED_GEOMETRY_SPECS, 16)):
+                config = kvcache_backend.config(
+                    num_layers=len(specs),
+                    layer_specs=specs,
+                    kv_layout=layout,
+                    num_blocks=blocks,
+                    enable_prefix_caching=caching,
+                )
+                run_config_machine(kvcache_backend, config, f"{name}_geometry_{layout}", kit_settings(request.config))
 
     @pytest.mark.kvcache_requires("layer_geometry")
     def test_a_storage_failure_at_any_call_leaks_nothing_in_a_pool_of_mixed_geometry(
@@ -160,17 +168,7 @@ class LayerGeometryCases:
         from kvcache_core.testing.faults import run_fault_injection
 
         for specs in (GEOMETRY_SPECS, GROUPED_GEOMETRY_SPECS):  # each layer its part; layers viewing one page
-            report = run_fault_injection(kvcache_backend, layer_specs=specs)
-            expected = {"write", "gather", "paged_attention"}
-            if kvcache_backend.claims("fork"):
-                expected.add("copy_blocks")
-            if kvcache_backend.claims("swap"):
-                expected |= {"blocks_to_host", "blocks_from_host"}
-            assert expected <= report.kinds, f"{specs}: the script never called {sorted(expected - report.kinds)}"
-            shown = "\n".join(report.failures[:5])
-            assert not report.failures, (
-                f"{specs}: {len(report.failures)} of {report.injections} injected faults broke a promise:\n{shown}"
-            )
+            run_fault_injection(kvcache_backend, layer_specs=specs).check(kvcache_backend.claims, f"{specs}: ")
 
     @pytest.mark.kvcache_requires("layer_geometry")
     def test_a_write_of_another_layers_shape_is_refused_by_name(self, kvcache_backend: BackendUnderTest) -> None:
@@ -232,24 +230,6 @@ class LayerGeometryCases:
                     where = f"{context}, layer {layer}, {features}"
                     self._attend_layer_and_compare(manager, handles, contexts, layer, features, rng, where, (1, 1, 1))
                 manager.check_invariants()
-
-    @pytest.mark.kvcache_requires("layer_geometry")
-    def test_state_machine_with_groups_of_mixed_geometry(
-        self, kvcache_backend: BackendUnderTest, request: pytest.FixtureRequest
-    ) -> None:
-        from kvcache_core.testing._plugin import kit_settings
-        from kvcache_core.testing.machine import run_config_machine
-
-        caching = kvcache_backend.claims("prefix_caching")
-        for layout in dict.fromkeys((kvcache_backend.kv_layouts[0], kvcache_backend.kv_layouts[-1])):
-            config = kvcache_backend.config(
-                num_layers=len(GROUPED_GEOMETRY_SPECS),
-                layer_specs=GROUPED_GEOMETRY_SPECS,
-                kv_layout=layout,
-                num_blocks=16,
-                enable_prefix_caching=caching,
-            )
-            run_config_machine(kvcache_backend, config, f"grouped_geometry_{layout}", kit_settings(request.config))
 
     @staticmethod
     def _attend_layer_and_compare(
