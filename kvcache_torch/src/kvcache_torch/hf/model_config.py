@@ -346,7 +346,8 @@ def cache_config_for(
             model has sliding or chunked layers: sliding layers then form KV-cache groups
             that keep only their window's blocks (a long request takes a fraction of the
             memory) on either path. ``False``: one group keeping every block of every
-            layer.
+            layer (for layers of different geometries, each in arrays of its own shape: what a
+            transfer reads in place, which layers viewing one page cannot offer).
         state_slots: with recurrent-state layers (Mamba, Mamba2, gated DeltaNet, short
             convolutions), the requests (batch rows) whose states the pool holds at once;
             ``None``: ``CacheConfig``'s default.
