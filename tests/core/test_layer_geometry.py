@@ -233,3 +233,19 @@ def test_state_layers_beside_layers_of_their_own_geometry() -> None:
         step.write_state(0, "conv", np.ones((1, 4, 3), dtype=np.float32))
         assert np.array_equal(step.state(0, "conv"), np.ones((1, 4, 3), dtype=np.float32))
         manager.check_invariants()
+
+
+def test_a_block_of_layers_viewing_one_page_is_cached_once_its_groups_layers_wrote_it() -> None:
+    specs = [LayerSpec(window=8), LayerSpec(num_heads=1, head_dim=16)]
+    grouped = config(num_layers=2, num_blocks=16, layer_specs=specs, enable_prefix_caching=True)
+    prompt = tuple(range(100, 109))  # two full blocks of 4 and one token
+    with create_manager("numpy", grouped) as manager:
+        first = manager.allocate(AllocationRequest("first", prompt_token_ids=prompt))
+        slots = manager.extend(first, len(prompt))
+        keys = np.arange(9 * 16, dtype=np.float32).reshape(9, 2, 8)
+        manager.write(0, slots[0], keys, keys)
+        manager.write(1, slots[1], keys.reshape(9, 1, 16), keys.reshape(9, 1, 16))  # every storage layer it has
+        hit = manager.allocate(AllocationRequest("hit", prompt_token_ids=prompt))
+        assert hit.num_tokens() == 8
+        assert np.array_equal(manager.gather(hit, 1)[0], keys[:8].reshape(8, 1, 16))
+        manager.check_invariants()
