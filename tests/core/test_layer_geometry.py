@@ -90,9 +90,58 @@ def test_the_storage_config_keeps_each_storage_layers_geometry_and_is_its_own() 
     assert grouped.bytes_per_token == (2 * 16 + 2 * 32) * 2 * 4
 
 
-def test_groups_whose_shared_storage_layers_differ_in_geometry_are_refused_by_name() -> None:
-    with pytest.raises(UnsupportedConfigError, match=r"layers \[0, 1\] share storage layer 0 .*2 heads of 16"):
-        config(num_layers=2, layer_specs=[LayerSpec(window=4), LayerSpec(head_dim=16)])
+def test_groups_whose_layers_differ_in_geometry_view_one_page_sized_for_the_widest() -> None:
+    specs = [LayerSpec(window=4), LayerSpec(num_heads=1, head_dim=16), LayerSpec(window=4)]
+    grouped = config(num_layers=3, layer_specs=specs)
+    storage = grouped.storage_layers
+
+    assert grouped.num_groups == 3  # two sliding layers and one full: groups of one layer
+    assert storage.places == ((0, 0), (1, 1), (2, 0))
+    assert storage.pages == (0, 0)
+    assert storage.page_geometry == (LayerGeometry(2, 16, 16),)  # the most heads, the widest keys and values
+    assert storage.shares_pages
+    assert grouped.pool_layers == 2
+    assert grouped.bytes_per_block == 4 * 2 * (16 + 16) * 4  # one page of every block
+    assert grouped.bytes_per_token == 3 * 2 * (16 + 16) * 4  # each group's layer its page
+    built = grouped.storage_config()
+    assert [built.layer_geometry(layer) for layer in range(2)] == [LayerGeometry(2, 8, 8), LayerGeometry(1, 16, 16)]
+
+
+def test_layers_viewing_one_page_hold_their_own_shape_over_its_memory() -> None:
+    grouped = config(
+        num_layers=2,
+        num_blocks=16,
+        kv_layout="HND",
+        layer_specs=[LayerSpec(window=4), LayerSpec(num_heads=1, head_dim=16)],
+    )
+    with create_manager("numpy", grouped) as manager:
+        storage = manager.storage
+        assert isinstance(storage, LayeredStorage)
+        assert storage.shares_pages
+        assert [part.config.num_layers for part in storage.parts] == [1]  # one page array for both layers
+        assert storage.key_cache(0).shape == (16, 2, 4, 8)
+        assert np.shares_memory(storage.key_cache(0), storage.key_cache(1))
+        handle = manager.allocate(AllocationRequest("r"))
+        slots = manager.extend(handle, 9)
+        rng = np.random.default_rng(3)
+        narrow = rng.standard_normal((9, 2, 8)).astype(np.float32)
+        wide = rng.standard_normal((9, 1, 16)).astype(np.float32)
+        manager.write(0, slots[0], narrow, 2 * narrow)
+        manager.write(1, slots[1], wide, 2 * wide)
+        kept = manager.gather(handle, 0)[0]
+        assert np.array_equal(kept, narrow[len(narrow) - len(kept) :])
+        assert np.array_equal(manager.gather(handle, 1)[1], 2 * wide)
+        grown = manager.extend(handle, 12)
+        more = np.ones((12, 2, 8), dtype=np.float32)
+        manager.write(0, grown[0], more, more)
+        manager.write(1, grown[1], more.reshape(12, 1, 16), more.reshape(12, 1, 16))
+        last = manager.extend(handle, 1)  # one token more: its window starts in block 4 of 6
+        manager.write(0, last[0], more[:1], more[:1])
+        assert handle.stats().blocks_allocated == 6 + 2  # every block of the full group, 2 of the sliding
+        assert np.array_equal(manager.gather(handle, 1)[0][:9], wide)
+        manager.check_invariants()
+        with pytest.raises(UnsupportedConfigError, match="share pages"):
+            storage.memory_regions()
 
 
 def test_a_quantized_pool_of_mixed_geometry_is_refused_by_name() -> None:
@@ -183,4 +232,20 @@ def test_state_layers_beside_layers_of_their_own_geometry() -> None:
             assert step.attention(layer, np.ones((5, 2 * heads, dim), dtype=np.float32)).shape == (5, 2 * heads, dim)
         step.write_state(0, "conv", np.ones((1, 4, 3), dtype=np.float32))
         assert np.array_equal(step.state(0, "conv"), np.ones((1, 4, 3), dtype=np.float32))
+        manager.check_invariants()
+
+
+def test_a_block_of_layers_viewing_one_page_is_cached_once_its_groups_layers_wrote_it() -> None:
+    specs = [LayerSpec(window=8), LayerSpec(num_heads=1, head_dim=16)]
+    grouped = config(num_layers=2, num_blocks=16, layer_specs=specs, enable_prefix_caching=True)
+    prompt = tuple(range(100, 109))  # two full blocks of 4 and one token
+    with create_manager("numpy", grouped) as manager:
+        first = manager.allocate(AllocationRequest("first", prompt_token_ids=prompt))
+        slots = manager.extend(first, len(prompt))
+        keys = np.arange(9 * 16, dtype=np.float32).reshape(9, 2, 8)
+        manager.write(0, slots[0], keys, keys)
+        manager.write(1, slots[1], keys.reshape(9, 1, 16), keys.reshape(9, 1, 16))  # every storage layer it has
+        hit = manager.allocate(AllocationRequest("hit", prompt_token_ids=prompt))
+        assert hit.num_tokens() == 8
+        assert np.array_equal(manager.gather(hit, 1)[0], keys[:8].reshape(8, 1, 16))
         manager.check_invariants()

@@ -3,9 +3,9 @@ layers have a head size (``global_head_dim``) and, with ``attention_k_eq_v``, a 
 (``num_global_key_value_heads``) of their own (transformers' ``per_layer_config``); and
 MiMo-V2-Flash, whose sliding layers hold twice its full layers' KV heads.
 
-The pool gives each layer its own shape (``LayerSpec(num_heads=..., head_dim=...)``), every
-layer over the same blocks; its sliding layers keep every block (one KV-cache group: groups
-would put layers of two shapes in one storage layer) and their attention applies the window.
+The pool gives each layer its own shape (``LayerSpec(num_heads=..., head_dim=...)``); its
+sliding layers form KV-cache groups keeping only their window's blocks, a sliding and a full
+layer at each place of the groups viewing one page (``CacheConfig.storage_layers``).
 Both paths serve it (Gemma 4's attention goes through transformers' interface), except that a
 Gemma 4 with layers reusing K/V runs the contiguous path only: it slices a prefill's queries
 before those layers, and ``"kvcache_paged"`` is refused by name (:data:`RUNS`). Every equality
@@ -107,8 +107,10 @@ def test_the_pool_gives_each_layer_the_geometry_its_attention_hands_the_cache() 
 
     sliding, full = LayerGeometry(2, 16, 16), LayerGeometry(1, 32, 32)
     assert [pool.layer_geometry(layer) for layer in range(4)] == [sliding, full] * 2
-    assert pool.num_groups == 1  # sliding and full layers of two shapes cannot share storage layers
-    assert pool.bytes_per_token == 2 * (2 * 16 * 2 + 1 * 32 * 2) * 4
+    assert pool.num_groups == 2  # the sliding layers keep their window's blocks
+    assert [group.window for group in pool.kv_groups] == [6, None]
+    assert pool.storage_layers.page_geometry == (LayerGeometry(2, 32, 32),) * 2  # a sliding and a full layer each
+    assert pool.bytes_per_token == 2 * 2 * (2 * 32 * 2) * 4
     with PagedCache(create_manager("torch", pool), model.config) as cache:
         assert cache.is_sliding == transformers.DynamicCache(config=model.config).is_sliding
 
@@ -226,4 +228,5 @@ def test_the_real_gemma4_config_gives_its_full_layers_their_head_size() -> None:
     pool = cache_config_for(config, num_blocks=8, dtype="bfloat16")
 
     assert [pool.layer_geometry(layer).head_dim for layer in range(6)] == [16] * 5 + [512]  # global_head_dim
-    assert pool.bytes_per_token == (5 * 2 * 16 * 2 + 2 * 512 * 2) * 2
+    assert pool.num_groups == 6  # five sliding layers and a full one: groups of one layer, one page
+    assert pool.bytes_per_block == 16 * 2 * (512 + 512) * 2  # 16 tokens of 2 heads of 512 (keys, values), bf16

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract.device import Device
-from kvcache_core.contract.groups import KvGroup, LayerGeometry, LayerSpec, layer_slot, plan_groups
+from kvcache_core.contract.groups import KvGroup, LayerGeometry, LayerSpec, StorageLayers, plan_groups, plan_storage
 from kvcache_core.contract.request import MAX_TOKEN_ID, AllocationRequest, check_token_ids, store_fields
 from kvcache_core.contract.scalars import (
     FLOAT32_MAX,
@@ -159,8 +159,7 @@ class CacheConfig:
     Raises:
         InvalidConfigError: any field out of its range; the message names it and the
             valid range.
-        UnsupportedConfigError: layers of their own geometry in a quantized pool, or in
-            KV-cache groups whose layers sharing a storage layer differ in geometry.
+        UnsupportedConfigError: layers of their own geometry in a quantized pool.
     """
 
     num_layers: int
@@ -188,6 +187,7 @@ class CacheConfig:
     _specs: tuple[LayerSpec, ...] = field(default=(), init=False, repr=False, compare=False)
     _states: StatePool = field(default=StatePool(), init=False, repr=False, compare=False)
     _geometry: tuple[LayerGeometry, ...] = field(default=(), init=False, repr=False, compare=False)
+    _storage: StorageLayers = field(default=StorageLayers((), (), (), ()), init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -303,7 +303,6 @@ class CacheConfig:
             object.__setattr__(self, "layer_specs", specs)
         groups = plan_groups(self.num_layers, specs, self.sliding_window)
         object.__setattr__(self, "_groups", groups)
-        object.__setattr__(self, "_slots", layer_slot(groups, self.num_layers))
         object.__setattr__(self, "_specs", specs or (LayerSpec(window=self.sliding_window),) * self.num_layers)
         object.__setattr__(self, "_states", StatePool.of(self._specs, self.state_slots, self.num_blocks))
         object.__setattr__(self, "state_slots", None if self.state_slots is None else self._states.num_slots)
@@ -321,22 +320,14 @@ class CacheConfig:
             for spec in self._specs
         )
         object.__setattr__(self, "_geometry", geometry)
-        if not self.mixed_geometry:
-            return
-        if self.quantized:
+        storage = plan_storage(self._groups, self.num_layers, geometry)
+        object.__setattr__(self, "_storage", storage)
+        object.__setattr__(self, "_slots", storage.places)
+        if self.mixed_geometry and self.quantized:
             raise UnsupportedConfigError(
                 f"a {self.dtype} pool holds one geometry for every layer (its scales are per KV head); layers of "
                 "their own num_heads, head_dim or value_head_dim need an unquantized pool"
             )
-        for slot in range(self.pool_layers if self._groups[0].layers else 0):
-            shapes = {str(geometry[group.layers[slot]]): group.layers[slot] for group in self._groups}
-            if len(shapes) > 1:
-                raise UnsupportedConfigError(
-                    f"layers {sorted(shapes.values())} share storage layer {slot} of different KV-cache groups but "
-                    f"differ in geometry ({'; '.join(shapes)}); a pool of mixed geometry needs the layers of each "
-                    "storage layer to agree: drop the windows of layer_specs (one group keeping every block) or "
-                    "give the groups' layers one geometry"
-                )
 
     @property
     def mixed_geometry(self) -> bool:
@@ -399,8 +390,15 @@ class CacheConfig:
 
     @property
     def pool_layers(self) -> int:
-        """Layers the storage holds per block: every layer, or a group's layers (at least one)."""
-        return max(1, len(self._groups[0].layers))
+        """Layers the storage holds per block: every layer, or a group's layers (at least one),
+        one more per further geometry at a group's place (:attr:`storage_layers`)."""
+        return max(1, len(self._storage.geometry))
+
+    @property
+    def storage_layers(self) -> StorageLayers:
+        """Where each layer's K/V live in the storage: storage layers, their geometries and the
+        pages they view (:func:`~kvcache_core.contract.groups.plan_storage`)."""
+        return self._storage
 
     @property
     def states(self) -> StatePool:
@@ -437,11 +435,10 @@ class CacheConfig:
             ]
             scales = tuple(tuple(tuple(float(x) for x in kv) for kv in layer.tolist()) for layer in per_slot)
         slot_specs: tuple[LayerSpec, ...] | None = None
-        if self.mixed_geometry:  # each storage layer's geometry (the same in every group: checked)
-            first = self._groups[0].layers
+        if self.mixed_geometry:  # each storage layer's geometry
             slot_specs = tuple(
                 LayerSpec(num_heads=shape.num_heads, head_dim=shape.head_dim, value_head_dim=shape.value_width)
-                for shape in (self._geometry[layer] for layer in first)
+                for shape in self._storage.geometry
             )
         return dataclasses.replace(
             self, num_layers=self.pool_layers, layer_specs=slot_specs, kv_scales=scales, state_slots=None
@@ -553,13 +550,13 @@ class CacheConfig:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token takes in the pool: keys (:attr:`head_dim` wide) and values
-        (:attr:`value_width` wide) of every layer (with their scales in a quantized pool)."""
+        (:attr:`value_width` wide) of every layer (with their scales in a quantized pool; each
+        layer of a pool of mixed geometry its page's, :attr:`storage_layers`)."""
         scale_bytes = SCALE_BYTES if self.dtype in QUANTIZED_DTYPES else 0
-        if self.mixed_geometry:  # each layer its own heads and widths (state layers keep no K/V)
-            return sum(
+        if self.mixed_geometry:  # each group's layers their pages: the widest view of each
+            return len(self._groups) * sum(
                 shape.num_heads * (shape.head_dim + shape.value_width) * self.dtype_size
-                for spec, shape in zip(self._specs, self._geometry, strict=True)
-                if spec.state is None
+                for shape in self._storage.page_geometry
             )
         kv_layers = self.pool_layers * len(self._groups)  # state layers keep no K/V
         widths = (self.head_dim + self.value_width) * self.dtype_size + 2 * scale_bytes

@@ -25,7 +25,12 @@ A pool without ``layer_specs`` is one group of every layer (with the pool's
 A layer may also hold its own **geometry** (Gemma 4's full-attention layers have a head size
 and KV head count of their own): ``LayerSpec(num_heads=..., head_dim=..., value_head_dim=...)``,
 each ``None`` for the pool's. Every layer keeps the same blocks and block ids; only the shape
-of its arrays differs (:meth:`CacheConfig.layer_geometry`).
+of its arrays differs (:meth:`CacheConfig.layer_geometry`). Where the layers that share a
+storage layer's place in their groups differ in geometry (Gemma 4's sliding and full layers),
+each geometry gets a storage layer of its own and they all view one **page**
+(:func:`plan_storage`): a page is as large as its widest view (the most KV heads, the widest
+keys, the widest values), each view its first heads and features, so the memory of a block
+still serves whichever group holds it.
 """
 
 from __future__ import annotations
@@ -43,11 +48,13 @@ __all__ = [
     "KvGroup",
     "LayerGeometry",
     "LayerSpec",
+    "StorageLayers",
     "check_group",
     "first_visible_block",
     "group_serves_layer",
     "layer_slot",
     "plan_groups",
+    "plan_storage",
 ]
 
 
@@ -233,6 +240,63 @@ def plan_groups(
     ]
     chunks.sort(key=lambda chunk: chunk[1][0])
     return tuple(KvGroup(index, window, layers) for index, (window, layers) in enumerate(chunks))
+
+
+@dataclass(frozen=True, slots=True)
+class StorageLayers:
+    """Where each model layer's K/V live in the storage (:func:`plan_storage`).
+
+    Attributes:
+        places: per model layer, ``(group, storage layer)``; ``(-1, -1)`` for a layer keeping
+            no K/V.
+        geometry: per storage layer, its geometry.
+        pages: per storage layer, the page whose memory it views (its place in the groups);
+            storage layers of one page share the memory of every block.
+        page_geometry: per page, the geometry holding each of its views: the most KV heads,
+            the widest keys and the widest values among its storage layers.
+    """
+
+    places: tuple[tuple[int, int], ...]
+    geometry: tuple[LayerGeometry, ...]
+    pages: tuple[int, ...]
+    page_geometry: tuple[LayerGeometry, ...]
+
+    @property
+    def shares_pages(self) -> bool:
+        """Whether some page holds storage layers of several geometries."""
+        return len(self.pages) != len(self.page_geometry)
+
+    def group_rows(self, group: KvGroup) -> tuple[int, ...]:
+        """The storage layers of ``group``'s layers, in its layer order."""
+        return tuple(self.places[layer][1] for layer in group.layers)
+
+
+def plan_storage(groups: tuple[KvGroup, ...], num_layers: int, geometry: tuple[LayerGeometry, ...]) -> StorageLayers:
+    """The storage layers of a pool: the ``i``-th layer of every group lives in page ``i``,
+    in the storage layer of its geometry there (one storage layer per page when every group's
+    ``i``-th layer has one geometry: storage layer ``i``)."""
+    places = [(-1, -1)] * num_layers
+    shapes: list[LayerGeometry] = []
+    pages: list[int] = []
+    page_geometry: list[LayerGeometry] = []
+    for page in range(len(groups[0].layers)):
+        first = len(shapes)
+        for group in groups:
+            layer = group.layers[page]
+            shape = geometry[layer]
+            if shape not in shapes[first:]:
+                shapes.append(shape)
+                pages.append(page)
+            places[layer] = (group.index, first + shapes[first:].index(shape))
+        views = shapes[first:]
+        page_geometry.append(
+            LayerGeometry(
+                max(view.num_heads for view in views),
+                max(view.head_dim for view in views),
+                max(view.value_width for view in views),
+            )
+        )
+    return StorageLayers(tuple(places), tuple(shapes), tuple(pages), tuple(page_geometry))
 
 
 def first_visible_block(window: int | None, length: int, block_size: int) -> int:

@@ -99,8 +99,9 @@ CAPABILITIES: dict[str, str] = {
     "prepared for (kvcache_core.contract.lanes)",
     "layer_geometry": "a pool whose layers differ in KV heads or widths (LayerSpec(num_heads=..., head_dim=..., "
     "value_head_dim=...)): the storage factory may be called once per geometry of one pool (core's "
-    "LayeredStorage routes each layer to its part and packs swap's host copies); tiers, prefix files, host "
-    "writes and transfer refuse such a pool by name",
+    "LayeredStorage routes each layer to its part, views a shared page with narrower layers' writes and queries "
+    "padded by zeros, and packs swap's host copies); tiers, prefix files, host writes, and transfer of KV-cache "
+    "groups whose layers share pages refuse such a pool by name",
 }
 
 #: The cache policies of core a backend claims once its storage serves them: every paged

@@ -72,6 +72,11 @@ class BlockPool:
             np.zeros((config.pool_layers, slots), dtype=np.bool_) if config.enable_prefix_caching else None
         )
         self.group_of = np.full(config.num_blocks, -1, dtype=np.int16)
+        layers = config.storage_layers
+        # Per group, its storage layers' rows of ``written`` where pages hold several geometries.
+        self._group_rows: tuple[list[int], ...] = (
+            tuple(list(layers.group_rows(group)) for group in config.kv_groups) if layers.shares_pages else ()
+        )
         self.issued = np.zeros(slots, dtype=np.bool_)
         self.registered = np.zeros(config.num_blocks, dtype=np.bool_)
         self.swapped_blocks: dict[int, str] = {}
@@ -236,9 +241,12 @@ class BlockPool:
         return found
 
     def fully_written(self, block: int) -> bool:
+        """Whether every slot of ``block`` was written in every storage layer of the group
+        holding it (groups whose layers differ in geometry write storage layers of their own)."""
         assert self.written is not None
         block_size = self.config.block_size
-        return bool(self.written[:, block * block_size : (block + 1) * block_size].all())
+        rows = self._group_rows[int(self.group_of[block])] if self._group_rows else slice(None)
+        return bool(self.written[rows, block * block_size : (block + 1) * block_size].all())
 
     # -- ownership generations ---------------------------------------------------------
 

@@ -21,7 +21,7 @@ it checks that
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -447,6 +447,21 @@ class FaultReport:
         """The storage methods the script called."""
         return frozenset(self.storage_calls)
 
+    def check(self, claims: Callable[[str], bool], context: str = "") -> None:
+        """Assert that the script called every storage method the backend's ``claims`` imply
+        (write, gather, attention; copies with fork; host copies with swap) and that no
+        injected fault broke a promise; ``context`` leads each message."""
+        expected = {"write", "gather", "paged_attention"}
+        if claims("fork"):
+            expected.add("copy_blocks")
+        if claims("swap"):
+            expected |= {"blocks_to_host", "blocks_from_host"}
+        assert expected <= self.kinds, f"{context}the script never called {sorted(expected - self.kinds)}"
+        shown = "\n".join(self.failures[:5])
+        assert not self.failures, (
+            f"{context}{len(self.failures)} of {self.injections} injected faults broke a promise:\n{shown}"
+        )
+
 
 def _faulty_manager(
     backend: BackendUnderTest,
@@ -526,6 +541,8 @@ def run_fault_injection(
     if layer_specs is not None:
         fields.update(num_layers=len(layer_specs), layer_specs=layer_specs)
     config = backend.config(**fields)
+    if config.num_groups > 1:  # each group takes its own blocks
+        config = replace(config, num_blocks=14 * config.num_groups)
     failures: list[str] = []
 
     clean = FaultScript(_faulty_manager(backend, config, None, "before"), backend.claims)

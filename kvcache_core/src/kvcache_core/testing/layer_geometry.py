@@ -9,7 +9,10 @@ failure at any call leaking nothing and corrupting no request (fault injection);
 of another layer's shape refused by name; attention per layer, with the features it serves,
 against the float64 dense reference in every dtype and layout; fork with copy-on-write and a
 prefix hit serving every layer in its own shape; swap bit-exact in every layer (a packed host
-form); host copies beyond the pool (tiers, prefix files) refused by name, nothing changed.
+form); host copies beyond the pool (tiers, prefix files) refused by name, nothing changed. In
+KV-cache groups whose layers differ in geometry (:data:`GROUPED_GEOMETRY_SPECS`, layers viewing
+one page), the same: each layer its own shape and attention, sliding layers keeping only their
+window's blocks, the lockstep state machine.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from kvcache_core.offload.tiers import HostTier
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 from kvcache_core.testing.features import dense_feature_attention
 
-__all__ = ["GEOMETRY_SPECS", "LayerGeometryCases", "geometry_config"]
+__all__ = ["GEOMETRY_SPECS", "GROUPED_GEOMETRY_SPECS", "LayerGeometryCases", "geometry_config"]
 
 Manager = PagedKvCacheManager[Any]
 Handle = PagedKvCacheHandle[Any]
@@ -43,6 +46,15 @@ GEOMETRY_SPECS: Final = (
     LayerSpec(),
     LayerSpec(num_heads=1, head_dim=16),
     LayerSpec(num_heads=4, value_head_dim=4),
+)
+
+#: Gemma 4's shape in KV-cache groups: two sliding layers (window 6) and a full one, each place
+#: of the groups in three geometries (the pool's, one head of 16, 4 heads of 8 with values of
+#: 4), so the three view one page of 4 heads of 16.
+GROUPED_GEOMETRY_SPECS: Final = (
+    LayerSpec(window=6),
+    LayerSpec(num_heads=1, head_dim=16),
+    LayerSpec(window=6, num_heads=4, value_head_dim=4),
 )
 
 #: Request lengths of the attention cases: ragged, over several blocks and runs.
@@ -71,7 +83,13 @@ def _write(
 
 
 def _write_all(manager: Manager, slots: npt.NDArray[np.int64], rng: np.random.Generator) -> list[tuple[Any, Any]]:
-    return [_write(manager, layer, slots, rng) for layer in range(manager.config.num_layers)]
+    """Write every layer; ``slots`` ``[n]``, or ``[groups, n]`` with KV-cache groups (each
+    layer its group's)."""
+    config = manager.config
+    return [
+        _write(manager, layer, slots if slots.ndim == 1 else slots[config.layer_place(layer)[0]], rng)
+        for layer in range(config.num_layers)
+    ]
 
 
 def _grow(manager: Manager, rng: np.random.Generator) -> list[Handle]:
@@ -132,8 +150,16 @@ class LayerGeometryCases:
 
         caching = kvcache_backend.claims("prefix_caching")
         for layout in dict.fromkeys((kvcache_backend.kv_layouts[0], kvcache_backend.kv_layouts[-1])):
-            config = geometry_config(kvcache_backend, kv_layout=layout, num_blocks=12, enable_prefix_caching=caching)
-            run_config_machine(kvcache_backend, config, f"layer_geometry_{layout}", kit_settings(request.config))
+            # each layer its own part; then KV-cache groups whose layers view one page
+            for name, specs, blocks in (("layer", GEOMETRY_SPECS, 12), ("grouped", GROUPED_GEOMETRY_SPECS, 16)):
+                config = kvcache_backend.config(
+                    num_layers=len(specs),
+                    layer_specs=specs,
+                    kv_layout=layout,
+                    num_blocks=blocks,
+                    enable_prefix_caching=caching,
+                )
+                run_config_machine(kvcache_backend, config, f"{name}_geometry_{layout}", kit_settings(request.config))
 
     @pytest.mark.kvcache_requires("layer_geometry")
     def test_a_storage_failure_at_any_call_leaks_nothing_in_a_pool_of_mixed_geometry(
@@ -141,17 +167,8 @@ class LayerGeometryCases:
     ) -> None:
         from kvcache_core.testing.faults import run_fault_injection
 
-        report = run_fault_injection(kvcache_backend, layer_specs=GEOMETRY_SPECS)
-        expected = {"write", "gather", "paged_attention"}
-        if kvcache_backend.claims("fork"):
-            expected.add("copy_blocks")
-        if kvcache_backend.claims("swap"):
-            expected |= {"blocks_to_host", "blocks_from_host"}
-        assert expected <= report.kinds, f"the script never called {sorted(expected - report.kinds)}"
-        shown = "\n".join(report.failures[:5])
-        assert not report.failures, (
-            f"{len(report.failures)} of {report.injections} injected faults broke a promise:\n{shown}"
-        )
+        for specs in (GEOMETRY_SPECS, GROUPED_GEOMETRY_SPECS):  # each layer its part; layers viewing one page
+            run_fault_injection(kvcache_backend, layer_specs=specs).check(kvcache_backend.claims, f"{specs}: ")
 
     @pytest.mark.kvcache_requires("layer_geometry")
     def test_a_write_of_another_layers_shape_is_refused_by_name(self, kvcache_backend: BackendUnderTest) -> None:
@@ -181,6 +198,39 @@ class LayerGeometryCases:
                         context = f"dtype {config.dtype}, layout {config.kv_layout}, layer {layer}, {features}"
                         self._attend_layer_and_compare(manager, handles, contexts, layer, features, rng, context)
 
+    @pytest.mark.kvcache_requires("layer_geometry")
+    @pytest.mark.kvcache_requires("attention_window")
+    def test_groups_of_mixed_geometry_keep_their_window_and_each_layer_its_shape(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        rng = np.random.default_rng(83)
+        specs = GROUPED_GEOMETRY_SPECS
+        for config in kvcache_backend.configs(num_layers=len(specs), layer_specs=specs, num_blocks=48):
+            context = f"dtype {config.dtype}, layout {config.kv_layout}"
+            with kvcache_backend.manager(config) as manager:
+                resolved = manager.config
+                assert resolved.num_groups == 3, context
+                assert resolved.storage_layers.shares_pages, f"{context}: its layers do not view one page"
+                handles = _grow(manager, rng)
+                for layer in range(resolved.num_layers):
+                    assert manager.storage.array_info(handles[0].key_cache(layer))[0] == resolved.layer_block_shape(
+                        layer
+                    ), f"{context}, layer {layer}: its key pool is not of its own shape"
+                contexts = [_gathered(manager, handle) for handle in handles]
+                window_blocks = -(-6 // resolved.block_size) + 1
+                for handle, length in zip(handles, _LENGTHS, strict=True):
+                    full = -(-length // resolved.block_size)
+                    assert handle.stats().blocks_allocated <= full + 2 * (window_blocks + 1), (
+                        f"{context}: a request of {length} tokens holds {handle.stats().blocks_allocated} blocks; its "
+                        "sliding layers keep only their window's"
+                    )
+                    assert handle.stats().memory_bytes == handle.stats().blocks_allocated * resolved.bytes_per_block
+                for layer, spec in enumerate(specs):
+                    features: dict[str, Any] = {} if spec.window is None else {"window": spec.window}
+                    where = f"{context}, layer {layer}, {features}"
+                    self._attend_layer_and_compare(manager, handles, contexts, layer, features, rng, where, (1, 1, 1))
+                manager.check_invariants()
+
     @staticmethod
     def _attend_layer_and_compare(
         manager: Manager,
@@ -190,11 +240,11 @@ class LayerGeometryCases:
         features: dict[str, Any],
         rng: np.random.Generator,
         context: str,
+        counts: tuple[int, ...] = (2, 9, 1),
     ) -> None:
         config = manager.config
         shape = config.layer_geometry(layer)
         query_heads = 2 * shape.num_heads
-        counts = (2, 9, 1)
         indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         query = BackendUnderTest.representable(
             rng.standard_normal((int(indptr[-1]), query_heads, shape.head_dim)), config.dtype
@@ -203,7 +253,7 @@ class LayerGeometryCases:
         output = manager.paged_attention(
             layer,
             BackendUnderTest.native(manager, query),
-            manager.page_table(handles),
+            manager.page_table(handles, group=config.layer_place(layer)[0]),
             qo_indptr=indptr,
             scale=scale,
             **features,

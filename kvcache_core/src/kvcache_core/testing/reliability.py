@@ -135,17 +135,8 @@ class ReliabilityCases:
         self, kvcache_backend: BackendUnderTest
     ) -> None:
         report = run_fault_injection(kvcache_backend)
-        expected = {"write", "gather", "paged_attention"}
-        if kvcache_backend.claims("fork"):
-            expected.add("copy_blocks")
-        if kvcache_backend.claims("swap"):
-            expected |= {"blocks_to_host", "blocks_from_host"}
-        assert expected <= report.kinds, f"the script never called {sorted(expected - report.kinds)}"
         assert report.injections == 2 * len(report.storage_calls)
-        shown = "\n".join(report.failures[:5])
-        assert not report.failures, (
-            f"{len(report.failures)} of {report.injections} injected faults broke a promise:\n{shown}"
-        )
+        report.check(kvcache_backend.claims)
 
     def test_soak_threads_mix_every_policy_without_a_mismatch_or_a_leak(
         self, kvcache_backend: BackendUnderTest

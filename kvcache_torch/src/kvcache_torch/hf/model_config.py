@@ -324,10 +324,9 @@ def cache_config_for(
     ``qk_rope_head_dim`` (:func:`latent_attention`); for a model with a ``v_head_dim`` of its
     own, values of that width (``CacheConfig.value_head_dim``); for layers of different KV
     heads or head sizes (Gemma 4's ``per_layer_config``: :func:`layer_geometries`), each layer
-    its own (``LayerSpec(num_heads=..., head_dim=...)``); where KV-cache groups would put
-    layers of different geometries in one storage layer (Gemma 4's sliding and full layers),
-    the pool keeps every block of every layer, as ``hybrid=False``, each sliding layer's window
-    applied by its attention.
+    its own (``LayerSpec(num_heads=..., head_dim=...)``), sliding layers keeping only their
+    window's blocks as in any hybrid pool (layers of different geometries at one place of the
+    KV-cache groups view one page: ``CacheConfig.storage_layers``).
 
     Args:
         model: the model (its ``config``, and the dtype and device of its weights), or just
@@ -347,7 +346,8 @@ def cache_config_for(
             model has sliding or chunked layers: sliding layers then form KV-cache groups
             that keep only their window's blocks (a long request takes a fraction of the
             memory) on either path. ``False``: one group keeping every block of every
-            layer.
+            layer (for layers of different geometries, each in arrays of its own shape: what a
+            transfer reads in place, which layers viewing one page cannot offer).
         state_slots: with recurrent-state layers (Mamba, Mamba2, gated DeltaNet, short
             convolutions), the requests (batch rows) whose states the pool holds at once;
             ``None``: ``CacheConfig``'s default.
@@ -430,13 +430,10 @@ def cache_config_for(
     grouped = any(spec.keeps_state or not spec.keeps_kv for spec in specs) or (
         hybrid and any(spec.kind != "full" for spec in specs)
     )
-    if layer_geometries(config) is None:
-        return CacheConfig(**fields, layer_specs=specs if grouped else None)
     if grouped:
-        try:
-            return CacheConfig(**fields, layer_specs=specs)
-        except UnsupportedConfigError:
-            pass  # groups whose layers differ in geometry: one group keeping every block, below
+        return CacheConfig(**fields, layer_specs=specs)
+    if layer_geometries(config) is None:
+        return CacheConfig(**fields)
     return CacheConfig(**fields, layer_specs=tuple(_keeping_every_block(spec) for spec in specs))
 
 
