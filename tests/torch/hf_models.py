@@ -400,8 +400,8 @@ _BY_HAND: tuple[Family, ...] = (
         "Gemma4TextConfig",
         "Gemma4ForCausalLM",
         {**GEMMA4},
-        why=f"{_INTERFACE}; full layers of their own head size and KV heads (per-layer geometry: every layer "
-        "keeps every block, in its own shape)",
+        why=f"{_INTERFACE}; full layers of their own head size and KV heads (per-layer geometry: sliding layers "
+        "keep their window's blocks, each position in the KV-cache groups sharing one page)",
     ),
     Family("Phi-3", "Phi3Config", "Phi3ForCausalLM", _decoder()),
     Family(

@@ -46,20 +46,6 @@ class RunnerPath(Protocol[ArrayT]):
 
     def record_written(self, layer: int, slots: SlotArray) -> None: ...
 
-    def attention(
-        self,
-        layer: int,
-        query: ArrayT,
-        scale: float | None,
-        causal: bool,
-        features: dict[str, Any],
-        *,
-        page_table: object = None,
-        qo_indptr: object = None,
-        step: Step[ArrayT] | None = None,
-        served: frozenset[str] | None = None,
-    ) -> ArrayT: ...
-
     def attention_call(
         self,
         layer: int,
@@ -139,7 +125,10 @@ class DataPathRunner(Generic[ArrayT]):
         path = self._path
         with path.lock:
             self._check_current()
-            return path.attention(layer, query, scale, causal, features, step=step, served=self._served)
+            _, call, keywords = path.attention_call(
+                layer, query, scale, causal, features, None, None, step, self._served
+            )
+            return path.storage.paged_attention(*call, **keywords)
 
     def write_and_attend(
         self,
