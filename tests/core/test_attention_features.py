@@ -21,6 +21,7 @@ from kvcache_core import (
     create_manager,
 )
 from kvcache_core.attention import kernel as paged_kernel
+from kvcache_core.attention import kernel_plan
 from kvcache_core.attention.features import (
     ATTENTION_CAPABILITIES,
     FEATURE_CAPABILITIES,
@@ -62,8 +63,8 @@ def test_the_kernel_equals_the_reference_with_any_features(data: st.DataObject) 
     sinks = (rng.standard_normal(heads * group) * 3).astype(np.float32) if with_sinks else None
     scale = float(rng.uniform(0.05, 0.5))
     with (
-        mock.patch.object(paged_kernel, "MIN_SPLIT_KEYS", run.min_split),
-        mock.patch.object(paged_kernel, "ROW_SPLIT", run.row_split),
+        mock.patch.object(kernel_plan, "MIN_SPLIT_KEYS", run.min_split),
+        mock.patch.object(kernel_plan, "ROW_SPLIT", run.row_split),
     ):
         got = paged_kernel.attend_with_kernel(
             query, keys, values, table, indptr, dtype=dtype, scale=scale, causal=batch.causal, kv_layout=layout,

@@ -22,6 +22,7 @@ from kvcache_core import (
     create_manager,
 )
 from kvcache_core.attention import kernel as paged_kernel
+from kvcache_core.attention import kernel_plan
 from kvcache_core.attention.reference import paged_attention
 from kvcache_core.errors import InvalidTypeError
 from tests.core.support import Array, draw_kernel_batch, draw_kernel_run, hand_built_table, random_pool
@@ -51,9 +52,9 @@ def test_the_kernel_equals_the_reference_on_any_batch(data: st.DataObject) -> No
     query = rng.standard_normal((int(indptr[-1]), batch.heads * batch.group, batch.dim)).astype(np.float32)
     scale = float(rng.uniform(0.05, 0.5))
     with (
-        mock.patch.object(paged_kernel, "MIN_SPLIT_KEYS", run.min_split),
-        mock.patch.object(paged_kernel, "ROW_SPLIT", run.row_split),
-        mock.patch.object(paged_kernel, "MIN_THREAD_WORK", 1),  # these small batches use every thread
+        mock.patch.object(kernel_plan, "MIN_SPLIT_KEYS", run.min_split),
+        mock.patch.object(kernel_plan, "ROW_SPLIT", run.row_split),
+        mock.patch.object(kernel_plan, "MIN_THREAD_WORK", 1),  # these small batches use every thread
     ):
         got = paged_kernel.attend_with_kernel(
             query, keys, values, table, indptr, dtype=dtype, scale=scale, causal=batch.causal, kv_layout=layout,
@@ -76,8 +77,8 @@ def test_a_long_context_on_few_heads_is_split_and_merged() -> None:
     values = rng.standard_normal((num_blocks, 16, 1, 32)).astype(np.float32)
     query = rng.standard_normal((1, 4, 32)).astype(np.float32)
     indptr = np.array([0, 1], dtype=np.int32)
-    with mock.patch.object(paged_kernel, "MIN_THREAD_WORK", 1):
-        plan = paged_kernel._cached_plan(table, indptr, 1, 4, True, 0, 4)  # pyright: ignore[reportPrivateUsage]
+    with mock.patch.object(kernel_plan, "MIN_THREAD_WORK", 1):
+        plan = kernel_plan.cached_plan(table, indptr, 1, 4, True, 0, 4)
         assert plan.merges.shape[0] == 1, plan.merges
         assert plan.merges[0, 4] > 1, plan.merges
         got = paged_kernel.attend_with_kernel(
@@ -228,7 +229,7 @@ def test_a_team_runs_the_shares_of_a_call() -> None:
         for _ in range(threads):
             share()
 
-    with mock.patch.object(paged_kernel, "MIN_THREAD_WORK", 1):
+    with mock.patch.object(kernel_plan, "MIN_THREAD_WORK", 1):
         expected = paged_kernel.attend_with_kernel(query, keys, values, table, indptr, **options)
         got = paged_kernel.attend_with_kernel(query, keys, values, table, indptr, team=in_turn, **options)
     assert launched == [2]
@@ -246,7 +247,7 @@ def test_a_team_that_fails_fails_the_call() -> None:
     def broken(share: Any, threads: int) -> None:
         raise RuntimeError("team lost")
 
-    with mock.patch.object(paged_kernel, "MIN_THREAD_WORK", 1), pytest.raises(RuntimeError, match="team lost"):
+    with mock.patch.object(kernel_plan, "MIN_THREAD_WORK", 1), pytest.raises(RuntimeError, match="team lost"):
         paged_kernel.attend_with_kernel(
             query, keys, values, table, indptr, dtype="float32", scale=0.2, causal=True, kv_layout="NHD",
             sliding_window=None, num_threads=2, team=broken,

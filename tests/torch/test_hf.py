@@ -26,6 +26,7 @@ from kvcache_core import (
     create_manager,
 )
 from kvcache_core.errors import DTypeMismatchError, InvalidTypeError, LayerIndexError, ShapeMismatchError
+from kvcache_torch import TorchStorage
 from tests.torch.hf_support import (
     ARCHITECTURES,
     ATTN_IMPLEMENTATION,
@@ -373,7 +374,9 @@ def test_paged_decode_attends_over_the_pool_without_gathering_it(
         queries.append(tuple(query.shape))
         return attend(layer, query, *arguments)
 
-    lane_of = manager.storage.step_lane
+    storage = manager.storage
+    assert isinstance(storage, TorchStorage)
+    lane_of = storage.step_lane
 
     def spy_lane(*arguments: Any) -> Any:  # a step's plain layers attend through the storage's lane
         lane = lane_of(*arguments)

@@ -13,6 +13,7 @@ import torch
 
 from kvcache_core import InvalidArgumentError
 from kvcache_core.attention import kernel as paged_kernel
+from kvcache_core.attention import kernel_plan
 from kvcache_core.errors import InvalidTypeError
 from kvcache_torch import threads
 from tests.process_support import run_python
@@ -93,7 +94,7 @@ def test_cpu_attention_hands_the_kernel_torch_team(monkeypatch: pytest.MonkeyPat
         return real(*args, **kwargs)
 
     monkeypatch.setattr(paged_kernel, "attend_with_kernel", counted)
-    monkeypatch.setattr(paged_kernel, "MIN_THREAD_WORK", 1)  # two threads even for this small batch
+    monkeypatch.setattr(kernel_plan, "MIN_THREAD_WORK", 1)  # two threads even for this small batch
     previous = torch.get_num_threads()
     torch.set_num_threads(2)  # the kernel takes torch's thread count (one on a busy test worker)
     try:
@@ -110,9 +111,10 @@ FORKED_CHILD = """
 import os, sys
 import torch
 from kvcache_core.attention import kernel as paged_kernel
+from kvcache_core.attention import kernel_plan
 from tests.torch.support import fill, make_manager
 
-paged_kernel.MIN_THREAD_WORK = 1  # two threads even for this small batch
+kernel_plan.MIN_THREAD_WORK = 1  # two threads even for this small batch
 manager = make_manager(kv_layout="heads_first", num_blocks=320)
 filled = fill(manager, [300, 200, 500], max_step=64)
 table = manager.page_table(filled.handles)
