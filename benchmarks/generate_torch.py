@@ -66,6 +66,7 @@ import kvcache_torch.storage
 from kvcache_core import PagedKvCacheManager, create_manager
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_torch.hf import PagedCache, cache_config_for
+from kvcache_torch.lanes import TorchLane
 
 Model = generation.Model
 
@@ -213,7 +214,14 @@ def run_bare(
     ) -> Any:
         return query.new_zeros((query.shape[0], query.shape[1], value_cache.shape[3]))
 
-    with mock.patch.object(kvcache_torch.storage, "attend_pool", zeros):
+    def lane_zeros(lane: TorchLane, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        return query.new_zeros((query.shape[0], query.shape[1], lane.value_width))
+
+    # The storage's attention and its step lane's (the plain layers of a step).
+    with (
+        mock.patch.object(kvcache_torch.storage, "attend_pool", zeros),
+        mock.patch.object(TorchLane, "_attend", lane_zeros),
+    ):
         return run_ours(model, manager, prompt, new_tokens, **options)
 
 

@@ -141,9 +141,14 @@ class TorchLane:
         else:
             key_rows.index_copy_(0, index, keys)
             value_rows.index_copy_(0, index, values)
+        return self._attend(layer, query, scale)
+
+    def _attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """The layer's attention over the pool (its K/V written)."""
         span = self._span
         if self._mode == "views" and span is not None:
             first, tokens = span
+            key_rows, value_rows = self._rows[0][layer], self._rows[1][layer]
             if self._heads_first:  # [H, tokens, D]
                 cached_keys, cached_values = key_rows.narrow(1, first, tokens), value_rows.narrow(1, first, tokens)
             else:
@@ -186,6 +191,11 @@ class TorchLane:
         if known is None:
             known = self._hosts[layer] = (host_view(self._views[0][layer]), host_view(self._views[1][layer]))
         return known
+
+    @property
+    def value_width(self) -> int:
+        """Features per head of the values (of the attention's output)."""
+        return self._value_shape[2]
 
     def __repr__(self) -> str:
         return f"TorchLane(tokens={self._key_shape[0]}, mode={self._mode!r}, one_run={self._span is not None})"
