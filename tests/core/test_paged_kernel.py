@@ -9,6 +9,7 @@ from typing import Any
 from unittest import mock
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +25,7 @@ from kvcache_core import (
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.attention import kernel_plan
 from kvcache_core.attention.reference import paged_attention
-from kvcache_core.errors import InvalidTypeError
+from kvcache_core.errors import InvalidTypeError, ShapeMismatchError
 from tests.core.support import Array, draw_kernel_batch, draw_kernel_run, hand_built_table, random_pool
 
 needs_numba = pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
@@ -87,6 +88,35 @@ def test_a_long_context_on_few_heads_is_split_and_merged() -> None:
         )  # fmt: skip
     expected = paged_attention(query.astype(np.float64), keys, values, table, scale=0.2)
     np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+@needs_numba
+def test_a_prepared_call_runs_every_layer_and_refuses_arrays_it_was_not_prepared_for() -> None:
+    rng = np.random.default_rng(1)
+    table, _ = hand_built_table([0, 1, 2, 5, 6], [30, 40], 16, None)  # blocks up to 6: a pool of 7
+
+    def pool() -> npt.NDArray[np.float32]:
+        return rng.standard_normal((7, 16, 2, 8)).astype(np.float32)
+
+    layers = [(pool(), pool()) for _ in range(3)]
+    indptr = np.array([0, 1, 2], dtype=np.int32)
+    query = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    keys, values = layers[0]
+    call = paged_kernel.prepare_kernel_call(
+        query.shape, keys, values, table, indptr, dtype="float32", causal=True, kv_layout="NHD", sliding_window=None
+    )
+    for layer_keys, layer_values in layers:  # one preparation, every layer's pools
+        expected = paged_attention(query.astype(np.float64), layer_keys, layer_values, table, scale=0.3)
+        np.testing.assert_allclose(call(query, layer_keys, layer_values, 0.3), expected, rtol=RTOL, atol=ATOL)
+    bad_calls: list[tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]] = [
+        (query[:1], keys, values),  # another query
+        (query, keys[:, :, :1], values),  # pools of another shape
+        (query, np.asfortranarray(keys), values),  # of other strides
+        (query, keys, values.astype(np.float16)),  # of another dtype
+    ]
+    for bad_query, bad_keys, bad_values in bad_calls:
+        with pytest.raises(ShapeMismatchError, match="KernelCall prepared for"):
+            call(bad_query, bad_keys, bad_values, 0.3)
 
 
 @needs_numba

@@ -60,7 +60,7 @@ from kvcache_core.attention.kernel_plan import MIN_SPLIT_KEYS, MIN_THREAD_WORK, 
 from kvcache_core.attention.kernel_plan import cached_plan as _cached_plan
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.scalars import check_count, check_positive_float32
-from kvcache_core.errors import InvalidTypeError, UnsupportedConfigError
+from kvcache_core.errors import InvalidTypeError, ShapeMismatchError, UnsupportedConfigError
 
 __all__ = [
     "DISABLE_ENV",
@@ -406,7 +406,16 @@ def prepare_kernel_call(
         (group, page_table.block_size, bool(causal), window),
         features,
         team,
+        _arrays_signature(query_shape, key_cache, value_cache),
     )
+
+
+def _arrays_signature(
+    query_shape: tuple[int, ...], key_cache: npt.NDArray[Any], value_cache: npt.NDArray[Any]
+) -> tuple[object, ...]:
+    """What a :class:`KernelCall` was prepared for: the query's shape, the pools' shapes, strides and dtypes."""
+    pools = (key_cache.shape, key_cache.strides, key_cache.dtype, value_cache.shape, value_cache.strides)
+    return (tuple(query_shape), *pools, value_cache.dtype)
 
 
 class KernelCall:
@@ -423,6 +432,7 @@ class KernelCall:
         "_options",
         "_plan",
         "_shape",
+        "_signature",
         "_strides",
         "_tables",
         "_team",
@@ -439,7 +449,9 @@ class KernelCall:
         options: tuple[int, int, bool, int],
         features: tuple[Any, ...],
         team: ThreadTeam | None,
+        signature: tuple[object, ...],
     ) -> None:
+        self._signature = signature
         self._module, self._plan, self._dtype, self._strides, self._tables = module, plan, dtype, strides, tables
         self._shape, self._options, self._features, self._team = shape, options, features, team
         # The split rows' partial results: used within one launch (under the launch lock), so reused.
@@ -455,6 +467,11 @@ class KernelCall:
         key_scales: npt.NDArray[np.float32] | None = None,
         value_scales: npt.NDArray[np.float32] | None = None,
     ) -> FloatArray:
+        if _arrays_signature(query.shape, key_cache, value_cache) != self._signature:  # the kernel would misread
+            raise ShapeMismatchError(
+                f"a KernelCall prepared for a query {self._signature[0]} and pools {self._signature[1]} (strides "
+                f"{self._signature[2]}) got {query.shape} and {key_cache.shape} (strides {key_cache.strides})"
+            )
         out: FloatArray = np.empty(self._shape, dtype=np.float32)
         if self._shape[0] == 0:
             return out
