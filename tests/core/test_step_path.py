@@ -85,3 +85,39 @@ def test_with_seq_lens_refuses_a_bad_length_of_an_empty_request(lengths: list[ob
     with pytest.raises(InvalidArgumentError):
         table.with_seq_lens(lengths)  # type: ignore[arg-type]
     assert table.with_seq_lens([0]).seq_lens.tolist() == [0]
+
+
+def test_with_seq_lens_appends_new_pages_as_a_rebuilt_table_lists_them() -> None:
+    manager = make_manager(enable_prefix_caching=False)
+    handles = [manager.allocate(AllocationRequest(name)) for name in ("a", "b", "c")]
+    before = manager.begin_step(handles, [4, 8, 2]).page_table  # 1, 2 and 1 pages of 4
+    after = manager.begin_step(handles, [1, 1, 1]).page_table  # "a" and "b" start a page
+    appended = [[int(after.blocks(0)[-1])], [int(after.blocks(1)[-1])], []]
+    grown = before.with_seq_lens([5, 9, 3], new_pages=appended)
+    for name in ("kv_indptr", "kv_indices", "kv_last_page_len", "block_tables", "seq_lens"):
+        np.testing.assert_array_equal(getattr(grown, name), getattr(after, name))
+        assert not getattr(grown, name).flags.writeable
+    assert grown.request_ids == before.request_ids
+
+
+@pytest.mark.parametrize(
+    ("new_pages", "lengths"),
+    [
+        ([[9]], [5]),  # one request's pages for a batch of two
+        ([[9], None], [5, 4]),
+        ([[-1], []], [5, 4]),
+        ([[2**31], []], [5, 4]),
+        ([[1.5], []], [5, 4]),
+        ([["9"], []], [5, 4]),
+        ([[9], []], [4, 4]),  # a length that does not need the new page
+        ([[9, 10], []], [5, 4]),  # two pages for one more token
+    ],
+)
+def test_with_seq_lens_refuses_new_pages_that_do_not_fit(new_pages: list[object], lengths: list[int]) -> None:
+    manager = make_manager(enable_prefix_caching=False)
+    handles = [manager.allocate(AllocationRequest(name)) for name in ("a", "b")]
+    table = manager.begin_step(handles, [4, 3]).page_table
+    with pytest.raises(InvalidArgumentError):
+        table.with_seq_lens(lengths, new_pages=new_pages)  # type: ignore[arg-type]
+    assert table.kv_indptr.tolist() == [0, 1, 2]
+    assert table.seq_lens.tolist() == [4, 3]

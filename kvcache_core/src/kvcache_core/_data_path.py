@@ -24,6 +24,7 @@ import numpy as np
 from kvcache_core._step_runner import DataPathRunner
 from kvcache_core.attention.features import storage_attention_features
 from kvcache_core.attention.reference import check_attention_call, validate_query_indptr
+from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.config import CacheConfig, check_count, check_token_ids
 from kvcache_core.contract.lanes import LaneStorage
 from kvcache_core.contract.page_table import PageTable
@@ -40,6 +41,7 @@ from kvcache_core.offload import host_form
 from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.paging.checks import ArgumentChecks
+from kvcache_core.paging.in_place import grow_in_place, plan_in_place
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import GrowthPlan, SequenceBlocks
 from kvcache_core.step import Step
@@ -92,7 +94,9 @@ class DataPath(Generic[ArrayT]):
         # Each storage layer's (heads, key width, value width): its own in a pool of mixed geometry.
         self._geometry = tuple(built.layer_geometry(index) for index in range(built.num_layers))
         # Per KV-cache group, the last page table issued, its requests and their used blocks.
-        self._last_tables: dict[int, tuple[tuple[RequestState[ArrayT], ...], list[tuple[int, ...]], PageTable]] = {}
+        # Per group, the last page table issued and what it was built from: per request, its
+        # table object, generation and used blocks.
+        self._last_tables: dict[int, tuple[list[tuple[BlockTable, int, int]], PageTable]] = {}
         # Each layer's attention chunk (its LayerSpec's), read once.
         self._chunks = tuple(config.layer_spec(layer).chunk for layer in range(config.num_layers))
         # Per layer, (group, storage layer, head_dim) where a step lane may serve it (no chunk).
@@ -120,14 +124,42 @@ class DataPath(Generic[ArrayT]):
         shortage: ShortageMessage,
     ) -> list[SlotArray]:
         """Grow distinct requests by ``counts`` tokens (with their ``ids``), all or nothing:
-        plan each, check that the free and evictable blocks cover the batch (else
-        ``OutOfBlocksError`` with ``shortage``'s message, nothing changed), then carry the
-        plans out. Returns each request's new slots.
+        in place where every request's new tokens fit the block of its last token
+        (:func:`~kvcache_core.paging.in_place.grow_in_place`); else plan each, check that
+        the free and evictable blocks cover the batch (else ``OutOfBlocksError`` with
+        ``shortage``'s message, nothing changed), then carry the plans out. Returns the new
+        slots: each request's, or (in place) the batch's in one array.
 
         Raises:
             SequenceTooLongError, InvalidArgumentError: a plan is refused.
             OutOfBlocksError: the batch's growth does not fit.
         """
+        in_place = plan_in_place(self._sequences, states, counts, ids)  # a decode step, mostly
+        if in_place is not None and len(in_place.rows) == len(states):
+            return [grow_in_place(self._sequences, states, counts, in_place)]
+        rows = list(range(len(states))) if in_place is None else sorted(set(range(len(states))) - set(in_place.rows))
+        general = self._grow_planned(
+            [states[row] for row in rows], [counts[row] for row in rows], [ids[row] for row in rows], shortage
+        )
+        if in_place is None or not in_place.rows:
+            return general
+        grown: list[SlotArray] = [np.zeros(0, dtype=np.int64)] * len(states)
+        for row, slots in zip(rows, general, strict=True):
+            grown[row] = slots
+        in_slots = grow_in_place(self._sequences, states, counts, in_place)  # cannot fail: after the general path
+        ends = np.cumsum([counts[row] for row in in_place.rows]).tolist()
+        for row, end, first in zip(in_place.rows, ends, [0, *ends], strict=False):
+            grown[row] = in_slots[first:end]
+        return grown
+
+    def _grow_planned(
+        self,
+        states: list[RequestState[ArrayT]],
+        counts: Sequence[int],
+        ids: Sequence[tuple[int, ...] | None],
+        shortage: ShortageMessage,
+    ) -> list[SlotArray]:
+        """Plan each request's growth, check that the blocks suffice, carry the plans out."""
         plan_growth = self._sequences.plan_growth
         plans: list[GrowthPlan]
         if len(states) == 1:  # one request (extend): no loop over the batch
@@ -206,22 +238,34 @@ class DataPath(Generic[ArrayT]):
         """The checked, generation-stamped page table of ``states`` in KV-cache ``group``.
 
         The last table issued for the same requests (per group) is kept with each one's
-        used blocks: when those are unchanged (a decode step that filled no new block), the
-        new table shares its arrays of pages and only the lengths are new.
+        table, generation and count of used blocks: when those are unchanged (a decode step
+        that filled no new block), the new table shares its arrays of pages and only the
+        lengths are new; when blocks were only appended, they are added to its arrays.
         """
         tables = [state.tables[group] for state in states]
         block_size = self.config.block_size
         held = [table.held_tokens() for table in tables]
-        used = [table.physical_blocks[: -(-tokens // block_size)] for table, tokens in zip(tables, held, strict=True)]
         generations = [state.generation for state in states]
+        # A table's blocks change only by appending while its request's generation stays:
+        # the same table object, generation and count of used blocks mean the same pages.
+        built = [
+            (table, generation, -(-tokens // block_size))
+            for table, generation, tokens in zip(tables, generations, held, strict=True)
+        ]
         last = self._last_tables.get(group)
         if (
             last is not None
-            and len(last[0]) == len(states)
-            and all(known is state for known, state in zip(last[0], states, strict=True))
-            and last[1] == used
-        ):
-            table = last[2].with_seq_lens(held, generations)
+            and len(last[0]) == len(built)
+            and all(
+                was[0] is now[0] and was[1] == now[1] and was[2] <= now[2]
+                for was, now in zip(last[0], built, strict=True)
+            )
+        ):  # the same pages, some with pages appended
+            new_pages = [
+                [table.physical_block(table.first_logical + index) for index in range(was[2], now[2])]
+                for table, was, now in zip(tables, last[0], built, strict=True)
+            ]
+            table = last[1].with_seq_lens(held, generations, new_pages=new_pages)
         else:
             table = PageTable.from_block_tables(
                 tables,
@@ -231,7 +275,7 @@ class DataPath(Generic[ArrayT]):
                 generations=generations,
                 group=group,
             )
-        self._last_tables[group] = (tuple(states), used, table)
+        self._last_tables[group] = (built, table)
         return self._checks.issue(table)
 
     def write(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT, writable_at: int = -1) -> int:

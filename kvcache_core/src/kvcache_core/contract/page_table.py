@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +40,14 @@ def _int32(values: object, name: str, ndim: int) -> IndexArray:
             )
     # A read-only base under a view: nobody can make the table's arrays writeable again.
     base: IndexArray = np.array(array, dtype=np.int32, order="C")
+    base.flags.writeable = False
+    view: IndexArray = base.view()
+    return view
+
+
+def _frozen(values: Sequence[object]) -> IndexArray:
+    """A read-only int32 array of ints known to be in range."""
+    base: IndexArray = np.array(values, dtype=np.int32)
     base.flags.writeable = False
     view: IndexArray = base.view()
     return view
@@ -96,6 +104,7 @@ class PageTable:
     generations: tuple[int, ...] = ()
     group: int = 0
     _runs: tuple[tuple[BlockRun, ...], ...] | None = field(default=None, init=False, repr=False)
+    _pages: tuple[int, ...] | None = field(default=None, init=False, repr=False)  # pages per request
 
     def __post_init__(self) -> None:
         for name, ndim in (
@@ -268,19 +277,36 @@ class PageTable:
             ("generations", generations),
             ("group", group),
             ("_runs", None),
+            ("_pages", None),
         ):
             object.__setattr__(table, name, value)
         return table
 
-    def with_seq_lens(self, seq_lens: Sequence[int], generations: Sequence[int] | None = None) -> PageTable:
+    def with_seq_lens(
+        self,
+        seq_lens: Sequence[int],
+        generations: Sequence[int] | None = None,
+        *,
+        new_pages: Sequence[Sequence[int]] | None = None,
+    ) -> PageTable:
         """The same pages with other lengths: each request's ``seq_lens[b]`` tokens still
         need every one of its pages (a decode step that filled no new block); ``generations``
         replace the recorded ones when given. The arrays of pages are shared, not copied.
 
+        ``new_pages[b]``: pages appended after request ``b``'s (a step that filled a block);
+        ``seq_lens[b]`` must then need exactly its pages and those.
+
         Raises:
             InvalidArgumentError: lengths that are not integers in ``[0, INDEX_MAX]``, another
-                batch size, or a length its pages do not fit exactly.
+                batch size, a length its pages do not fit exactly, or new pages that are not
+                one sequence of integers in ``[0, INDEX_MAX]`` per request.
         """
+        if new_pages is not None:
+            return self._with_new_pages(seq_lens, generations, new_pages)
+        if isinstance(seq_lens, (list, tuple)) and (generations is None or isinstance(generations, (list, tuple))):
+            quick = self._quick_lengths(seq_lens, generations)  # a decode step's few Python ints
+            if quick is not None:
+                return quick
         lengths = _int32(seq_lens, "seq_lens", 1).astype(np.int64)  # integers in range, or refused
         pages = np.diff(self.kv_indptr)
         if lengths.shape[0] != pages.shape[0] or not np.array_equal(
@@ -303,6 +329,106 @@ class PageTable:
             self.generations if generations is None else tuple(generations),
             self.group,
         )
+
+    def _quick_lengths(
+        self,
+        seq_lens: Sequence[object],
+        generations: Sequence[object] | None,
+        grown: tuple[IndexArray, IndexArray, IndexArray, tuple[int, ...]] | None = None,
+    ) -> PageTable | None:
+        """:meth:`with_seq_lens` for Python ints checked in Python (a few per decode step),
+        over this table's pages or ``grown`` ones (``indptr, indices, block_tables, pages per
+        request``): ``None`` when they are not all ints in range needing exactly those pages
+        (the general path then names what is wrong)."""
+        size = self.block_size
+        pages = grown[3] if grown is not None else self._page_counts()
+        if len(seq_lens) != len(pages) or (generations is not None and len(generations) != len(pages)):
+            return None
+        last: list[int] = []
+        for length, count in zip(seq_lens, pages, strict=True):
+            if type(length) is not int or not 0 <= length <= INDEX_MAX or -(-length // size) != count:
+                return None
+            last.append(length - (count - 1) * size if length else 0)
+        if generations is not None and not all(type(generation) is int for generation in generations):
+            return None
+        indptr, indices, padded, _ = grown or (self.kv_indptr, self.kv_indices, self.block_tables, pages)
+        table = PageTable._consistent(
+            indptr,
+            indices,
+            _frozen(last),
+            padded,
+            _frozen(seq_lens),
+            size,
+            self.request_ids,
+            self.sliding_window,
+            self.generations if generations is None else cast(tuple[int, ...], tuple(generations)),
+            self.group,
+        )
+        object.__setattr__(table, "_pages", pages)
+        return table
+
+    def _page_counts(self) -> tuple[int, ...]:
+        """Pages per request (computed once per arrays of pages; racing threads agree)."""
+        pages = self._pages
+        if pages is None:
+            pages = tuple(np.diff(self.kv_indptr).tolist())
+            object.__setattr__(self, "_pages", pages)
+        return pages
+
+    def _with_new_pages(
+        self, seq_lens: Sequence[int], generations: Sequence[int] | None, new_pages: Sequence[Sequence[int]]
+    ) -> PageTable:
+        """:meth:`with_seq_lens` with ``new_pages`` appended per request."""
+        batch = self.batch_size
+        if not isinstance(new_pages, Sequence) or len(new_pages) != batch:
+            raise InvalidArgumentError(
+                f"new_pages must give one sequence of pages per request ({batch}), got {new_pages!r}"
+            )
+        added = [list(pages) if isinstance(pages, Sequence) else None for pages in new_pages]
+        flat = [page for pages in added if pages is not None for page in pages]
+        if any(pages is None for pages in added) or not all(
+            type(page) is int and 0 <= page <= INDEX_MAX for page in flat
+        ):
+            raise InvalidArgumentError(
+                f"new_pages must hold one sequence of integers in [0, {INDEX_MAX}] per request, got {new_pages!r}"
+            )
+        if not flat:
+            return self.with_seq_lens(seq_lens, generations)
+        counts = self._page_counts()
+        now = tuple(count + len(pages) for count, pages in zip(counts, added, strict=True) if pages is not None)
+        indptr = [0]
+        for count in now:
+            indptr.append(indptr[-1] + count)
+        width = max(now, default=0)
+        base = np.zeros((batch, width), dtype=np.int32)
+        base[:, : self.block_tables.shape[1]] = self.block_tables
+        places = [
+            (row, count + offset)
+            for row, (count, pages) in enumerate(zip(counts, added, strict=True))
+            for offset in range(len(pages or ()))
+        ]
+        base[tuple(np.array(places).T)] = flat
+        indices = base[np.arange(width) < np.array(now)[:, None]]  # row-major: the CSR order
+        base.flags.writeable = indices.flags.writeable = False
+        grown = (_frozen(indptr), indices.view(), base.view(), now)
+        if isinstance(seq_lens, (list, tuple)) and (generations is None or isinstance(generations, (list, tuple))):
+            quick = self._quick_lengths(seq_lens, generations, grown)
+            if quick is not None:
+                return quick
+        # Lengths of another form, or wrong: checked and named by the general path.
+        table = PageTable._consistent(
+            grown[0],
+            grown[1],
+            self.kv_last_page_len,
+            grown[2],
+            self.seq_lens,
+            self.block_size,
+            self.request_ids,
+            self.sliding_window,
+            self.generations,
+            self.group,
+        )
+        return table.with_seq_lens(seq_lens, generations)
 
     @property
     def batch_size(self) -> int:

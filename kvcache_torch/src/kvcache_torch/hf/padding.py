@@ -13,6 +13,9 @@ __all__ = ["left_padded_lengths", "real_tokens", "token_major"]
 def token_major(states: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """``[batch, heads, tokens, dim]`` -> ``[stored tokens, heads, dim]``, rows in order,
     keeping the ``valid`` tokens only (all when ``None``)."""
+    if valid is None and states.shape[2] == 1:  # a decode step: one token per row, no copy
+        rows = states.squeeze(2)
+        return rows if rows.is_contiguous() else rows.contiguous()
     transposed = states.transpose(1, 2)
     if valid is None:
         return transposed.reshape(-1, states.shape[1], states.shape[3]).contiguous()
