@@ -200,28 +200,55 @@ class NixlEngine:
         pieces: Sequence[int] = (),
         arrived: Callable[[int], None] | None = None,
     ) -> None:
-        """One READ of ``remote`` chunks (``[n, 3]``: address, length, device id) of ``peer``
-        into host memory ``destination`` at ``offsets`` (``[n]``, chunk ``i`` at byte
-        ``offsets[i]``), waited for until ``deadline`` (``time.monotonic()``); ``pieces`` and
-        ``arrived`` as :meth:`read_into`. ``destination`` is registered for the read only. A
-        transfer NIXL could not abort keeps ``destination`` (and its registration) alive for
-        the engine's life, so no late byte lands in freed memory.
+        """:meth:`read_staged` with nothing else, raising its failure.
 
         Raises:
             TransferError: the transfer could not start, failed, or did not finish in time.
+        """
+        failure, _ = self.read_staged(
+            peer, remote, remote_device_kind, destination, offsets, deadline, pieces=pieces, arrived=arrived
+        )
+        if failure is not None:
+            raise TransferError(failure)
+
+    @_serialized
+    def read_staged(
+        self,
+        peer: str,
+        remote: npt.NDArray[np.uint64],
+        remote_device_kind: str,
+        destination: npt.NDArray[np.uint8],
+        offsets: npt.NDArray[np.int64],
+        deadline: float,
+        *,
+        pieces: Sequence[int] = (),
+        arrived: Callable[[int], None] | None = None,
+        also: tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]] | None = None,
+    ) -> tuple[str | None, bool]:
+        """One READ of ``remote`` chunks (``[n, 3]``: address, length, device id) of ``peer``
+        into host memory ``destination`` at ``offsets`` (``[n]``, chunk ``i`` at byte
+        ``offsets[i]``) and of the chunks ``also[0]`` into ``also[1]`` (host memory this engine
+        registered; in the last piece), waited for until ``deadline`` (``time.monotonic()``);
+        ``pieces`` and ``arrived`` as :meth:`read_into`. ``destination`` is registered for
+        the read only. A transfer NIXL could not abort keeps ``destination`` (and its
+        registration) alive for the engine's life, so no late byte lands in freed memory.
+
+        Returns:
+            ``(failure, released)`` as :meth:`read_into`.
         """
         base = int(destination.ctypes.data)
         registered = self.register([(base, int(destination.nbytes), 0)], "cpu")
         local = remote.copy()
         local[:, 0] = (offsets + base).astype(np.uint64)
         local[:, 2] = 0
+        if also is not None:
+            remote, local = np.concatenate([remote, also[0]]), np.concatenate([local, also[1]])
         failure, released = self._read(peer, remote, remote_device_kind, local, "cpu", deadline, pieces, arrived)
         if released:
             self.deregister(registered)
         else:
             self._stranded.append((destination, registered))
-        if failure is not None:
-            raise TransferError(failure)
+        return failure, released
 
     @_serialized
     def read_into(
