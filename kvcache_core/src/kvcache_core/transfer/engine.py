@@ -290,13 +290,15 @@ class NixlEngine:
     ) -> tuple[str | None, bool]:
         agent = self._agent
         bounds = [0, *(int(row) for row in pieces if 0 < row < len(remote)), len(remote)]
+        starts = _chunk_starts(local, remote, bounds[1:-1])  # each piece's first row starts a chunk
+        local, remote = _merged(local, remote, starts)
+        bounds = np.searchsorted(starts, bounds).tolist()
         handles: list[Any] = []
         state = "ERR"
         try:
             for first, stop in itertools.pairwise(bounds):
-                local_rows, remote_rows = coalesce(local[first:stop], remote[first:stop])
-                local_descs = agent.get_xfer_descs(local_rows, _MEMORY_TYPES[device_kind])
-                remote_descs = agent.get_xfer_descs(remote_rows, _MEMORY_TYPES[remote_device_kind])
+                local_descs = agent.get_xfer_descs(local[first:stop], _MEMORY_TYPES[device_kind])
+                remote_descs = agent.get_xfer_descs(remote[first:stop], _MEMORY_TYPES[remote_device_kind])
                 handles.append(agent.initialize_xfer("READ", local_descs, remote_descs, peer))
                 state = agent.transfer(handles[-1])
                 if state not in ("PROC", "DONE"):
@@ -325,8 +327,17 @@ def coalesce(
     of one goes to chunk ``i`` of the other) with each run of chunks that follow one another
     on both sides (consecutive blocks of a layer on both sides) as one chunk: the same bytes
     in fewer descriptors, each of which costs NIXL work to post."""
-    if len(local) < 2 or not np.array_equal(local[:, 1], remote[:, 1]):
-        return local, remote
+    return _merged(local, remote, _chunk_starts(local, remote, ()))
+
+
+def _chunk_starts(
+    local: npt.NDArray[np.uint64], remote: npt.NDArray[np.uint64], apart: Sequence[int]
+) -> npt.NDArray[np.int64]:
+    """The rows that start a chunk of :func:`coalesce` (increasing, 0 first; every row when
+    the lengths differ between the sides), rows ``apart`` among them whatever they follow."""
+    count = len(local)
+    if count < 2 or not np.array_equal(local[:, 1], remote[:, 1]):
+        return np.arange(count, dtype=np.int64)
     ends_local, ends_remote = local[:-1, 0] + local[:-1, 1], remote[:-1, 0] + remote[:-1, 1]
     joined = (
         (ends_local == local[1:, 0])
@@ -334,9 +345,17 @@ def coalesce(
         & (local[:-1, 2] == local[1:, 2])
         & (remote[:-1, 2] == remote[1:, 2])
     )
-    if not joined.any():
+    joined[np.asarray(apart, dtype=np.int64) - 1] = False
+    return np.flatnonzero(np.concatenate([[True], ~joined])).astype(np.int64)
+
+
+def _merged(
+    local: npt.NDArray[np.uint64], remote: npt.NDArray[np.uint64], starts: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """The chunks starting at rows ``starts`` as one each (the inputs themselves when every
+    row starts one)."""
+    if len(starts) == len(local):
         return local, remote
-    starts = np.flatnonzero(np.concatenate([[True], ~joined]))
     lengths = np.add.reduceat(local[:, 1], starts)
     merged_local, merged_remote = local[starts].copy(), remote[starts].copy()
     merged_local[:, 1] = lengths
