@@ -188,30 +188,6 @@ class NixlEngine:
         return peer in self._peers
 
     @_serialized
-    def read(
-        self,
-        peer: str,
-        remote: npt.NDArray[np.uint64],
-        remote_device_kind: str,
-        destination: npt.NDArray[np.uint8],
-        offsets: npt.NDArray[np.int64],
-        deadline: float,
-        *,
-        pieces: Sequence[int] = (),
-        arrived: Callable[[int], None] | None = None,
-    ) -> None:
-        """:meth:`read_staged` with nothing else, raising its failure.
-
-        Raises:
-            TransferError: the transfer could not start, failed, or did not finish in time.
-        """
-        failure, _ = self.read_staged(
-            peer, remote, remote_device_kind, destination, offsets, deadline, pieces=pieces, arrived=arrived
-        )
-        if failure is not None:
-            raise TransferError(failure)
-
-    @_serialized
     def read_staged(
         self,
         peer: str,

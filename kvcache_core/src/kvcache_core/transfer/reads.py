@@ -82,8 +82,7 @@ class ImportReads:
             arrived=check.arrived if check is not None else None,
         )
         self._after_read(handle, failure, released)
-        if check is not None:
-            check_digests(check.digests(), picked_digests(ticket.digests, reads.picks), reads.picks, "block")
+        _check_blocks(ticket, check, reads.picks)
         check_state_digests(ticket, slot)
 
     def converted(
@@ -99,8 +98,23 @@ class ImportReads:
             self.in_place(ticket, source, handle, first, deadline)
             return
         plan = read_plan(ticket, source, reads.picks)
-        staging = np.empty(plan.total_bytes, dtype=np.uint8)
         slot = self._manager.state_regions(handle)
+        staging, check, failure, released = self._stage(ticket, plan, deadline, also=state_rows(ticket, slot))
+        self._after_read(handle, failure, released)
+        _check_blocks(ticket, check, reads.picks)
+        check_state_digests(ticket, slot)
+        place_converted(plan.staged, staging, self._regions, reads.blocks, ticket.layout, self._layout)
+
+    def _stage(
+        self,
+        ticket: TransferTicket,
+        plan: ReadPlan,
+        deadline: float,
+        also: tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]] | None = None,
+    ) -> tuple[npt.NDArray[np.uint8], ArrivingChecksums | None, str | None, bool]:
+        """Read a plan's chunks into a new staging buffer (and the chunks ``also``), checksummed
+        as they arrive: the buffer, the checksums, and the read's ``(failure, released)``."""
+        staging = np.empty(plan.total_bytes, dtype=np.uint8)
         check = _staged_checksums(ticket, plan, staging)
         failure, released = self._engine.read_staged(
             ticket.agent,
@@ -111,13 +125,9 @@ class ImportReads:
             deadline,
             pieces=check.piece_rows if check is not None else (),
             arrived=check.arrived if check is not None else None,
-            also=state_rows(ticket, slot),
+            also=also,
         )
-        self._after_read(handle, failure, released)
-        if check is not None:
-            check_digests(check.digests(), picked_digests(ticket.digests, reads.picks), reads.picks, "block")
-        check_state_digests(ticket, slot)
-        place_converted(plan.staged, staging, self._regions, reads.blocks, ticket.layout, self._layout)
+        return staging, check, failure, released
 
     def _after_read(self, handle: PagedKvCacheHandle[Any], failure: str | None, released: bool) -> None:
         """Keep a request whose read NIXL could not abort out of reuse (it may still land in
@@ -144,20 +154,10 @@ class ImportReads:
         """The blocks ``ticket.blocks[first:]`` of the producer's pool (one group), in host form."""
         picks = np.arange(first, len(ticket.blocks), dtype=np.int64)
         plan = read_plan(ticket, source, picks)
-        staging = np.empty(plan.total_bytes, dtype=np.uint8)
-        check = _staged_checksums(ticket, plan, staging)
-        self._engine.read(
-            ticket.agent,
-            plan.remote,
-            plan.device_kind,
-            staging,
-            plan.offsets,
-            deadline,
-            pieces=check.piece_rows if check is not None else (),
-            arrived=check.arrived if check is not None else None,
-        )
-        if check is not None:
-            check_digests(check.digests(), picked_digests(ticket.digests, picks), picks, "block")
+        staging, check, failure, _ = self._stage(ticket, plan, deadline)
+        if failure is not None:  # a read NIXL could not abort lands in the staging buffer the engine keeps
+            raise TransferError(failure)
+        _check_blocks(ticket, check, picks)
         return host_form_from_parts(source, ticket.layout, plan.parts(staging))
 
 
@@ -172,3 +172,14 @@ def _staged_checksums(
     return ArrivingChecksums(
         plan.staged, np.arange(plan.count, dtype=np.int64), lambda start, size: view[start : start + size]
     )
+
+
+def _check_blocks(ticket: TransferTicket, check: ArrivingChecksums | None, picks: npt.NDArray[np.int64]) -> None:
+    """Refuse the ticket's blocks ``picks`` when their checksums (``check``, if the ticket
+    carries digests) differ from the ticket's digests.
+
+    Raises:
+        TransferError: the first block that differs, by its index in the ticket.
+    """
+    if check is not None:
+        check_digests(check.digests(), picked_digests(ticket.digests, picks), picks, "block")
