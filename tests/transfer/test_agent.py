@@ -313,6 +313,21 @@ def test_a_pool_of_groups_states_or_own_geometry_is_converted_on_arrival(
         target.check_invariants()
 
 
+def test_a_pool_of_groups_and_states_in_device_memory_is_refused_by_name() -> None:
+    # What arrives for such a pool is written and checked in host memory; a pool on a GPU
+    # (here one that says so: no GPU on this machine) is refused before anything is read.
+    from kvcache_core.transfer import KvTransferAgent
+
+    source, target = make_pool(HYBRID), make_pool(HYBRID)
+    handle = prefill_steps(source, "r", [9])
+    with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
+        consumer._kind = "cuda"  # pyright: ignore[reportPrivateUsage]
+        with pytest.raises(TransferError, match=r"host memory only .* this pool's 'HND' on 'cuda'"):
+            consumer.import_request(producer.export(handle), AllocationRequest("imported"))
+        _assert_untouched(target)
+        assert producer.lease_count == 1  # not acknowledged: the lease expires
+
+
 def test_blocks_converted_on_arrival_that_differ_are_refused_and_nothing_is_kept() -> None:
     from kvcache_core.transfer import KvTransferAgent
 
