@@ -5,7 +5,7 @@ A producer process (spawned) prefills a request of each ``--tokens`` length into
 ``--backend`` (``numpy`` or ``torch``, CPU; ``--layout``, ``NHD`` by default; float16) and
 exports it; this process imports it into its own pool (``--consumer-layout``: by default the
 producer's, read straight into its blocks; another layout is read into a staging buffer and
-converted on arrival) with ``KvTransferAgent.import_request`` (side
+converted on arrival into the request's blocks) with ``KvTransferAgent.import_request`` (side
 channel, allocation, one NIXL READ of every layer's blocks, checksums, registration) and, in
 turn, reads the same chunks with a bare NIXL READ into a staging buffer (no checks, no
 conversion). Printed per length: milliseconds, GiB/s and blocks/s of both and the ratio of

@@ -143,6 +143,7 @@ def prefill_worker(folder: str, connection: Connection) -> None:
         cache = PagedCache(manager, model)
         with torch.no_grad():
             out = model.generate(prompt, cache=cache, **generate_settings(1))  # the prompt's K/V and the first token
+        cache.flush_states()  # a hybrid model's last states into the request's slot, for the export
         ticket = agent.export(cache.handles[0])  # pinned under a lease (states too): the cache may let go now
         cache.release()
         connection.send((ticket.to_bytes(), out.sequences[0].tolist(), out.logits[0].numpy()))

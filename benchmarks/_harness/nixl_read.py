@@ -12,6 +12,7 @@ import numpy as np
 import zmq
 
 from kvcache_core import CacheConfig
+from kvcache_core.errors import TransferError
 from kvcache_core.transfer import TransferTicket
 from kvcache_core.transfer.channel import Requests
 from kvcache_core.transfer.engine import NixlEngine
@@ -41,7 +42,11 @@ class RawReader:
         )
         plan = read_plan(ticket, producer, np.arange(len(ticket.blocks), dtype=np.int64))
         staging = np.empty(plan.total_bytes, dtype=np.uint8)
-        self._engine.read(ticket.agent, plan.remote, plan.device_kind, staging, plan.offsets, deadline)
+        failure, _ = self._engine.read_staged(
+            ticket.agent, plan.remote, plan.device_kind, staging, plan.offsets, deadline
+        )
+        if failure is not None:
+            raise TransferError(failure)
         self._requests.ask(ticket.address, {"op": "release", "lease": ticket.lease}, deadline)
         return plan.parts(staging)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from typing import Any
 
 import pytest
@@ -65,6 +66,7 @@ def prefilled(model: Model, manager: PagedKvCacheManager[Tensor], ids: Tensor) -
     gives: the prompt's tokens, nothing more) and the first step's output."""
     with PagedCache(manager, model) as cache:
         first = generate(model, ids, torch.ones_like(ids), cache, max_new_tokens=1)
+        cache.flush_states()  # the last forward's states into the slots, which a fork copies
         copies = [manager.fork(handle, f"copy-{row}") for row, handle in enumerate(cache.handles)]
     return copies, first
 
@@ -143,8 +145,8 @@ def test_an_empty_request_is_refused() -> None:
     assert manager.get_handle("empty") == empty
 
 
-@pytest.mark.parametrize("family", ["bamba", "qwen3_next"])
-def test_a_hybrid_model_goes_on_from_adopted_requests_and_their_states(family: str) -> None:
+def hybrid(family: str) -> tuple[Model, Model, PagedKvCacheManager[Tensor]]:
+    """A hybrid model of ``family`` (reference, and a copy on the paged path) and a pool for it."""
     config_name, model_name, fields, _ = STATE_MODELS[family]
     torch.manual_seed(0)
     reference = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**STATE_COMMON, **fields}))
@@ -153,8 +155,14 @@ def test_a_hybrid_model_goes_on_from_adopted_requests_and_their_states(family: s
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     config = cache_config_for(model, num_blocks=64, block_size=BLOCK, state_slots=4)
     manager: PagedKvCacheManager[Tensor] = create_manager("torch", config)
+    return reference, model, manager
+
+
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next"])
+def test_a_hybrid_model_goes_on_from_adopted_requests_and_their_states(family: str) -> None:
+    reference, model, manager = hybrid(family)
     ids, mask = prompts(1, 21, seed=33)
-    # The fork copies the state slots: cache.handles wrote the prefill's last states there.
+    # The fork copies the state slots: cache.flush_states() wrote the prefill's last states there.
     (handle,), first = prefilled(model, manager, ids)
     counts, hook = computed_per_forward(model)
     try:
@@ -168,3 +176,31 @@ def test_a_hybrid_model_goes_on_from_adopted_requests_and_their_states(family: s
     assert max_logit_difference([first.logits[0], *rest.logits], expected.logits) <= TOLERANCE
     assert manager.list_handles() == []
     manager.check_invariants()
+
+
+def _slot_bytes(manager: PagedKvCacheManager[Tensor], handle: Any) -> list[bytes]:
+    from kvcache_core.transfer.digests import host_memory
+
+    return [bytes(host_memory(region.address, region.length_bytes)) for region in manager.state_regions(handle)]
+
+
+def test_flush_states_writes_the_last_states_to_the_slots_and_handles_still_does_with_a_warning() -> None:
+    ids, _ = prompts(1, 21, seed=33)
+    slots: dict[str, list[bytes]] = {}
+    for way in ("flush_states", "handles"):  # the same model and prompt, in a pool of its own each
+        _, model, manager = hybrid("bamba")
+        with manager, PagedCache(manager, model) as cache:
+            generate(model, ids, torch.ones_like(ids), cache, max_new_tokens=1)
+            (handle,) = cache._rows.handles  # pyright: ignore[reportPrivateUsage]  # no side effect
+            before = _slot_bytes(manager, handle)
+            if way == "flush_states":
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    cache.flush_states()
+                    assert cache.handles == (handle,)  # nothing left to write: no warning
+            else:
+                with pytest.warns(DeprecationWarning, match=r"flush_states\(\)"):
+                    assert cache.handles == (handle,)
+            slots[way] = _slot_bytes(manager, handle)
+            assert slots[way] != before  # the last forward's states were in tensors only
+    assert slots["flush_states"] == slots["handles"]

@@ -278,14 +278,67 @@ def test_layers_of_their_own_geometry_move_bit_exact() -> None:
         target.check_invariants()
 
 
-def test_a_pool_of_groups_is_read_in_place_only() -> None:
+#: Layers of their own geometry beside one of the pool's.
+MIXED = {"layers": [{"num_heads": 4, "head_dim": 16}, {}, {"num_heads": 4, "head_dim": 16}]}
+#: A sliding layer and a full one of a quantized pool (int8 blocks and their float32 scales).
+QUANTIZED_GROUPS = {"layers": [{"window": 5}, {}], "dtype": "int8"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "layouts", "backends"),
+    [
+        (HYBRID, ("HND", "NHD"), ("numpy", "numpy")),
+        (HYBRID, ("heads_first", "HND"), ("torch", "numpy")),
+        (MIXED, ("NHD", "heads_first"), ("torch", "torch")),
+        (QUANTIZED_GROUPS, ("heads_first", "NHD"), ("numpy", "torch")),
+    ],
+    ids=["groups and states", "groups and states from torch", "own geometry", "quantized groups"],
+)
+def test_a_pool_of_groups_states_or_own_geometry_is_converted_on_arrival(
+    spec: dict[str, Any], layouts: tuple[str, str], backends: tuple[str, str]
+) -> None:
+    from kvcache_core.transfer import KvTransferAgent
+
+    source = make_pool({**spec, "layout": layouts[0], "backend": backends[0]})
+    target = make_pool({**spec, "layout": layouts[1], "backend": backends[1]})
+    handle = prefill_steps(source, "r", [7, 6, 3])
+    with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
+        imported = consumer.import_request(producer.export(handle), AllocationRequest("imported"))
+        assert imported.num_tokens() == 16
+        assert state_bytes(target, imported) == state_bytes(source, handle)
+        got, want = kv_gathers(target, imported), kv_gathers(source, handle)
+        assert got.keys() == want.keys()
+        for name, array in got.items():
+            assert array.tobytes() == want[name][len(want[name]) - len(array) :].tobytes(), name
+        target.check_invariants()
+
+
+def test_a_pool_of_groups_and_states_in_device_memory_is_refused_by_name() -> None:
+    # What arrives for such a pool is written and checked in host memory; a pool on a GPU
+    # (here one that says so: no GPU on this machine) is refused before anything is read.
+    from kvcache_core.transfer import KvTransferAgent
+
+    source, target = make_pool(HYBRID), make_pool(HYBRID)
+    handle = prefill_steps(source, "r", [9])
+    with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
+        consumer._kind = "cuda"  # pyright: ignore[reportPrivateUsage]
+        with pytest.raises(TransferError, match=r"host memory only .* this pool's 'HND' on 'cuda'"):
+            consumer.import_request(producer.export(handle), AllocationRequest("imported"))
+        _assert_untouched(target)
+        assert producer.lease_count == 1  # not acknowledged: the lease expires
+
+
+def test_blocks_converted_on_arrival_that_differ_are_refused_and_nothing_is_kept() -> None:
     from kvcache_core.transfer import KvTransferAgent
 
     source, target = make_pool(HYBRID), make_pool({**HYBRID, "layout": "NHD"})
     handle = prefill_steps(source, "r", [9])
     with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
-        with pytest.raises(TransferError, match="read in place only"):
-            consumer.import_request(producer.export(handle), AllocationRequest("imported"))
+        ticket = producer.export(handle)
+        digests = bytearray(ticket.digests)
+        digests[-1] ^= 1  # the last block's
+        with pytest.raises(TransferError, match=r"block \d+ of the ticket arrived different"):
+            consumer.import_request(dataclasses.replace(ticket, digests=bytes(digests)), AllocationRequest("imported"))
         _assert_untouched(target)
 
 
@@ -369,12 +422,15 @@ def test_a_lease_ended_before_the_read_is_refused_from_a_known_producer(pair: tu
 STATEFUL = {"layers": [{"state": [["conv", [6, 3], "float32"]]}, {}], "state_slots": 4, "layout": "HND"}
 
 
+@pytest.mark.parametrize("layout", ["HND", "NHD"], ids=["in place", "converted"])
 @pytest.mark.parametrize("steps", [[7, 5], [7, 6]], ids=["ends a block", "ends inside a block"])
-def test_an_imported_state_is_filed_as_the_checkpoint_where_the_request_ends_a_block(steps: list[int]) -> None:
+def test_an_imported_state_is_filed_as_the_checkpoint_where_the_request_ends_a_block(
+    steps: list[int], layout: str
+) -> None:
     from kvcache_core.transfer import KvTransferAgent
 
     length = sum(steps)
-    source, target = make_pool(STATEFUL), make_pool(STATEFUL)
+    source, target = make_pool(STATEFUL), make_pool({**STATEFUL, "layout": layout})
     handle = prefill_steps(source, "r", steps)
     with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
         imported = consumer.import_request(producer.export(handle), AllocationRequest("imported"))

@@ -84,6 +84,26 @@ def test_checksums_going_on_region_after_region_equal_the_digests_of_all() -> No
         assert whole[8:16] == _by_hand(regions, 2).to_bytes(8, "big")
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND", "heads_first"])
+def test_runs_of_consecutive_blocks_summed_in_place_equal_blocks_gathered_one_by_one(layout: str) -> None:
+    # Runs of 4 blocks or more are summed where they lie, shorter ones gathered: the digests
+    # of a mixed list equal each block's alone (a gather) and the documented sum.
+    config = CacheConfig(
+        num_layers=2, num_heads=4, head_dim=32, num_blocks=64, block_size=8, dtype="float16", kv_layout=layout
+    )
+    with create_manager("numpy", config) as manager:
+        regions = _filled_regions(manager, 3)
+        blocks = np.array([*range(5, 17), 40, 2, 41, *range(50, 54), 3, *range(20, 23)], dtype=np.int64)
+        together = digests.block_digests(regions, blocks, digests.host_memory)
+        alone = b"".join(
+            digests.block_digests(regions, np.array([block]), digests.host_memory) for block in blocks.tolist()
+        )
+        by_hand = b"".join(_by_hand(regions, block).to_bytes(8, "big") for block in (5, 16, 40, 53, 21))
+    size = digests.DIGEST_BYTES
+    assert together == alone
+    assert b"".join(together[index * size : (index + 1) * size] for index in (0, 11, 12, 18, 21)) == by_hand
+
+
 @pytest.mark.parametrize("change", ["one byte", "one word", "two words swapped", "a chunk of another block"])
 def test_a_changed_block_changes_its_digest_and_no_other(change: str) -> None:
     config = CacheConfig(num_layers=2, num_heads=2, head_dim=16, num_blocks=8, block_size=4, kv_layout="heads_first")

@@ -77,6 +77,8 @@ def test_chunks_that_follow_one_another_on_both_sides_are_read_as_one() -> None:
     )
     merged_local, merged_remote = engine.coalesce(local, remote)
     assert merged_local.tolist() == [[100, 30, 0], [130, 20, 0], [150, 10, 0]]
+    # A read in pieces: a piece's first row (1, 4) starts a chunk whatever it follows.
+    assert engine._chunk_starts(local, remote, [1, 4]).tolist() == [0, 1, 3, 4, 5]  # pyright: ignore[reportPrivateUsage]
     assert merged_remote.tolist() == [[500, 30, 0], [900, 20, 0], [920, 10, 1]]
     assert local[:, 1].tolist() == [10] * 6  # the inputs are left as they were
     lone = local[:1]

@@ -21,8 +21,8 @@ still holds), the request's recurrent states (its state slot: conv and SSM state
 of their own geometry, in one NIXL read. Pools must agree on namespace (``model_id``), dtype,
 block size and every layer (kind, window or chunk, KV heads and widths, state arrays), or the
 import raises :class:`~kvcache_core.errors.TransferMismatchError` naming the first layer and
-field that differ. Layouts may differ for a pool of one group and geometry without states
-(converted on arrival); other pools are read in place (one layout, host memory). Storages
+field that differ. Layouts may differ (converted on arrival, bit for bit); a pool of groups,
+states or layers of their own geometry is imported into host memory only. Storages
 claim ``"memory_regions"`` (NumPy, torch, memmap; not JAX), and state pools name their memory
 (NumPy, torch). Every failure is a :class:`~kvcache_core.errors.TransferError` and leaks
 nothing on either side.

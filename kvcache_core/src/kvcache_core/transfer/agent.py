@@ -29,18 +29,17 @@ from kvcache_core.contract.protocols import KvCacheHandle
 from kvcache_core.contract.regions import (
     MEMORY_REGIONS,
     check_regions,
-    host_form_from_parts,
     storage_regions,
 )
 from kvcache_core.errors import KvCacheError, TransferError
 from kvcache_core.handle import PagedKvCacheHandle
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.transfer.channel import ChannelServer, Requests
-from kvcache_core.transfer.digests import DIGEST_BYTES, ArrivingChecksums, block_digests, host_memory
+from kvcache_core.transfer.digests import block_digests, host_memory
 from kvcache_core.transfer.engine import NixlEngine
 from kvcache_core.transfer.leases import LEASE_PREFIX, Leases
-from kvcache_core.transfer.plan import read_plan
-from kvcache_core.transfer.pool_description import describe_layers, group_reads, source_config, state_addresses
+from kvcache_core.transfer.pool_description import describe_layers, source_config, state_addresses
+from kvcache_core.transfer.reads import ImportReads
 from kvcache_core.transfer.ticket import RegionAddress, TransferTicket
 
 __all__ = ["KvTransferAgent"]
@@ -57,8 +56,9 @@ class KvTransferAgent:
             ``"memory_regions"`` (NumPy, torch, memmap; not JAX, whose writes replace its
             buffers), and its state pool name its memory when it has state layers. Any pool
             moves: KV-cache groups (sliding windows), recurrent-state layers, layers of their
-            own geometry; such a pool's blocks are read in place only (both pools of one
-            layout, in host memory).
+            own geometry, in any layout (converted on arrival); such a pool is imported
+            into host memory only (a pool of one group and geometry without states into
+            device memory too).
         name: the NIXL agent name (unique among the agents that talk); default: a random one.
         host: the side channel's interface, loopback by default (``"0.0.0.0"`` binds every
             interface: only when asked).
@@ -115,6 +115,7 @@ class KvTransferAgent:
             (region.address, region.length_bytes, region.device_id) for region in (*self._regions.values(), *state_pool)
         ]
         self._registered = self._engine.register(chunks, kind)
+        self._reads = ImportReads(self._engine, manager, self._regions, self._layout, self._held)
         self._metadata = self._engine.metadata()  # read once: the server thread never calls NIXL
         self._context: zmq.Context[Any] = zmq.Context()
         self._requests = Requests(self._context)
@@ -297,9 +298,10 @@ class KvTransferAgent:
         Blocks the local prefix cache already holds are mapped, not pulled; the others (of
         every KV-cache group: a sliding group's from the first block it holds) and the
         request's states come in one NIXL READ (every layer, keys, values and scales), straight
-        into the request's blocks and state slot when both pools have one layout (else, for a
-        pool of one group and geometry without states, into a staging buffer, converted on
-        arrival), are checked against their checksums, and recorded as if computed here
+        into the request's blocks and state slot when both pools have one layout (else the
+        blocks into a staging buffer, converted on arrival into this pool's layout: any pool in
+        host memory, one of one group and geometry without states in device memory), are
+        checked against their checksums, and recorded as if computed here
         (prefix caching registers them; a request of state layers that ends a block files its
         states as the checkpoint there, so later prompts sharing it are served). The
         producer's lease is then released.
@@ -315,8 +317,9 @@ class KvTransferAgent:
         Raises:
             TransferMismatchError: another namespace, dtype or block size, or a layer or state
                 array of another kind or shape (the first one named, with both values).
-            TransferError: a malformed ticket; an expired or released lease; the producer gone or too slow; a failed read or a
-                block whose digest differs; no room in the pool; a bad ``request``. The new
+            TransferError: a malformed ticket; an expired or released lease; the producer gone or
+                too slow; a failed read or a block whose digest differs; no room in the pool; a
+                bad ``request``; a pool of groups, states or mixed geometry in device memory. The new
                 request is released (nothing leaks); other requests are untouched.
         """
         self._check_open()
@@ -359,8 +362,9 @@ class KvTransferAgent:
         cached = handle.num_tokens()
         length = ticket.num_tokens
         if cached >= length:  # every block is cached here; the states are the request's own
-            if ticket.states and self._reads_in_place(ticket):
-                self._pull_in_place(ticket, source, handle, math.ceil(length / block_size), deadline)
+            if ticket.states:
+                self._check_host_memory(ticket)
+                self._reads.in_place(ticket, source, handle, math.ceil(length / block_size), deadline)
             self._release(ticket)
             return
         ids = ticket.token_ids.tolist()
@@ -373,109 +377,36 @@ class KvTransferAgent:
             manager.extend(handle, length - cached, token_ids=ids[cached:])
         first = cached // block_size
         try:
-            if self._reads_in_place(ticket):
-                self._pull_in_place(ticket, source, handle, first, deadline)
+            if not _plain(manager.config) or self._kind == "cpu":
+                self._check_host_memory(ticket)
+                if ticket.layout == self._layout:
+                    self._reads.in_place(ticket, source, handle, first, deadline)
+                else:
+                    self._reads.converted(ticket, source, handle, first, deadline)
                 self._release(ticket)
                 manager.record_blocks_written(handle, cached, states=bool(ticket.states))
                 return
-            if not _plain(manager.config):
-                raise TransferError(
-                    "a pool with KV-cache groups, recurrent-state layers or layers of their own geometry is read in "
-                    f"place only: both pools of one layout in host memory (the ticket's {ticket.layout!r} on "
-                    f"{ticket.regions[0].device_kind!r}, this pool's {self._layout!r} on "
-                    f"{self._kind!r})"
-                )
-            keys, values = self._pull(ticket, source, first, deadline)
+            keys, values = self._reads.staged(ticket, source, first, deadline)
         except TransferError:
             self._engine.forget_peer(ticket.agent)
             raise
         self._release(ticket)
         manager.write_host_blocks(handle, cached, keys, values)
 
-    def _reads_in_place(self, ticket: TransferTicket) -> bool:
-        """Whether the blocks can land in this pool's own memory: the same layout (nothing to
-        convert) in host memory (their checksums are read in place)."""
-        return ticket.layout == self._layout and self._kind == "cpu"
+    def _check_host_memory(self, ticket: TransferTicket) -> None:
+        """Refuse to read a pool with KV-cache groups, states or layers of their own geometry
+        into device memory: what arrives there is written and checked in place, in host memory
+        only (a plain pool's blocks go through the storage's host writes instead).
 
-    def _pull_in_place(
-        self, ticket: TransferTicket, source: CacheConfig, handle: PagedKvCacheHandle[Any], first: int, deadline: float
-    ) -> None:
-        """Read every group's blocks from logical block ``first`` on (each group's from the
-        first it holds) and the request's states straight into the request's blocks and
-        state slot, through this pool's registered regions, and check their checksums there."""
-        count = math.ceil(ticket.num_tokens / source.block_size)
-        reads = group_reads(ticket, handle.block_tables(), first, count)
-        plan = read_plan(ticket, source, reads.picks)
-        regions = [self._regions[(address.layer, address.part)] for address in ticket.regions]
-        rows = [
-            np.stack(
-                [starts, np.full(len(starts), region.block_stride_bytes), np.full(len(starts), region.device_id)],
-                axis=1,
-            )
-            for region in regions
-            if len(starts := region.block_chunks(reads.blocks))
-        ]
-        slot = self._manager.state_regions(handle)
-        remote_states = [[state.address, state.nbytes, state.device_id] for state in ticket.states]
-        local_states = [[region.address, region.block_stride_bytes, region.device_id] for region in slot]
-        local = np.concatenate([*rows, np.asarray(local_states, dtype=np.int64).reshape(-1, 3)]).astype(np.uint64)
-        remote = np.concatenate([plan.remote, np.asarray(remote_states, dtype=np.uint64).reshape(-1, 3)])
-        check = ArrivingChecksums(regions, reads.blocks, host_memory) if ticket.digests and len(reads.blocks) else None
-        failure, released = self._engine.read_into(
-            ticket.agent,
-            remote,
-            plan.device_kind,
-            local,
-            "cpu",
-            deadline,
-            pieces=check.piece_rows if check is not None else (),
-            arrived=check.arrived if check is not None else None,
-        )
-        if not released:  # a read NIXL could not abort may still land: keep the blocks out of reuse
-            self._held.add(handle.request_id)
-        if failure is not None:
+        Raises:
+            TransferError: this pool is not in host memory.
+        """
+        if self._kind != "cpu":
             raise TransferError(
-                failure
-                + (
-                    ""
-                    if released
-                    else f"; request {handle.request_id!r} stays allocated (the read could not be aborted)"
-                )
+                "a pool with KV-cache groups, recurrent-state layers or layers of their own geometry takes a transfer "
+                f"in host memory only (the ticket's {ticket.layout!r} pool on {ticket.regions[0].device_kind!r}, this "
+                f"pool's {self._layout!r} on {self._kind!r})"
             )
-        if check is not None:
-            _check_digests(check.digests(), _picked(ticket.digests, reads.picks), reads.picks, "block")
-        if ticket.state_digests:
-            got = b"".join(block_digests([region], np.zeros(1, dtype=np.int64), host_memory) for region in slot)
-            _check_digests(got, ticket.state_digests, np.arange(len(slot), dtype=np.int64), "state array")
-
-    def _pull(
-        self, ticket: TransferTicket, source: CacheConfig, first: int, deadline: float
-    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-        """The blocks ``ticket.blocks[first:]`` of the producer's pool (one group), in host form."""
-        picks = np.arange(first, len(ticket.blocks), dtype=np.int64)
-        plan = read_plan(ticket, source, picks)
-        staging = np.empty(plan.total_bytes, dtype=np.uint8)
-        view = memoryview(staging.data)
-        check = (
-            ArrivingChecksums(
-                plan.staged, np.arange(plan.count, dtype=np.int64), lambda start, size: view[start : start + size]
-            )
-            if ticket.digests
-            else None
-        )
-        self._engine.read(
-            ticket.agent,
-            plan.remote,
-            plan.device_kind,
-            staging,
-            plan.offsets,
-            deadline,
-            pieces=check.piece_rows if check is not None else (),
-            arrived=check.arrived if check is not None else None,
-        )
-        if check is not None:
-            _check_digests(check.digests(), _picked(ticket.digests, picks), picks, "block")
-        return host_form_from_parts(source, ticket.layout, plan.parts(staging))
 
     def _source_config(self, ticket: TransferTicket) -> CacheConfig:
         """The producer pool's config (this pool's, in its layout and size), once the ticket
@@ -554,27 +485,6 @@ def _plain(config: CacheConfig) -> bool:
         and config.sliding_window is None
         and not config.states.arrays
         and not config.mixed_geometry
-    )
-
-
-def _picked(digests: bytes, picks: npt.NDArray[np.int64]) -> bytes:
-    """The digests of the ticket's blocks ``picks``."""
-    return np.frombuffer(digests, dtype=f">u{DIGEST_BYTES}")[picks].tobytes()
-
-
-def _check_digests(got: bytes, expected: bytes, picks: npt.NDArray[np.int64], what: str) -> None:
-    """Refuse blocks (or state arrays) whose digests differ from the ticket's (the first of
-    them named by its index in the ticket)."""
-    if got == expected:
-        return
-    bad = next(
-        index
-        for index in range(len(got) // DIGEST_BYTES)
-        if got[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES]
-        != expected[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES]
-    )
-    raise TransferError(
-        f"{what} {int(picks[bad])} of the ticket arrived different from what was exported (digest mismatch)"
     )
 
 

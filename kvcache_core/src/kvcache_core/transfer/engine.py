@@ -188,7 +188,7 @@ class NixlEngine:
         return peer in self._peers
 
     @_serialized
-    def read(
+    def read_staged(
         self,
         peer: str,
         remote: npt.NDArray[np.uint64],
@@ -199,29 +199,32 @@ class NixlEngine:
         *,
         pieces: Sequence[int] = (),
         arrived: Callable[[int], None] | None = None,
-    ) -> None:
+        also: tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]] | None = None,
+    ) -> tuple[str | None, bool]:
         """One READ of ``remote`` chunks (``[n, 3]``: address, length, device id) of ``peer``
         into host memory ``destination`` at ``offsets`` (``[n]``, chunk ``i`` at byte
-        ``offsets[i]``), waited for until ``deadline`` (``time.monotonic()``); ``pieces`` and
-        ``arrived`` as :meth:`read_into`. ``destination`` is registered for the read only. A
-        transfer NIXL could not abort keeps ``destination`` (and its registration) alive for
-        the engine's life, so no late byte lands in freed memory.
+        ``offsets[i]``) and of the chunks ``also[0]`` into ``also[1]`` (host memory this engine
+        registered; in the last piece), waited for until ``deadline`` (``time.monotonic()``);
+        ``pieces`` and ``arrived`` as :meth:`read_into`. ``destination`` is registered for
+        the read only. A transfer NIXL could not abort keeps ``destination`` (and its
+        registration) alive for the engine's life, so no late byte lands in freed memory.
 
-        Raises:
-            TransferError: the transfer could not start, failed, or did not finish in time.
+        Returns:
+            ``(failure, released)`` as :meth:`read_into`.
         """
         base = int(destination.ctypes.data)
         registered = self.register([(base, int(destination.nbytes), 0)], "cpu")
         local = remote.copy()
         local[:, 0] = (offsets + base).astype(np.uint64)
         local[:, 2] = 0
+        if also is not None:
+            remote, local = np.concatenate([remote, also[0]]), np.concatenate([local, also[1]])
         failure, released = self._read(peer, remote, remote_device_kind, local, "cpu", deadline, pieces, arrived)
         if released:
             self.deregister(registered)
         else:
             self._stranded.append((destination, registered))
-        if failure is not None:
-            raise TransferError(failure)
+        return failure, released
 
     @_serialized
     def read_into(
@@ -263,13 +266,15 @@ class NixlEngine:
     ) -> tuple[str | None, bool]:
         agent = self._agent
         bounds = [0, *(int(row) for row in pieces if 0 < row < len(remote)), len(remote)]
+        starts = _chunk_starts(local, remote, bounds[1:-1])  # each piece's first row starts a chunk
+        local, remote = _merged(local, remote, starts)
+        bounds = np.searchsorted(starts, bounds).tolist()
         handles: list[Any] = []
         state = "ERR"
         try:
             for first, stop in itertools.pairwise(bounds):
-                local_rows, remote_rows = coalesce(local[first:stop], remote[first:stop])
-                local_descs = agent.get_xfer_descs(local_rows, _MEMORY_TYPES[device_kind])
-                remote_descs = agent.get_xfer_descs(remote_rows, _MEMORY_TYPES[remote_device_kind])
+                local_descs = agent.get_xfer_descs(local[first:stop], _MEMORY_TYPES[device_kind])
+                remote_descs = agent.get_xfer_descs(remote[first:stop], _MEMORY_TYPES[remote_device_kind])
                 handles.append(agent.initialize_xfer("READ", local_descs, remote_descs, peer))
                 state = agent.transfer(handles[-1])
                 if state not in ("PROC", "DONE"):
@@ -298,8 +303,17 @@ def coalesce(
     of one goes to chunk ``i`` of the other) with each run of chunks that follow one another
     on both sides (consecutive blocks of a layer on both sides) as one chunk: the same bytes
     in fewer descriptors, each of which costs NIXL work to post."""
-    if len(local) < 2 or not np.array_equal(local[:, 1], remote[:, 1]):
-        return local, remote
+    return _merged(local, remote, _chunk_starts(local, remote, ()))
+
+
+def _chunk_starts(
+    local: npt.NDArray[np.uint64], remote: npt.NDArray[np.uint64], apart: Sequence[int]
+) -> npt.NDArray[np.int64]:
+    """The rows that start a chunk of :func:`coalesce` (increasing, 0 first; every row when
+    the lengths differ between the sides), rows ``apart`` among them whatever they follow."""
+    count = len(local)
+    if count < 2 or not np.array_equal(local[:, 1], remote[:, 1]):
+        return np.arange(count, dtype=np.int64)
     ends_local, ends_remote = local[:-1, 0] + local[:-1, 1], remote[:-1, 0] + remote[:-1, 1]
     joined = (
         (ends_local == local[1:, 0])
@@ -307,9 +321,17 @@ def coalesce(
         & (local[:-1, 2] == local[1:, 2])
         & (remote[:-1, 2] == remote[1:, 2])
     )
-    if not joined.any():
+    joined[np.asarray(apart, dtype=np.int64) - 1] = False
+    return np.flatnonzero(np.concatenate([[True], ~joined])).astype(np.int64)
+
+
+def _merged(
+    local: npt.NDArray[np.uint64], remote: npt.NDArray[np.uint64], starts: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """The chunks starting at rows ``starts`` as one each (the inputs themselves when every
+    row starts one)."""
+    if len(starts) == len(local):
         return local, remote
-    starts = np.flatnonzero(np.concatenate([[True], ~joined]))
     lengths = np.add.reduceat(local[:, 1], starts)
     merged_local, merged_remote = local[starts].copy(), remote[starts].copy()
     merged_local[:, 1] = lengths

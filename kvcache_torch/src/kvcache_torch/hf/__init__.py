@@ -55,7 +55,8 @@ Two pieces, used together or apart::
   prompts and computes only the rest; ``map_cached_prefix`` does it by hand.
 - Disaggregated prefill and decode (``examples/disaggregated.py``): a prefill worker runs
   ``generate(..., max_new_tokens=1)`` on a ``PagedCache`` and exports its request
-  (``KvTransferAgent.export(cache.handles[0])``); a decode worker imports it
+  (``cache.flush_states()``, then ``KvTransferAgent.export(cache.handles[0])``: a hybrid
+  model's last states go to the request's slot first); a decode worker imports it
   (``import_request``) and builds ``PagedCache(manager, model, handles=[handle])``, a cache
   that holds the prompt already; ``generate`` on the prompt and the first token then
   computes one token per step and never the prompt's K/V.

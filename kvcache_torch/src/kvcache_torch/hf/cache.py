@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -22,12 +23,12 @@ from kvcache_torch.hf.padding import left_padded_lengths, real_tokens, token_maj
 from kvcache_torch.hf.pool_fit import check_model_fits_pool, check_update_arrays, forward_mode
 from kvcache_torch.hf.prompts import TokenFeed, attach_prompt_hook
 from kvcache_torch.hf.rows import BatchRows, prompt_rows, release_requests, undo_step
-from kvcache_torch.hf.state_layers import StateBridge
+from kvcache_torch.hf.state_layers import StateBridge, StateLayerCalls
 
 __all__ = ["PagedCache"]
 
 
-class PagedCache(Cache):
+class PagedCache(StateLayerCalls, Cache):
     """A transformers ``Cache`` whose keys and values live in a kvcache paged pool.
 
     Row ``b`` of the batch is one kvcache request (allocated at the first forward, so the
@@ -131,12 +132,25 @@ class PagedCache(Cache):
 
     @property
     def handles(self) -> tuple[PagedKvCacheHandle[torch.Tensor], ...]:
-        """The kvcache handle of each batch row, in row order. The state layers' latest
-        states are written to the rows' slots first (the last forward's stay in tensors until
-        the next one), so that what reads the requests from the pool (an export) finds them."""
+        """The kvcache handle of each batch row, in row order. Deprecated side effect: it
+        writes the state layers' latest states to the rows' slots, as :meth:`flush_states`
+        (a ``DeprecationWarning`` when there were any); call that before reading the pool."""
+        if self._states is not None and self._states.flush():
+            warnings.warn(
+                "PagedCache.handles wrote the state layers' latest states to the rows' slots; it will stop: call "
+                "cache.flush_states() before what reads the requests from the pool (an export, a fork)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return tuple(self._rows.handles)
+
+    def flush_states(self) -> None:
+        """Write the state layers' latest states (the last forward's stay in tensors until the
+        next one) to the rows' state slots, so that what reads the requests from the pool (an
+        export, a fork, a swap) finds them; the next forward goes on from there. Nothing to do
+        without state layers."""
         if self._states is not None:
             self._states.flush()
-        return tuple(self._rows.handles)
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -229,45 +243,6 @@ class PagedCache(Cache):
             f"PagedCache(rows={len(self._rows)}, positions={self._rows.positions}, "
             f"tokens={sum(self.request_lengths())}, mode={self._mode}, manager={self._manager!r})"
         )
-
-    # -- recurrent-state layers (transformers' linear-attention cache calls) --------------
-
-    def _bridge(self) -> StateBridge:
-        if self._states is None:
-            raise UnsupportedConfigError("the model's layers keep K/V only: it has no recurrent state")
-        return self._states
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        """The batch's conv state of a state layer, ``None`` before the first forward."""
-        return self._bridge().get_conv_state(layer_idx, state_idx)
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        """The batch's recurrent state of a state layer, ``None`` before the first forward."""
-        return self._bridge().get_recurrent_state(layer_idx, state_idx)
-
-    def update_conv_state(
-        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
-    ) -> torch.Tensor:
-        """Keep the state layer's new conv inputs (see :class:`StateBridge`)."""
-        kernel: int | None = kwargs.get("conv_kernel_size")
-        return self._bridge().update_conv_state(conv_states, layer_idx, state_idx, kernel)
-
-    def update_recurrent_state(
-        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
-    ) -> torch.Tensor:
-        """Keep the state layer's new recurrent state."""
-        return self._bridge().update_recurrent_state(recurrent_states, layer_idx, state_idx)
-
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        """Whether the state layer (by default the last) holds a state from an earlier forward."""
-        bridge = self._bridge()
-        if layer_idx is None:
-            layer_idx = max(layer for layer in range(self._num_layers) if bridge.is_state_layer(layer))
-        return bridge.previous.get(layer_idx, False)
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        """``False``: state layers keep no past states to roll back to."""
-        return False
 
     # -- prefix caching ----------------------------------------------------------------
 

@@ -14,7 +14,7 @@ are read from the batch's slots when the layer first asks for them in a forward
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Final, cast
+from typing import Any, Final, cast
 
 import torch
 from transformers import PretrainedConfig
@@ -31,6 +31,7 @@ __all__ = [
     "STATE_FAMILIES",
     "STATE_LAYER_TYPES",
     "StateBridge",
+    "StateLayerCalls",
     "state_specs",
 ]
 
@@ -305,13 +306,13 @@ class StateBridge:
         tensors = self._switch(layer)
         tensors[name] = values
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         """Write the open layer's changed states back to the batch's slots (the model may
-        have changed them in place), and put them away."""
+        have changed them in place), and put them away; whether there were any."""
         layer, self._open = self._open, None
         tensors, self._tensors = self._tensors, {}
         if layer is None or not self._handles:
-            return
+            return False
         for name in tensors:  # read ones too: decoding kernels update them in place
             array = next(item for item in self._specs[layer].arrays if item.name == name)
             values = tensors[name]
@@ -327,6 +328,7 @@ class StateBridge:
             except StaleStepError:
                 self._step = None
                 self._io().write_state(layer, name, values.contiguous())
+        return bool(tensors)
 
     def mapped(self, positions: int) -> None:
         """The rows were opened from the prefix cache at ``positions``: their slots hold
@@ -381,3 +383,48 @@ class StateBridge:
         self._check(layer, state_idx)
         self._write(layer, RECURRENT, recurrent_states)
         return recurrent_states
+
+
+class StateLayerCalls:
+    """transformers' linear-attention cache calls of :class:`~kvcache_torch.hf.PagedCache`,
+    served by its :class:`StateBridge` (``None`` for a model whose layers keep K/V only)."""
+
+    _states: StateBridge | None
+    _num_layers: int
+
+    def _bridge(self) -> StateBridge:
+        if self._states is None:
+            raise UnsupportedConfigError("the model's layers keep K/V only: it has no recurrent state")
+        return self._states
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The batch's conv state of a state layer, ``None`` before the first forward."""
+        return self._bridge().get_conv_state(layer_idx, state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The batch's recurrent state of a state layer, ``None`` before the first forward."""
+        return self._bridge().get_recurrent_state(layer_idx, state_idx)
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        """Keep the state layer's new conv inputs (see :class:`StateBridge`)."""
+        kernel: int | None = kwargs.get("conv_kernel_size")
+        return self._bridge().update_conv_state(conv_states, layer_idx, state_idx, kernel)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        """Keep the state layer's new recurrent state."""
+        return self._bridge().update_recurrent_state(recurrent_states, layer_idx, state_idx)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether the state layer (by default the last) holds a state from an earlier forward."""
+        bridge = self._bridge()
+        if layer_idx is None:
+            layer_idx = max(layer for layer in range(self._num_layers) if bridge.is_state_layer(layer))
+        return bridge.previous.get(layer_idx, False)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """``False``: state layers keep no past states to roll back to."""
+        return False
