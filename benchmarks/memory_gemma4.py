@@ -14,13 +14,16 @@ logits within 1e-2 (:data:`TOLERANCE`; exit 1 otherwise).
 The pool's sliding layers form KV-cache groups keeping only their window's blocks; each place of
 the groups holds a sliding and a full layer, which view one page of the full layers' shape
 (``CacheConfig.storage_layers``), so a sliding layer's block takes a full layer's bytes. The pool
-is sized for the prefill's peak: one step of the whole prompt takes every group's blocks of the
-prompt (its first queries see the window before them), released as the request grows.
+is sized for the prefill's peak (``cache_config_for``'s ``max_tokens`` gives every group its
+blocks): one step of the whole prompt takes every group's blocks of the prompt (its first
+queries see the window before them), released as the request grows.
 
 Printed: the K/V bytes each holds at the end (ours: ``stats().used_memory_bytes``; DynamicCache:
 its key and value tensors) and ours / DynamicCache; beside it the floor, computed from the pool's
 figures and not measured: the bytes if each layer's blocks took only its own geometry
-(``ceil(W / block_size) + 1`` blocks per sliding layer, every block per full layer).
+(``ceil(W / block_size) + 1`` blocks per sliding layer, every block per full layer); and per
+KV-cache group (``stats()``) its bytes per token in the pool and at its layers' own geometry, its
+blocks in use, and the bytes the padding of narrower layers to their pages takes.
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 HF_HUB_OFFLINE=1 \\
         .venv/bin/python benchmarks/memory_gemma4.py [--quick]
@@ -30,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -121,8 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_environment()
     torch.set_num_threads(1)
     ours, reference = build(args)
-    pool = cache_config_for(ours, max_tokens=args.tokens + BLOCK, block_size=BLOCK)
-    pool = dataclasses.replace(pool, num_blocks=pool.num_blocks * pool.num_groups)  # the prefill's peak
+    pool = cache_config_for(ours, max_tokens=args.tokens + BLOCK, block_size=BLOCK)  # blocks per group
     sliding = sum(kind == "sliding_attention" for kind in ours.config.layer_types)
     print(
         f"Gemma 4-shaped, widths / {args.scale}: {args.layers} layers ({sliding} sliding of W={WINDOW}, "
@@ -134,7 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     expected = generate(reference, ids, args.new_tokens)
     with PagedCache(create_manager("torch", pool), ours) as cache:
         found = generate(ours, ids, args.new_tokens, cache)
-        mine = cache.manager.stats().used_memory_bytes
+        stats = cache.manager.stats()
+        mine = stats.used_memory_bytes
     same, worst = generation.agreement(found, expected)
     print(f"same tokens as DynamicCache {same}, max |logit difference| {worst:.2e}")
     require(same and worst <= TOLERANCE, "ours and DynamicCache disagree")
@@ -144,6 +146,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"KV memory at {args.tokens} tokens: ours {mib(mine)}, DynamicCache {mib(theirs)}: ours / DynamicCache "
         f"{mine / theirs:.2f}x; floor (each layer's blocks of its own geometry, computed) {mib(windowed)}: "
         f"{windowed / theirs:.2f}x DynamicCache"
+    )
+    padding = sum(
+        blocks * pool.block_size * (size - own)
+        for blocks, size, own in zip(
+            stats.group_used_blocks, stats.group_bytes_per_token, stats.group_layer_bytes_per_token, strict=True
+        )
+    )
+    print(
+        f"per KV-cache group (stats()): bytes per token in the pool {list(stats.group_bytes_per_token)}, at the "
+        f"layers' own geometry {list(stats.group_layer_bytes_per_token)}, blocks used {list(stats.group_used_blocks)};"
+        f" padding of narrower layers to their pages {mib(padding)} ({padding / mine:.0%} of ours)"
     )
     return 0
 

@@ -107,6 +107,37 @@ def test_groups_whose_layers_differ_in_geometry_view_one_page_sized_for_the_wide
     assert [built.layer_geometry(layer) for layer in range(2)] == [LayerGeometry(2, 8, 8), LayerGeometry(1, 16, 16)]
 
 
+def test_stats_report_each_groups_bytes_per_token_in_the_pool_and_at_its_own_geometry() -> None:
+    specs = [LayerSpec(window=4), LayerSpec(num_heads=1, head_dim=16), LayerSpec(window=4)]
+    grouped = config(num_layers=3, layer_specs=specs, num_blocks=16)
+    page, sliding, full = 2 * (16 + 16) * 4, 2 * (8 + 8) * 4, 1 * (16 + 16) * 4
+
+    with create_manager("numpy", grouped) as manager:
+        handle = manager.allocate(AllocationRequest("r"))
+        manager.extend(handle, 9)  # three blocks in each group
+        manager.allocate(AllocationRequest("other", initial_tokens=1))
+        stats = manager.stats()
+
+    assert stats.group_bytes_per_token == (page, page, page)
+    assert stats.group_layer_bytes_per_token == (sliding, full, sliding)
+    assert stats.group_used_blocks == (4, 4, 4)
+    assert stats.used_memory_bytes == sum(
+        blocks * grouped.block_size * size
+        for blocks, size in zip(stats.group_used_blocks, stats.group_bytes_per_token, strict=True)
+    )
+
+
+@pytest.mark.parametrize(("dtype", "per_head"), [("float32", (8 + 8) * 4), ("int8", 8 + 8 + 2 * 4)])
+def test_a_pool_of_one_geometry_reports_no_padding_per_group(dtype: str, per_head: int) -> None:
+    pool = CacheConfig(**GEOMETRY, dtype=dtype, layer_specs=[LayerSpec(window=4), LayerSpec(), LayerSpec(window=4)])
+
+    with create_manager("numpy", pool) as manager:
+        stats = manager.stats()
+
+    assert stats.group_bytes_per_token == stats.group_layer_bytes_per_token == (2 * per_head,) * 3
+    assert stats.group_used_blocks == (0, 0, 0)
+
+
 def test_layers_viewing_one_page_hold_their_own_shape_over_its_memory() -> None:
     grouped = config(
         num_layers=2,

@@ -27,6 +27,7 @@ from kvcache_core.errors import (
     InvalidConfigError,
     LayerIndexError,
     ShapeMismatchError,
+    StaleStepError,
     UnsupportedConfigError,
 )
 
@@ -138,6 +139,27 @@ def test_a_state_write_of_the_wrong_shape_or_dtype_is_refused() -> None:
     with pytest.raises(DTypeMismatchError, match="float64"):
         step.write_state(0, "recurrent", np.zeros((2, 2, 3, 4), dtype=np.float32))
     assert not np.any(step.state(0, "conv")), "a refused write changed the states"
+
+
+def test_a_steps_state_view_is_the_pools_rows_while_its_slots_follow_one_another() -> None:
+    manager = create_manager("numpy", hybrid_config())
+    a, b, c = (manager.allocate(AllocationRequest(name)) for name in ("a", "b", "c"))  # slots 0, 1, 2
+    step = manager.begin_step([a, b], 1)
+
+    rows = step.state_view(2, "recurrent")
+    assert rows is not None
+    rows[1] = 7.0  # in place: b's state in the pool
+
+    assert rows.shape == (2, 2, 3, 4)
+    assert np.all(manager.begin_step([b], 0).state(2, "recurrent") == 7.0)
+    assert not np.any(manager.begin_step([a, c], 0).state(2, "recurrent"))
+    assert manager.begin_step([b, a], 0).state_view(2, "recurrent") is None  # not ascending: state() copies
+    assert manager.begin_step([a, c], 0).state_view(2, "recurrent") is None  # a gap
+    with pytest.raises(InvalidArgumentError, match="its arrays: conv, recurrent"):
+        step.state_view(0, "ssm")
+    manager.deallocate("b")
+    with pytest.raises(StaleStepError):
+        step.state_view(0, "conv")
 
 
 def test_stats_count_the_state_pool_and_the_slots_held() -> None:

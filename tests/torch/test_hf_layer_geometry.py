@@ -16,11 +16,12 @@ test runs a tiny random-weight model (:data:`VARIANTS`) with ``DynamicCache`` an
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
 
-from kvcache_core import CacheConfig, UnsupportedConfigError, create_manager
+from kvcache_core import AllocationRequest, CacheConfig, OutOfBlocksError, UnsupportedConfigError, create_manager
 from kvcache_core.contract.groups import LayerGeometry
 from tests.torch.hf_models import GEMMA4
 from tests.torch.hf_support import (
@@ -113,6 +114,21 @@ def test_the_pool_gives_each_layer_the_geometry_its_attention_hands_the_cache() 
     assert pool.bytes_per_token == 2 * 2 * (2 * 32 * 2) * 4
     with PagedCache(create_manager("torch", pool), model.config) as cache:
         assert cache.is_sliding == transformers.DynamicCache(config=model.config).is_sliding
+
+
+def test_max_tokens_gives_each_kv_cache_group_its_blocks_of_a_request_written_in_one_step() -> None:
+    model, _ = pair("gemma4", "paged")
+
+    pool = cache_config_for(model, max_tokens=40, block_size=4)
+    one_group = cache_config_for(model, max_tokens=40, block_size=4, hybrid=False)
+
+    assert (pool.num_groups, pool.num_blocks) == (2, 2 * 10)
+    assert (one_group.num_groups, one_group.num_blocks) == (1, 10)
+    for sized in (pool, one_group):
+        with create_manager("numpy", sized) as manager:
+            manager.extend(manager.allocate(AllocationRequest("r")), 40)  # a prompt of 40 in one step
+    with create_manager("numpy", dataclasses.replace(pool, num_blocks=10)) as manager, pytest.raises(OutOfBlocksError):
+        manager.extend(manager.allocate(AllocationRequest("r")), 40)  # one block per 4 tokens: the groups lack
 
 
 def test_sliding_layers_of_twice_the_kv_heads_get_their_own_and_values_the_pools_width() -> None:

@@ -470,6 +470,24 @@ class DataPath(Generic[ArrayT]):
         values: ArrayT = states.storage.read(index, slots)
         return values
 
+    def read_state_view(self, slots: SlotArray, layer: object, name: object) -> ArrayT | None:
+        """State array ``name`` of ``layer`` for the requests holding ``slots``, sliced from the
+        pool's array when ``slots`` are one ascending run (a view with a mutable array
+        library, the current values with an immutable one); ``None`` otherwise.
+
+        Raises:
+            LayerIndexError, InvalidArgumentError: as :meth:`read_state`.
+        """
+        states = self._pool.states
+        index = states.index(layer, name)
+        assert states.storage is not None
+        count = int(slots.shape[0])
+        first = int(slots[0]) if count else 0
+        if count == 0 or not np.array_equal(slots, np.arange(first, first + count)):
+            return None
+        rows: ArrayT = states.storage.array(index)[first : first + count]
+        return rows
+
     def write_state(self, slots: SlotArray, layer: object, name: object, values: ArrayT) -> None:
         """Write ``values`` ``[len(slots), *shape]`` (the array's dtype) into state array
         ``name`` of ``layer`` for the requests holding ``slots``.

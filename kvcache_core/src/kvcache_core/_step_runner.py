@@ -61,6 +61,8 @@ class RunnerPath(Protocol[ArrayT]):
 
     def read_state(self, slots: SlotArray, layer: object, name: object) -> ArrayT: ...
 
+    def read_state_view(self, slots: SlotArray, layer: object, name: object) -> ArrayT | None: ...
+
     def write_state(self, slots: SlotArray, layer: object, name: object, values: ArrayT) -> None: ...
 
     def checkpoint_states(self, states: list[RequestState[ArrayT]]) -> int: ...
@@ -198,6 +200,12 @@ class DataPathRunner(Generic[ArrayT]):
         with path.lock:
             self._check_current()
             return path.read_state(self._state_slots, layer, name)
+
+    def read_state_view(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT | None:
+        path = self._path
+        with path.lock:
+            self._check_current()
+            return path.read_state_view(self._state_slots, layer, name)
 
     def write_state(self, step: Step[ArrayT], layer: int, name: str, values: ArrayT) -> None:
         path = self._path

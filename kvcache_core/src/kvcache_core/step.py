@@ -62,6 +62,10 @@ class StepRunner(Protocol[ArrayT]):
         """A copy of the step's requests' state array ``name`` of ``layer``."""
         ...
 
+    def read_state_view(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT | None:
+        """The step's requests' state array ``name`` of ``layer`` in the pool, or ``None``."""
+        ...
+
     def write_state(self, step: Step[ArrayT], layer: int, name: str, values: ArrayT) -> None:
         """Write the step's requests' state array ``name`` of ``layer``."""
         ...
@@ -236,6 +240,18 @@ class Step(Generic[ArrayT]):
             InvalidArgumentError: the layer has no array ``name``.
         """
         return self._runner.read_state(self, layer, name)
+
+    def state_view(self, layer: int, name: str) -> ArrayT | None:
+        """The recurrent state array ``name`` of state layer ``layer`` for the step's
+        requests, ``[B, *shape]`` in the step's order, in place: when their slots follow one
+        another, the rows of the pool's array (a view with a mutable array library, whose
+        in-place changes are the pool's and need no :meth:`write_state`; the current values
+        with an immutable one); ``None`` otherwise (:meth:`state` gives a copy).
+
+        Raises:
+            StaleStepError, LayerIndexError, InvalidArgumentError: as :meth:`state`.
+        """
+        return self._runner.read_state_view(self, layer, name)
 
     def write_state(self, layer: int, name: str, values: ArrayT) -> None:
         """Replace the recurrent state array ``name`` of state layer ``layer`` for the

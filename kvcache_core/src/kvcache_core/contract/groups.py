@@ -55,6 +55,7 @@ __all__ = [
     "layer_slot",
     "plan_groups",
     "plan_storage",
+    "token_bytes",
 ]
 
 
@@ -70,6 +71,13 @@ class LayerGeometry:
     def __str__(self) -> str:
         values = "" if self.value_width == self.head_dim else f", values of {self.value_width}"
         return f"{self.num_heads} heads of {self.head_dim}{values}"
+
+
+def token_bytes(shape: LayerGeometry, element_bytes: int, scale_bytes: int = 0) -> int:
+    """Bytes one token of a layer of ``shape`` takes: keys and values of every KV head
+    (``element_bytes`` each), and each head's two scales (``scale_bytes`` each) in a
+    quantized pool."""
+    return shape.num_heads * ((shape.head_dim + shape.value_width) * element_bytes + 2 * scale_bytes)
 
 
 #: The geometry fields of :class:`LayerSpec`, in order.
@@ -269,6 +277,11 @@ class StorageLayers:
     def group_rows(self, group: KvGroup) -> tuple[int, ...]:
         """The storage layers of ``group``'s layers, in its layer order."""
         return tuple(self.places[layer][1] for layer in group.layers)
+
+    def layer_bytes_per_token(self, group: KvGroup, element_bytes: int, scale_bytes: int = 0) -> int:
+        """Bytes one token of ``group``'s layers takes at their own geometry (:func:`token_bytes`
+        of their storage layers): what its pages hold less their padding."""
+        return sum(token_bytes(self.geometry[row], element_bytes, scale_bytes) for row in self.group_rows(group))
 
 
 def plan_storage(groups: tuple[KvGroup, ...], num_layers: int, geometry: tuple[LayerGeometry, ...]) -> StorageLayers:

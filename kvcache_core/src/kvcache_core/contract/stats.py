@@ -93,6 +93,15 @@ class CacheManagerStats:
             of one request), included in ``total_memory_bytes``; the held slots' bytes are
             included in ``used_memory_bytes``.
         checkpoint_state_slots: free state slots holding checkpoints (evictable).
+        group_bytes_per_token: per KV-cache group, the bytes one token takes in the pool
+            (``bytes_per_block / block_size``: a block serves any group, so a group whose
+            layers are narrower than the widest is padded to it).
+        group_layer_bytes_per_token: per KV-cache group, the bytes one token of its layers'
+            K/V takes at their own geometry (at most ``group_bytes_per_token``; the
+            difference is padding).
+        group_used_blocks: per KV-cache group, the blocks its live requests' tables hold (a
+            block shared by requests counts once); their bytes are ``group_used_blocks[g] *
+            block_size * group_bytes_per_token[g]``.
     """
 
     total_memory_bytes: int
@@ -120,6 +129,9 @@ class CacheManagerStats:
     used_state_slots: int = 0
     state_memory_bytes: int = 0
     checkpoint_state_slots: int = 0
+    group_bytes_per_token: tuple[int, ...] = ()
+    group_layer_bytes_per_token: tuple[int, ...] = ()
+    group_used_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvcache_core.contract.config import SCALE_BYTES
 from kvcache_core.contract.stats import CacheManagerStats, MemoryPressure
 from kvcache_core.paging.block_pool import BlockPool
 from kvcache_core.paging.chains import PrefixChains
@@ -55,4 +56,15 @@ def manager_stats(
         used_state_slots=len(states.taken),
         state_memory_bytes=states.memory_bytes,
         checkpoint_state_slots=len(states.checkpoints),
+        group_bytes_per_token=(config.bytes_per_block // config.block_size,) * config.num_groups,
+        group_layer_bytes_per_token=tuple(
+            config.storage_layers.layer_bytes_per_token(
+                group, config.dtype_size, SCALE_BYTES if config.quantized else 0
+            )
+            for group in config.kv_groups
+        ),
+        group_used_blocks=tuple(
+            len({block for state in requests.values() for block in state.tables[group].physical_blocks})
+            for group in range(config.num_groups)
+        ),
     )

@@ -136,6 +136,21 @@ class StateCases:
             manager.close()
 
     @pytest.mark.kvcache_requires("state_layers")
+    def test_a_state_view_holds_the_states_a_copy_holds(self, kvcache_backend: BackendUnderTest) -> None:
+        manager = kvcache_backend.manager(state_config(kvcache_backend))
+        handles = [manager.allocate(AllocationRequest(name)) for name in ("a", "b", "c")]
+        write_states(manager, handles, np.random.default_rng(5), {handle.request_id: {} for handle in handles})
+        step = manager.begin_step(handles[1:], 0)  # slots that follow one another
+        for layer, array in state_arrays(manager.config):
+            rows = step.state_view(layer, array.name)
+            assert rows is not None, f"step.state_view({layer}, {array.name!r}) gave None for slots in a run"
+            copy = BackendUnderTest.host(manager, step.state(layer, array.name))
+            assert np.array_equal(BackendUnderTest.host(manager, rows), copy), f"state_view({layer}) differs"
+        layer, array = state_arrays(manager.config)[0]
+        assert manager.begin_step(handles[::-1], 0).state_view(layer, array.name) is None, "slots not ascending"
+        manager.close()
+
+    @pytest.mark.kvcache_requires("state_layers")
     def test_attention_layers_beside_state_layers_keep_their_kv(self, kvcache_backend: BackendUnderTest) -> None:
         rng = np.random.default_rng(4)
         manager = kvcache_backend.manager(state_config(kvcache_backend))

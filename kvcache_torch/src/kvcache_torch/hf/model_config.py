@@ -3,6 +3,7 @@ pool's :class:`~kvcache_core.CacheConfig` and the model's fingerprint."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable, Sequence
@@ -331,7 +332,10 @@ def cache_config_for(
     Args:
         model: the model (its ``config``, and the dtype and device of its weights), or just
             its ``PretrainedConfig``.
-        num_blocks, max_tokens: the pool's size.
+        num_blocks, max_tokens: the pool's size: its blocks, or the tokens of one request
+            it holds (rounded up to whole blocks); with KV-cache groups, each group keeps its
+            own blocks of a request's tokens (a sliding group all of those a step writes, then
+            its window's), so ``max_tokens`` gives the pool that many blocks per group.
         block_size: tokens per block.
         dtype: ``"float32"``, ``torch.bfloat16``, ...; by default the model's weights' dtype
             (for a config, its ``dtype``; float32 when it has none). ``"int8"`` or
@@ -431,10 +435,15 @@ def cache_config_for(
         hybrid and any(spec.kind != "full" for spec in specs)
     )
     if grouped:
-        return CacheConfig(**fields, layer_specs=specs)
-    if layer_geometries(config) is None:
-        return CacheConfig(**fields)
-    return CacheConfig(**fields, layer_specs=tuple(_keeping_every_block(spec) for spec in specs))
+        pool = CacheConfig(**fields, layer_specs=specs)
+    elif layer_geometries(config) is None:
+        pool = CacheConfig(**fields)
+    else:
+        pool = CacheConfig(**fields, layer_specs=tuple(_keeping_every_block(spec) for spec in specs))
+    if max_tokens is None or pool.num_groups == 1:
+        return pool
+    # Each KV-cache group keeps its own blocks of a request's tokens (all of them while a step writes them).
+    return dataclasses.replace(pool, num_blocks=num_blocks * pool.num_groups, state_slots=pool.states.num_slots or None)
 
 
 def refuse_latent_on_paged_path(config: PretrainedConfig) -> None:

@@ -233,6 +233,7 @@ class StateBridge:
         self._step: Step[torch.Tensor] | None = None
         self._open: int | None = None  # the state layer whose tensors are out
         self._tensors: dict[str, torch.Tensor] = {}
+        self._in_place: dict[str, torch.Tensor] = {}  # the open layer's states read as the pool's own rows
         self._given: dict[tuple[int, str], torch.dtype] = {}  # the dtype the model handed in
         self.previous: dict[int, bool] = dict.fromkeys(specs, False)
 
@@ -284,13 +285,24 @@ class StateBridge:
         tensors = self._switch(layer)
         if name not in tensors:
             try:
-                values = self._io().state(layer, name)
+                values = self._pool_rows(layer, name)
             except StaleStepError:
                 self._step = None
-                values = self._io().state(layer, name)
+                values = self._pool_rows(layer, name)
             given = self._given.get((layer, name))
-            tensors[name] = values if given is None else values.to(given)
+            tensors[name] = values if given is None else values.to(given)  # another dtype: a copy
         return tensors[name]
+
+    def _pool_rows(self, layer: int, name: str) -> torch.Tensor:
+        """The batch's state ``name`` of ``layer``: the pool's own rows when the batch's slots
+        follow one another (the model's in-place updates land in the pool, nothing to copy
+        back), else a copy."""
+        step = self._io()
+        rows = step.state_view(layer, name)
+        if rows is None:
+            return step.state(layer, name)
+        self._in_place[name] = rows
+        return rows
 
     def _write(self, layer: int, name: str, values: torch.Tensor) -> None:
         spec = self._specs[layer]
@@ -311,11 +323,14 @@ class StateBridge:
         have changed them in place), and put them away; whether there were any."""
         layer, self._open = self._open, None
         tensors, self._tensors = self._tensors, {}
+        in_place, self._in_place = self._in_place, {}
         if layer is None or not self._handles:
             return False
         for name in tensors:  # read ones too: decoding kernels update them in place
             array = next(item for item in self._specs[layer].arrays if item.name == name)
             values = tensors[name]
+            if in_place.get(name) is values:
+                continue  # the pool's own rows: already there
             target = getattr(torch, array.dtype)
             if values.dtype != target:
                 if dtype_name(values.dtype) not in ("float16", "bfloat16", "float32") or target != torch.float32:
@@ -338,6 +353,7 @@ class StateBridge:
     def reset(self) -> None:
         """Forget the batch (its rows were released): nothing is written back."""
         self._open, self._tensors, self._step, self._checked_at = None, {}, None, None
+        self._in_place = {}
         self.previous = dict.fromkeys(self._specs, False)
         self._given.clear()
 
