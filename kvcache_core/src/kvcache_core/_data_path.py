@@ -124,11 +124,12 @@ class DataPath(Generic[ArrayT]):
         shortage: ShortageMessage,
     ) -> list[SlotArray]:
         """Grow distinct requests by ``counts`` tokens (with their ``ids``), all or nothing:
-        in place where every request's new tokens fit the block of its last token
-        (:func:`~kvcache_core.paging.in_place.grow_in_place`); else plan each, check that
-        the free and evictable blocks cover the batch (else ``OutOfBlocksError`` with
-        ``shortage``'s message, nothing changed), then carry the plans out. Returns the new
-        slots: each request's, or (in place) the batch's in one array.
+        the requests whose new tokens fit the block of their last token in place
+        (:func:`~kvcache_core.paging.in_place.grow_in_place`), after the others: those are
+        planned, the free and evictable blocks checked to cover them (else
+        ``OutOfBlocksError`` with ``shortage``'s message, nothing changed) and the plans
+        carried out. Returns the new slots: each request's, or (all in place) the batch's in
+        one array.
 
         Raises:
             SequenceTooLongError, InvalidArgumentError: a plan is refused.
