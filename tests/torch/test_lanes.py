@@ -5,12 +5,19 @@ where a call is refused. (The kit's ``LaneCases`` compare the lane with the gene
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
 from kvcache_core import AllocationRequest, PagedKvCacheManager, create_manager
+from kvcache_core.attention import kernel as paged_kernel
+from kvcache_core.backends import dispatch
 from kvcache_core.errors import DTypeMismatchError, SharedBlockWriteError, StaleStepError
-from kvcache_torch import TorchStorage
+from kvcache_torch import TorchStorage, lanes
+from kvcache_torch import dispatch as torch_dispatch
 from kvcache_torch.lanes import TorchLane
 from tests.core.support import make_config
 from tests.torch.support import Manager, make_manager
@@ -132,3 +139,50 @@ def test_a_one_run_decode_through_the_lane_equals_the_kernels_and_the_general_pa
     for lane_native, lane_kernel, general in zip(*outputs, strict=True):
         torch.testing.assert_close(lane_native, general, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lane_kernel, general, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
+@pytest.mark.parametrize("path", ["auto", "kernel"])
+def test_a_steps_first_layer_reads_the_measured_path_without_attending_through_the_pool(
+    path: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
+    monkeypatch.setenv(dispatch.CACHE_DIR_ENV, str(tmp_path))
+    torch_dispatch.DISPATCH.forget()
+    through_pool: list[int] = []
+    real = lanes.attend_pool
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        through_pool.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lanes, "attend_pool", counted)
+    try:
+        config = make_config(64, 4, num_layers=3, num_heads=2, head_dim=8, kv_layout="heads_first")
+        lane_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path=path))
+        general_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path="native"))
+        managers = (lane_manager, general_manager)
+        handles = [[manager.allocate(AllocationRequest(name)) for name in ("a", "b")] for manager in managers]
+        counted_per_turn: list[int] = []
+        for turn, counts in enumerate([[9, 14], [1, 1], [1, 1]]):
+            through_pool.clear()
+            step, general = (manager.begin_step(rows, counts) for manager, rows in zip(managers, handles, strict=True))
+            for layer in range(3):
+                keys, values, query = arrays(lane_manager, sum(counts), 10 * turn + layer)
+                general.write(layer, keys, values)  # the general path, no lane
+                expected = general.attention(layer, query)
+                torch.testing.assert_close(step.write_and_attend(layer, keys, values, query), expected)
+            counted_per_turn.append(len(through_pool))
+        if path == "kernel":  # pinned: the kernel from the first layer on
+            assert counted_per_turn == [0, 0, 0]
+            return
+        choices = torch_dispatch.DISPATCH.choices()
+        assert len(choices) == 2  # the prefill's class and the decode's, each measured once
+        decode = next(choice for key, choice in choices.items() if key.startswith("decode"))
+        # A class seen the first time is measured by the step's first layer, through the
+        # storage's own attention; once measured, the kernel runs from the first layer (no such
+        # call), torch's path on two requests through the storage's attention at every layer.
+        assert counted_per_turn[1] >= 1
+        assert counted_per_turn[2] == (0 if decode.path == "kernel" else 3)
+    finally:
+        torch_dispatch.DISPATCH.forget()

@@ -13,8 +13,9 @@ comparisons, writes the new K/V with one indexed copy per pool, and attends:
   arrays, the options), run on each layer's pools;
 * otherwise through :func:`~kvcache_torch.attention.attend_pool`, the storage's own attention.
 
-The step's first layer always takes the second way, which runs (or calibrates) the dispatch;
-the lane reads the choice from it once for the step's other layers.
+The lane reads the dispatch's choice for the step at its first layer, without attending
+(:func:`~kvcache_torch.attention.measured_plain_path`); only where the step's shape class was
+never measured on this machine does that layer take the third way, which measures it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from kvcache_core.attention.kernel import KernelCall, prepare_kernel_call
 from kvcache_core.contract.page_table import PageTable
-from kvcache_torch.attention import attend_pool
+from kvcache_torch.attention import attend_pool, measured_plain_path
 from kvcache_torch.dispatch import KERNEL_DTYPES, host_view, kernel_reads, plain_path
 from kvcache_torch.dtypes import tensor_of
 from kvcache_torch.run_views import one_run_span
@@ -145,6 +146,10 @@ class TorchLane:
 
     def _attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """The layer's attention over the pool (its K/V written)."""
+        if self._mode is None:  # the step's first layer: its path
+            measured = self._settle(layer, query, scale)
+            if measured is not None:
+                return measured
         span = self._span
         if self._mode == "views" and span is not None:
             first, tokens = span
@@ -159,31 +164,48 @@ class TorchLane:
             rows = query.reshape(1, heads, query.shape[1] // heads, self._head_dim)
             output: torch.Tensor = _SDPA(rows, cached_keys[None], cached_values[None], scale=scale)
             return output.view(1, query.shape[1], output.shape[-1])
-        key_cache, value_cache = self._views[0][layer], self._views[1][layer]
         kernel = self._kernel
         if kernel is not None:
             host = kernel(query.detach().to(torch.float32).numpy(), *self._host_pools(layer), scale)
             return tensor_of(host).to(query.dtype)
+        return self._through_pool(layer, query, scale)
+
+    def _through_pool(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """The storage's own attention of the layer (:func:`~kvcache_torch.attention.attend_pool`)."""
+        layout = "heads_first" if self._heads_first else "NHD"
+        key_cache, value_cache = self._views[0][layer], self._views[1][layer]
+        return attend_pool(
+            query, key_cache, value_cache, self._table, self._qo_indptr, scale, True, layout, path=self._path
+        )
+
+    def _settle(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """Choose the step's path at its first layer: the dispatch's measured choice, read
+        without attending (returns ``None``); where the step's shape class was never measured
+        here, the layer attends through the storage's own attention, which measures it, and
+        its output is returned."""
+        key_cache, value_cache = self._views[0][layer], self._views[1][layer]
         table, indptr = self._table, self._qo_indptr
         layout = "heads_first" if self._heads_first else "NHD"
-        attended = attend_pool(query, key_cache, value_cache, table, indptr, scale, True, layout, path=self._path)
-        if self._mode is None:
+        measured = None
+        chosen = measured_plain_path(query, key_cache, value_cache, table, indptr, layout, self._path)
+        if chosen is None:
+            measured = self._through_pool(layer, query, scale)
             chosen = plain_path(query, key_cache, value_cache, table, indptr, True, self._path)
-            self._mode = "views" if span is not None and chosen == "native" else "pool"
-            if chosen == "kernel" and kernel_reads(key_cache, value_cache):
-                self._kernel = prepare_kernel_call(
-                    tuple(query.shape),
-                    *self._host_pools(layer),
-                    table,
-                    indptr,
-                    dtype=KERNEL_DTYPES[key_cache.dtype],
-                    causal=True,
-                    kv_layout=layout,
-                    sliding_window=table.sliding_window,
-                    num_threads=torch.get_num_threads(),
-                    team=torch_team(),
-                )
-        return attended
+        self._mode = "views" if self._span is not None and chosen == "native" else "pool"
+        if chosen == "kernel" and kernel_reads(key_cache, value_cache):
+            self._kernel = prepare_kernel_call(
+                tuple(query.shape),
+                *self._host_pools(layer),
+                table,
+                indptr,
+                dtype=KERNEL_DTYPES[key_cache.dtype],
+                causal=True,
+                kv_layout=layout,
+                sliding_window=table.sliding_window,
+                num_threads=torch.get_num_threads(),
+                team=torch_team(),
+            )
+        return measured
 
     def _host_pools(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """The layer's pools as the host views the kernel reads (made once per pool)."""
