@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+import kvcache_torch.attention
 from kvcache_core import AllocationRequest, PagedKvCacheManager, create_manager
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.backends import dispatch
@@ -150,7 +151,7 @@ def test_a_steps_first_layer_reads_the_measured_path_without_attending_through_t
     monkeypatch.setenv(dispatch.CACHE_DIR_ENV, str(tmp_path))
     torch_dispatch.DISPATCH.forget()
     through_pool: list[int] = []
-    real = lanes.attend_pool
+    real = kvcache_torch.attention.attend_pool
 
     def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
         through_pool.append(1)
