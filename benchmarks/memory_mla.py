@@ -20,10 +20,9 @@ otherwise), the KV bytes each holds at the end (ours: the pool's ``used_memory_b
 DynamicCache: the bytes of its key and value tensors) and ours / DynamicCache, beside the
 floor of a cache keeping every real token and no padding (the batch's real tokens over its
 padded positions) and what a pool of expanded heads (``num_heads x (qk_head_dim +
-v_head_dim)``) would take; then the
-decode-step time of each (``--statistic`` of ``--repeats`` runs in turns: a generate of
-``--new-tokens`` less one of 1 token, per new token) and DynamicCache / ours. Nothing asserts
-a time.
+v_head_dim)``) would take; then the decode-step time of each (``--statistic`` of every
+forward of one new token over ``--repeats`` runs of ``generate`` in turns, each forward
+timed alone) and DynamicCache / ours. Nothing asserts a time.
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 HF_HUB_OFFLINE=1 \\
         .venv/bin/python benchmarks/memory_mla.py [--quick]
@@ -35,14 +34,24 @@ import argparse
 import copy
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to download
 
 import torch  # after the offline switch, which transformers reads on import
 import transformers
-from _harness import BenchParser, draw_lengths, generation, mib, print_environment, require, run, take_turns
+from _harness import (
+    STATISTICS,
+    BenchParser,
+    draw_lengths,
+    generation,
+    mib,
+    print_environment,
+    require,
+    run,
+    take_turns,
+)
 from _harness.torch_decode import kv_tensor_bytes
 
 from kvcache_core import PagedKvCacheManager, create_manager
@@ -143,22 +152,29 @@ def compare(
         f"ours / DynamicCache {ours_bytes / reference_bytes:.2f}x (the real tokens alone: {floor:.2f}x; "
         f"expanded heads: {mib(expanded_bytes(ours_model, stored))})"
     )
-    times = take_turns(
+    decode: dict[str, list[float]] = {"ours": [], "dynamic": []}
+
+    def timed(name: str, model: Model, run: Callable[[], object]) -> Callable[[], object]:
+        def call() -> object:
+            with generation.decode_forward_times(model) as seconds:
+                result = run()
+            decode[name].extend(seconds)
+            return result
+
+        return call
+
+    take_turns(
         {
-            "ours": lambda: ours(args.new_tokens),
-            "ours prefill": lambda: ours(1),
-            "dynamic": lambda: generate(reference, ids, mask, args.new_tokens),
-            "dynamic prefill": lambda: generate(reference, ids, mask, 1),
+            "ours": timed("ours", ours_model, lambda: ours(args.new_tokens)),
+            "dynamic": timed("dynamic", reference, lambda: generate(reference, ids, mask, args.new_tokens)),
         },
         rounds=args.repeats,
         statistic=args.statistic,
     )
-    steps = args.new_tokens - 1
-    mine = (times.seconds("ours") - times.seconds("ours prefill")) / steps
-    theirs = (times.seconds("dynamic") - times.seconds("dynamic prefill")) / steps
+    mine, theirs = (STATISTICS[args.statistic](decode[name]) for name in ("ours", "dynamic"))
     print(
-        f"{name}: decode step ({args.statistic} of {args.repeats}): ours {mine * 1e3:.2f} ms, DynamicCache "
-        f"{theirs * 1e3:.2f} ms: {theirs / mine:.2f}x"
+        f"{name}: decode step ({args.statistic} of {len(decode['ours'])} forwards of one token, {args.repeats} runs "
+        f"each): ours {mine * 1e3:.2f} ms, DynamicCache {theirs * 1e3:.2f} ms: DynamicCache / ours {theirs / mine:.2f}x"
     )
 
 

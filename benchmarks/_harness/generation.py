@@ -5,7 +5,9 @@ both generated the same thing. Needs torch and transformers."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,7 @@ __all__ = [
     "Model",
     "ModelShape",
     "agreement",
+    "decode_forward_times",
     "left_padded_prompts",
     "paired_models",
     "random_model",
@@ -129,3 +132,31 @@ def agreement(ours: Any, expected: Any) -> tuple[bool, float]:
     the same tokens, and the largest logit difference."""
     worst = max(float((a - b).abs().max()) for a, b in zip(ours.logits, expected.logits, strict=True))
     return bool(torch.equal(ours.sequences, expected.sequences)), worst
+
+
+@contextmanager
+def decode_forward_times(model: Model) -> Generator[list[float]]:
+    """Within the block, the seconds of each of ``model``'s decode forwards (one new token per
+    row), in order: the decode step timed alone, not as the difference of two ``generate``
+    runs (whose prefill, many times a step's time, would bury it in its noise)."""
+    seconds: list[float] = []
+    forward: Callable[..., Any] = model.forward
+    instance: object = model
+    own: object = instance.__dict__.get("forward")  # an instance's own forward (a hook's), put back after
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        started = time.perf_counter()
+        output = forward(*args, **kwargs)
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1:
+            seconds.append(time.perf_counter() - started)
+        return output
+
+    model.forward = timed
+    try:
+        yield seconds
+    finally:
+        if own is None:
+            del model.forward  # the class's own again
+        else:
+            model.forward = own
