@@ -18,9 +18,9 @@ batch (row ``i`` holds ``length / 2**i`` tokens): the bytes each cache holds at 
 (DynamicCache: every layer's K/V and states; ours: ``stats().used_memory_bytes``, the blocks
 and state slots in use), ours / DynamicCache, and the floor no cache keeping every real
 token can go below (the states plus the real tokens' K/V, over DynamicCache's). Then the
-decode-step time of each on the equal batch of the first length (``--statistic`` of
-``--repeats`` runs in turns: a generate of ``--new-tokens`` less one of 1 token, per new
-token). Both must produce the same tokens (exit 1 otherwise). Nothing asserts a time.
+decode-step time of each on the equal batch of the first length (``--statistic`` of the
+forwards of one new token of ``--repeats`` runs of ``generate`` in turns, each forward timed
+alone). Both must produce the same tokens (exit 1 otherwise). Nothing asserts a time.
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \\
         .venv/bin/python benchmarks/memory_hybrid.py [--quick] [--lengths 256,2048]
@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import transformers
-from _harness import BenchParser, int_list, mib, print_environment, require, run, take_turns
+from _harness import STATISTICS, BenchParser, generation, int_list, mib, print_environment, require, run, take_turns
 
 from kvcache_core import create_manager
 from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache, cache_config_for
@@ -157,27 +157,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     ids, mask = prompts(args.batch, args.lengths[0], False)
     cache = paged_cache(ours, args.batch, args.lengths[0] + args.new_tokens)
 
-    def with_paged(new_tokens: int) -> Any:
-        cache.release()
-        return generate(ours, ids, mask, new_tokens, cache)
+    decode: dict[str, list[float]] = {"paged": [], "dynamic": []}
 
-    timings = take_turns(
-        {
-            "dynamic": lambda: generate(reference, ids, mask, args.new_tokens),
-            "dynamic prefill": lambda: generate(reference, ids, mask, 1),
-            "paged": lambda: with_paged(args.new_tokens),
-            "paged prefill": lambda: with_paged(1),
-        },
-        rounds=args.repeats,
-        warmup=1,
-        statistic=args.statistic,
-    )
-    steps = args.new_tokens - 1
-    mine = (timings.seconds("paged") - timings.seconds("paged prefill")) / steps
-    theirs = (timings.seconds("dynamic") - timings.seconds("dynamic prefill")) / steps
+    def timed(name: str, model: Any, run_once: Callable[[], object]) -> Callable[[], object]:
+        def call() -> object:
+            with generation.decode_forward_times(model) as seconds:
+                result = run_once()
+            decode[name].extend(seconds)
+            return result
+
+        return call
+
+    def with_paged() -> Any:
+        cache.release()
+        return generate(ours, ids, mask, args.new_tokens, cache)
+
+    competitors = {
+        "dynamic": timed("dynamic", reference, lambda: generate(reference, ids, mask, args.new_tokens)),
+        "paged": timed("paged", ours, with_paged),
+    }
+    for warm in competitors.values():  # untimed: first touches
+        warm()
+    for samples in decode.values():
+        samples.clear()
+    take_turns(competitors, rounds=args.repeats, statistic=args.statistic)
+    ours_step, their_step = (STATISTICS[args.statistic](decode[name]) for name in ("paged", "dynamic"))
     print(
-        f"decode step, {args.lengths[0]}-token prompts ({args.statistic} of {args.repeats}): PagedCache "
-        f"{mine * 1e3:.2f} ms, DynamicCache {theirs * 1e3:.2f} ms: DynamicCache / ours {theirs / mine:.2f}x"
+        f"decode step, {args.lengths[0]}-token prompts ({args.statistic} of {len(decode['paged'])} forwards of one "
+        f"token, {args.repeats} runs each): PagedCache {ours_step * 1e3:.2f} ms, DynamicCache "
+        f"{their_step * 1e3:.2f} ms: DynamicCache / ours {their_step / ours_step:.2f}x"
     )
     return 0
 

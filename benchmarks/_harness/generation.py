@@ -5,6 +5,7 @@ both generated the same thing. Needs torch and transformers."""
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
@@ -144,6 +145,7 @@ def decode_forward_times(model: Model) -> Generator[list[float]]:
     instance: object = model
     own: object = instance.__dict__.get("forward")  # an instance's own forward (a hook's), put back after
 
+    @functools.wraps(forward)  # generate reads the forward's signature
     def timed(*args: Any, **kwargs: Any) -> Any:
         ids = kwargs.get("input_ids", args[0] if args else None)
         started = time.perf_counter()

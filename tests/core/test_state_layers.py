@@ -162,6 +162,19 @@ def test_a_steps_state_view_is_the_pools_rows_while_its_slots_follow_one_another
         step.state_view(0, "conv")
 
 
+def test_requests_allocated_after_releases_hold_ascending_slots_and_read_their_states_in_place() -> None:
+    manager = create_manager("numpy", hybrid_config())
+    first = [manager.allocate(AllocationRequest(name)) for name in ("a", "b", "c", "d")]
+    for handle in first:  # given back 0, 1, 2, 3: a stack would hand them out 3, 2, 1, 0
+        manager.deallocate(handle.request_id)
+    again = [manager.allocate(AllocationRequest(name)) for name in ("e", "f", "g", "h")]
+    assert manager.begin_step(again, 1).state_view(2, "recurrent") is not None
+    manager.deallocate("f")
+    manager.deallocate("h")
+    late = [manager.allocate(AllocationRequest(name)) for name in ("i", "j")]  # the lowest free: f's, then h's
+    assert manager.begin_step([again[0], late[0], again[2], late[1]], 1).state_view(2, "recurrent") is not None
+
+
 def test_stats_count_the_state_pool_and_the_slots_held() -> None:
     config = hybrid_config()
     manager = create_manager("numpy", config)

@@ -44,6 +44,7 @@ from kvcache_core.paging.checks import ArgumentChecks
 from kvcache_core.paging.in_place import grow_in_place, plan_in_place
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import GrowthPlan, SequenceBlocks
+from kvcache_core.paging.state_slots import slot_run
 from kvcache_core.step import Step
 
 __all__ = ["DataPath", "extend_arguments"]
@@ -479,13 +480,21 @@ class DataPath(Generic[ArrayT]):
         Raises:
             LayerIndexError, InvalidArgumentError: as :meth:`read_state`.
         """
+        return self.read_state_rows(slot_run(slots), layer, name)
+
+    def read_state_rows(self, run: tuple[int, int] | None, layer: object, name: object) -> ArrayT | None:
+        """:meth:`read_state_view` for slots whose run ``(first, count)`` is known
+        (:func:`~kvcache_core.paging.state_slots.slot_run`; ``None``: not one run).
+
+        Raises:
+            LayerIndexError, InvalidArgumentError: as :meth:`read_state`.
+        """
         states = self._pool.states
         index = states.index(layer, name)
         assert states.storage is not None
-        count = int(slots.shape[0])
-        first = int(slots[0]) if count else 0
-        if count == 0 or not np.array_equal(slots, np.arange(first, first + count)):
+        if run is None:
             return None
+        first, count = run
         rows: ArrayT = states.storage.array(index)[first : first + count]
         return rows
 

@@ -19,6 +19,7 @@ from kvcache_core.contract.lanes import StepLane, storage_step_lane
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
 from kvcache_core.paging.request_state import RequestState
+from kvcache_core.paging.state_slots import slot_run
 from kvcache_core.step import Step
 
 __all__ = ["DataPathRunner", "RunnerPath"]
@@ -63,6 +64,8 @@ class RunnerPath(Protocol[ArrayT]):
 
     def read_state_view(self, slots: SlotArray, layer: object, name: object) -> ArrayT | None: ...
 
+    def read_state_rows(self, run: tuple[int, int] | None, layer: object, name: object) -> ArrayT | None: ...
+
     def write_state(self, slots: SlotArray, layer: object, name: object, values: ArrayT) -> None: ...
 
     def checkpoint_states(self, states: list[RequestState[ArrayT]]) -> int: ...
@@ -83,6 +86,7 @@ class DataPathRunner(Generic[ArrayT]):
         "_path",
         "_scale",
         "_served",
+        "_state_run",
         "_state_slots",
         "_states",
         "_writable_at",
@@ -92,6 +96,7 @@ class DataPathRunner(Generic[ArrayT]):
         self._path = path
         self._check_current = path.stamp(states)
         self._state_slots = np.array([state.state_slot for state in states], dtype=np.int64)
+        self._state_run: tuple[int, int] | Literal[False] | None = False  # False: not found yet
         self._states = states
         self._served = storage_attention_features(path.storage)
         # Per KV-cache group, the epoch at which the group's slots were last found writable
@@ -205,7 +210,10 @@ class DataPathRunner(Generic[ArrayT]):
         path = self._path
         with path.lock:
             self._check_current()
-            return path.read_state_view(self._state_slots, layer, name)
+            run = self._state_run
+            if run is False:  # found once per step: the step's slots do not change
+                run = self._state_run = slot_run(self._state_slots)
+            return path.read_state_rows(run, layer, name)
 
     def write_state(self, step: Step[ArrayT], layer: int, name: str, values: ArrayT) -> None:
         path = self._path

@@ -78,7 +78,7 @@ from kvcache_torch.dispatch import (
 )
 from kvcache_torch.run_views import one_run_decode
 
-__all__ = ["attend_pool", "measured_plain_path", "paged_attention"]
+__all__ = ["attend_pool", "paged_attention"]
 
 #: Most elements of one score buffer before a request's queries are split in chunks
 #: (16 MiB of float32): long prefills stay bounded in memory.
@@ -337,42 +337,6 @@ def attend_pool(
 _Arguments = tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, PageTable, npt.NDArray[np.int32], float, bool, str, "int | None"
 ]
-
-
-def measured_plain_path(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    page_table: PageTable,
-    qo_indptr: npt.NDArray[np.int32],
-    kv_layout: str,
-    path: str,
-) -> str | None:
-    """The path :func:`attend_pool` takes for a causal call of this step without attention
-    features, found without attending: ``path`` where it is pinned, the step's remembered
-    path, or the measured choice of the call's shape class (then remembered for the step);
-    ``None`` where the class was never measured on this machine (a call of
-    :func:`attend_pool` measures it) or the page table has a sliding window."""
-    if page_table.sliding_window is not None:
-        return None
-    if path != "auto" or not query.shape[0]:
-        return path if query.shape[0] else "native"
-    call = call_kind(query, key_cache, value_cache, True, _NO_FEATURES)
-    known = chosen_path(page_table, qo_indptr, call)
-    if known is not None:
-        return known
-    chosen = "native"
-    if kernel_reads(key_cache, value_cache):
-        choice = DISPATCH.choice(shape_class(query, key_cache, value_cache, page_table, qo_indptr, kv_layout, True, ""))
-        if choice is None or choice.path not in ("kernel", "native"):
-            return None
-        chosen = choice.path
-    remember_path(page_table, qo_indptr, call, chosen)
-    return chosen
-
-
-#: The features of a call without any: no window, softcap, sinks or chunk.
-_NO_FEATURES: tuple[bool, ...] = (False, False, False, False)
 
 
 def _choose(

@@ -34,6 +34,7 @@ __all__ = [
     "host_view",
     "kernel_attention",
     "kernel_reads",
+    "measured_plain_path",
     "plain_path",
     "pool_path",
     "remember_path",
@@ -139,6 +140,38 @@ def plain_path(
 
 #: The features of a plain call: no window, softcap, sinks or chunk.
 _PLAIN: tuple[bool, ...] = (False, False, False, False)
+
+
+def measured_plain_path(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    page_table: PageTable,
+    qo_indptr: npt.NDArray[np.int32],
+    kv_layout: str,
+    path: str,
+) -> str | None:
+    """The path :func:`~kvcache_torch.attention.attend_pool` takes for a causal call of this
+    step without attention features, found without attending: ``path`` where it is pinned,
+    the step's remembered path, or the measured choice of the call's shape class (then
+    remembered for the step); ``None`` where the class was never measured on this machine (a
+    call of ``attend_pool`` measures it) or the page table has a sliding window."""
+    if page_table.sliding_window is not None:
+        return None
+    if path != "auto" or not query.shape[0]:
+        return path if query.shape[0] else "native"
+    call = call_kind(query, key_cache, value_cache, True, _PLAIN)
+    known = chosen_path(page_table, qo_indptr, call)
+    if known is not None:
+        return known
+    chosen = "native"
+    if kernel_reads(key_cache, value_cache):
+        choice = DISPATCH.choice(shape_class(query, key_cache, value_cache, page_table, qo_indptr, kv_layout, True, ""))
+        if choice is None or choice.path not in ("kernel", "native"):
+            return None
+        chosen = choice.path
+    remember_path(page_table, qo_indptr, call, chosen)
+    return chosen
 
 
 def shape_class(

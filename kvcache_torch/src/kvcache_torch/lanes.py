@@ -14,7 +14,7 @@ comparisons, writes the new K/V with one indexed copy per pool, and attends:
 * otherwise through :func:`~kvcache_torch.attention.attend_pool`, the storage's own attention.
 
 The lane reads the dispatch's choice for the step at its first layer, without attending
-(:func:`~kvcache_torch.attention.measured_plain_path`); only where the step's shape class was
+(:func:`~kvcache_torch.dispatch.measured_plain_path`); only where the step's shape class was
 never measured on this machine does that layer take the third way, which measures it.
 """
 
@@ -28,8 +28,8 @@ import torch
 
 from kvcache_core.attention.kernel import KernelCall, prepare_kernel_call
 from kvcache_core.contract.page_table import PageTable
-from kvcache_torch.attention import attend_pool, measured_plain_path
-from kvcache_torch.dispatch import KERNEL_DTYPES, host_view, kernel_reads, plain_path
+from kvcache_torch.attention import attend_pool
+from kvcache_torch.dispatch import KERNEL_DTYPES, host_view, kernel_reads, measured_plain_path, plain_path
 from kvcache_torch.dtypes import tensor_of
 from kvcache_torch.run_views import one_run_span
 from kvcache_torch.threads import torch_team

@@ -13,10 +13,15 @@ after a whole number of blocks, filed under the hash of its last block
 checkpoint (the new request starts from that copy), and ``truncate`` may go back to one.
 Checkpoints are evicted least recently used first when a request needs a slot (to an
 offload tier, when the manager has one: :attr:`StateSlots.on_evict`).
+
+A take gets the lowest free slot, whatever order slots came back in: requests allocated one
+after another then hold ascending slots, so a step over them reads its states as one run of
+the pool's rows, in place (``Step.state_view``), also after earlier requests were released.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -37,7 +42,7 @@ from kvcache_core.errors import (
 if TYPE_CHECKING:
     from kvcache_core.paging.request_state import RequestState
 
-__all__ = ["StateSlots", "check_state_slots"]
+__all__ = ["StateSlots", "check_state_slots", "slot_run"]
 
 
 def _one(slot: int) -> npt.NDArray[np.int64]:
@@ -58,7 +63,7 @@ class StateSlots:
         self.num_slots = config.states.num_slots
         self.storage: StateStorage[Any] | None = None
         self._index = {(layer, array.name): index for index, (layer, array) in enumerate(config.states.arrays)}
-        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() takes the lowest
+        self._free = list(range(self.num_slots - 1, -1, -1))  # descending: pop() takes the lowest
         self.taken: set[int] = set()
         self.checkpoints: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, oldest first
         self.failures = 0
@@ -152,7 +157,7 @@ class StateSlots:
         """Give a taken slot back (``-1``: none, ignored)."""
         if slot >= 0:
             self.taken.remove(slot)
-            self._free.append(slot)
+            self._free_slot(slot)
 
     def index(self, layer: object, name: object) -> int:
         """The state pool's array of ``layer``'s state array ``name``.
@@ -184,7 +189,7 @@ class StateSlots:
                 raise self.shortage(what)
             if self.on_evict is not None:  # an offload tier keeps it
                 self.on_evict(victim, self.checkpoints[victim])
-            self._free.append(self.checkpoints.pop(victim))
+            self._free_slot(self.checkpoints.pop(victim))
         return self._free[-1]
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -259,13 +264,26 @@ class StateSlots:
         its block); its slot is free."""
         slot = self.checkpoints.pop(block_hash, None)
         if slot is not None:
-            self._free.append(slot)
+            self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        """Put ``slot`` among the free ones, keeping them descending (the lowest is taken next)."""
+        bisect.insort(self._free, slot, key=lambda free: -free)
 
     def _mark(self, slot: int) -> int:
         popped = self._free.pop()
         assert popped == slot
         self.taken.add(slot)
         return slot
+
+
+def slot_run(slots: npt.NDArray[np.int64]) -> tuple[int, int] | None:
+    """``(first, count)`` when ``slots`` are one ascending run of state slots, else ``None``."""
+    count = int(slots.shape[0])
+    first = int(slots[0]) if count else 0
+    if count == 0 or not np.array_equal(slots, np.arange(first, first + count)):
+        return None
+    return first, count
 
 
 def check_state_slots(states: StateSlots, requests: Mapping[str, RequestState[Any]]) -> None:

@@ -23,7 +23,6 @@ from kvcache_core import (
     UnsupportedConfigError,
 )
 from kvcache_torch.hf.forward_pass import ForwardStep
-from kvcache_torch.hf.padded_gather import PaddedGather
 
 __all__ = ["BatchRows", "prompt_rows", "release_requests", "undo_step"]
 
@@ -62,7 +61,6 @@ class BatchRows:
         self.stored = np.zeros((0, 0), dtype=np.bool_)
         self.positions = 0
         self._id_prefix = f"hf-{uuid.uuid4().hex[:12]}"
-        self._padded = PaddedGather(manager)
         self._id_counter = itertools.count()
 
     def __len__(self) -> int:
@@ -141,24 +139,15 @@ class BatchRows:
         self.stored = np.zeros((0, 0), dtype=np.bool_)
         self.positions = 0
 
-    def gather_padded(
-        self, layer: int, last: int | None = None, step: Step[torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_padded(self, layer: int, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's K/V as ``[batch, kv_heads, positions, head_dim]`` (contiguous path), or
         only its ``last`` positions; a position a row did not store (its padding) holds zeros,
-        which the model's mask hides (a transient tensor: the pool holds no padding). With
-        the forward's ``step``, every position is read in one indexed read per pool where it
-        can be (:mod:`~kvcache_torch.hf.padded_gather`).
+        which the model's mask hides (a transient tensor: the pool holds no padding).
 
         Raises:
             UnsupportedConfigError: the pool no longer holds the positions asked for (its
                 sliding window released them).
         """
-        if last is None and step is not None:
-            stored = self.stored[: len(self.handles), : self.positions]
-            gathered = self._padded.read(layer, step, self.request_ids, self.tokens, stored)
-            if gathered is not None:
-                return gathered
         start = 0 if last is None else self.positions - last
         width = self.positions - start
         held = self.stored[: len(self.handles), start : self.positions]
