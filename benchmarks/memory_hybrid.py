@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -159,22 +159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     decode: dict[str, list[float]] = {"paged": [], "dynamic": []}
 
-    def timed(name: str, model: Any, run_once: Callable[[], object]) -> Callable[[], object]:
-        def call() -> object:
-            with generation.decode_forward_times(model) as seconds:
-                result = run_once()
-            decode[name].extend(seconds)
-            return result
-
-        return call
-
     def with_paged() -> Any:
         cache.release()
         return generate(ours, ids, mask, args.new_tokens, cache)
 
     competitors = {
-        "dynamic": timed("dynamic", reference, lambda: generate(reference, ids, mask, args.new_tokens)),
-        "paged": timed("paged", ours, with_paged),
+        "dynamic": generation.timed_decode(
+            reference, lambda: generate(reference, ids, mask, args.new_tokens), decode["dynamic"]
+        ),
+        "paged": generation.timed_decode(ours, with_paged, decode["paged"]),
     }
     for warm in competitors.values():  # untimed: first touches
         warm()

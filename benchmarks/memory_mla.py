@@ -34,7 +34,7 @@ import argparse
 import copy
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: nothing to download
@@ -153,20 +153,12 @@ def compare(
         f"expanded heads: {mib(expanded_bytes(ours_model, stored))})"
     )
     decode: dict[str, list[float]] = {"ours": [], "dynamic": []}
-
-    def timed(name: str, model: Model, run: Callable[[], object]) -> Callable[[], object]:
-        def call() -> object:
-            with generation.decode_forward_times(model) as seconds:
-                result = run()
-            decode[name].extend(seconds)
-            return result
-
-        return call
-
     take_turns(
         {
-            "ours": timed("ours", ours_model, lambda: ours(args.new_tokens)),
-            "dynamic": timed("dynamic", reference, lambda: generate(reference, ids, mask, args.new_tokens)),
+            "ours": generation.timed_decode(ours_model, lambda: ours(args.new_tokens), decode["ours"]),
+            "dynamic": generation.timed_decode(
+                reference, lambda: generate(reference, ids, mask, args.new_tokens), decode["dynamic"]
+            ),
         },
         rounds=args.repeats,
         statistic=args.statistic,

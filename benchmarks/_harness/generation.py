@@ -27,6 +27,7 @@ __all__ = [
     "left_padded_prompts",
     "paired_models",
     "random_model",
+    "timed_decode",
 ]
 
 #: transformers' config and model classes of the architectures a benchmark builds.
@@ -162,3 +163,16 @@ def decode_forward_times(model: Model) -> Generator[list[float]]:
             del model.forward  # the class's own again
         else:
             model.forward = own
+
+
+def timed_decode(model: Model, run: Callable[[], object], into: list[float]) -> Callable[[], object]:
+    """``run`` (a ``generate`` of ``model``) as a competitor of ``take_turns`` that adds the
+    seconds of each of its decode forwards to ``into`` (:func:`decode_forward_times`)."""
+
+    def call() -> object:
+        with decode_forward_times(model) as seconds:
+            result = run()
+        into.extend(seconds)
+        return result
+
+    return call
