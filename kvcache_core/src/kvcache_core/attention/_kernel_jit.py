@@ -97,9 +97,10 @@ _C6, _C7 = np.float32(1.0 / 720.0), np.float32(1.0 / 5040.0)
 
 
 def _prefetch_row_typer(typingctx, array, row):  # type: ignore[no-untyped-def]
-    """Ask the CPU to bring row ``row`` of a 2-D C array (its first 1 KiB) into the L2 cache
-    (``prefetcht1``): the hardware prefetcher stops at every 4 KiB page, a paged pool's
-    keys cross one every few rows."""
+    """Ask the CPU to bring row ``row`` of a 2-D C array into the L2 cache (``prefetcht1``,
+    one per 64-byte line, in a loop: the lines are counted from the row's stride, so a row
+    costs a few instructions per line, not a test of every possible line): the hardware
+    prefetcher stops at every 4 KiB page, a paged pool's keys cross one every few rows."""
     if not (isinstance(array, types.Array) and array.ndim == 2 and isinstance(row, types.Integer)):
         return None
 
@@ -117,10 +118,10 @@ def _prefetch_row_typer(typingctx, array, row):  # type: ignore[no-untyped-def]
         prefetch = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
             builder.module, ir.FunctionType(ir.VoidType(), [start.type, int32, int32, int32]), "llvm.prefetch.p0"
         )
-        for line in range(16):  # (address, read, locality 2: L2, data cache) per 64-byte line
-            offset = context.get_constant(types.intp, 64 * line)
-            with builder.if_then(builder.icmp_signed("<", offset, row_bytes), likely=True):
-                builder.call(prefetch, [builder.gep(start, [offset]), int32(0), int32(2), int32(1)])
+        zero_bytes, line_bytes = context.get_constant(types.intp, 0), context.get_constant(types.intp, 64)
+        with cgutils.for_range_slice(builder, zero_bytes, row_bytes, line_bytes) as (offset, _):
+            # (address, read, locality 2: L2, data cache) per 64-byte line of the row
+            builder.call(prefetch, [builder.gep(start, [offset]), int32(0), int32(2), int32(1)])
         return context.get_dummy_value()
 
     return types.void(array, row), codegen
@@ -273,8 +274,30 @@ def _softmax_step(rows, keys, tile_key, work, softcap):  # type: ignore[no-untyp
             for c in range(low, high):
                 scores[j, c] = np.float32(math.tanh(scores[j, c] * inverse_cap)) * softcap
         new_max = row_max[j]
-        for c in range(low, high):
-            new_max = max(new_max, scores[j, c])
+        # The tile's maximum: a decode row sees every key of its tiles, and eight independent
+        # maxima there take an eighth of the serial chain (LLVM cannot vectorise a float
+        # maximum without "nnan"). Measured on machine C, a warm decode of 4 query heads per
+        # KV head of 64 features: 43.5 -> 40.8 ns per key and KV head.
+        if low == 0 and high == keys:
+            m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = new_max
+            c = 0
+            while c + 8 <= keys:
+                m0 = max(m0, scores[j, c])
+                m1 = max(m1, scores[j, c + 1])
+                m2 = max(m2, scores[j, c + 2])
+                m3 = max(m3, scores[j, c + 3])
+                m4 = max(m4, scores[j, c + 4])
+                m5 = max(m5, scores[j, c + 5])
+                m6 = max(m6, scores[j, c + 6])
+                m7 = max(m7, scores[j, c + 7])
+                c += 8
+            while c < keys:
+                m0 = max(m0, scores[j, c])
+                c += 1
+            new_max = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+        else:
+            for c in range(low, high):
+                new_max = max(new_max, scores[j, c])
         if new_max > row_max[j]:
             shrink = np.float32(math.exp(row_max[j] - new_max))
             row_sum[j] *= shrink
