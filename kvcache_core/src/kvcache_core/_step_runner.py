@@ -18,6 +18,7 @@ from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.lanes import StepLane, storage_step_lane
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
+from kvcache_core.paging.padded import check_padded_layout, check_width, padded_slots, read_padded
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.state_slots import slot_run
 from kvcache_core.step import Step
@@ -83,6 +84,7 @@ class DataPathRunner(Generic[ArrayT]):
         "_check_current",
         "_group_slots",
         "_lanes",
+        "_padded",
         "_path",
         "_scale",
         "_served",
@@ -108,6 +110,8 @@ class DataPathRunner(Generic[ArrayT]):
         unasked: list[StepLane[Any] | Literal[False] | None] = [None] * groups
         self._lanes = unasked if path.lanes else None
         self._scale: tuple[float | None, float] = (None, 0.0)  # the last scale given and checked
+        # The padded gathers' slots by (group, width): the same for every layer of a group.
+        self._padded: dict[tuple[int, int | None], SlotArray] = {}
 
     def _slots(self, step: Step[ArrayT], group: int) -> SlotArray:
         """The step's slots of KV-cache ``group``: the same read-only array for every layer
@@ -199,6 +203,20 @@ class DataPathRunner(Generic[ArrayT]):
             self._writable_at[group] = epoch
             path.record_written(index, slots)
         return output
+
+    def gather_padded(self, step: Step[ArrayT], layer: int, width: int | None, layout: str) -> tuple[ArrayT, ArrayT]:
+        path = self._path
+        config = path.config
+        with path.lock:
+            self._check_current()
+            group, index = config.layer_place(layer)
+            check_padded_layout(layout)
+            width = check_width(width, config.num_blocks * config.block_size)
+            table = step.page_tables[group]
+            slots = self._padded.get((group, width))
+            if slots is None:  # planned once per group and width
+                slots = self._padded[group, width] = padded_slots(table, width)
+            return read_padded(path.storage, index, table, slots, layout)
 
     def read_state(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT:
         path = self._path

@@ -58,6 +58,10 @@ class StepRunner(Protocol[ArrayT]):
         """:meth:`write` then :meth:`attention` of one layer, under one hold of the lock."""
         ...
 
+    def gather_padded(self, step: Step[ArrayT], layer: int, width: int | None, layout: str) -> tuple[ArrayT, ArrayT]:
+        """The step's K/V of ``layer`` as one padded batch (:meth:`Step.gather_padded`)."""
+        ...
+
     def read_state(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT:
         """A copy of the step's requests' state array ``name`` of ``layer``."""
         ...
@@ -228,6 +232,32 @@ class Step(Generic[ArrayT]):
         """
         features = {"window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk}
         return self._runner.write_and_attend(self, layer, keys, values, query, scale, causal, features)
+
+    def gather_padded(self, layer: int, *, width: int | None = None, layout: str = "NHD") -> tuple[ArrayT, ArrayT]:
+        """The K/V of ``layer`` for the step's requests as one padded batch: what a dense
+        attention (transformers' ``sdpa`` or ``eager``) reads. Row ``b`` ends with the last
+        ``min(width, n)`` tokens of request ``b``, ``n`` the tokens its page table lists (all
+        of them after this step; with a sliding window, those from its first held block), and
+        holds zeros before them (a left-padded batch). The storage reads the slots in one
+        pass where it can (:mod:`kvcache_core.contract.padded`); write the layer first.
+
+        Args:
+            layer: a layer that keeps K/V.
+            width: positions per row, ``0`` to the pool's capacity in tokens; ``None``: the
+                longest request's ``n``.
+            layout: ``"NHD"`` for ``[B, width, num_heads, head_dim]`` or ``"HND"`` for
+                ``[B, num_heads, width, head_dim]`` (values: ``value_width``).
+
+        Returns:
+            ``(keys, values)`` new arrays (not views of the pool, possibly strided) of the
+            dtype :meth:`~kvcache_core.PagedKvCacheManager.gather` gives.
+
+        Raises:
+            StaleStepError: a request of the step changed since it was planned.
+            LayerIndexError: ``layer`` out of range or keeping no K/V.
+            InvalidArgumentError: ``width`` or ``layout`` outside the ranges above.
+        """
+        return self._runner.gather_padded(self, layer, width, layout)
 
     def state(self, layer: int, name: str) -> ArrayT:
         """The recurrent state array ``name`` of state layer ``layer`` for the step's

@@ -31,6 +31,7 @@ from kvcache_torch.devices import resolve_device
 from kvcache_torch.dispatch import pool_path
 from kvcache_torch.dtypes import BIT_DTYPES, VALUE_DTYPES, dtype_name, tensor_of, torch_dtype
 from kvcache_torch.lanes import TorchLane
+from kvcache_torch.padded import PaddedReader
 from kvcache_torch.spec import ATTENTION_FEATURES, PREFERRED_LAYOUT
 from kvcache_torch.states import TorchStateStorage
 
@@ -95,6 +96,7 @@ class TorchStorage:
         self._hosts: list[tuple[npt.NDArray[Any], npt.NDArray[Any]] | None] = [None] * config.num_layers  # lanes
         # The last slot array converted and its tensor (a step's layers pass one frozen array).
         self._index_memo: tuple[IntArray, torch.Tensor] | None = None
+        self._padded = PaddedReader(config.kv_layout == "heads_first", self._device)
         if config.quantized:
             self._io_dtype = torch_dtype(config.io_dtype)
             self._scales = torch.zeros(
@@ -188,6 +190,13 @@ class TorchStorage:
         return TorchLane(
             *views, self._config.layout, self._path, self._dtype, self._device, page_table, slots, qo_indptr
         )
+
+    def gather_padded(self, layer: int, slots: IntArray, layout: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A step's padded batch in one indexed read per pool (:mod:`kvcache_torch.padded`);
+        ``None`` for a quantized pool or the HND layout (core then gathers request by request)."""
+        if self._scales is not None or not self._targets:
+            return None
+        return self._padded.read(self._targets[0][layer], self._targets[1][layer], slots, layout)
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """View of the layer's key pool, in the configured layout."""
@@ -373,7 +382,7 @@ class TorchStorage:
         index = self._index(blocks)
         copies: list[npt.NDArray[Any]] = []
         for kv, part in enumerate(self._moved_parts):
-            picked = self._part_to_canonical(part.index_select(self._block_axis - 1, index))
+            picked = self._to_canonical(part.index_select(self._block_axis - 1, index), 1)
             if self._scales is None:
                 copies.append(self._host_copy(picked))
                 continue
@@ -397,20 +406,13 @@ class TorchStorage:
                 data = data.permute(0, 3, 1, 2, 4)
             self._moved_parts[kv].index_copy_(self._block_axis - 1, index, data)
 
-    def _part_to_canonical(self, picked: torch.Tensor) -> torch.Tensor:
-        """``[L, *layout over n blocks]`` -> ``[L, n, block_size, heads, dim]`` (a view)."""
-        if self._config.kv_layout == "HND":  # [L, n, H, bs, D]
-            return picked.transpose(2, 3)
-        if self._config.kv_layout == "heads_first":  # [L, H, n, bs, D]
-            return picked.permute(0, 2, 3, 1, 4)
-        return picked
-
-    def _to_canonical(self, picked: torch.Tensor) -> torch.Tensor:
-        """``[L, 2, *layout over n blocks]`` -> ``[L, 2, n, block_size, heads, dim]`` (a view)."""
-        if self._config.kv_layout == "HND":  # [L, 2, n, H, bs, D]
-            return picked.transpose(3, 4)
-        if self._config.kv_layout == "heads_first":  # [L, 2, H, n, bs, D]
-            return picked.permute(0, 1, 3, 4, 2, 5)
+    def _to_canonical(self, picked: torch.Tensor, leading: int = 2) -> torch.Tensor:
+        """``[L, 2, *layout over n blocks]`` (``leading`` 2; one part ``[L, *layout]``: 1) ->
+        ``[L, 2, n, block_size, heads, dim]`` (``[L, n, ...]``), a view."""
+        if self._config.kv_layout == "HND":  # [..., n, H, bs, D]
+            return picked.transpose(leading + 1, leading + 2)
+        if self._config.kv_layout == "heads_first":  # [..., H, n, bs, D]
+            return picked.permute(*range(leading), leading + 1, leading + 2, leading, leading + 3)
         return picked
 
     def _host_copy(self, tensor: torch.Tensor) -> npt.NDArray[Any]:

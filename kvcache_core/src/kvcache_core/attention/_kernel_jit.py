@@ -48,6 +48,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kvcache_core.attention._kernel_merge import merge_splits
+
 __all__ = [
     "KEY_TILE",
     "POOL_BFLOAT16",
@@ -576,47 +578,3 @@ def attend_share(  # type: ignore[no-untyped-def]
             (softcap, sinks, chunk),
             (key_scales, value_scales, scale_strides),
         )
-
-
-@njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def merge_splits(qo_indptr, merges, group, out, partial_acc, partial_stats, sinks):  # type: ignore[no-untyped-def]
-    """Merge the KV splits with a log-sum-exp: ``merges [m, 5]`` int64 rows ``(request,
-    kv_head, rows, first_partial_row, splits)``, split ``s`` of row ``r`` at partial row
-    ``first + s * rows + r``; the normalised rows go into ``out``. ``sinks
-    [query_heads]`` (empty: none) join each row's denominator."""
-    dim = out.shape[2]
-    merged = np.empty(dim, np.float32)
-    for merge in range(merges.shape[0]):
-        request, head, rows, first, splits = (
-            merges[merge, 0],
-            merges[merge, 1],
-            merges[merge, 2],
-            merges[merge, 3],
-            merges[merge, 4],
-        )
-        query_start = qo_indptr[request]
-        for r in range(rows):
-            q_index = r // group
-            q_head = head * group + (r - q_index * group)
-            top = -np.inf
-            for s in range(splits):
-                at = first + s * rows + r
-                if partial_stats[at, 1] > 0.0:
-                    top = max(top, partial_stats[at, 0])
-            if sinks.shape[0] > 0:
-                top = max(top, sinks[q_head])
-            total = np.float32(0.0)
-            for d in range(dim):
-                merged[d] = 0.0
-            for s in range(splits):
-                at = first + s * rows + r
-                if partial_stats[at, 1] > 0.0:
-                    weight = np.float32(math.exp(partial_stats[at, 0] - top))
-                    total += weight * partial_stats[at, 1]
-                    for d in range(dim):
-                        merged[d] += weight * partial_acc[at, d]
-            if sinks.shape[0] > 0:  # the sink joins the denominator, adds no value
-                total += np.float32(math.exp(sinks[q_head] - top))
-            inverse = np.float32(1.0) / total
-            for d in range(dim):
-                out[query_start + q_index, q_head, d] = merged[d] * inverse

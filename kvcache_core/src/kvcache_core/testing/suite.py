@@ -47,6 +47,7 @@ from kvcache_core.testing.lanes import LaneCases
 from kvcache_core.testing.layer_geometry import LayerGeometryCases
 from kvcache_core.testing.machine import run_reference_machine
 from kvcache_core.testing.mixed_layers import MixedLayerCases
+from kvcache_core.testing.padded import PaddedGatherCases
 from kvcache_core.testing.policies import PolicyCases
 from kvcache_core.testing.quantized import QuantizedCases
 from kvcache_core.testing.regions import RegionCases
@@ -148,6 +149,7 @@ class KvCacheConformance(
     MixedLayerCases,
     ValueWidthCases,
     LayerGeometryCases,
+    PaddedGatherCases,
 ):
     """The contract's tests, run against every backend the ``kvcache_backend`` fixture yields."""
 

@@ -387,7 +387,7 @@ class PagedCache(StateLayerCalls, Cache):
             return key_states, value_states
         window = self._windows[layer]  # a sliding layer's last W - 1 positions and the step's
         kept = None if window is None else min(step.start, window - 1) + step.query_length
-        return self._rows.gather_padded(layer, kept)
+        return self._rows.gather_padded(layer, kept, step.planned)
 
     def _mode_now(self) -> Mode:
         """The path of a forward starting now (:func:`~kvcache_torch.hf.pool_fit.forward_mode`)."""

@@ -62,6 +62,8 @@ class BatchRows:
         self.positions = 0
         self._id_prefix = f"hf-{uuid.uuid4().hex[:12]}"
         self._id_counter = itertools.count()
+        # The last step and, by (group, first position) asked, whether its padded gather serves them.
+        self._padded_known: tuple[Step[torch.Tensor], dict[tuple[int, int], bool]] | None = None
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -139,10 +141,14 @@ class BatchRows:
         self.stored = np.zeros((0, 0), dtype=np.bool_)
         self.positions = 0
 
-    def gather_padded(self, layer: int, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_padded(
+        self, layer: int, last: int | None = None, step: Step[torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's K/V as ``[batch, kv_heads, positions, head_dim]`` (contiguous path), or
         only its ``last`` positions; a position a row did not store (its padding) holds zeros,
-        which the model's mask hides (a transient tensor: the pool holds no padding).
+        which the model's mask hides (a transient tensor: the pool holds no padding). With
+        the forward's ``step`` and a left-padded batch, one padded gather of the step
+        (``Step.gather_padded``: one read per pool where the storage has it); else row by row.
 
         Raises:
             UnsupportedConfigError: the pool no longer holds the positions asked for (its
@@ -150,6 +156,8 @@ class BatchRows:
         """
         start = 0 if last is None else self.positions - last
         width = self.positions - start
+        if step is not None and self._left_padded(step, layer, start):
+            return step.gather_padded(layer, width=width, layout="HND")
         held = self.stored[: len(self.handles), start : self.positions]
         counts = held.sum(axis=1)
         keys: list[torch.Tensor] = []
@@ -168,6 +176,34 @@ class BatchRows:
         if bool((counts == width).all()):  # no padding among these positions
             return torch.stack(keys), torch.stack(values)
         return _with_gaps(keys, held, width), _with_gaps(values, held, width)
+
+    def _left_padded(self, step: Step[torch.Tensor], layer: int, start: int) -> bool:
+        """Whether ``step``'s padded gather gives the positions from ``start`` on of ``layer``:
+        the step's requests are the rows, each row's stored positions there are its last
+        tokens (left padding), its request holds no more tokens than the row uses, and the
+        page table of the layer's group still lists them. Found once per step, group and start."""
+        config = self.manager.config
+        group = config.layer_place(layer)[0]
+        known = self._padded_known
+        if known is None or known[0] is not step:
+            known = self._padded_known = (step, {})
+        usable = known[1].get((group, start))
+        if usable is not None:
+            return usable
+        width = self.positions - start
+        held = self.stored[: len(self.handles), start : self.positions]
+        counts = held.sum(axis=1)
+        tokens = np.asarray(self.tokens, dtype=np.int64)
+        usable = bool(
+            step.request_ids == tuple(self.request_ids)
+            and width <= config.num_blocks * config.block_size
+            and np.array_equal(counts, np.minimum(tokens, width))
+            and np.array_equal(held, np.arange(width)[None, :] >= (width - counts)[:, None])
+            and bool((step.page_tables[group].seq_lens >= counts).all())
+            and all(handle.num_tokens() == count for handle, count in zip(self.handles, self.tokens, strict=True))
+        )
+        known[1][group, start] = usable
+        return usable
 
     # -- prefix caching ------------------------------------------------------------------
 

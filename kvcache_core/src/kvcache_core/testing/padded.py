@@ -1,0 +1,160 @@
+"""The kit's cases for padded gathers (``Step.gather_padded``,
+:mod:`kvcache_core.contract.padded`): every backend gives each request's last tokens, as
+``manager.gather`` gives them, at the end of its row and zeros before, in both layouts, bit
+for bit, whether its storage reads the slots in one pass or core gathers request by request;
+bad arguments are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from kvcache_core.contract.config import AllocationRequest, CacheConfig
+from kvcache_core.contract.groups import LayerSpec
+from kvcache_core.errors import InvalidArgumentError, LayerIndexError, StaleStepError
+from kvcache_core.manager import PagedKvCacheManager
+from kvcache_core.step import Step
+from kvcache_core.testing.backend import BackendUnderTest
+
+__all__ = ["PaddedGatherCases"]
+
+Manager = PagedKvCacheManager[Any]
+
+#: Prompt lengths of the batch: ragged, over several blocks, one shorter than a block.
+LENGTHS = (5, 11, 2)
+
+
+def _filled(manager: Manager, lengths: tuple[int, ...], decodes: int = 2) -> tuple[Step[Any], list[Any]]:
+    """Requests of ``lengths`` written on every K/V layer, then ``decodes`` one-token steps;
+    returns the last step (written) and the handles."""
+    handles = [manager.allocate(AllocationRequest(f"padded{row}")) for row in range(len(lengths))]
+    rng = np.random.default_rng(11)
+    step = manager.begin_step(handles, list(lengths))
+    for turn in range(decodes + 1):
+        if turn:
+            step = manager.begin_step(handles, [1] * len(lengths))
+        for layer in range(manager.config.num_layers):
+            if manager.config.layer_specs is None or manager.config.layer_specs[layer].keeps_kv:
+                group = manager.config.layer_place(layer)[0]
+                _write(manager, step.slots if step.slots.ndim == 1 else step.slots[group], rng, layer)
+    return step, handles
+
+
+def _write(manager: Manager, slots: npt.NDArray[np.int64], rng: np.random.Generator, layer: int) -> None:
+    """Random K/V of the pool's compute dtype into ``slots`` of ``layer`` (a quantized pool
+    keeps what it keeps: the case compares with ``manager.gather``, not with these)."""
+    config = manager.config
+    shape = (len(slots), config.num_heads, config.head_dim)
+    dtype = config.io_dtype
+    arrays = (
+        BackendUnderTest.native(manager, BackendUnderTest.representable(rng.standard_normal(dims), dtype), dtype)
+        for dims in (shape, (*shape[:2], config.value_width))
+    )
+    manager.write(layer, slots, *arrays)
+
+
+def _expected(
+    manager: Manager, handles: list[Any], layer: int, width: int | None, layout: str
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any], str]:
+    """The padded batch built from ``manager.gather`` of each request, on the host, and the
+    dtype of ``manager.gather``'s arrays."""
+    native = [manager.gather(handle, layer) for handle in handles]
+    dtype = manager.storage.array_info(native[0][0])[1]
+    gathered = [[BackendUnderTest.host(manager, array) for array in arrays] for arrays in native]
+    columns = max(len(keys) for keys, _ in gathered) if width is None else width
+    batches: list[npt.NDArray[Any]] = []
+    for part in (0, 1):
+        rows: list[npt.NDArray[Any]] = []
+        for arrays in gathered:
+            array = arrays[part]
+            taken = min(columns, len(array))
+            row = np.zeros((columns, *array.shape[1:]), dtype=array.dtype)
+            row[columns - taken :] = array[len(array) - taken :]
+            rows.append(row)
+        batch = np.stack(rows)
+        batches.append(batch if layout == "NHD" else batch.transpose(0, 2, 1, 3))
+    return batches[0], batches[1], dtype
+
+
+def _check(manager: Manager, step: Step[Any], handles: list[Any], layer: int, context: str) -> None:
+    """Every width and layout of ``layer`` against :func:`_expected`, bit for bit."""
+    longest = max(handle.num_tokens() for handle in handles)
+    for width in (None, 0, 3, longest, longest + 5):
+        for layout in ("NHD", "HND"):
+            keys, values = step.gather_padded(layer, width=width, layout=layout)
+            *expected, dtype = _expected(manager, handles, layer, width, layout)
+            for name, got, want in zip(("keys", "values"), (keys, values), expected, strict=True):
+                host = BackendUnderTest.host(manager, got)
+                where = f"{context}, layer {layer}, width {width}, layout {layout}: {name}"
+                assert host.shape == want.shape, f"{where}: shape {host.shape}, expected {want.shape}"
+                got_dtype = manager.storage.array_info(got)[1]
+                assert got_dtype == dtype, f"{where}: dtype {got_dtype}, manager.gather gives {dtype}"
+                assert np.array_equal(host, want), f"{where} differ from manager.gather's, padded"
+
+
+class PaddedGatherCases:
+    """Cases every backend runs (``Step.gather_padded`` is core's, over any storage)."""
+
+    def test_a_padded_gather_holds_each_request_s_last_tokens_after_zeros(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        quantized = [
+            kvcache_backend.config(dtype=dtype, kv_layout=layout, num_blocks=40, head_dim=32)
+            for dtype in kvcache_backend.quantized_dtypes
+            for layout in kvcache_backend.kv_layouts
+        ]
+        configs: list[CacheConfig] = [*kvcache_backend.configs(num_blocks=40), *quantized]
+        for config in configs:
+            with kvcache_backend.manager(config) as manager:
+                step, handles = _filled(manager, LENGTHS)
+                context = f"dtype {config.dtype}, layout {config.kv_layout}"
+                for layer in range(config.num_layers):
+                    _check(manager, step, handles, layer, context)
+
+    @pytest.mark.kvcache_requires("sliding_window")
+    def test_a_padded_gather_of_a_window_holds_the_tokens_the_window_keeps(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        for config in kvcache_backend.configs(num_blocks=40, sliding_window=5):
+            with kvcache_backend.manager(config) as manager:
+                step, handles = _filled(manager, (13, 6, 2), decodes=4)
+                assert any(
+                    handle.num_tokens() > table_tokens
+                    for handle, table_tokens in zip(handles, step.page_table.seq_lens.tolist(), strict=True)
+                ), "the window released no block: the case tests nothing"
+                _check(manager, step, handles, 0, f"window 5, dtype {config.dtype}, layout {config.kv_layout}")
+
+    def test_a_padded_gather_refuses_bad_arguments_by_name(self, kvcache_backend: BackendUnderTest) -> None:
+        config = kvcache_backend.config(num_blocks=40)
+        with kvcache_backend.manager(config) as manager:
+            step, handles = _filled(manager, LENGTHS)
+            capacity = config.num_blocks * config.block_size
+            for width in (-1, capacity + 1, 2.0, "3", True):
+                with pytest.raises(InvalidArgumentError, match="width"):
+                    step.gather_padded(0, width=width)  # type: ignore[arg-type]  # what the case tests
+            for layout in ("HDN", "heads_first", None):
+                with pytest.raises(InvalidArgumentError, match="layout"):
+                    step.gather_padded(0, layout=layout)  # type: ignore[arg-type]  # what the case tests
+            for layer in (-1, config.num_layers, "0"):
+                with pytest.raises(LayerIndexError):
+                    step.gather_padded(layer)  # type: ignore[arg-type]  # what the case tests
+            keys, _ = step.gather_padded(0, width=capacity)  # the largest width there is
+            assert tuple(keys.shape[:2]) == (len(LENGTHS), capacity)
+            manager.begin_step(handles, [1] * len(LENGTHS))  # the requests grew: the old step is stale
+            with pytest.raises(StaleStepError):
+                step.gather_padded(0)
+
+    @pytest.mark.kvcache_requires("state_layers")
+    def test_a_padded_gather_of_a_state_layer_is_refused(self, kvcache_backend: BackendUnderTest) -> None:
+        from kvcache_core.testing.states import STATE, state_config
+
+        config = state_config(kvcache_backend, layers=(LayerSpec(state=STATE), LayerSpec()), num_blocks=40)
+        with kvcache_backend.manager(config) as manager:
+            step, handles = _filled(manager, LENGTHS, decodes=0)
+            with pytest.raises(LayerIndexError):
+                step.gather_padded(0)
+            _check(manager, step, handles, 1, "the K/V layer after a state layer")

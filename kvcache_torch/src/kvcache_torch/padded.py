@@ -1,0 +1,116 @@
+"""The torch pool's padded gather (:mod:`kvcache_core.contract.padded`): a step's K/V of one
+layer read in one ``index_select`` per pool, straight into the padded batch.
+
+Core gives the slot of every position (``-1``: padding), the same frozen array for every
+layer of a step; the reader turns it into an index tensor and its padding rows once. Per layer
+it takes the rows of the pool's flat view (NHD ``[slots, heads, dim]``, heads-first
+``[heads, slots, dim]``), lays them out as asked and zeroes the padding in place: one pass
+over the K/V (two where the layout changes) where a gather per request, a zeroed batch and a
+copy into it take three or four.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvcache_torch.dtypes import tensor_of
+
+__all__ = ["PaddedReader"]
+
+#: Slot arrays remembered at most (a step has one per KV-cache group and width).
+_MEMO_SIZE = 8
+
+
+class PaddedReader:
+    """Reads padded batches from one pool's flat layer views (NHD or heads-first).
+
+    Args:
+        heads_first: the views are ``[heads, slots, dim]`` (else ``[slots, heads, dim]``).
+        device: the pool's.
+    """
+
+    __slots__ = ("_device", "_heads_first", "_memo")
+
+    def __init__(self, heads_first: bool, device: torch.device) -> None:
+        self._heads_first, self._device = heads_first, device
+        # Frozen slot arrays lately read (by id, the array kept alive) and their plans: a
+        # step's KV-cache groups each pass their own.
+        self._memo: dict[int, tuple[npt.NDArray[np.int64], _Plan]] = {}
+
+    def read(
+        self, keys: torch.Tensor, values: torch.Tensor, slots: npt.NDArray[np.int64], layout: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` at ``slots`` ``[batch, positions]`` of the flat views, zeros at
+        ``-1``, ``[batch, positions, heads, dim]`` (``"NHD"``) or heads second (``"HND"``)."""
+        plan = self._plan(slots)
+        return plan.take(keys, self._heads_first, layout), plan.take(values, self._heads_first, layout)
+
+    def _plan(self, slots: npt.NDArray[np.int64]) -> _Plan:
+        known = self._memo.get(id(slots))
+        if known is not None and known[0] is slots:
+            return known[1]
+        plan = _Plan(slots, self._device)
+        base: Any = slots.base
+        if not slots.flags.writeable and isinstance(base, np.ndarray) and not base.flags.writeable:
+            if len(self._memo) >= _MEMO_SIZE:  # an earlier step's: dropped
+                self._memo.clear()
+            self._memo[id(slots)] = (slots, plan)  # frozen: the same positions for every layer
+        return plan
+
+
+class _Plan:
+    """One slot array's index tensor and how its padding is zeroed: a slice per left-padded
+    row, else ``index_fill_`` of the padding's rows in each output layout (a broadcast mask
+    measured several times slower than either)."""
+
+    __slots__ = ("_batch", "_device", "_fills", "_index", "_leads", "_pads", "_positions")
+
+    def __init__(self, slots: npt.NDArray[np.int64], device: torch.device) -> None:
+        self._batch, self._positions = int(slots.shape[0]), int(slots.shape[1])
+        flat = np.asarray(slots, dtype=np.int64).reshape(-1)
+        pads = flat < 0
+        self._index = tensor_of(np.where(pads, 0, flat)).to(device)
+        self._pads = np.flatnonzero(pads) if bool(pads.any()) else None  # (row * positions + position)
+        self._device = device
+        self._fills: dict[tuple[str, int], torch.Tensor] = {}
+        # A left-padded batch (core's): per padded row, its padding positions, zeroed as one slice.
+        leads = pads.reshape(slots.shape).sum(axis=1)
+        columns = np.arange(self._positions)[None, :]
+        left = np.array_equal(pads.reshape(slots.shape), columns < leads[:, None])
+        self._leads = [(row, lead) for row, lead in enumerate(leads.tolist()) if lead] if left else None
+
+    def take(self, rows: torch.Tensor, heads_first: bool, layout: str) -> torch.Tensor:
+        batch, positions = self._batch, self._positions
+        dim = int(rows.shape[2])
+        heads = int(rows.shape[0] if heads_first else rows.shape[1])
+        if heads_first:  # [heads, batch * positions, dim]
+            taken = rows.index_select(1, self._index).view(heads, batch, positions, dim)
+            out = (taken.permute(1, 0, 2, 3) if layout == "HND" else taken.permute(1, 2, 0, 3)).contiguous()
+        else:  # [batch * positions, heads, dim]
+            out = rows.index_select(0, self._index).view(batch, positions, heads, dim)
+            if layout == "HND":
+                out = out.transpose(1, 2).contiguous()
+        if self._leads is not None:
+            for row, lead in self._leads:
+                (out[row, :, :lead] if layout == "HND" else out[row, :lead]).zero_()
+        elif self._pads is not None:
+            fill = self._fills.get((layout, heads))
+            if fill is None:
+                fill = self._fills[layout, heads] = self._fill_rows(layout, heads)
+            out.view(-1, dim).index_fill_(0, fill, 0)
+        return out
+
+    def _fill_rows(self, layout: str, heads: int) -> torch.Tensor:
+        """The ``[*, dim]`` rows of an output in ``layout`` that are padding."""
+        assert self._pads is not None  # only asked where there is padding
+        row, position = np.divmod(self._pads, self._positions)
+        head = np.arange(heads, dtype=np.int64)[None, :]
+        if layout == "HND":  # [batch, heads, positions, dim]
+            rows = (row[:, None] * heads + head) * self._positions + position[:, None]
+        else:  # [batch, positions, heads, dim]
+            rows = self._pads[:, None] * heads + head
+        return tensor_of(np.ascontiguousarray(rows.reshape(-1))).to(self._device)

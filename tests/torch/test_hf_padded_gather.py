@@ -1,0 +1,109 @@
+"""The contiguous path (``sdpa``, ``eager``) reads a left-padded batch's K/V with the step's
+padded gather (``Step.gather_padded``), one read per pool where the storage has it, and gives
+the logits the row-by-row gather gives, bit for bit, and ``DynamicCache``'s."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvcache_core import PagedKvCacheManager, Step, create_manager
+from kvcache_torch.hf.rows import BatchRows
+from tests.torch.hf_support import (
+    TOLERANCE,
+    Model,
+    PagedCache,
+    Tensor,
+    build_model,
+    cache_config_for,
+    generate,
+    max_logit_difference,
+    one_thread,  # noqa: F401  # pyright: ignore[reportUnusedImport]  # a fixture, used by pytestmark
+    prompts,
+    torch,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _row_by_row(*arguments: object) -> bool:
+    """``BatchRows._left_padded`` of the row-by-row path: never."""
+    return False
+
+
+def _manager(model: Model, layout: str, dtype: str | None = None) -> PagedKvCacheManager[Tensor]:
+    config = cache_config_for(model, num_blocks=96, block_size=4)
+    config = dataclasses.replace(config, kv_layout=layout, dtype=config.dtype if dtype is None else dtype)
+    manager: PagedKvCacheManager[Tensor] = create_manager("torch", config)
+    return manager
+
+
+def _sdpa_pair(**overrides: Any) -> tuple[Model, Model]:
+    """``(model on sdpa, the same weights on sdpa)``: one for ours, one for DynamicCache."""
+    model = build_model(**overrides)
+    model.set_attn_implementation("sdpa")
+    reference = build_model(**overrides)
+    reference.set_attn_implementation("sdpa")
+    return model, reference
+
+
+def _run(model: Model, manager: PagedKvCacheManager[Tensor], ids: Tensor, mask: Tensor) -> tuple[Any, int]:
+    """``generate`` through a PagedCache; returns its output and the padded gathers it made."""
+    calls = [0]
+    original: Callable[..., Any] = vars(Step)["gather_padded"]
+
+    def counted(step: Step[Tensor], *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(step, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Step, "gather_padded", counted)
+        with PagedCache(manager, model.config) as cache:
+            output = generate(model, ids, mask, cache)
+    return output, calls[0]
+
+
+@pytest.mark.parametrize("layout", ["heads_first", "NHD", "HND"])
+def test_a_left_padded_batch_is_read_in_one_padded_gather_per_layer(layout: str) -> None:
+    model, reference = _sdpa_pair()
+    ids, mask = prompts(3, 10, pads=(0, 4, 1))
+    ours, gathers = _run(model, _manager(model, layout), ids, mask)
+    layers = model.config.num_hidden_layers
+    assert gathers == layers * 5  # every decode forward after the first, every layer
+    with pytest.MonkeyPatch.context() as patch:  # the same run, row by row
+        patch.setattr(BatchRows, "_left_padded", _row_by_row)
+        by_rows, none = _run(model, _manager(model, layout), ids, mask)
+    assert none == 0
+    for got, expected in zip(ours.logits, by_rows.logits, strict=True):
+        assert torch.equal(got, expected)
+    assert max_logit_difference(ours.logits, generate(reference, ids, mask).logits) <= TOLERANCE
+
+
+def test_a_quantized_pool_is_read_request_by_request_with_the_same_logits() -> None:
+    model, _ = _sdpa_pair()
+    ids, mask = prompts(3, 10, pads=(0, 4, 1))
+    ours, gathers = _run(model, _manager(model, "heads_first", "int8"), ids, mask)
+    assert gathers == model.config.num_hidden_layers * 5  # core gathers request by request (the storage declines)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BatchRows, "_left_padded", _row_by_row)
+        by_rows, _ = _run(model, _manager(model, "heads_first", "int8"), ids, mask)
+    for got, expected in zip(ours.logits, by_rows.logits, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_a_sliding_layer_reads_its_window_s_positions_in_one_padded_gather() -> None:
+    # Mistral with a window of 6: the sliding layers' group releases blocks as the rows grow,
+    # and each forward reads only the window's last positions, as DynamicSlidingWindowLayer.
+    model, reference = _sdpa_pair(architecture="mistral", sliding_window=6)
+    ids, mask = prompts(3, 10, pads=(0, 4, 1))
+    ours, gathers = _run(model, _manager(model, "heads_first"), ids, mask)
+    assert gathers == model.config.num_hidden_layers * 5
+    assert max_logit_difference(ours.logits, generate(reference, ids, mask).logits) <= TOLERANCE
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BatchRows, "_left_padded", _row_by_row)
+        by_rows, _ = _run(model, _manager(model, "heads_first"), ids, mask)
+    for got, expected in zip(ours.logits, by_rows.logits, strict=True):
+        assert torch.equal(got, expected)
