@@ -44,7 +44,6 @@ from kvcache_core.paging.checks import ArgumentChecks
 from kvcache_core.paging.in_place import grow_in_place, plan_in_place
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import GrowthPlan, SequenceBlocks
-from kvcache_core.paging.state_slots import slot_run
 from kvcache_core.step import Step
 
 __all__ = ["DataPath", "extend_arguments"]
@@ -472,19 +471,11 @@ class DataPath(Generic[ArrayT]):
         values: ArrayT = states.storage.read(index, slots)
         return values
 
-    def read_state_view(self, slots: SlotArray, layer: object, name: object) -> ArrayT | None:
-        """State array ``name`` of ``layer`` for the requests holding ``slots``, sliced from the
-        pool's array when ``slots`` are one ascending run (a view with a mutable array
-        library, the current values with an immutable one); ``None`` otherwise.
-
-        Raises:
-            LayerIndexError, InvalidArgumentError: as :meth:`read_state`.
-        """
-        return self.read_state_rows(slot_run(slots), layer, name)
-
     def read_state_rows(self, run: tuple[int, int] | None, layer: object, name: object) -> ArrayT | None:
-        """:meth:`read_state_view` for slots whose run ``(first, count)`` is known
-        (:func:`~kvcache_core.paging.state_slots.slot_run`; ``None``: not one run).
+        """State array ``name`` of ``layer`` for the requests holding the slots of ``run``
+        ``(first, count)`` (:func:`~kvcache_core.paging.state_slots.slot_run`), sliced from the
+        pool's array (a view with a mutable array library, the current values with an
+        immutable one); ``None`` when the slots are not one ascending run (``run`` ``None``).
 
         Raises:
             LayerIndexError, InvalidArgumentError: as :meth:`read_state`.

@@ -18,7 +18,8 @@ from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.lanes import StepLane, storage_step_lane
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
-from kvcache_core.paging.padded import check_padded_layout, check_width, padded_slots, read_padded
+from kvcache_core.contract.scalars import check_optional_count
+from kvcache_core.paging.padded import check_padded_layout, padded_slots, read_padded
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.state_slots import slot_run
 from kvcache_core.step import Step
@@ -62,8 +63,6 @@ class RunnerPath(Protocol[ArrayT]):
     ) -> tuple[int, tuple[int, ArrayT, PageTable, Any, float, bool], dict[str, Any]]: ...
 
     def read_state(self, slots: SlotArray, layer: object, name: object) -> ArrayT: ...
-
-    def read_state_view(self, slots: SlotArray, layer: object, name: object) -> ArrayT | None: ...
 
     def read_state_rows(self, run: tuple[int, int] | None, layer: object, name: object) -> ArrayT | None: ...
 
@@ -211,7 +210,7 @@ class DataPathRunner(Generic[ArrayT]):
             self._check_current()
             group, index = config.layer_place(layer)
             check_padded_layout(layout)
-            width = check_width(width, config.num_blocks * config.block_size)
+            width = check_optional_count(width, "width", 0, config.num_blocks * config.block_size)
             table = step.page_tables[group]
             slots = self._padded.get((group, width))
             if slots is None:  # planned once per group and width

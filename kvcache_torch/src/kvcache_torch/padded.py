@@ -1,13 +1,13 @@
 """The torch pool's padded gather (:mod:`kvcache_core.contract.padded`): a step's K/V of one
-layer read in one ``index_select`` per pool, straight into the padded batch.
+layer read in one pass per pool, straight into the padded batch.
 
-Core gives the slot of every position (``-1``: padding), the same frozen array for every
-layer of a step; the reader turns it into an index tensor and its padding rows once. Per layer
-it takes the rows of the pool's flat view (NHD ``[slots, heads, dim]``, heads-first
-``[heads, slots, dim]``), lays them out as asked and zeroes the padding in place: one pass
-over the K/V where a gather per request, a zeroed batch and a copy into it take three (a
-heads-first pool read heads second, as transformers takes it, goes straight into place, a row
-or a head of a row per ``index_select``).
+Core gives the slot of every position (``-1``: padding, which opens each row), the same
+frozen array for every layer of a step; the reader turns it once into an index tensor and each
+row's padding count. Per layer it takes the rows of the pool's flat view (NHD ``[slots, heads,
+dim]``, heads-first ``[heads, slots, dim]``), lays them out as asked and zeroes each row's
+padding as one slice: one pass over the K/V where a gather per request, a zeroed batch and a
+copy into it take three (a heads-first pool read heads second, as transformers takes it, goes
+straight into place, a row or a head of a row per ``index_select``).
 """
 
 from __future__ import annotations
@@ -70,25 +70,16 @@ class PaddedReader:
 
 
 class _Plan:
-    """One slot array's index tensor and how its padding is zeroed: a slice per left-padded
-    row, else ``index_fill_`` of the padding's rows in each output layout (a broadcast mask
-    measured several times slower than either)."""
+    """One slot array's index tensor and, per row, how many padding positions open it (zeroed
+    as one slice: a broadcast mask measured 3-5x slower)."""
 
-    __slots__ = ("_batch", "_device", "_fills", "_index", "_leads", "_pads", "_positions")
+    __slots__ = ("_batch", "_index", "_leads", "_positions")
 
     def __init__(self, slots: npt.NDArray[np.int64], device: torch.device) -> None:
         self._batch, self._positions = int(slots.shape[0]), int(slots.shape[1])
-        flat = np.asarray(slots, dtype=np.int64).reshape(-1)
-        pads = flat < 0
-        self._index = tensor_of(np.where(pads, 0, flat)).to(device)
-        self._pads = np.flatnonzero(pads) if bool(pads.any()) else None  # (row * positions + position)
-        self._device = device
-        self._fills: dict[tuple[str, int], torch.Tensor] = {}
-        # A left-padded batch (core's): per padded row, its padding positions, zeroed as one slice.
-        leads = pads.reshape(slots.shape).sum(axis=1)
-        columns = np.arange(self._positions)[None, :]
-        left = np.array_equal(pads.reshape(slots.shape), columns < leads[:, None])
-        self._leads = [(row, lead) for row, lead in enumerate(leads.tolist()) if lead] if left else None
+        pads = slots < 0  # the padding opens each row (the contract's left padding)
+        self._index = tensor_of(np.where(pads, 0, slots).reshape(-1).astype(np.int64)).to(device)
+        self._leads = [(row, lead) for row, lead in enumerate(pads.sum(axis=1).tolist()) if lead]
 
     def take(self, rows: torch.Tensor, heads_first: bool, layout: str) -> torch.Tensor:
         batch, positions = self._batch, self._positions
@@ -111,23 +102,6 @@ class _Plan:
             out = rows.index_select(0, self._index).view(batch, positions, heads, dim)
             if layout == "HND":
                 out = out.transpose(1, 2).contiguous()
-        if self._leads is not None:
-            for row, lead in self._leads:
-                (out[row, :, :lead] if layout == "HND" else out[row, :lead]).zero_()
-        elif self._pads is not None:
-            fill = self._fills.get((layout, heads))
-            if fill is None:
-                fill = self._fills[layout, heads] = self._fill_rows(layout, heads)
-            out.view(-1, dim).index_fill_(0, fill, 0)
+        for row, lead in self._leads:
+            (out[row, :, :lead] if layout == "HND" else out[row, :lead]).zero_()
         return out
-
-    def _fill_rows(self, layout: str, heads: int) -> torch.Tensor:
-        """The ``[*, dim]`` rows of an output in ``layout`` that are padding."""
-        assert self._pads is not None  # only asked where there is padding
-        row, position = np.divmod(self._pads, self._positions)
-        head = np.arange(heads, dtype=np.int64)[None, :]
-        if layout == "HND":  # [batch, heads, positions, dim]
-            rows = (row[:, None] * heads + head) * self._positions + position[:, None]
-        else:  # [batch, positions, heads, dim]
-            rows = self._pads[:, None] * heads + head
-        return tensor_of(np.ascontiguousarray(rows.reshape(-1))).to(self._device)

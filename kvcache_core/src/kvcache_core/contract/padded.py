@@ -39,7 +39,8 @@ class PaddedGatherStorage(Protocol):
         Args:
             layer: the storage layer (checked).
             slots: ``[batch, positions]`` int64 pool slots, read-only; ``-1`` marks a
-                padding position, which reads as zeros. The same array object for every
+                padding position, which reads as zeros, and a row's padding positions all
+                come before its slots (a left-padded batch). The same array object for every
                 layer of a step (a storage may keep what it derived from it).
             layout: one of :data:`PADDED_LAYOUTS` (checked).
 

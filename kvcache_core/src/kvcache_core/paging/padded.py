@@ -18,10 +18,9 @@ import numpy as np
 from kvcache_core.contract.padded import PADDED_LAYOUTS, storage_gather_padded
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
-from kvcache_core.contract.scalars import check_optional_count
 from kvcache_core.errors import InvalidArgumentError
 
-__all__ = ["check_padded_layout", "check_width", "padded_slots", "read_padded"]
+__all__ = ["check_padded_layout", "padded_slots", "read_padded"]
 
 ArrayT = TypeVar("ArrayT")
 
@@ -35,17 +34,6 @@ def check_padded_layout(layout: object) -> str:
     if type(layout) is not str or layout not in PADDED_LAYOUTS:
         raise InvalidArgumentError(f"layout must be one of {', '.join(map(repr, PADDED_LAYOUTS))}, got {layout!r}")
     return layout
-
-
-def check_width(width: object, capacity: int) -> int | None:
-    """``width`` (``None``: the longest request's tokens) if it is an int in ``[0, capacity]``.
-
-    Raises:
-        InvalidArgumentError: anything else, naming the range.
-    """
-    if width is None:
-        return None
-    return check_optional_count(width, "width", 0, capacity)
 
 
 def padded_slots(table: PageTable, width: int | None) -> SlotArray:

@@ -148,6 +148,22 @@ class PaddedGatherCases:
             with pytest.raises(StaleStepError):
                 step.gather_padded(0)
 
+    def test_a_padded_gather_of_an_empty_step_is_an_empty_batch(self, kvcache_backend: BackendUnderTest) -> None:
+        for config in kvcache_backend.configs(num_blocks=40):
+            with kvcache_backend.manager(config) as manager:
+                step = manager.begin_step([], [])
+                for width, layout in ((None, "NHD"), (3, "NHD"), (3, "HND")):
+                    keys, values = step.gather_padded(0, width=width, layout=layout)
+                    columns = 0 if width is None else width
+                    heads, dim, value_dim = config.num_heads, config.head_dim, config.value_width
+                    nhd = layout == "NHD"
+                    expected = ((0, columns, heads, dim), (0, columns, heads, value_dim))
+                    if not nhd:
+                        expected = ((0, heads, columns, dim), (0, heads, columns, value_dim))
+                    got = (manager.storage.array_info(keys)[0], manager.storage.array_info(values)[0])
+                    context = f"dtype {config.dtype}, layout {config.kv_layout}, width {width}, {layout}"
+                    assert got == expected, f"{context}: shapes {got}, expected {expected}"
+
     @pytest.mark.kvcache_requires("state_layers")
     def test_a_padded_gather_of_a_state_layer_is_refused(self, kvcache_backend: BackendUnderTest) -> None:
         from kvcache_core.testing.states import STATE, state_config
