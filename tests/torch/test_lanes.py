@@ -6,9 +6,11 @@ where a call is refused. (The kit's ``LaneCases`` compare the lane with the gene
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,8 +18,9 @@ import kvcache_torch.attention
 from kvcache_core import AllocationRequest, PagedKvCacheManager, create_manager
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.backends import dispatch
-from kvcache_core.errors import DTypeMismatchError, SharedBlockWriteError, StaleStepError
-from kvcache_torch import TorchStorage, lanes
+from kvcache_core.contract.page_table import PageTable
+from kvcache_core.errors import DTypeMismatchError, ShapeMismatchError, SharedBlockWriteError, StaleStepError
+from kvcache_torch import TorchStorage, lanes, run_views
 from kvcache_torch import dispatch as torch_dispatch
 from kvcache_torch.lanes import TorchLane
 from tests.core.support import make_config
@@ -187,3 +190,118 @@ def test_a_steps_first_layer_reads_the_measured_path_without_attending_through_t
         assert counted_per_turn[2] == (0 if decode.path == "kernel" else 3)
     finally:
         torch_dispatch.DISPATCH.forget()
+
+
+def several_runs_by_hand(table: PageTable) -> bool:
+    pages = table.kv_indices.tolist()
+    offsets = table.kv_indptr.tolist()
+    return any(
+        pages[index + 1] != pages[index] + 1
+        for start, end in itertools.pairwise(offsets)
+        for index in range(start, end - 1)
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_several_runs_is_found_once_per_arrays_of_pages_and_stays_right(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        batch = int(rng.integers(1, 5))
+        counts = rng.integers(0, 5, size=batch).tolist()
+        contiguous = bool(rng.integers(0, 2))
+        start = int(rng.integers(0, 50))
+        pages = list(range(start, start + sum(counts))) if contiguous else rng.permutation(64)[: sum(counts)].tolist()
+        lengths = [count * 4 - int(rng.integers(0, 4)) if count else 0 for count in counts]
+        offsets = [0, *itertools.accumulate(counts)]
+        padded = np.zeros((batch, max([*counts, 1])), dtype=np.int32)
+        for row, (first, last) in enumerate(itertools.pairwise(offsets)):
+            padded[row, : last - first] = pages[first:last]
+        table = PageTable(
+            kv_indptr=np.array(offsets),
+            kv_indices=np.array(pages, dtype=np.int32),
+            kv_last_page_len=np.array(
+                [length - (count - 1) * 4 if count else 0 for length, count in zip(lengths, counts, strict=True)]
+            ),
+            block_tables=padded,
+            seq_lens=np.array(lengths),
+            block_size=4,
+        )
+        expected = several_runs_by_hand(table)
+        assert run_views.several_runs(table) is expected
+        assert run_views.several_runs(table) is expected  # remembered
+        shorter = [max(0, length - 1) if length % 4 != 1 else length for length in lengths]
+        assert run_views.several_runs(table.with_seq_lens(shorter)) is expected  # the same pages, shared
+
+
+@pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
+def test_a_kernel_call_for_the_next_batch_equals_a_fresh_one_and_refuses_another_batch() -> None:
+    manager = make_manager(kv_layout="heads_first")
+    handles = [manager.allocate(AllocationRequest(name)) for name in ("a", "b")]
+    step = manager.begin_step(handles, [5, 9])
+    keys, values, _ = arrays(manager, 14, 3)
+    step.write(0, keys, values)
+    storage = manager.storage
+    pools = (torch_dispatch.host_view(storage.key_cache(0)), torch_dispatch.host_view(storage.value_cache(0)))
+
+    def prepared(step: Any) -> paged_kernel.KernelCall:
+        return paged_kernel.prepare_kernel_call(
+            (2, 2 * manager.config.num_heads, manager.config.head_dim),
+            *pools,
+            step.page_table,
+            step.qo_indptr,
+            dtype="float32",
+            causal=True,
+            kv_layout="heads_first",
+            sliding_window=None,
+        )
+
+    first = manager.begin_step(handles, [1, 1])
+    call = prepared(first)
+    first.write(0, *arrays(manager, 2, 4)[:2])
+    second = manager.begin_step(handles, [1, 1])
+    second.write(0, *arrays(manager, 2, 5)[:2])
+    query = arrays(manager, 2, 6)[2].numpy()
+    expected = prepared(second)(query, *pools, 0.25)
+    assert np.array_equal(call.for_batch(second.page_table, second.qo_indptr)(query, *pools, 0.25), expected)
+    other = manager.begin_step(handles[:1], [1])
+    with pytest.raises(ShapeMismatchError, match="2 queries"):
+        call.for_batch(other.page_table, other.qo_indptr)
+
+
+@pytest.mark.parametrize("path", ["kernel", "native"])
+def test_decode_steps_take_the_groups_settled_path_over_until_a_block_fills(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if path == "kernel" and not paged_kernel.kernel_available():
+        pytest.skip("numba is not installed (or switched off)")
+    looked_up: list[int] = []
+    real = torch_dispatch.measured_plain_path
+
+    def counted(*args: Any, **kwargs: Any) -> str | None:
+        looked_up.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lanes, "measured_plain_path", counted)
+    config = make_config(64, 4, num_layers=2, num_heads=2, head_dim=8, kv_layout="heads_first")
+    lane_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path=path))
+    general_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path="native"))
+    managers = (lane_manager, general_manager)
+    names = ("a",) if path == "native" else ("a", "b")  # one request in one run: torch's views
+    handles = [
+        [manager.allocate(AllocationRequest(name, max_sequence_length=40)) for name in names] for manager in managers
+    ]
+    lookups: list[int] = []
+    for turn, count in enumerate([6] + [1] * 9):
+        looked_up.clear()
+        counts = [count] * len(names)
+        step, general = (manager.begin_step(rows, counts) for manager, rows in zip(managers, handles, strict=True))
+        for layer in range(2):
+            keys, values, query = arrays(lane_manager, sum(counts), 10 * turn + layer)
+            general.write(layer, keys, values)
+            torch.testing.assert_close(
+                step.write_and_attend(layer, keys, values, query), general.attention(layer, query)
+            )
+        lookups.append(len(looked_up))
+    # Tokens 7..15 one per step in blocks of 4: steps reaching 9 and 13 take a new block and look
+    # the path up again; the others take the settled one over (the prefill is no decode).
+    assert lookups == [1, 1, 0, 1, 0, 0, 0, 1, 0, 0]

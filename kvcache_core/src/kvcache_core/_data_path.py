@@ -266,7 +266,9 @@ class DataPath(Generic[ArrayT]):
                 [table.physical_block(table.first_logical + index) for index in range(was[2], now[2])]
                 for table, was, now in zip(tables, last[0], built, strict=True)
             ]
-            table = last[1].with_seq_lens(held, generations, new_pages=new_pages)
+            # No block appended (a decode step, mostly): the lengths alone are new.
+            appended = any(new_pages)
+            table = last[1].with_seq_lens(held, generations, new_pages=new_pages if appended else None)
         else:
             table = PageTable.from_block_tables(
                 tables,

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar, cast
 
 import numpy as np
 
 from kvcache_core.attention.features import storage_attention_features
 from kvcache_core.attention.reference import check_scale
 from kvcache_core.contract.config import CacheConfig
-from kvcache_core.contract.lanes import StepLane, storage_step_lane
+from kvcache_core.contract.lanes import LaneStorage, StepLane
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
 from kvcache_core.contract.scalars import check_optional_count
@@ -99,7 +99,7 @@ class DataPathRunner(Generic[ArrayT]):
         self._state_slots = np.array([state.state_slot for state in states], dtype=np.int64)
         self._state_run: tuple[int, int] | Literal[False] | None = False  # False: not found yet
         self._states = states
-        self._served = storage_attention_features(path.storage)
+        self._served: frozenset[str] | None = None  # the storage's attention features, read by the general path
         # Per KV-cache group, the epoch at which the group's slots were last found writable
         # (-1: not yet): a block of the step that is registered in the prefix cache or
         # mapped by another request after planning is never written in place.
@@ -111,6 +111,13 @@ class DataPathRunner(Generic[ArrayT]):
         self._scale: tuple[float | None, float] = (None, 0.0)  # the last scale given and checked
         # The padded gathers' slots by (group, width): the same for every layer of a group.
         self._padded: dict[tuple[int, int | None], SlotArray] = {}
+
+    def _features_served(self) -> frozenset[str]:
+        """The storage's attention features (read once per step, where a call needs them)."""
+        served = self._served
+        if served is None:
+            served = self._served = storage_attention_features(self._path.storage)
+        return served
 
     def _slots(self, step: Step[ArrayT], group: int) -> SlotArray:
         """The step's slots of KV-cache ``group``: the same read-only array for every layer
@@ -136,7 +143,7 @@ class DataPathRunner(Generic[ArrayT]):
         with path.lock:
             self._check_current()
             _, call, keywords = path.attention_call(
-                layer, query, scale, causal, features, None, None, step, self._served
+                layer, query, scale, causal, features, None, None, step, self._features_served()
             )
             return path.storage.paged_attention(*call, **keywords)
 
@@ -161,7 +168,7 @@ class DataPathRunner(Generic[ArrayT]):
                     return output
             # Every check of the attention first: a refused call writes nothing.
             group, call, keywords = path.attention_call(
-                layer, query, scale, causal, features, None, None, step, self._served
+                layer, query, scale, causal, features, None, None, step, self._features_served()
             )
             self._writable_at[group] = path.write(
                 call[0], self._slots(step, group), keys, values, self._writable_at[group]
@@ -186,7 +193,10 @@ class DataPathRunner(Generic[ArrayT]):
         if lane is None:
             slots = self._slots(step, group)
             made = (
-                storage_step_lane(path.storage, step.page_tables[group], slots, step.qo_indptr) if len(slots) else None
+                # path.lanes: the storage is a LaneStorage (checked once, not per step)
+                cast(LaneStorage, path.storage).step_lane(step.page_tables[group], slots, step.qo_indptr)
+                if len(slots)
+                else None
             )
             lanes[group] = lane = False if made is None else made
         if lane is False:

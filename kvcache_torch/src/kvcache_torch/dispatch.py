@@ -24,6 +24,7 @@ from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.backends.dispatch import AttentionDispatch, ShapeClass, pinned_path
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.errors import UnsupportedConfigError
+from kvcache_torch.run_views import several_runs
 from kvcache_torch.threads import torch_team
 
 __all__ = [
@@ -77,13 +78,7 @@ def _batch(page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> tuple[lis
     offsets = qo_indptr.tolist()
     counts = [int(offsets[b + 1] - offsets[b]) for b in range(page_table.batch_size)]
     lengths = [int(length) for length in page_table.seq_lens.tolist()]
-    # A request of several runs: a break between two consecutive entries of kv_indices
-    # that belong to one request (a request's last block and the next one's first are apart).
-    breaks = np.diff(page_table.kv_indices.astype(np.int64)) != 1
-    starts = page_table.kv_indptr[1:-1].astype(np.int64) - 1
-    breaks[starts[(starts >= 0) & (starts < breaks.shape[0])]] = False
-    many = bool(breaks.any())
-    batch = (counts, lengths, many)
+    batch = (counts, lengths, several_runs(page_table))
     _BATCHES[page_table] = (qo_indptr, batch)
     return batch
 
@@ -324,13 +319,25 @@ def run_kernel(
     return torch.from_numpy(output).to(query.dtype)  # pyright: ignore[reportUnknownMemberType]
 
 
+#: Per pair of pools (by identity, checked through weak references: a tensor's ``==`` is
+#: elementwise): whether the kernel reads the two in place. A tensor's dtype, shape and
+#: strides never change, so this is found once per pair, not once per step.
+_READABLE: dict[tuple[int, int], tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], bool]] = {}
+_READABLE_KEPT = 1024
+
+
 def kernel_reads(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether the compiled kernel runs on these pools here: a CPU pool of a dtype it reads,
     in place, and numba available."""
     dtype = KERNEL_DTYPES.get(key_cache.dtype)
-    return (
-        dtype is not None
-        and key_cache.device.type == "cpu"
-        and paged_kernel.kernel_available()
-        and paged_kernel.kernel_reads(dtype, host_view(key_cache), host_view(value_cache))
-    )
+    if dtype is None or key_cache.device.type != "cpu" or not paged_kernel.kernel_available():
+        return False
+    key = (id(key_cache), id(value_cache))
+    known = _READABLE.get(key)
+    if known is not None and known[0]() is key_cache and known[1]() is value_cache:
+        return known[2]
+    readable = paged_kernel.kernel_reads(dtype, host_view(key_cache), host_view(value_cache))
+    if len(_READABLE) >= _READABLE_KEPT:
+        _READABLE.clear()  # pools of closed managers: found again once each if still alive
+    _READABLE[key] = (weakref.ref(key_cache), weakref.ref(value_cache), readable)
+    return readable

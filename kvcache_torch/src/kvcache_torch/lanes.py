@@ -16,10 +16,17 @@ comparisons, writes the new K/V with one indexed copy per pool, and attends:
 The lane reads the dispatch's choice for the step at its first layer, without attending
 (:func:`~kvcache_torch.dispatch.measured_plain_path`); only where the step's shape class was
 never measured on this machine does that layer take the third way, which measures it.
+
+A step whose batch is of the class of the group's last settled step takes that step's path over
+(:class:`LaneMemory`): the same arrays of pages (a decode step that filled no block shares
+them), query offsets, query shape and threads, and a context within the same bucket. Its kernel
+call is then the last one made for this batch (:meth:`KernelCall.for_batch`: a new plan, none
+of the checks), so of 16 decode steps in blocks of 16 tokens one looks the path up.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,14 +36,49 @@ import torch
 from kvcache_core.attention.kernel import KernelCall, prepare_kernel_call
 from kvcache_core.contract.page_table import PageTable
 from kvcache_torch.attention import attend_pool
-from kvcache_torch.dispatch import KERNEL_DTYPES, host_view, kernel_reads, measured_plain_path, plain_path
+from kvcache_torch.dispatch import (
+    KERNEL_DTYPES,
+    host_view,
+    kernel_reads,
+    measured_plain_path,
+    plain_path,
+    shape_class,
+)
 from kvcache_torch.dtypes import tensor_of
 from kvcache_torch.run_views import one_run_span
 from kvcache_torch.threads import torch_team
 
-__all__ = ["TorchLane"]
+__all__ = ["LaneMemory", "TorchLane"]
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+@dataclass(frozen=True, slots=True)
+class _Settled:
+    """The path a group's step settled on and what a later step must share to take it over."""
+
+    indices: npt.NDArray[np.int32]  # the table's kv_indices and kv_indptr (the same arrays)
+    indptr: npt.NDArray[np.int32]
+    offsets: bytes  # the query offsets
+    # The longest request's tokens then and the class's context bucket: a step whose longest
+    # request holds from the one to the other is in the same bucket.
+    longest: int
+    context: int
+    query: tuple[int, ...]
+    threads: int
+    mode: str
+    kernel: KernelCall | None
+
+
+class LaneMemory:
+    """What a storage's lanes keep between steps: per layer, the pools' host views the kernel
+    reads (made once); per KV-cache group, the path its last fully settled step took."""
+
+    __slots__ = ("hosts", "settled")
+
+    def __init__(self, num_layers: int) -> None:
+        self.hosts: list[tuple[npt.NDArray[Any], npt.NDArray[Any]] | None] = [None] * num_layers
+        self.settled: dict[int, _Settled] = {}
 
 
 class TorchLane:
@@ -46,8 +88,7 @@ class TorchLane:
         views: per layer, the ``(keys, values)`` pool views in the layout.
         rows: per layer, the flat ``(keys, values)`` write views (``[slots, H, D]`` in NHD,
             ``[H, slots, D]`` heads-first).
-        hosts: per layer, the pools' host views for the kernel once made (the storage's list,
-            filled as lanes need them).
+        memory: the storage's :class:`LaneMemory` (host views, the groups' settled paths).
         layout: ``"NHD"`` or ``"heads_first"``.
         path: the pool's attention path (``"auto"``, ``"kernel"``, ``"native"``).
         dtype, device: the pool's.
@@ -60,10 +101,11 @@ class TorchLane:
         "_head_dim",
         "_heads",
         "_heads_first",
-        "_hosts",
         "_index",
+        "_inherited",
         "_kernel",
         "_key_shape",
+        "_memory",
         "_mode",
         "_path",
         "_qo_indptr",
@@ -78,7 +120,7 @@ class TorchLane:
         self,
         views: tuple[list[torch.Tensor], list[torch.Tensor]],
         rows: tuple[list[torch.Tensor], ...],
-        hosts: list[tuple[npt.NDArray[Any], npt.NDArray[Any]] | None],
+        memory: LaneMemory,
         layout: str,
         path: str,
         dtype: torch.dtype,
@@ -87,7 +129,7 @@ class TorchLane:
         slots: npt.NDArray[np.int64],
         qo_indptr: npt.NDArray[np.int32],
     ) -> None:
-        self._views, self._rows, self._hosts = views, rows, hosts
+        self._views, self._rows, self._memory = views, rows, memory
         self._heads_first = layout == "heads_first"
         self._path, self._dtype = path, dtype
         self._device = -1 if device.type == "cpu" else (device.index or 0)  # as Tensor.get_device() gives it
@@ -104,6 +146,12 @@ class TorchLane:
         # None: not known yet (the first layer runs the dispatch); "views" or "pool" after it.
         self._mode: str | None = None
         self._kernel: KernelCall | None = None  # the kernel's call, prepared where the dispatch chose it
+        settled = memory.settled.get(page_table.group)
+        if settled is not None and (
+            settled.indices is not page_table.kv_indices or settled.indptr is not page_table.kv_indptr
+        ):
+            settled = None  # other pages: the path is looked up again
+        self._inherited = settled
 
     def __call__(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, scale: float
@@ -185,6 +233,18 @@ class TorchLane:
         its output is returned."""
         key_cache, value_cache = self._views[0][layer], self._views[1][layer]
         table, indptr = self._table, self._qo_indptr
+        threads = torch.get_num_threads()
+        inherited = self._inherited
+        if (
+            inherited is not None
+            and inherited.query == tuple(query.shape)
+            and inherited.threads == threads
+            and inherited.offsets == indptr.tobytes()
+            and inherited.longest <= max(table.seq_lens.tolist(), default=0) <= inherited.context
+        ):
+            self._mode = inherited.mode
+            self._kernel = None if inherited.kernel is None else inherited.kernel.for_batch(table, indptr)
+            return None
         layout = "heads_first" if self._heads_first else "NHD"
         measured = None
         chosen = measured_plain_path(query, key_cache, value_cache, table, indptr, layout, self._path)
@@ -192,6 +252,34 @@ class TorchLane:
             measured = self._through_pool(layer, query, scale)
             chosen = plain_path(query, key_cache, value_cache, table, indptr, True, self._path)
         self._mode = "views" if self._span is not None and chosen == "native" else "pool"
+        self._prepare_kernel(chosen, layer, query, layout)
+        if measured is None and table.sliding_window is None:  # a choice read: later steps of its class take it
+            self._remember(query, key_cache, value_cache, layout, threads)
+        return measured
+
+    def _remember(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layout: str, threads: int
+    ) -> None:
+        """Keep this decode step's settled path for the group's next steps (see :class:`LaneMemory`)."""
+        table, indptr = self._table, self._qo_indptr
+        shape, mode = shape_class(query, key_cache, value_cache, table, indptr, layout, True, ""), self._mode
+        if shape.phase == "decode" and mode is not None:  # a prefill's class also depends on its lengths
+            self._memory.settled[table.group] = _Settled(
+                table.kv_indices,
+                table.kv_indptr,
+                indptr.tobytes(),
+                max(table.seq_lens.tolist(), default=0),
+                shape.context,
+                tuple(query.shape),
+                threads,
+                mode,
+                self._kernel,
+            )
+
+    def _prepare_kernel(self, chosen: str | None, layer: int, query: torch.Tensor, layout: str) -> None:
+        """The kernel's call for the step, where the dispatch chose the kernel and it reads the pools."""
+        key_cache, value_cache = self._views[0][layer], self._views[1][layer]
+        table, indptr = self._table, self._qo_indptr
         if chosen == "kernel" and kernel_reads(key_cache, value_cache):
             self._kernel = prepare_kernel_call(
                 tuple(query.shape),
@@ -205,13 +293,13 @@ class TorchLane:
                 num_threads=torch.get_num_threads(),
                 team=torch_team(),
             )
-        return measured
 
     def _host_pools(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """The layer's pools as the host views the kernel reads (made once per pool)."""
-        known = self._hosts[layer]
+        hosts = self._memory.hosts
+        known = hosts[layer]
         if known is None:
-            known = self._hosts[layer] = (host_view(self._views[0][layer]), host_view(self._views[1][layer]))
+            known = hosts[layer] = (host_view(self._views[0][layer]), host_view(self._views[1][layer]))
         return known
 
     @property

@@ -30,7 +30,7 @@ from kvcache_torch.attention import attend_pool
 from kvcache_torch.devices import resolve_device
 from kvcache_torch.dispatch import pool_path
 from kvcache_torch.dtypes import BIT_DTYPES, VALUE_DTYPES, dtype_name, tensor_of, torch_dtype
-from kvcache_torch.lanes import TorchLane
+from kvcache_torch.lanes import LaneMemory, TorchLane
 from kvcache_torch.padded import PaddedReader
 from kvcache_torch.spec import ATTENTION_FEATURES, PREFERRED_LAYOUT
 from kvcache_torch.states import TorchStateStorage
@@ -93,7 +93,7 @@ class TorchStorage:
         self._parts = self._split_parts(self._pool)
         self._moved_parts = self._split_parts(self._moved)
         self._views, self._targets = self._layer_views()
-        self._hosts: list[tuple[npt.NDArray[Any], npt.NDArray[Any]] | None] = [None] * config.num_layers  # lanes
+        self._lane_memory = LaneMemory(config.num_layers)  # what steps' lanes keep between steps
         # The last slot array converted and its tensor (a step's layers pass one frozen array).
         self._index_memo: tuple[IntArray, torch.Tensor] | None = None
         self._padded = PaddedReader(config.kv_layout == "heads_first", self._device)
@@ -163,7 +163,7 @@ class TorchStorage:
         self._moved = self._pool
         self._parts = self._moved_parts = (self._pool, self._pool)
         self._views, self._targets = self._layer_views()  # none: an empty pool
-        self._hosts = []
+        self._lane_memory = LaneMemory(0)
         self._index_memo = None
         if self._scales is not None:
             self._scales = torch.empty((0,), dtype=torch.float32, device=self._device)
@@ -186,7 +186,7 @@ class TorchStorage:
         :mod:`kvcache_torch.lanes`); ``None`` for a quantized pool or the HND layout."""
         if self._scales is not None or not self._targets:
             return None
-        views = (self._views, self._targets, self._hosts)
+        views = (self._views, self._targets, self._lane_memory)
         return TorchLane(
             *views, self._config.layout, self._path, self._dtype, self._device, page_table, slots, qo_indptr
         )

@@ -389,9 +389,9 @@ def prepare_kernel_call(
     total_queries, query_heads, head_dim = query_shape
     num_heads, limit = key_cache.shape[_HEADS_AXIS[kv_layout]], max_threads()
     group, threads = query_heads // num_heads, limit if num_threads is None else max(1, min(num_threads, limit))
-    plan = _cached_plan(page_table, qo_indptr, num_heads, group, causal, window, threads, chunk_size)
+    planning = (num_heads, group, bool(causal), window, threads, chunk_size)
+    plan = _cached_plan(page_table, qo_indptr, *planning)
     strides = _row_strides(key_cache.strides, kv_layout, head_dim * key_cache.itemsize)
-    tables = tuple(_read_only(array, np.int32) for array in (page_table.block_tables, page_table.seq_lens, qo_indptr))
     # The attention features: softcap 0 and chunk 0 mean none, an empty sinks array no sinks.
     head_sinks = _NO_SINKS if sinks is None else _read_only(np.asarray(sinks), np.float32)
     features = (0.0 if cap is None else cap, head_sinks, chunk_size)
@@ -401,13 +401,19 @@ def prepare_kernel_call(
         plan,
         dtype,
         strides,
-        tables,
+        _batch_tables(page_table, qo_indptr),
         shape,
         (group, page_table.block_size, bool(causal), window),
         features,
         team,
         _arrays_signature(query_shape, key_cache, value_cache),
+        planning,
     )
+
+
+def _batch_tables(page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> tuple[npt.NDArray[np.int32], ...]:
+    """The arrays of a batch the kernel reads: block tables, lengths, query offsets."""
+    return tuple(_read_only(array, np.int32) for array in (page_table.block_tables, page_table.seq_lens, qo_indptr))
 
 
 def _arrays_signature(
@@ -431,6 +437,7 @@ class KernelCall:
         "_module",
         "_options",
         "_plan",
+        "_planning",
         "_shape",
         "_signature",
         "_strides",
@@ -450,13 +457,45 @@ class KernelCall:
         features: tuple[Any, ...],
         team: ThreadTeam | None,
         signature: tuple[object, ...],
+        planning: tuple[int, int, bool, int, int, int],
     ) -> None:
-        self._signature = signature
+        self._signature, self._planning = signature, planning
         self._module, self._plan, self._dtype, self._strides, self._tables = module, plan, dtype, strides, tables
         self._shape, self._options, self._features, self._team = shape, options, features, team
         # The split rows' partial results: used within one launch (under the launch lock), so reused.
         rows = plan.partial_rows
         self._buffers = (np.empty((rows, shape[2]), dtype=np.float32), np.empty((rows, 2), dtype=np.float32))
+
+    def for_batch(self, page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> KernelCall:
+        """This call for another batch of as many queries over the same pools, options and
+        attention features (the next decode step of the same requests): only its plan and the
+        batch's arrays are made again, none of the checks of :func:`prepare_kernel_call`.
+
+        Raises:
+            ShapeMismatchError: a batch of another number of queries or another block size.
+        """
+        block_size = self._options[1]
+        queries = int(qo_indptr[-1]) if qo_indptr.shape[0] else 0
+        if queries != self._shape[0] or page_table.block_size != block_size:
+            raise ShapeMismatchError(
+                f"a KernelCall for {self._shape[0]} queries in blocks of {block_size} got a batch of {queries} "
+                f"queries in blocks of {page_table.block_size}"
+            )
+        plan = _cached_plan(page_table, qo_indptr, *self._planning)
+        tables = _batch_tables(page_table, qo_indptr)
+        return KernelCall(
+            self._module,
+            plan,
+            self._dtype,
+            self._strides,
+            tables,
+            self._shape,
+            self._options,
+            self._features,
+            self._team,
+            self._signature,
+            self._planning,
+        )
 
     def __call__(
         self,
