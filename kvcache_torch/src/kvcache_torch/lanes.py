@@ -17,11 +17,12 @@ The lane reads the dispatch's choice for the step at its first layer, without at
 (:func:`~kvcache_torch.dispatch.measured_plain_path`); only where the step's shape class was
 never measured on this machine does that layer take the third way, which measures it.
 
-A step whose batch is of the class of the group's last settled step takes that step's path over
-(:class:`LaneMemory`): the same arrays of pages (a decode step that filled no block shares
-them), query offsets, query shape and threads, and a context within the same bucket. Its kernel
-call is then the last one made for this batch (:meth:`KernelCall.for_batch`: a new plan, none
-of the checks), so of 16 decode steps in blocks of 16 tokens one looks the path up.
+A decode step whose batch is of the shape class of the group's last settled decode step takes
+its path over (:class:`LaneMemory`): the same query offsets, query shape and threads, a context
+within the same bucket and requests in one run each or not alike (what the dispatch's class
+holds besides the pool's geometry, which is the group's). Its kernel call is then the settled
+one for this batch (:meth:`KernelCall.for_batch`: a new plan and tables, none of the checks),
+so the dispatch is looked up once per class and bucket, not once per step.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from kvcache_torch.dispatch import (
     shape_class,
 )
 from kvcache_torch.dtypes import tensor_of
-from kvcache_torch.run_views import one_run_span
+from kvcache_torch.run_views import one_run_span, several_runs
 from kvcache_torch.threads import torch_team
 
 __all__ = ["LaneMemory", "TorchLane"]
@@ -55,18 +56,17 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 
 @dataclass(frozen=True, slots=True)
 class _Settled:
-    """The path a group's step settled on and what a later step must share to take it over."""
+    """The path a group's decode step settled on and what a later step must share to take it over."""
 
-    indices: npt.NDArray[np.int32]  # the table's kv_indices and kv_indptr (the same arrays)
-    indptr: npt.NDArray[np.int32]
     offsets: bytes  # the query offsets
+    several_runs: bool  # some request held blocks that are not one run
     # The longest request's tokens then and the class's context bucket: a step whose longest
     # request holds from the one to the other is in the same bucket.
     longest: int
     context: int
     query: tuple[int, ...]
     threads: int
-    mode: str
+    chosen: str | None  # the dispatch's path
     kernel: KernelCall | None
 
 
@@ -146,12 +146,7 @@ class TorchLane:
         # None: not known yet (the first layer runs the dispatch); "views" or "pool" after it.
         self._mode: str | None = None
         self._kernel: KernelCall | None = None  # the kernel's call, prepared where the dispatch chose it
-        settled = memory.settled.get(page_table.group)
-        if settled is not None and (
-            settled.indices is not page_table.kv_indices or settled.indptr is not page_table.kv_indptr
-        ):
-            settled = None  # other pages: the path is looked up again
-        self._inherited = settled
+        self._inherited = memory.settled.get(page_table.group) if page_table.sliding_window is None else None
 
     def __call__(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, scale: float
@@ -241,8 +236,9 @@ class TorchLane:
             and inherited.threads == threads
             and inherited.offsets == indptr.tobytes()
             and inherited.longest <= max(table.seq_lens.tolist(), default=0) <= inherited.context
+            and inherited.several_runs == several_runs(table)
         ):
-            self._mode = inherited.mode
+            self._mode = "views" if self._span is not None and inherited.chosen == "native" else "pool"
             self._kernel = None if inherited.kernel is None else inherited.kernel.for_batch(table, indptr)
             return None
         layout = "heads_first" if self._heads_first else "NHD"
@@ -254,25 +250,30 @@ class TorchLane:
         self._mode = "views" if self._span is not None and chosen == "native" else "pool"
         self._prepare_kernel(chosen, layer, query, layout)
         if measured is None and table.sliding_window is None:  # a choice read: later steps of its class take it
-            self._remember(query, key_cache, value_cache, layout, threads)
+            self._remember(chosen, query, key_cache, value_cache, layout, threads)
         return measured
 
     def _remember(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layout: str, threads: int
+        self,
+        chosen: str | None,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        layout: str,
+        threads: int,
     ) -> None:
-        """Keep this decode step's settled path for the group's next steps (see :class:`LaneMemory`)."""
+        """Keep this decode step's path for the group's later steps of its class (see :class:`LaneMemory`)."""
         table, indptr = self._table, self._qo_indptr
-        shape, mode = shape_class(query, key_cache, value_cache, table, indptr, layout, True, ""), self._mode
-        if shape.phase == "decode" and mode is not None:  # a prefill's class also depends on its lengths
+        shape = shape_class(query, key_cache, value_cache, table, indptr, layout, True, "")
+        if shape.phase == "decode":  # a prefill's class also depends on its lengths
             self._memory.settled[table.group] = _Settled(
-                table.kv_indices,
-                table.kv_indptr,
                 indptr.tobytes(),
+                shape.runs == "many",
                 max(table.seq_lens.tolist(), default=0),
                 shape.context,
                 tuple(query.shape),
                 threads,
-                mode,
+                chosen,
                 self._kernel,
             )
 

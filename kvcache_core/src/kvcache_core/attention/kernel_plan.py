@@ -7,8 +7,10 @@ computed once per page table, query offsets and geometry.
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -60,68 +62,80 @@ def plan_batch(
     chunk: int = 0,
 ) -> Plan:
     """Work items and their shares for ``threads`` threads (see the module docstring);
-    ``window`` and ``chunk`` 0 when unset."""
+    ``window`` and ``chunk`` 0 when unset.
+
+    Plain Python over a few ints per request (once per decode step: NumPy's calls on arrays
+    this small cost more, the more so in a model's forward, whose weights have pushed them out
+    of the CPU's caches)."""
     seq_lens = page_table.seq_lens.tolist()
     offsets = qo_indptr.tolist()
-    # (work, request, head, first_row, last_row, first_key, last_key)
-    chunks: list[tuple[int, int, int, int, int, int, int]] = []
-    decode_like: list[tuple[int, int, int]] = []  # (request, rows, first_key) of one-chunk requests
+    # Per (request, row chunk), in that order: (work per head, request, first_row, last_row, seq_len, low).
+    chunks: list[tuple[int, int, int, int, int, int]] = []
+    decode_like: list[tuple[int, int]] = []  # (request, first_key) of one-chunk requests
+    total = 0
     for request, seq_len in enumerate(seq_lens):
         num_queries = offsets[request + 1] - offsets[request]
         if num_queries == 0:
             continue
-        rows = num_queries * group
+        rows, first_query = num_queries * group, seq_len - num_queries
         for first_row in range(0, rows, ROW_SPLIT):
             last_row = min(rows, first_row + ROW_SPLIT)
-            last_position = seq_len - num_queries + (last_row - 1) // group
-            first_position = seq_len - num_queries + first_row // group
-            high = last_position + 1 if causal else seq_len
-            low = _first_visible(first_position, window, chunk)
+            high = first_query + (last_row - 1) // group + 1 if causal else seq_len
+            low = _first_visible(first_query + first_row // group, window, chunk)
             work = (high - low) * (_ROW_READ_COST + last_row - first_row)
-            chunks.extend((work, request, head, first_row, last_row, 0, seq_len) for head in range(num_heads))
-        if rows <= ROW_SPLIT:
-            first_key = _first_visible(seq_len - num_queries, window, chunk)
-            decode_like.append((request, rows, first_key))
-    threads = max(1, min(threads, sum(chunk[0] for chunk in chunks) // MIN_THREAD_WORK))
-    split_rows: dict[int, int] = {}
-    if threads > 1 and len(chunks) < 4 * threads and decode_like:
-        wanted = math.ceil(4 * threads / len(chunks))
-        for request, _, first_key in decode_like:
+            chunks.append((work, request, first_row, last_row, seq_len, low))
+            total += work * num_heads
+        if rows <= ROW_SPLIT:  # one chunk: its low is the request's first visible key
+            decode_like.append((request, chunks[-1][5]))
+    threads = max(1, min(threads, total // MIN_THREAD_WORK))
+    pieces = len(chunks) * num_heads  # one per chunk and KV head
+    split: dict[int, tuple[int, int]] = {}  # request -> (splits, first key)
+    if threads > 1 and pieces < 4 * threads and decode_like:
+        wanted = math.ceil(4 * threads / pieces)
+        for request, first_key in decode_like:
             splits = min(wanted, (seq_lens[request] - first_key) // MIN_SPLIT_KEYS)
             if splits > 1:
-                split_rows[request] = splits
-    items: list[tuple[int, list[int]]] = []
-    merges: list[list[int]] = []
+                split[request] = (splits, first_key)
+    items: list[tuple[int, int, int, int, int, int, int, int]] = []  # (work, *item)
+    merges: list[tuple[int, int, int, int, int]] = []
     partial_rows = 0
-    for work, request, head, first_row, last_row, first_key, last_key in chunks:
-        splits = split_rows.get(request, 1)
-        if splits == 1:
-            items.append((work, [request, head, first_row, last_row, first_key, last_key, -1]))
+    for work, request, first_row, last_row, seq_len, _ in chunks:
+        if request not in split:
+            items.extend((work, request, head, first_row, last_row, 0, seq_len, -1) for head in range(num_heads))
             continue
+        splits, low = split[request]
         rows = last_row - first_row
-        merges.append([request, head, rows, partial_rows, splits])
-        low = _first_visible(seq_lens[request] - (offsets[request + 1] - offsets[request]), window, chunk)
-        bounds = np.linspace(low, last_key, splits + 1).astype(np.int64).tolist()
-        for split in range(splits):
-            items.append(
+        bounds = [low + (seq_len - low) * index // splits for index in range(splits + 1)]
+        for head in range(num_heads):
+            merges.append((request, head, rows, partial_rows, splits))
+            items.extend(
                 (
                     work // splits,
-                    [request, head, first_row, last_row, bounds[split], bounds[split + 1], partial_rows + split * rows],
+                    request,
+                    head,
+                    first_row,
+                    last_row,
+                    bounds[index],
+                    bounds[index + 1],
+                    partial_rows + index * rows,
                 )
+                for index in range(splits)
             )
-        partial_rows += splits * rows
-    items.sort(key=lambda entry: -entry[0])  # longest first: the threads claim them in this order
+            partial_rows += splits * rows
+    items.sort(key=operator.itemgetter(0), reverse=True)  # longest first (stable): the threads claim them so
     return Plan(
-        items=_frozen([item for _, item in items], 7),
+        items=_frozen(items, 8, 1),
         threads=min(threads, len(items)),
         merges=_frozen(merges, 5),
         partial_rows=partial_rows,
     )
 
 
-def _frozen(rows: list[Any], columns: int) -> IndexArray:
-    """``rows`` as a read-only C-contiguous int64 ``[n, columns]`` array."""
-    array = np.ascontiguousarray(np.asarray(rows, dtype=np.int64).reshape(-1, columns))
+def _frozen(rows: Sequence[tuple[int, ...]], columns: int, skip: int = 0) -> IndexArray:
+    """``rows`` of ``columns`` ints, less their first ``skip``, as a read-only C-contiguous int64 array."""
+    array = np.array(rows, dtype=np.int64).reshape(-1, columns)
+    if skip:
+        array = np.ascontiguousarray(array[:, skip:])
     array.flags.writeable = False
     return array
 
