@@ -77,8 +77,8 @@ def paged_attention_mask(
             f"attention_mask has {attention_mask.shape[-1]} positions, the cache and the input hold "
             f"{kv_offset + kv_length}: pass the mask of every position, cached and new"
         )
-    mask = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
-    return None if bool(mask.all()) else mask
+    mask = attention_mask[:, kv_offset : kv_offset + kv_length]
+    return None if bool(mask.all()) else mask.to(torch.bool)  # no copy where nothing is padded
 
 
 def paged_attention_forward(
