@@ -79,12 +79,13 @@ class LayerCost:
                 return function(*args, **kwargs)
             finally:
                 spent = time.perf_counter() - start
+                starts = first and (args[3] if len(args) > 3 else kwargs.get("layer_idx")) == 0  # layer 0's update
                 if decode(*args, **kwargs):
-                    if first and args[3] == 0:  # update of layer 0: a decode forward starts
+                    if starts:  # a decode forward starts
                         self.forwards.append(_Forward(entered=self._mask))
                     if self.forwards:
                         self.forwards[-1].entered += spent
-                if first and args[3] == 0:
+                if starts:
                     self._mask = 0.0
 
         return timed
@@ -117,7 +118,7 @@ class LayerCost:
         return timed
 
 
-def _update_decodes(cache: object, keys: Any, values: Any, layer: int, *args: Any, **kwargs: Any) -> bool:
+def _update_decodes(cache: object, keys: Any, *args: Any, **kwargs: Any) -> bool:
     return int(keys.shape[2]) == 1
 
 
