@@ -20,7 +20,7 @@ from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.backends import dispatch
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.errors import DTypeMismatchError, ShapeMismatchError, SharedBlockWriteError, StaleStepError
-from kvcache_torch import TorchStorage, lanes, run_views
+from kvcache_torch import TorchStorage, lanes
 from kvcache_torch import dispatch as torch_dispatch
 from kvcache_torch.lanes import TorchLane
 from tests.core.support import make_config
@@ -203,7 +203,7 @@ def several_runs_by_hand(table: PageTable) -> bool:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_several_runs_is_found_once_per_arrays_of_pages_and_stays_right(seed: int) -> None:
+def test_one_run_each_is_found_once_per_arrays_of_pages_and_stays_right(seed: int) -> None:
     rng = np.random.default_rng(seed)
     for _ in range(20):
         batch = int(rng.integers(1, 5))
@@ -227,10 +227,13 @@ def test_several_runs_is_found_once_per_arrays_of_pages_and_stays_right(seed: in
             block_size=4,
         )
         expected = several_runs_by_hand(table)
-        assert run_views.several_runs(table) is expected
-        assert run_views.several_runs(table) is expected  # remembered
+        assert table.one_run_each is not expected
+        assert table.one_run_each is not expected  # remembered
         shorter = [max(0, length - 1) if length % 4 != 1 else length for length in lengths]
-        assert run_views.several_runs(table.with_seq_lens(shorter)) is expected  # the same pages, shared
+        shared = table.with_seq_lens(shorter)
+        assert shared.kv_indices is table.kv_indices
+        assert shared._one_run is table._one_run  # pyright: ignore[reportPrivateUsage]  # the same pages: found once
+        assert shared.one_run_each is not expected
 
 
 @pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")

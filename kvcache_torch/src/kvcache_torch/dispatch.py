@@ -24,7 +24,6 @@ from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.backends.dispatch import AttentionDispatch, ShapeClass, pinned_path
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.errors import UnsupportedConfigError
-from kvcache_torch.run_views import several_runs
 from kvcache_torch.threads import torch_team
 
 __all__ = [
@@ -78,7 +77,7 @@ def _batch(page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> tuple[lis
     offsets = qo_indptr.tolist()
     counts = [int(offsets[b + 1] - offsets[b]) for b in range(page_table.batch_size)]
     lengths = [int(length) for length in page_table.seq_lens.tolist()]
-    batch = (counts, lengths, several_runs(page_table))
+    batch = (counts, lengths, not page_table.one_run_each)
     _BATCHES[page_table] = (qo_indptr, batch)
     return batch
 

@@ -46,7 +46,7 @@ from kvcache_torch.dispatch import (
     shape_class,
 )
 from kvcache_torch.dtypes import tensor_of
-from kvcache_torch.run_views import one_run_span, several_runs
+from kvcache_torch.run_views import one_run_span
 from kvcache_torch.threads import torch_team
 
 __all__ = ["LaneMemory", "TorchLane"]
@@ -59,7 +59,7 @@ class _Settled:
     """The path a group's decode step settled on and what a later step must share to take it over."""
 
     offsets: bytes  # the query offsets
-    several_runs: bool  # some request held blocks that are not one run
+    one_run_each: bool  # every request's blocks were one run
     # The longest request's tokens then and the class's context bucket: a step whose longest
     # request holds from the one to the other is in the same bucket.
     longest: int
@@ -236,7 +236,7 @@ class TorchLane:
             and inherited.threads == threads
             and inherited.offsets == indptr.tobytes()
             and inherited.longest <= max(table.seq_lens.tolist(), default=0) <= inherited.context
-            and inherited.several_runs == several_runs(table)
+            and inherited.one_run_each == table.one_run_each
         ):
             self._mode = "views" if self._span is not None and inherited.chosen == "native" else "pool"
             self._kernel = None if inherited.kernel is None else inherited.kernel.for_batch(table, indptr)
@@ -268,7 +268,7 @@ class TorchLane:
         if shape.phase == "decode":  # a prefill's class also depends on its lengths
             self._memory.settled[table.group] = _Settled(
                 indptr.tobytes(),
-                shape.runs == "many",
+                shape.runs == "one",
                 max(table.seq_lens.tolist(), default=0),
                 shape.context,
                 tuple(query.shape),

@@ -18,7 +18,7 @@ import torch
 
 from kvcache_core.contract.page_table import PageTable
 
-__all__ = ["one_run_decode", "one_run_span", "several_runs"]
+__all__ = ["one_run_decode", "one_run_span"]
 
 #: Per page table: ``(first slot, tokens)`` of its one request when that request's blocks
 #: are one run, else ``None`` (the layers of a step share the table: found once per step).
@@ -37,41 +37,10 @@ def _span(page_table: PageTable) -> tuple[int, int] | None:
     if page_table in _SPANS:
         return _SPANS[page_table]
     span = None
-    if page_table.batch_size == 1 and page_table.kv_indices.shape[0] and not several_runs(page_table):
+    if page_table.batch_size == 1 and page_table.kv_indices.shape[0] and page_table.one_run_each:
         span = (int(page_table.kv_indices[0]) * page_table.block_size, int(page_table.seq_lens[0]))
     _SPANS[page_table] = span
     return span
-
-
-#: Per arrays of pages (``kv_indices``, ``kv_indptr``): whether a request holds several runs.
-#: A decode step that fills no new block shares its predecessor's arrays
-#: (:meth:`~kvcache_core.PageTable.with_seq_lens`), so this is found once per block filled, not
-#: once per step (NumPy's calls on a few pages cost tens of microseconds in a model's forward,
-#: whose weights have pushed them out of the CPU's caches). Keyed by identity, holding the
-#: arrays (read-only, as a table's are) so an id is never reused while its entry lives.
-_RUNS: dict[tuple[int, int], tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], bool]] = {}
-_RUNS_KEPT = 16
-
-
-def several_runs(page_table: PageTable) -> bool:
-    """Whether a request of the table holds blocks that are not one run of consecutive blocks."""
-    indices, indptr = page_table.kv_indices, page_table.kv_indptr
-    key = (id(indices), id(indptr))
-    known = _RUNS.get(key)
-    if known is not None and known[0] is indices and known[1] is indptr:
-        return known[2]
-    # A break between two consecutive entries of kv_indices that belong to one request (a
-    # request's last block and the next one's first may be apart).
-    breaks = np.diff(indices.astype(np.int64)) != 1
-    starts = indptr[1:-1].astype(np.int64) - 1
-    breaks[starts[(starts >= 0) & (starts < breaks.shape[0])]] = False
-    many = bool(breaks.any())
-    if indices.flags.writeable or indptr.flags.writeable:
-        return many  # arrays that may change: not kept
-    if len(_RUNS) >= _RUNS_KEPT:
-        _RUNS.clear()  # one call, safe between threads; the live arrays are found again once each
-    _RUNS[key] = (indices, indptr, many)
-    return many
 
 
 def one_run_decode(

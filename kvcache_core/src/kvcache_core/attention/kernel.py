@@ -469,7 +469,9 @@ class KernelCall:
     def for_batch(self, page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> KernelCall:
         """This call for another batch of as many queries over the same pools, options and
         attention features (the next decode step of the same requests): only its plan and the
-        batch's arrays are made again, none of the checks of :func:`prepare_kernel_call`.
+        batch's arrays are made again, none of the checks of :func:`prepare_kernel_call`. As
+        there, the batch comes validated (its page table names blocks of these pools, its
+        ``qo_indptr`` fits it): the manager's step plans it.
 
         Raises:
             ShapeMismatchError: a batch of another number of queries or another block size.

@@ -105,6 +105,7 @@ class PageTable:
     group: int = 0
     _runs: tuple[tuple[BlockRun, ...], ...] | None = field(default=None, init=False, repr=False)
     _pages: tuple[int, ...] | None = field(default=None, init=False, repr=False)  # pages per request
+    _one_run: bool | None = field(default=None, init=False, repr=False)  # every request's blocks one run
 
     def __post_init__(self) -> None:
         for name, ndim in (
@@ -365,6 +366,9 @@ class PageTable:
             self.group,
         )
         object.__setattr__(table, "_pages", pages)
+        if grown is None:  # the same pages: the same runs
+            object.__setattr__(table, "_runs", self._runs)
+            object.__setattr__(table, "_one_run", self._one_run)
         return table
 
     def _page_counts(self) -> tuple[int, ...]:
@@ -446,6 +450,22 @@ class PageTable:
             runs = tuple(self._compute_runs(b) for b in range(self.batch_size))
             object.__setattr__(self, "_runs", runs)
         return runs[index]
+
+    @property
+    def one_run_each(self) -> bool:
+        """Whether every request's blocks are one run of consecutive blocks. Found once per
+        arrays of pages: a table :meth:`with_seq_lens` makes over the same pages (a decode step
+        that filled no block) shares it."""
+        known = self._one_run
+        if known is None:  # a racing thread computes the same value
+            # A break between consecutive entries of kv_indices that belong to one request
+            # (a request's last block and the next one's first may be apart).
+            breaks = np.diff(self.kv_indices.astype(np.int64)) != 1
+            starts = self.kv_indptr[1:-1].astype(np.int64) - 1
+            breaks[starts[(starts >= 0) & (starts < breaks.shape[0])]] = False
+            known = not bool(breaks.any())
+            object.__setattr__(self, "_one_run", known)
+        return known
 
     def _compute_runs(self, index: int) -> tuple[BlockRun, ...]:
         blocks = self.blocks(index).astype(np.int64)
