@@ -12,6 +12,7 @@ import pytest
 
 from kvcache_core import PagedKvCacheManager, Step, create_manager
 from kvcache_torch.hf.rows import BatchRows
+from kvcache_torch.storage import TorchStorage
 from tests.torch.hf_support import (
     TOLERANCE,
     Model,
@@ -32,6 +33,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _row_by_row(*arguments: object) -> bool:
     """``BatchRows._left_padded`` of the row-by-row path: never."""
     return False
+
+
+def _row_by_row_views(*arguments: object) -> None:
+    """``BatchRows._run_views`` declining: the padded gather copies."""
+    return None
 
 
 def _manager(model: Model, layout: str, dtype: str | None = None) -> PagedKvCacheManager[Tensor]:
@@ -107,3 +113,48 @@ def test_a_sliding_layer_reads_its_window_s_positions_in_one_padded_gather() -> 
         by_rows, _ = _run(model, _manager(model, "heads_first"), ids, mask)
     for got, expected in zip(ours.logits, by_rows.logits, strict=True):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    ("layout", "dtype", "viewed"),
+    [("heads_first", None, True), ("NHD", None, True), ("HND", None, False), ("heads_first", "int8", False)],
+)
+def test_one_request_in_one_run_reads_views_of_the_pool_with_the_same_logits(
+    layout: str, dtype: str | None, viewed: bool
+) -> None:
+    # One prompt's blocks are one run: each layer's update hands back views of the pool,
+    # nothing copied, where the layout lays a run's tokens out in order and the pool is
+    # unquantized; elsewhere the padded gather copies them. The logits are the same bit for bit.
+    model, reference = _sdpa_pair()
+    ids, mask = prompts(1, 10)
+    manager = _manager(model, layout, dtype)
+    seen: list[tuple[Tensor, Tensor] | None] = []
+    original: Callable[..., Any] = vars(BatchRows)["_run_views"]
+
+    def recorded(rows: BatchRows, *args: Any) -> Any:
+        result = original(rows, *args)
+        seen.append(result)
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BatchRows, "_run_views", recorded)
+        ours, gathers = _run(model, manager, ids, mask)
+    layers = model.config.num_hidden_layers
+    assert len(seen) == layers * 5  # every decode forward after the first, every layer
+    storage = manager.storage
+    assert isinstance(storage, TorchStorage)
+    pool = storage.pool.untyped_storage().data_ptr()
+    if viewed:
+        assert gathers == 0
+        assert all(views is not None and views[0].untyped_storage().data_ptr() == pool for views in seen)
+    else:
+        assert gathers == layers * 5
+        assert all(views is None for views in seen)
+    with pytest.MonkeyPatch.context() as patch:  # the same run, copied by the padded gather
+        patch.setattr(BatchRows, "_run_views", _row_by_row_views)
+        copied, gathers = _run(model, _manager(model, layout, dtype), ids, mask)
+    assert gathers == layers * 5
+    for got, expected in zip(ours.logits, copied.logits, strict=True):
+        assert torch.equal(got, expected)
+    if dtype is None:
+        assert max_logit_difference(ours.logits, generate(reference, ids, mask).logits) <= TOLERANCE

@@ -23,6 +23,8 @@ from kvcache_core import (
     UnsupportedConfigError,
 )
 from kvcache_torch.hf.forward_pass import ForwardStep
+from kvcache_torch.run_views import request_run_views
+from kvcache_torch.storage import TorchStorage
 
 __all__ = ["BatchRows", "prompt_rows", "release_requests", "undo_step"]
 
@@ -157,7 +159,8 @@ class BatchRows:
         start = 0 if last is None else self.positions - last
         width = self.positions - start
         if step is not None and self._left_padded(step, layer, start):
-            return step.gather_padded(layer, width=width, layout="HND")
+            views = self._run_views(step, layer, width) if len(self.handles) == 1 else None
+            return step.gather_padded(layer, width=width, layout="HND") if views is None else views
         held = self.stored[: len(self.handles), start : self.positions]
         counts = held.sum(axis=1)
         keys: list[torch.Tensor] = []
@@ -177,6 +180,21 @@ class BatchRows:
             return torch.stack(keys), torch.stack(values)
         return _with_gaps(keys, held, width), _with_gaps(values, held, width)
 
+    def _run_views(self, step: Step[torch.Tensor], layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The one row's last ``width`` positions, all of them stored, as views of a torch pool
+        (:func:`~kvcache_torch.run_views.request_run_views`) where its blocks are one run:
+        nothing is copied (``DynamicCache`` copies its whole K/V at every step); ``None``
+        otherwise (a quantized pool, the HND layout, padding among the positions)."""
+        storage = self.manager.storage
+        # A left-padded row's last positions hold no padding when it has as many tokens.
+        if type(storage) is not TorchStorage or storage.scales is not None or self.tokens[0] < width:
+            return None
+        group, index = self.manager.config.layer_place(layer)
+        layout = self.manager.config.layout
+        return request_run_views(
+            step.page_tables[group], storage.key_cache(index), storage.value_cache(index), layout, width
+        )
+
     def _left_padded(self, step: Step[torch.Tensor], layer: int, start: int) -> bool:
         """Whether ``step``'s padded gather gives the positions from ``start`` on of ``layer``:
         the step's requests are the rows, each row's stored positions there are its last
@@ -191,19 +209,31 @@ class BatchRows:
         if usable is not None:
             return usable
         width = self.positions - start
-        held = self.stored[: len(self.handles), start : self.positions]
-        counts = held.sum(axis=1)
-        tokens = np.asarray(self.tokens, dtype=np.int64)
-        usable = bool(
+        usable = (
             step.request_ids == tuple(self.request_ids)
             and width <= config.num_blocks * config.block_size
-            and np.array_equal(counts, np.minimum(tokens, width))
-            and np.array_equal(held, np.arange(width)[None, :] >= (width - counts)[:, None])
-            and bool((step.page_tables[group].seq_lens >= counts).all())
             and all(handle.num_tokens() == count for handle, count in zip(self.handles, self.tokens, strict=True))
+            and self._stored_last(start, step.page_tables[group].seq_lens)
         )
         known[1][group, start] = usable
         return usable
+
+    def _stored_last(self, start: int, listed: npt.NDArray[np.int32]) -> bool:
+        """Whether each row's stored positions from ``start`` on are its last tokens there (as
+        many as it has, up to all of them) and its page table (``listed``: its tokens) lists them."""
+        width = self.positions - start
+        if len(self.handles) == 1:  # a few scalar reads, not a batch's arrays (once per decode step)
+            row = self.stored[0, start : self.positions]
+            count = int(row.sum())
+            return count == min(self.tokens[0], width) and bool(row[width - count :].all()) and int(listed[0]) >= count
+        held = self.stored[: len(self.handles), start : self.positions]
+        counts = held.sum(axis=1)
+        tokens = np.asarray(self.tokens, dtype=np.int64)
+        return bool(
+            np.array_equal(counts, np.minimum(tokens, width))
+            and np.array_equal(held, np.arange(width)[None, :] >= (width - counts)[:, None])
+            and bool((listed >= counts).all())
+        )
 
     # -- prefix caching ------------------------------------------------------------------
 
