@@ -35,8 +35,8 @@ def _row_by_row(*arguments: object) -> bool:
     return False
 
 
-def _row_by_row_views(*arguments: object) -> None:
-    """``BatchRows._run_views`` declining: the padded gather copies."""
+def _no_views(*arguments: object, **keywords: object) -> None:
+    """``Step.padded_view`` declining: the padded gather copies."""
     return None
 
 
@@ -129,15 +129,15 @@ def test_one_request_in_one_run_reads_views_of_the_pool_with_the_same_logits(
     ids, mask = prompts(1, 10)
     manager = _manager(model, layout, dtype)
     seen: list[tuple[Tensor, Tensor] | None] = []
-    original: Callable[..., Any] = vars(BatchRows)["_run_views"]
+    original: Callable[..., Any] = vars(Step)["padded_view"]
 
-    def recorded(rows: BatchRows, *args: Any) -> Any:
-        result = original(rows, *args)
+    def recorded(step: Step[Tensor], *args: Any, **kwargs: Any) -> Any:
+        result = original(step, *args, **kwargs)
         seen.append(result)
         return result
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(BatchRows, "_run_views", recorded)
+        patch.setattr(Step, "padded_view", recorded)
         ours, gathers = _run(model, manager, ids, mask)
     layers = model.config.num_hidden_layers
     assert len(seen) == layers * 5  # every decode forward after the first, every layer
@@ -151,7 +151,7 @@ def test_one_request_in_one_run_reads_views_of_the_pool_with_the_same_logits(
         assert gathers == layers * 5
         assert all(views is None for views in seen)
     with pytest.MonkeyPatch.context() as patch:  # the same run, copied by the padded gather
-        patch.setattr(BatchRows, "_run_views", _row_by_row_views)
+        patch.setattr(Step, "padded_view", _no_views)
         copied, gathers = _run(model, _manager(model, layout, dtype), ids, mask)
     assert gathers == layers * 5
     for got, expected in zip(ours.logits, copied.logits, strict=True):

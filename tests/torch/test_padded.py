@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, create_manager
+from kvcache_torch import TorchStorage
 
 
 def _expected(manager: PagedKvCacheManager[torch.Tensor], handles: list[object], layer: int) -> torch.Tensor:
@@ -46,3 +47,33 @@ def test_the_padded_read_holds_each_row_s_tokens_after_zeros(
             nhd, _ = step.gather_padded(layer, layout="NHD")
             assert torch.equal(nhd, keys.transpose(1, 2))
         assert np.array_equal(step.page_table.seq_lens, lengths)
+
+
+@pytest.mark.parametrize("kv_layout", ["heads_first", "NHD", "HND"])
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_one_request_s_run_is_shown_in_place_where_the_layout_keeps_its_tokens_in_order(
+    kv_layout: str, dtype: str
+) -> None:
+    config = CacheConfig(
+        num_layers=2, num_heads=2, head_dim=8, block_size=4, num_blocks=16, kv_layout=kv_layout, dtype=dtype
+    )
+    with create_manager("torch", config) as manager:
+        handle = manager.allocate(AllocationRequest("r"))
+        step = manager.begin_step([handle], [13])  # four blocks, one run
+        generator = torch.Generator().manual_seed(5)
+        step.write(1, torch.randn((13, 2, 8), generator=generator), torch.randn((13, 2, 8), generator=generator))
+        shown = dtype == "float32" and kv_layout != "HND"  # HND interleaves a block's tokens with its heads
+        for width, layout in ((None, "HND"), (9, "HND"), (9, "NHD"), (0, "NHD")):
+            view = step.padded_view(1, width=width, layout=layout)
+            if not shown:
+                assert view is None
+                continue
+            assert view is not None
+            copies = step.gather_padded(1, width=width, layout=layout)
+            storage = manager.storage
+            assert isinstance(storage, TorchStorage)
+            for got, copied in zip(view, copies, strict=True):
+                assert got.shape == copied.shape
+                assert torch.equal(got, copied)
+                assert got.untyped_storage().data_ptr() == storage.pool.untyped_storage().data_ptr()  # no copy
+        assert step.padded_view(1, width=14) is None  # a position before its first token: padding

@@ -16,10 +16,11 @@ from kvcache_core.attention.features import storage_attention_features
 from kvcache_core.attention.reference import check_scale
 from kvcache_core.contract.config import CacheConfig
 from kvcache_core.contract.lanes import LaneStorage, StepLane
+from kvcache_core.contract.padded import storage_view_padded
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
 from kvcache_core.contract.scalars import check_optional_count
-from kvcache_core.paging.padded import check_padded_layout, padded_slots, read_padded
+from kvcache_core.paging.padded import check_padded_layout, padded_slots, read_padded, run_of_positions
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.state_slots import slot_run
 from kvcache_core.step import Step
@@ -212,6 +213,19 @@ class DataPathRunner(Generic[ArrayT]):
             self._writable_at[group] = epoch
             path.record_written(index, slots)
         return output
+
+    def padded_view(
+        self, step: Step[ArrayT], layer: int, width: int | None, layout: str
+    ) -> tuple[ArrayT, ArrayT] | None:
+        path = self._path
+        config = path.config
+        with path.lock:
+            self._check_current()
+            group, index = config.layer_place(layer)
+            check_padded_layout(layout)
+            width = check_optional_count(width, "width", 0, config.num_blocks * config.block_size)
+            run = run_of_positions(step.page_tables[group], width)
+            return None if run is None else storage_view_padded(path.storage, index, *run, layout)
 
     def gather_padded(self, step: Step[ArrayT], layer: int, width: int | None, layout: str) -> tuple[ArrayT, ArrayT]:
         path = self._path

@@ -63,6 +63,12 @@ class StepRunner(Protocol[ArrayT]):
         """The step's K/V of ``layer`` as one padded batch (:meth:`Step.gather_padded`)."""
         ...
 
+    def padded_view(
+        self, step: Step[ArrayT], layer: int, width: int | None, layout: str
+    ) -> tuple[ArrayT, ArrayT] | None:
+        """That batch as views of the pool, or ``None`` (:meth:`Step.padded_view`)."""
+        ...
+
     def read_state(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT:
         """A copy of the step's requests' state array ``name`` of ``layer``."""
         ...
@@ -259,6 +265,20 @@ class Step(Generic[ArrayT]):
             InvalidArgumentError: ``width`` or ``layout`` outside the ranges above.
         """
         return self._runner.gather_padded(self, layer, width, layout)
+
+    def padded_view(self, layer: int, *, width: int | None = None, layout: str = "NHD") -> tuple[ArrayT, ArrayT] | None:
+        """:meth:`gather_padded`'s batch as views of the pool, nothing copied, where it is one
+        request's last tokens (no padding: ``width`` at most its ``n``) in one run of
+        consecutive blocks and the storage lays them out in order (its optional
+        ``view_padded``, :mod:`kvcache_core.contract.padded`); ``None`` otherwise (then
+        :meth:`gather_padded` copies). The same values as :meth:`gather_padded`; the views
+        show the pool, so they change when its blocks are written or reused: read them
+        before the request's next step.
+
+        Raises:
+            StaleStepError, LayerIndexError, InvalidArgumentError: as :meth:`gather_padded`.
+        """
+        return self._runner.padded_view(self, layer, width, layout)
 
     def state(self, layer: int, name: str) -> ArrayT:
         """The recurrent state array ``name`` of state layer ``layer`` for the step's

@@ -56,6 +56,20 @@ class PaddedReader:
         plan = self._plan(slots)
         return plan.take(keys, self._heads_first, layout), plan.take(values, self._heads_first, layout)
 
+    def view(
+        self, keys: torch.Tensor, values: torch.Tensor, first: int, positions: int, layout: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``first`` to ``first + positions - 1`` of the flat views as a padded batch of one
+        row, ``[1, positions, heads, dim]`` (``"NHD"``) or heads second (``"HND"``): views, no copy."""
+        return self._run(keys, first, positions, layout), self._run(values, first, positions, layout)
+
+    def _run(self, rows: torch.Tensor, first: int, positions: int, layout: str) -> torch.Tensor:
+        if self._heads_first:  # [heads, slots, dim]: heads second already
+            run = rows.narrow(1, first, positions)[None]
+            return run if layout == "HND" else run.transpose(1, 2)
+        run = rows.narrow(0, first, positions)[None]  # [slots, heads, dim]
+        return run.transpose(1, 2) if layout == "HND" else run
+
     def _plan(self, slots: npt.NDArray[np.int64]) -> _Plan:
         known = self._memo.get(id(slots))
         if known is not None and known[0] is slots:

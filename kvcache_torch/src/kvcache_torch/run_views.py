@@ -5,7 +5,9 @@ one contiguous ``[H, tokens, D]`` view per pool (``[tokens, H, D]`` in NHD, read
 transposed view): a decode step of that request is one ``scaled_dot_product_attention`` call
 on the pool in place, as dense attention on contiguous K/V is, with nothing gathered. The
 native path of :func:`kvcache_torch.attention.attend_pool` takes this lane where it applies
-and its general path (pieces of runs, masks, features) elsewhere.
+and its general path (pieces of runs, masks, features) elsewhere. transformers' contiguous
+path hands such a request's K/V to the model's own attention the same way
+(``Step.padded_view``), where ``DynamicCache`` copies the whole K/V at every step.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from kvcache_core.contract.page_table import PageTable
 
-__all__ = ["one_run_decode", "one_run_span", "request_run_views"]
+__all__ = ["one_run_decode", "one_run_span"]
 
 #: Per page table: ``(first slot, tokens)`` of its one request when that request's blocks
 #: are one run, else ``None`` (the layers of a step share the table: found once per step).
@@ -41,45 +43,6 @@ def _span(page_table: PageTable) -> tuple[int, int] | None:
         span = (int(page_table.kv_indices[0]) * page_table.block_size, int(page_table.seq_lens[0]))
     _SPANS[page_table] = span
     return span
-
-
-#: Per layout whose blocks' tokens follow each other: the axes of (head, block, token in block).
-_RUN_AXES = {"heads_first": (0, 1, 2), "NHD": (2, 0, 1)}
-
-
-def request_run_views(
-    page_table: PageTable, key_cache: torch.Tensor, value_cache: torch.Tensor, kv_layout: str, tokens: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The last ``tokens`` tokens of the one request of ``page_table`` as ``[1, heads,
-    tokens, dim]`` views of one layer's pools (values: their own width), when its blocks are
-    one run: what a dense attention reads, with nothing copied (each head's tokens contiguous
-    in the heads-first layout, strided in NHD). ``None`` for another batch, blocks in several
-    runs, a table with a window, more tokens than the request holds, the HND layout, or pools
-    whose blocks do not follow each other in memory.
-
-    The views show the pool: valid until its blocks are written, freed or reused.
-    """
-    axes = _RUN_AXES.get(kv_layout)
-    if axes is None or page_table.sliding_window is not None:
-        return None
-    span = _span(page_table)
-    if span is None or not 0 <= tokens <= span[1]:
-        return None
-    first = span[0] + span[1] - tokens
-    keys, values = _run_view(key_cache, axes, first, tokens), _run_view(value_cache, axes, first, tokens)
-    return None if keys is None or values is None else (keys, values)
-
-
-def _run_view(cache: torch.Tensor, axes: tuple[int, int, int], first: int, tokens: int) -> torch.Tensor | None:
-    """Slots ``[first, first + tokens)`` of a pool view as ``[1, heads, tokens, dim]``, one
-    ``as_strided`` (a slot's token follows the one before across a block's end)."""
-    heads, blocks, token = axes
-    stride = cache.stride()
-    if stride[blocks] != cache.shape[token] * stride[token]:
-        return None
-    shape = (1, cache.shape[heads], tokens, cache.shape[3])
-    strides = (cache.shape[heads] * stride[heads], stride[heads], stride[token], stride[3])
-    return cache.as_strided(shape, strides, cache.storage_offset() + first * stride[token])
 
 
 def one_run_decode(

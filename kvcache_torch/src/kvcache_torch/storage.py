@@ -1,11 +1,9 @@
 """The torch storage: one pool tensor on any torch device, and the kernels that move its bytes.
 
-:class:`TorchStorage` satisfies :class:`kvcache_core.KvStorage` for ``torch.Tensor``
-structurally. The manager validates every argument before calling it (slots in range and
-in use, shapes and dtypes right); this module only moves bytes. Its one check of its own
-is :meth:`TorchStorage.array_info`, which the manager asks about every array it is
-handed: anything but a tensor on the pool's device is refused there, so the manager
-raises :class:`~kvcache_core.errors.ArrayTypeError` before any state changes.
+:class:`TorchStorage` satisfies :class:`kvcache_core.KvStorage` for ``torch.Tensor`` structurally.
+The manager validates every argument before calling it; this module only moves bytes. Its one
+check of its own is :meth:`TorchStorage.array_info`: anything but a tensor on the pool's device
+is refused there, so the manager raises :class:`~kvcache_core.errors.ArrayTypeError` first.
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ from kvcache_torch.states import TorchStateStorage
 __all__ = ["TorchStorage", "resolve_device"]
 
 IntArray = npt.NDArray[np.int64]
+TensorPair = tuple[torch.Tensor, torch.Tensor]
 
 
 class TorchStorage:
@@ -49,11 +48,10 @@ class TorchStorage:
     shows through a reference taken before it. Bytes leave the device only through :meth:`gather`,
     :meth:`blocks_to_host` and :meth:`to_numpy`.
 
-    Host copies (``blocks_to_host``) are core's host form (:mod:`kvcache_core.offload.host_form`),
-    the same on every backend: a bfloat16 pool's are ``uint16`` bit patterns, so a round
-    trip is bit-identical and they load into a JAX or NumPy-side pool as they are;
-    ``to_numpy`` gives bfloat16 values as float32 (exact). On CUDA copies are staged
-    through pinned host memory.
+    Host copies (``blocks_to_host``) are core's host form (:mod:`kvcache_core.offload.host_form`):
+    a bfloat16 pool's are ``uint16`` bit patterns, bit-identical through a round trip and loadable
+    into a JAX or NumPy-side pool; ``to_numpy`` gives bfloat16 values as float32 (exact). On CUDA
+    copies are staged through pinned host memory.
 
     A quantized pool (``int8``, ``float8_e4m3fn``: :mod:`kvcache_core.contract.quantization`) holds raw
     values in the pool and their scales in :attr:`scales` ``[num_layers, 2, num_heads,
@@ -198,6 +196,12 @@ class TorchStorage:
             return None
         return self._padded.read(self._targets[0][layer], self._targets[1][layer], slots, layout)
 
+    def view_padded(self, layer: int, first_slot: int, positions: int, layout: str) -> TensorPair | None:
+        """One request's run of slots as a padded batch of one row, views of the pool
+        (:mod:`kvcache_core.contract.padded`); ``None`` as :meth:`gather_padded`."""
+        flat = () if self._scales is not None else self._targets  # a quantized pool's are its bytes
+        return self._padded.view(flat[0][layer], flat[1][layer], first_slot, positions, layout) if flat else None
+
     def key_cache(self, layer: int) -> torch.Tensor:
         """View of the layer's key pool, in the configured layout."""
         return self._views[0][layer]
@@ -288,9 +292,8 @@ class TorchStorage:
                 scales = scales.reshape(-1, self._config.num_heads)[:num_tokens]
                 decoded.append((raw.to(torch.float32) * scales[:, :, None]).to(self._io_dtype))
             return decoded[0], decoded[1]
-        return self._tokens(self._parts[0][layer], index, num_tokens), self._tokens(
-            self._parts[1][layer], index, num_tokens
-        )
+        keys, values = self._parts[0][layer], self._parts[1][layer]
+        return self._tokens(keys, index, num_tokens), self._tokens(values, index, num_tokens)
 
     def _tokens(self, cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int) -> torch.Tensor:
         heads, dim = self._config.num_heads, int(cache.shape[-1])
@@ -350,11 +353,7 @@ class TorchStorage:
             self._quantized_from_host(blocks, keys, values, shape[:-1])
             return
         stacked = torch.stack([self._from_host(keys), self._from_host(values)], dim=1)  # [L, 2, n, bs, H, D]
-        if config.kv_layout == "HND":
-            stacked = stacked.transpose(3, 4)
-        elif config.kv_layout == "heads_first":
-            stacked = stacked.permute(0, 1, 4, 2, 3, 5)
-        self._pool.index_copy_(self._block_axis, self._index(blocks), stacked)
+        self._pool.index_copy_(self._block_axis, self._index(blocks), self._in_layout(stacked))
 
     def _quantized_from_host(
         self, blocks: IntArray, keys: npt.NDArray[Any], values: npt.NDArray[Any], leading: tuple[int, ...]
@@ -368,11 +367,7 @@ class TorchStorage:
             assert tuple(scale.shape) == leading  # checked by the caller
             raws.append(tensor_of(raw.view(np.uint8)).to(self._device))
             scales.append(tensor_of(scale).to(self._device))
-        stacked = torch.stack(raws, dim=1)  # [L, 2, n, bs, H, D]
-        if self._config.kv_layout == "HND":
-            stacked = stacked.transpose(3, 4)
-        elif self._config.kv_layout == "heads_first":
-            stacked = stacked.permute(0, 1, 4, 2, 3, 5)
+        stacked = self._in_layout(torch.stack(raws, dim=1))  # [L, 2, n, bs, H, D] in the layout
         index = self._index(blocks)
         self._moved.index_copy_(self._block_axis, index, stacked)
         self._scales.index_copy_(3, index, torch.stack(scales, dim=1).permute(0, 1, 4, 2, 3))
@@ -400,11 +395,14 @@ class TorchStorage:
                 self._scales[:, kv].index_copy_(2, index, tensor_of(scale).to(self._device).permute(0, 3, 1, 2))
             else:
                 data = self._from_host(array)
-            if self._config.kv_layout == "HND":  # [L, n, bs, H, D] -> the pool's layout
-                data = data.transpose(2, 3)
-            elif self._config.kv_layout == "heads_first":
-                data = data.permute(0, 3, 1, 2, 4)
-            self._moved_parts[kv].index_copy_(self._block_axis - 1, index, data)
+            self._moved_parts[kv].index_copy_(self._block_axis - 1, index, self._in_layout(data))  # [L, n, bs, H, D]
+
+    def _in_layout(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Host-form blocks ``[..., n, block_size, heads, dim]`` in the pool's layout (a view)."""
+        layout = self._config.kv_layout
+        if layout == "HND":
+            return blocks.transpose(-3, -2)
+        return blocks.movedim(-2, -4) if layout == "heads_first" else blocks
 
     def _to_canonical(self, picked: torch.Tensor, leading: int = 2) -> torch.Tensor:
         """``[L, 2, *layout over n blocks]`` (``leading`` 2; one part ``[L, *layout]``: 1) ->

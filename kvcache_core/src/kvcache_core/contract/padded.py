@@ -13,6 +13,11 @@ read that way (a quantized pool, say); core then gathers request by request with
 ``KvStorage.gather`` and pads with the array library's own calls. The two give the same
 arrays bit for bit (the conformance kit compares them on every backend), so a storage claims
 no capability for the member: it changes how fast the call runs, never what it returns.
+
+:meth:`Step.padded_view <kvcache_core.step.Step.padded_view>` gives the same batch without a
+copy where core finds it is one request's run of consecutive slots and the storage lays those
+out in order: the optional member ``view_padded(layer, first_slot, positions, layout)``
+(:class:`PaddedViewStorage`) returns views of the pool, or ``None``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, Final, Protocol, runtime_checkable
 
 from kvcache_core.contract.protocols import SlotArray
 
-__all__ = ["PADDED_LAYOUTS", "PaddedGatherStorage", "storage_gather_padded"]
+__all__ = ["PADDED_LAYOUTS", "PaddedGatherStorage", "PaddedViewStorage", "storage_gather_padded", "storage_view_padded"]
 
 #: The layouts of a padded gather: ``"NHD"`` ``[batch, positions, heads, dim]`` and ``"HND"``
 #: ``[batch, heads, positions, dim]`` (transformers' layout).
@@ -62,4 +67,31 @@ def storage_gather_padded(storage: object, layer: int, slots: SlotArray, layout:
     if read is None:
         return None
     result: tuple[Any, Any] | None = read(layer, slots, layout)
+    return result
+
+
+@runtime_checkable
+class PaddedViewStorage(Protocol):
+    """The optional :class:`~kvcache_core.plugin.KvStorage` member that shows one request's run
+    of slots as a padded batch of one row, in place."""
+
+    def view_padded(self, layer: int, first_slot: int, positions: int, layout: str) -> tuple[Any, Any] | None:
+        """Slots ``first_slot`` to ``first_slot + positions - 1`` of storage layer ``layer`` (core
+        checked them: one request's tokens, in one run of consecutive blocks) as what
+        :meth:`PaddedGatherStorage.gather_padded` returns for them, ``[1, positions, heads,
+        dim]`` (``"NHD"``) or ``[1, heads, positions, dim]`` (``"HND"``), but views of the pool:
+        nothing copied, valid until those blocks are written or reused. ``None``, having made
+        nothing, where the storage does not lay the slots out in order (a layout that
+        interleaves a block's tokens with its heads, a quantized pool)."""
+        ...
+
+
+def storage_view_padded(
+    storage: object, layer: int, first_slot: int, positions: int, layout: str
+) -> tuple[Any, Any] | None:
+    """``storage.view_padded(...)``, or ``None`` when the storage has no such member."""
+    view: Any = getattr(storage, "view_padded", None)
+    if view is None:
+        return None
+    result: tuple[Any, Any] | None = view(layer, first_slot, positions, layout)
     return result

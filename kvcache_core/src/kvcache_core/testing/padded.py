@@ -2,7 +2,8 @@
 :mod:`kvcache_core.contract.padded`): every backend gives each request's last tokens, as
 ``manager.gather`` gives them, at the end of its row and zeros before, in both layouts, bit
 for bit, whether its storage reads the slots in one pass or core gathers request by request;
-bad arguments are refused by name.
+``Step.padded_view`` shows what the gather copies, where it shows anything; bad arguments are
+refused by name.
 """
 
 from __future__ import annotations
@@ -96,8 +97,47 @@ def _check(manager: Manager, step: Step[Any], handles: list[Any], layer: int, co
                 assert np.array_equal(host, want), f"{where} differ from manager.gather's, padded"
 
 
+def _check_views(manager: Manager, step: Step[Any], handle: Any, layer: int, context: str) -> int:
+    """``Step.padded_view`` of one request against ``gather_padded``, bit for bit, where the
+    storage shows it (``None`` past the request's tokens); returns how many it showed."""
+    tokens, shown = handle.num_tokens(), 0
+    for width in (None, 0, 3, tokens, tokens + 1):
+        for layout in ("NHD", "HND"):
+            view = step.padded_view(layer, width=width, layout=layout)
+            where = f"{context}, layer {layer}, width {width}, layout {layout}"
+            if width is not None and width > tokens:
+                assert view is None, f"{where}: a view of positions the request does not hold (padding)"
+            if view is None:
+                continue
+            shown += 1
+            for name, got, copied in zip(
+                ("keys", "values"), view, step.gather_padded(layer, width=width, layout=layout), strict=True
+            ):
+                info, want = manager.storage.array_info(got), manager.storage.array_info(copied)
+                assert info == want, f"{where}: {name} view {info}, gather_padded gives {want}"
+                equal = np.array_equal(BackendUnderTest.host(manager, got), BackendUnderTest.host(manager, copied))
+                assert equal, f"{where}: {name} view differs from gather_padded's copy"
+    return shown
+
+
 class PaddedGatherCases:
     """Cases every backend runs (``Step.gather_padded`` is core's, over any storage)."""
+
+    def test_a_padded_view_shows_what_the_padded_gather_copies(self, kvcache_backend: BackendUnderTest) -> None:
+        # A storage with ``view_padded`` shows one request's run in place; a batch of several
+        # requests, or positions before the request's first token, are never shown.
+        for config in kvcache_backend.configs(num_blocks=40):
+            with kvcache_backend.manager(config) as manager:
+                step, handles = _filled(manager, (11,))
+                assert step.page_table.one_run_each, "the request's blocks are not one run: the case tests nothing"
+                context = f"dtype {config.dtype}, layout {config.kv_layout}"
+                for layer in range(config.num_layers):
+                    _check_views(manager, step, handles[0], layer, context)
+            with kvcache_backend.manager(config) as manager:
+                step, _ = _filled(manager, LENGTHS)
+                assert all(step.padded_view(0, width=1, layout=layout) is None for layout in ("NHD", "HND")), (
+                    f"{context}: a view of a batch of several requests"
+                )
 
     def test_a_padded_gather_holds_each_request_s_last_tokens_after_zeros(
         self, kvcache_backend: BackendUnderTest

@@ -23,8 +23,6 @@ from kvcache_core import (
     UnsupportedConfigError,
 )
 from kvcache_torch.hf.forward_pass import ForwardStep
-from kvcache_torch.run_views import request_run_views
-from kvcache_torch.storage import TorchStorage
 
 __all__ = ["BatchRows", "prompt_rows", "release_requests", "undo_step"]
 
@@ -159,7 +157,8 @@ class BatchRows:
         start = 0 if last is None else self.positions - last
         width = self.positions - start
         if step is not None and self._left_padded(step, layer, start):
-            views = self._run_views(step, layer, width) if len(self.handles) == 1 else None
+            # One row's positions all stored (as many tokens as positions): maybe views of the pool.
+            views = step.padded_view(layer, width=width, layout="HND") if self._unpadded_row(width) else None
             return step.gather_padded(layer, width=width, layout="HND") if views is None else views
         held = self.stored[: len(self.handles), start : self.positions]
         counts = held.sum(axis=1)
@@ -180,20 +179,12 @@ class BatchRows:
             return torch.stack(keys), torch.stack(values)
         return _with_gaps(keys, held, width), _with_gaps(values, held, width)
 
-    def _run_views(self, step: Step[torch.Tensor], layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The one row's last ``width`` positions, all of them stored, as views of a torch pool
-        (:func:`~kvcache_torch.run_views.request_run_views`) where its blocks are one run:
-        nothing is copied (``DynamicCache`` copies its whole K/V at every step); ``None``
-        otherwise (a quantized pool, the HND layout, padding among the positions)."""
-        storage = self.manager.storage
-        # A left-padded row's last positions hold no padding when it has as many tokens.
-        if type(storage) is not TorchStorage or storage.scales is not None or self.tokens[0] < width:
-            return None
-        group, index = self.manager.config.layer_place(layer)
-        layout = self.manager.config.layout
-        return request_run_views(
-            step.page_tables[group], storage.key_cache(index), storage.value_cache(index), layout, width
-        )
+    def _unpadded_row(self, width: int) -> bool:
+        """Whether the batch is one left-padded row whose last ``width`` positions hold no
+        padding (it has as many tokens): its K/V there are one request's last tokens, which
+        :meth:`Step.padded_view` shows in place where its blocks are one run (``DynamicCache``
+        copies its whole K/V at every step)."""
+        return len(self.handles) == 1 and self.tokens[0] >= width
 
     def _left_padded(self, step: Step[torch.Tensor], layer: int, start: int) -> bool:
         """Whether ``step``'s padded gather gives the positions from ``start`` on of ``layer``:
