@@ -214,27 +214,28 @@ class DataPathRunner(Generic[ArrayT]):
             path.record_written(index, slots)
         return output
 
+    def _padded_place(self, layer: int, width: int | None, layout: str) -> tuple[int, int, int | None]:
+        """Under the lock: the step still current, the layer's ``(group, storage layer)`` and
+        the checked ``width`` of a padded batch in ``layout``."""
+        config = self._path.config
+        self._check_current()
+        group, index = config.layer_place(layer)
+        check_padded_layout(layout)
+        return group, index, check_optional_count(width, "width", 0, config.num_blocks * config.block_size)
+
     def padded_view(
         self, step: Step[ArrayT], layer: int, width: int | None, layout: str
     ) -> tuple[ArrayT, ArrayT] | None:
         path = self._path
-        config = path.config
         with path.lock:
-            self._check_current()
-            group, index = config.layer_place(layer)
-            check_padded_layout(layout)
-            width = check_optional_count(width, "width", 0, config.num_blocks * config.block_size)
+            group, index, width = self._padded_place(layer, width, layout)
             run = run_of_positions(step.page_tables[group], width)
             return None if run is None else storage_view_padded(path.storage, index, *run, layout)
 
     def gather_padded(self, step: Step[ArrayT], layer: int, width: int | None, layout: str) -> tuple[ArrayT, ArrayT]:
         path = self._path
-        config = path.config
         with path.lock:
-            self._check_current()
-            group, index = config.layer_place(layer)
-            check_padded_layout(layout)
-            width = check_optional_count(width, "width", 0, config.num_blocks * config.block_size)
+            group, index, width = self._padded_place(layer, width, layout)
             table = step.page_tables[group]
             slots = self._padded.get((group, width))
             if slots is None:  # planned once per group and width
