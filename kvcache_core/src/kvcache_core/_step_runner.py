@@ -20,7 +20,7 @@ from kvcache_core.contract.padded import storage_view_padded
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
 from kvcache_core.contract.scalars import check_optional_count
-from kvcache_core.paging.padded import check_padded_layout, padded_slots, read_padded, run_of_positions
+from kvcache_core.paging.padded import check_padded_layout, padded_slots, read_padded
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.state_slots import slot_run
 from kvcache_core.step import Step
@@ -229,7 +229,7 @@ class DataPathRunner(Generic[ArrayT]):
         path = self._path
         with path.lock:
             group, index, width = self._padded_place(layer, width, layout)
-            run = run_of_positions(step.page_tables[group], width)
+            run = step.page_tables[group].one_run_slots(width)
             return None if run is None else storage_view_padded(path.storage, index, *run, layout)
 
     def gather_padded(self, step: Step[ArrayT], layer: int, width: int | None, layout: str) -> tuple[ArrayT, ArrayT]:

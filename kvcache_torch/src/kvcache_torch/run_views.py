@@ -38,9 +38,8 @@ def one_run_span(page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> tup
 def _span(page_table: PageTable) -> tuple[int, int] | None:
     if page_table in _SPANS:
         return _SPANS[page_table]
-    span = None
-    if page_table.batch_size == 1 and page_table.kv_indices.shape[0] and page_table.one_run_each:
-        span = (int(page_table.kv_indices[0]) * page_table.block_size, int(page_table.seq_lens[0]))
+    run = page_table.one_run_slots()
+    span = run if run is not None and run[1] else None
     _SPANS[page_table] = span
     return span
 

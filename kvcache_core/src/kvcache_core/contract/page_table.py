@@ -467,6 +467,25 @@ class PageTable:
             object.__setattr__(self, "_one_run", known)
         return known
 
+    def one_run_slots(self, positions: int | None = None) -> tuple[int, int] | None:
+        """``(first slot, positions)`` of the last ``positions`` tokens (``None``: all) of the
+        table's one request when they are consecutive slots: one request, its blocks one run,
+        no window, at most its tokens. Their slots are then ``first, first + 1, ...``;
+        ``None`` otherwise.
+
+        Raises:
+            InvalidArgumentError: ``positions`` neither ``None`` nor an int ``>= 0``.
+        """
+        if positions is not None and (type(positions) is not int or positions < 0):
+            raise InvalidArgumentError(f"positions must be None or an int >= 0, got {positions!r}")
+        if self.batch_size != 1 or self.sliding_window is not None or not self.one_run_each:
+            return None
+        tokens = int(self.seq_lens[0])
+        count = tokens if positions is None else positions
+        if count > tokens:  # positions before the request's first token
+            return None
+        return (int(self.kv_indices[0]) * self.block_size + tokens - count if count else 0), count
+
     def _compute_runs(self, index: int) -> tuple[BlockRun, ...]:
         blocks = self.blocks(index).astype(np.int64)
         if blocks.size == 0:

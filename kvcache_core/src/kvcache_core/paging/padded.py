@@ -20,7 +20,7 @@ from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
 from kvcache_core.errors import InvalidArgumentError
 
-__all__ = ["check_padded_layout", "padded_slots", "read_padded", "run_of_positions"]
+__all__ = ["check_padded_layout", "padded_slots", "read_padded"]
 
 ArrayT = TypeVar("ArrayT")
 
@@ -57,22 +57,6 @@ def padded_slots(table: PageTable, width: int | None) -> SlotArray:
     slots.flags.writeable = False
     frozen: SlotArray = slots.view()  # a view of a read-only base: nobody can make it writeable again
     return frozen
-
-
-def run_of_positions(table: PageTable, width: int | None) -> tuple[int, int] | None:
-    """``(first slot, positions)`` of the padded batch of ``table`` and ``width`` (as
-    :func:`padded_slots` lays it out) when it is one request's last tokens, no padding, in one
-    run of consecutive blocks, no window: the slots are then ``first, first + 1, ...``; ``None``
-    otherwise."""
-    if table.batch_size != 1 or table.sliding_window is not None or not table.one_run_each:
-        return None
-    tokens = int(table.seq_lens[0])
-    positions = tokens if width is None else width
-    if positions > tokens:  # padding before the request's tokens
-        return None
-    if not positions:
-        return 0, 0
-    return int(table.kv_indices[0]) * table.block_size + tokens - positions, positions
 
 
 def read_padded(

@@ -97,10 +97,10 @@ def _check(manager: Manager, step: Step[Any], handles: list[Any], layer: int, co
                 assert np.array_equal(host, want), f"{where} differ from manager.gather's, padded"
 
 
-def _check_views(manager: Manager, step: Step[Any], handle: Any, layer: int, context: str) -> int:
+def _check_views(manager: Manager, step: Step[Any], handle: Any, layer: int, context: str) -> None:
     """``Step.padded_view`` of one request against ``gather_padded``, bit for bit, where the
-    storage shows it (``None`` past the request's tokens); returns how many it showed."""
-    tokens, shown = handle.num_tokens(), 0
+    storage shows it (``None`` past the request's tokens)."""
+    tokens = handle.num_tokens()
     for width in (None, 0, 3, tokens, tokens + 1):
         for layout in ("NHD", "HND"):
             view = step.padded_view(layer, width=width, layout=layout)
@@ -109,7 +109,6 @@ def _check_views(manager: Manager, step: Step[Any], handle: Any, layer: int, con
                 assert view is None, f"{where}: a view of positions the request does not hold (padding)"
             if view is None:
                 continue
-            shown += 1
             for name, got, copied in zip(
                 ("keys", "values"), view, step.gather_padded(layer, width=width, layout=layout), strict=True
             ):
@@ -117,7 +116,6 @@ def _check_views(manager: Manager, step: Step[Any], handle: Any, layer: int, con
                 assert info == want, f"{where}: {name} view {info}, gather_padded gives {want}"
                 equal = np.array_equal(BackendUnderTest.host(manager, got), BackendUnderTest.host(manager, copied))
                 assert equal, f"{where}: {name} view differs from gather_padded's copy"
-    return shown
 
 
 class PaddedGatherCases:
@@ -173,20 +171,23 @@ class PaddedGatherCases:
         with kvcache_backend.manager(config) as manager:
             step, handles = _filled(manager, LENGTHS)
             capacity = config.num_blocks * config.block_size
-            for width in (-1, capacity + 1, 2.0, "3", True):
-                with pytest.raises(InvalidArgumentError, match="width"):
-                    step.gather_padded(0, width=width)  # type: ignore[arg-type]  # what the case tests
-            for layout in ("HDN", "heads_first", None):
-                with pytest.raises(InvalidArgumentError, match="layout"):
-                    step.gather_padded(0, layout=layout)  # type: ignore[arg-type]  # what the case tests
-            for layer in (-1, config.num_layers, "0"):
-                with pytest.raises(LayerIndexError):
-                    step.gather_padded(layer)  # type: ignore[arg-type]  # what the case tests
+            for read in (step.gather_padded, step.padded_view):
+                for width in (-1, capacity + 1, 2.0, "3", True):
+                    with pytest.raises(InvalidArgumentError, match="width"):
+                        read(0, width=width)  # type: ignore[arg-type]  # what the case tests
+                for layout in ("HDN", "heads_first", None):
+                    with pytest.raises(InvalidArgumentError, match="layout"):
+                        read(0, layout=layout)  # type: ignore[arg-type]  # what the case tests
+                for layer in (-1, config.num_layers, "0"):
+                    with pytest.raises(LayerIndexError):
+                        read(layer)  # type: ignore[arg-type]  # what the case tests
             keys, _ = step.gather_padded(0, width=capacity)  # the largest width there is
             assert tuple(keys.shape[:2]) == (len(LENGTHS), capacity)
             manager.begin_step(handles, [1] * len(LENGTHS))  # the requests grew: the old step is stale
             with pytest.raises(StaleStepError):
                 step.gather_padded(0)
+            with pytest.raises(StaleStepError):
+                step.padded_view(0)
 
     def test_a_padded_gather_of_an_empty_step_is_an_empty_batch(self, kvcache_backend: BackendUnderTest) -> None:
         for config in kvcache_backend.configs(num_blocks=40):
