@@ -1,14 +1,39 @@
-"""The torch pool's padded gather reads each way it has (one head; a row per call; a head of
-a row per call, from 256 KiB a head) what ``manager.gather`` gives, padded on the left."""
+"""The torch pool's padded gather reads each way it has (on CPU, run by run in compiled code;
+without it, one head, a row per call, a head of a row per call from 256 KiB a head) what
+``manager.gather`` gives, padded on the left."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 
-from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, create_manager
+from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, Step, create_manager
+from kvcache_core.attention.gather_kernel import gather_runs
+from kvcache_core.attention.kernel import DISABLE_ENV, kernel_available
 from kvcache_torch import TorchStorage
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def compiled_runs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
+    """Each compiled gather's result (``True``: it copied) while the test runs; ``"torch"``
+    switches the compiled code off (every result ``False``: the torch reads ran)."""
+    if request.param == "torch":
+        monkeypatch.setenv(DISABLE_ENV, "1")
+    elif not kernel_available():
+        pytest.skip("the compiled gather needs numba")
+    results: list[bool] = []
+    original = gather_runs
+
+    def counted(*args: object) -> bool:
+        results.append(original(*args))  # type: ignore[arg-type]  # the reader's own arguments
+        return results[-1]
+
+    monkeypatch.setattr("kvcache_torch.padded.gather_runs", counted)
+    yield results
+    assert results.count(request.param == "compiled") == len(results)  # the path the test is for
 
 
 def _expected(manager: PagedKvCacheManager[torch.Tensor], handles: list[object], layer: int) -> torch.Tensor:
@@ -28,7 +53,7 @@ def _expected(manager: PagedKvCacheManager[torch.Tensor], handles: list[object],
 )
 @pytest.mark.parametrize("kv_layout", ["heads_first", "NHD"])
 def test_the_padded_read_holds_each_row_s_tokens_after_zeros(
-    heads: int, head_dim: int, lengths: tuple[int, ...], kv_layout: str
+    heads: int, head_dim: int, lengths: tuple[int, ...], kv_layout: str, compiled_runs: list[bool]
 ) -> None:
     config = CacheConfig(
         num_layers=2, num_heads=heads, head_dim=head_dim, block_size=16, num_blocks=160, kv_layout=kv_layout
@@ -47,6 +72,44 @@ def test_the_padded_read_holds_each_row_s_tokens_after_zeros(
             nhd, _ = step.gather_padded(layer, layout="NHD")
             assert torch.equal(nhd, keys.transpose(1, 2))
         assert np.array_equal(step.page_table.seq_lens, lengths)
+    if kv_layout != "heads_first":  # an NHD pool is read by torch
+        assert compiled_runs == []
+    else:  # K and V read heads second, two layers
+        assert len(compiled_runs) == 4  # K and V read heads second, two layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_of_many_runs_are_read_after_decode_steps(dtype: torch.dtype, compiled_runs: list[bool]) -> None:
+    """Decode steps give each row a block at a time, between the other rows': many runs per row."""
+    lengths = [21, 3, 40]
+    config = CacheConfig(
+        num_layers=1,
+        num_heads=3,
+        head_dim=8,
+        block_size=4,
+        num_blocks=64,
+        kv_layout="heads_first",
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    generator = torch.Generator().manual_seed(7)
+    with create_manager("torch", config) as manager:
+        handles = [manager.allocate(AllocationRequest(f"r{row}")) for row in range(len(lengths))]
+
+        def run(counts: list[int]) -> Step[torch.Tensor]:
+            step = manager.begin_step(handles, counts)
+            shape = (sum(counts), 3, 8)
+            keys = torch.randn(shape, generator=generator).to(dtype)
+            step.write(0, keys, torch.randn(shape, generator=generator).to(dtype))
+            return step
+
+        step = run(lengths)  # a prefill, then ten decode steps
+        for _ in range(10):
+            step = run([1] * len(lengths))
+        keys, values = step.gather_padded(0, layout="HND")
+        assert torch.equal(keys, _expected(manager, list(handles), 0).to(dtype))
+        assert torch.equal(values.transpose(1, 2), step.gather_padded(0, layout="NHD")[1])
+        assert manager.gather(handles[1], 0)[0].shape[0] == 13  # 3 + 10 tokens, in 4 blocks of 4
+    assert len(compiled_runs) == 2  # K and V read heads second
 
 
 @pytest.mark.parametrize("kv_layout", ["heads_first", "NHD", "HND"])

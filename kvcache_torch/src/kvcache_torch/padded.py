@@ -18,7 +18,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvcache_core.attention.gather_kernel import SlotRuns, gather_runs
 from kvcache_torch.dtypes import tensor_of
+from kvcache_torch.threads import torch_team
 
 __all__ = ["PaddedReader"]
 
@@ -85,12 +87,15 @@ class PaddedReader:
 
 class _Plan:
     """One slot array's index tensor and, per row, how many padding positions open it (zeroed
-    as one slice: a broadcast mask measured 3-5x slower)."""
+    as one slice: a broadcast mask measured 3-5x slower); on CPU, its runs of consecutive
+    slots, found at the first read (:class:`~kvcache_core.attention.gather_kernel.SlotRuns`)."""
 
-    __slots__ = ("_batch", "_index", "_leads", "_positions")
+    __slots__ = ("_batch", "_index", "_leads", "_positions", "_runs", "_slots")
 
     def __init__(self, slots: npt.NDArray[np.int64], device: torch.device) -> None:
         self._batch, self._positions = int(slots.shape[0]), int(slots.shape[1])
+        self._slots: npt.NDArray[np.int64] | None = slots if device.type == "cpu" else None
+        self._runs: SlotRuns | None = None
         pads = slots < 0  # the padding opens each row (the contract's left padding)
         self._index = tensor_of(np.where(pads, 0, slots).reshape(-1).astype(np.int64)).to(device)
         self._leads = [(row, lead) for row, lead in enumerate(pads.sum(axis=1).tolist()) if lead]
@@ -99,6 +104,12 @@ class _Plan:
         batch, positions = self._batch, self._positions
         dim = int(rows.shape[2])
         heads = int(rows.shape[0] if heads_first else rows.shape[1])
+        if heads_first and layout == "HND" and self._slots is not None:  # CPU: run by run, compiled
+            if self._runs is None:
+                self._runs = SlotRuns(self._slots)
+            out = rows.new_empty((batch, heads, positions, dim))
+            if gather_runs(_bits(rows), _bits(out), self._runs, torch_team()):
+                return out
         if heads_first and layout == "HND" and heads > 1:  # straight into place: one pass, no transpose
             out = rows.new_empty((batch, heads, positions, dim))
             index = self._index.view(batch, positions)
@@ -119,3 +130,12 @@ class _Plan:
         for row, lead in self._leads:
             (out[row, :, :lead] if layout == "HND" else out[row, :lead]).zero_()
         return out
+
+
+#: The integer type of each element size: a tensor's bits as NumPy reads them (NumPy has no bfloat16).
+_BIT_TYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> npt.NDArray[Any]:
+    """A CPU tensor's elements as integers of their size, in place (a NumPy view)."""
+    return tensor.view(_BIT_TYPES[tensor.element_size()]).numpy()

@@ -59,6 +59,7 @@ __all__ = [
     "POOL_INT8",
     "ROW_TILE",
     "attend_share",
+    "claim_next",
     "merge_splits",
 ]
 
@@ -141,8 +142,8 @@ def _claim_typer(typingctx, counter):  # type: ignore[no-untyped-def]
     return types.int64(counter), codegen
 
 
-#: ``_claim(counter)`` in compiled code.
-_claim: Any = intrinsic(_claim_typer)
+#: ``claim_next(counter)`` in compiled code (the padded gather's threads claim with it too).
+claim_next: Any = intrinsic(_claim_typer)
 #: ``_prefetch_row(array, row)`` in compiled code (typed ``Any``: numba's intrinsic wrapper
 #: declares the typing context as a parameter).
 _prefetch_row: Any = intrinsic(_prefetch_row_typer)
@@ -552,7 +553,7 @@ def attend_share(  # type: ignore[no-untyped-def]
         value_bits,
     )
     while True:
-        position = _claim(claimed)
+        position = claim_next(claimed)
         if position >= items.shape[0]:
             break
         _attend_item(

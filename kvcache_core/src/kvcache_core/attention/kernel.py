@@ -65,6 +65,7 @@ from kvcache_core.errors import InvalidTypeError, ShapeMismatchError, Unsupporte
 __all__ = [
     "DISABLE_ENV",
     "KERNEL_DTYPES",
+    "LAUNCH_LOCK",
     "MIN_SPLIT_KEYS",
     "MIN_THREAD_WORK",
     "QUANTIZED_KERNEL_DTYPES",
@@ -119,8 +120,9 @@ _STRIDE_AXES: Final = {"NHD": (0, 1, 2), "HND": (0, 2, 1), "heads_first": (1, 2,
 FloatArray = npt.NDArray[np.float32]
 IndexArray = npt.NDArray[np.int64]
 
-# One launch at a time: each uses every thread it is given, so two at once would oversubscribe.
-_launch_lock = threading.Lock()
+#: One launch at a time, held by every launch of compiled code on a team (this kernel, the
+#: padded gather): each uses every thread it is given, so two at once would oversubscribe.
+LAUNCH_LOCK: Final = threading.Lock()
 _load_lock = threading.Lock()
 _jit_module: ModuleType | None = None
 _jit_missing = False
@@ -546,7 +548,7 @@ class KernelCall:
         def share() -> None:
             attend(*arguments, plan.items, claimed, *options, *features)
 
-        with _launch_lock:
+        with LAUNCH_LOCK:
             if plan.threads > 1:
                 (self._team or python_team)(share, plan.threads)
             else:

@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.attention.features import combined_window
+from kvcache_core.attention.gather_kernel import SlotRuns, gather_runs
 from kvcache_core.attention.reference import paged_attention
 from kvcache_core.backends.dispatch import kernel_or_reference
 from kvcache_core.backends.numpy.states import NumpyStateStorage
@@ -147,6 +148,7 @@ class NumpyStorage:
             _check_memory("pool", pool, self.pool_shape(config), self.element_dtype(config))
         self._pool = pool
         self._block_axis = 3 if config.kv_layout == "heads_first" else 2
+        self._slot_runs: dict[int, tuple[IntArray, SlotRuns]] = {}  # the latest padded gathers' (by id, kept alive)
         self._split = config.value_head_dim is not None
         if self._split:  # [layer, keys then values]: one C-contiguous view of each per layer
             key_elements = int(np.prod(config.block_shape()))
@@ -273,6 +275,27 @@ class NumpyStorage:
         return self._tokens(self._parts[0][layer], blocks, num_tokens), self._tokens(
             self._parts[1][layer], blocks, num_tokens
         )
+
+    def gather_padded(self, layer: int, slots: IntArray, layout: str) -> tuple[NumpyArray, NumpyArray] | None:
+        """A step's padded batch heads second (``"HND"``) from a heads-first pool, run by run
+        in compiled code (:mod:`kvcache_core.attention.gather_kernel`); ``None`` otherwise
+        (another layout, a quantized pool, numba missing: core gathers request by request)."""
+        if self._scales is not None or layout != "HND" or self._config.kv_layout != "heads_first":
+            return None
+        known = self._slot_runs.get(id(slots))
+        if known is None or known[0] is not slots:  # the same array for a step's layers (one per group)
+            if len(self._slot_runs) >= 8:  # earlier steps'
+                self._slot_runs.clear()
+            known = self._slot_runs[id(slots)] = (slots, SlotRuns(slots))
+        gathered: list[NumpyArray] = []
+        for part in self._parts:
+            cache = part[layer]  # [heads, blocks, block_size, dim]: a C-contiguous layer
+            rows = cache.reshape(cache.shape[0], -1, cache.shape[3])
+            out = np.empty((known[1].batch, rows.shape[0], known[1].positions, rows.shape[2]), dtype=rows.dtype)
+            if not gather_runs(rows, out, known[1]):
+                return None
+            gathered.append(out)
+        return gathered[0], gathered[1]
 
     def _tokens(self, cache: NumpyArray, blocks: IntArray, num_tokens: int) -> NumpyArray:
         heads, dim = self._config.num_heads, cache.shape[3]

@@ -1,0 +1,103 @@
+"""The numba-compiled loop of the padded gather (:mod:`kvcache_core.attention.gather_kernel`).
+
+As :mod:`kvcache_core.attention._kernel_jit`, this holds compiled code only and nothing checks
+anything here: the typed wrapper checks every shape and index before a call (bounds checks
+are off, as in any compiled kernel).
+
+A work item is one ``(row, head)`` of the padded batch: it zeroes the row's padding for that
+head (``memset``) and copies each run of consecutive slots, ``length x dim`` elements in a row
+at both ends, with one ``memcpy``. Measured on machine C (AMD EPYC, 2 threads, the pool not in
+cache), 8 rows of about 2k positions: 1.0 ms a pool of 2 heads of 64 float32 against 1.36 ms
+as 2-D slice assignments (1.24 ms as 1-D ones) and 0.96 ms for ``torch.cat`` of as much
+contiguous memory; 7.1, 7.9 and 7.9 ms at 8 heads of 128. The threads claim items from one atomic counter,
+without the GIL, in the order the wrapper gives (longest rows first). Elements are copied as
+their bits (an unsigned integer of their size), so one compiled version serves every dtype of
+that size. ``cache=True``: compiled once per machine.
+"""
+
+from __future__ import annotations
+
+# numba publishes no type information: the decorated functions are untyped by nature.
+# pyright: reportUntypedFunctionDecorator=false, reportUnknownVariableType=false
+# pyright: reportUnknownArgumentType=false, reportUnknownMemberType=false
+# pyright: reportMissingParameterType=false, reportUnknownParameterType=false
+from typing import Any
+
+from llvmlite import ir  # type: ignore[import-untyped]
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kvcache_core.attention._kernel_jit import claim_next
+
+__all__ = ["gather_share"]
+
+
+def _element_pointer(context, builder, array_type, array, at):  # type: ignore[no-untyped-def]
+    """The address of element ``at`` of a 1-D array, as a byte pointer, and the element size."""
+    data = context.make_array(array_type)(context, builder, array).data
+    size = context.get_abi_sizeof(context.get_data_type(array_type.dtype))
+    pointer = builder.gep(data, [context.cast(builder, at, types.int64, types.intp)])
+    return builder.bitcast(pointer, ir.IntType(8).as_pointer()), context.get_constant(types.intp, size)
+
+
+def _copy_typer(typingctx, target, target_at, source, source_at, count):  # type: ignore[no-untyped-def]
+    """``target[target_at:][:count] = source[source_at:][:count]`` (1-D arrays of one element
+    type, ranges inside both, not overlapping) as one ``memcpy``: the C library's copy, the
+    fastest this machine has for its size."""
+    if not (isinstance(target, types.Array) and isinstance(source, types.Array) and target.dtype == source.dtype):
+        return None
+
+    def codegen(context, builder, signature, arguments):  # type: ignore[no-untyped-def]
+        to, size = _element_pointer(context, builder, signature.args[0], arguments[0], arguments[1])  # type: ignore[no-untyped-call]
+        start, _ = _element_pointer(context, builder, signature.args[2], arguments[2], arguments[3])  # type: ignore[no-untyped-call]
+        elements = context.cast(builder, arguments[4], types.int64, types.intp)
+        cgutils.raw_memcpy(builder, to, start, builder.mul(elements, size), 1)  # type: ignore[no-untyped-call]
+        return context.get_dummy_value()
+
+    return types.void(target, types.int64, source, types.int64, types.int64), codegen
+
+
+def _zero_typer(typingctx, target, target_at, count):  # type: ignore[no-untyped-def]
+    """``target[target_at:][:count] = 0`` (a 1-D array, the range inside it) as one ``memset``."""
+    if not isinstance(target, types.Array):
+        return None
+
+    def codegen(context, builder, signature, arguments):  # type: ignore[no-untyped-def]
+        to, size = _element_pointer(context, builder, signature.args[0], arguments[0], arguments[1])  # type: ignore[no-untyped-call]
+        elements = context.cast(builder, arguments[2], types.int64, types.intp)
+        cgutils.memset(builder, to, builder.mul(elements, size), 0)  # type: ignore[no-untyped-call]
+        return context.get_dummy_value()
+
+    return types.void(target, types.int64, types.int64), codegen
+
+
+#: ``_copy(target, target_at, source, source_at, count)`` and ``_zero(target, at, count)`` in
+#: compiled code (typed ``Any``: numba's intrinsic wrapper declares the typing context).
+_copy: Any = intrinsic(_copy_typer)
+_zero: Any = intrinsic(_zero_typer)
+
+
+@njit(cache=True, nogil=True)
+def gather_share(pool, head_stride, dim, out, heads, positions, leads, run_first, runs, order, claimed):  # type: ignore[no-untyped-def]
+    """Run items of ``order`` (``row * heads + head``) until none is left, each claimed from
+    ``claimed [1]`` int64 (0 at the start, shared by the call's threads).
+
+    ``pool`` is 1-D: head ``h``'s slot ``s`` is ``pool[h * head_stride + s * dim:][:dim]``;
+    ``out`` is a C-contiguous ``[batch, heads, positions, dim]`` batch, flat, of the same
+    element type; ``leads [batch]`` the padding positions opening each row; ``runs [n, 3]``
+    int64 ``(first position, first slot, length)``, row ``r``'s from ``run_first[r]`` to
+    ``run_first[r + 1]``."""
+    while True:
+        at = claim_next(claimed)
+        if at >= order.shape[0]:
+            return
+        item = order[at]
+        row = item // heads
+        head = item - row * heads
+        base = item * positions * dim  # (row * heads + head) rows of positions x dim
+        _zero(out, base, leads[row] * dim)
+        source = head * head_stride
+        for run in range(run_first[row], run_first[row + 1]):
+            position, slot, length = runs[run, 0], runs[run, 1], runs[run, 2]
+            _copy(out, base + position * dim, pool, source + slot * dim, length * dim)

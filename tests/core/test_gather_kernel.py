@@ -1,0 +1,152 @@
+"""The compiled padded gather (``kvcache_core.attention.gather_kernel``): the runs of a padded
+slot array, and a copy run by run equal to NumPy's indexed read, zeros at the padding, for
+every element size and either layout; refusals before anything is touched."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache_core.attention.gather_kernel import MIN_THREAD_BYTES, SlotRuns, gather_runs
+from kvcache_core.attention.kernel import DISABLE_ENV, kernel_available, max_threads, python_team
+from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, ShapeMismatchError
+
+needs_numba = pytest.mark.skipif(not kernel_available(), reason="the compiled gather needs numba")
+
+
+def _expected(pool: npt.NDArray[Any], slots: npt.NDArray[np.int64]) -> npt.NDArray[Any]:
+    """``[batch, heads, positions, dim]``: ``pool [heads, slots, dim]`` at ``slots``, zeros at ``-1``."""
+    taken = pool[:, np.maximum(slots, 0)].transpose(1, 0, 2, 3)
+    return np.where((slots >= 0)[:, None, :, None], taken, np.zeros((), dtype=pool.dtype))
+
+
+@st.composite
+def _batches(draw: st.DrawFn) -> tuple[npt.NDArray[np.int64], int]:
+    """A padded slot array over a pool of ``slots`` slots: each row a few runs of distinct slots."""
+    batch = draw(st.integers(1, 5))
+    lengths = draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch))
+    positions = max(max(lengths), draw(st.integers(0, 3)))
+    total = sum(lengths) + draw(st.integers(0, 20))
+    order = np.random.default_rng(draw(st.integers(0, 2**16))).permutation(max(total, 1))
+    blocks = draw(st.sampled_from([1, 3, 16]))  # runs of this many slots, shuffled
+    slots = np.full((batch, positions), -1, dtype=np.int64)
+    taken = 0
+    for row, length in enumerate(lengths):
+        run_order = order[taken // blocks :]  # a shuffle of blocks of consecutive slots
+        picked = [int(run_order[index // blocks]) * blocks + index % blocks for index in range(length)]
+        taken += -(-length // blocks) * blocks
+        slots[row, positions - length :] = picked
+    return slots, max(int(slots.max(initial=-1)) + 1, 1) + draw(st.integers(0, 3))
+
+
+def test_runs_are_found_row_by_row() -> None:
+    slots = np.array([[-1, -1, 3, 4, 5, 9, 10], [0, 1, 2, 20, 21, 22, 7], [-1] * 7], dtype=np.int64)
+    runs = SlotRuns(slots)
+    assert runs.leads.tolist() == [2, 0, 7]
+    assert runs.runs.tolist() == [[2, 3, 3], [5, 9, 2], [0, 0, 3], [3, 20, 3], [6, 7, 1]]
+    assert runs.run_first.tolist() == [0, 2, 5, 5]
+    assert runs.slots_needed == 23
+    assert runs.order(2).tolist() == [2, 3, 0, 1, 4, 5]  # the row with most stored positions first
+
+
+@needs_numba
+@settings(max_examples=60, deadline=None)
+@given(batch=_batches(), dtype=st.sampled_from([np.float32, np.float16, np.uint8, np.float64]), spare=st.integers(0, 3))
+def test_the_gather_equals_the_indexed_read(
+    batch: tuple[npt.NDArray[np.int64], int], dtype: type[np.generic], spare: int
+) -> None:
+    slots, pool_slots = batch
+    heads, dim = 3, 5
+    # One layer's pool inside a larger array: its heads further apart than its slots.
+    values = np.random.default_rng(1).integers(1, 100, size=(heads, pool_slots + spare, dim)).astype(dtype)
+    pool = values[:, :pool_slots]
+    out = np.full((slots.shape[0], heads, slots.shape[1], dim), 7, dtype=dtype)
+    assert gather_runs(pool, out, SlotRuns(slots))
+    assert np.array_equal(out, _expected(pool, slots))
+
+
+@needs_numba
+@pytest.mark.parametrize("which", ["a pool of heads interleaved", "out of heads interleaved"])
+def test_arrays_not_in_rows_are_left_to_the_caller(which: str) -> None:
+    slots = np.array([[-1, 0, 1, 2]], dtype=np.int64)
+    pool = np.ones((3, 2, 4), dtype=np.float32).transpose(1, 0, 2)  # [heads, slots, dim] of an NHD pool
+    out = np.full((1, 2, 4, 4), 5.0, dtype=np.float32)
+    if which == "out of heads interleaved":
+        pool = np.ascontiguousarray(pool)
+        out = np.full((1, 4, 2, 4), 5.0, dtype=np.float32).transpose(0, 2, 1, 3)
+    assert not gather_runs(pool, out, SlotRuns(slots))
+    assert (out == 5.0).all()
+
+
+@needs_numba
+def test_a_large_gather_runs_on_the_team_it_is_given() -> None:
+    calls: list[int] = []
+
+    def team(share: Callable[[], None], threads: int) -> None:
+        calls.append(threads)
+        python_team(share, threads)
+
+    heads, dim, positions = 4, 64, 1100
+    lengths = (1100, 700, 5, 0)
+    slots = np.full((len(lengths), positions), -1, dtype=np.int64)
+    first = 0
+    for row, length in enumerate(lengths):
+        slots[row, positions - length :] = np.arange(first, first + length)
+        first += length + 16
+    pool = np.random.default_rng(2).standard_normal((heads, first, dim)).astype(np.float32)
+    out = np.empty((len(lengths), heads, positions, dim), dtype=np.float32)
+    assert out.nbytes >= MIN_THREAD_BYTES
+    assert gather_runs(pool, out, SlotRuns(slots), team)
+    assert np.array_equal(out, _expected(pool, slots))
+    assert calls == [min(max_threads(), 16)]  # 4 rows x 4 heads
+
+
+def test_without_the_compiled_code_nothing_is_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    slots = np.array([[-1, 0, 1]], dtype=np.int64)
+    out = np.full((1, 1, 3, 2), 5.0, dtype=np.float32)
+    assert not gather_runs(np.ones((1, 4, 2), dtype=np.float32), out, SlotRuns(slots))
+    assert (out == 5.0).all()
+
+
+@pytest.mark.parametrize(
+    ("slots", "error", "named"),
+    [
+        (np.array([[0, 1]], dtype=np.int32), InvalidTypeError, "int64"),
+        (np.array([0, 1], dtype=np.int64), InvalidTypeError, "2-D"),
+        (np.array([[-2, 1]], dtype=np.int64), InvalidArgumentError, "-2"),
+        (np.array([[0, -1, 1]], dtype=np.int64), InvalidArgumentError, "padding"),
+    ],
+)
+def test_bad_slot_arrays_are_refused(slots: npt.NDArray[Any], error: type[Exception], named: str) -> None:
+    with pytest.raises(error, match=named):
+        SlotRuns(slots)
+
+
+@pytest.mark.parametrize(
+    ("pool_shape", "out_shape", "out_dtype", "error", "named"),
+    [
+        ((2, 8, 4), (1, 2, 3, 4), np.float16, InvalidTypeError, "float16"),
+        ((2, 8, 4), (1, 3, 3, 4), np.float32, ShapeMismatchError, r"\(1, 3, 3, 4\)"),
+        ((2, 8, 4), (1, 2, 4, 4), np.float32, ShapeMismatchError, "positions 3"),
+        ((2, 5, 4), (1, 2, 3, 4), np.float32, ShapeMismatchError, "slots up to 6; the pool has 5"),
+    ],
+)
+def test_mismatched_arrays_are_refused_and_out_is_untouched(
+    pool_shape: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    out_dtype: type[np.generic],
+    error: type[Exception],
+    named: str,
+) -> None:
+    runs = SlotRuns(np.array([[-1, 5, 6]], dtype=np.int64))
+    out = np.full(out_shape, 3, dtype=out_dtype)
+    with pytest.raises(error, match=named):
+        gather_runs(np.ones(pool_shape, dtype=np.float32), out, runs)
+    assert (out == 3).all()
