@@ -8,6 +8,12 @@ dim]``, heads-first ``[heads, slots, dim]``), lays them out as asked and zeroes 
 padding as one slice: one pass over the K/V where a gather per request, a zeroed batch and a
 copy into it take three (a heads-first pool read heads second, as transformers takes it, goes
 straight into place, a row or a head of a row per ``index_select``).
+
+On CPU, a heads-first pool read heads second is copied run by run in compiled code instead
+(:mod:`kvcache_core.attention.gather_kernel`, on torch's OpenMP threads): inside transformers'
+``generate`` of 8 ragged prompts (machine C, 2 KV heads of 64, about 2k positions) 1.0 ms a
+pool and layer against about 1.5 ms an ``index_select`` a head of a row; the torch reads stay
+where numba is missing or switched off.
 """
 
 from __future__ import annotations
