@@ -53,6 +53,12 @@ def test_runs_are_found_row_by_row() -> None:
     assert runs.run_first.tolist() == [0, 2, 5, 5]
     assert runs.slots_needed == 23
     assert runs.order(2).tolist() == [2, 3, 0, 1, 4, 5]  # the row with most stored positions first
+    for array in (runs.leads, runs.runs, runs.run_first, runs.order(2)):  # what the compiled copy trusts
+        assert not array.flags.writeable
+    with pytest.raises(AttributeError):
+        runs.positions = 9  # type: ignore[misc]  # read-only property
+    with pytest.raises(InvalidArgumentError, match="heads"):
+        runs.order(0)
 
 
 @needs_numba

@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.attention.kernel import LAUNCH_LOCK, ThreadTeam, kernel_available, max_threads, python_team
+from kvcache_core.contract.scalars import check_count
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, ShapeMismatchError
 
 __all__ = ["MIN_THREAD_BYTES", "SlotRuns", "gather_runs"]
@@ -63,21 +64,14 @@ def _jit() -> ModuleType:
 class SlotRuns:
     """The runs of consecutive slots in a padded slot array ``[batch, positions]`` int64,
     whose ``-1`` entries (padding) open each row, as ``Step``'s padded gather hands them over.
-
-    Attributes:
-        batch, positions: the array's shape.
-        leads: ``[batch]`` the padding positions opening each row.
-        runs: ``[n, 3]`` ``(first position, first slot, length)`` of every run, row by row.
-        run_first: ``[batch + 1]`` row ``r``'s runs are ``runs[run_first[r]:run_first[r + 1]]``.
-        slots_needed: one past the highest slot named (0 when none is): a pool with fewer
-            slots cannot be read for this array.
+    Immutable (its arrays read-only): :func:`gather_runs` trusts what it holds.
 
     Raises:
         InvalidTypeError: ``slots`` is not a 2-D int64 array.
         InvalidArgumentError: a slot below ``-1``, or a padding entry after a stored one in a row.
     """
 
-    __slots__ = ("_orders", "batch", "leads", "positions", "run_first", "runs", "slots_needed")
+    __slots__ = ("_batch", "_leads", "_orders", "_positions", "_run_first", "_runs", "_slots_needed")
 
     def __init__(self, slots: npt.NDArray[np.int64]) -> None:
         if not isinstance(slots, np.ndarray) or slots.ndim != 2 or slots.dtype != np.int64:
@@ -98,24 +92,64 @@ class SlotRuns:
         ends[:-1][same_row] = firsts[1:][same_row]
         lengths = ends - firsts
         sources = slots[rows, firsts]
-        self.batch, self.positions = batch, positions
-        self.leads: IndexArray = (positions - stored.sum(axis=1)).astype(np.int64)
-        self.runs: IndexArray = np.stack([firsts.astype(np.int64), sources, lengths], axis=1).reshape(-1, 3)
-        self.run_first: IndexArray = np.concatenate(([0], np.cumsum(np.bincount(rows, minlength=batch)))).astype(
-            np.int64
-        )
-        self.slots_needed = int((sources + lengths).max()) if lengths.size else 0
+        self._batch, self._positions = batch, positions
+        self._leads = _frozen(positions - stored.sum(axis=1))
+        self._runs = _frozen(np.stack([firsts.astype(np.int64), sources, lengths], axis=1).reshape(-1, 3))
+        self._run_first = _frozen(np.concatenate(([0], np.cumsum(np.bincount(rows, minlength=batch)))))
+        self._slots_needed = int((sources + lengths).max()) if lengths.size else 0
         self._orders: dict[int, IndexArray] = {}
+
+    @property
+    def batch(self) -> int:
+        """The slot array's rows."""
+        return self._batch
+
+    @property
+    def positions(self) -> int:
+        """The slot array's positions per row."""
+        return self._positions
+
+    @property
+    def leads(self) -> IndexArray:
+        """``[batch]`` the padding positions opening each row."""
+        return self._leads
+
+    @property
+    def runs(self) -> IndexArray:
+        """``[n, 3]`` ``(first position, first slot, length)`` of every run, row by row."""
+        return self._runs
+
+    @property
+    def run_first(self) -> IndexArray:
+        """``[batch + 1]``: row ``r``'s runs are ``runs[run_first[r]:run_first[r + 1]]``."""
+        return self._run_first
+
+    @property
+    def slots_needed(self) -> int:
+        """One past the highest slot named (0 when none is): a pool of fewer slots cannot be read."""
+        return self._slots_needed
 
     def order(self, heads: int) -> IndexArray:
         """The work items ``row * heads + head``, the rows with most stored positions first
-        (the threads claim them in this order, so the longest start first)."""
+        (the threads claim them in this order, so the longest start first).
+
+        Raises:
+            InvalidArgumentError: ``heads`` is not an int >= 1.
+        """
         known = self._orders.get(heads)
         if known is None:
-            rows = np.argsort(self.leads, kind="stable")  # fewest padding positions: most stored
-            known = (rows[:, None] * heads + np.arange(heads, dtype=np.int64)).reshape(-1).astype(np.int64)
+            check_count(heads, "heads", 1)
+            rows = np.argsort(self._leads, kind="stable")  # fewest padding positions: most stored
+            known = _frozen((rows[:, None] * heads + np.arange(heads, dtype=np.int64)).reshape(-1))
             self._orders[heads] = known
         return known
+
+
+def _frozen(array: npt.NDArray[Any]) -> IndexArray:
+    """``array`` as a read-only int64 array of its own."""
+    frozen = np.array(array, dtype=np.int64)
+    frozen.flags.writeable = False
+    return frozen
 
 
 def gather_runs(pool: npt.NDArray[Any], out: npt.NDArray[Any], runs: SlotRuns, team: ThreadTeam | None = None) -> bool:
