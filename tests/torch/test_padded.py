@@ -4,7 +4,7 @@ without it, one head, a row per call, a head of a row per call from 256 KiB a he
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -16,24 +16,34 @@ from kvcache_core.attention.kernel import DISABLE_ENV, kernel_available
 from kvcache_torch import TorchStorage
 
 
+@dataclass
+class CompiledReads:
+    """Whether the compiled gather is on, and each of its results (``True``: it copied)."""
+
+    on: bool
+    results: list[bool] = field(default_factory=list[bool])
+
+    def expect(self, reads: int) -> None:
+        """``reads`` compiled copies where it is on; none where it is off (the torch reads ran)."""
+        assert self.results == [True] * (reads if self.on else 0)
+
+
 @pytest.fixture(params=["compiled", "torch"])
-def compiled_runs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
-    """Each compiled gather's result (``True``: it copied) while the test runs; ``"torch"``
-    switches the compiled code off (every result ``False``: the torch reads ran)."""
+def compiled_reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> CompiledReads:
+    """The compiled gather's calls while the test runs; ``"torch"`` switches the compiled code off."""
     if request.param == "torch":
         monkeypatch.setenv(DISABLE_ENV, "1")
     elif not kernel_available():
         pytest.skip("the compiled gather needs numba")
-    results: list[bool] = []
+    reads = CompiledReads(request.param == "compiled")
     original = gather_runs
 
     def counted(*args: object) -> bool:
-        results.append(original(*args))  # type: ignore[arg-type]  # the reader's own arguments
-        return results[-1]
+        reads.results.append(original(*args))  # type: ignore[arg-type]  # the reader's own arguments
+        return reads.results[-1]
 
     monkeypatch.setattr("kvcache_torch.padded.gather_runs", counted)
-    yield results
-    assert results.count(request.param == "compiled") == len(results)  # the path the test is for
+    return reads
 
 
 def _expected(manager: PagedKvCacheManager[torch.Tensor], handles: list[object], layer: int) -> torch.Tensor:
@@ -53,7 +63,7 @@ def _expected(manager: PagedKvCacheManager[torch.Tensor], handles: list[object],
 )
 @pytest.mark.parametrize("kv_layout", ["heads_first", "NHD"])
 def test_the_padded_read_holds_each_row_s_tokens_after_zeros(
-    heads: int, head_dim: int, lengths: tuple[int, ...], kv_layout: str, compiled_runs: list[bool]
+    heads: int, head_dim: int, lengths: tuple[int, ...], kv_layout: str, compiled_reads: CompiledReads
 ) -> None:
     config = CacheConfig(
         num_layers=2, num_heads=heads, head_dim=head_dim, block_size=16, num_blocks=160, kv_layout=kv_layout
@@ -73,13 +83,13 @@ def test_the_padded_read_holds_each_row_s_tokens_after_zeros(
             assert torch.equal(nhd, keys.transpose(1, 2))
         assert np.array_equal(step.page_table.seq_lens, lengths)
     if kv_layout != "heads_first":  # an NHD pool is read by torch
-        assert compiled_runs == []
+        compiled_reads.expect(0)
     else:  # K and V read heads second, two layers
-        assert len(compiled_runs) == 4  # K and V read heads second, two layers
+        compiled_reads.expect(4)  # K and V read heads second, two layers
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_rows_of_many_runs_are_read_after_decode_steps(dtype: torch.dtype, compiled_runs: list[bool]) -> None:
+def test_rows_of_many_runs_are_read_after_decode_steps(dtype: torch.dtype, compiled_reads: CompiledReads) -> None:
     """Decode steps give each row a block at a time, between the other rows': many runs per row."""
     lengths = [21, 3, 40]
     config = CacheConfig(
@@ -109,7 +119,7 @@ def test_rows_of_many_runs_are_read_after_decode_steps(dtype: torch.dtype, compi
         assert torch.equal(keys, _expected(manager, list(handles), 0).to(dtype))
         assert torch.equal(values.transpose(1, 2), step.gather_padded(0, layout="NHD")[1])
         assert manager.gather(handles[1], 0)[0].shape[0] == 13  # 3 + 10 tokens, in 4 blocks of 4
-    assert len(compiled_runs) == 2  # K and V read heads second
+    compiled_reads.expect(2)  # K and V read heads second
 
 
 @pytest.mark.parametrize("kv_layout", ["heads_first", "NHD", "HND"])

@@ -25,6 +25,7 @@ import numpy.typing as npt
 import torch
 
 from kvcache_core.attention.gather_kernel import SlotRuns, gather_runs
+from kvcache_core.attention.kernel import kernel_available
 from kvcache_torch.dtypes import tensor_of
 from kvcache_torch.threads import torch_team
 
@@ -110,7 +111,7 @@ class _Plan:
         batch, positions = self._batch, self._positions
         dim = int(rows.shape[2])
         heads = int(rows.shape[0] if heads_first else rows.shape[1])
-        if heads_first and layout == "HND" and self._slots is not None:  # CPU: run by run, compiled
+        if heads_first and layout == "HND" and self._slots is not None and kernel_available():  # CPU: compiled
             if self._runs is None:
                 self._runs = SlotRuns(self._slots)
             out = rows.new_empty((batch, heads, positions, dim))

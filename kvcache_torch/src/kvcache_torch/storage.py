@@ -199,8 +199,9 @@ class TorchStorage:
     def view_padded(self, layer: int, first_slot: int, positions: int, layout: str) -> TensorPair | None:
         """One request's run of slots as a padded batch of one row, views of the pool
         (:mod:`kvcache_core.contract.padded`); ``None`` as :meth:`gather_padded`."""
-        flat = () if self._scales is not None else self._targets  # a quantized pool's are its bytes
-        return self._padded.view(flat[0][layer], flat[1][layer], first_slot, positions, layout) if flat else None
+        if self._scales is not None or not self._targets:  # a quantized pool's are its bytes
+            return None
+        return self._padded.view(self._targets[0][layer], self._targets[1][layer], first_slot, positions, layout)
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """View of the layer's key pool, in the configured layout."""

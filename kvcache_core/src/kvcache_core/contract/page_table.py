@@ -476,8 +476,7 @@ class PageTable:
         Raises:
             InvalidArgumentError: ``positions`` neither ``None`` nor an int ``>= 0``.
         """
-        if positions is not None and (type(positions) is not int or positions < 0):
-            raise InvalidArgumentError(f"positions must be None or an int >= 0, got {positions!r}")
+        positions = check_optional_count(positions, "positions", 0)
         if self.batch_size != 1 or self.sliding_window is not None or not self.one_run_each:
             return None
         tokens = int(self.seq_lens[0])
