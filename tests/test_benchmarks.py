@@ -70,6 +70,7 @@ def test_every_benchmark_is_listed_here() -> None:
         "prefix.py",
         "prefix_tiers.py",
         "quantized.py",
+        "step_cold.py",
         "step_overhead.py",
         "transfer.py",
     ]
@@ -120,6 +121,36 @@ def test_take_turns_rotates_the_order_each_round_and_times_after_the_warmup() ->
 
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert {name: len(samples) for name, samples in timings.samples.items()} == {"a": 2, "b": 2, "c": 2}
+
+
+def test_cold_turns_evicts_before_every_piece_and_subtracts_what_is_excluded() -> None:
+    harness = bench_harness()
+    log: list[str] = []
+    excluded = [0.0]
+
+    def pieces(name: str) -> list[Any]:
+        def piece(index: int) -> Any:
+            def run() -> None:
+                log.append(f"{name}{index}")
+                excluded[0] += 1000.0  # far more than the piece's time: the sample goes negative
+
+            return run
+
+        return [piece(0), piece(1)]
+
+    timings = harness.cold_turns(
+        {"a": lambda: pieces("a"), "b": lambda: pieces("b")},
+        rounds=2,
+        warmup=1,
+        evict=lambda: log.append("evict"),
+        excluded=lambda: excluded[0],
+    )
+
+    round_a_first = ["evict", "a0", "evict", "a1", "evict", "b0", "evict", "b1"]
+    round_b_first = round_a_first[4:] + round_a_first[:4]
+    assert log == round_a_first + round_b_first + round_a_first
+    assert {name: len(samples) for name, samples in timings.samples.items()} == {"a": 2, "b": 2}
+    assert all(-2000.0 < sample < -1999.0 for samples in timings.samples.values() for sample in samples)
 
 
 def test_take_turns_checks_every_round_and_stops_at_a_disagreement() -> None:

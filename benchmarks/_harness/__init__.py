@@ -13,7 +13,7 @@ from __future__ import annotations
 from .environment import RECOMMENDED_ENV, print_environment
 from .flags import BenchParser, geometry_of, int_list, layout_list, positive_int, seed_list
 from .geometry import Geometry, StepInputs, draw_lengths, grow_staggered, mib, paged_decode_step
-from .timing import STATISTICS, Stopwatch, Timings, relative_spread, take_turns, timed_call
+from .timing import STATISTICS, Stopwatch, Timings, cold_turns, relative_spread, take_turns, timed_call
 from .verdict import ATOL, RTOL, DisagreementError, agree, agreement_check, met, ratio, require, run, within
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "Timings",
     "agree",
     "agreement_check",
+    "cold_turns",
     "draw_lengths",
     "geometry_of",
     "grow_staggered",

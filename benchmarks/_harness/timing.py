@@ -19,6 +19,7 @@ __all__ = [
     "STATISTICS",
     "Stopwatch",
     "Timings",
+    "cold_turns",
     "relative_spread",
     "take_turns",
     "timed_call",
@@ -129,4 +130,41 @@ def take_turns(
                     samples[name].append(elapsed)
         if check is not None:
             check(results, index)
+    return Timings(samples, statistic)
+
+
+def cold_turns(
+    competitors: Mapping[str, Callable[[], Sequence[Callable[[], object]]]],
+    *,
+    rounds: int,
+    evict: Callable[[], object],
+    warmup: int = 0,
+    excluded: Callable[[], float] | None = None,
+    statistic: str = "median",
+) -> Timings:
+    """Rounds of every competitor in a rotating order, as :func:`take_turns`, where a
+    competitor is called untimed for its pieces (the calls of one sample: a decode step's
+    planning and its layers) and each piece is timed alone after ``evict()``, untimed (what
+    a model's own work between two calls does to the CPU's caches). A sample is the sum of
+    its pieces' times, less what ``excluded()`` (a running total of seconds, such as the
+    attention arithmetic's) grew by during each piece.
+
+    Returns:
+        Every competitor's samples, seconds per sample.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in competitors}
+    turns = list(competitors.items())
+    for index in range(warmup + rounds):
+        shift = index % len(turns) if turns else 0
+        for name, competitor in (*turns[shift:], *turns[:shift]):
+            total = 0.0
+            for piece in competitor():
+                evict()
+                before = 0.0 if excluded is None else excluded()
+                started = time.perf_counter()
+                piece()
+                elapsed = time.perf_counter() - started
+                total += elapsed - (0.0 if excluded is None else excluded() - before)
+            if index >= warmup:
+                samples[name].append(total)
     return Timings(samples, statistic)

@@ -114,8 +114,12 @@ def test_the_lane_records_no_autograd_in_the_pool() -> None:
     assert storage.pool.grad_fn is None
 
 
-def test_a_one_run_decode_through_the_lane_equals_the_kernels_and_the_general_path() -> None:
+@pytest.mark.parametrize("layout", ["heads_first", "NHD"])
+def test_a_one_run_decode_through_the_lane_equals_the_kernels_and_the_general_path(layout: str) -> None:
+    """The lane's views of the one request's run (made for every layer at the step's first)
+    write and read the same K/V as the kernel and the general path, in both layouts."""
     outputs: list[list[torch.Tensor]] = []
+    pools: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
     for path in ("native", "kernel", "native-general"):
         config = make_config(
             64,
@@ -124,7 +128,7 @@ def test_a_one_run_decode_through_the_lane_equals_the_kernels_and_the_general_pa
             num_heads=2,
             head_dim=8,
             enable_prefix_caching=False,
-            kv_layout="heads_first",
+            kv_layout=layout,
             attention_path="kernel" if path == "kernel" else "native",
         )
         manager: PagedKvCacheManager[torch.Tensor] = create_manager("torch", config)
@@ -140,9 +144,13 @@ def test_a_one_run_decode_through_the_lane_equals_the_kernels_and_the_general_pa
                 else:
                     got.append(step.write_and_attend(layer, keys, values, query))
         outputs.append(got)
+        pools.append([manager.gather(handle, layer) for layer in range(3)])
     for lane_native, lane_kernel, general in zip(*outputs, strict=True):
         torch.testing.assert_close(lane_native, general, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lane_kernel, general, rtol=1e-5, atol=1e-5)
+    for lane_native, lane_kernel, general in zip(*pools, strict=True):  # every token where it belongs
+        assert all(torch.equal(a, b) for a, b in zip(lane_native, general, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(lane_kernel, general, strict=True))
 
 
 @pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")

@@ -225,8 +225,12 @@ class DataPath(Generic[ArrayT]):
         """The step of a batch just grown by ``counts`` tokens (``grown``: their slots)."""
         config = self.config
         tables = tuple(self.issue_page_table(states, group) for group in range(config.num_groups))
-        empty = np.zeros((0,) if config.num_groups == 1 else (config.num_groups, 0), dtype=np.int64)
-        slots = np.concatenate(grown, axis=-1) if grown else empty
+        if len(grown) == 1:  # one array (a decode step grown in place): the step copies it
+            slots = grown[0]
+        elif grown:
+            slots = np.concatenate(grown, axis=-1)
+        else:
+            slots = np.zeros((0,) if config.num_groups == 1 else (config.num_groups, 0), dtype=np.int64)
         runner = DataPathRunner(self, states, len(tables))
         request_ids = tuple(state.request_id for state in states)
         return Step(

@@ -97,7 +97,7 @@ class DataPathRunner(Generic[ArrayT]):
     def __init__(self, path: RunnerPath[ArrayT], states: list[RequestState[ArrayT]], groups: int) -> None:
         self._path = path
         self._check_current = path.stamp(states)
-        self._state_slots = np.array([state.state_slot for state in states], dtype=np.int64)
+        self._state_slots: SlotArray | None = None  # the requests' state slots, where a state layer asks
         self._state_run: tuple[int, int] | Literal[False] | None = False  # False: not found yet
         self._states = states
         self._served: frozenset[str] | None = None  # the storage's attention features, read by the general path
@@ -112,6 +112,13 @@ class DataPathRunner(Generic[ArrayT]):
         self._scale: tuple[float | None, float] = (None, 0.0)  # the last scale given and checked
         # The padded gathers' slots by (group, width): the same for every layer of a group.
         self._padded: dict[tuple[int, int | None], SlotArray] = {}
+
+    def _states_slots(self) -> SlotArray:
+        """The requests' state slots (found once per step, by the first state layer)."""
+        slots = self._state_slots
+        if slots is None:
+            slots = self._state_slots = np.array([state.state_slot for state in self._states], dtype=np.int64)
+        return slots
 
     def _features_served(self) -> frozenset[str]:
         """The storage's attention features (read once per step, where a call needs them)."""
@@ -246,7 +253,7 @@ class DataPathRunner(Generic[ArrayT]):
         path = self._path
         with path.lock:
             self._check_current()
-            return path.read_state(self._state_slots, layer, name)
+            return path.read_state(self._states_slots(), layer, name)
 
     def read_state_view(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT | None:
         path = self._path
@@ -254,14 +261,14 @@ class DataPathRunner(Generic[ArrayT]):
             self._check_current()
             run = self._state_run
             if run is False:  # found once per step: the step's slots do not change
-                run = self._state_run = slot_run(self._state_slots)
+                run = self._state_run = slot_run(self._states_slots())
             return path.read_state_rows(run, layer, name)
 
     def write_state(self, step: Step[ArrayT], layer: int, name: str, values: ArrayT) -> None:
         path = self._path
         with path.lock:
             self._check_current()
-            path.write_state(self._state_slots, layer, name, values)
+            path.write_state(self._states_slots(), layer, name, values)
 
     def checkpoint_states(self, step: Step[ArrayT]) -> int:
         path = self._path

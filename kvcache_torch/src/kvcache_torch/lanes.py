@@ -1,13 +1,16 @@
 """The torch pool's step lane (:mod:`kvcache_core.contract.lanes`): a step's plain layers in a
 few torch operations each.
 
-Prepared once per step and KV-cache group: the step's slots as an index tensor, and whether
-the step is a decode of one request whose blocks are one run (then its keys and values are
-one view of the pool per layer). Per layer, the lane checks its three arrays in a few
-comparisons, writes the new K/V with one indexed copy per pool, and attends:
+Prepared once per step and KV-cache group: the step's slots, and whether the step is a decode
+of one request whose blocks are one run (then its keys and values are one view of the pool per
+layer). Per layer, the lane checks its three arrays in a few comparisons, writes the new K/V
+(one indexed copy per pool; a step of one new token: one ``copy_`` into a view of its slot,
+the views of every layer made at the first in one loop, since inside a model each torch call
+costs several times what it costs in a loop), and attends:
 
 * one request in one run, where the dispatch chose torch's own path (or it is pinned, or the
-  pool is not on the CPU): one ``scaled_dot_product_attention`` on the views, nothing gathered;
+  pool is not on the CPU): one ``scaled_dot_product_attention`` on the views of its run (made
+  for every layer once the path is known), nothing gathered;
 * where the dispatch chose the compiled kernel: its call prepared once for the step
   (:func:`~kvcache_core.attention.kernel.prepare_kernel_call`: the plan, the page table's
   arrays, the options), run on each layer's pools;
@@ -110,10 +113,15 @@ class TorchLane:
         "_path",
         "_qo_indptr",
         "_rows",
+        "_runs",
+        "_slot",
+        "_slots",
         "_span",
         "_table",
         "_value_shape",
         "_views",
+        "_where",
+        "_writes",
     )
 
     def __init__(
@@ -134,8 +142,8 @@ class TorchLane:
         self._path, self._dtype = path, dtype
         self._device = -1 if device.type == "cpu" else (device.index or 0)  # as Tensor.get_device() gives it
         self._table, self._qo_indptr = page_table, qo_indptr
-        index = tensor_of(np.array(slots, dtype=np.int64))
-        self._index = index if device.type == "cpu" else index.to(device)
+        self._slots, self._where = slots, None if device.type == "cpu" else device
+        self._index: torch.Tensor | None = None  # the slots as a tensor, made where a write needs it
         keys, values = views[0][0], views[1][0]
         heads_axis = 0 if self._heads_first else 2
         self._heads, self._head_dim = int(keys.shape[heads_axis]), int(keys.shape[3])
@@ -143,9 +151,14 @@ class TorchLane:
         self._key_shape = (count, self._heads, self._head_dim)
         self._value_shape = (count, self._heads, int(values.shape[3]))
         self._span = one_run_span(page_table, qo_indptr)
+        self._slot = int(slots[0]) if count == 1 else -1  # the slot of a step of one new token
         # None: not known yet (the first layer runs the dispatch); "views" or "pool" after it.
         self._mode: str | None = None
         self._kernel: KernelCall | None = None  # the kernel's call, prepared where the dispatch chose it
+        # Per layer, the views of the one request's new slot (made at the first layer) and of
+        # its run (once the step's path is "views").
+        self._writes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._runs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._inherited = memory.settled.get(page_table.group) if page_table.sliding_window is None else None
 
     def __call__(
@@ -171,47 +184,82 @@ class TorchLane:
             return None
         if torch.is_grad_enabled():  # the pool must never record autograd
             with torch.no_grad():
-                return self._run(layer, keys, values, query, scale)
-        return self._run(layer, keys, values, query, scale)
-
-    def _run(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        key_rows, value_rows = self._rows[0][layer], self._rows[1][layer]
-        index = self._index
-        if self._heads_first:
-            key_rows.index_copy_(1, index, keys.transpose(0, 1))
-            value_rows.index_copy_(1, index, values.transpose(0, 1))
+                return self(layer, keys, values, query, scale)
+        writes = self._writes
+        if writes is None and self._mode is None and self._slot >= 0:
+            writes = self._writes = self._slot_views()
+        if writes is not None:  # one request's one new token: a view of its slot per layer and pool
+            key_slot, value_slot = writes[layer]
+            key_slot.copy_(keys)
+            value_slot.copy_(values)
         else:
-            key_rows.index_copy_(0, index, keys)
-            value_rows.index_copy_(0, index, values)
+            index = self._index
+            if index is None:
+                index = tensor_of(np.array(self._slots, dtype=np.int64))
+                index = self._index = index if self._where is None else index.to(self._where)
+            if self._heads_first:
+                self._rows[0][layer].index_copy_(1, index, keys.transpose(0, 1))
+                self._rows[1][layer].index_copy_(1, index, values.transpose(0, 1))
+            else:
+                self._rows[0][layer].index_copy_(0, index, keys)
+                self._rows[1][layer].index_copy_(0, index, values)
         return self._attend(layer, query, scale)
 
     def _attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """The layer's attention over the pool (its K/V written)."""
         if self._mode is None:  # the step's first layer: its path
             measured = self._settle(layer, query, scale)
+            self._runs = self._run_views()
             if measured is not None:
                 return measured
-        span = self._span
-        if self._mode == "views" and span is not None:
-            first, tokens = span
-            key_rows, value_rows = self._rows[0][layer], self._rows[1][layer]
-            if self._heads_first:  # [H, tokens, D]
-                cached_keys, cached_values = key_rows.narrow(1, first, tokens), value_rows.narrow(1, first, tokens)
-            else:
-                cached_keys = key_rows.narrow(0, first, tokens).transpose(0, 1)
-                cached_values = value_rows.narrow(0, first, tokens).transpose(0, 1)
+        runs = self._runs
+        if runs is not None:
+            cached_keys, cached_values = runs[layer]
             heads = self._heads
             # [1, H, G, D]: query head h * G + g reads KV head h (4-D: torch's fused CPU kernel takes it)
             rows = query.reshape(1, heads, query.shape[1] // heads, self._head_dim)
-            output: torch.Tensor = _SDPA(rows, cached_keys[None], cached_values[None], scale=scale)
+            output: torch.Tensor = _SDPA(rows, cached_keys, cached_values, scale=scale)
             return output.view(1, query.shape[1], output.shape[-1])
         kernel = self._kernel
         if kernel is not None:
-            host = kernel(query.detach().to(torch.float32).numpy(), *self._host_pools(layer), scale)
-            return tensor_of(host).to(query.dtype)
+            source = query.detach() if query.requires_grad else query
+            if source.dtype is not torch.float32:
+                source = source.to(torch.float32)
+            result = tensor_of(kernel(source.numpy(), *self._host_pools(layer), scale))
+            return result if result.dtype is query.dtype else result.to(query.dtype)
         return self._through_pool(layer, query, scale)
+
+    def _slot_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the views ``[1, H, D]`` of the one request's new slot in its key and value
+        pools (written in place), made in one loop: each torch operation costs several times
+        as much inside a model, its code pushed out of the CPU's caches by the layer's work."""
+        return [
+            (self._pool_view(keys, self._slot, None), self._pool_view(values, self._slot, None))
+            for keys, values in zip(self._rows[0], self._rows[1], strict=True)
+        ]
+
+    def _run_views(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Where the step is one request in one run read by torch's attention: per layer, the
+        views ``[1, H, tokens, D]`` of its run in its key and value pools, made in one loop."""
+        span = self._span
+        if self._mode != "views" or span is None or span[0] + span[1] - 1 != self._slot:
+            return None  # (its one new token ends its run)
+        first, tokens = span
+        return [
+            (self._pool_view(keys, first, tokens), self._pool_view(values, first, tokens))
+            for keys, values in zip(self._rows[0], self._rows[1], strict=True)
+        ]
+
+    def _pool_view(self, rows: torch.Tensor, slot: int, tokens: int | None) -> torch.Tensor:
+        """``[1, H, D]`` of ``slot`` (``tokens`` None) or ``[1, H, tokens, D]`` from it, a view of
+        the flat pool ``rows`` (``[H, slots, D]`` heads-first, ``[slots, H, D]`` NHD)."""
+        strides, heads = rows.stride(), self._heads
+        along, across = (strides[1], strides[0]) if self._heads_first else (strides[0], strides[1])
+        lead = heads * across  # a leading axis of one, strided as indexing with None strides it
+        offset = rows.storage_offset() + slot * along
+        if tokens is None:
+            return rows.as_strided((1, heads, rows.shape[2]), (lead, across, strides[2]), offset)
+        return rows.as_strided((1, heads, tokens, rows.shape[2]), (lead, across, along, strides[2]), offset)
 
     def _through_pool(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """The storage's own attention of the layer (:func:`~kvcache_torch.attention.attend_pool`)."""
