@@ -32,57 +32,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable, Generator, Sequence
-from contextlib import ExitStack, contextmanager
-from typing import Any
-from unittest import mock
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 import transformers
 from _harness import BenchParser, cold_turns, draw_lengths, print_environment, require, run
+from _harness.layer_cost import LayerCost, timing_arithmetic
 from _harness.torch_decode import cache_update
 
-import kvcache_torch.lanes
-import kvcache_torch.storage
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, Step, create_manager
-from kvcache_core.attention.kernel import KernelCall
 
 Manager = PagedKvCacheManager[torch.Tensor]
-
-
-class Arithmetic:
-    """A running total of the seconds spent in the attention arithmetic (outermost calls)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._depth = 0
-
-    def leaf(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            self._depth += 1
-            started = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                if self._depth == 0:
-                    self.seconds += time.perf_counter() - started
-
-        return timed
-
-    @contextmanager
-    def timing(self) -> Generator[None]:
-        """Within the block, every attention arithmetic of the torch backend is timed."""
-        with ExitStack() as stack:
-            stack.enter_context(mock.patch.object(KernelCall, "__call__", self.leaf(KernelCall.__call__)))
-            stack.enter_context(
-                mock.patch.object(kvcache_torch.lanes, "_SDPA", self.leaf(kvcache_torch.lanes._SDPA))  # pyright: ignore[reportPrivateUsage]
-            )
-            for module in (kvcache_torch.lanes, kvcache_torch.storage):
-                stack.enter_context(mock.patch.object(module, "attend_pool", self.leaf(module.attend_pool)))
-            yield
 
 
 class Scenario:
@@ -148,14 +109,15 @@ class Scenario:
 
 def measure(title: str, scenario: Scenario, args: argparse.Namespace, evict: Callable[[], object]) -> None:
     scenario.check()
-    arithmetic = Arithmetic()
-    with arithmetic.timing(), torch.inference_mode():
+    arithmetic = LayerCost(scenario.layers)
+    arithmetic.start_forward()  # one running total for the whole measurement
+    with timing_arithmetic(arithmetic), torch.inference_mode():
         times = cold_turns(
             {"ours": scenario.ours, "DynamicCache": scenario.theirs},
             rounds=args.repeats,
             warmup=args.warmup,
             evict=evict,
-            excluded=lambda: arithmetic.seconds,
+            excluded=arithmetic.arithmetic_so_far,
             statistic=args.statistic,
         )
         planning = cold_turns(

@@ -32,7 +32,7 @@ from kvcache_core.attention.kernel import KernelCall
 from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache
 from kvcache_torch.hf.attention import paged_attention_forward, paged_attention_mask, register_attention
 
-__all__ = ["LayerCost", "measure_layer_cost"]
+__all__ = ["LayerCost", "measure_layer_cost", "timing_arithmetic"]
 
 
 @dataclass
@@ -67,6 +67,14 @@ class LayerCost:
             f"over {len(besides)} decode forwards, besides "
             f"{statistics.median(self.arithmetic_per_layer()) * 1e6:.0f} us of attention arithmetic"
         )
+
+    def start_forward(self) -> None:
+        """Begin a forward by hand (outside ``generate``: a benchmark's own calls)."""
+        self.forwards.append(_Forward())
+
+    def arithmetic_so_far(self) -> float:
+        """Seconds of arithmetic in the current forward (0 before one starts)."""
+        return self.forwards[-1].arithmetic if self.forwards else 0.0
 
     def entry(self, function: Callable[..., Any], decode: Callable[..., bool], first: bool) -> Callable[..., Any]:
         """``function``, an entry point from transformers, timed into the current decode forward
@@ -140,8 +148,18 @@ def measure_layer_cost(layers: int) -> Generator[LayerCost]:
         interfaces[0].register(ATTN_IMPLEMENTATION, timed_attention)  # pyright: ignore[reportUnknownMemberType]
         interfaces[1].register(ATTN_IMPLEMENTATION, cost.masked(paged_attention_mask))  # pyright: ignore[reportUnknownMemberType]
         stack.callback(register_attention)  # the untimed functions again
+        stack.enter_context(timing_arithmetic(cost))
+        yield cost
+
+
+@contextmanager
+def timing_arithmetic(cost: LayerCost) -> Generator[None]:
+    """Within the block, the torch backend's attention arithmetic (the kernel's call, torch's
+    SDPA on the pool's views, the storage's own attention) is timed into ``cost``'s current
+    forward."""
+    with ExitStack() as stack:
         stack.enter_context(mock.patch.object(KernelCall, "__call__", cost.leaf(KernelCall.__call__)))
         stack.enter_context(mock.patch.object(kvcache_torch.lanes, "_SDPA", cost.leaf(kvcache_torch.lanes._SDPA)))  # pyright: ignore[reportPrivateUsage]
         for module in (kvcache_torch.lanes, kvcache_torch.storage):
             stack.enter_context(mock.patch.object(module, "attend_pool", cost.leaf(module.attend_pool)))
-        yield cost
+        yield
