@@ -4,9 +4,8 @@ What is compared, in one process, with the same inputs:
 
 * **ours** -- ``create_manager("numpy", CacheConfig(...))``. A step is planned once
   (``manager.begin_step(handles, 1)``: every request grows by one token) and then, for
-  every layer, scatters the new token's K/V of all requests with one
-  ``step.write(layer, K, V)`` and runs ``step.attention(layer, q)``, which reads the pool
-  in place.
+  every layer, makes one ``step.write_and_attend(layer, K, V, q)`` (as ``PagedCache`` does):
+  it scatters the new token's K/V of all requests and attends, reading the pool in place.
 * **dense** -- the usual competitor: one contiguous ``[kv_heads, tokens, head_dim]``
   array per request per layer that grows by ``np.concatenate`` each step, followed by
   grouped-query softmax attention on it (the query heads of one KV head grouped into

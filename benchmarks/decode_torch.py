@@ -6,9 +6,10 @@ each context of ``--contexts`` with all ``--layers`` layers:
 
 * **ours** -- ``create_manager("torch", CacheConfig(...))``. A step is planned once
   (``manager.begin_step(handles, 1)``: the request grows by one token) and then, for every
-  layer, scatters the new token's K/V with one ``step.write(layer, K, V)`` and runs
-  ``step.attention(layer, q)``, which reads the pool in place: on CPU one call of the compiled
-  kernel of ``kvcache_core.attention.kernel`` (numba), else per-run views of the pool.
+  layer, makes one ``step.write_and_attend(layer, K, V, q)`` (as ``PagedCache`` does, through
+  the storage's step lane): it scatters the new token's K/V and attends, reading the pool in
+  place: on CPU the compiled kernel of ``kvcache_core.attention.kernel`` (numba) or torch's SDPA
+  on views of the request's run, as the dispatch measured.
 * **DynamicCache** -- transformers' default path: ``DynamicCache.update`` (which concatenates
   the new token onto each layer's K/V) and the function transformers runs for
   ``attn_implementation="sdpa"`` (``sdpa_attention_forward``), without a mask (one request).

@@ -7,8 +7,8 @@ What is compared, in one process, on the same K/V and queries (fp32, CPU): a bat
 step each (staggered arrivals, as a serving engine would place them):
 
 * **ours** -- ``create_manager("torch", CacheConfig(...))``: ``manager.begin_step(handles, 1)``,
-  then per layer one ``step.write(layer, K, V)`` of the whole batch and one
-  ``step.attention(layer, q)`` (on CPU one call of the compiled kernel for the batch).
+  then per layer one ``step.write_and_attend(layer, K, V, q)`` of the whole batch (as
+  ``PagedCache`` does; on CPU one call of the compiled kernel for the batch).
 * **padded DynamicCache** -- the left-padded batch transformers builds: ``DynamicCache.update``
   and the ``sdpa`` function with the padding mask.
 * **padded StaticCache** -- the same batch in a preallocated buffer, with the boolean mask of

@@ -7,7 +7,7 @@ and gpt-oss's pattern), fp32 on the CPU:
 
 * **ours** -- a pool with each layer's spec (``CacheConfig(layer_specs=...)``): the sliding
   layers form their own KV-cache group, whose tables keep only the window's blocks, and
-  ``step.attention`` applies each layer's window from the config;
+  ``step.write_and_attend`` applies each layer's window from the config;
 * **DynamicCache** -- built from a config with those ``layer_types``: it keeps only the last
   ``W - 1`` tokens of a sliding layer, and transformers' ``sdpa`` function needs no mask for a
   decode token (as in the model).

@@ -122,15 +122,15 @@ class StepInputs(Generic[Array]):
 def paged_decode_step(
     manager: PagedKvCacheManager[Array], handles: Sequence[PagedKvCacheHandle[Array]], inputs: StepInputs[Array]
 ) -> list[Array]:
-    """One decode step through the manager's step: planned once (every request grows by one
-    token), then per layer one ``step.write`` of the batch's K/V and one ``step.attention``
-    (each layer's window, if any, from the pool's layer specs). ``[batch, q_heads, D]`` per layer."""
+    """One decode step through the manager's step, as a model runs it (``PagedCache`` makes the
+    same calls): planned once (every request grows by one token), then per layer one
+    ``step.write_and_attend`` of the batch's K/V and queries (each layer's window, if any, from
+    the pool's layer specs). ``[batch, q_heads, D]`` per layer."""
     step = manager.begin_step(handles, 1)
-    outputs: list[Array] = []
-    for layer in range(manager.config.num_layers):
-        step.write(layer, inputs.keys[layer], inputs.values[layer])
-        outputs.append(step.attention(layer, inputs.queries[layer]))
-    return outputs
+    return [
+        step.write_and_attend(layer, inputs.keys[layer], inputs.values[layer], inputs.queries[layer])
+        for layer in range(manager.config.num_layers)
+    ]
 
 
 def mib(num_bytes: float) -> str:
