@@ -153,6 +153,18 @@ def test_cold_turns_evicts_before_every_piece_and_subtracts_what_is_excluded() -
     assert all(-2000.0 < sample < -1999.0 for samples in timings.samples.values() for sample in samples)
 
 
+def test_cold_turns_keeps_each_pieces_samples_when_asked() -> None:
+    harness = bench_harness()
+
+    timings = harness.cold_turns(
+        {"a": lambda: [lambda: None, lambda: None]}, rounds=3, warmup=1, evict=lambda: None, per_piece=True
+    )
+
+    assert {name: len(samples) for name, samples in timings.samples.items()} == {"a": 3, "a[0]": 3, "a[1]": 3}
+    for total, first, second in zip(*(timings.samples[name] for name in ("a", "a[0]", "a[1]")), strict=True):
+        assert total == pytest.approx(first + second)
+
+
 def test_take_turns_checks_every_round_and_stops_at_a_disagreement() -> None:
     harness = bench_harness()
     seen: list[tuple[dict[str, int], int]] = []

@@ -141,6 +141,7 @@ def cold_turns(
     warmup: int = 0,
     excluded: Callable[[], float] | None = None,
     statistic: str = "median",
+    per_piece: bool = False,
 ) -> Timings:
     """Rounds of every competitor in a rotating order, as :func:`take_turns`, where a
     competitor is called untimed for its pieces (the calls of one sample: a decode step's
@@ -150,7 +151,8 @@ def cold_turns(
     attention arithmetic's) grew by during each piece.
 
     Returns:
-        Every competitor's samples, seconds per sample.
+        Every competitor's samples, seconds per sample; with ``per_piece``, also each piece's
+        own, named ``"<competitor>[<index>]"``.
     """
     samples: dict[str, list[float]] = {name: [] for name in competitors}
     turns = list(competitors.items())
@@ -158,13 +160,16 @@ def cold_turns(
         shift = index % len(turns) if turns else 0
         for name, competitor in (*turns[shift:], *turns[:shift]):
             total = 0.0
-            for piece in competitor():
+            for number, piece in enumerate(competitor()):
                 evict()
                 before = 0.0 if excluded is None else excluded()
                 started = time.perf_counter()
                 piece()
                 elapsed = time.perf_counter() - started
-                total += elapsed - (0.0 if excluded is None else excluded() - before)
+                spent = elapsed - (0.0 if excluded is None else excluded() - before)
+                total += spent
+                if per_piece and index >= warmup:
+                    samples.setdefault(f"{name}[{number}]", []).append(spent)
             if index >= warmup:
                 samples[name].append(total)
     return Timings(samples, statistic)
