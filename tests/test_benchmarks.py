@@ -186,6 +186,43 @@ def test_timings_give_the_chosen_statistic() -> None:
     assert harness.Timings(samples, "min").ms("x") == pytest.approx(1.0)
 
 
+def test_paired_ratio_gives_the_median_and_an_order_statistic_interval() -> None:
+    harness = bench_harness()
+    # Round i: the other took 1.0 + i / 10 s, ours 1 s; unsorted rounds, drift cancelled by pairing.
+    others = [1.3, 1.0, 1.8, 1.1, 1.5, 1.2, 1.7, 1.4, 1.6]
+    drift = [1.0, 2.0, 1.0, 3.0, 1.0, 1.0, 2.0, 1.0, 1.0]  # the machine's speed, the same for both in a round
+
+    paired = harness.paired_ratio([o * d for o, d in zip(others, drift, strict=True)], drift)
+
+    assert paired.median == pytest.approx(1.4)
+    # 9 rounds: the 2nd to the 8th ratio holds the median with probability 1 - 2 * 10 / 512.
+    assert (paired.low, paired.high) == (pytest.approx(1.1), pytest.approx(1.7))
+    assert paired.coverage == pytest.approx(1 - 20 / 512)
+    assert (paired.verdict(1.05), paired.verdict(1.5), paired.verdict(1.75)) == (
+        "met",
+        "undecided (the interval spans it)",
+        "NOT met",
+    )
+    assert [paired.verdict(bound, at_most=True) for bound in (1.75, 1.5, 1.05)] == [
+        "met",
+        "undecided (the interval spans it)",
+        "NOT met",
+    ]
+    assert str(paired) == "1.40x [1.10x, 1.70x]"
+
+
+def test_paired_ratio_with_few_rounds_spans_them_all_at_its_lower_coverage() -> None:
+    harness = bench_harness()
+
+    five = harness.paired_ratio([2.0, 3.0, 1.0, 5.0, 4.0], [1.0] * 5)
+    one = harness.paired_ratio([2.0], [1.0])
+
+    assert (five.low, five.high, five.coverage) == (1.0, 5.0, pytest.approx(1 - 2 / 32))
+    assert (one.low, one.high, one.coverage) == (2.0, 2.0, 0.0)
+    with pytest.raises(ValueError, match="as many numerators as denominators"):
+        harness.paired_ratio([1.0], [1.0, 2.0])
+
+
 def test_agreement_check_refuses_outputs_beyond_the_tolerance() -> None:
     harness = bench_harness()
     check = harness.agreement_check("ours", {"dense": "dense"}, what="1 x 8")

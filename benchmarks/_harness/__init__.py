@@ -13,7 +13,17 @@ from __future__ import annotations
 from .environment import RECOMMENDED_ENV, print_environment
 from .flags import BenchParser, geometry_of, int_list, layout_list, positive_int, seed_list
 from .geometry import Geometry, StepInputs, draw_lengths, grow_staggered, mib, paged_decode_step
-from .timing import STATISTICS, Stopwatch, Timings, cold_turns, relative_spread, take_turns, timed_call
+from .timing import (
+    STATISTICS,
+    PairedRatio,
+    Stopwatch,
+    Timings,
+    cold_turns,
+    paired_ratio,
+    relative_spread,
+    take_turns,
+    timed_call,
+)
 from .verdict import ATOL, RTOL, DisagreementError, agree, agreement_check, met, ratio, require, run, within
 
 __all__ = [
@@ -24,6 +34,7 @@ __all__ = [
     "BenchParser",
     "DisagreementError",
     "Geometry",
+    "PairedRatio",
     "StepInputs",
     "Stopwatch",
     "Timings",
@@ -38,6 +49,7 @@ __all__ = [
     "met",
     "mib",
     "paged_decode_step",
+    "paired_ratio",
     "positive_int",
     "print_environment",
     "ratio",

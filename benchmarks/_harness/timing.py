@@ -9,6 +9,7 @@ A round runs every competitor once, in an order that rotates by one each round; 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -17,9 +18,11 @@ from typing import TypeVar
 
 __all__ = [
     "STATISTICS",
+    "PairedRatio",
     "Stopwatch",
     "Timings",
     "cold_turns",
+    "paired_ratio",
     "relative_spread",
     "take_turns",
     "timed_call",
@@ -62,6 +65,78 @@ class Timings:
     def spread(self, *names: str) -> float:
         """The largest relative spread (IQR / median) of ``names`` (of every competitor if none)."""
         return max(relative_spread(self.samples[name]) for name in names or tuple(self.samples))
+
+
+#: The least probability an interval of :func:`paired_ratio` holds the true median with,
+#: where the rounds allow it (6 rounds or more).
+COVERAGE = 0.95
+
+
+@dataclass(frozen=True)
+class PairedRatio:
+    """Ratios of two competitors timed in the same rounds, one per round: their median and a
+    distribution-free interval for it, ``[low, high]``, which holds the true median with
+    probability ``coverage`` whatever the distribution of the ratios (order statistics).
+
+    A round's two runs are close in time, so a drift of the machine's speed (other
+    processes, frequency) cancels in their ratio, where it moves the ratio of two medians.
+    """
+
+    ratios: tuple[float, ...]
+    low: float
+    high: float
+    coverage: float
+
+    @property
+    def median(self) -> float:
+        """The median of the per-round ratios."""
+        return float(statistics.median(self.ratios))
+
+    def verdict(self, target: float, *, at_most: bool = False) -> str:
+        """``"met"`` when the whole interval is at least ``target`` (``at_most``: at most),
+        ``"NOT met"`` when it is wholly on the other side, else ``"undecided"`` (the rounds
+        cannot tell it from noise)."""
+        low, high = (-self.high, -self.low) if at_most else (self.low, self.high)
+        bound = -target if at_most else target
+        if low >= bound:
+            return "met"
+        if high < bound:
+            return "NOT met"
+        return "undecided (the interval spans it)"
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f}x [{self.low:.2f}x, {self.high:.2f}x]"
+
+    def interval(self) -> str:
+        """How the interval was made, for a table's legend."""
+        return f"median of {len(self.ratios)} paired runs [{self.coverage * 100:.1f} % interval]"
+
+
+def paired_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> PairedRatio:
+    """The per-round ratios ``numerators[i] / denominators[i]`` and the narrowest interval
+    of their order statistics ``[r(k), r(n + 1 - k)]`` holding the median with probability
+    at least :data:`COVERAGE` (``k`` from the binomial distribution of how many ratios fall
+    below the median); with fewer than 6 rounds, ``[min, max]`` and its lower coverage.
+
+    Raises:
+        ValueError: no rounds, or lists of different lengths.
+    """
+    if not numerators or len(numerators) != len(denominators):
+        raise ValueError(
+            f"paired ratios need as many numerators as denominators, at least one: "
+            f"{len(numerators)} and {len(denominators)}"
+        )
+    ratios = sorted(top / bottom for top, bottom in zip(numerators, denominators, strict=True))
+    count = len(ratios)
+
+    def coverage(k: int) -> float:  # P(k <= below <= count - k), below ~ Binomial(count, 1/2)
+        tail = sum(math.comb(count, below) for below in range(k)) / (1 << count)
+        return max(0.0, 1.0 - 2.0 * tail)
+
+    k = 1
+    while k + 1 <= (count + 1) // 2 and coverage(k + 1) >= COVERAGE:
+        k += 1
+    return PairedRatio(tuple(ratios), ratios[k - 1], ratios[count - k], coverage(k))
 
 
 def timed_call(call: Callable[[], Result]) -> tuple[float, Result]:
