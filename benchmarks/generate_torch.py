@@ -135,14 +135,15 @@ class Timing:
         """Seconds per generated token after the first."""
         return (self.total - self.prefill) / max(1, self.new_tokens - 1)
 
+    def decodes(self) -> list[float]:
+        """Each round's decode: its whole run less its prefill."""
+        return [total - prefill for total, prefill in zip(self.totals, self.prefills, strict=True)]
+
     def paired(self, ours: Timing) -> tuple[PairedRatio, PairedRatio, PairedRatio]:
-        """This approach over ``ours``, paired round by round: prefill, decode (a round's whole
-        run less its prefill) and the whole run."""
-        decodes = [total - prefill for total, prefill in zip(self.totals, self.prefills, strict=True)]
-        our_decodes = [total - prefill for total, prefill in zip(ours.totals, ours.prefills, strict=True)]
+        """This approach over ``ours``, paired round by round: prefill, decode and the whole run."""
         return (
             paired_ratio(self.prefills, ours.prefills),
-            paired_ratio(decodes, our_decodes),
+            paired_ratio(self.decodes(), ours.decodes()),
             paired_ratio(self.totals, ours.totals),
         )
 

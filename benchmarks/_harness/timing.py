@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .verdict import met
+
 __all__ = [
     "STATISTICS",
     "PairedRatio",
@@ -96,13 +98,11 @@ class PairedRatio:
         """``"met"`` when the whole interval is at least ``target`` (``at_most``: at most),
         ``"NOT met"`` when it is wholly on the other side, else ``"undecided"`` (the rounds
         cannot tell it from noise)."""
-        low, high = (-self.high, -self.low) if at_most else (self.low, self.high)
-        bound = -target if at_most else target
-        if low >= bound:
-            return "met"
-        if high < bound:
-            return "NOT met"
-        return "undecided (the interval spans it)"
+        if at_most:
+            reached, short = self.high <= target, self.low > target
+        else:
+            reached, short = self.low >= target, self.high < target
+        return met(reached) if reached or short else "undecided (the interval spans it)"
 
     def __str__(self) -> str:
         return f"{self.median:.2f}x [{self.low:.2f}x, {self.high:.2f}x]"
