@@ -3,6 +3,7 @@ calibration file (strict, per machine, atomic), pins."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -109,6 +110,78 @@ def test_the_faster_path_wins_once_and_is_kept_on_disk(tmp_path: Path, clock: Cl
     assert stored["machine"] == dispatch.machine_key(LIBRARIES)
     assert list(stored["choices"]) == [shape().key]
     assert not [name for name in os.listdir(tmp_path) if name != "dispatch-test.json"]  # no temporary left
+
+
+def in_model(**changes: object) -> ShapeClass:
+    return dataclasses.replace(shape(**changes), measured="model")
+
+
+def test_a_class_measured_as_the_model_runs_it_takes_turns_then_keeps_the_faster(tmp_path: Path) -> None:
+    chooser = AttentionDispatch("test", LIBRARIES, tmp_path)
+    decode = in_model()
+    assert decode.key == "in-model " + shape().key  # a class of its own beside the loop's
+    turns: list[str] = []
+    for _ in range(2 * dispatch.TRIAL_STEPS):
+        path = chooser.trial_path(decode, ("kernel", "native"))
+        turns.append(path)
+        layer_seconds = {"kernel": [1.0, 0.002, 0.002, 0.003], "native": [0.001, 0.004, 0.004, 0.005]}[path]
+        for seconds in layer_seconds:  # the first per path is its warm-up: the kernel's 1 s is left out
+            chooser.record(decode, path, seconds)
+        assert chooser.choice(decode) is None
+    assert turns == ["kernel", "native"] * dispatch.TRIAL_STEPS
+    assert chooser.trial_path(decode, ("kernel", "native")) == "kernel"
+    choice = chooser.choice(decode)
+    assert choice is not None
+    assert choice.settled
+    assert choice.seconds == pytest.approx({"kernel": 0.002, "native": 0.004})
+    assert chooser.choice(shape()) is None  # the loop's class stays unmeasured
+    chooser.record(decode, "native", 0.0)  # settled: ignored
+    assert AttentionDispatch("test", LIBRARIES, tmp_path).trial_path(decode, ("kernel", "native")) == "kernel"
+    stored = json.loads((tmp_path / "dispatch-test.json").read_text())
+    assert list(stored["choices"]) == [decode.key]
+
+
+def test_a_trial_within_the_noise_holds_for_the_process_only(tmp_path: Path) -> None:
+    chooser = AttentionDispatch("test", LIBRARIES, tmp_path)
+    decode = in_model()
+    for _ in range(2 * dispatch.TRIAL_STEPS):
+        path = chooser.trial_path(decode, ("native", "kernel"))
+        for seconds in (0.01, 0.0030, 0.0030) if path == "native" else (0.01, 0.0031, 0.0031):
+            chooser.record(decode, path, seconds)
+    assert chooser.trial_path(decode, ("native", "kernel")) == "native"
+    choice = chooser.choice(decode)
+    assert choice is not None
+    assert not choice.settled
+    assert chooser.trial_path(decode, ("native", "kernel")) == "native"  # no second trial in this process
+    assert not (tmp_path / "dispatch-test.json").exists()
+
+
+def test_a_trial_waits_for_a_time_of_every_path_and_ignores_bad_records(tmp_path: Path) -> None:
+    chooser = AttentionDispatch("test", LIBRARIES, tmp_path)
+    decode = in_model()
+    chooser.record(decode, "kernel", 0.001)  # no trial step yet: ignored
+    for turn in range(2 * dispatch.TRIAL_STEPS):
+        path = chooser.trial_path(decode, ("kernel", "native"))
+        if turn < 2:
+            chooser.record(decode, path, 0.5)  # each path's warm-up only
+        chooser.record(decode, path, float("nan"))
+        chooser.record(decode, path, -1.0)
+    assert chooser.trial_path(decode, ("kernel", "native")) == "kernel"  # still taking turns
+    assert chooser.choice(decode) is None
+    chooser.record(decode, "kernel", 0.002)
+    chooser.record(decode, "native", 0.001)
+    assert chooser.trial_path(decode, ("kernel", "native")) == "native"
+    chooser.forget()
+    assert chooser.choice(decode) is None
+    assert chooser.trial_path(decode, ("kernel", "native")) == "kernel"  # measured again
+
+
+@pytest.mark.parametrize("paths", [(), ("kernel", "kernel"), ("auto",), ("gpu", "native")])
+def test_trial_paths_are_checked_by_name(paths: tuple[str, ...], tmp_path: Path) -> None:
+    chooser = AttentionDispatch("test", LIBRARIES, tmp_path)
+    with pytest.raises(InvalidConfigError, match="trial paths"):
+        chooser.trial_path(in_model(), paths)
+    assert chooser.choices() == {}
 
 
 def scripted(clock: Clock, costs: dict[str, Iterator[float]], log: list[str]) -> Callable[[str], Callable[[], str]]:

@@ -18,7 +18,11 @@ costs several times what it costs in a loop), and attends:
 
 The lane reads the dispatch's choice for the step at its first layer, without attending
 (:func:`~kvcache_torch.dispatch.measured_plain_path`); only where the step's shape class was
-never measured on this machine does that layer take the third way, which measures it.
+never measured on this machine does that layer take the third way, which measures it. A
+decode step is measured as the model runs it instead (its class ``measured="model"``,
+:meth:`~kvcache_core.backends.dispatch.AttentionDispatch.trial_path`): until its class is
+settled, its steps take the kernel and torch's path in turns, and the lane times each layer's
+attention (the step's choice, views and plan, made at its first layer, left out).
 
 A decode step whose batch is of the shape class of the group's last settled decode step takes
 its path over (:class:`LaneMemory`): the same query offsets, query shape and threads, a context
@@ -30,17 +34,21 @@ so the dispatch is looked up once per class and bucket, not once per step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from time import perf_counter
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvcache_core.attention.kernel import KernelCall, prepare_kernel_call
+from kvcache_core.backends.dispatch import ShapeClass
 from kvcache_core.contract.page_table import PageTable
 from kvcache_torch.attention import attend_pool
 from kvcache_torch.dispatch import (
+    DISPATCH,
     KERNEL_DTYPES,
     host_view,
     kernel_reads,
@@ -55,6 +63,8 @@ from kvcache_torch.threads import torch_team
 __all__ = ["LaneMemory", "TorchLane"]
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
+#: The paths a decode step takes in turns while its class is measured as the model runs it.
+TRIAL_PATHS: Final = ("kernel", "native")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +128,8 @@ class TorchLane:
         "_slots",
         "_span",
         "_table",
+        "_through",
+        "_tried",
         "_value_shape",
         "_views",
         "_where",
@@ -160,6 +172,9 @@ class TorchLane:
         self._writes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._runs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._inherited = memory.settled.get(page_table.group) if page_table.sliding_window is None else None
+        # While the step's class is measured as the model runs it: the class and the path tried.
+        self._tried: tuple[ShapeClass, str] | None = None
+        self._through = path  # the path the storage's own attention takes (the native one where chosen)
 
     def __call__(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, scale: float
@@ -203,15 +218,21 @@ class TorchLane:
             else:
                 self._rows[0][layer].index_copy_(0, index, keys)
                 self._rows[1][layer].index_copy_(0, index, values)
-        return self._attend(layer, query, scale)
-
-    def _attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """The layer's attention over the pool (its K/V written)."""
         if self._mode is None:  # the step's first layer: its path
             measured = self._settle(layer, query, scale)
             self._runs = self._run_views()
             if measured is not None:
                 return measured
+        tried = self._tried
+        if tried is None:
+            return self._attend(layer, query, scale)
+        start = perf_counter()  # the class is measured as the model runs it: this layer's time
+        output = self._attend(layer, query, scale)
+        DISPATCH.record(tried[0], tried[1], perf_counter() - start)
+        return output
+
+    def _attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """The layer's attention over the pool (its K/V written, the step's path settled)."""
         runs = self._runs
         if runs is not None:
             cached_keys, cached_values = runs[layer]
@@ -266,7 +287,7 @@ class TorchLane:
         layout = "heads_first" if self._heads_first else "NHD"
         key_cache, value_cache = self._views[0][layer], self._views[1][layer]
         return attend_pool(
-            query, key_cache, value_cache, self._table, self._qo_indptr, scale, True, layout, path=self._path
+            query, key_cache, value_cache, self._table, self._qo_indptr, scale, True, layout, path=self._through
         )
 
     def _settle(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -287,9 +308,21 @@ class TorchLane:
             and inherited.one_run_each == table.one_run_each
         ):
             self._mode = "views" if self._span is not None and inherited.chosen == "native" else "pool"
+            self._through = "native" if inherited.chosen == "native" else self._path
             self._kernel = None if inherited.kernel is None else inherited.kernel.for_batch(table, indptr)
             return None
         layout = "heads_first" if self._heads_first else "NHD"
+        trial = self._trial_class(query, key_cache, value_cache, layout)
+        if trial is not None:  # a decode step, measured as the model runs it
+            tried = DISPATCH.trial_path(trial, TRIAL_PATHS)
+            self._mode = "views" if self._span is not None and tried == "native" else "pool"
+            self._through = tried
+            self._prepare_kernel(tried, layer, query, layout)
+            if DISPATCH.choice(trial) is None:
+                self._tried = (trial, tried)
+            else:  # settled: later steps of its class take it over
+                self._remember(tried, query, key_cache, value_cache, layout, threads)
+            return None
         measured = None
         chosen = measured_plain_path(query, key_cache, value_cache, table, indptr, layout, self._path)
         if chosen is None:
@@ -300,6 +333,19 @@ class TorchLane:
         if measured is None and table.sliding_window is None:  # a choice read: later steps of its class take it
             self._remember(chosen, query, key_cache, value_cache, layout, threads)
         return measured
+
+    def _trial_class(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layout: str
+    ) -> ShapeClass | None:
+        """The class of this step measured as the model runs it, where it is one: a decode step
+        with queries, of a pool whose path is not pinned, without a window, that the kernel reads."""
+        table = self._table
+        if self._path != "auto" or table.sliding_window is not None or not query.shape[0]:
+            return None
+        if not kernel_reads(key_cache, value_cache):
+            return None
+        shape = shape_class(query, key_cache, value_cache, table, self._qo_indptr, layout, True, "")
+        return dataclasses.replace(shape, measured="model") if shape.phase == "decode" else None
 
     def _remember(
         self,

@@ -27,6 +27,18 @@ is written here; the paths are timed on this machine.
   A file that is corrupt, too large, or written on another machine or by other versions is
   ignored with a warning (and replaced at the next calibration). ``KVCACHE_CACHE_DIR=off``
   keeps the choices in memory only.
+* A decode step inside a model is **measured as the model runs it** (``ShapeClass.measured``
+  ``"model"``; a class of its own, listed ``in-model ...``). Between two layers' attention
+  the model's projections stream their weights through the CPU's caches, and each layer
+  reads K/V of its own: a call timed in a loop reads its K/V warm. On one 2-core EPYC (L3
+  32 MiB) a layer of one 2048-token request took 59 us in the loop and 100 us inside
+  ``generate``; where a CPU's cache holds one layer's K/V but not a model's, the two ways can
+  rank the paths differently. The caller (a storage's step lane) asks
+  :meth:`AttentionDispatch.trial_path` which path the step runs: the paths take turns,
+  step by step, :data:`TRIAL_STEPS` steps each, the caller timing each layer's attention
+  (:meth:`AttentionDispatch.record`); then the path of the lower median per layer wins.
+  Nothing is computed twice: a trial step's output is its path's. A win by less than 5%
+  holds for the process only, as a calibration's within the noise does.
 * A path can be **pinned**: ``CacheConfig.attention_path`` (per pool), else the
   environment variable ``KVCACHE_ATTENTION_PATH`` (per process), ``"kernel"`` or
   ``"native"``; ``"auto"`` (the default) is the measured choice.
@@ -44,7 +56,7 @@ import statistics
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TypeVar, cast
@@ -60,6 +72,7 @@ __all__ = [
     "CACHE_DIR_ENV",
     "CALIBRATION_ROUNDS",
     "PATH_ENV",
+    "TRIAL_STEPS",
     "AttentionDispatch",
     "DispatchChoice",
     "ShapeClass",
@@ -79,6 +92,10 @@ PATH_ENV: Final = "KVCACHE_ATTENTION_PATH"
 CACHE_DIR_ENV: Final = "KVCACHE_CACHE_DIR"
 #: Timed calls of each path when a class is calibrated (after one untimed call each).
 CALIBRATION_ROUNDS: Final = 5
+#: Steps each path runs when a class is measured as the model runs it (:meth:`AttentionDispatch.trial_path`).
+TRIAL_STEPS: Final = 2
+#: How much lower the winner's median per layer must be for a trial's choice to be kept on disk.
+_TRIAL_MARGIN = 1.05
 #: A call slower than this (seconds, in the first timed round, once warm) is timed once only.
 _SLOW_CALL = 0.05
 #: The largest calibration file read (bytes); a larger one is ignored.
@@ -166,11 +183,16 @@ class ShapeClass:
     value_dim: int
     threads: int
     features: str
+    #: How the class is measured: ``"call"``, on the call itself in a loop (the calibration of
+    #: :meth:`AttentionDispatch.run`); ``"model"``, step by step as a model runs it
+    #: (:meth:`AttentionDispatch.trial_path`). Two classes differing only here are two classes.
+    measured: str = "call"
 
     @property
     def key(self) -> str:
         return (
-            f"{self.phase} requests<={self.requests} context<={self.context} runs={self.runs} {self.dtype} "
+            ("in-model " if self.measured == "model" else "")
+            + f"{self.phase} requests<={self.requests} context<={self.context} runs={self.runs} {self.dtype} "
             f"{self.layout} heads={self.kv_heads}x{self.group} dims={self.head_dim}/{self.value_dim} "
             f"threads={self.threads} features={self.features}"
         )
@@ -248,6 +270,9 @@ class AttentionDispatch:
         self._directory = directory
         self._lock = threading.Lock()
         self._choices: dict[str, DispatchChoice] | None = None
+        # Per class measured as the model runs it: per path, the steps it ran and the seconds
+        # of each layer's attention recorded (the first, its warm-up, left out).
+        self._trials: dict[str, dict[str, tuple[int, list[float] | None]]] = {}
 
     def _path(self) -> Path | None:
         directory = cache_directory() if self._directory == "default" else self._directory
@@ -336,10 +361,68 @@ class AttentionDispatch:
                 self._save({key: choice for key, choice in known.items() if choice.settled})
         return outputs[winner]
 
+    def trial_path(self, shape: ShapeClass, paths: Sequence[str]) -> str:
+        """The path the next step of ``shape``'s class runs, measured as the model runs it
+        (see the module docstring): the recorded choice where there is one among ``paths``;
+        else, while it is measured, the path of ``paths`` that ran the fewest steps (they take
+        turns, in the order given); once each ran :data:`TRIAL_STEPS` steps and has a time
+        recorded (:meth:`record`), the path of the lowest median, recorded as the choice (and
+        kept on disk where it won by at least 5%).
+
+        Raises:
+            InvalidConfigError: ``paths`` empty, repeated, or naming a path that is not one of
+                :data:`ATTENTION_PATHS` but ``"auto"``.
+        """
+        offered = tuple(paths)
+        if not offered or len(set(offered)) != len(offered) or not set(offered) <= set(ATTENTION_PATHS[1:]):
+            raise InvalidConfigError(f"trial paths {offered!r}: give distinct paths among {ATTENTION_PATHS[1:]}")
+        recorded = self.choice(shape)
+        if recorded is not None and recorded.path in offered:
+            return recorded.path
+        with self._lock:
+            trial = self._trials.setdefault(shape.key, {})
+            runs = {name: trial.get(name, (0, None)) for name in offered}
+            if all(steps >= TRIAL_STEPS and times for steps, times in runs.values()):
+                return self._settle_trial(
+                    shape, {name: cast("list[float]", times) for name, (_, times) in runs.items()}
+                )
+            turn = min(offered, key=lambda name: runs[name][0])
+            steps, times = runs[turn]
+            trial[turn] = (steps + 1, times)
+            return turn
+
+    def _settle_trial(self, shape: ShapeClass, times: Mapping[str, list[float]]) -> str:
+        """Record the choice of a class measured as the model runs it (under the lock)."""
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        winner = min(medians, key=lambda name: medians[name])
+        settled = all(medians[winner] * _TRIAL_MARGIN < value for name, value in medians.items() if name != winner)
+        known = dict(self._choices if self._choices is not None else self._load())
+        known[shape.key] = DispatchChoice(winner, medians, settled)
+        self._choices = known
+        del self._trials[shape.key]
+        if settled:
+            self._save({key: choice for key, choice in known.items() if choice.settled})
+        return winner
+
+    def record(self, shape: ShapeClass, path: str, seconds: float) -> None:
+        """Record one layer's attention of a step of ``shape``'s class that ran ``path`` while
+        the class is measured (:meth:`trial_path`); ignored once it is settled, and for a path
+        that ran no trial step. The first time recorded for a path is its warm-up, left out."""
+        with self._lock:
+            trial = self._trials.get(shape.key)
+            if trial is None or path not in trial or not seconds >= 0.0:
+                return
+            steps, times = trial[path]
+            if times is None:
+                trial[path] = (steps, [])  # the warm-up: compiling, first touches
+            else:
+                times.append(seconds)
+
     def forget(self) -> None:
         """Drop every choice and the calibration file: each class is measured again."""
         with self._lock:
             self._choices = {}
+            self._trials = {}
             path = self._path()
             if path is not None:
                 remove_file(str(path), what="the attention dispatch file")
