@@ -23,8 +23,10 @@ What is compared, in one process, on the same random-weight model and prompt (fp
   cache could gain over DynamicCache on this model and workload (its tokens are meaningless,
   only its time is used).
 
-On CPU our attention is the compiled kernel of ``kvcache_core.attention.kernel`` (numba): one
-call per layer for the whole batch.
+On CPU our attention is the compiled kernel of ``kvcache_core.attention.kernel`` (numba, one
+call per layer for the whole batch) or torch's ``scaled_dot_product_attention`` on views of a
+request's run of blocks, whichever the dispatch measured faster for the shape class (a decode
+step's as the model runs it); the end of the output lists each class's path and times.
 
 The model is a small Llama-like decoder with grouped-query attention (printed at start).
 Two scenarios, each generating ``--new-tokens`` tokens greedily:
@@ -85,6 +87,7 @@ from _harness import (
     generation,
     met,
     paired_ratio,
+    print_dispatch,
     print_environment,
     require,
     run,
@@ -95,6 +98,7 @@ from _harness.layer_cost import measure_layer_cost
 import kvcache_torch.storage
 from kvcache_core import PagedKvCacheManager, create_manager
 from kvcache_core.attention import kernel as paged_kernel
+from kvcache_torch.dispatch import DISPATCH
 from kvcache_torch.hf import PagedCache, cache_config_for
 from kvcache_torch.lanes import TorchLane
 
@@ -478,6 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"of {min(prompt.lengths)}-{max(prompt.lengths)} tokens {list(prompt.lengths)} (seed {args.seed})"
         )
         run_scenario(title, model, reference, prompt, args, TARGET_BATCH_SPEEDUP)
+    print_dispatch(DISPATCH.choices())
     if args.quick:
         print("(--quick is a smoke run: short prompts, few tokens; the targets are judged on the default run)")
     print(f"total {clock.seconds():.1f} s")
@@ -487,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def attention_path() -> str:
     """Which attention our CPU pool runs here."""
     if paged_kernel.kernel_available():
-        return "the compiled kernel (numba)"
+        return "the compiled kernel (numba) or torch's SDPA on views of the pool, per shape class as measured (listed at the end)"
     return "the torch path (numba missing or KVCACHE_DISABLE_NUMBA set)"
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvcache_core.backends.dispatch import DispatchChoice
 from tests.workers import usable_cpus, worker_thread_environment
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -266,3 +267,18 @@ def test_environment_banner_names_the_machine_and_the_libraries(capsys: pytest.C
     printed = capsys.readouterr().out
     for expected in ("machine:", "usable cores", "caches", "Python", "numpy", "torch", "numba", "recommended"):
         assert expected in printed
+
+
+def test_dispatch_listing_names_each_class_its_path_and_times(capsys: pytest.CaptureFixture[str]) -> None:
+    choices = {
+        "in-model decode requests<=1": DispatchChoice("native", {"kernel": 150e-6, "native": 100e-6}),
+        "prefill requests<=8": DispatchChoice("kernel", {"kernel": 0.002, "native": 0.0021}, settled=False),
+    }
+    bench_environment().print_dispatch(choices)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:] == [
+        "  in-model decode requests<=1: native (kernel 150 us, native 100 us; decisive: kept on disk)",
+        "  prefill requests<=8: kernel (kernel 2000 us, native 2100 us; within the noise: held for this run)",
+    ]
+    bench_environment().print_dispatch({})
+    assert "none measured" in capsys.readouterr().out

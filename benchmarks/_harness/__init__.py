@@ -10,7 +10,7 @@ imported by name.
 
 from __future__ import annotations
 
-from .environment import RECOMMENDED_ENV, print_environment
+from .environment import RECOMMENDED_ENV, print_dispatch, print_environment
 from .flags import BenchParser, geometry_of, int_list, layout_list, positive_int, seed_list
 from .geometry import Geometry, StepInputs, draw_lengths, grow_staggered, mib, paged_decode_step
 from .timing import (
@@ -51,6 +51,7 @@ __all__ = [
     "paged_decode_step",
     "paired_ratio",
     "positive_int",
+    "print_dispatch",
     "print_environment",
     "ratio",
     "relative_spread",

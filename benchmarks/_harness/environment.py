@@ -11,9 +11,19 @@ import importlib.metadata
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LIBRARIES", "RECOMMENDED_ENV", "THREAD_VARIABLES", "cache_sizes", "cpu_model", "print_environment"]
+__all__ = [
+    "LIBRARIES",
+    "RECOMMENDED_ENV",
+    "THREAD_VARIABLES",
+    "cache_sizes",
+    "cpu_model",
+    "print_dispatch",
+    "print_environment",
+]
 
 #: glibc keeps large buffers instead of returning them to the OS after every step, which
 #: otherwise dominates the time of the caches that reallocate (dense, DynamicCache).
@@ -87,3 +97,22 @@ def print_environment() -> None:
     missing = [key for key, value in RECOMMENDED_ENV.items() if os.environ.get(key) != value]
     recommended = " ".join(f"{key}={value}" for key, value in RECOMMENDED_ENV.items())
     print(f"recommended environment: {recommended} ({'set' if not missing else 'NOT set: ' + ', '.join(missing)})")
+
+
+def print_dispatch(choices: Mapping[str, Any]) -> None:
+    """Print the attention path each shape class ran in this process: ``choices`` is an
+    ``AttentionDispatch``'s (``kvcache_torch.dispatch.DISPATCH.choices()``), class key -> its
+    ``DispatchChoice`` (the path, each path's seconds as measured, whether it won decisively:
+    then it is kept in the calibration file, unless ``KVCACHE_CACHE_DIR=off``).
+    A ratio means as little without the path that produced it as without the machine."""
+    if not choices:
+        print("attention paths: none measured in this run (pinned, or no class seen)")
+        return
+    print(
+        "attention paths in this run ('in-model' classes: per layer, timed inside the run; "
+        "the others: per call, timed on the call in a loop):"
+    )
+    for key, choice in sorted(choices.items()):
+        times = ", ".join(f"{name} {seconds * 1e6:.0f} us" for name, seconds in sorted(choice.seconds.items()))
+        kept = "decisive: kept on disk" if choice.settled else "within the noise: held for this run"
+        print(f"  {key}: {choice.path} ({times}; {kept})")

@@ -17,8 +17,9 @@ from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.integrations import sdpa_attention
 
 from kvcache_core import PagedKvCacheHandle, PagedKvCacheManager, create_manager
+from kvcache_torch.dispatch import DISPATCH
 
-from .environment import print_environment
+from .environment import print_dispatch, print_environment
 from .flags import BenchParser, geometry_of
 from .geometry import Geometry, StepInputs
 from .timing import Stopwatch, Timings, take_turns
@@ -102,7 +103,8 @@ class DecodeSession:
         )
 
     def finish(self) -> int:
-        """Print the closing lines; the exit status (0)."""
+        """Print the closing lines (the attention path each class ran); the exit status (0)."""
+        print_dispatch(DISPATCH.choices())
         if self.args.quick:
             print("(--quick is a smoke run: few layers and steps; the targets are judged on the default run)")
         print(f"total {self.clock.seconds():.1f} s")
