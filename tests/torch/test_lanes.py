@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,14 +154,22 @@ def test_a_one_run_decode_through_the_lane_equals_the_kernels_and_the_general_pa
         assert all(torch.equal(a, b) for a, b in zip(lane_kernel, general, strict=True))
 
 
-@pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
-@pytest.mark.parametrize("path", ["auto", "kernel"])
-def test_a_steps_first_layer_reads_the_measured_path_without_attending_through_the_pool(
-    path: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+@pytest.fixture
+def fresh_dispatch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """The torch dispatch with no choice, its file in ``tmp_path``, no path pinned; emptied after."""
     monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
     monkeypatch.setenv(dispatch.CACHE_DIR_ENV, str(tmp_path))
     torch_dispatch.DISPATCH.forget()
+    yield
+    torch_dispatch.DISPATCH.forget()
+
+
+@pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
+@pytest.mark.parametrize("path", ["auto", "kernel"])
+@pytest.mark.usefixtures("fresh_dispatch")
+def test_a_steps_first_layer_reads_the_measured_path_without_attending_through_the_pool(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     through_pool: list[int] = []
     real = kvcache_torch.attention.attend_pool
 
@@ -169,49 +178,44 @@ def test_a_steps_first_layer_reads_the_measured_path_without_attending_through_t
         return real(*args, **kwargs)
 
     monkeypatch.setattr(lanes, "attend_pool", counted)
-    try:
-        config = make_config(64, 4, num_layers=3, num_heads=2, head_dim=8, kv_layout="heads_first")
-        lane_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path=path))
-        general_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path="native"))
-        managers = (lane_manager, general_manager)
-        handles = [[manager.allocate(AllocationRequest(name)) for name in ("a", "b")] for manager in managers]
-        counted_per_turn: list[int] = []
-        decode_steps = 2 * dispatch.TRIAL_STEPS + 2
-        for turn, counts in enumerate([[9, 14]] + [[1, 1]] * decode_steps):
-            through_pool.clear()
-            step, general = (manager.begin_step(rows, counts) for manager, rows in zip(managers, handles, strict=True))
-            for layer in range(3):
-                keys, values, query = arrays(lane_manager, sum(counts), 10 * turn + layer)
-                general.write(layer, keys, values)  # the general path, no lane
-                expected = general.attention(layer, query)
-                torch.testing.assert_close(step.write_and_attend(layer, keys, values, query), expected)
-            counted_per_turn.append(len(through_pool))
-        if path == "kernel":  # pinned: the kernel from the first layer on
-            assert counted_per_turn == [0] * (1 + decode_steps)
-            return
-        choices = torch_dispatch.DISPATCH.choices()
-        assert len(choices) == 2  # the prefill's class and the decode's, each measured once
-        assert [key for key in choices if key.startswith("prefill")]
-        decode = choices[next(key for key in choices if key.startswith("in-model decode"))]
-        # The prefill's class, seen the first time, is measured by the step's first layer,
-        # through the storage's own attention. The decode's is measured as the model runs it:
-        # its steps take the kernel (from the first layer on, no such call) and torch's path
-        # (two requests: through the storage's attention at every layer) in turns, then its choice.
-        assert counted_per_turn[0] >= 1
-        trials = [0, 3] * dispatch.TRIAL_STEPS
-        assert counted_per_turn[1:] == [*trials, *[0 if decode.path == "kernel" else 3] * 2]
-    finally:
-        torch_dispatch.DISPATCH.forget()
+    config = make_config(64, 4, num_layers=3, num_heads=2, head_dim=8, kv_layout="heads_first")
+    lane_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path=path))
+    general_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path="native"))
+    managers = (lane_manager, general_manager)
+    handles = [[manager.allocate(AllocationRequest(name)) for name in ("a", "b")] for manager in managers]
+    counted_per_turn: list[int] = []
+    decode_steps = 2 * dispatch.TRIAL_STEPS + 2
+    for turn, counts in enumerate([[9, 14]] + [[1, 1]] * decode_steps):
+        through_pool.clear()
+        step, general = (manager.begin_step(rows, counts) for manager, rows in zip(managers, handles, strict=True))
+        for layer in range(3):
+            keys, values, query = arrays(lane_manager, sum(counts), 10 * turn + layer)
+            general.write(layer, keys, values)  # the general path, no lane
+            expected = general.attention(layer, query)
+            torch.testing.assert_close(step.write_and_attend(layer, keys, values, query), expected)
+        counted_per_turn.append(len(through_pool))
+    if path == "kernel":  # pinned: the kernel from the first layer on
+        assert counted_per_turn == [0] * (1 + decode_steps)
+        return
+    choices = torch_dispatch.DISPATCH.choices()
+    assert len(choices) == 2  # the prefill's class and the decode's, each measured once
+    assert [key for key in choices if key.startswith("prefill")]
+    decode = choices[next(key for key in choices if key.startswith("in-model decode"))]
+    # The prefill's class, seen the first time, is measured by the step's first layer,
+    # through the storage's own attention. The decode's is measured as the model runs it:
+    # its steps take the kernel (from the first layer on, no such call) and torch's path
+    # (two requests: through the storage's attention at every layer) in turns, then its choice.
+    assert counted_per_turn[0] >= 1
+    trials = [0, 3] * dispatch.TRIAL_STEPS
+    assert counted_per_turn[1:] == [*trials, *[0 if decode.path == "kernel" else 3] * 2]
 
 
 @pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
 @pytest.mark.parametrize("faster", ["kernel", "native"])
+@pytest.mark.usefixtures("fresh_dispatch")
 def test_a_decode_class_keeps_the_path_its_layers_ran_faster_in_the_model(
     faster: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
-    monkeypatch.setenv(dispatch.CACHE_DIR_ENV, str(tmp_path))
-    torch_dispatch.DISPATCH.forget()
     now = [0.0]
     ran: list[str] = []
     attend = TorchLane._attend  # pyright: ignore[reportPrivateUsage]
@@ -225,29 +229,26 @@ def test_a_decode_class_keeps_the_path_its_layers_ran_faster_in_the_model(
 
     monkeypatch.setattr(lanes, "perf_counter", lambda: now[0])
     monkeypatch.setattr(TorchLane, "_attend", timed)
-    try:
-        config = make_config(64, 4, num_layers=3, num_heads=2, head_dim=8, kv_layout="heads_first")
-        lane_manager: Manager = create_manager("torch", config)
-        general_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path="native"))
-        managers = (lane_manager, general_manager)
-        handles = [manager.allocate(AllocationRequest("a")) for manager in managers]
-        for turn, count in enumerate([20] + [1] * (2 * dispatch.TRIAL_STEPS + 2)):
-            step, general = (
-                manager.begin_step([handle], [count]) for manager, handle in zip(managers, handles, strict=True)
-            )
-            for layer in range(3):
-                keys, values, query = arrays(lane_manager, count, 10 * turn + layer)
-                general.write(layer, keys, values)
-                expected = general.attention(layer, query)
-                torch.testing.assert_close(step.write_and_attend(layer, keys, values, query), expected)
-        # Each trial step times its layers: the kernel's, then torch's, in turns.
-        assert ran == (["kernel"] * 3 + ["native"] * 3) * dispatch.TRIAL_STEPS
-        (key,) = (key for key in torch_dispatch.DISPATCH.choices() if key.startswith("in-model decode"))
-        choice = torch_dispatch.DISPATCH.choices()[key]
-        assert (choice.path, choice.settled) == (faster, True)
-        assert '"in-model decode' in (tmp_path / "dispatch-torch.json").read_text()  # kept for later processes
-    finally:
-        torch_dispatch.DISPATCH.forget()
+    config = make_config(64, 4, num_layers=3, num_heads=2, head_dim=8, kv_layout="heads_first")
+    lane_manager: Manager = create_manager("torch", config)
+    general_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path="native"))
+    managers = (lane_manager, general_manager)
+    handles = [manager.allocate(AllocationRequest("a")) for manager in managers]
+    for turn, count in enumerate([20] + [1] * (2 * dispatch.TRIAL_STEPS + 2)):
+        step, general = (
+            manager.begin_step([handle], [count]) for manager, handle in zip(managers, handles, strict=True)
+        )
+        for layer in range(3):
+            keys, values, query = arrays(lane_manager, count, 10 * turn + layer)
+            general.write(layer, keys, values)
+            expected = general.attention(layer, query)
+            torch.testing.assert_close(step.write_and_attend(layer, keys, values, query), expected)
+    # Each trial step times its layers: the kernel's, then torch's, in turns.
+    assert ran == (["kernel"] * 3 + ["native"] * 3) * dispatch.TRIAL_STEPS
+    (key,) = (key for key in torch_dispatch.DISPATCH.choices() if key.startswith("in-model decode"))
+    choice = torch_dispatch.DISPATCH.choices()[key]
+    assert (choice.path, choice.settled) == (faster, True)
+    assert '"in-model decode' in (tmp_path / "dispatch-torch.json").read_text()  # kept for later processes
 
 
 def several_runs_by_hand(table: PageTable) -> bool:
