@@ -26,8 +26,10 @@ The other scenarios: ``decode_torch_batch.py`` (a ragged batch against transform
 batches) and ``decode_torch_hybrid.py`` (sliding and full layers).
 
 Every step, the outputs of every approach are compared with ours (allclose rtol 1e-4, atol
-1e-5, outside the timed region); the script exits with status 1 if they differ. The first 3
-steps are untimed (the first of a new shape pays for allocator growth and kernel set-up);
+1e-5, outside the timed region); the script exits with status 1 if they differ. The first 5
+steps are untimed (the first of a new shape pays for allocator growth and kernel set-up, and a
+decode class never measured here takes both attention paths in turns first, the dispatch's
+trial steps);
 times are medians (``--statistic``) over the next ``--repeats`` steps, each a real decode
 step (the context grows by one token per step), the approaches taking turns in a rotating
 order (the floors after them, as they read what the DynamicCache path wrote). Nothing here

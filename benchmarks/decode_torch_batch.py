@@ -21,8 +21,9 @@ Printed: the times, the ratios, the block runs per request and the KV memory aga
 batch of 16 requests of up to 4096 tokens needs 512 MiB per layer, so 32 layers do not fit in
 this machine's memory next to ours); every figure is per layer times the layer count, so the
 ratios do not depend on it. Every step, every approach's outputs are compared with ours (exit
-status 1 if they differ); the first 3 steps are untimed, then medians over ``--repeats`` steps,
-the approaches taking turns. Nothing here asserts a time.
+status 1 if they differ); the first 5 steps are untimed (a new shape's set-up, and the
+dispatch's trial steps of a decode class never measured here), then medians over
+``--repeats`` steps, the approaches taking turns. Nothing here asserts a time.
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \\
         .venv/bin/python benchmarks/decode_torch_batch.py            # a minute or two on 2 cores

@@ -13,7 +13,8 @@ and gpt-oss's pattern), fp32 on the CPU:
   decode token (as in the model).
 
 Printed: both times and DynamicCache / ours, and the KV memory each holds. Every step, the
-outputs are compared (exit status 1 if they differ); the first 3 steps are untimed, then
+outputs are compared (exit status 1 if they differ); the first 5 steps are untimed (a new
+shape's set-up, and the dispatch's trial steps of a decode class never measured here), then
 medians over ``--repeats`` steps, the two taking turns. Nothing here asserts a time.
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \\
