@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import torch
 
-from kvcache_core import InvalidArgumentError
+from kvcache_core import AllocationRequest, InvalidArgumentError
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.attention import kernel_plan
 from kvcache_core.errors import InvalidTypeError
@@ -105,6 +105,94 @@ def test_cpu_attention_hands_the_kernel_torch_team(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv(paged_kernel.DISABLE_ENV, "1")
     expected = manager.paged_attention(1, query, table)
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@needs_numba
+@needs_openmp
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", ["heads_first", "NHD"])
+def test_the_kernel_starts_its_shares_on_torchs_team_from_c_with_the_same_results(
+    dtype: str, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel's shares enter compiled code straight from torch's OpenMP region (no Python
+    callback, no GIL): the same bits as its Python share, with every attention feature and
+    with split contexts merged (one long request among short ones)."""
+    entries = pytest.importorskip("kvcache_core.attention._kernel_entry")
+    manager = make_manager(kv_layout=layout, dtype=dtype, num_blocks=700, block_size=8)
+    generator = torch.Generator().manual_seed(5)
+    io_dtype = getattr(torch, dtype) if dtype in ("float16", "bfloat16") else torch.float32
+    handles = [manager.allocate(AllocationRequest(name)) for name in ("long", "short", "middle")]
+    lengths = [1900, 40, 300]
+    step = manager.begin_step(handles, lengths)
+    for layer in range(2):
+        keys, values = (torch.randn((sum(lengths), 2, 8), generator=generator).to(io_dtype) for _ in range(2))
+        step.write(layer, keys, values)
+    table = manager.page_table(handles)
+    query = torch.randn((3, 4, 8), generator=generator).to(io_dtype)
+    sinks = torch.randn(4, generator=generator).to(io_dtype)
+    launched: list[bool] = []
+    real = entries.CompiledLaunch.__call__
+
+    def counted(launch: Any, arguments: tuple[Any, ...], count: int) -> bool:
+        launched.append(real(launch, arguments, count))
+        return launched[-1]
+
+    monkeypatch.setattr(entries.CompiledLaunch, "__call__", counted)
+    monkeypatch.setattr(kernel_plan, "MIN_THREAD_WORK", 1)  # two threads even for this small batch
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        features: list[dict[str, Any]] = [{}, {"softcap": 5.0, "sinks": sinks}, {"window": 100}, {"chunk": 64}]
+        from_c = [manager.paged_attention(1, query, table, scale=0.3, **given) for given in features]
+        assert launched
+        assert all(launched)
+        monkeypatch.setattr(entries.CompiledLaunch, "__call__", python_share)
+        through_python = [manager.paged_attention(1, query, table, scale=0.3, **given) for given in features]
+    finally:
+        torch.set_num_threads(previous)
+    for got, expected in zip(from_c, through_python, strict=True):
+        assert torch.equal(got, expected)
+
+
+def python_share(*_: object) -> bool:
+    """A compiled launch that declines: the kernel's Python share runs instead."""
+    return False
+
+
+@needs_numba
+def test_the_kernels_c_entry_refuses_arrays_it_cannot_read() -> None:
+    entries = pytest.importorskip("kvcache_core.attention._kernel_entry")
+    assert entries.entry_address("float32") is None  # the pools' bits are uint16 or uint8
+    assert entries.entry_address("uint16") == entries.entry_address("uint16")  # compiled once
+    rows = np.zeros((4, 8), dtype=np.float32)
+    arguments: list[Any] = [np.zeros((1, 4, 8), dtype=np.float32), rows, rows]
+    arguments += [np.zeros((1, 1), dtype=np.uint16)] * 2 + [0, np.zeros(3, dtype=np.int64)]
+    arguments += [np.zeros((1, 1), dtype=np.int32), np.zeros(1, dtype=np.int32), np.zeros(2, dtype=np.int32)]
+    arguments += [np.zeros((0, 7), dtype=np.int64), np.zeros(1, dtype=np.int64), 1, 4, 0.5, True, 0]
+    arguments += [np.zeros((1, 4, 8), dtype=np.float32), np.zeros((0, 8), dtype=np.float32)]
+    arguments += [np.zeros((0, 2), dtype=np.float32), 0.0, np.zeros(0, dtype=np.float32), 0]
+    arguments += [np.zeros(1, dtype=np.float32)] * 2 + [np.zeros(3, dtype=np.int64)]
+    ran: list[tuple[int, int, int]] = []
+
+    def run_entry(entry: int, data: int, count: int) -> bool:
+        ran.append((entry, data, count))
+        return True
+
+    assert entries.CompiledLaunch.make(run_entry, tuple(arguments))(tuple(arguments), 2)
+    assert ran[0][0] == entries.entry_address("uint16")
+    arguments[1] = np.zeros((4, 16), dtype=np.float32)[:, ::2]  # not C-contiguous: no launch
+    assert entries.CompiledLaunch.make(run_entry, tuple(arguments)) is False
+    arguments[1], arguments[4] = rows, np.zeros((1, 1), dtype=np.uint8)  # bits of two types
+    assert entries.CompiledLaunch.make(run_entry, tuple(arguments)) is False
+
+
+@needs_openmp
+def test_the_team_runs_a_c_entry_only_where_it_can() -> None:
+    team = threads.torch_team()
+    assert team is not None
+    run_entry = cast("Any", team).run_entry  # a ThreadTeam with the optional member
+    with pytest.raises(InvalidArgumentError, match="int >= 1"):
+        run_entry(0, 0, 0)
 
 
 FORKED_CHILD = """

@@ -24,7 +24,8 @@ What a call does (FlashDecoding on a CPU):
   with a thread pool of its own hands it over as the call's ``team``
   (:data:`ThreadTeam`): the torch backend runs the shares on torch's OpenMP threads,
   which after torch's own operators are awake and spinning on the cores a second set of
-  threads would have to share;
+  threads would have to share. A team with ``run_entry(entry, data, threads)`` starts the
+  shares as a C function instead (:mod:`._kernel_entry`): no thread runs Python;
 * softmax is online, in float32, whatever the pool's dtype (float32, float16, bfloat16);
 * the attention features of :mod:`kvcache_core.attention.features` (softcap, sinks,
   chunk; the window is the sliding window) are keyword arguments of
@@ -35,8 +36,8 @@ offsets, the geometry and the thread count: it is computed once and reused by ev
 of the step (cached per :class:`PageTable`, which is immutable).
 
 The first call on a machine compiles the kernel (measured 8 s on a busy 2-core machine,
-once for float32, float16 and bfloat16 pools, once more for quantized ones) and caches it on
-disk (numba
+once for float32, float16 and bfloat16 pools, once more for quantized ones; a team's C entry
+about 10 s more for each) and caches it on disk (numba
 ``cache=True``, in ``__pycache__`` next to the module, or ``NUMBA_CACHE_DIR``); later
 processes import numba and the module in 0.3 s and load the compiled code in 0.4 s.
 """
@@ -434,6 +435,7 @@ class KernelCall:
 
     __slots__ = (
         "_buffers",
+        "_compiled",
         "_dtype",
         "_features",
         "_module",
@@ -467,6 +469,7 @@ class KernelCall:
         # The split rows' partial results: used within one launch (under the launch lock), so reused.
         rows = plan.partial_rows
         self._buffers = (np.empty((rows, shape[2]), dtype=np.float32), np.empty((rows, 2), dtype=np.float32))
+        self._compiled: Any = None  # the C entry's launch (None: not tried yet; False: none)
 
     def for_batch(self, page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> KernelCall:
         """This call for another batch of as many queries over the same pools, options and
@@ -500,6 +503,20 @@ class KernelCall:
             self._signature,
             self._planning,
         )
+
+    def _launch(self, arguments: tuple[Any, ...], threads: int) -> bool:
+        """Run a share of ``arguments`` (:func:`attend_share`'s) on a team that starts C entries
+        (``team.run_entry``, as torch's OpenMP team), every thread in compiled code and none
+        through Python (:mod:`._kernel_entry`); False, nothing run, where it cannot."""
+        launch = self._compiled
+        if launch is None:  # the first call: is there a C entry for this team and these arrays?
+            run_entry: Callable[[int, int, int], bool] | None = getattr(self._team, "run_entry", None)
+            try:
+                entries = None if run_entry is None else importlib.import_module("kvcache_core.attention._kernel_entry")
+            except ImportError:  # a numba without what the entry needs: the callable share runs
+                entries = None
+            launch = self._compiled = False if entries is None else entries.CompiledLaunch.make(run_entry, arguments)
+        return launch is not False and launch(arguments, threads)
 
     def __call__(
         self,
@@ -549,10 +566,10 @@ class KernelCall:
             attend(*arguments, plan.items, claimed, *options, *features)
 
         with LAUNCH_LOCK:
-            if plan.threads > 1:
-                (self._team or python_team)(share, plan.threads)
-            else:
+            if plan.threads == 1:
                 share()
+            elif not self._launch((*arguments, plan.items, claimed, *options, *features), plan.threads):
+                (self._team or python_team)(share, plan.threads)
             if plan.merges.shape[0]:
                 merge: Callable[..., None] = self._module.merge_splits
                 merge(arguments[9], plan.merges, group, out, partial_acc, partial_stats, self._features[1])
