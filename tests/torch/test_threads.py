@@ -180,6 +180,15 @@ def test_the_kernels_c_entry_refuses_arrays_it_cannot_read() -> None:
 
     assert entries.CompiledLaunch.make(run_entry, tuple(arguments))(tuple(arguments), 2)
     assert ran[0][0] == entries.entry_address("uint16")
+    block = np.zeros(entries.BLOCK_SIZE, dtype=np.int64)  # the layout the entry reads
+    assert entries.fill_block(block, *arguments) == block.ctypes.data
+    for position, at in entries.ADDRESS_AT.items():
+        array = arguments[position]
+        assert block[at] == array.ctypes.data
+        assert list(block[at + 1 : at + 4]) == [*array.shape, 1, 1, 1][:3]
+    ints = list(block[entries.INTS_AT : entries.SCALE_AT])
+    assert ints == [arguments[5], arguments[12], arguments[13], 1, arguments[16], arguments[22]]
+    assert list(block.view(np.float64)[entries.SCALE_AT :]) == [arguments[14], arguments[20]]
     arguments[1] = np.zeros((4, 16), dtype=np.float32)[:, ::2]  # not C-contiguous: no launch
     assert entries.CompiledLaunch.make(run_entry, tuple(arguments)) is False
     arguments[1], arguments[4] = rows, np.zeros((1, 1), dtype=np.uint8)  # bits of two types

@@ -9,8 +9,8 @@ EPYC, 2 cores). Here each thread enters :func:`~kvcache_core.attention._kernel_j
 straight from C.
 
 The call's arguments travel in one C-contiguous ``int64`` block (:data:`BLOCK_SIZE` entries):
-per array of :data:`ARRAYS`, its address and three extents (unused extents 1); then the ints
-of :data:`INTS`; then the floats of :data:`FLOATS` as the bits of ``float64``. Each array must
+per array, its address and three extents (unused extents 1, :data:`ADDRESS_AT`); then the
+ints (:data:`INTS_AT`); then the floats as the bits of ``float64`` (:data:`SCALE_AT`). Each array must
 be C-contiguous (a pool's rows view its span of memory as rows) and must stay alive until the
 call returns; :class:`CompiledLaunch` builds the block for a prepared
 :class:`~kvcache_core.attention.kernel.KernelCall`, whose checks stand for it.
@@ -34,37 +34,22 @@ from numba.np.numpy_support import carray
 
 from kvcache_core.attention._kernel_jit import attend_share
 
-__all__ = ["ARRAYS", "BLOCK_SIZE", "FLOATS", "INTS", "CompiledLaunch", "entry_address", "fill_block"]
+__all__ = ["ADDRESS_AT", "BLOCK_SIZE", "INTS_AT", "SCALE_AT", "CompiledLaunch", "entry_address", "fill_block"]
 
-#: The arrays of a share, in the order of the block, with their element types and dimensions.
-ARRAYS: Final = (
-    ("query", np.float32, 3),
-    ("key_rows", np.float32, 2),
-    ("value_rows", np.float32, 2),
-    ("key_raw", None, 2),  # the pools' bits: the entry's element type
-    ("value_raw", None, 2),
-    ("strides", np.int64, 1),
-    ("block_tables", np.int32, 2),
-    ("seq_lens", np.int32, 1),
-    ("qo_indptr", np.int32, 1),
-    ("items", np.int64, 2),
-    ("claimed", np.int64, 1),
-    ("out", np.float32, 3),
-    ("partial_acc", np.float32, 2),
-    ("partial_stats", np.float32, 2),
-    ("sinks", np.float32, 1),
-    ("key_scales", np.float32, 1),
-    ("value_scales", np.float32, 1),
-    ("scale_strides", np.int64, 1),
-)
-#: The ints after the arrays (``causal`` as 0 or 1; ``window`` and ``chunk`` 0 when unset).
-INTS: Final = ("pool_kind", "group", "block_size", "causal", "window", "chunk")
-#: The floats after the ints, as ``float64`` bits.
-FLOATS: Final = ("scale", "softcap")
-_INTS_AT: Final = 4 * len(ARRAYS)
-_FLOATS_AT: Final = _INTS_AT + len(INTS)
+#: Per array argument of :func:`attend_share` (by its position there), where the block holds
+#: its address and three extents: query, key and value rows, key and value bits, strides,
+#: block tables, lengths, query offsets, items, counter, output, partial sums and statistics,
+#: sinks, key and value scales, scale strides. :func:`fill_block` and :func:`_run` use these.
+ADDRESS_AT: Final = {
+    0: 0, 1: 4, 2: 8, 3: 12, 4: 16, 6: 20, 7: 24, 8: 28, 9: 32, 10: 36, 11: 40,
+    17: 44, 18: 48, 19: 52, 21: 56, 23: 60, 24: 64, 25: 68,
+}  # fmt: skip
+#: Then the ints (pool kind, group, block size, causal as 0 or 1, window, chunk; 0 unset),
+#: then the floats as float64 bits (scale, softcap).
+INTS_AT: Final = 4 * len(ADDRESS_AT)
+SCALE_AT: Final = INTS_AT + 6
 #: Entries in a block.
-BLOCK_SIZE: Final = _FLOATS_AT + len(FLOATS)
+BLOCK_SIZE: Final = SCALE_AT + 2
 
 
 def _pointer_typer(typingctx, address, kind):  # type: ignore[no-untyped-def]
@@ -109,7 +94,7 @@ def _run(block, floats, key_raw, value_raw):  # type: ignore[no-untyped-def]
     key_scales = carray(_pointer(block[60], np.float32), (block[61],))
     value_scales = carray(_pointer(block[64], np.float32), (block[65],))
     scale_strides = carray(_pointer(block[68], np.int64), (block[69],))
-    at = 72  # the ints (INTS), then the floats (FLOATS)
+    at = 72  # INTS_AT: the ints, then the floats
     attend_share(
         query,
         key_rows,
@@ -167,58 +152,23 @@ def _put(block, at, array):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def fill_block(  # type: ignore[no-untyped-def]
-    block,
-    query,
-    key_rows,
-    value_rows,
-    key_raw,
-    value_raw,
-    pool_kind,
-    strides,
-    block_tables,
-    seq_lens,
-    qo_indptr,
-    items,
-    claimed,
-    group,
-    block_size,
-    scale,
-    causal,
-    window,
-    out,
-    partial_acc,
-    partial_stats,
-    softcap,
-    sinks,
-    chunk,
-    key_scales,
-    value_scales,
-    scale_strides,
-):
-    """Write a share's arguments (those of :func:`attend_share`, in its order) into ``block``
-    (``BLOCK_SIZE`` int64); its address, or 0 where an array is not C-contiguous (the
-    entry cannot read it)."""
-    whole = _put(block, 0, query) & _put(block, 4, key_rows) & _put(block, 8, value_rows)
-    whole &= _put(block, 12, key_raw) & _put(block, 16, value_raw) & _put(block, 20, strides)
-    whole &= _put(block, 24, block_tables) & _put(block, 28, seq_lens) & _put(block, 32, qo_indptr)
-    whole &= _put(block, 36, items) & _put(block, 40, claimed) & _put(block, 44, out)
-    whole &= _put(block, 48, partial_acc) & _put(block, 52, partial_stats) & _put(block, 56, sinks)
-    whole &= _put(block, 60, key_scales) & _put(block, 64, value_scales) & _put(block, 68, scale_strides)
-    at = 72
-    block[at], block[at + 1], block[at + 2] = pool_kind, group, block_size
-    block[at + 3], block[at + 4], block[at + 5] = 1 if causal else 0, window, chunk
+def fill_block(block, *arguments):  # type: ignore[no-untyped-def]
+    """Write a share's ``arguments`` (those of :func:`attend_share`, in its order) into
+    ``block`` (:data:`BLOCK_SIZE` int64, at :data:`ADDRESS_AT`, :data:`INTS_AT` and
+    :data:`SCALE_AT`); its address, or 0 where an array is not C-contiguous (the entry cannot
+    read it)."""
+    whole = _put(block, 0, arguments[0]) & _put(block, 4, arguments[1]) & _put(block, 8, arguments[2])
+    whole &= _put(block, 12, arguments[3]) & _put(block, 16, arguments[4]) & _put(block, 20, arguments[6])
+    whole &= _put(block, 24, arguments[7]) & _put(block, 28, arguments[8]) & _put(block, 32, arguments[9])
+    whole &= _put(block, 36, arguments[10]) & _put(block, 40, arguments[11]) & _put(block, 44, arguments[17])
+    whole &= _put(block, 48, arguments[18]) & _put(block, 52, arguments[19]) & _put(block, 56, arguments[21])
+    whole &= _put(block, 60, arguments[23]) & _put(block, 64, arguments[24]) & _put(block, 68, arguments[25])
+    at = 72  # INTS_AT
+    block[at], block[at + 1], block[at + 2] = arguments[5], arguments[12], arguments[13]
+    block[at + 3], block[at + 4], block[at + 5] = 1 if arguments[15] else 0, arguments[16], arguments[22]
     floats = block.view(np.float64)
-    floats[at + 6], floats[at + 7] = scale, softcap
+    floats[at + 6], floats[at + 7] = arguments[14], arguments[20]
     return block.ctypes.data if whole else 0
-
-
-#: Where each array argument of :func:`attend_share` (by position) has its address in a block.
-_ADDRESS_AT: Final = {
-    0: 0, 1: 4, 2: 8, 3: 12, 4: 16, 6: 20, 7: 24, 8: 28, 9: 32, 10: 36, 11: 40,
-    17: 44, 18: 48, 19: 52, 21: 56, 23: 60, 24: 64, 25: 68,
-}  # fmt: skip
-_SCALE_AT: Final = 72 + 6  # the float ``scale`` in the block (argument 14)
 
 
 def _address(array: np.ndarray[Any, Any]) -> int:
@@ -255,12 +205,12 @@ class CompiledLaunch:
         """Run the shares of ``arguments`` (of the same shapes as the first's: the prepared
         call checked them); False, nothing run, where the team cannot start its entry."""
         block, last = self._block, self._last
-        for position, at in _ADDRESS_AT.items():
+        for position, at in ADDRESS_AT.items():
             array = arguments[position]
             if array is not last[position]:
                 block[at] = _address(array)
                 last[position] = array
-        self._floats[_SCALE_AT] = arguments[14]
+        self._floats[SCALE_AT] = arguments[14]
         ran: bool = self._run(self._entry, _address(block), threads)
         return ran
 
