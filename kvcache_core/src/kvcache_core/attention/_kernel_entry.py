@@ -125,20 +125,22 @@ def _run(block, floats, key_raw, value_raw):  # type: ignore[no-untyped-def]
     )
 
 
-def _entry_uint16(data):  # type: ignore[no-untyped-def]
+@njit(cache=True, nogil=True)
+def _enter(data, bits):  # type: ignore[no-untyped-def]
+    """One share from the block at ``data``, the pools' bits of element type ``bits``."""
     block = carray(_pointer(data, np.int64), (BLOCK_SIZE,))
     floats = carray(_pointer(data, np.float64), (BLOCK_SIZE,))
-    key_raw = carray(_pointer(block[12], np.uint16), _shape2(block, 12))
-    value_raw = carray(_pointer(block[16], np.uint16), _shape2(block, 16))
+    key_raw = carray(_pointer(block[12], bits), _shape2(block, 12))
+    value_raw = carray(_pointer(block[16], bits), _shape2(block, 16))
     _run(block, floats, key_raw, value_raw)
+
+
+def _entry_uint16(data):  # type: ignore[no-untyped-def]
+    _enter(data, np.uint16)
 
 
 def _entry_uint8(data):  # type: ignore[no-untyped-def]
-    block = carray(_pointer(data, np.int64), (BLOCK_SIZE,))
-    floats = carray(_pointer(data, np.float64), (BLOCK_SIZE,))
-    key_raw = carray(_pointer(block[12], np.uint8), _shape2(block, 12))
-    value_raw = carray(_pointer(block[16], np.uint8), _shape2(block, 16))
-    _run(block, floats, key_raw, value_raw)
+    _enter(data, np.uint8)
 
 
 @njit(cache=True, inline="always")
