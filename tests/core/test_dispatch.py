@@ -176,6 +176,12 @@ def test_a_trial_waits_for_a_time_of_every_path_and_ignores_bad_records(tmp_path
     assert chooser.trial_path(decode, ("kernel", "native")) == "kernel"  # measured again
 
 
+def test_a_shape_class_is_measured_one_of_two_ways() -> None:
+    with pytest.raises(InvalidConfigError, match="'call', 'model'"):
+        dataclasses.replace(shape(), measured="warm")
+    assert in_model().measured == "model"
+
+
 @pytest.mark.parametrize("paths", [(), ("kernel", "kernel"), ("auto",), ("gpu", "native")])
 def test_trial_paths_are_checked_by_name(paths: tuple[str, ...], tmp_path: Path) -> None:
     chooser = AttentionDispatch("test", LIBRARIES, tmp_path)

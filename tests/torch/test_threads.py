@@ -202,6 +202,9 @@ def test_the_team_runs_a_c_entry_only_where_it_can() -> None:
     run_entry = cast("Any", team).run_entry  # a ThreadTeam with the optional member
     with pytest.raises(InvalidArgumentError, match="int >= 1"):
         run_entry(0, 0, 0)
+    for entry, data, count in [(0, 8, 2), (8, 0, 2), (8, 8, 0), (-8, 8, 2), (8, 8, -1)]:
+        with pytest.raises(InvalidArgumentError, match="int >= 1"):
+            run_entry(entry, data, count)  # refused before anything runs (a bad address would crash)
 
 
 FORKED_CHILD = """

@@ -115,7 +115,14 @@ class _OpenMPTeam:
         """Run the C function at ``entry`` (``void entry(void *data)``) on ``threads`` threads
         of the team, the calling one among them, with no Python on any of them (nor the GIL,
         which the call releases); False, nothing run, in a forked child or where the runtime's
-        entry point has no address."""
+        entry point has no address.
+
+        Raises:
+            InvalidArgumentError: ``entry`` or ``data`` not a nonzero address (an int >= 1),
+                ``threads`` not an int >= 1; nothing runs.
+        """
+        check_count(entry, "the address of a team's C entry", 1)
+        check_count(data, "the address of a C entry's data", 1)
         check_count(threads, "the thread count a team runs on", 1)
         if self._raw is None or os.getpid() != self._pid:
             return False

@@ -34,7 +34,16 @@ from numba.np.numpy_support import carray
 
 from kvcache_core.attention._kernel_jit import attend_share
 
-__all__ = ["ADDRESS_AT", "BLOCK_SIZE", "INTS_AT", "SCALE_AT", "CompiledLaunch", "entry_address", "fill_block"]
+__all__ = [
+    "ADDRESS_AT",
+    "BLOCK_SIZE",
+    "INTS_AT",
+    "PER_CALL",
+    "SCALE_AT",
+    "CompiledLaunch",
+    "entry_address",
+    "fill_block",
+]
 
 #: Per array argument of :func:`attend_share` (by its position there), where the block holds
 #: its address and three extents: query, key and value rows, key and value bits, strides,
@@ -50,6 +59,9 @@ INTS_AT: Final = 4 * len(ADDRESS_AT)
 SCALE_AT: Final = INTS_AT + 6
 #: Entries in a block.
 BLOCK_SIZE: Final = SCALE_AT + 2
+#: The array arguments that are other objects from one layer's call to the next (query, the
+#: pools' rows and bits, counter, output, scales); the rest are the prepared call's own.
+PER_CALL: Final = tuple((position, ADDRESS_AT[position]) for position in (0, 1, 2, 3, 4, 11, 17, 23, 24, 25))
 
 
 def _pointer_typer(typingctx, address, kind):  # type: ignore[no-untyped-def]
@@ -94,7 +106,7 @@ def _run(block, floats, key_raw, value_raw):  # type: ignore[no-untyped-def]
     key_scales = carray(_pointer(block[60], np.float32), (block[61],))
     value_scales = carray(_pointer(block[64], np.float32), (block[65],))
     scale_strides = carray(_pointer(block[68], np.int64), (block[69],))
-    at = 72  # INTS_AT: the ints, then the floats
+    at = INTS_AT  # the ints, then the floats (SCALE_AT)
     attend_share(
         query,
         key_rows,
@@ -165,7 +177,7 @@ def fill_block(block, *arguments):  # type: ignore[no-untyped-def]
     whole &= _put(block, 36, arguments[10]) & _put(block, 40, arguments[11]) & _put(block, 44, arguments[17])
     whole &= _put(block, 48, arguments[18]) & _put(block, 52, arguments[19]) & _put(block, 56, arguments[21])
     whole &= _put(block, 60, arguments[23]) & _put(block, 64, arguments[24]) & _put(block, 68, arguments[25])
-    at = 72  # INTS_AT
+    at = INTS_AT
     block[at], block[at + 1], block[at + 2] = arguments[5], arguments[12], arguments[13]
     block[at + 3], block[at + 4], block[at + 5] = 1 if arguments[15] else 0, arguments[16], arguments[22]
     floats = block.view(np.float64)
@@ -181,8 +193,8 @@ def _address(array: np.ndarray[Any, Any]) -> int:
 class CompiledLaunch:
     """A prepared call's shares through a team's C entry point (``run_entry(entry, data,
     threads)``): the block is filled once (:func:`fill_block`), and each layer's call writes
-    only what differs from the call before: the addresses of the arrays that are other
-    objects (its query, pools, output, counter), and the scale."""
+    only what differs from the call before: the addresses of the arrays of :data:`PER_CALL`
+    that are other objects (its query, pools, output, counter), and the scale."""
 
     __slots__ = ("_block", "_entry", "_floats", "_last", "_run")
 
@@ -207,7 +219,7 @@ class CompiledLaunch:
         """Run the shares of ``arguments`` (of the same shapes as the first's: the prepared
         call checked them); False, nothing run, where the team cannot start its entry."""
         block, last = self._block, self._last
-        for position, at in ADDRESS_AT.items():
+        for position, at in PER_CALL:
             array = arguments[position]
             if array is not last[position]:
                 block[at] = _address(array)

@@ -188,6 +188,10 @@ class ShapeClass:
     #: (:meth:`AttentionDispatch.trial_path`). Two classes differing only here are two classes.
     measured: str = "call"
 
+    def __post_init__(self) -> None:
+        if self.measured not in ("call", "model"):
+            raise InvalidConfigError(f"ShapeClass.measured {self.measured!r} is unknown; valid: 'call', 'model'")
+
     @property
     def key(self) -> str:
         return (
