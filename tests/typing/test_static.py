@@ -28,16 +28,20 @@ pytestmark = pytest.mark.xdist_group("type_checkers")
 #: the tree uses. The third-party stubs (NumPy, torch, ...) are analysed once, and a run checks
 #: again only the modules that changed since the last run over this tree, with the same
 #: result as a run from scratch: mypy keys every entry by the file's contents, its own
-#: version and the options, and writes each atomically. A fresh clone (CI) starts empty.
+#: version and the options. A fresh clone (CI) starts empty.
 MYPY_CACHE = ROOT / ".mypy_cache"
+
+#: The cache is kept as files, each written atomically (``--no-sqlite-cache``), not in mypy's
+#: SQLite database: a run in this process opens the database while an earlier run's
+#: connection may not yet be closed (mypy closes it only when the build returns a result), and
+#: SQLite then refuses the new one ("database is locked"), failing a test on nothing it checks.
+MYPY_OPTIONS = ("--strict", "--no-sqlite-cache", "--cache-dir", str(MYPY_CACHE))
 
 
 def run_mypy(*paths: Path) -> tuple[int, str]:
     from mypy import api
 
-    stdout, stderr, status = api.run(
-        ["--strict", "--cache-dir", str(MYPY_CACHE), "--config-file", str(ROOT / "pyproject.toml"), *map(str, paths)]
-    )
+    stdout, stderr, status = api.run([*MYPY_OPTIONS, "--config-file", str(ROOT / "pyproject.toml"), *map(str, paths)])
     return status, stdout + stderr
 
 
