@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache_core import AllocationRequest, InvalidArgumentError
+from kvcache_core import AllocationRequest, InvalidArgumentError, Step
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.attention import kernel_plan
 from kvcache_core.errors import InvalidTypeError
@@ -133,8 +133,8 @@ def test_the_kernel_starts_its_shares_on_torchs_team_from_c_with_the_same_result
     launched: list[bool] = []
     real = entries.CompiledLaunch.__call__
 
-    def counted(launch: Any, arguments: tuple[Any, ...], count: int) -> bool:
-        launched.append(real(launch, arguments, count))
+    def counted(launch: Any, arguments: tuple[Any, ...], count: int, owner: object = None) -> bool:
+        launched.append(real(launch, arguments, count, owner))
         return launched[-1]
 
     monkeypatch.setattr(entries.CompiledLaunch, "__call__", counted)
@@ -152,6 +152,69 @@ def test_the_kernel_starts_its_shares_on_torchs_team_from_c_with_the_same_result
         torch.set_num_threads(previous)
     for got, expected in zip(from_c, through_python, strict=True):
         assert torch.equal(got, expected)
+
+
+@needs_numba
+@needs_openmp
+def test_the_next_batchs_kernel_call_shares_the_c_launch_and_each_call_reads_its_own_arrays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode step's call made from the last one (``for_batch``) reuses its C launch, whose
+    block is refilled for whichever call runs: calls of two batches taken in turn give the
+    bits their Python shares give."""
+    entries = pytest.importorskip("kvcache_core.attention._kernel_entry")
+    from kvcache_torch import dispatch as torch_dispatch
+
+    manager = make_manager(kv_layout="heads_first", num_blocks=700, block_size=8)
+    generator = torch.Generator().manual_seed(11)
+    handles = [manager.allocate(AllocationRequest(name)) for name in ("long", "short")]
+    lengths = [1500, 60]
+    prefill = manager.begin_step(handles, lengths)
+    prefill.write(0, *(torch.randn((sum(lengths), 2, 8), generator=generator) for _ in range(2)))
+    steps: list[Step[torch.Tensor]] = []
+    for _ in range(2):
+        step = manager.begin_step(handles, [1, 1])
+        step.write(0, *(torch.randn((2, 2, 8), generator=generator) for _ in range(2)))
+        steps.append(step)
+    storage = manager.storage
+    pools = (torch_dispatch.host_view(storage.key_cache(0)), torch_dispatch.host_view(storage.value_cache(0)))
+    made: list[object] = []
+    real_make = entries.CompiledLaunch.make
+
+    def counted_make(run: Any, arguments: tuple[Any, ...], owner: object = None) -> object:
+        made.append(real_make(run, arguments, owner))
+        return made[-1]
+
+    monkeypatch.setattr(entries.CompiledLaunch, "make", staticmethod(counted_make))
+    monkeypatch.setattr(kernel_plan, "MIN_THREAD_WORK", 1)  # two threads, the long context split
+    query = torch.randn((2, 4, 8), generator=generator).numpy()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        first = paged_kernel.prepare_kernel_call(
+            query.shape,
+            *pools,
+            steps[0].page_table,
+            steps[0].qo_indptr,
+            dtype="float32",
+            causal=True,
+            kv_layout="heads_first",
+            sliding_window=None,
+            team=threads.torch_team(),
+        )
+        second = first.for_batch(steps[1].page_table, steps[1].qo_indptr)
+        from_c = [call(query, *pools, scale) for call, scale in ((first, 0.3), (second, 0.3), (first, 0.5))]
+        from_c.append(second(query, *pools, 0.5))
+        assert len(made) == 1  # one launch, shared
+        assert made[0] is not False
+        monkeypatch.setattr(entries.CompiledLaunch, "__call__", python_share)
+        through_python = [call(query, *pools, scale) for call, scale in ((first, 0.3), (second, 0.3), (first, 0.5))]
+        through_python.append(second(query, *pools, 0.5))
+    finally:
+        torch.set_num_threads(previous)
+    assert not np.array_equal(from_c[0], from_c[1])  # the batches differ: each call read its own
+    for got, expected in zip(from_c, through_python, strict=True):
+        assert np.array_equal(got, expected)
 
 
 def python_share(*_: object) -> bool:

@@ -60,8 +60,8 @@ SCALE_AT: Final = INTS_AT + 6
 #: Entries in a block.
 BLOCK_SIZE: Final = SCALE_AT + 2
 #: The array arguments that are other objects from one layer's call to the next (query, the
-#: pools' rows and bits, counter, output, scales); the rest are the prepared call's own.
-PER_CALL: Final = tuple((position, ADDRESS_AT[position]) for position in (0, 1, 2, 3, 4, 11, 17, 23, 24, 25))
+#: pools' rows and bits, output, scales); the rest are the prepared call's own.
+PER_CALL: Final = tuple((position, ADDRESS_AT[position]) for position in (0, 1, 2, 3, 4, 17, 23, 24, 25))
 
 
 def _pointer_typer(typingctx, address, kind):  # type: ignore[no-untyped-def]
@@ -191,40 +191,53 @@ def _address(array: np.ndarray[Any, Any]) -> int:
 
 
 class CompiledLaunch:
-    """A prepared call's shares through a team's C entry point (``run_entry(entry, data,
-    threads)``): the block is filled once (:func:`fill_block`), and each layer's call writes
-    only what differs from the call before: the addresses of the arrays of :data:`PER_CALL`
-    that are other objects (its query, pools, output, counter), and the scale."""
+    """Prepared calls' shares through a team's C entry point (``run_entry(entry, data,
+    threads)``). The block is filled whole (:func:`fill_block`) for a call whose arrays it
+    does not hold (its first, or another prepared call's: the next decode step's call shares
+    its launch), and otherwise each layer's call writes only what differs from the call
+    before: the addresses of the arrays of :data:`PER_CALL` that are other objects (its query,
+    pools, output), and the scale."""
 
-    __slots__ = ("_block", "_entry", "_floats", "_last", "_run")
+    __slots__ = ("_block", "_entry", "_floats", "_last", "_owner", "_run")
 
-    def __init__(self, run: Any, entry: int, block: np.ndarray[Any, Any], first: tuple[Any, ...]) -> None:
+    def __init__(
+        self, run: Any, entry: int, block: np.ndarray[Any, Any], first: tuple[Any, ...], owner: object
+    ) -> None:
         self._run, self._entry, self._block = run, entry, block
         self._last = list(first)  # the arrays whose addresses the block holds
+        self._owner = owner  # the prepared call whose arrays those are (None: none, refill)
         self._floats = block.view(np.float64)
 
     @staticmethod
-    def make(run: Any, arguments: tuple[Any, ...]) -> CompiledLaunch | bool:
-        """The launch of a call whose first share takes ``arguments``; False where no entry
-        reads them (another element type of the pools' bits, an array not C-contiguous)."""
-        entry = entry_address(str(arguments[3].dtype))
-        if entry is None or str(arguments[4].dtype) != str(arguments[3].dtype):
+    def make(run: Any, arguments: tuple[Any, ...], owner: object = None) -> CompiledLaunch | bool:
+        """The launch of a call (``owner``) whose first share takes ``arguments``; False where
+        no entry reads them (another element type of the pools' bits, an array not C-contiguous)."""
+        raw = arguments[3].dtype
+        entry = entry_address(raw.name)
+        if entry is None or arguments[4].dtype != raw:
             return False
         block = np.zeros(BLOCK_SIZE, dtype=np.int64)
         if not fill_block(block, *arguments):
             return False
-        return CompiledLaunch(run, entry, block, arguments)
+        return CompiledLaunch(run, entry, block, arguments, owner)
 
-    def __call__(self, arguments: tuple[Any, ...], threads: int) -> bool:
-        """Run the shares of ``arguments`` (of the same shapes as the first's: the prepared
-        call checked them); False, nothing run, where the team cannot start its entry."""
+    def __call__(self, arguments: tuple[Any, ...], threads: int, owner: object = None) -> bool:
+        """Run the shares of ``arguments`` for the prepared call ``owner`` (of the shapes of
+        that call's first arguments: it checked them); False, nothing run, where the team
+        cannot start its entry or an array of another call is not C-contiguous."""
         block, last = self._block, self._last
-        for position, at in PER_CALL:
-            array = arguments[position]
-            if array is not last[position]:
-                block[at] = _address(array)
-                last[position] = array
-        self._floats[SCALE_AT] = arguments[14]
+        if owner is not self._owner:  # another call's arrays: the whole block again
+            self._owner = None  # (a refused fill leaves the block to be filled again)
+            if not fill_block(block, *arguments):
+                return False
+            self._last, self._owner = list(arguments), owner
+        else:
+            for position, at in PER_CALL:
+                array = arguments[position]
+                if array is not last[position]:
+                    block[at] = _address(array)
+                    last[position] = array
+            self._floats[SCALE_AT] = arguments[14]
         ran: bool = self._run(self._entry, _address(block), threads)
         return ran
 

@@ -435,6 +435,7 @@ class KernelCall:
 
     __slots__ = (
         "_buffers",
+        "_claimed",
         "_compiled",
         "_dtype",
         "_features",
@@ -462,19 +463,30 @@ class KernelCall:
         team: ThreadTeam | None,
         signature: tuple[object, ...],
         planning: tuple[int, int, bool, int, int, int],
+        carried: KernelCall | None = None,
     ) -> None:
         self._signature, self._planning = signature, planning
         self._module, self._plan, self._dtype, self._strides, self._tables = module, plan, dtype, strides, tables
         self._shape, self._options, self._features, self._team = shape, options, features, team
-        # The split rows' partial results: used within one launch (under the launch lock), so reused.
+        # The split rows' partial results and the threads' counter of claimed items: used
+        # within one launch (under the launch lock), so reused, and shared with the calls for
+        # later batches (``carried``: the call this one is made from), as the C entry's launch
+        # (in a box the calls share; None: not tried yet; False: none), which refills its
+        # block for each call's arrays.
         rows = plan.partial_rows
-        self._buffers = (np.empty((rows, shape[2]), dtype=np.float32), np.empty((rows, 2), dtype=np.float32))
-        self._compiled: Any = None  # the C entry's launch (None: not tried yet; False: none)
+        self._buffers: tuple[FloatArray, FloatArray]
+        if carried is not None and carried._plan.partial_rows == rows:
+            self._buffers = carried._buffers
+        else:
+            self._buffers = (np.empty((rows, shape[2]), dtype=np.float32), np.empty((rows, 2), dtype=np.float32))
+        self._claimed: IndexArray = np.zeros(1, dtype=np.int64) if carried is None else carried._claimed
+        self._compiled: list[Any] = [None] if carried is None else carried._compiled
 
     def for_batch(self, page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> KernelCall:
         """This call for another batch of as many queries over the same pools, options and
         attention features (the next decode step of the same requests): only its plan and the
-        batch's arrays are made again, none of the checks of :func:`prepare_kernel_call`. As
+        batch's arrays are made again (its buffers and C launch are shared, the launch's block
+        refilled at the new call's first layer), none of the checks of :func:`prepare_kernel_call`. As
         there, the batch comes validated (its page table names blocks of these pools, its
         ``qo_indptr`` fits it): the manager's step plans it.
 
@@ -502,21 +514,24 @@ class KernelCall:
             self._team,
             self._signature,
             self._planning,
+            self,
         )
 
     def _launch(self, arguments: tuple[Any, ...], threads: int) -> bool:
         """Run a share of ``arguments`` (:func:`attend_share`'s) on a team that starts C entries
         (``team.run_entry``, as torch's OpenMP team), every thread in compiled code and none
         through Python (:mod:`._kernel_entry`); False, nothing run, where it cannot."""
-        launch = self._compiled
+        box = self._compiled
+        launch = box[0]
         if launch is None:  # the first call: is there a C entry for this team and these arrays?
             run_entry: Callable[[int, int, int], bool] | None = getattr(self._team, "run_entry", None)
             try:
                 entries = None if run_entry is None else importlib.import_module("kvcache_core.attention._kernel_entry")
             except ImportError:  # a numba without what the entry needs: the callable share runs
                 entries = None
-            launch = self._compiled = False if entries is None else entries.CompiledLaunch.make(run_entry, arguments)
-        return launch is not False and launch(arguments, threads)
+            launch = False if entries is None else entries.CompiledLaunch.make(run_entry, arguments, self)
+            box[0] = launch
+        return launch is not False and launch(arguments, threads, self)
 
     def __call__(
         self,
@@ -557,15 +572,17 @@ class KernelCall:
         else:
             scale_options = (_NO_SCALES, _NO_SCALES, _NO_STRIDES)
         features = (*self._features, *scale_options)
-        # The threads claim items from one counter: a worker the OS leaves waiting (a busy
-        # machine) delays the call by the item it holds at most, not by a share of its own.
-        claimed = np.zeros(1, dtype=np.int64)
+        # The threads claim items from one counter (set to 0 under the lock): a worker the OS
+        # leaves waiting (a busy machine) delays the call by the item it holds at most, not by
+        # a share of its own.
+        claimed = self._claimed
         attend: Callable[..., None] = self._module.attend_share
 
         def share() -> None:
             attend(*arguments, plan.items, claimed, *options, *features)
 
         with LAUNCH_LOCK:
+            claimed[0] = 0
             if plan.threads == 1:
                 share()
             elif not self._launch((*arguments, plan.items, claimed, *options, *features), plan.threads):
