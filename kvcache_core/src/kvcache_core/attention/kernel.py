@@ -49,7 +49,6 @@ import importlib
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any, Final
 
@@ -59,8 +58,9 @@ import numpy.typing as npt
 from kvcache_core.attention.features import check_chunk, check_finite_logits, check_softcap, check_window
 from kvcache_core.attention.kernel_plan import MIN_SPLIT_KEYS, MIN_THREAD_WORK, ROW_SPLIT, Plan
 from kvcache_core.attention.kernel_plan import cached_plan as _cached_plan
+from kvcache_core.attention.teams import LAUNCH_LOCK, ThreadTeam, check_team_call, max_threads, python_team
 from kvcache_core.contract.page_table import PageTable
-from kvcache_core.contract.scalars import check_count, check_positive_float32
+from kvcache_core.contract.scalars import check_positive_float32
 from kvcache_core.errors import InvalidTypeError, ShapeMismatchError, UnsupportedConfigError
 
 __all__ = [
@@ -121,13 +121,11 @@ _STRIDE_AXES: Final = {"NHD": (0, 1, 2), "HND": (0, 2, 1), "heads_first": (1, 2,
 FloatArray = npt.NDArray[np.float32]
 IndexArray = npt.NDArray[np.int64]
 
-#: One launch at a time, held by every launch of compiled code on a team (this kernel, the
-#: padded gather): each uses every thread it is given, so two at once would oversubscribe.
-LAUNCH_LOCK: Final = threading.Lock()
+#: Most pairs of pools a prepared call (and those for later batches) keeps checked: a model's layers.
+_MAX_POOLS: Final = 1024
 _load_lock = threading.Lock()
 _jit_module: ModuleType | None = None
 _jit_missing = False
-_workers: ThreadPoolExecutor | None = None
 
 
 def _jit() -> ModuleType | None:
@@ -150,61 +148,6 @@ def kernel_available() -> bool:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return False
     return _jit() is not None
-
-
-def max_threads() -> int:
-    """The most threads a kernel call uses: the CPUs this process may run on."""
-    affinity: Callable[[int], set[int]] | None = getattr(os, "sched_getaffinity", None)
-    count = len(affinity(0)) if affinity is not None else os.cpu_count()
-    return max(1, count or 1)
-
-
-#: Runs ``share`` on up to ``threads`` threads, the calling thread among them, and returns
-#: once every share it started has returned; the first exception any of them raised is
-#: raised again. Each share claims the call's work items from one counter until none is
-#: left, so a team may start its threads in any order, and a share it has not started
-#: when the calling thread's share returns has nothing left to do (it may be skipped).
-ThreadTeam = Callable[[Callable[[], None], int], None]
-
-
-def check_team_call(share: object, threads: object) -> None:
-    """What every :data:`ThreadTeam` checks of its call.
-
-    Raises:
-        InvalidTypeError: ``share`` is not callable.
-        InvalidArgumentError: ``threads`` is not an int >= 1.
-    """
-    if not callable(share):
-        raise InvalidTypeError(f"a team runs a callable share, got {share!r}")
-    check_count(threads, "the thread count a team runs on", 1)
-
-
-def python_team(share: Callable[[], None], threads: int) -> None:
-    """The default :data:`ThreadTeam`: the calling thread and ``threads - 1`` threads of a
-    pool of Python threads, each running compiled code without the GIL.
-
-    Raises:
-        InvalidTypeError, InvalidArgumentError: see :func:`check_team_call`.
-    """
-    check_team_call(share, threads)
-    pool = _worker_pool()
-    others = [pool.submit(share) for _ in range(threads - 1)]
-    try:
-        share()
-    finally:
-        for future in others:
-            if not future.cancel():  # a worker that never started has nothing left to do
-                future.result()
-
-
-def _worker_pool() -> ThreadPoolExecutor:
-    """The threads that run the shares after the first (started on demand)."""
-    global _workers
-    if _workers is None:
-        with _load_lock:
-            if _workers is None:
-                _workers = ThreadPoolExecutor(max(1, max_threads() - 1), thread_name_prefix="kvcache-attention")
-    return _workers
 
 
 def kernel_reads(dtype: str, key_cache: npt.NDArray[Any], value_cache: npt.NDArray[Any]) -> bool:
@@ -439,10 +382,14 @@ class KernelCall:
         "_compiled",
         "_dtype",
         "_features",
+        "_fixed",
         "_module",
         "_options",
         "_plan",
         "_planning",
+        "_pools",
+        "_quantized",
+        "_query",
         "_shape",
         "_signature",
         "_strides",
@@ -481,6 +428,11 @@ class KernelCall:
             self._buffers = (np.empty((rows, shape[2]), dtype=np.float32), np.empty((rows, 2), dtype=np.float32))
         self._claimed: IndexArray = np.zeros(1, dtype=np.int64) if carried is None else carried._claimed
         self._compiled: list[Any] = [None] if carried is None else carried._compiled
+        # Per pair of pools a layer's call read (by the key pool's id), the arrays the kernel reads.
+        self._pools: dict[int, tuple[npt.NDArray[Any], npt.NDArray[Any], tuple[npt.NDArray[Any], ...]]]
+        self._pools = {} if carried is None else carried._pools
+        self._query, self._quantized = signature[0], dtype in QUANTIZED_KERNEL_DTYPES
+        self._fixed = (_POOL_KINDS[dtype], strides, *tables)  # the share's arguments after the pools
 
     def for_batch(self, page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> KernelCall:
         """This call for another batch of as many queries over the same pools, options and
@@ -533,6 +485,27 @@ class KernelCall:
             box[0] = launch
         return launch is not False and launch(arguments, threads, self)
 
+    def _checked_pools(
+        self, query: npt.NDArray[Any], key_cache: npt.NDArray[Any], value_cache: npt.NDArray[Any]
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any], tuple[npt.NDArray[Any], ...]]:
+        """The pools' arrays the kernel reads, checked against what the call was prepared for
+        (once per pair of pools: kept, with the calls for later batches)."""
+        if _arrays_signature(query.shape, key_cache, value_cache) != self._signature:  # the kernel would misread
+            raise ShapeMismatchError(
+                f"a KernelCall prepared for a query {self._signature[0]} and pools {self._signature[1]} (strides "
+                f"{self._signature[2]}) got {query.shape} and {key_cache.shape} (strides {key_cache.strides})"
+            )
+        # float32 pools are read in place as float32 rows, the others as their bits; the pair not
+        # used is a stand-in, so one compiled version serves every float pool (one every quantized).
+        if self._dtype == "float32":
+            pools = (_pool_rows(key_cache), _pool_rows(value_cache), _NO_BITS, _NO_BITS)
+        else:
+            pools = (_NO_ROWS, _NO_ROWS, _pool_rows(key_cache), _pool_rows(value_cache))
+        if len(self._pools) >= _MAX_POOLS:  # pools of a released storage: forget them
+            self._pools.clear()
+        known = self._pools[id(key_cache)] = (key_cache, value_cache, pools)
+        return known
+
     def __call__(
         self,
         query: npt.NDArray[Any],
@@ -542,24 +515,16 @@ class KernelCall:
         key_scales: npt.NDArray[np.float32] | None = None,
         value_scales: npt.NDArray[np.float32] | None = None,
     ) -> FloatArray:
-        if _arrays_signature(query.shape, key_cache, value_cache) != self._signature:  # the kernel would misread
-            raise ShapeMismatchError(
-                f"a KernelCall prepared for a query {self._signature[0]} and pools {self._signature[1]} (strides "
-                f"{self._signature[2]}) got {query.shape} and {key_cache.shape} (strides {key_cache.strides})"
-            )
+        known = self._pools.get(id(key_cache))
+        if known is None or known[0] is not key_cache or known[1] is not value_cache or query.shape != self._query:
+            known = self._checked_pools(query, key_cache, value_cache)
         out: FloatArray = np.empty(self._shape, dtype=np.float32)
         if self._shape[0] == 0:
             return out
-        dtype, plan, quantized = self._dtype, self._plan, self._dtype in QUANTIZED_KERNEL_DTYPES
+        plan, quantized = self._plan, self._quantized
         if quantized and (key_scales is None or value_scales is None):
-            raise UnsupportedConfigError(f"a {dtype} pool is read with its key_scales and value_scales")
-        # float32 pools are read in place as float32 rows, the others as their bits; the pair not
-        # used is a stand-in, so one compiled version serves every float pool (one every quantized).
-        if dtype == "float32":
-            pools = (_pool_rows(key_cache), _pool_rows(value_cache), _NO_BITS, _NO_BITS)
-        else:
-            pools = (_NO_ROWS, _NO_ROWS, _pool_rows(key_cache), _pool_rows(value_cache))
-        arguments = (_read_only(query, np.float32), *pools, _POOL_KINDS[dtype], self._strides, *self._tables)
+            raise UnsupportedConfigError(f"a {self._dtype} pool is read with its key_scales and value_scales")
+        arguments = (_read_only(query, np.float32), *known[2], *self._fixed)
         (group, block_size, causal, window), (partial_acc, partial_stats) = self._options, self._buffers
         options = (group, block_size, scale, causal, window, out, partial_acc, partial_stats)
         # A quantized pool's scales (flat, with element strides block, token, head); empty otherwise.
@@ -571,22 +536,17 @@ class KernelCall:
             )
         else:
             scale_options = (_NO_SCALES, _NO_SCALES, _NO_STRIDES)
-        features = (*self._features, *scale_options)
         # The threads claim items from one counter (set to 0 under the lock): a worker the OS
         # leaves waiting (a busy machine) delays the call by the item it holds at most, not by
         # a share of its own.
-        claimed = self._claimed
+        share = (*arguments, plan.items, self._claimed, *options, *self._features, *scale_options)
         attend: Callable[..., None] = self._module.attend_share
-
-        def share() -> None:
-            attend(*arguments, plan.items, claimed, *options, *features)
-
         with LAUNCH_LOCK:
-            claimed[0] = 0
+            self._claimed[0] = 0
             if plan.threads == 1:
-                share()
-            elif not self._launch((*arguments, plan.items, claimed, *options, *features), plan.threads):
-                (self._team or python_team)(share, plan.threads)
+                attend(*share)
+            elif not self._launch(share, plan.threads):
+                (self._team or python_team)(functools.partial(attend, *share), plan.threads)
             if plan.merges.shape[0]:
                 merge: Callable[..., None] = self._module.merge_splits
                 merge(arguments[9], plan.merges, group, out, partial_acc, partial_stats, self._features[1])
