@@ -389,7 +389,6 @@ class KernelCall:
         "_planning",
         "_pools",
         "_quantized",
-        "_query",
         "_shape",
         "_signature",
         "_strides",
@@ -431,7 +430,7 @@ class KernelCall:
         # Per pair of pools a layer's call read (by the key pool's id), the arrays the kernel reads.
         self._pools: dict[int, tuple[npt.NDArray[Any], npt.NDArray[Any], tuple[npt.NDArray[Any], ...]]]
         self._pools = {} if carried is None else carried._pools
-        self._query, self._quantized = signature[0], dtype in QUANTIZED_KERNEL_DTYPES
+        self._quantized = dtype in QUANTIZED_KERNEL_DTYPES
         self._fixed = (_POOL_KINDS[dtype], strides, *tables)  # the share's arguments after the pools
 
     def for_batch(self, page_table: PageTable, qo_indptr: npt.NDArray[np.int32]) -> KernelCall:
@@ -516,7 +515,12 @@ class KernelCall:
         value_scales: npt.NDArray[np.float32] | None = None,
     ) -> FloatArray:
         known = self._pools.get(id(key_cache))
-        if known is None or known[0] is not key_cache or known[1] is not value_cache or query.shape != self._query:
+        if (
+            known is None
+            or known[0] is not key_cache
+            or known[1] is not value_cache
+            or query.shape != self._signature[0]
+        ):
             known = self._checked_pools(query, key_cache, value_cache)
         out: FloatArray = np.empty(self._shape, dtype=np.float32)
         if self._shape[0] == 0:
