@@ -1,16 +1,19 @@
 """The thin per-layer path of a step: ``write_and_attend`` equals a write then an attention,
-refuses bad input before writing anything, and a decode step's page table shares the last
-one's pages only when no request's blocks changed (``PageTable.with_seq_lens``)."""
+refuses bad input before writing anything, a decode step's page table shares the last
+one's pages only when no request's blocks changed (``PageTable.with_seq_lens``), and a step
+advanced (``Step.advance``) plans what ``begin_step`` plans, or refuses and changes nothing."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvcache_core import AllocationRequest, InvalidArgumentError
-from kvcache_core.errors import ShapeMismatchError
-from tests.core.support import DIM, HEADS, LAYERS, make_manager
+from kvcache_core import AllocationRequest, InvalidArgumentError, OutOfBlocksError, SequenceTooLongError, Step
+from kvcache_core.errors import ShapeMismatchError, StaleStepError
+from tests.core.support import BLOCK, DIM, HEADS, LAYERS, Manager, make_manager
 
 
 def kv(tokens: int, seed: int) -> npt.NDArray[np.float32]:
@@ -121,3 +124,81 @@ def test_with_seq_lens_refuses_new_pages_that_do_not_fit(new_pages: list[object]
         table.with_seq_lens(lengths, new_pages=new_pages)  # type: ignore[arg-type]
     assert table.kv_indptr.tolist() == [0, 1, 2]
     assert table.seq_lens.tolist() == [4, 3]
+
+
+def _snapshot(manager: Manager, step: Step[Any]) -> tuple[object, ...]:
+    """What a step planned and the manager holds, comparable across managers."""
+    table = step.page_table
+    return (
+        step.slots.tolist(),
+        step.qo_indptr.tolist(),
+        table.kv_indices.tolist(),
+        table.kv_indptr.tolist(),
+        table.seq_lens.tolist(),
+        table.kv_last_page_len.tolist(),
+        [(request_id, handle.num_tokens()) for request_id, handle in manager.list_handles()],
+        manager.stats().free_blocks,
+    )
+
+
+@pytest.mark.parametrize("lengths", [[5], [3, 4, 8]])
+def test_a_step_advanced_plans_what_begin_step_plans(lengths: list[int]) -> None:
+    managers = [make_manager(enable_prefix_caching=False) for _ in range(2)]
+    handles = [[manager.allocate(AllocationRequest(f"r{row}")) for row in range(len(lengths))] for manager in managers]
+    steps = [manager.begin_step(rows, lengths) for manager, rows in zip(managers, handles, strict=True)]
+    for turn in range(9):  # across block boundaries (blocks of 4): some in place, some not
+        advanced = steps[0].advance()
+        planned = managers[1].begin_step(handles[1], 1)
+        assert _snapshot(managers[0], advanced) == _snapshot(managers[1], planned), f"turn {turn}"
+        for layer in range(LAYERS):
+            keys, values, query = kv(len(lengths), turn), kv(len(lengths), turn + 50), kv(len(lengths), turn + 90)
+            np.testing.assert_array_equal(
+                advanced.write_and_attend(layer, keys, values, query),
+                planned.write_and_attend(layer, keys, values, query),
+            )
+        in_place = all((length + turn) % BLOCK for length in lengths)
+        assert (advanced.page_table.kv_indices is steps[0].page_table.kv_indices) == in_place  # pages shared
+        steps = [advanced, planned]
+
+
+def test_advancing_a_stale_step_is_refused_and_changes_nothing() -> None:
+    manager = make_manager(enable_prefix_caching=False)
+    handles = [manager.allocate(AllocationRequest(name)) for name in ("a", "b")]
+    step = manager.begin_step(handles, [5, 6])
+    manager.truncate(handles[0], 3)
+    with pytest.raises(StaleStepError, match="'a'"):
+        step.advance()
+    assert [handle.num_tokens() for handle in handles] == [3, 6]
+    current = manager.begin_step(handles, 1)
+    assert current.advance().page_table.seq_lens.tolist() == [5, 8]
+    with pytest.raises(StaleStepError):  # the step advanced from is done with, as after any begin_step
+        current.write(0, kv(2, 1), kv(2, 2))
+
+
+def test_an_advance_the_pool_or_a_length_limit_refuses_changes_nothing() -> None:
+    manager = make_manager(num_blocks=2, enable_prefix_caching=False)
+    handle = manager.allocate(AllocationRequest("a"))
+    step = manager.begin_step([handle], 8)  # both blocks full: the next token needs a third
+    with pytest.raises(OutOfBlocksError):
+        step.advance()
+    assert handle.num_tokens() == 8
+    assert manager.stats().free_blocks == 0
+    step.write(0, kv(8, 1), kv(8, 2))  # still current
+    limited = make_manager(enable_prefix_caching=False)
+    short = limited.allocate(AllocationRequest("b", max_sequence_length=6))
+    step = limited.begin_step([short], 6)
+    with pytest.raises(SequenceTooLongError):
+        step.advance()
+    assert short.num_tokens() == 6
+    step.write(0, kv(6, 1), kv(6, 2))
+
+
+@pytest.mark.parametrize("token_ids", [[[1, 2]], [[1], [2]], [["x"]], "ab", [[-1]]])
+def test_an_advance_refuses_bad_token_ids_and_changes_nothing(token_ids: object) -> None:
+    manager = make_manager()
+    handle = manager.allocate(AllocationRequest("a"))
+    step = manager.begin_step([handle], 5, token_ids=[[7, 8, 9, 10, 11]])
+    with pytest.raises(InvalidArgumentError):
+        step.advance(token_ids=token_ids)  # type: ignore[arg-type]
+    assert handle.num_tokens() == 5
+    assert step.advance(token_ids=[[12]]).page_table.seq_lens.tolist() == [6]

@@ -363,3 +363,47 @@ def test_decode_steps_take_the_settled_path_of_their_class_over(path: str, monke
     # The prefill is no decode; the first decode looks its path up, the next ones take it over
     # (blocks filled and taken on the way) until the context leaves the bucket of 256 tokens.
     assert lookups == [1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("path", ["kernel", "native"])
+def test_a_decode_step_advanced_in_place_carries_its_lane_over(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "kernel" and not paged_kernel.kernel_available():
+        pytest.skip("numba is not installed (or switched off)")
+    prepared: list[int] = []
+    real = TorchStorage.step_lane
+
+    def counted(self: TorchStorage, *args: Any) -> TorchLane | None:
+        prepared.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(TorchStorage, "step_lane", counted)
+    config = make_config(160, 4, num_layers=2, num_heads=2, head_dim=8, kv_layout="heads_first")
+    lane_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path=path))
+    general_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path="native"))
+    names = ("a",) if path == "native" else ("a", "b")  # one request in one run: torch's views
+    rows = [lane_manager.allocate(AllocationRequest(name)) for name in names]
+    general_rows = [general_manager.allocate(AllocationRequest(name)) for name in names]
+    step = lane_manager.begin_step(rows, [250] * len(names))
+    preparations: list[int] = []
+    for turn in range(12):
+        prepared.clear()
+        if turn:
+            last = step
+            step = step.advance()
+            with pytest.raises(StaleStepError):  # the step it follows is done with
+                last.write(0, *arrays(lane_manager, len(names), 0)[:2])
+        general = general_manager.begin_step(general_rows, 250 if not turn else 1)
+        for layer in range(2):
+            keys, values, query = arrays(lane_manager, step.num_new_tokens, 10 * turn + layer)
+            general.write(layer, keys, values)
+            torch.testing.assert_close(
+                step.write_and_attend(layer, keys, values, query), general.attention(layer, query)
+            )
+        preparations.append(len(prepared))
+    assert torch.equal(pool_copy(lane_manager), pool_copy(general_manager))
+    assert [handle.num_tokens() for handle in rows] == [261] * len(names)
+    # A lane is prepared for the prefill and for the first decode step (the prefill's path is
+    # not a decode's); after that, only where a request's new token opens a block (the step
+    # is then planned anew; at 257 tokens the context also leaves its bucket of 256).
+    opens = [turn > 0 and (249 + turn) % 4 == 0 for turn in range(12)]
+    assert preparations == [1, 1] + [int(opened) for opened in opens[2:]]

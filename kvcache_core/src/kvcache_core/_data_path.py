@@ -93,9 +93,8 @@ class DataPath(Generic[ArrayT]):
         built = config.storage_config()
         # Each storage layer's (heads, key width, value width): its own in a pool of mixed geometry.
         self._geometry = tuple(built.layer_geometry(index) for index in range(built.num_layers))
-        # Per KV-cache group, the last page table issued, its requests and their used blocks.
-        # Per group, the last page table issued and what it was built from: per request, its
-        # table object, generation and used blocks.
+        # Per KV-cache group, the last page table issued and what it was built from: per
+        # request, its table object, generation and used blocks.
         self._last_tables: dict[int, tuple[list[tuple[BlockTable, int, int]], PageTable]] = {}
         # Each layer's attention chunk (its LayerSpec's), read once.
         self._chunks = tuple(config.layer_spec(layer).chunk for layer in range(config.num_layers))
@@ -106,6 +105,8 @@ class DataPath(Generic[ArrayT]):
             None if place is None else (*place, self._geometry[place[1]].head_dim) for place in places
         )
         self.lanes = isinstance(storage, LaneStorage)  # the storage prepares steps' plain layers
+        # Called after a step took or released blocks (the manager's pressure gauge).
+        self.after_growth: Callable[[], None] = lambda: None
 
     def check_open(self) -> None:
         """Raise :class:`~kvcache_core.errors.ManagerClosedError` once the manager closed."""
@@ -220,6 +221,51 @@ class DataPath(Generic[ArrayT]):
             ),
         )
         return self.step(states, counts, grown)
+
+    def advance_step(
+        self,
+        states: list[RequestState[ArrayT]],
+        last: Step[ArrayT],
+        previous: DataPathRunner[ArrayT],
+        ids: list[tuple[int, ...] | None],
+    ) -> Step[ArrayT]:
+        """The decode step after ``last`` (current, of ``states``, run by ``previous``): each
+        request one token more, as :meth:`begin_step` plans it. Where every request's token
+        lands in the block of its last one and ``last``'s page table is the last one issued,
+        the new table shares its pages (lengths one more), the pool takes no block and
+        ``previous`` hands over what the two steps share
+        (:meth:`~kvcache_core._step_runner.DataPathRunner.hand_over`); otherwise this is
+        :meth:`begin_step`.
+
+        Raises:
+            What :meth:`begin_step` raises (the general path).
+        """
+        counts = [1] * len(states)
+        table = last.page_table
+        built = self._last_tables.get(0)
+        ours = len(last.page_tables) == 1 and built is not None and built[1] is table
+        in_place = plan_in_place(self._sequences, states, counts, ids) if ours else None
+        if built is None or in_place is None or len(in_place.rows) != len(states):
+            step = self.begin_step(states, counts, ids)
+            self.after_growth()
+            return step
+        slots = grow_in_place(self._sequences, states, counts, in_place)  # no block taken or released
+        held = [state.tables[0].held_tokens() for state in states]
+        grown = table.with_seq_lens(held, [state.generation for state in states])
+        self._last_tables[0] = (built[0], grown)  # the same tables, generations and blocks
+        runner = DataPathRunner(self, states, 1)
+        step = Step(
+            runner,
+            last.request_ids,
+            tuple(counts),
+            slots,
+            (self._checks.issue(grown),),
+            last.num_heads,
+            last.head_dim,
+            last.value_width,
+        )
+        previous.hand_over(last, runner, step)
+        return step
 
     def step(self, states: list[RequestState[ArrayT]], counts: Sequence[int], grown: list[SlotArray]) -> Step[ArrayT]:
         """The step of a batch just grown by ``counts`` tokens (``grown``: their slots)."""

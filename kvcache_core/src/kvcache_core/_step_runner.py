@@ -15,11 +15,12 @@ import numpy as np
 from kvcache_core.attention.features import storage_attention_features
 from kvcache_core.attention.reference import check_scale
 from kvcache_core.contract.config import CacheConfig
-from kvcache_core.contract.lanes import LaneStorage, StepLane
+from kvcache_core.contract.lanes import LaneStorage, StepLane, advance_lane
 from kvcache_core.contract.padded import storage_view_padded
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
 from kvcache_core.contract.scalars import check_optional_count
+from kvcache_core.paging.checks import step_token_ids
 from kvcache_core.paging.padded import check_padded_layout, padded_slots, read_padded
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.state_slots import slot_run
@@ -70,6 +71,14 @@ class RunnerPath(Protocol[ArrayT]):
     def write_state(self, slots: SlotArray, layer: object, name: object, values: ArrayT) -> None: ...
 
     def checkpoint_states(self, states: list[RequestState[ArrayT]]) -> int: ...
+
+    def advance_step(
+        self,
+        states: list[RequestState[ArrayT]],
+        last: Step[ArrayT],
+        previous: DataPathRunner[ArrayT],
+        ids: list[tuple[int, ...] | None],
+    ) -> Step[ArrayT]: ...
 
 
 #: The types of scale a lane takes (anything else takes the general path, which checks it).
@@ -275,3 +284,25 @@ class DataPathRunner(Generic[ArrayT]):
         with path.lock:
             self._check_current()
             return path.checkpoint_states(self._states)
+
+    def advance(self, step: Step[ArrayT], token_ids: object) -> Step[ArrayT]:
+        states = self._states
+        ids: list[tuple[int, ...] | None] = (
+            [None] * len(states) if token_ids is None else step_token_ids(token_ids, [1] * len(states))
+        )
+        path = self._path
+        with path.lock:
+            self._check_current()
+            return path.advance_step(self._states, step, self, ids)
+
+    def hand_over(self, last: Step[ArrayT], runner: DataPathRunner[ArrayT], step: Step[ArrayT]) -> None:
+        """Hand ``runner`` of ``step``, the decode step after ``last`` (this runner's) grown in
+        place (one KV-cache group), what the two share: the lane, advanced (where it cannot
+        be, the storage is asked for one as for any step), and, when every request had a slot
+        in ``last``, the epoch at which its slots were found writable (the new slots lie in
+        the same blocks)."""
+        if min(last.new_tokens, default=0) >= 1:
+            runner._writable_at[0] = self._writable_at[0]
+        lanes, lane = runner._lanes, None if self._lanes is None else self._lanes[0]
+        if lanes is not None and lane is not None and lane is not False:
+            lanes[0] = advance_lane(lane, step.page_table, runner._slots(step, 0), step.qo_indptr)

@@ -105,6 +105,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
             config, storage, backend, self._lock, self._pool, self._chains, self._sequences, self._checks
         )
         self._gauge = PressureGauge(config, self._pool, self._events)
+        self._path.after_growth = self._gauge.update
         self._requests: Requests[ArrayT] = Requests(
             self, config, storage, self._lock, live, self._pool, self._chains, self._sequences, self._tiers, self._gauge
         )

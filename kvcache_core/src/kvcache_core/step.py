@@ -6,6 +6,7 @@ FlashInfer's plan/run, vLLM's attention metadata::
     for layer in range(num_layers):                                 #   window, slots, page
         step.write(layer, keys, values)                             #   table, qo_indptr:
         out = step.attention(layer, query)                          #   checked once
+    step = step.advance()                                           # the next decode step
 
 :meth:`~kvcache_core.PagedKvCacheManager.begin_step` does every check that depends on the
 requests; :meth:`Step.write` and :meth:`Step.attention` check only what depends on the
@@ -17,6 +18,7 @@ goes through the manager's one write path, which refuses blocks that became immu
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -83,6 +85,10 @@ class StepRunner(Protocol[ArrayT]):
 
     def checkpoint_states(self, step: Step[ArrayT]) -> int:
         """File checkpoints of the step's requests' states."""
+        ...
+
+    def advance(self, step: Step[ArrayT], token_ids: object) -> Step[ArrayT]:
+        """The decode step after ``step`` (:meth:`Step.advance`)."""
         ...
 
 
@@ -330,6 +336,29 @@ class Step(Generic[ArrayT]):
             StaleStepError: a request of the step changed since it was planned.
         """
         return self._runner.checkpoint_states(self)
+
+    def advance(self, *, token_ids: Sequence[Sequence[int] | None] | None = None) -> Step[ArrayT]:
+        """Plan the next decode step of this step's requests: each grows by one token, as
+        ``manager.begin_step(handles, 1, token_ids=token_ids)`` grows them, in the same order.
+
+        What the two steps share is carried over where every request's new token lands in
+        the block of its last token (most decode steps): the page table keeps its arrays of
+        pages, only the lengths are new, and the storage's step lanes are advanced rather
+        than prepared again (:func:`~kvcache_core.contract.lanes.advance_lane`). Otherwise
+        the step is planned as ``begin_step`` plans it. Either way, this step is then stale,
+        as after any ``begin_step`` of its requests.
+
+        Args:
+            token_ids: for prefix caching, each request's new token id (a sequence of one)
+                or ``None``, as ``begin_step`` takes them.
+
+        Raises:
+            StaleStepError: a request of this step changed since it was planned (nothing is
+                planned).
+            InvalidArgumentError: bad ``token_ids``.
+            SequenceTooLongError, OutOfBlocksError: as ``begin_step`` (nothing changed).
+        """
+        return self._runner.advance(self, token_ids)
 
     def __repr__(self) -> str:
         return f"Step(requests={list(self.request_ids)}, new_tokens={list(self.new_tokens)})"

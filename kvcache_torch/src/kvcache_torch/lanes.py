@@ -29,7 +29,11 @@ its path over (:class:`LaneMemory`): the same query offsets, query shape and thr
 within the same bucket and requests in one run each or not alike (what the dispatch's class
 holds besides the pool's geometry, which is the group's). Its kernel call is then the settled
 one for this batch (:meth:`KernelCall.for_batch`: a new plan and tables, none of the checks),
-so the dispatch is looked up once per class and bucket, not once per step.
+so the dispatch is looked up once per class and bucket, not once per step. A decode step
+advanced from the last one in place (:meth:`~kvcache_core.step.Step.advance`) takes the last
+step's lane itself over (:meth:`TorchLane.advance`): the same path, the kernel's call for the
+new batch and, for one request in one run, its views one token longer, with nothing else
+looked up.
 """
 
 from __future__ import annotations
@@ -118,12 +122,14 @@ class TorchLane:
         "_inherited",
         "_kernel",
         "_key_shape",
+        "_longest",
         "_memory",
         "_mode",
         "_path",
         "_qo_indptr",
         "_rows",
         "_runs",
+        "_settled",
         "_slot",
         "_slots",
         "_span",
@@ -172,6 +178,9 @@ class TorchLane:
         self._writes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._runs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._inherited = memory.settled.get(page_table.group) if page_table.sliding_window is None else None
+        # The settled path the step took (inherited or remembered) and its longest request then.
+        self._settled: _Settled | None = None
+        self._longest = 0
         # While the step's class is measured as the model runs it: the class and the path tried.
         self._tried: tuple[ShapeClass, str] | None = None
         self._through = path  # the path the storage's own attention takes (the native one where chosen)
@@ -201,7 +210,7 @@ class TorchLane:
             with torch.no_grad():
                 return self(layer, keys, values, query, scale)
         writes = self._writes
-        if writes is None and self._mode is None and self._slot >= 0:
+        if writes is None and self._slot >= 0:  # (a step of one new token: at its first layer)
             writes = self._writes = self._slot_views()
         if writes is not None:  # one request's one new token: a view of its slot per layer and pool
             key_slot, value_slot = writes[layer]
@@ -249,6 +258,37 @@ class TorchLane:
             result = tensor_of(kernel(source.numpy(), *self._host_pools(layer), scale))
             return result if result.dtype is query.dtype else result.to(query.dtype)
         return self._through_pool(layer, query, scale)
+
+    def advance(
+        self, page_table: PageTable, slots: npt.NDArray[np.int64], qo_indptr: npt.NDArray[np.int32]
+    ) -> TorchLane | None:
+        """This lane, updated for the next decode step of the same requests, each one token
+        more in the block of its last (:func:`~kvcache_core.contract.lanes.advance_lane`; the
+        step it served is stale by then): its settled path kept, the kernel's call made for
+        the new batch (:meth:`KernelCall.for_batch`) and, for one request in one run, its
+        views one token longer. ``None`` (the storage prepares a lane) where the step's path
+        was not settled (its class still measured, or never remembered), the group settled
+        another since, the longest request leaves the class's context bucket, or torch's
+        threads changed."""
+        settled, span = self._settled, self._span
+        slot = int(slots[0]) if slots.shape[0] == 1 else -1
+        if (
+            settled is None
+            or self._memory.settled.get(page_table.group) is not settled
+            or self._longest + 1 > settled.context
+            or int(slots.shape[0]) != self._key_shape[0]
+            or torch.get_num_threads() != settled.threads
+            or (self._mode == "views" and (span is None or span[0] + span[1] != slot))  # (no longer one run)
+        ):
+            return None
+        self._table, self._slots, self._qo_indptr, self._index = page_table, slots, qo_indptr, None
+        self._longest += 1
+        self._slot = slot
+        self._span = None if span is None or span[0] + span[1] != slot else (span[0], span[1] + 1)
+        self._kernel = None if self._kernel is None else self._kernel.for_batch(page_table, qo_indptr)
+        self._writes = None  # made at its first layer
+        self._runs = self._run_views()
+        return self
 
     def _slot_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the views ``[1, H, D]`` of the one request's new slot in its key and value
@@ -299,14 +339,16 @@ class TorchLane:
         table, indptr = self._table, self._qo_indptr
         threads = torch.get_num_threads()
         inherited = self._inherited
+        longest = max(table.seq_lens.tolist(), default=0)
         if (
             inherited is not None
             and inherited.query == tuple(query.shape)
             and inherited.threads == threads
             and inherited.offsets == indptr.tobytes()
-            and inherited.longest <= max(table.seq_lens.tolist(), default=0) <= inherited.context
+            and inherited.longest <= longest <= inherited.context
             and inherited.one_run_each == table.one_run_each
         ):
+            self._settled, self._longest = inherited, longest
             self._mode = "views" if self._span is not None and inherited.chosen == "native" else "pool"
             self._through = "native" if inherited.chosen == "native" else self._path
             self._kernel = None if inherited.kernel is None else inherited.kernel.for_batch(table, indptr)
@@ -360,10 +402,11 @@ class TorchLane:
         table, indptr = self._table, self._qo_indptr
         shape = shape_class(query, key_cache, value_cache, table, indptr, layout, True, "")
         if shape.phase == "decode":  # a prefill's class also depends on its lengths
-            self._memory.settled[table.group] = _Settled(
+            self._longest = max(table.seq_lens.tolist(), default=0)
+            self._settled = self._memory.settled[table.group] = _Settled(
                 indptr.tobytes(),
                 shape.runs == "one",
-                max(table.seq_lens.tolist(), default=0),
+                self._longest,
                 shape.context,
                 tuple(query.shape),
                 threads,

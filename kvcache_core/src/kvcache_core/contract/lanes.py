@@ -18,11 +18,19 @@ whatever it was not prepared for: another shape, dtype or device, a non-contiguo
 The manager then runs its general, fully checked path, which raises the specific error or
 serves the call; so a lane never changes what a call means, only how fast it runs. A storage
 may return ``None`` from ``step_lane`` for a step it has no lane for.
+
+A lane may also have the optional member ``advance(page_table, slots, qo_indptr) -> StepLane |
+None``: the lane of the next decode step of the same requests
+(:meth:`~kvcache_core.step.Step.advance`), each grown by one token inside the block of its
+last one, so ``page_table`` shares this one's pages with lengths one more. A lane carries over
+what the two steps share (its path, its views of the pool, a kernel's settled call) and
+returns ``None`` where it would rather be prepared anew by ``step_lane``. It may return
+itself, updated: the last step is stale by then, so the manager never calls its lane again.
 """
 
 from __future__ import annotations
 
-from typing import Any, Final, Protocol, TypeVar, runtime_checkable
+from typing import Any, Final, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -30,7 +38,7 @@ import numpy.typing as npt
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import SlotArray
 
-__all__ = ["STEP_LANES", "LaneStorage", "StepLane", "storage_step_lane"]
+__all__ = ["STEP_LANES", "LaneStorage", "StepLane", "advance_lane", "storage_step_lane"]
 
 #: The capability of a storage whose ``step_lane(...)`` prepares a step's plain layers.
 STEP_LANES: Final = "step_lanes"
@@ -74,3 +82,14 @@ def storage_step_lane(
     if not isinstance(storage, LaneStorage):
         return None
     return storage.step_lane(page_table, slots, qo_indptr)
+
+
+def advance_lane(
+    lane: object, page_table: PageTable, slots: SlotArray, qo_indptr: npt.NDArray[np.int32]
+) -> StepLane[Any] | None:
+    """``lane.advance(page_table, slots, qo_indptr)``, the lane of the next decode step, or
+    ``None`` when the lane has no such member (the storage then prepares one)."""
+    advance = getattr(lane, "advance", None)
+    if advance is None:
+        return None
+    return cast("StepLane[Any] | None", advance(page_table, slots, qo_indptr))

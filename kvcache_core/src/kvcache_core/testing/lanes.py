@@ -1,7 +1,10 @@
 """The kit's cases for step lanes (the capability ``"step_lanes"``,
 :mod:`kvcache_core.contract.lanes`): a step's plain layers written and attended through the
 storage's lane give what the general path gives, leave the same pool and the same prefix
-cache, and a lane declines what it was not prepared for without writing anything.
+cache, and a lane declines what it was not prepared for without writing anything. On every
+backend, lanes or not: decode steps advanced from the last one (:meth:`Step.advance`, the lane
+advanced where it can be) give what steps planned anew give, and leave the same pool and
+prefix cache.
 """
 
 from __future__ import annotations
@@ -41,16 +44,24 @@ def _arrays(manager: Manager, rng: np.random.Generator, count: int) -> tuple[Any
     return keys, values, query
 
 
-def _steps(manager: Manager, lengths: tuple[int, ...], seed: int, *, fused: bool) -> list[npt.NDArray[np.float64]]:
+def _steps(
+    manager: Manager, lengths: tuple[int, ...], seed: int, *, fused: bool, advanced: bool = False
+) -> list[npt.NDArray[np.float64]]:
     """Prefill ``lengths`` then decode 6 tokens, every layer; with ``fused`` through
     ``write_and_attend`` (the lane where the storage has one), else through ``write`` then
-    ``attention`` (the general path). Returns every attention output, float64."""
+    ``attention`` (the general path); with ``advanced``, each decode step is the last one's
+    :meth:`~kvcache_core.step.Step.advance`, else planned by ``begin_step``. Returns every
+    attention output, float64."""
     rng = np.random.default_rng(seed)
     handles = [manager.allocate(AllocationRequest(f"lane{row}")) for row in range(len(lengths))]
     outputs: list[npt.NDArray[np.float64]] = []
+    step = None
     for turn, counts in enumerate([list(lengths)] + [[1] * len(lengths)] * 6):
         ids = [[(turn * 7 + row * 31 + token) % 50 for token in range(count)] for row, count in enumerate(counts)]
-        step = manager.begin_step(handles, counts, token_ids=ids)  # ids: full blocks enter the prefix cache
+        if advanced and step is not None:
+            step = step.advance(token_ids=ids)
+        else:  # ids: full blocks enter the prefix cache
+            step = manager.begin_step(handles, counts, token_ids=ids)
         for layer in range(manager.config.num_layers):
             keys, values, query = _arrays(manager, rng, sum(counts))
             if fused:
@@ -67,6 +78,18 @@ def _pool(manager: Manager) -> tuple[bytes, bytes]:
     blocks = np.arange(manager.config.num_blocks, dtype=np.int64)
     keys, values = manager.storage.blocks_to_host(blocks)
     return np.ascontiguousarray(keys).tobytes(), np.ascontiguousarray(values).tobytes()
+
+
+def _same_pool_and_cache(one: Manager, other: Manager, context: str) -> None:
+    """The two managers' pools hold the same bytes and, once every request is released, their
+    prefix caches the same number of blocks (some)."""
+    assert _pool(one) == _pool(other), f"{context}: the pools differ"
+    for manager in (one, other):  # released: the blocks the prefix cache took stay cached
+        for request_id, _ in list(manager.list_handles()):
+            manager.deallocate(request_id)
+    cached = one.stats().cached_blocks
+    assert cached > 0, f"{context}: nothing entered the prefix cache"
+    assert cached == other.stats().cached_blocks, f"{context}: the prefix caches differ"
 
 
 def _configs(kvcache_backend: BackendUnderTest) -> list[CacheConfig]:
@@ -98,13 +121,24 @@ class LaneCases:
                         np.testing.assert_allclose(
                             ours, theirs, rtol=relative, atol=absolute, err_msg=f"{context}: call {index}"
                         )
-                    assert _pool(fused) == _pool(general), f"{context}: the pools differ"
-                    for manager in (fused, general):  # released: the blocks the prefix cache took stay cached
-                        for request_id, _ in list(manager.list_handles()):
-                            manager.deallocate(request_id)
-                    cached = fused.stats().cached_blocks
-                    assert cached > 0, f"{context}: nothing entered the prefix cache"
-                    assert cached == general.stats().cached_blocks, f"{context}: the prefix caches differ"
+                    _same_pool_and_cache(fused, general, context)
+
+    def test_decode_steps_advanced_give_what_steps_planned_anew_give(self, kvcache_backend: BackendUnderTest) -> None:
+        for config in kvcache_backend.configs(num_blocks=40, enable_prefix_caching=True):
+            for lengths in BATCHES:
+                context = f"dtype {config.dtype}, layout {config.kv_layout}, prompts {list(lengths)}"
+                with kvcache_backend.manager(config) as advanced, kvcache_backend.manager(config) as planned:
+                    got = _steps(advanced, lengths, 4, fused=True, advanced=True)
+                    expected = _steps(planned, lengths, 4, fused=True)
+                    relative, absolute = TOLERANCES[config.dtype]
+                    for index, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
+                        np.testing.assert_allclose(
+                            ours, theirs, rtol=relative, atol=absolute, err_msg=f"{context}: call {index}"
+                        )
+                    assert [handle.num_tokens() for _, handle in advanced.list_handles()] == [
+                        handle.num_tokens() for _, handle in planned.list_handles()
+                    ]
+                    _same_pool_and_cache(advanced, planned, context)
 
     @pytest.mark.kvcache_requires("step_lanes")
     def test_a_lane_declines_arrays_it_was_not_prepared_for_and_writes_nothing(

@@ -22,6 +22,7 @@ from kvcache_core import (
     UnknownRequestError,
     UnsupportedConfigError,
 )
+from kvcache_core.errors import StaleStepError
 from kvcache_torch.hf.forward_pass import ForwardStep
 
 __all__ = ["BatchRows", "prompt_rows", "release_requests", "undo_step"]
@@ -64,6 +65,7 @@ class BatchRows:
         self._id_counter = itertools.count()
         # The last step and, by (group, first position) asked, whether its padded gather serves them.
         self._padded_known: tuple[Step[torch.Tensor], dict[tuple[int, int], bool]] | None = None
+        self._last: Step[torch.Tensor] | None = None  # the last step planned, advanced by a decode step
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -91,6 +93,16 @@ class BatchRows:
         Atomic: when the pool cannot hold the step, nothing is allocated or grown.
         """
         allocated = not self.handles
+        last = self._last
+        if last is not None and query_length == 1 and valid is None and last.request_ids == tuple(self.request_ids):
+            try:
+                planned = self._last = last.advance(token_ids=token_ids)  # one token per row
+            except StaleStepError:  # a row changed since (crop, beams): planned anew below
+                pass
+            else:
+                self.tokens[:] = [tokens + 1 for tokens in self.tokens]
+                self._record_stored(None, 1)
+                return planned, False
         try:
             if allocated:
                 for _ in counts:
@@ -99,7 +111,7 @@ class BatchRows:
                     self.request_ids.append(request_id)
                     self.tokens.append(0)
                     self.ids_known.append(False)
-            planned = self.manager.begin_step(self.handles, counts, token_ids=token_ids)
+            planned = self._last = self.manager.begin_step(self.handles, counts, token_ids=token_ids)
         except BaseException:
             if allocated:  # the first forward failed: no row stays
                 release_requests(self.manager, self.request_ids)
@@ -140,6 +152,7 @@ class BatchRows:
         self.ids_known.clear()
         self.stored = np.zeros((0, 0), dtype=np.bool_)
         self.positions = 0
+        self._last = None
 
     def gather_padded(
         self, layer: int, last: int | None = None, step: Step[torch.Tensor] | None = None
