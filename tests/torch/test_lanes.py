@@ -330,10 +330,20 @@ def test_a_kernel_call_for_the_next_batch_equals_a_fresh_one_and_refuses_another
         call.for_batch(other.page_table, other.qo_indptr)
 
 
-@pytest.mark.parametrize("path", ["kernel", "native"])
-def test_decode_steps_take_the_settled_path_of_their_class_over(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def lane_and_general_managers(path: str) -> tuple[Manager, Manager, tuple[str, ...]]:
+    """A manager of the attention ``path`` (its lanes), one of torch's own path (the general
+    one the lanes are compared with), and the requests to run: one request in one run for
+    torch's views, two for the kernel."""
     if path == "kernel" and not paged_kernel.kernel_available():
         pytest.skip("numba is not installed (or switched off)")
+    config = make_config(160, 4, num_layers=2, num_heads=2, head_dim=8, kv_layout="heads_first")
+    lane_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path=path))
+    general_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path="native"))
+    return lane_manager, general_manager, ("a",) if path == "native" else ("a", "b")
+
+
+@pytest.mark.parametrize("path", ["kernel", "native"])
+def test_decode_steps_take_the_settled_path_of_their_class_over(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     looked_up: list[int] = []
     real = torch_dispatch.measured_plain_path
 
@@ -342,11 +352,8 @@ def test_decode_steps_take_the_settled_path_of_their_class_over(path: str, monke
         return real(*args, **kwargs)
 
     monkeypatch.setattr(lanes, "measured_plain_path", counted)
-    config = make_config(160, 4, num_layers=2, num_heads=2, head_dim=8, kv_layout="heads_first")
-    lane_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path=path))
-    general_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path="native"))
+    lane_manager, general_manager, names = lane_and_general_managers(path)
     managers = (lane_manager, general_manager)
-    names = ("a",) if path == "native" else ("a", "b")  # one request in one run: torch's views
     handles = [[manager.allocate(AllocationRequest(name)) for name in names] for manager in managers]
     lookups: list[int] = []
     for turn, count in enumerate([250] + [1] * 10):
@@ -367,8 +374,6 @@ def test_decode_steps_take_the_settled_path_of_their_class_over(path: str, monke
 
 @pytest.mark.parametrize("path", ["kernel", "native"])
 def test_a_decode_step_advanced_in_place_carries_its_lane_over(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if path == "kernel" and not paged_kernel.kernel_available():
-        pytest.skip("numba is not installed (or switched off)")
     prepared: list[int] = []
     real = TorchStorage.step_lane
 
@@ -377,10 +382,7 @@ def test_a_decode_step_advanced_in_place_carries_its_lane_over(path: str, monkey
         return real(self, *args)
 
     monkeypatch.setattr(TorchStorage, "step_lane", counted)
-    config = make_config(160, 4, num_layers=2, num_heads=2, head_dim=8, kv_layout="heads_first")
-    lane_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path=path))
-    general_manager: Manager = create_manager("torch", dataclasses.replace(config, attention_path="native"))
-    names = ("a",) if path == "native" else ("a", "b")  # one request in one run: torch's views
+    lane_manager, general_manager, names = lane_and_general_managers(path)
     rows = [lane_manager.allocate(AllocationRequest(name)) for name in names]
     general_rows = [general_manager.allocate(AllocationRequest(name)) for name in names]
     step = lane_manager.begin_step(rows, [250] * len(names))

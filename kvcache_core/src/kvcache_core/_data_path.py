@@ -24,7 +24,6 @@ import numpy as np
 from kvcache_core._step_runner import DataPathRunner
 from kvcache_core.attention.features import storage_attention_features
 from kvcache_core.attention.reference import check_attention_call, validate_query_indptr
-from kvcache_core.contract.block_table import BlockTable
 from kvcache_core.contract.config import CacheConfig, check_count, check_token_ids
 from kvcache_core.contract.lanes import LaneStorage
 from kvcache_core.contract.page_table import PageTable
@@ -42,6 +41,7 @@ from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.paging.checks import ArgumentChecks
 from kvcache_core.paging.in_place import grow_in_place, plan_in_place
+from kvcache_core.paging.issued_tables import IssuedTables
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import GrowthPlan, SequenceBlocks
 from kvcache_core.step import Step
@@ -93,9 +93,7 @@ class DataPath(Generic[ArrayT]):
         built = config.storage_config()
         # Each storage layer's (heads, key width, value width): its own in a pool of mixed geometry.
         self._geometry = tuple(built.layer_geometry(index) for index in range(built.num_layers))
-        # Per KV-cache group, the last page table issued and what it was built from: per
-        # request, its table object, generation and used blocks.
-        self._last_tables: dict[int, tuple[list[tuple[BlockTable, int, int]], PageTable]] = {}
+        self.tables = IssuedTables(config, checks)  # the page tables issued, each built on the last
         # Each layer's attention chunk (its LayerSpec's), read once.
         self._chunks = tuple(config.layer_spec(layer).chunk for layer in range(config.num_layers))
         # Per layer, (group, storage layer, head_dim) where a step lane may serve it (no chunk).
@@ -241,28 +239,17 @@ class DataPath(Generic[ArrayT]):
             What :meth:`begin_step` raises (the general path).
         """
         counts = [1] * len(states)
-        table = last.page_table
-        built = self._last_tables.get(0)
-        ours = len(last.page_tables) == 1 and built is not None and built[1] is table
+        ours = len(last.page_tables) == 1 and self.tables.is_last(last.page_table)
         in_place = plan_in_place(self._sequences, states, counts, ids) if ours else None
-        if built is None or in_place is None or len(in_place.rows) != len(states):
+        if in_place is None or len(in_place.rows) != len(states):
             step = self.begin_step(states, counts, ids)
             self.after_growth()
             return step
         slots = grow_in_place(self._sequences, states, counts, in_place)  # no block taken or released
-        held = [state.tables[0].held_tokens() for state in states]
-        grown = table.with_seq_lens(held, [state.generation for state in states])
-        self._last_tables[0] = (built[0], grown)  # the same tables, generations and blocks
+        table = self.tables.grown_in_place(last.page_table, states)
         runner = DataPathRunner(self, states, 1)
         step = Step(
-            runner,
-            last.request_ids,
-            tuple(counts),
-            slots,
-            (self._checks.issue(grown),),
-            last.num_heads,
-            last.head_dim,
-            last.value_width,
+            runner, last.request_ids, tuple(counts), slots, (table,), last.num_heads, last.head_dim, last.value_width
         )
         previous.hand_over(last, runner, step)
         return step
@@ -270,7 +257,7 @@ class DataPath(Generic[ArrayT]):
     def step(self, states: list[RequestState[ArrayT]], counts: Sequence[int], grown: list[SlotArray]) -> Step[ArrayT]:
         """The step of a batch just grown by ``counts`` tokens (``grown``: their slots)."""
         config = self.config
-        tables = tuple(self.issue_page_table(states, group) for group in range(config.num_groups))
+        tables = tuple(self.tables.issue(states, group) for group in range(config.num_groups))
         if len(grown) == 1:  # one array (a decode step grown in place): the step copies it
             slots = grown[0]
         elif grown:
@@ -283,53 +270,7 @@ class DataPath(Generic[ArrayT]):
             runner, request_ids, tuple(counts), slots, tables, config.num_heads, config.head_dim, config.value_width
         )
 
-    # -- page tables, writes, reads --------------------------------------------------------
-
-    def issue_page_table(self, states: list[RequestState[ArrayT]], group: int = 0) -> PageTable:
-        """The checked, generation-stamped page table of ``states`` in KV-cache ``group``.
-
-        The last table issued for the same requests (per group) is kept with each one's
-        table, generation and count of used blocks: when those are unchanged (a decode step
-        that filled no new block), the new table shares its arrays of pages and only the
-        lengths are new; when blocks were only appended, they are added to its arrays.
-        """
-        tables = [state.tables[group] for state in states]
-        block_size = self.config.block_size
-        held = [table.held_tokens() for table in tables]
-        generations = [state.generation for state in states]
-        # A table's blocks change only by appending while its request's generation stays:
-        # the same table object, generation and count of used blocks mean the same pages.
-        built = [
-            (table, generation, -(-tokens // block_size))
-            for table, generation, tokens in zip(tables, generations, held, strict=True)
-        ]
-        last = self._last_tables.get(group)
-        if (
-            last is not None
-            and len(last[0]) == len(built)
-            and all(
-                was[0] is now[0] and was[1] == now[1] and was[2] <= now[2]
-                for was, now in zip(last[0], built, strict=True)
-            )
-        ):  # the same pages, some with pages appended
-            new_pages = [
-                [table.physical_block(table.first_logical + index) for index in range(was[2], now[2])]
-                for table, was, now in zip(tables, last[0], built, strict=True)
-            ]
-            # No block appended (a decode step, mostly): the lengths alone are new.
-            appended = any(new_pages)
-            table = last[1].with_seq_lens(held, generations, new_pages=new_pages if appended else None)
-        else:
-            table = PageTable.from_block_tables(
-                tables,
-                [state.request_id for state in states],
-                block_size,
-                sliding_window=self.config.kv_groups[group].window,
-                generations=generations,
-                group=group,
-            )
-        self._last_tables[group] = (built, table)
-        return self._checks.issue(table)
+    # -- writes, reads --------------------------------------------------------------------
 
     def write(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT, writable_at: int = -1) -> int:
         """The one write path of ``manager.write`` and :meth:`Step.write`: check the arrays

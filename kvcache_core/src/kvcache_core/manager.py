@@ -435,7 +435,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
         check_handle_sequence(handles, "page_table")
         index = check_group(group, self._config.num_groups)
         with self._lock:
-            return self._path.issue_page_table([self._state_of(handle) for handle in handles], index)
+            return self._path.tables.issue([self._state_of(handle) for handle in handles], index)
 
     def paged_attention(
         self,
