@@ -196,10 +196,14 @@ class DataPath(Generic[ArrayT]):
         return slots
 
     def begin_step(
-        self, states: list[RequestState[ArrayT]], counts: list[int], ids: list[tuple[int, ...] | None]
+        self,
+        states: list[RequestState[ArrayT]],
+        counts: list[int],
+        ids: list[tuple[int, ...] | None],
+        previous: tuple[DataPathRunner[ArrayT], Step[ArrayT]] | None = None,
     ) -> Step[ArrayT]:
         """Plan a step (``manager.begin_step``): grow every request of the batch, all or
-        nothing, and bind the step to them.
+        nothing, and bind the step to them (``previous``: see :meth:`step`).
 
         Raises:
             InvalidArgumentError: a request listed twice; and what :meth:`grow` raises.
@@ -218,7 +222,7 @@ class DataPath(Generic[ArrayT]):
                 f"cannot plan a step of {len(states)} requests adding {sum(counts)} tokens: {needed} more blocks needed"
             ),
         )
-        return self.step(states, counts, grown)
+        return self.step(states, counts, grown, previous)
 
     def advance_step(
         self,
@@ -230,10 +234,9 @@ class DataPath(Generic[ArrayT]):
         """The decode step after ``last`` (current, of ``states``, run by ``previous``): each
         request one token more, as :meth:`begin_step` plans it. Where every request's token
         lands in the block of its last one and ``last``'s page table is the last one issued,
-        the new table shares its pages (lengths one more), the pool takes no block and
-        ``previous`` hands over what the two steps share
-        (:meth:`~kvcache_core._step_runner.DataPathRunner.hand_over`); otherwise this is
-        :meth:`begin_step`.
+        the new table shares its pages (lengths one more) and the pool takes no block;
+        otherwise it is planned by :meth:`begin_step`. Either way ``previous`` hands the new
+        step what the two share (:meth:`~kvcache_core._step_runner.DataPathRunner.hand_over`).
 
         Raises:
             What :meth:`begin_step` raises (the general path).
@@ -242,7 +245,7 @@ class DataPath(Generic[ArrayT]):
         ours = len(last.page_tables) == 1 and self.tables.is_last(last.page_table)
         in_place = plan_in_place(self._sequences, states, counts, ids) if ours else None
         if in_place is None or len(in_place.rows) != len(states):
-            step = self.begin_step(states, counts, ids)
+            step = self.begin_step(states, counts, ids, (previous, last))
             self.after_growth()
             return step
         slots = grow_in_place(self._sequences, states, counts, in_place)  # no block taken or released
@@ -251,11 +254,19 @@ class DataPath(Generic[ArrayT]):
         step = Step(
             runner, last.request_ids, tuple(counts), slots, (table,), last.num_heads, last.head_dim, last.value_width
         )
-        previous.hand_over(last, runner, step)
+        previous.hand_over(last, runner, step, same_blocks=True)
         return step
 
-    def step(self, states: list[RequestState[ArrayT]], counts: Sequence[int], grown: list[SlotArray]) -> Step[ArrayT]:
-        """The step of a batch just grown by ``counts`` tokens (``grown``: their slots)."""
+    def step(
+        self,
+        states: list[RequestState[ArrayT]],
+        counts: Sequence[int],
+        grown: list[SlotArray],
+        previous: tuple[DataPathRunner[ArrayT], Step[ArrayT]] | None = None,
+    ) -> Step[ArrayT]:
+        """The step of a batch just grown by ``counts`` tokens (``grown``: their slots);
+        ``previous``: the runner and step this one is the next decode step of, which hands it
+        what the two share."""
         config = self.config
         tables = tuple(self.tables.issue(states, group) for group in range(config.num_groups))
         if len(grown) == 1:  # one array (a decode step grown in place): the step copies it
@@ -266,9 +277,12 @@ class DataPath(Generic[ArrayT]):
             slots = np.zeros((0,) if config.num_groups == 1 else (config.num_groups, 0), dtype=np.int64)
         runner = DataPathRunner(self, states, len(tables))
         request_ids = tuple(state.request_id for state in states)
-        return Step(
+        step = Step(
             runner, request_ids, tuple(counts), slots, tables, config.num_heads, config.head_dim, config.value_width
         )
+        if previous is not None:
+            previous[0].hand_over(previous[1], runner, step, same_blocks=False)
+        return step
 
     # -- writes, reads --------------------------------------------------------------------
 

@@ -295,14 +295,20 @@ class DataPathRunner(Generic[ArrayT]):
             self._check_current()
             return path.advance_step(self._states, step, self, ids)
 
-    def hand_over(self, last: Step[ArrayT], runner: DataPathRunner[ArrayT], step: Step[ArrayT]) -> None:
-        """Hand ``runner`` of ``step``, the decode step after ``last`` (this runner's) grown in
-        place (one KV-cache group), what the two share: the lane, advanced (where it cannot
-        be, the storage is asked for one as for any step), and, when every request had a slot
-        in ``last``, the epoch at which its slots were found writable (the new slots lie in
-        the same blocks)."""
-        if min(last.new_tokens, default=0) >= 1:
-            runner._writable_at[0] = self._writable_at[0]
-        lanes, lane = runner._lanes, None if self._lanes is None else self._lanes[0]
-        if lanes is not None and lane is not None and lane is not False:
-            lanes[0] = advance_lane(lane, step.page_table, runner._slots(step, 0), step.qo_indptr)
+    def hand_over(
+        self, last: Step[ArrayT], runner: DataPathRunner[ArrayT], step: Step[ArrayT], *, same_blocks: bool
+    ) -> None:
+        """Hand ``runner`` of ``step``, the decode step after ``last`` (this runner's), what the
+        two share: each KV-cache group's lane, advanced (where it cannot be, the storage is
+        asked for one as for any step), and, where every request grew inside the blocks it held
+        (``same_blocks``) and had a slot in ``last``, the epoch at which the slots were found
+        writable (the new slots lie in the same blocks)."""
+        if same_blocks and min(last.new_tokens, default=0) >= 1:
+            runner._writable_at[:] = self._writable_at
+        lanes, carried = runner._lanes, self._lanes
+        if lanes is None or carried is None:
+            return
+        for group, lane in enumerate(carried):
+            if lane is not None and lane is not False:
+                slots = runner._slots(step, group)
+                lanes[group] = advance_lane(lane, step.page_tables[group], slots, step.qo_indptr)

@@ -263,13 +263,13 @@ class TorchLane:
         self, page_table: PageTable, slots: npt.NDArray[np.int64], qo_indptr: npt.NDArray[np.int32]
     ) -> TorchLane | None:
         """This lane, updated for the next decode step of the same requests, each one token
-        more in the block of its last (:func:`~kvcache_core.contract.lanes.advance_lane`; the
-        step it served is stale by then): its settled path kept, the kernel's call made for
-        the new batch (:meth:`KernelCall.for_batch`) and, for one request in one run, its
-        views one token longer. ``None`` (the storage prepares a lane) where the step's path
-        was not settled (its class still measured, or never remembered), the group settled
-        another since, the longest request leaves the class's context bucket, or torch's
-        threads changed."""
+        more (:func:`~kvcache_core.contract.lanes.advance_lane`; the step it served is stale
+        by then): its settled path kept, the kernel's call made for the new batch
+        (:meth:`KernelCall.for_batch`) and, for one request in one run, its views one token
+        longer. ``None`` (the storage prepares a lane) where the step's path was not settled
+        (its class still measured, or never remembered), the group settled another since, the
+        step leaves the settled class (the longest request past its context bucket, a request
+        no longer in one run), or torch's threads changed."""
         settled, span = self._settled, self._span
         slot = int(slots[0]) if slots.shape[0] == 1 else -1
         if (
@@ -279,6 +279,7 @@ class TorchLane:
             or int(slots.shape[0]) != self._key_shape[0]
             or torch.get_num_threads() != settled.threads
             or (self._mode == "views" and (span is None or span[0] + span[1] != slot))  # (no longer one run)
+            or page_table.one_run_each != settled.one_run_each
         ):
             return None
         self._table, self._slots, self._qo_indptr, self._index = page_table, slots, qo_indptr, None

@@ -21,8 +21,9 @@ may return ``None`` from ``step_lane`` for a step it has no lane for.
 
 A lane may also have the optional member ``advance(page_table, slots, qo_indptr) -> StepLane |
 None``: the lane of the next decode step of the same requests
-(:meth:`~kvcache_core.step.Step.advance`), each grown by one token inside the block of its
-last one, so ``page_table`` shares this one's pages with lengths one more. A lane carries over
+(:meth:`~kvcache_core.step.Step.advance`), each grown by one token (``page_table``, the group's
+new table, lists the same pages with lengths one more, and any page appended for a token that
+opened a block; ``slots`` and ``qo_indptr`` are the new step's, checked). A lane carries over
 what the two steps share (its path, its views of the pool, a kernel's settled call) and
 returns ``None`` where it would rather be prepared anew by ``step_lane``. It may return
 itself, updated: the last step is stale by then, so the manager never calls its lane again.
