@@ -64,6 +64,7 @@ class DataPath(Generic[ArrayT]):
         backend: the backend's name, for messages.
         lock: the manager's lock (a step holds it around each call).
         pool, chains, sequences, checks: the manager's paging parts.
+        after_growth: called after each growth of requests (the manager's pressure gauge).
 
     Attributes:
         closed: set when the manager closes; every operation of a step then raises
@@ -80,6 +81,7 @@ class DataPath(Generic[ArrayT]):
         chains: PrefixChains,
         sequences: SequenceBlocks,
         checks: ArgumentChecks,
+        after_growth: Callable[[], None],
     ) -> None:
         self.config = config
         self.storage = storage
@@ -103,8 +105,7 @@ class DataPath(Generic[ArrayT]):
             None if place is None else (*place, self._geometry[place[1]].head_dim) for place in places
         )
         self.lanes = isinstance(storage, LaneStorage)  # the storage prepares steps' plain layers
-        # Called after a step took or released blocks (the manager's pressure gauge).
-        self.after_growth: Callable[[], None] = lambda: None
+        self._after_growth = after_growth
 
     def check_open(self) -> None:
         """Raise :class:`~kvcache_core.errors.ManagerClosedError` once the manager closed."""
@@ -159,7 +160,8 @@ class DataPath(Generic[ArrayT]):
         ids: Sequence[tuple[int, ...] | None],
         shortage: ShortageMessage,
     ) -> list[SlotArray]:
-        """Plan each request's growth, check that the blocks suffice, carry the plans out."""
+        """Plan each request's growth, check that the blocks suffice, carry the plans out, then
+        call ``after_growth``."""
         plan_growth = self._sequences.plan_growth
         plans: list[GrowthPlan]
         if len(states) == 1:  # one request (extend): no loop over the batch
@@ -175,8 +177,11 @@ class DataPath(Generic[ArrayT]):
         if needed > self._pool.available() + freed:
             raise self._pool.shortage(shortage(needed, sum(plan.copy_count for plan in plans)))
         if len(plans) == 1:  # one request: the same growth without the batch's bookkeeping
-            return [self._sequences.grow(states[0], plans[0])]
-        return self._sequences.grow_all(states, plans)
+            grown = [self._sequences.grow(states[0], plans[0])]
+        else:
+            grown = self._sequences.grow_all(states, plans)
+        self._after_growth()  # blocks were taken or released (growth in place takes none)
+        return grown
 
     def extend(self, state: RequestState[ArrayT], count: int, ids: tuple[int, ...] | None) -> SlotArray:
         """Grow one request (``manager.extend``, arguments checked by :func:`extend_arguments`).
@@ -245,9 +250,7 @@ class DataPath(Generic[ArrayT]):
         ours = len(last.page_tables) == 1 and self.tables.is_last(last.page_table)
         in_place = plan_in_place(self._sequences, states, counts, ids) if ours else None
         if in_place is None or len(in_place.rows) != len(states):
-            step = self.begin_step(states, counts, ids, (previous, last))
-            self.after_growth()
-            return step
+            return self.begin_step(states, counts, ids, (previous, last))
         slots = grow_in_place(self._sequences, states, counts, in_place)  # no block taken or released
         table = self.tables.grown_in_place(last.page_table, states)
         runner = DataPathRunner(self, states, 1)

@@ -293,7 +293,7 @@ class DataPathRunner(Generic[ArrayT]):
         path = self._path
         with path.lock:
             self._check_current()
-            return path.advance_step(self._states, step, self, ids)
+            return path.advance_step(states, step, self, ids)
 
     def hand_over(
         self, last: Step[ArrayT], runner: DataPathRunner[ArrayT], step: Step[ArrayT], *, same_blocks: bool

@@ -101,11 +101,9 @@ class PagedKvCacheManager(Generic[ArrayT]):
             self._pool.eviction_sink = self._tiers  # evicted cached blocks are demoted
             if self._pool.states.enabled:  # and so are state checkpoints evicted for a slot
                 self._pool.states.on_evict = functools.partial(self._tiers.demote_checkpoint, self._pool)
-        self._path: DataPath[ArrayT] = DataPath(
-            config, storage, backend, self._lock, self._pool, self._chains, self._sequences, self._checks
-        )
         self._gauge = PressureGauge(config, self._pool, self._events)
-        self._path.after_growth = self._gauge.update
+        paging = (self._pool, self._chains, self._sequences, self._checks)
+        self._path: DataPath[ArrayT] = DataPath(config, storage, backend, self._lock, *paging, self._gauge.update)
         self._requests: Requests[ArrayT] = Requests(
             self, config, storage, self._lock, live, self._pool, self._chains, self._sequences, self._tiers, self._gauge
         )
@@ -194,9 +192,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
         self._check_open()
         count, ids = extend_arguments(additional_tokens, token_ids)
         with self._lock:
-            slots = self._path.extend(self._state_of(handle), count, ids)
-            self._gauge.update()
-            return slots
+            return self._path.extend(self._state_of(handle), count, ids)
 
     def writable_slots(self, handle: KvCacheHandle[ArrayT], start: int, stop: int) -> SlotArray:
         """Slots of the request's positions ``start .. stop - 1``, safe to write into: any
@@ -375,9 +371,7 @@ class PagedKvCacheManager(Generic[ArrayT]):
         counts = step_counts(new_tokens, len(handles))
         ids = step_token_ids(token_ids, counts)
         with self._lock:
-            step = self._path.begin_step([self._state_of(handle) for handle in handles], counts, ids)
-            self._gauge.update()
-            return step
+            return self._path.begin_step([self._state_of(handle) for handle in handles], counts, ids)
 
     def write(self, layer: int, slots: SlotsLike, keys: ArrayT, values: ArrayT) -> None:
         """Scatter one layer's new K/V into the pool, for any mix of requests.
