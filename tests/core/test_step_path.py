@@ -6,6 +6,7 @@ advanced (``Step.advance``) plans what ``begin_step`` plans, or refuses and chan
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import numpy.typing as npt
@@ -13,6 +14,7 @@ import pytest
 
 from kvcache_core import AllocationRequest, InvalidArgumentError, OutOfBlocksError, SequenceTooLongError, Step
 from kvcache_core.errors import ShapeMismatchError, StaleStepError
+from kvcache_core.paging import in_place
 from tests.core.support import BLOCK, DIM, HEADS, LAYERS, Manager, make_manager
 
 
@@ -159,6 +161,21 @@ def test_a_step_advanced_plans_what_begin_step_plans(lengths: list[int]) -> None
         in_place = all((length + turn) % BLOCK for length in lengths)
         assert (advanced.page_table.kv_indices is steps[0].page_table.kv_indices) == in_place  # pages shared
         steps = [advanced, planned]
+
+
+def test_an_advance_looks_for_growth_in_place_once() -> None:
+    """A decode step in which one request opens a block and the other grows inside its block
+    finds the growth in place once, not again for the requests that grow as begin_step grows them."""
+    manager, other = make_manager(enable_prefix_caching=False), make_manager(enable_prefix_caching=False)
+    handles = [manager.allocate(AllocationRequest(name)) for name in ("a", "b")]
+    others = [other.allocate(AllocationRequest(name)) for name in ("a", "b")]
+    step = manager.begin_step(handles, [BLOCK, 2])  # a's next token opens a block, b's fits its block
+    other.begin_step(others, [BLOCK, 2])
+    with mock.patch("kvcache_core._data_path.plan_in_place", wraps=in_place.plan_in_place) as found:
+        advanced = step.advance()
+    assert found.call_count == 1
+    assert advanced.page_table.seq_lens.tolist() == [BLOCK + 1, 3]
+    assert _snapshot(manager, advanced) == _snapshot(other, other.begin_step(others, 1))
 
 
 def test_advancing_a_stale_step_is_refused_and_changes_nothing() -> None:

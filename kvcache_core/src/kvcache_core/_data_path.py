@@ -40,7 +40,7 @@ from kvcache_core.offload import host_form
 from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.paging.checks import ArgumentChecks
-from kvcache_core.paging.in_place import grow_in_place, plan_in_place
+from kvcache_core.paging.in_place import InPlace, grow_in_place, plan_in_place
 from kvcache_core.paging.issued_tables import IssuedTables
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import GrowthPlan, SequenceBlocks
@@ -135,7 +135,20 @@ class DataPath(Generic[ArrayT]):
             SequenceTooLongError, InvalidArgumentError: a plan is refused.
             OutOfBlocksError: the batch's growth does not fit.
         """
-        in_place = plan_in_place(self._sequences, states, counts, ids)  # a decode step, mostly
+        return self._grow_around(
+            states, counts, ids, shortage, plan_in_place(self._sequences, states, counts, ids)
+        )  # in place: a decode step, mostly
+
+    def _grow_around(
+        self,
+        states: list[RequestState[ArrayT]],
+        counts: Sequence[int],
+        ids: Sequence[tuple[int, ...] | None],
+        shortage: ShortageMessage,
+        in_place: InPlace | None,
+    ) -> list[SlotArray]:
+        """:meth:`grow`, given what :func:`~kvcache_core.paging.in_place.plan_in_place` found
+        for these arguments (nothing changed since)."""
         if in_place is not None and len(in_place.rows) == len(states):
             return [grow_in_place(self._sequences, states, counts, in_place)]
         rows = list(range(len(states))) if in_place is None else sorted(set(range(len(states))) - set(in_place.rows))
@@ -219,14 +232,7 @@ class DataPath(Generic[ArrayT]):
             raise InvalidArgumentError(f"request {twice!r} is listed twice in one step")
         # All or nothing: a failure taking blocks (a demotion interrupted) or copying
         # leaves every request of the batch as it was.
-        grown = self.grow(
-            states,
-            counts,
-            ids,
-            lambda needed, _: (
-                f"cannot plan a step of {len(states)} requests adding {sum(counts)} tokens: {needed} more blocks needed"
-            ),
-        )
+        grown = self.grow(states, counts, ids, _step_shortage(len(states), sum(counts)))
         return self.step(states, counts, grown, previous)
 
     def advance_step(
@@ -240,17 +246,23 @@ class DataPath(Generic[ArrayT]):
         request one token more, as :meth:`begin_step` plans it. Where every request's token
         lands in the block of its last one and ``last``'s page table is the last one issued,
         the new table shares its pages (lengths one more) and the pool takes no block;
-        otherwise it is planned by :meth:`begin_step`. Either way ``previous`` hands the new
+        otherwise the batch grows as :meth:`begin_step` grows it (what is found in place
+        found once). Either way ``previous`` hands the new
         step what the two share (:meth:`~kvcache_core._step_runner.DataPathRunner.hand_over`).
 
         Raises:
             What :meth:`begin_step` raises (the general path).
         """
         counts = [1] * len(states)
-        ours = len(last.page_tables) == 1 and self.tables.is_last(last.page_table)
-        in_place = plan_in_place(self._sequences, states, counts, ids) if ours else None
-        if in_place is None or len(in_place.rows) != len(states):
-            return self.begin_step(states, counts, ids, (previous, last))
+        in_place = plan_in_place(self._sequences, states, counts, ids)
+        if (
+            in_place is None
+            or len(in_place.rows) != len(states)
+            or len(last.page_tables) != 1
+            or not self.tables.is_last(last.page_table)
+        ):  # the requests are distinct (a step's): grown as begin_step grows them, planned once
+            grown = self._grow_around(states, counts, ids, _step_shortage(len(states), len(states)), in_place)
+            return self.step(states, counts, grown, (previous, last))
         slots = grow_in_place(self._sequences, states, counts, in_place)  # no block taken or released
         table = self.tables.grown_in_place(last.page_table, states)
         runner = DataPathRunner(self, states, 1)
@@ -574,3 +586,10 @@ def extend_arguments(additional_tokens: object, token_ids: object) -> tuple[int,
             f"token_ids holds {len(ids)} ids for additional_tokens={count}; give one id per new token"
         )
     return count, ids
+
+
+def _step_shortage(requests: int, tokens: int) -> ShortageMessage:
+    """The message of a step of ``requests`` adding ``tokens`` that the pool cannot hold."""
+    return lambda needed, _: (
+        f"cannot plan a step of {requests} requests adding {tokens} tokens: {needed} more blocks needed"
+    )

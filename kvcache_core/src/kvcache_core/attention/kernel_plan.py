@@ -6,6 +6,7 @@ computed once per page table, query offsets and geometry.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 import weakref
@@ -49,6 +50,12 @@ _plans: weakref.WeakKeyDictionary[PageTable, dict[tuple[Any, ...], Plan]] = weak
 _plans_lock = threading.Lock()
 
 
+@functools.cache
+def _plan_work() -> Any:
+    """The compiled planner, imported at the first plan (it needs numba, as the kernel does)."""
+    return importlib.import_module("kvcache_core.attention._plan_jit").plan_work
+
+
 def plan_batch(
     page_table: PageTable,
     qo_indptr: npt.NDArray[np.int32],
@@ -70,9 +77,8 @@ def plan_batch(
     Compiled (:mod:`._plan_jit`): the kernel that reads the plan needs numba anyway, and the
     plan is made once per decode step, inside a model, where interpreted code runs slowly.
     """
-    plan_work: Any = importlib.import_module("kvcache_core.attention._plan_jit").plan_work  # numba: the kernel's
     tuning = (ROW_SPLIT, MIN_SPLIT_KEYS, _ROW_READ_COST, MIN_THREAD_WORK)
-    items, threads, merges, partial_rows = plan_work(
+    items, threads, merges, partial_rows = _plan_work()(
         page_table.seq_lens, qo_indptr, num_heads, group, bool(causal), window, chunk, threads, tuning
     )
     items.flags.writeable = False
