@@ -14,8 +14,9 @@ It prints the overhead of each over bare, in microseconds per layer, and their r
 The step and the raw calls must return what the bare calls return (exit 1 otherwise).
 
 Then the planning a step costs once for all layers, per request, at batch sizes 16, 64 and
-256 (``--batches``): ``begin_step(handles, 1)`` against what it replaces, ``extend`` of each
-request and the batch's ``page_table`` (the two must give the same slots and table).
+256 (``--batches``): ``begin_step(handles, 1)`` and the last step's ``advance()`` against what
+they replace, ``extend`` of each request and the batch's ``page_table`` (the three must give
+the same slots and table).
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \\
         .venv/bin/python benchmarks/step_overhead.py
@@ -24,13 +25,14 @@ request and the batch's ``page_table`` (the two must give the same slots and tab
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from _harness import BenchParser, int_list, print_environment, require, run, take_turns
 
-from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, Step
+from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, PageTable, Step
 from kvcache_core.backends.numpy import NumpyStorage
 
 Manager = PagedKvCacheManager[npt.NDArray[Any]]
@@ -142,40 +144,52 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plan_costs(batches: list[int], context: int, rounds: int, calls: int) -> None:
-    """Print what planning a decode step costs per request: ``begin_step`` against
-    ``extend`` of each request plus ``page_table``, on managers of equal state.
+    """Print what planning a decode step costs per request: ``begin_step``, the last step's
+    ``advance`` and ``extend`` of each request plus ``page_table``, on managers of equal state.
 
     Raises:
-        DisagreementError: the two give different slots or tables.
+        DisagreementError: the three give different slots or tables.
     """
     print(f"planning a decode step (requests of {context} tokens, one new token each), per request, medians:")
-    print(f"  {'batch':>7}{'begin_step':>14}{'extend + page_table':>23}{'ratio':>9}")
+    print(f"  {'batch':>7}{'begin_step':>14}{'advance':>12}{'extend + page_table':>23}{'ratio':>9}")
     for batch in batches:
         config = CacheConfig(num_layers=2, num_heads=2, head_dim=16, num_blocks=batch * (context // 16 + 64))
-        managers = [PagedKvCacheManager(NumpyStorage(config), backend="numpy") for _ in range(2)]
+        managers = [PagedKvCacheManager(NumpyStorage(config), backend="numpy") for _ in range(3)]
         handles = [[manager.allocate(AllocationRequest(f"r{index}")) for index in range(batch)] for manager in managers]
         for manager, batch_handles in zip(managers, handles, strict=True):
             manager.begin_step(batch_handles, context)
         step = managers[0].begin_step(handles[0], 1)
         slots = np.concatenate([managers[1].extend(handle, 1) for handle in handles[1]])
         table = managers[1].page_table(handles[1])
-        same_table = all(
-            np.array_equal(getattr(step.page_table, name), getattr(table, name))
-            for name in ("kv_indptr", "kv_indices", "kv_last_page_len", "seq_lens")
-        )
-        require(np.array_equal(step.slots, slots) and same_table, "begin_step and extend + page_table disagree")
+        require(_same_plan(step, slots, table), "begin_step and extend + page_table disagree")
+        last = [managers[2].begin_step(handles[2], 1).advance()]
+        step = managers[0].begin_step(handles[0], 1)
+        require(_same_plan(step, last[0].slots, last[0].page_table), "begin_step and advance disagree")
 
         def planned(manager: Manager = managers[0], group: list[Any] = handles[0]) -> None:
             manager.begin_step(group, 1)
+
+        def advanced(steps: list[Step[npt.NDArray[Any]]] = last) -> None:
+            steps[0] = steps[0].advance()
 
         def one_by_one(manager: Manager = managers[1], group: list[Any] = handles[1]) -> None:
             for handle in group:
                 manager.extend(handle, 1)
             manager.page_table(group)
 
-        times = take_turns({"planned": planned, "one by one": one_by_one}, rounds=rounds, calls=calls)
-        step_us, extend_us = times.us("planned") / batch, times.us("one by one") / batch
-        print(f"  {batch:>7}{step_us:>11.1f} us{extend_us:>20.1f} us{extend_us / step_us:>8.2f}x")
+        ways: dict[str, Callable[[], None]] = {"planned": planned, "advanced": advanced, "one by one": one_by_one}
+        times = take_turns(ways, rounds=rounds, calls=calls)
+        step_us, advance_us = times.us("planned") / batch, times.us("advanced") / batch
+        extend_us = times.us("one by one") / batch
+        print(f"  {batch:>7}{step_us:>11.1f} us{advance_us:>9.1f} us{extend_us:>20.1f} us{extend_us / step_us:>8.2f}x")
+
+
+def _same_plan(step: Step[npt.NDArray[Any]], slots: npt.NDArray[np.int64], table: PageTable) -> bool:
+    """Whether ``step`` planned ``slots`` and ``table``."""
+    return np.array_equal(step.slots, slots) and all(
+        np.array_equal(getattr(step.page_table, name), getattr(table, name))
+        for name in ("kv_indptr", "kv_indices", "kv_last_page_len", "seq_lens")
+    )
 
 
 if __name__ == "__main__":
