@@ -20,7 +20,7 @@ from kvcache_torch.hf.guard import decoder_class, not_through_interface, unatten
 from kvcache_torch.hf.layer import PagedCacheLayer
 from kvcache_torch.hf.model_config import ATTN_IMPLEMENTATION, attention_implementation, latent_attention, text_config
 from kvcache_torch.hf.padding import left_padded_lengths, real_tokens, token_major
-from kvcache_torch.hf.pool_fit import check_model_fits_pool, check_update_arrays, forward_mode
+from kvcache_torch.hf.pool_fit import UpdateCheck, check_model_fits_pool, forward_mode
 from kvcache_torch.hf.prompts import TokenFeed, attach_prompt_hook
 from kvcache_torch.hf.rows import BatchRows, prompt_rows, release_requests, undo_step
 from kvcache_torch.hf.state_layers import StateBridge, StateLayerCalls
@@ -103,6 +103,7 @@ class PagedCache(StateLayerCalls, Cache):
             faces += [DummyLayer() for _ in self._sources[layers:]]  # type: ignore[no-untyped-call]
         super().__init__(layers=faces)
         self._manager = manager
+        self._check_update = UpdateCheck(pool)  # the pool's layers are the model's
         self._text = text
         self._latent = latent_attention(text) is not None  # fixed by the config: checked once
         self._read_later = frozenset(self._sources[layers:])  # layers whose K/V later layers reuse
@@ -361,14 +362,12 @@ class PagedCache(StateLayerCalls, Cache):
             OutOfBlocksError, SequenceTooLongError: the pool cannot hold the new tokens
                 (nothing is changed).
         """
-        layer = self._manager.config.check_layer(layer_idx)  # the pool's layers are the model's
-        check_update_arrays(
-            key_states, value_states, self._manager.config, len(self._rows) if self._rows.handles else None, layer
-        )
+        rows = self._rows.handles
+        layer = self._check_update(key_states, value_states, layer_idx, len(rows) if rows else None)
         step = self._progress.step
         # The attention implementation cannot change within a forward: read at its first layer.
         mode = step.mode if step is not None and layer not in step.layers_done else self._mode_now()
-        if mode == "paged":
+        if mode == "paged" and step is not None and step.awaiting is not None:  # keys and values wait
             self._check_attended(layer)
         step = self._progress.join(layer, int(key_states.shape[2]), first=not self._rows.handles)
         step.mode = mode

@@ -9,7 +9,7 @@ from transformers import PretrainedConfig
 from kvcache_core import CacheConfig, LayerSpec, UnsupportedConfigError
 from kvcache_core.contract.groups import LayerGeometry, group_serves_layer
 from kvcache_core.errors import DTypeMismatchError, InvalidTypeError, ShapeMismatchError
-from kvcache_torch.dtypes import dtype_name
+from kvcache_torch.dtypes import TORCH_DTYPES, dtype_name
 from kvcache_torch.hf.forward_pass import Mode
 from kvcache_torch.hf.guard import refuse_unless_interface
 from kvcache_torch.hf.model_config import (
@@ -22,7 +22,7 @@ from kvcache_torch.hf.model_config import (
 )
 from kvcache_torch.hf.shared_kv import kv_sources, refuse_sliced_shared_layers_on_paged_path, stored_layer_count
 
-__all__ = ["check_model_fits_pool", "check_update_arrays", "forward_mode"]
+__all__ = ["UpdateCheck", "check_model_fits_pool", "check_update_arrays", "forward_mode"]
 
 
 def check_model_fits_pool(
@@ -90,6 +90,54 @@ def _fits(keys: torch.Size, values: torch.Size, shape: LayerGeometry) -> bool:
         and keys[3] == shape.head_dim
         and values[3] == shape.value_width
     )
+
+
+class UpdateCheck:
+    """The check of every ``update``'s layer index, keys and values against ``pool``, with each
+    layer's widths and the dtype worked out once: the arrays of a fitting model pass in a few
+    comparisons; anything else is checked in full (:func:`check_update_arrays`), which names
+    what is wrong."""
+
+    __slots__ = ("_dtype", "_pool", "_widths")
+
+    def __init__(self, pool: CacheConfig) -> None:
+        self._pool = pool
+        self._dtype = TORCH_DTYPES.get(pool.io_dtype)  # None: no tensor takes the quick check
+        self._widths = {
+            layer: (shape.num_heads, shape.head_dim, shape.value_width)
+            for layer in range(pool.num_layers)
+            for shape in (pool.layer_geometry(layer),)
+        }
+
+    def __call__(self, keys: object, values: object, layer: object, rows: int | None) -> int:
+        """``layer`` as an int, once ``keys`` and ``values`` are ``[rows, heads, new_tokens,
+        width]`` of that layer (``rows`` ``None``: any batch) in the dtype the pool computes in.
+
+        Raises:
+            LayerIndexError: ``layer`` outside the pool's layers.
+            InvalidTypeError, ShapeMismatchError, DTypeMismatchError: as
+                :func:`check_update_arrays`.
+        """
+        if (
+            type(layer) is int
+            and (widths := self._widths.get(layer)) is not None
+            and type(keys) is torch.Tensor
+            and type(values) is torch.Tensor
+            and keys.dtype is self._dtype
+            and values.dtype is self._dtype
+        ):
+            shape, (heads, key_width, value_width) = keys.shape, widths
+            if (
+                len(shape) == 4
+                and (rows is None or shape[0] == rows)
+                and shape[1] == heads
+                and shape[3] == key_width
+                and values.shape == (shape[0], heads, shape[2], value_width)
+            ):
+                return layer
+        index = self._pool.check_layer(layer)
+        check_update_arrays(keys, values, self._pool, rows, index)
+        return index
 
 
 def check_update_arrays(keys: object, values: object, pool: CacheConfig, rows: int | None, layer: int = 0) -> None:
