@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvcache_torch.attention
-from kvcache_core import AllocationRequest, PagedKvCacheManager, create_manager
+from kvcache_core import AllocationRequest, InvalidArgumentError, PagedKvCacheManager, create_manager
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.backends import dispatch
 from kvcache_core.contract.page_table import PageTable
@@ -409,3 +409,27 @@ def test_a_decode_step_advanced_in_place_carries_its_lane_over(path: str, monkey
     # the context leaves its bucket of 256. Steps whose tokens open a block (turns 3, 7, 11)
     # take the lane over too.
     assert preparations == [1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("path", ["kernel", "native"])
+def test_an_advanced_step_checks_a_scale_other_than_the_one_it_took_over(path: str) -> None:
+    lane_manager, general_manager, names = lane_and_general_managers(path)
+    rows = [lane_manager.allocate(AllocationRequest(name)) for name in names]
+    general_rows = [general_manager.allocate(AllocationRequest(name)) for name in names]
+    step, general = lane_manager.begin_step(rows, [9] * len(names)), general_manager.begin_step(general_rows, 9)
+    for turn, scale in enumerate((0.5, 0.5, 0.25)):
+        if turn:
+            step, general = step.advance(), general_manager.begin_step(general_rows, 1)
+        keys, values, query = arrays(lane_manager, step.num_new_tokens, turn)
+        if turn:  # a scale the last step never checked is refused, and nothing is written
+            before = pool_copy(lane_manager)
+            with pytest.raises(InvalidArgumentError, match="scale"):
+                step.write_and_attend(0, keys, values, query, scale=-scale)
+            assert torch.equal(pool_copy(lane_manager), before)
+        for layer in range(2):
+            general.write(layer, keys, values)
+            torch.testing.assert_close(
+                step.write_and_attend(layer, keys, values, query, scale=scale),
+                general.attention(layer, query, scale=scale),
+            )
+    assert torch.equal(pool_copy(lane_manager), pool_copy(general_manager))

@@ -300,11 +300,12 @@ class DataPathRunner(Generic[ArrayT]):
     ) -> None:
         """Hand ``runner`` of ``step``, the decode step after ``last`` (this runner's), what the
         two share: each KV-cache group's lane, advanced (where it cannot be, the storage is
-        asked for one as for any step), and, where every request grew inside the blocks it held
-        (``same_blocks``) and had a slot in ``last``, the epoch at which the slots were found
-        writable (the new slots lie in the same blocks)."""
+        asked for one as for any step), the last scale checked, and, where every request grew
+        inside the blocks it held (``same_blocks``) and had a slot in ``last``, the epoch at
+        which the slots were found writable (the new slots lie in the same blocks)."""
         if same_blocks and min(last.new_tokens, default=0) >= 1:
             runner._writable_at[:] = self._writable_at
+        runner._scale = self._scale  # the scale the model gives every step: checked once
         lanes, carried = runner._lanes, self._lanes
         if lanes is None or carried is None:
             return
