@@ -145,19 +145,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def plan_costs(batches: list[int], context: int, rounds: int, calls: int) -> None:
     """Print what planning a decode step costs per request: ``begin_step``, the last step's
-    ``advance`` and ``extend`` of each request plus ``page_table``, on managers of equal state.
+    ``advance`` and ``extend`` of each request plus ``page_table``, on managers of equal state
+    (ragged lengths: each step, a sixteenth of the requests open a block).
 
     Raises:
         DisagreementError: the three give different slots or tables.
     """
-    print(f"planning a decode step (requests of {context} tokens, one new token each), per request, medians:")
+    print(
+        f"planning a decode step (requests of {context} to {context + 15} tokens: at each step some open a block; "
+        "one new token each), per request, medians:"
+    )
     print(f"  {'batch':>7}{'begin_step':>14}{'advance':>12}{'extend + page_table':>23}{'ratio':>9}")
     for batch in batches:
         config = CacheConfig(num_layers=2, num_heads=2, head_dim=16, num_blocks=batch * (context // 16 + 64))
         managers = [PagedKvCacheManager(NumpyStorage(config), backend="numpy") for _ in range(3)]
         handles = [[manager.allocate(AllocationRequest(f"r{index}")) for index in range(batch)] for manager in managers]
         for manager, batch_handles in zip(managers, handles, strict=True):
-            manager.begin_step(batch_handles, context)
+            manager.begin_step(batch_handles, [context + index % 16 for index in range(batch)])
         step = managers[0].begin_step(handles[0], 1)
         slots = np.concatenate([managers[1].extend(handle, 1) for handle in handles[1]])
         table = managers[1].page_table(handles[1])
