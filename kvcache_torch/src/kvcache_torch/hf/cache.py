@@ -369,7 +369,7 @@ class PagedCache(StateLayerCalls, Cache):
         mode = step.mode if step is not None and layer not in step.layers_done else self._mode_now()
         if mode == "paged" and step is not None and step.awaiting is not None:  # keys and values wait
             self._check_attended(layer)
-        step = self._progress.join(layer, int(key_states.shape[2]), first=not self._rows.handles)
+        step = self._progress.join(layer, int(key_states.shape[2]), first=not rows)
         step.mode = mode
         if mode == "paged":
             step.updated.add(layer)

@@ -80,18 +80,6 @@ def check_model_fits_pool(
     return layers, specs, sources
 
 
-def _fits(keys: torch.Size, values: torch.Size, shape: LayerGeometry) -> bool:
-    """Whether keys and values of these shapes are ``[batch, heads, new_tokens, width]`` of the layer."""
-    return (
-        len(keys) == 4
-        and len(values) == 4
-        and keys[:3] == values[:3]
-        and keys[1] == shape.num_heads
-        and keys[3] == shape.head_dim
-        and values[3] == shape.value_width
-    )
-
-
 class UpdateCheck:
     """The check of every ``update``'s layer index, keys and values against ``pool``, with each
     layer's widths and the dtype worked out once: the arrays of a fitting model pass in a few
@@ -143,22 +131,14 @@ class UpdateCheck:
 def check_update_arrays(keys: object, values: object, pool: CacheConfig, rows: int | None, layer: int = 0) -> None:
     """Refuse keys and values ``[batch, num_heads, new_tokens, width]`` that the pool cannot
     take in ``layer`` (its own geometry: :meth:`~kvcache_core.CacheConfig.layer_geometry`;
-    ``rows``: the batch the cache holds, ``None`` before its first forward).
+    ``rows``: the batch the cache holds, ``None`` before its first forward), naming what is
+    wrong: the full checks behind :class:`UpdateCheck`'s quick comparisons.
 
     Raises:
         InvalidTypeError: not torch tensors.
         ShapeMismatchError: other shapes, or another batch than the cache holds.
         DTypeMismatchError: another dtype than the pool computes in.
     """
-    if (
-        type(keys) is torch.Tensor
-        and type(values) is torch.Tensor
-        and (rows is None or keys.shape[0] == rows)
-        and _fits(keys.shape, values.shape, pool.layer_geometry(layer))
-        and keys.dtype == values.dtype
-        and dtype_name(keys.dtype) == pool.io_dtype
-    ):
-        return  # what every update of a fitting model passes, checked in few steps
     if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
         raise InvalidTypeError(
             f"keys and values must be torch tensors, got {type(keys).__name__} and {type(values).__name__}"
