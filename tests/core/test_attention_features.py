@@ -47,7 +47,7 @@ needs_numba = pytest.mark.skipif(not paged_kernel.kernel_available(), reason="nu
 def test_the_kernel_equals_the_reference_with_any_features(data: st.DataObject) -> None:
     """Random block tables, ragged lengths, decode / prefill / chunked queries, causal or
     not, windows, softcaps, sinks, chunk sizes, layouts, pool dtypes, threads, KV splits."""
-    batch = draw_kernel_batch(data, max_requests=4, head_dims=[8, 20])
+    batch = draw_kernel_batch(data, max_requests=4, head_dims=[8, 20, 64])
     softcap = data.draw(st.none() | st.floats(0.25, 50.0), label="softcap")
     with_sinks = data.draw(st.booleans(), label="sinks")
     chunk = data.draw(st.none() | st.integers(1, 30), label="chunk")

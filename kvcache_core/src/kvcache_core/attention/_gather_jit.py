@@ -28,7 +28,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvcache_core.attention._kernel_jit import claim_next
+from kvcache_core.attention._kernel_ir import claim_next
 
 __all__ = ["gather_share"]
 

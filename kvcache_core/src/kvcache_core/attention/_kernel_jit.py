@@ -20,8 +20,11 @@ merges with a log-sum-exp.
 
 Pools are ``[rows, head_dim]`` views of one layer's K or V, one row per (block, token in
 block, head), with the strides of those three in rows. A float32 pool is read in place:
-the products read its rows where they are (four query rows times two keys, or four keys
-times two rows, per pass, so most loads serve several products). Other pools' rows are
+the products read its rows where they are. Where the features are a multiple of 16 (32 for
+the values), they run as the vector blocks of :mod:`._kernel_ir` (sixteen scores summed
+together, four rows' value sums held in registers over a tile); otherwise four query rows
+times two keys, or four keys times two rows, per pass, so most loads serve several
+products. Other pools' rows are
 decoded tile by tile (``POOL_FLOAT16`` and ``POOL_BFLOAT16``, handed over as ``uint16``
 bits; the quantized ``POOL_INT8`` and ``POOL_FLOAT8``, int8 or float8 e4m3 as ``uint8``,
 each row times its token head's scale) into float32 tiles that stay in L1, so the
@@ -40,14 +43,20 @@ from __future__ import annotations
 # pyright: reportUnknownArgumentType=false, reportUnknownMemberType=false
 # pyright: reportMissingParameterType=false, reportUnknownParameterType=false
 import math
-from typing import Any
 
 import numpy as np
-from llvmlite import ir  # type: ignore[import-untyped]
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
 
+from kvcache_core.attention._kernel_ir import (
+    LANES,
+    VALUE_CHUNK,
+    claim_next,
+    prefetch_row,
+    score_block_1x16,
+    score_block_2x8,
+    score_block_4x4,
+    value_block_4,
+)
 from kvcache_core.attention._kernel_merge import merge_splits
 
 __all__ = [
@@ -59,7 +68,6 @@ __all__ = [
     "POOL_INT8",
     "ROW_TILE",
     "attend_share",
-    "claim_next",
     "merge_splits",
 ]
 
@@ -97,56 +105,6 @@ _LN2_HIGH = np.float32(0.693359375)  # ln 2 in two parts: n * _LN2_HIGH is exact
 _LN2_LOW = np.float32(-2.1219444005469057e-4)
 _C3, _C4, _C5 = np.float32(1.0 / 6.0), np.float32(1.0 / 24.0), np.float32(1.0 / 120.0)
 _C6, _C7 = np.float32(1.0 / 720.0), np.float32(1.0 / 5040.0)
-
-
-def _prefetch_row_typer(typingctx, array, row):  # type: ignore[no-untyped-def]
-    """Ask the CPU to bring row ``row`` of a 2-D C array into the L2 cache (``prefetcht1``,
-    one per 64-byte line, in a loop: the lines are counted from the row's stride, so a row
-    costs a few instructions per line, not a test of every possible line): the hardware
-    prefetcher stops at every 4 KiB page, a paged pool's keys cross one every few rows."""
-    if not (isinstance(array, types.Array) and array.ndim == 2 and isinstance(row, types.Integer)):
-        return None
-
-    def codegen(context, builder, signature, arguments):  # type: ignore[no-untyped-def]
-        array_type = signature.args[0]
-        rows = context.make_array(array_type)(context, builder, arguments[0])
-        index = context.cast(builder, arguments[1], signature.args[1], types.intp)
-        zero = context.get_constant(types.intp, 0)
-        first = cgutils.get_item_pointer(  # type: ignore[no-untyped-call]
-            context, builder, array_type, rows, [index, zero], wraparound=False
-        )
-        start = builder.bitcast(first, ir.IntType(8).as_pointer())
-        row_bytes = builder.extract_value(rows.strides, 0)
-        int32 = ir.IntType(32)
-        prefetch = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-            builder.module, ir.FunctionType(ir.VoidType(), [start.type, int32, int32, int32]), "llvm.prefetch.p0"
-        )
-        zero_bytes, line_bytes = context.get_constant(types.intp, 0), context.get_constant(types.intp, 64)
-        with cgutils.for_range_slice(builder, zero_bytes, row_bytes, line_bytes) as (offset, _):
-            # (address, read, locality 2: L2, data cache) per 64-byte line of the row
-            builder.call(prefetch, [builder.gep(start, [offset]), int32(0), int32(2), int32(1)])
-        return context.get_dummy_value()
-
-    return types.void(array, row), codegen
-
-
-def _claim_typer(typingctx, counter):  # type: ignore[no-untyped-def]
-    """``counter[0]``, incremented atomically: the next item a thread takes."""
-    if not (isinstance(counter, types.Array) and counter.ndim == 1 and counter.dtype == types.int64):
-        return None
-
-    def codegen(context, builder, signature, arguments):  # type: ignore[no-untyped-def]
-        array = context.make_array(signature.args[0])(context, builder, arguments[0])
-        return builder.atomic_rmw("add", array.data, context.get_constant(types.int64, 1), "monotonic")
-
-    return types.int64(counter), codegen
-
-
-#: ``claim_next(counter)`` in compiled code (the padded gather's threads claim with it too).
-claim_next: Any = intrinsic(_claim_typer)
-#: ``_prefetch_row(array, row)`` in compiled code (typed ``Any``: numba's intrinsic wrapper
-#: declares the typing context as a parameter).
-_prefetch_row: Any = intrinsic(_prefetch_row_typer)
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
@@ -205,28 +163,14 @@ def _decode_tile(pool, kind, rows_at, scales_at, first, keys, tile, bits, scales
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
-def _key_scores(queries, rows, key_rows, rows_at, first, keys, scores, ahead):  # type: ignore[no-untyped-def]
-    """``scores[j, c]`` = query row ``j`` times key row ``key_rows[rows_at[first + c]]``,
-    four query rows times two keys per pass (each element loaded once for all of them, the
-    products stay in registers); ``ahead = (in_place, pools, raw_pools, pool_rows, next,
-    end)``: each pass prefetches the rows ``pool_rows[next + c]`` below ``end`` of the pools
-    (float32, read in place) or of the raw ones."""
-    in_place, pools, raw_pools, pool_rows, upcoming, end = ahead
-    # Unpacked once: taking an array out of a tuple inside the loop costs two atomic
-    # reference-count updates per key.
-    key_pool, value_pool = pools
-    key_raw, value_raw = raw_pools
+def _pair_scores(queries, rows, key_rows, rows_at, first, start, stop, scores):  # type: ignore[no-untyped-def]
+    """``scores[j, c]`` = query row ``j`` times key row ``key_rows[rows_at[first + c]]`` for
+    the keys ``[start, stop)``, four query rows times two keys per pass (each element loaded
+    once for all of them, the products stay in registers)."""
     dim = queries.shape[1]
-    c = 0
-    while c < keys:
-        pair = c + 1 < keys
-        for later in range(upcoming + c, min(upcoming + c + 2, end)):
-            if in_place:
-                _prefetch_row(key_pool, pool_rows[later])
-                _prefetch_row(value_pool, pool_rows[later])
-            else:
-                _prefetch_row(key_raw, pool_rows[later])
-                _prefetch_row(value_raw, pool_rows[later])
+    c = start
+    while c < stop:
+        pair = c + 1 < stop
         a0 = rows_at[first + c]
         a1 = rows_at[first + c + 1] if pair else a0
         j = 0
@@ -257,6 +201,46 @@ def _key_scores(queries, rows, key_rows, rows_at, first, keys, scores, ahead):  
                 scores[j, c + 1] = t1
             j += 1
         c += 2
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+def _key_scores(queries, rows, key_rows, rows_at, first, keys, scores, ahead):  # type: ignore[no-untyped-def]
+    """``scores[j, c]`` = query row ``j`` times key row ``key_rows[rows_at[first + c]]``;
+    ``ahead = (in_place, pools, raw_pools, pool_rows, next, end)``: each pass prefetches the
+    rows ``pool_rows[next + c]`` below ``end`` of the pools (float32, read in place) or of the
+    raw ones. Where the features are a multiple of ``LANES``, sixteen keys per pass go
+    through the vector blocks of :mod:`._kernel_simd` (a last pass of fewer keys, and other
+    feature counts, through :func:`_pair_scores`, two keys per pass)."""
+    in_place, pools, raw_pools, pool_rows, upcoming, end = ahead
+    # Unpacked once: taking an array out of a tuple inside the loop costs two atomic
+    # reference-count updates per key.
+    key_pool, value_pool = pools
+    key_raw, value_raw = raw_pools
+    step = LANES if queries.shape[1] % LANES == 0 else 2
+    c = 0
+    while c < keys:
+        for later in range(upcoming + c, min(upcoming + c + step, end)):
+            if in_place:
+                prefetch_row(key_pool, pool_rows[later])
+                prefetch_row(value_pool, pool_rows[later])
+            else:
+                prefetch_row(key_raw, pool_rows[later])
+                prefetch_row(value_raw, pool_rows[later])
+        if step < LANES or c + LANES > keys:
+            _pair_scores(queries, rows, key_rows, rows_at, first, c, min(c + step, keys), scores)
+        else:
+            j = 0
+            while j + 4 <= rows:
+                for k in range(0, LANES, 4):
+                    score_block_4x4(queries, j, key_rows, rows_at, first, scores, c + k)
+                j += 4
+            if j + 2 <= rows:
+                for k in range(0, LANES, 8):
+                    score_block_2x8(queries, j, key_rows, rows_at, first, scores, c + k)
+                j += 2
+            if j < rows:
+                score_block_1x16(queries, j, key_rows, rows_at, first, scores, c)
+        c += step
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
@@ -328,13 +312,20 @@ def _softmax_step(rows, keys, tile_key, work, softcap):  # type: ignore[no-untyp
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
 def _add_values(rows, value_rows, rows_at, first, keys, scores, acc):  # type: ignore[no-untyped-def]
-    """``acc[j] += sum_c scores[j, c] * value_rows[rows_at[first + c]]``: four keys times two
-    query rows per pass, so each accumulator element is loaded and stored once for four keys."""
+    """``acc[j] += sum_c scores[j, c] * value_rows[rows_at[first + c]]``: four rows at a time
+    through :func:`._kernel_simd.value_block_4` where the features are a multiple of
+    ``VALUE_CHUNK``; the other rows four keys times two rows per pass, so each accumulator
+    element is loaded and stored once for four keys."""
     dim = acc.shape[1]
-    c = 0
+    vector_rows = 0
+    if dim % VALUE_CHUNK == 0:
+        while vector_rows + 4 <= rows:
+            value_block_4(value_rows, rows_at, first, keys, scores, vector_rows, acc)
+            vector_rows += 4
+    c = 0 if vector_rows < rows else keys
     while c + 4 <= keys:
         v0, v1, v2, v3 = rows_at[first + c], rows_at[first + c + 1], rows_at[first + c + 2], rows_at[first + c + 3]
-        j = 0
+        j = vector_rows
         while j + 2 <= rows:
             w0, w1, w2, w3 = scores[j, c], scores[j, c + 1], scores[j, c + 2], scores[j, c + 3]
             u0, u1, u2, u3 = scores[j + 1, c], scores[j + 1, c + 1], scores[j + 1, c + 2], scores[j + 1, c + 3]
@@ -351,7 +342,7 @@ def _add_values(rows, value_rows, rows_at, first, keys, scores, acc):  # type: i
         c += 4
     while c < keys:
         at = rows_at[first + c]
-        for j in range(rows):
+        for j in range(vector_rows, rows):
             weight = scores[j, c]
             for d in range(dim):
                 acc[j, d] += weight * value_rows[at, d]
