@@ -53,7 +53,13 @@ def _numba_version() -> str:
 
 #: The torch backend's choices on this machine, shared by its pools.
 DISPATCH: Final = AttentionDispatch(
-    "torch", {"kvcache-core": kvcache_core.__version__, "torch": str(torch.__version__), "numba": _numba_version()}
+    "torch",
+    {
+        "kvcache-core": kvcache_core.__version__,
+        "kernel": paged_kernel.kernel_sources_stamp(),  # a source checkout's kernel changes within a version
+        "torch": str(torch.__version__),
+        "numba": _numba_version(),
+    },
 )
 
 #: What the class of a page table's batch takes from the table and its query offsets, per

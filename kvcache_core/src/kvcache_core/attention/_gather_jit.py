@@ -28,7 +28,11 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kvcache_core.attention._kernel_cache import register_locators
 from kvcache_core.attention._kernel_ir import claim_next
+
+# Before any decorator: the cached functions' locators stamp every kernel source.
+register_locators()
 
 __all__ = ["gather_share"]
 

@@ -32,7 +32,11 @@ from numba import cfunc, njit, types
 from numba.extending import intrinsic
 from numba.np.numpy_support import carray
 
+from kvcache_core.attention._kernel_cache import register_locators
 from kvcache_core.attention._kernel_jit import attend_share
+
+# Before any decorator: the cached functions' locators stamp every kernel source.
+register_locators()
 
 __all__ = [
     "ADDRESS_AT",

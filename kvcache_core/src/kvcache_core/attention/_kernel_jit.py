@@ -47,6 +47,7 @@ import math
 import numpy as np
 from numba import njit
 
+from kvcache_core.attention._kernel_cache import register_locators
 from kvcache_core.attention._kernel_ir import (
     LANES,
     VALUE_CHUNK,
@@ -58,6 +59,9 @@ from kvcache_core.attention._kernel_ir import (
     value_block_4,
 )
 from kvcache_core.attention._kernel_merge import merge_splits
+
+# Before any decorator: the cached functions' locators stamp every kernel source.
+register_locators()
 
 __all__ = [
     "KEY_TILE",

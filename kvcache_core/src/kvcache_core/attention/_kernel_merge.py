@@ -15,6 +15,11 @@ import math
 import numpy as np
 from numba import njit
 
+from kvcache_core.attention._kernel_cache import register_locators
+
+# Before any decorator: the cached functions' locators stamp every kernel source.
+register_locators()
+
 __all__ = ["merge_splits"]
 
 # As the kernel's: reassociation vectorises the sums; -inf is a real value (no "ninf").

@@ -15,7 +15,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from kvcache_core.attention._kernel_cache import register_locators
 from kvcache_core.attention._kernel_jit import _visible  # pyright: ignore[reportPrivateUsage]
+
+# Before any decorator: the cached functions' locators stamp every kernel source.
+register_locators()
 
 __all__ = ["plan_work"]
 

@@ -55,6 +55,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from kvcache_core.attention._kernel_cache import sources_stamp
 from kvcache_core.attention.features import check_chunk, check_finite_logits, check_softcap, check_window
 from kvcache_core.attention.kernel_plan import MIN_SPLIT_KEYS, MIN_THREAD_WORK, ROW_SPLIT, Plan
 from kvcache_core.attention.kernel_plan import cached_plan as _cached_plan
@@ -77,6 +78,7 @@ __all__ = [
     "check_team_call",
     "kernel_available",
     "kernel_reads",
+    "kernel_sources_stamp",
     "max_threads",
     "prepare_kernel_call",
     "python_team",
@@ -148,6 +150,13 @@ def kernel_available() -> bool:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return False
     return _jit() is not None
+
+
+def kernel_sources_stamp() -> str:
+    """A stamp of the compiled kernel's sources (16 hex digits), which changes with any of
+    them: a backend's dispatch keys its calibrations by it, so a changed kernel is measured
+    again even where the library's version stayed the same (a source checkout)."""
+    return sources_stamp()
 
 
 def kernel_reads(dtype: str, key_cache: npt.NDArray[Any], value_cache: npt.NDArray[Any]) -> bool:

@@ -278,6 +278,12 @@ class AttentionDispatch:
         # of each layer's attention recorded (the first, its warm-up, left out).
         self._trials: dict[str, dict[str, tuple[int, list[float] | None]]] = {}
 
+    @property
+    def libraries(self) -> dict[str, str]:
+        """Name -> version of what the choices depend on besides the machine (a copy): a
+        file written under other versions is ignored."""
+        return dict(self._libraries)
+
     def _path(self) -> Path | None:
         directory = cache_directory() if self._directory == "default" else self._directory
         if directory is None:
