@@ -35,7 +35,14 @@ def pair() -> Iterator[tuple[Any, Any, Any, Any]]:
 
     source, target = make_pool({"layout": "NHD"}), make_pool({"layout": "heads_first"})
     prefill(source, "r", 18)
-    with source, target, KvTransferAgent(source) as producer, KvTransferAgent(target) as consumer:
+    # A minute to import (the default is 10 s): on a loaded 2-core machine (workers compiling
+    # the kernel), a loopback read of a few blocks once missed 10 s.
+    with (
+        source,
+        target,
+        KvTransferAgent(source) as producer,
+        KvTransferAgent(target, timeout_seconds=60.0) as consumer,
+    ):
         yield source, producer, target, consumer
 
 
