@@ -112,21 +112,28 @@ _C6, _C7 = np.float32(1.0 / 720.0), np.float32(1.0 / 5040.0)
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
-def _pool_rows(block_row, first_key, keys, block_size, strides, scale_strides, head, rows_at, scales_at):  # type: ignore[no-untyped-def]
-    """The pool rows (``rows_at``) and scale indices (``scales_at``) of keys ``[first_key,
-    first_key + keys)`` of one head, following the block table row ``block_row``."""
+def _pool_rows(block_row, first_key, keys, block_size, strides, scale_strides, head, rows_at, scales_at, scaled):  # type: ignore[no-untyped-def]
+    """The pool rows (``rows_at``) and, where ``scaled``, the scale indices (``scales_at``)
+    of keys ``[first_key, first_key + keys)`` of one head, following the block table row
+    ``block_row``: block by block, each block's rows a progression (a vectorised loop)."""
     block_index = first_key // block_size
     offset = first_key - block_index * block_size
     head_row = head * strides[2]
     head_scale = head * scale_strides[2]
-    for c in range(keys):
+    c = 0
+    while c < keys:
         block = block_row[block_index]
-        rows_at[c] = block * strides[0] + offset * strides[1] + head_row
-        scales_at[c] = block * scale_strides[0] + offset * scale_strides[1] + head_scale
-        offset += 1
-        if offset == block_size:
-            offset = 0
-            block_index += 1
+        run = min(block_size - offset, keys - c)
+        first_row = block * strides[0] + offset * strides[1] + head_row
+        for t in range(run):
+            rows_at[c + t] = first_row + t * strides[1]
+        if scaled:
+            first_scale = block * scale_strides[0] + offset * scale_strides[1] + head_scale
+            for t in range(run):
+                scales_at[c + t] = first_scale + t * scale_strides[1]
+        c += run
+        offset = 0
+        block_index += 1
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
@@ -421,7 +428,8 @@ def _attend_item(  # type: ignore[no-untyped-def]
         low, high = _visible(seq_len - num_queries + r // group, first_key, last_key, causal, window, chunk)
         item_low, item_high = min(item_low, low), max(item_high, high)
     item_keys = max(0, item_high - item_low)
-    _pool_rows(block_row, item_low, item_keys, block_size, strides, scale_strides, head, rows_at, scales_at)
+    scaled = pool_kind >= POOL_INT8  # quantized: each row has its token head's scale
+    _pool_rows(block_row, item_low, item_keys, block_size, strides, scale_strides, head, rows_at, scales_at, scaled)
     for tile_row in range(first_row, last_row, ROW_TILE):
         rows = min(ROW_TILE, last_row - tile_row)
         low_all = last_key
