@@ -2,15 +2,16 @@
 sums, a prefetch of pool rows, an atomic claim of work.
 
 A score is a dot product: numba's loops vectorise each one over the features and then sum
-its sixteen lanes on its own, a chain of shuffles and adds per score that costs more than
-the products themselves at 64 features. :func:`score_block_4x4` (and its 2x8 and 1x16
-kin) computes sixteen scores at once, keeps their lane vectors in registers and sums them
-together in a tree of four shuffle-and-add levels, each halving the lanes per score: 15
-vector adds for the sixteen. :func:`value_block_4` adds a tile's weighted values into four
-rows' accumulators, 32 features at a time held in registers over every key of the tile
-(numba's loop loads and stores the accumulators again every few keys). Measured on an AMD
-EPYC (Zen 5), a decode tile of 4 query rows: products 2x faster at 64 features, 1.3x at
-128; value sums 2x at both.
+its lanes on its own, a chain of shuffles and adds per score that costs more than the
+products themselves at 64 features. :func:`score_block_4` (and :func:`score_block_2`,
+:func:`score_block_1`) computes :data:`LANES` scores at once (4 query rows times
+``LANES / 4`` keys, and so on), keeps their lane vectors in registers and sums them
+together in a tree of shuffle-and-add levels, each halving the lanes per score:
+``LANES - 1`` vector adds for all of them. :func:`value_block_4` adds a tile's weighted
+values into four rows' accumulators, two vectors of features at a time held in registers
+over every key of the tile (numba's loop loads and stores the accumulators again every
+few keys). Measured on an AMD EPYC (Zen 5, AVX-512), a decode tile of 4 query rows:
+products 2.1x faster at 64 features, 1.3x at 128; value sums 1.8x-2x.
 
 Only :mod:`kvcache_core.attention._kernel_jit` and the padded gather use this module (numba
 publishes no type information: the intrinsics are untyped by nature). Nothing here checks
@@ -23,29 +24,50 @@ from __future__ import annotations
 # pyright: reportUnknownVariableType=false, reportUnknownArgumentType=false
 # pyright: reportUnknownMemberType=false, reportMissingParameterType=false
 # pyright: reportUnknownParameterType=false, reportUnknownLambdaType=false
-from typing import Any
+from typing import Any, Final
 
 from llvmlite import ir  # type: ignore[import-untyped]
 from numba import types
 from numba.core import cgutils as _numba_cgutils
+from numba.core import codegen as _numba_codegen
+from numba.core import config as _numba_config
 from numba.extending import intrinsic
 
 #: numba's code-generation helpers, untyped (numba publishes no type information).
 _cgutils: Any = _numba_cgutils
+_codegen: Any = _numba_codegen
+_config: Any = _numba_config
 
 __all__ = [
     "LANES",
     "VALUE_CHUNK",
     "claim_next",
+    "compile_features",
     "prefetch_row",
-    "score_block_1x16",
-    "score_block_2x8",
-    "score_block_4x4",
+    "score_block_1",
+    "score_block_2",
+    "score_block_4",
     "value_block_4",
 ]
 
-#: float32 lanes of one vector (AVX-512; LLVM splits it in two where only AVX2 exists).
-LANES = 16
+
+def compile_features() -> list[str]:
+    """The CPU features numba compiles for (``NUMBA_CPU_FEATURES``, else the host's), as
+    LLVM's ``+name`` / ``-name`` flags."""
+    features = _config.CPU_FEATURES if _config.CPU_FEATURES is not None else _codegen.get_host_cpu_features()
+    return str(features).split(",")
+
+
+def _vector_lanes() -> int:
+    """The float32 lanes of a vector register where numba compiles: 16 with AVX-512, else
+    8. Sixteen lanes on AVX2 (LLVM splits each vector in two) would need 32 registers of
+    the 16 there are; measured on the same CPU compiled for Haswell, the 16-lane blocks ran
+    1.4x-1.6x slower than numba's own loops, the 8-lane ones 1.1x-1.3x faster."""
+    return 16 if "+avx512f" in compile_features() else 8
+
+
+#: float32 lanes of one vector: 16 where numba compiles for AVX-512, else 8.
+LANES: Final = _vector_lanes()
 _FLOAT = ir.FloatType()
 _VECTOR = ir.VectorType(_FLOAT, LANES)
 #: Features of the values one pass of :func:`value_block_4` accumulates (two vectors).
@@ -60,7 +82,7 @@ def _lane_mask(lanes: list[int]) -> ir.Constant:
 
 
 def _sum_each(builder: Any, vectors: list[Any]) -> Any:
-    """One vector whose lane ``i`` is the sum of the lanes of ``vectors[i]`` (16 of them):
+    """One vector whose lane ``i`` is the sum of the lanes of ``vectors[i]`` (``LANES`` of them):
     at each level, a pair of vectors whose scores hold ``span`` lanes each becomes one whose
     scores hold ``span / 2``: the first halves of every score's lanes plus the second halves."""
     level, per_vector = vectors, 1
@@ -126,7 +148,7 @@ def _score_block_typer(rows: int) -> Any:
             features = builder.extract_value(query_array.shape, 1)
             sums = [_cgutils.alloca_once_value(builder, ir.Constant(_VECTOR, [0.0] * LANES)) for _ in range(LANES)]
             multiply_add = _cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_VECTOR, [_VECTOR] * 3), "llvm.fmuladd.v16f32"
+                builder.module, ir.FunctionType(_VECTOR, [_VECTOR] * 3), f"llvm.fmuladd.v{LANES}f32"
             )
             pointer = _VECTOR.as_pointer()
             with _cgutils.for_range_slice(builder, zero, features, ir.Constant(intp, LANES)) as (feature, _):
@@ -155,15 +177,15 @@ def _score_block_typer(rows: int) -> Any:
     return typer
 
 
-#: ``score_block_4x4(queries, j, key_rows, rows_at, first, scores, c)`` in compiled code:
-#: ``scores[j + r, c + k] = queries[j + r] . key_rows[rows_at[first + c + k]]`` for ``r, k <
-#: 4``. The features (``queries.shape[1]``) must be a multiple of :data:`LANES`, every row
-#: contiguous.
-score_block_4x4: Any = intrinsic(_score_block_typer(4))
-#: The same for two query rows and eight keys.
-score_block_2x8: Any = intrinsic(_score_block_typer(2))
-#: The same for one query row and sixteen keys.
-score_block_1x16: Any = intrinsic(_score_block_typer(1))
+#: ``score_block_4(queries, j, key_rows, rows_at, first, scores, c)`` in compiled code:
+#: ``scores[j + r, c + k] = queries[j + r] . key_rows[rows_at[first + c + k]]`` for ``r <
+#: 4`` and ``k < LANES / 4``. The features (``queries.shape[1]``) must be a multiple of
+#: :data:`LANES`, every row contiguous.
+score_block_4: Any = intrinsic(_score_block_typer(4))
+#: The same for two query rows and ``LANES / 2`` keys.
+score_block_2: Any = intrinsic(_score_block_typer(2))
+#: The same for one query row and ``LANES`` keys.
+score_block_1: Any = intrinsic(_score_block_typer(1))
 
 
 def _value_block_typer(typingctx, value_rows, rows_at, first, keys, weights, first_row, acc):  # type: ignore[no-untyped-def]
@@ -202,7 +224,7 @@ def _value_block_typer(typingctx, value_rows, rows_at, first, keys, weights, fir
         ]
         sums = [_cgutils.alloca_once(builder, _VECTOR) for _ in range(_VALUE_ROWS * parts)]
         multiply_add = _cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_VECTOR, [_VECTOR] * 3), "llvm.fmuladd.v16f32"
+            builder.module, ir.FunctionType(_VECTOR, [_VECTOR] * 3), f"llvm.fmuladd.v{LANES}f32"
         )
         broadcast = _lane_mask([0] * LANES)
         features = builder.extract_value(acc_array.shape, 1)

@@ -20,11 +20,11 @@ merges with a log-sum-exp.
 
 Pools are ``[rows, head_dim]`` views of one layer's K or V, one row per (block, token in
 block, head), with the strides of those three in rows. A float32 pool is read in place:
-the products read its rows where they are. Where the features are a multiple of 16 (32 for
-the values), they run as the vector blocks of :mod:`._kernel_ir` (sixteen scores summed
-together, four rows' value sums held in registers over a tile); otherwise four query rows
-times two keys, or four keys times two rows, per pass, so most loads serve several
-products. Other pools' rows are
+the products read its rows where they are. Where the features are a multiple of the
+vector lanes (twice that for the values), they run as the vector blocks of
+:mod:`._kernel_ir` (a vector's worth of scores summed together, four rows' value sums held
+in registers over a tile); otherwise four query rows times two keys, or four keys times
+two rows, per pass, so most loads serve several products. Other pools' rows are
 decoded tile by tile (``POOL_FLOAT16`` and ``POOL_BFLOAT16``, handed over as ``uint16``
 bits; the quantized ``POOL_INT8`` and ``POOL_FLOAT8``, int8 or float8 e4m3 as ``uint8``,
 each row times its token head's scale) into float32 tiles that stay in L1, so the
@@ -53,9 +53,9 @@ from kvcache_core.attention._kernel_ir import (
     VALUE_CHUNK,
     claim_next,
     prefetch_row,
-    score_block_1x16,
-    score_block_2x8,
-    score_block_4x4,
+    score_block_1,
+    score_block_2,
+    score_block_4,
     value_block_4,
 )
 from kvcache_core.attention._kernel_merge import merge_splits
@@ -219,8 +219,8 @@ def _key_scores(queries, rows, key_rows, rows_at, first, keys, scores, ahead):  
     """``scores[j, c]`` = query row ``j`` times key row ``key_rows[rows_at[first + c]]``;
     ``ahead = (in_place, pools, raw_pools, pool_rows, next, end)``: each pass prefetches the
     rows ``pool_rows[next + c]`` below ``end`` of the pools (float32, read in place) or of the
-    raw ones. Where the features are a multiple of ``LANES``, sixteen keys per pass go
-    through the vector blocks of :mod:`._kernel_simd` (a last pass of fewer keys, and other
+    raw ones. Where the features are a multiple of ``LANES``, ``LANES`` keys per pass go
+    through the vector blocks of :mod:`._kernel_ir` (a last pass of fewer keys, and other
     feature counts, through :func:`_pair_scores`, two keys per pass)."""
     in_place, pools, raw_pools, pool_rows, upcoming, end = ahead
     # Unpacked once: taking an array out of a tuple inside the loop costs two atomic
@@ -242,15 +242,15 @@ def _key_scores(queries, rows, key_rows, rows_at, first, keys, scores, ahead):  
         else:
             j = 0
             while j + 4 <= rows:
-                for k in range(0, LANES, 4):
-                    score_block_4x4(queries, j, key_rows, rows_at, first, scores, c + k)
+                for k in range(0, LANES, LANES // 4):
+                    score_block_4(queries, j, key_rows, rows_at, first, scores, c + k)
                 j += 4
             if j + 2 <= rows:
-                for k in range(0, LANES, 8):
-                    score_block_2x8(queries, j, key_rows, rows_at, first, scores, c + k)
+                for k in range(0, LANES, LANES // 2):
+                    score_block_2(queries, j, key_rows, rows_at, first, scores, c + k)
                 j += 2
             if j < rows:
-                score_block_1x16(queries, j, key_rows, rows_at, first, scores, c)
+                score_block_1(queries, j, key_rows, rows_at, first, scores, c)
         c += step
 
 
@@ -324,7 +324,7 @@ def _softmax_step(rows, keys, tile_key, work, softcap):  # type: ignore[no-untyp
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
 def _add_values(rows, value_rows, rows_at, first, keys, scores, acc):  # type: ignore[no-untyped-def]
     """``acc[j] += sum_c scores[j, c] * value_rows[rows_at[first + c]]``: four rows at a time
-    through :func:`._kernel_simd.value_block_4` where the features are a multiple of
+    through :func:`._kernel_ir.value_block_4` where the features are a multiple of
     ``VALUE_CHUNK``; the other rows four keys times two rows per pass, so each accumulator
     element is loaded and stored once for four keys."""
     dim = acc.shape[1]
