@@ -108,67 +108,88 @@ def _sum_each(builder: Any, vectors: list[Any]) -> Any:
     return level[0]
 
 
+def _block_types(floats: tuple[Any, ...], rows_at: Any, integers: tuple[Any, ...]) -> bool:
+    """Whether a block's arguments are 2-D float32 arrays, one int64 array of pool rows and
+    integers (numba then compiles it; otherwise it tries other typings)."""
+    return (
+        all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32 for a in floats)
+        and isinstance(rows_at, types.Array)
+        and rows_at.ndim == 1
+        and rows_at.dtype == types.int64
+        and all(isinstance(i, types.Integer) for i in integers)
+    )
+
+
+class _Code:
+    """A block's arguments inside its code (arrays as numba's array structures, integers as
+    ``intp`` values) and the few IR steps both blocks take."""
+
+    def __init__(self, context: Any, builder: Any, signature: Any, arguments: Any) -> None:
+        self.context, self.builder, self.types = context, builder, signature.args
+        self.values = [
+            context.make_array(kind)(context, builder, value)
+            if isinstance(kind, types.Array)
+            else context.cast(builder, value, kind, types.intp)
+            for kind, value in zip(signature.args, arguments, strict=True)
+        ]
+        self.intp = context.get_value_type(types.intp)
+        self.multiply_add = _cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_VECTOR, [_VECTOR] * 3), f"llvm.fmuladd.v{LANES}f32"
+        )
+
+    def constant(self, value: int) -> Any:
+        return ir.Constant(self.intp, value)
+
+    def plus(self, value: Any, step: int) -> Any:
+        return self.builder.add(value, self.constant(step))
+
+    def row(self, argument: int, index: Any) -> Any:
+        """A pointer to the first element of row ``index`` of the array argument ``argument``."""
+        return self.item(argument, [index, self.constant(0)])
+
+    def item(self, argument: int, index: list[Any]) -> Any:
+        array_type, array = self.types[argument], self.values[argument]
+        return _cgutils.get_item_pointer(self.context, self.builder, array_type, array, index, wraparound=False)
+
+    def lanes(self, row: Any, feature: Any) -> Any:
+        """The vector of ``LANES`` floats at ``row + feature``, loaded."""
+        at = self.builder.bitcast(self.builder.gep(row, [feature]), _VECTOR.as_pointer())
+        return self.builder.load(at, align=4)
+
+    def add_product(self, total: Any, left: Any, right: Any) -> None:
+        """``*total += left * right`` (vectors; ``total`` a stack slot LLVM keeps in a register)."""
+        builder = self.builder
+        builder.store(builder.call(self.multiply_add, [left, right, builder.load(total)]), total)
+
+
 def _score_block_typer(rows: int) -> Any:
     """The typing and code of ``score_block(queries, first_row, key_rows, rows_at, first,
     scores, column)`` for ``rows`` query rows."""
     keys = LANES // rows
 
     def typer(typingctx, queries, first_row, key_rows, rows_at, first, scores, column):  # type: ignore[no-untyped-def]
-        floats = (queries, key_rows, scores)
-        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32 for a in floats):
-            return None
-        if not (isinstance(rows_at, types.Array) and rows_at.ndim == 1 and rows_at.dtype == types.int64):
-            return None
-        if not all(isinstance(i, types.Integer) for i in (first_row, first, column)):
+        if not _block_types((queries, key_rows, scores), rows_at, (first_row, first, column)):
             return None
 
         def codegen(context, builder, signature, arguments):  # type: ignore[no-untyped-def]
-            query_type, row_type, key_type, at_type, first_type, score_type, column_type = signature.args
-            query_array = context.make_array(query_type)(context, builder, arguments[0])
-            key_array = context.make_array(key_type)(context, builder, arguments[2])
-            at_array = context.make_array(at_type)(context, builder, arguments[3])
-            score_array = context.make_array(score_type)(context, builder, arguments[5])
-            intp = context.get_value_type(types.intp)
-            row = context.cast(builder, arguments[1], row_type, types.intp)
-            start = context.cast(builder, arguments[4], first_type, types.intp)
-            column_at = context.cast(builder, arguments[6], column_type, types.intp)
-            zero = ir.Constant(intp, 0)
-
-            def item(array_type: Any, array: Any, index: list[Any]) -> Any:
-                return _cgutils.get_item_pointer(context, builder, array_type, array, index, wraparound=False)
-
-            def offset(value: Any, step: int) -> Any:
-                return builder.add(value, ir.Constant(intp, step))
-
-            query_rows = [item(query_type, query_array, [offset(row, r), zero]) for r in range(rows)]
-            key_pointers = []
-            for k in range(keys):
-                pool_row = builder.load(item(at_type, at_array, [offset(builder.add(start, column_at), k)]))
-                key_pointers.append(item(key_type, key_array, [pool_row, zero]))
-            features = builder.extract_value(query_array.shape, 1)
+            code = _Code(context, builder, signature, arguments)
+            row, start, column_at = code.values[1], code.values[4], code.values[6]
+            query_rows = [code.row(0, code.plus(row, r)) for r in range(rows)]
+            first_key = builder.add(start, column_at)
+            key_rows = [code.row(2, builder.load(code.item(3, [code.plus(first_key, k)]))) for k in range(keys)]
+            features = builder.extract_value(code.values[0].shape, 1)
             sums = [_cgutils.alloca_once_value(builder, ir.Constant(_VECTOR, [0.0] * LANES)) for _ in range(LANES)]
-            multiply_add = _cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_VECTOR, [_VECTOR] * 3), f"llvm.fmuladd.v{LANES}f32"
-            )
-            pointer = _VECTOR.as_pointer()
-            with _cgutils.for_range_slice(builder, zero, features, ir.Constant(intp, LANES)) as (feature, _):
-                query_lanes = [
-                    builder.load(builder.bitcast(builder.gep(p, [feature]), pointer), align=4) for p in query_rows
-                ]
-                key_lanes = [
-                    builder.load(builder.bitcast(builder.gep(p, [feature]), pointer), align=4) for p in key_pointers
-                ]
+            with _cgutils.for_range_slice(builder, code.constant(0), features, code.constant(LANES)) as (feature, _):
+                query_lanes = [code.lanes(pointer, feature) for pointer in query_rows]
+                key_lanes = [code.lanes(pointer, feature) for pointer in key_rows]
                 for r in range(rows):
                     for k in range(keys):
-                        total = sums[r * keys + k]
-                        builder.store(
-                            builder.call(multiply_add, [query_lanes[r], key_lanes[k], builder.load(total)]), total
-                        )
+                        code.add_product(sums[r * keys + k], query_lanes[r], key_lanes[k])
             scores = _sum_each(builder, [builder.load(total) for total in sums])
             row_vector = ir.VectorType(_FLOAT, keys).as_pointer()
             for r in range(rows):
                 part = builder.shuffle_vector(scores, scores, _lane_mask(list(range(r * keys, (r + 1) * keys))))
-                target = item(score_type, score_array, [offset(row, r), column_at])
+                target = code.item(5, [code.plus(row, r), column_at])
                 builder.store(part, builder.bitcast(target, row_vector), align=4)
             return context.get_dummy_value()
 
@@ -191,64 +212,36 @@ score_block_1: Any = intrinsic(_score_block_typer(1))
 def _value_block_typer(typingctx, value_rows, rows_at, first, keys, weights, first_row, acc):  # type: ignore[no-untyped-def]
     """``value_block_4(value_rows, rows_at, first, keys, weights, j, acc)``: ``acc[j + r] +=
     sum_c weights[j + r, c] * value_rows[rows_at[first + c]]`` for ``r < 4``, ``c < keys``."""
-    floats = (value_rows, weights, acc)
-    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32 for a in floats):
-        return None
-    if not (isinstance(rows_at, types.Array) and rows_at.ndim == 1 and rows_at.dtype == types.int64):
-        return None
-    if not all(isinstance(i, types.Integer) for i in (first, keys, first_row)):
+    if not _block_types((value_rows, weights, acc), rows_at, (first, keys, first_row)):
         return None
 
     def codegen(context, builder, signature, arguments):  # type: ignore[no-untyped-def]
-        value_type, at_type, first_type, keys_type, weight_type, row_type, acc_type = signature.args
-        value_array = context.make_array(value_type)(context, builder, arguments[0])
-        at_array = context.make_array(at_type)(context, builder, arguments[1])
-        weight_array = context.make_array(weight_type)(context, builder, arguments[4])
-        acc_array = context.make_array(acc_type)(context, builder, arguments[6])
-        intp = context.get_value_type(types.intp)
-        start = context.cast(builder, arguments[2], first_type, types.intp)
-        count = context.cast(builder, arguments[3], keys_type, types.intp)
-        row = context.cast(builder, arguments[5], row_type, types.intp)
-        zero = ir.Constant(intp, 0)
-
-        def item(array_type: Any, array: Any, index: list[Any]) -> Any:
-            return _cgutils.get_item_pointer(context, builder, array_type, array, index, wraparound=False)
-
-        def lanes_at(row_pointer: Any, feature: Any, part: int) -> Any:
-            at = builder.gep(row_pointer, [builder.add(feature, ir.Constant(intp, part * LANES))])
-            return builder.bitcast(at, _VECTOR.as_pointer())
-
+        code = _Code(context, builder, signature, arguments)
+        start, count, row = code.values[2], code.values[3], code.values[5]
         parts = VALUE_CHUNK // LANES
-        acc_rows = [
-            item(acc_type, acc_array, [builder.add(row, ir.Constant(intp, r)), zero]) for r in range(_VALUE_ROWS)
-        ]
+        acc_rows = [code.row(6, code.plus(row, r)) for r in range(_VALUE_ROWS)]
         sums = [_cgutils.alloca_once(builder, _VECTOR) for _ in range(_VALUE_ROWS * parts)]
-        multiply_add = _cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_VECTOR, [_VECTOR] * 3), f"llvm.fmuladd.v{LANES}f32"
-        )
         broadcast = _lane_mask([0] * LANES)
-        features = builder.extract_value(acc_array.shape, 1)
-        with _cgutils.for_range_slice(builder, zero, features, ir.Constant(intp, VALUE_CHUNK)) as (feature, _):
+        features = builder.extract_value(code.values[6].shape, 1)
+        with _cgutils.for_range_slice(builder, code.constant(0), features, code.constant(VALUE_CHUNK)) as (feature, _):
+            chunk = [code.plus(feature, part * LANES) for part in range(parts)]
             for r in range(_VALUE_ROWS):
                 for part in range(parts):
-                    builder.store(builder.load(lanes_at(acc_rows[r], feature, part), align=4), sums[r * parts + part])
+                    builder.store(code.lanes(acc_rows[r], chunk[part]), sums[r * parts + part])
             with _cgutils.for_range(builder, count) as loop:
                 key = loop.index
-                pool_row = builder.load(item(at_type, at_array, [builder.add(start, key)]))
-                value_row = item(value_type, value_array, [pool_row, zero])
-                values = [builder.load(lanes_at(value_row, feature, part), align=4) for part in range(parts)]
+                value_row = code.row(0, builder.load(code.item(1, [builder.add(start, key)])))
+                values = [code.lanes(value_row, chunk[part]) for part in range(parts)]
                 for r in range(_VALUE_ROWS):
-                    weight = builder.load(
-                        item(weight_type, weight_array, [builder.add(row, ir.Constant(intp, r)), key])
-                    )
+                    weight = builder.load(code.item(4, [code.plus(row, r), key]))
                     single = builder.insert_element(ir.Constant(_VECTOR, None), weight, ir.Constant(ir.IntType(32), 0))
                     weights = builder.shuffle_vector(single, ir.Constant(_VECTOR, None), broadcast)
                     for part in range(parts):
-                        total = sums[r * parts + part]
-                        builder.store(builder.call(multiply_add, [weights, values[part], builder.load(total)]), total)
+                        code.add_product(sums[r * parts + part], weights, values[part])
             for r in range(_VALUE_ROWS):
                 for part in range(parts):
-                    builder.store(builder.load(sums[r * parts + part]), lanes_at(acc_rows[r], feature, part), align=4)
+                    at = builder.bitcast(builder.gep(acc_rows[r], [chunk[part]]), _VECTOR.as_pointer())
+                    builder.store(builder.load(sums[r * parts + part]), at, align=4)
         return context.get_dummy_value()
 
     return types.void(value_rows, rows_at, first, keys, weights, first_row, acc), codegen
