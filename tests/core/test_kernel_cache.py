@@ -69,6 +69,16 @@ def test_the_stamp_covers_every_kernel_module() -> None:
     assert int(stamp, 16) >= 0
 
 
+def test_sources_that_cannot_be_read_give_a_fixed_stamp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel imported from a zip has no files to hash: importing it still works."""
+
+    def refuse(path: Path) -> bytes:
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    assert _kernel_cache.sources_stamp.__wrapped__() == "unreadable"
+
+
 def test_the_torch_dispatch_keys_its_calibrations_by_the_stamp() -> None:
     dispatch = pytest.importorskip("kvcache_torch.dispatch")
     assert dispatch.DISPATCH.libraries["kernel"] == kernel_sources_stamp()

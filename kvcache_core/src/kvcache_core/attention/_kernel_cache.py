@@ -27,12 +27,17 @@ _QUALIFIED: Final = frozenset(f"{_PACKAGE}.{name}" for name in KERNEL_MODULES)
 
 @functools.cache
 def sources_stamp() -> str:
-    """A hash of the kernel's source files (16 hex digits): it changes with any of them."""
+    """A hash of the kernel's source files (16 hex digits): it changes with any of them;
+    ``"unreadable"`` where they are not files on disk (a zip import: numba's own stamps and
+    the versions then decide, as before)."""
     digest = hashlib.sha256()
     folder = Path(__file__).parent
-    for name in KERNEL_MODULES:
-        digest.update(name.encode())
-        digest.update((folder / f"{name}.py").read_bytes())
+    try:
+        for name in KERNEL_MODULES:
+            digest.update(name.encode())
+            digest.update((folder / f"{name}.py").read_bytes())
+    except OSError:
+        return "unreadable"
     return digest.hexdigest()[:16]
 
 
