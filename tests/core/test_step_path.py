@@ -15,6 +15,8 @@ import pytest
 from kvcache_core import AllocationRequest, InvalidArgumentError, OutOfBlocksError, SequenceTooLongError, Step
 from kvcache_core.errors import ShapeMismatchError, StaleStepError
 from kvcache_core.paging import in_place
+from kvcache_core.paging.block_pool import BlockPool
+from kvcache_core.paging.sequences import SequenceBlocks
 from tests.core.support import BLOCK, DIM, HEADS, LAYERS, Manager, make_manager
 
 
@@ -219,3 +221,56 @@ def test_an_advance_refuses_bad_token_ids_and_changes_nothing(token_ids: object)
         step.advance(token_ids=token_ids)  # type: ignore[arg-type]
     assert handle.num_tokens() == 5
     assert step.advance(token_ids=[[12]]).page_table.seq_lens.tolist() == [6]
+
+
+def test_a_decode_step_opening_blocks_takes_one_free_block_each_without_the_general_path() -> None:
+    """Without prefix caching, requests whose next token opens a block take one free block
+    each beside those growing in place; the step is the one ``begin_step`` plans."""
+    manager, other = make_manager(enable_prefix_caching=False), make_manager(enable_prefix_caching=False)
+    handles = [manager.allocate(AllocationRequest(name)) for name in ("a", "b", "c")]
+    others = [other.allocate(AllocationRequest(name)) for name in ("a", "b", "c")]
+    lengths = [BLOCK, 2, 2 * BLOCK]  # a and c open a block, b grows inside its own
+    step = manager.begin_step(handles, lengths)
+    other.begin_step(others, lengths)
+    with mock.patch.object(SequenceBlocks, "grow_all", side_effect=AssertionError("the general path")):
+        advanced = step.advance()
+    assert advanced.page_table.seq_lens.tolist() == [BLOCK + 1, 3, 2 * BLOCK + 1]
+    planned = other.begin_step(others, 1)
+    assert _snapshot(manager, advanced) == _snapshot(other, planned)
+    keys, values, query = kv(3, 1), kv(3, 2), kv(3, 3)
+    np.testing.assert_array_equal(
+        advanced.write_and_attend(0, keys, values, query), planned.write_and_attend(0, keys, values, query)
+    )
+
+
+def test_a_decode_step_interrupted_while_opening_blocks_gives_them_back() -> None:
+    manager = make_manager(enable_prefix_caching=False)
+    handles = [manager.allocate(AllocationRequest(name)) for name in ("a", "b")]
+    step = manager.begin_step(handles, [BLOCK, 2 * BLOCK])  # both open a block
+    free = manager.stats().free_blocks
+    take = BlockPool.take
+    calls: list[int] = []
+
+    def interrupted(pool: BlockPool, *args: Any, **kwargs: Any) -> list[int]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return take(pool, *args, **kwargs)
+
+    with mock.patch.object(BlockPool, "take", interrupted), pytest.raises(KeyboardInterrupt):
+        step.advance()
+    assert manager.stats().free_blocks == free
+    assert [handle.num_tokens() for handle in handles] == [BLOCK, 2 * BLOCK]
+    advanced = step.advance()  # nothing changed: the step is still current
+    assert advanced.page_table.seq_lens.tolist() == [BLOCK + 1, 2 * BLOCK + 1]
+    assert manager.stats().free_blocks == free - 2
+
+
+def test_a_decode_step_opening_more_blocks_than_are_free_is_refused_by_the_general_path() -> None:
+    manager = make_manager(num_blocks=3, enable_prefix_caching=False)
+    handles = [manager.allocate(AllocationRequest(name)) for name in ("a", "b")]
+    step = manager.begin_step(handles, [BLOCK, BLOCK])  # one block free, two needed
+    with pytest.raises(OutOfBlocksError, match="2 more blocks"):
+        step.advance()
+    assert [handle.num_tokens() for handle in handles] == [BLOCK, BLOCK]
+    assert manager.stats().free_blocks == 1

@@ -40,7 +40,7 @@ from kvcache_core.offload import host_form
 from kvcache_core.paging.block_pool import BlockPool, blocks_for
 from kvcache_core.paging.chains import PrefixChains
 from kvcache_core.paging.checks import ArgumentChecks
-from kvcache_core.paging.in_place import InPlace, grow_in_place, plan_in_place
+from kvcache_core.paging.in_place import InPlace, grow_in_place, grow_opening, plan_in_place, plan_openings
 from kvcache_core.paging.issued_tables import IssuedTables
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import GrowthPlan, SequenceBlocks
@@ -244,10 +244,10 @@ class DataPath(Generic[ArrayT]):
     ) -> Step[ArrayT]:
         """The decode step after ``last`` (current, of ``states``, run by ``previous``): each
         request one token more, as :meth:`begin_step` plans it. Where every request's token
-        lands in the block of its last one and ``last``'s page table is the last one issued,
-        the new table shares its pages (lengths one more) and the pool takes no block;
-        otherwise the batch grows as :meth:`begin_step` grows it (what is found in place
-        found once). Either way ``previous`` hands the new
+        lands in the block of its last one or (no prefix caching) opens one free block, and
+        ``last``'s page table is the last one issued, the new table shares its pages (lengths
+        one more, opened blocks appended); otherwise the batch grows as :meth:`begin_step`
+        grows it (what is found in place found once). Either way ``previous`` hands the new
         step what the two share (:meth:`~kvcache_core._step_runner.DataPathRunner.hand_over`).
 
         Raises:
@@ -255,21 +255,24 @@ class DataPath(Generic[ArrayT]):
         """
         counts = [1] * len(states)
         in_place = plan_in_place(self._sequences, states, counts, ids)
-        if (
-            in_place is None
-            or len(in_place.rows) != len(states)
-            or len(last.page_tables) != 1
-            or not self.tables.is_last(last.page_table)
-        ):  # the requests are distinct (a step's): grown as begin_step grows them, planned once
+        opening = None if in_place is None else plan_openings(self._sequences, states, counts, ids, in_place)
+        if opening is None or len(last.page_tables) != 1 or not self.tables.is_last(last.page_table):
+            # the requests are distinct (a step's): grown as begin_step grows them, planned once
             grown = self._grow_around(states, counts, ids, _step_shortage(len(states), len(states)), in_place)
             return self.step(states, counts, grown, (previous, last))
-        slots = grow_in_place(self._sequences, states, counts, in_place)  # no block taken or released
-        table = self.tables.grown_in_place(last.page_table, states)
+        assert in_place is not None  # (opening is None without it)
+        if opening:  # some requests open a block: the others grow in place
+            slots = grow_opening(self._sequences, states, counts, in_place, opening)
+            self._after_growth()
+            table = self.tables.issue(states)
+        else:  # no block taken or released
+            slots = grow_in_place(self._sequences, states, counts, in_place)
+            table = self.tables.grown_in_place(last.page_table, states)
         runner = DataPathRunner(self, states, 1)
         step = Step(
             runner, last.request_ids, tuple(counts), slots, (table,), last.num_heads, last.head_dim, last.value_width
         )
-        previous.hand_over(last, runner, step, same_blocks=True)
+        previous.hand_over(last, runner, step, same_blocks=not opening)
         return step
 
     def step(

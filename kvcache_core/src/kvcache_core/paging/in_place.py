@@ -6,6 +6,12 @@ nothing and releases nothing, so most of what :meth:`SequenceBlocks.plan_growth`
 the requests of a batch that grow so, and :func:`grow_in_place` grows them with a few
 operations per request and one array update for the batch, with the same effect on tables,
 slots, token ids and the prefix cache as the general path, which grows the others.
+
+In a pool without prefix caching, a request whose new tokens open exactly one block (a
+decode step of a batch, one request in a block's worth of steps) is as simple: it takes one
+free block, placed as the general path places it, and nothing is hashed or looked up.
+:func:`plan_openings` picks those of a decode step and :func:`grow_opening` grows them
+beside the requests growing in place.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import numpy.typing as npt
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.sequences import SequenceBlocks
 
-__all__ = ["InPlace", "grow_in_place", "plan_in_place"]
+__all__ = ["InPlace", "grow_in_place", "grow_opening", "plan_in_place", "plan_openings"]
 
 
 class InPlace(NamedTuple):
@@ -107,4 +113,83 @@ def grow_in_place(
         if prefix:
             chains.advance(state)
         state.last_access = now
+    return slots
+
+
+def plan_openings(
+    blocks: SequenceBlocks,
+    states: Sequence[RequestState[Any]],
+    counts: Sequence[int],
+    ids: Sequence[tuple[int, ...] | None],
+    in_place: InPlace,
+) -> list[int] | None:
+    """The rows of a batch, besides those ``in_place`` grows (its plan for these arguments),
+    whose new tokens open exactly one block they do not hold yet, in a pool without prefix
+    caching, given no token ids, within their ``max_sequence_length``; ``[]`` when every row
+    grows in place. ``None`` (the general path grows the batch) where any other row is left
+    or the free blocks do not cover one each. Changes nothing."""
+    if len(in_place.rows) == len(states):
+        return []
+    pool = blocks.pool
+    if pool.prefix is not None:
+        return None
+    size, placed = blocks.block_size, set(in_place.rows)
+    rows: list[int] = []
+    for row, (state, count, row_ids) in enumerate(zip(states, counts, ids, strict=True)):
+        if row in placed:
+            continue
+        table = state.tables[0]
+        old = table.sequence_length
+        if row_ids is not None or not 1 <= count <= size or old % size:
+            return None
+        if table.first_logical + table.num_blocks() != old // size:  # the block is held already
+            return None
+        if state.max_sequence_length is not None and old + count > state.max_sequence_length:
+            return None
+        rows.append(row)
+    return rows if len(rows) <= pool.allocator.free_block_count() else None
+
+
+def grow_opening(
+    blocks: SequenceBlocks,
+    states: Sequence[RequestState[Any]],
+    counts: Sequence[int],
+    in_place: InPlace,
+    opening: list[int],
+) -> npt.NDArray[np.int64]:
+    """Carry out a decode step (``counts`` all 1) whose rows grow ``in_place`` or open a block
+    (``opening``, from :func:`plan_openings` for the same arguments, nothing changed since):
+    each opening row takes one free block in row order, placed after its last block with its
+    expected blocks as the general path places them, then every row grows. All or nothing:
+    whatever interrupts the taking gives every block taken back. Returns the slots, one per row."""
+    pool = blocks.pool
+    taken: list[int] = []
+    try:
+        for row in opening:
+            state = states[row]
+            table = state.tables[0]
+            held = table.num_blocks()
+            after = pool.sole_holder(table.physical_block(table.first_logical + held - 1) if held else None)
+            expected = blocks.expected_blocks(state.max_sequence_length, table.first_logical + held)
+            taken += pool.take(1, after, expected, f"cannot extend request {state.request_id!r} by 1 tokens")
+    except BaseException:
+        if taken:
+            pool.allocator.release(taken[::-1], taken[-1])
+        raise
+    slots = np.empty(len(states), dtype=np.int64)
+    size, now = blocks.block_size, time.monotonic()
+    for row, block in zip(opening, taken, strict=True):
+        state = states[row]
+        table = state.tables[0]
+        table.add_blocks((block,))
+        table.extend_sequence(counts[row])
+        slots[row] = block * size
+        pool.replanned(state)
+        state.last_access = now
+    opened = slots[opening]
+    pool.issued[opened] = True
+    if pool.written is not None:
+        pool.written[:, opened] = False  # handed out anew: nothing of these requests is there yet
+    if in_place.rows:
+        slots[in_place.rows] = grow_in_place(blocks, states, counts, in_place)
     return slots
