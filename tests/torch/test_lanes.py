@@ -433,3 +433,34 @@ def test_an_advanced_step_checks_a_scale_other_than_the_one_it_took_over(path: s
                 general.attention(layer, query, scale=scale),
             )
     assert torch.equal(pool_copy(lane_manager), pool_copy(general_manager))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "heads_first"])
+@pytest.mark.parametrize("value_width", [None, 4])
+def test_a_lane_makes_every_layers_views_at_once_as_it_would_one_by_one(layout: str, value_width: int | None) -> None:
+    """The views of a request's slot and run in every layer's pools, made with one view over
+    the evenly spaced layers, are those made layer by layer (the same memory, shape and
+    strides); a lane over pools that are not evenly spaced makes them layer by layer."""
+    config = make_config(64, 4, num_layers=3, num_heads=2, head_dim=8, value_head_dim=value_width, kv_layout=layout)
+    manager: Manager = create_manager("torch", config)
+    handle = manager.allocate(AllocationRequest("a"))
+    step = manager.begin_step([handle], [5])
+    lane = manager.storage.step_lane(step.page_table, step.slots, step.qo_indptr)  # type: ignore[attr-defined]
+    assert isinstance(lane, TorchLane)
+    slot, rows = int(step.slots[-1]), lane._rows  # pyright: ignore[reportPrivateUsage]
+    for tokens in (None, 3):
+        for part in (0, 1):
+            together = lane._layer_views(part, slot, tokens)  # pyright: ignore[reportPrivateUsage]
+            alone = [lane._pool_view(layer_rows, slot, tokens) for layer_rows in rows[part]]  # pyright: ignore[reportPrivateUsage]
+            assert len(together) == len(alone) == manager.config.num_layers
+            for made, expected in zip(together, alone, strict=True):
+                assert made.shape == expected.shape
+                assert made.stride() == expected.stride()
+                assert made.data_ptr() == expected.data_ptr()
+    memory = lanes.LaneMemory(2)
+    base = torch.zeros(64)
+    assert memory.layer_step(0, [base[0:8].view(2, 4), base[16:24].view(2, 4)]) == 16
+    assert lanes.LaneMemory(2).layer_step(0, [base[0:8].view(2, 4), base[16:24].view(4, 2)]) is None  # shapes
+    assert lanes.LaneMemory(3).layer_step(0, [base[0:8], base[16:24], base[40:48]]) is None  # uneven
+    assert lanes.LaneMemory(2).layer_step(0, [base[16:24], base[0:8]]) is None  # backwards
+    assert lanes.LaneMemory(2).layer_step(0, [base[0:8], torch.zeros(8)]) is None  # another storage

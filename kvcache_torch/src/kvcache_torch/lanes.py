@@ -39,6 +39,7 @@ looked up.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, Final
@@ -89,13 +90,43 @@ class _Settled:
 
 class LaneMemory:
     """What a storage's lanes keep between steps: per layer, the pools' host views the kernel
-    reads (made once); per KV-cache group, the path its last fully settled step took."""
+    reads (made once); per KV-cache group, the path its last fully settled step took; per
+    part (keys, values), the distance between consecutive layers' write views in their
+    storage, where every layer's is alike (found once)."""
 
-    __slots__ = ("hosts", "settled")
+    __slots__ = ("hosts", "layer_steps", "settled")
 
     def __init__(self, num_layers: int) -> None:
         self.hosts: list[tuple[npt.NDArray[Any], npt.NDArray[Any]] | None] = [None] * num_layers
         self.settled: dict[int, _Settled] = {}
+        self.layer_steps: dict[int, int | None] = {}
+
+    def layer_step(self, part: int, rows: list[torch.Tensor]) -> int | None:
+        """The elements from one layer's write view ``rows[layer]`` to the next's, where all are
+        of one shape and strides in one storage, evenly spaced (a torch pool's layers are);
+        ``None`` otherwise."""
+        if part not in self.layer_steps:
+            self.layer_steps[part] = _even_spacing(rows)
+        return self.layer_steps[part]
+
+
+def _even_spacing(rows: list[torch.Tensor]) -> int | None:
+    """The positive distance between consecutive views of ``rows`` in one storage, all of one
+    shape and strides (0 for one view); ``None`` where they are not so."""
+    if not rows:
+        return None
+    first = rows[0]
+    step = int(rows[1].storage_offset()) - int(first.storage_offset()) if len(rows) > 1 else 0
+    storage = first.untyped_storage().data_ptr()
+    for index, rows_of_layer in enumerate(rows):
+        if (
+            rows_of_layer.shape != first.shape
+            or rows_of_layer.stride() != first.stride()
+            or rows_of_layer.untyped_storage().data_ptr() != storage
+            or rows_of_layer.storage_offset() != first.storage_offset() + index * step
+        ):
+            return None
+    return step if step > 0 or len(rows) == 1 else None
 
 
 class TorchLane:
@@ -293,35 +324,50 @@ class TorchLane:
 
     def _slot_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the views ``[1, H, D]`` of the one request's new slot in its key and value
-        pools (written in place), made in one loop: each torch operation costs several times
-        as much inside a model, its code pushed out of the CPU's caches by the layer's work."""
-        return [
-            (self._pool_view(keys, self._slot, None), self._pool_view(values, self._slot, None))
-            for keys, values in zip(self._rows[0], self._rows[1], strict=True)
-        ]
+        pools (written in place), made for every layer at once (:meth:`_layer_views`)."""
+        return list(zip(self._layer_views(0, self._slot, None), self._layer_views(1, self._slot, None), strict=True))
 
     def _run_views(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Where the step is one request in one run read by torch's attention: per layer, the
-        views ``[1, H, tokens, D]`` of its run in its key and value pools, made in one loop."""
+        views ``[1, H, tokens, D]`` of its run in its key and value pools, made for every layer
+        at once (:meth:`_layer_views`)."""
         span = self._span
         if self._mode != "views" or span is None or span[0] + span[1] - 1 != self._slot:
             return None  # (its one new token ends its run)
         first, tokens = span
-        return [
-            (self._pool_view(keys, first, tokens), self._pool_view(values, first, tokens))
-            for keys, values in zip(self._rows[0], self._rows[1], strict=True)
-        ]
+        return list(zip(self._layer_views(0, first, tokens), self._layer_views(1, first, tokens), strict=True))
 
-    def _pool_view(self, rows: torch.Tensor, slot: int, tokens: int | None) -> torch.Tensor:
+    def _layer_views(self, part: int, slot: int, tokens: int | None) -> Sequence[torch.Tensor]:
+        """Per layer, :meth:`_pool_view` of its write view of ``part`` (0 keys, 1 values). Where
+        the layers' views are evenly spaced in one storage (:meth:`LaneMemory.layer_step`), one
+        view over every layer, unbound: a few torch operations per step instead of one per layer
+        (inside a model each costs several times what it costs in a loop, its code pushed out of
+        the CPU's caches by the layer's work)."""
+        rows = self._rows[part]
+        step = self._memory.layer_step(part, rows)
+        if step is None:
+            return [self._pool_view(layer_rows, slot, tokens) for layer_rows in rows]
+        return self._pool_view(rows[0], slot, tokens, (len(rows), step)).unbind(0)
+
+    def _pool_view(
+        self, rows: torch.Tensor, slot: int, tokens: int | None, layers: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         """``[1, H, D]`` of ``slot`` (``tokens`` None) or ``[1, H, tokens, D]`` from it, a view of
-        the flat pool ``rows`` (``[H, slots, D]`` heads-first, ``[slots, H, D]`` NHD)."""
+        the flat pool ``rows`` (``[H, slots, D]`` heads-first, ``[slots, H, D]`` NHD); with
+        ``layers`` ``(count, step)``, led by an axis of ``count`` layers ``step`` elements apart."""
         strides, heads = rows.stride(), self._heads
         along, across = (strides[1], strides[0]) if self._heads_first else (strides[0], strides[1])
         lead = heads * across  # a leading axis of one, strided as indexing with None strides it
         offset = rows.storage_offset() + slot * along
+        shape: tuple[int, ...]
+        steps: tuple[int, ...]
         if tokens is None:
-            return rows.as_strided((1, heads, rows.shape[2]), (lead, across, strides[2]), offset)
-        return rows.as_strided((1, heads, tokens, rows.shape[2]), (lead, across, along, strides[2]), offset)
+            shape, steps = (1, heads, rows.shape[2]), (lead, across, strides[2])
+        else:
+            shape, steps = (1, heads, tokens, rows.shape[2]), (lead, across, along, strides[2])
+        if layers is not None:
+            shape, steps = (layers[0], *shape), (layers[1], *steps)
+        return rows.as_strided(shape, steps, offset)
 
     def _through_pool(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """The storage's own attention of the layer (:func:`~kvcache_torch.attention.attend_pool`)."""
