@@ -61,6 +61,55 @@ def test_runs_are_found_row_by_row() -> None:
         runs.order(0)
 
 
+def _same_runs(found: SlotRuns, expected: SlotRuns) -> None:
+    assert (found.batch, found.positions, found.slots_needed) == (
+        expected.batch,
+        expected.positions,
+        expected.slots_needed,
+    )
+    for name in ("leads", "runs", "run_first"):
+        assert getattr(found, name).tolist() == getattr(expected, name).tolist(), name
+        assert not getattr(found, name).flags.writeable
+    assert found.order(3).tolist() == expected.order(3).tolist()
+
+
+@settings(max_examples=80, deadline=None)
+@given(batch=_batches(), follow=st.lists(st.booleans(), min_size=5, max_size=5), seed=st.integers(0, 2**16))
+def test_runs_extended_by_one_position_per_row_are_those_found_anew(
+    batch: tuple[npt.NDArray[np.int64], int], follow: list[bool], seed: int
+) -> None:
+    """A decode step's array (each row one stored slot more) extends the last step's runs: a
+    row's last run one longer where its new slot follows it, a run of one otherwise."""
+    slots, pool_slots = batch
+    runs = SlotRuns(slots)
+    before = (runs.runs.tolist(), runs.run_first.tolist())
+    column: npt.NDArray[np.int64] = np.random.default_rng(seed).permutation(
+        np.arange(pool_slots, pool_slots + slots.shape[0], dtype=np.int64)
+    )
+    for row in range(slots.shape[0]):
+        if follow[row] and slots.shape[1] and slots[row, -1] >= 0 and slots[row, -1] + 1 not in slots:
+            column[row] = slots[row, -1] + 1
+    grown = np.concatenate([slots, column[:, None].astype(np.int64)], axis=1)
+    extended = runs.extended(grown)
+    assert extended is not None
+    _same_runs(extended, SlotRuns(grown))
+    assert (runs.runs.tolist(), runs.run_first.tolist()) == before  # the last step's runs unchanged
+
+
+def test_runs_extend_only_by_one_stored_slot_per_row() -> None:
+    slots = np.array([[-1, 3, 4], [0, 1, 2]], dtype=np.int64)
+    runs = SlotRuns(slots)
+    assert runs.extended(np.array([[-1, 3, 4, 5], [0, 1, 2, -1]], dtype=np.int64)) is None  # padding after a slot
+    assert runs.extended(np.array([[-1, 3, 4, 5, 6], [0, 1, 2, 3, 7]], dtype=np.int64)) is None  # two more
+    assert runs.extended(np.array([[-1, 3, 4, 5]], dtype=np.int64)) is None  # another batch
+    other_type: Any = np.array([[-1, 3, 4, 5], [0, 1, 2, 3]], dtype=np.int32)
+    assert runs.extended(other_type) is None  # another type
+    _same_runs(
+        runs.extended(np.array([[-1, 3, 4, 5], [0, 1, 2, 9]], dtype=np.int64)),  # type: ignore[arg-type]
+        SlotRuns(np.array([[-1, 3, 4, 5], [0, 1, 2, 9]], dtype=np.int64)),
+    )
+
+
 @needs_numba
 @settings(max_examples=60, deadline=None)
 @given(batch=_batches(), dtype=st.sampled_from([np.float32, np.float16, np.uint8, np.float64]), spare=st.integers(0, 3))

@@ -7,11 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 
 from kvcache_core import AllocationRequest, CacheConfig, PagedKvCacheManager, Step, create_manager
-from kvcache_core.attention.gather_kernel import gather_runs
+from kvcache_core.attention.gather_kernel import SlotRuns, gather_runs
 from kvcache_core.attention.kernel import DISABLE_ENV, kernel_available
 from kvcache_torch import TorchStorage
 
@@ -150,3 +151,31 @@ def test_one_request_s_run_is_shown_in_place_where_the_layout_keeps_its_tokens_i
                 assert torch.equal(got, copied)
                 assert got.untyped_storage().data_ptr() == storage.pool.untyped_storage().data_ptr()  # no copy
         assert step.padded_view(1, width=14) is None  # a position before its first token: padding
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the compiled gather needs numba")
+def test_a_decode_step_s_read_extends_the_last_step_s_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading every step of a decode, the runs are found once, at the first step, and extended
+    after (new blocks open new runs between the rows' blocks); each read is the request's tokens."""
+    config = CacheConfig(num_layers=2, num_heads=2, head_dim=8, block_size=4, num_blocks=64, kv_layout="heads_first")
+    generator = torch.Generator().manual_seed(5)
+    found: list[int] = []
+    original = SlotRuns.__init__
+
+    def counted(runs: SlotRuns, slots: npt.NDArray[np.int64]) -> None:
+        found.append(int(slots.shape[1]))
+        original(runs, slots)
+
+    monkeypatch.setattr(SlotRuns, "__init__", counted)
+    with create_manager("torch", config) as manager:
+        handles = [manager.allocate(AllocationRequest(f"r{row}")) for row in range(3)]
+        counts = [9, 2, 5]
+        for _ in range(9):  # a prefill, then decode steps of one token per row
+            step = manager.begin_step(handles, counts)
+            shape = (sum(counts), 2, 8)
+            for layer in range(2):
+                step.write(layer, torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+                keys, _ = step.gather_padded(layer, layout="HND")
+                assert torch.equal(keys, _expected(manager, list(handles), layer))
+            counts = [1, 1, 1]
+    assert found == [9]  # the prefill's; the decode steps' runs are extended

@@ -49,13 +49,14 @@ class PaddedReader:
         device: the pool's.
     """
 
-    __slots__ = ("_device", "_heads_first", "_memo")
+    __slots__ = ("_device", "_heads_first", "_last", "_memo")
 
     def __init__(self, heads_first: bool, device: torch.device) -> None:
         self._heads_first, self._device = heads_first, device
         # Frozen slot arrays lately read (by id, the array kept alive) and their plans: a
         # step's KV-cache groups each pass their own.
         self._memo: dict[int, tuple[npt.NDArray[np.int64], _Plan]] = {}
+        self._last: _Plan | None = None  # the last plan made: the next decode step's extends its runs
 
     def read(
         self, keys: torch.Tensor, values: torch.Tensor, slots: npt.NDArray[np.int64], layout: str
@@ -83,7 +84,7 @@ class PaddedReader:
         known = self._memo.get(id(slots))
         if known is not None and known[0] is slots:
             return known[1]
-        plan = _Plan(slots, self._device)
+        plan = self._last = _Plan(slots, self._device, self._last)
         base: Any = slots.base
         if not slots.flags.writeable and isinstance(base, np.ndarray) and not base.flags.writeable:
             if len(self._memo) >= _MEMO_SIZE:  # an earlier step's: dropped
@@ -93,45 +94,70 @@ class PaddedReader:
 
 
 class _Plan:
-    """One slot array's index tensor and, per row, how many padding positions open it (zeroed
-    as one slice: a broadcast mask measured 3-5x slower); on CPU, its runs of consecutive
-    slots, found at the first read (:class:`~kvcache_core.attention.gather_kernel.SlotRuns`)."""
+    """One slot array's reads. Made at the first read that needs them: the index tensor of the
+    torch reads and, per row, how many padding positions open it (zeroed as one slice: a
+    broadcast mask measured 3-5x slower); on CPU, the runs of consecutive slots of the compiled
+    copy (:class:`~kvcache_core.attention.gather_kernel.SlotRuns`), from the ``previous``
+    plan's where this array is that one with one more position per row (the next decode step's:
+    a few array operations per row instead of a pass over every position)."""
 
-    __slots__ = ("_batch", "_index", "_leads", "_positions", "_runs", "_slots")
+    __slots__ = ("_batch", "_cpu", "_device", "_index", "_leads", "_positions", "_previous", "_runs", "_slots")
 
-    def __init__(self, slots: npt.NDArray[np.int64], device: torch.device) -> None:
+    def __init__(self, slots: npt.NDArray[np.int64], device: torch.device, previous: _Plan | None = None) -> None:
         self._batch, self._positions = int(slots.shape[0]), int(slots.shape[1])
-        self._slots: npt.NDArray[np.int64] | None = slots if device.type == "cpu" else None
+        self._slots, self._device, self._cpu = slots, device, device.type == "cpu"
         self._runs: SlotRuns | None = None
-        pads = slots < 0  # the padding opens each row (the contract's left padding)
-        self._index = tensor_of(np.where(pads, 0, slots).reshape(-1).astype(np.int64)).to(device)
-        self._leads = [(row, lead) for row, lead in enumerate(pads.sum(axis=1).tolist()) if lead]
+        self._previous = previous if self._cpu else None  # dropped once the runs are found
+        if previous is not None:
+            previous._previous = None  # (a chain of plans never read that way holds two at most)
+        self._index: torch.Tensor | None = None
+        self._leads: list[tuple[int, int]] = []
+
+    def _slot_runs(self) -> SlotRuns:
+        """The runs (found once): the previous plan's extended where they extend, else anew."""
+        if self._runs is None:
+            previous, self._previous = self._previous, None
+            slots = self._slots
+            if previous is not None and previous._runs is not None:
+                old = previous._slots
+                if old.shape == (slots.shape[0], slots.shape[1] - 1) and np.array_equal(slots[:, :-1], old):
+                    self._runs = previous._runs.extended(slots)
+            if self._runs is None:
+                self._runs = SlotRuns(slots)
+        return self._runs
+
+    def _indexing(self) -> torch.Tensor:
+        """The index tensor of the torch reads (made once), and the rows' padding counts."""
+        if self._index is None:
+            pads = self._slots < 0  # the padding opens each row (the contract's left padding)
+            self._leads = [(row, lead) for row, lead in enumerate(pads.sum(axis=1).tolist()) if lead]
+            self._index = tensor_of(np.where(pads, 0, self._slots).reshape(-1).astype(np.int64)).to(self._device)
+        return self._index
 
     def take(self, rows: torch.Tensor, heads_first: bool, layout: str) -> torch.Tensor:
         batch, positions = self._batch, self._positions
         dim = int(rows.shape[2])
         heads = int(rows.shape[0] if heads_first else rows.shape[1])
-        if heads_first and layout == "HND" and self._slots is not None and kernel_available():  # CPU: compiled
-            if self._runs is None:
-                self._runs = SlotRuns(self._slots)
+        if heads_first and layout == "HND" and self._cpu and kernel_available():  # CPU: compiled
             out = rows.new_empty((batch, heads, positions, dim))
-            if gather_runs(_bits(rows), _bits(out), self._runs, torch_team()):
+            if gather_runs(_bits(rows), _bits(out), self._slot_runs(), torch_team()):
                 return out
+        index = self._indexing()
         if heads_first and layout == "HND" and heads > 1:  # straight into place: one pass, no transpose
             out = rows.new_empty((batch, heads, positions, dim))
-            index = self._index.view(batch, positions)
+            by_row = index.view(batch, positions)
             if positions * dim * rows.element_size() >= _HEAD_COPY_BYTES:  # a head of a row at a time
                 for row in range(batch):
                     for head in range(heads):
-                        torch.index_select(rows[head], 0, index[row], out=out[row, head])
+                        torch.index_select(rows[head], 0, by_row[row], out=out[row, head])
             else:
                 for row in range(batch):
-                    torch.index_select(rows, 1, index[row], out=out[row])
+                    torch.index_select(rows, 1, by_row[row], out=out[row])
         elif heads_first:  # [heads, batch * positions, dim]
-            taken = rows.index_select(1, self._index).view(heads, batch, positions, dim)
+            taken = rows.index_select(1, index).view(heads, batch, positions, dim)
             out = (taken.permute(1, 0, 2, 3) if layout == "HND" else taken.permute(1, 2, 0, 3)).contiguous()
         else:  # [batch * positions, heads, dim]
-            out = rows.index_select(0, self._index).view(batch, positions, heads, dim)
+            out = rows.index_select(0, index).view(batch, positions, heads, dim)
             if layout == "HND":
                 out = out.transpose(1, 2).contiguous()
         for row, lead in self._leads:

@@ -129,6 +129,45 @@ class SlotRuns:
         """One past the highest slot named (0 when none is): a pool of fewer slots cannot be read."""
         return self._slots_needed
 
+    def extended(self, slots: npt.NDArray[np.int64]) -> SlotRuns | None:
+        """The runs of ``slots`` where it is this array with one more position per row, each a
+        stored slot (a decode step's array after the last step's): each row's last run one
+        longer where the new slot follows it, else a run of one more; the leads the same. Found
+        in a few array operations per row instead of a pass over every position. ``None`` where
+        ``slots`` is not so (then ``SlotRuns(slots)`` finds them); this array's runs are unchanged.
+        The caller checks that the first positions are this array's."""
+        if (
+            not isinstance(slots, np.ndarray)
+            or slots.dtype != np.int64
+            or slots.shape != (self._batch, self._positions + 1)
+        ):
+            return None
+        column = slots[:, -1]
+        if column.size and int(column.min()) < 0:
+            return None
+        runs, starts, ends = self._runs, self._run_first[:-1], self._run_first[1:]
+        last = np.maximum(ends - 1, 0)
+        stored = ends > starts  # the row has a run: it ends at the last position (padding only opens rows)
+        if runs.shape[0]:
+            follows = stored & (runs[last, 1] + runs[last, 2] == column)
+        else:
+            follows = np.zeros(self._batch, dtype=np.bool_)
+        grown = runs.copy()
+        grown[last[follows], 2] += 1
+        opened = ~follows
+        new = np.stack([np.full(int(opened.sum()), self._positions, dtype=np.int64), column[opened]], axis=1)
+        grown = np.insert(
+            grown, ends[opened], np.concatenate([new, np.ones((new.shape[0], 1), np.int64)], axis=1), axis=0
+        )
+        extended = object.__new__(SlotRuns)
+        extended._batch, extended._positions = self._batch, self._positions + 1
+        extended._leads = self._leads
+        extended._runs = _frozen(grown)
+        extended._run_first = _frozen(np.concatenate(([0], np.cumsum(np.diff(self._run_first) + opened))))
+        extended._slots_needed = max(self._slots_needed, int(column.max()) + 1 if column.size else 0)
+        extended._orders = self._orders  # the same leads: the same orders
+        return extended
+
     def order(self, heads: int) -> IndexArray:
         """The work items ``row * heads + head``, the rows with most stored positions first
         (the threads claim them in this order, so the longest start first).
