@@ -260,7 +260,7 @@ class DataPath(Generic[ArrayT]):
             # the requests are distinct (a step's): grown as begin_step grows them, planned once
             grown = self._grow_around(states, counts, ids, _step_shortage(len(states), len(states)), in_place)
             return self.step(states, counts, grown, (previous, last))
-        assert in_place is not None  # (opening is None without it)
+        assert in_place is not None  # (plan_openings runs only on a plan)
         if opening:  # some requests open a block: the others grow in place
             slots = grow_opening(self._sequences, states, counts, in_place, opening)
             self._after_growth()

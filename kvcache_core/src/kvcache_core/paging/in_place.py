@@ -123,8 +123,8 @@ def plan_openings(
     ids: Sequence[tuple[int, ...] | None],
     in_place: InPlace,
 ) -> list[int] | None:
-    """The rows of a batch, besides those ``in_place`` grows (its plan for these arguments),
-    whose new tokens open exactly one block they do not hold yet, in a pool without prefix
+    """The rows of a decode step (``counts`` all 1), besides those ``in_place`` grows (its plan
+    for these arguments), whose new token opens a block they do not hold yet, in a pool without prefix
     caching, given no token ids, within their ``max_sequence_length``; ``[]`` when every row
     grows in place. ``None`` (the general path grows the batch) where any other row is left
     or the free blocks do not cover one each. Changes nothing."""
@@ -140,7 +140,7 @@ def plan_openings(
             continue
         table = state.tables[0]
         old = table.sequence_length
-        if row_ids is not None or not 1 <= count <= size or old % size:
+        if row_ids is not None or count != 1 or old % size:
             return None
         if table.first_logical + table.num_blocks() != old // size:  # the block is held already
             return None
@@ -171,7 +171,7 @@ def grow_opening(
             held = table.num_blocks()
             after = pool.sole_holder(table.physical_block(table.first_logical + held - 1) if held else None)
             expected = blocks.expected_blocks(state.max_sequence_length, table.first_logical + held)
-            taken += pool.take(1, after, expected, f"cannot extend request {state.request_id!r} by 1 tokens")
+            taken += pool.take(1, after, expected, f"cannot extend request {state.request_id!r} by 1 token")
     except BaseException:
         if taken:
             pool.allocator.release(taken[::-1], taken[-1])
