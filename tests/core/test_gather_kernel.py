@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache_core.attention.gather_kernel import MIN_THREAD_BYTES, SlotRuns, gather_runs
+from kvcache_core.attention.gather_kernel import MIN_THREAD_BYTES, SlotRuns, gather_runs, gather_runs_together
 from kvcache_core.attention.kernel import DISABLE_ENV, kernel_available, max_threads, python_team
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, ShapeMismatchError
 
@@ -124,6 +124,80 @@ def test_the_gather_equals_the_indexed_read(
     out = np.full((slots.shape[0], heads, slots.shape[1], dim), 7, dtype=dtype)
     assert gather_runs(pool, out, SlotRuns(slots))
     assert np.array_equal(out, _expected(pool, slots))
+
+
+@needs_numba
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=_batches(), dtype=st.sampled_from([np.float32, np.uint16]), widths=st.sampled_from([(5, 5), (4, 7), (8, 1)])
+)
+def test_keys_and_values_gathered_together_equal_the_indexed_reads(
+    batch: tuple[npt.NDArray[np.int64], int], dtype: type[np.generic], widths: tuple[int, int]
+) -> None:
+    slots, pool_slots = batch
+    heads = 2
+    generator = np.random.default_rng(4)
+    # Keys and values of their own widths, each inside a larger array (heads further apart).
+    keys = generator.integers(1, 100, size=(heads, pool_slots + 2, widths[0])).astype(dtype)[:, :pool_slots]
+    values = generator.integers(1, 100, size=(heads, pool_slots + 1, widths[1])).astype(dtype)[:, :pool_slots]
+    outs = [np.full((slots.shape[0], heads, slots.shape[1], width), 7, dtype=dtype) for width in widths]
+    assert gather_runs_together(((keys, outs[0]), (values, outs[1])), SlotRuns(slots))
+    assert np.array_equal(outs[0], _expected(keys, slots))
+    assert np.array_equal(outs[1], _expected(values, slots))
+
+
+@needs_numba
+def test_keys_and_values_together_start_the_team_once() -> None:
+    calls: list[int] = []
+
+    def team(share: Callable[[], None], threads: int) -> None:
+        calls.append(threads)
+        python_team(share, threads)
+
+    heads, dim, positions = 2, 64, 1000
+    lengths = (1000, 5)
+    slots = np.full((len(lengths), positions), -1, dtype=np.int64)
+    slots[0] = np.arange(positions)
+    slots[1, -5:] = np.arange(positions + 16, positions + 21)
+    generator = np.random.default_rng(5)
+    pools = [generator.standard_normal((heads, positions + 21, dim)).astype(np.float32) for _ in range(2)]
+    outs = [np.empty((len(lengths), heads, positions, dim), dtype=np.float32) for _ in range(2)]
+    assert outs[0].nbytes < MIN_THREAD_BYTES <= outs[0].nbytes + outs[1].nbytes  # together they are worth a team
+    assert gather_runs_together(list(zip(pools, outs, strict=True)), SlotRuns(slots), team)
+    assert calls == [min(max_threads(), 8)]  # one start: 2 rows x 2 heads x 2 pools
+    for pool, out in zip(pools, outs, strict=True):
+        assert np.array_equal(out, _expected(pool, slots))
+
+
+@needs_numba
+def test_one_pair_not_in_rows_leaves_every_out_untouched() -> None:
+    slots = np.array([[-1, 0, 1, 2]], dtype=np.int64)
+    pool = np.ones((2, 3, 4), dtype=np.float32)
+    interleaved = np.ones((3, 2, 4), dtype=np.float32).transpose(1, 0, 2)  # [heads, slots, dim] of an NHD pool
+    outs = [np.full((1, 2, 4, 4), 5.0, dtype=np.float32) for _ in range(2)]
+    assert not gather_runs_together(((pool, outs[0]), (interleaved, outs[1])), SlotRuns(slots))
+    assert all((out == 5.0).all() for out in outs)
+
+
+@pytest.mark.parametrize(
+    ("values_shape", "values_dtype", "error", "named"),
+    [
+        ((3, 8, 4), np.float32, ShapeMismatchError, r"one number of heads, got \[2, 3\]"),
+        ((2, 8, 4), np.float64, InvalidTypeError, r"one size, got \[4, 8\]"),
+    ],
+)
+def test_pairs_of_other_heads_or_sizes_are_refused_untouched(
+    values_shape: tuple[int, ...], values_dtype: type[np.generic], error: type[Exception], named: str
+) -> None:
+    runs = SlotRuns(np.array([[-1, 5, 6]], dtype=np.int64))
+    keys = np.ones((2, 8, 4), dtype=np.float32)
+    values = np.ones(values_shape, dtype=values_dtype)
+    outs = [np.full((1, 2, 3, 4), 3, dtype=np.float32), np.full((1, values_shape[0], 3, 4), 3, dtype=values_dtype)]
+    with pytest.raises(error, match=named):
+        gather_runs_together(((keys, outs[0]), (values, outs[1])), runs)
+    assert all((out == 3).all() for out in outs)
+    with pytest.raises(InvalidArgumentError, match="at least one"):
+        gather_runs_together((), runs)
 
 
 @needs_numba

@@ -10,7 +10,8 @@ copy into it take three (a heads-first pool read heads second, as transformers t
 straight into place, a row or a head of a row per ``index_select``).
 
 On CPU, a heads-first pool read heads second is copied run by run in compiled code instead
-(:mod:`kvcache_core.attention.gather_kernel`, on torch's OpenMP threads): inside transformers'
+(:mod:`kvcache_core.attention.gather_kernel`, on torch's OpenMP threads; keys and values in
+one call, :func:`~kvcache_core.attention.gather_kernel.gather_runs_together`): inside transformers'
 ``generate`` of 8 ragged prompts (machine C, 2 KV heads of 64, about 2k positions) 1.0 ms a
 pool and layer against about 1.5 ms an ``index_select`` a head of a row; the torch reads stay
 where numba is missing or switched off.
@@ -24,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcache_core.attention.gather_kernel import SlotRuns, gather_runs
+from kvcache_core.attention.gather_kernel import SlotRuns, gather_runs_together
 from kvcache_core.attention.kernel import kernel_available
 from kvcache_torch.dtypes import tensor_of
 from kvcache_torch.threads import torch_team
@@ -64,6 +65,10 @@ class PaddedReader:
         """``(keys, values)`` at ``slots`` ``[batch, positions]`` of the flat views, zeros at
         ``-1``, ``[batch, positions, heads, dim]`` (``"NHD"``) or heads second (``"HND"``)."""
         plan = self._plan(slots)
+        if self._heads_first and layout == "HND":
+            both = plan.take_together(keys, values)
+            if both is not None:
+                return both
         return plan.take(keys, self._heads_first, layout), plan.take(values, self._heads_first, layout)
 
     def view(
@@ -134,14 +139,25 @@ class _Plan:
             self._index = tensor_of(np.where(pads, 0, self._slots).reshape(-1).astype(np.int64)).to(self._device)
         return self._index
 
+    def take_together(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A heads-first pool's keys and values read heads second in one compiled call (one
+        start of the team for both), or ``None`` where it does not run (not on CPU, numba
+        missing or off, rows it does not copy)."""
+        same = keys.element_size() == values.element_size() and keys.shape[0] == values.shape[0]
+        if not (same and self._cpu and kernel_available()):
+            return None
+        shape = (self._batch, int(keys.shape[0]), self._positions)
+        out_keys, out_values = (
+            keys.new_empty((*shape, int(keys.shape[2]))),
+            values.new_empty((*shape, int(values.shape[2]))),
+        )
+        pairs = ((_bits(keys), _bits(out_keys)), (_bits(values), _bits(out_values)))
+        return (out_keys, out_values) if gather_runs_together(pairs, self._slot_runs(), torch_team()) else None
+
     def take(self, rows: torch.Tensor, heads_first: bool, layout: str) -> torch.Tensor:
         batch, positions = self._batch, self._positions
         dim = int(rows.shape[2])
         heads = int(rows.shape[0] if heads_first else rows.shape[1])
-        if heads_first and layout == "HND" and self._cpu and kernel_available():  # CPU: compiled
-            out = rows.new_empty((batch, heads, positions, dim))
-            if gather_runs(_bits(rows), _bits(out), self._slot_runs(), torch_team()):
-                return out
         index = self._indexing()
         if heads_first and layout == "HND" and heads > 1:  # straight into place: one pass, no transpose
             out = rows.new_empty((batch, heads, positions, dim))

@@ -4,7 +4,8 @@ As :mod:`kvcache_core.attention._kernel_jit`, this holds compiled code only and 
 anything here: the typed wrapper checks every shape and index before a call (bounds checks
 are off, as in any compiled kernel).
 
-A work item is one ``(row, head)`` of the padded batch: it zeroes the row's padding for that
+A work item is one ``(row, head)`` of the padded batch of one pool (one call copies one
+layer's keys and values together, on one start of the team): it zeroes the row's padding for that
 head (``memset``) and copies each run of consecutive slots, ``length x dim`` elements in a row
 at both ends, with one ``memcpy``. Measured on machine C (AMD EPYC, 2 threads, the pool not in
 cache), 8 rows of about 2k positions: 1.0 ms a pool of 2 heads of 64 float32 against 1.36 ms
@@ -83,25 +84,30 @@ _zero: Any = intrinsic(_zero_typer)
 
 
 @njit(cache=True, nogil=True)
-def gather_share(pool, head_stride, dim, out, heads, positions, leads, run_first, runs, order, claimed):  # type: ignore[no-untyped-def]
-    """Run items of ``order`` (``row * heads + head``) until none is left, each claimed from
-    ``claimed [1]`` int64 (0 at the start, shared by the call's threads).
+def gather_share(pools, head_strides, dims, outs, heads, positions, leads, run_first, runs, order, claimed):  # type: ignore[no-untyped-def]
+    """Run items until none is left, each claimed from ``claimed [1]`` int64 (0 at the start,
+    shared by the call's threads): item ``at`` is pool ``at % len(pools)``'s ``order[at //
+    len(pools)]`` (``row * heads + head``), so the pools' longest rows come first together.
 
-    ``pool`` is 1-D: head ``h``'s slot ``s`` is ``pool[h * head_stride + s * dim:][:dim]``;
-    ``out`` is a C-contiguous ``[batch, heads, positions, dim]`` batch, flat, of the same
-    element type; ``leads [batch]`` the padding positions opening each row; ``runs [n, 3]``
-    int64 ``(first position, first slot, length)``, row ``r``'s from ``run_first[r]`` to
-    ``run_first[r + 1]``."""
+    ``pools`` is a tuple of 1-D arrays: pool ``p``'s head ``h``'s slot ``s`` is
+    ``pools[p][h * head_strides[p] + s * dims[p]:][:dims[p]]``; ``outs[p]`` is its C-contiguous
+    ``[batch, heads, positions, dims[p]]`` batch, flat, of the same element type; ``leads
+    [batch]`` the padding positions opening each row; ``runs [n, 3]`` int64 ``(first position,
+    first slot, length)``, row ``r``'s from ``run_first[r]`` to ``run_first[r + 1]``."""
+    count = len(pools)
+    total = order.shape[0] * count
     while True:
         at = claim_next(claimed)
-        if at >= order.shape[0]:
+        if at >= total:
             return
-        item = order[at]
+        pool_at = at % count
+        pool, out, dim = pools[pool_at], outs[pool_at], dims[pool_at]
+        item = order[at // count]
         row = item // heads
         head = item - row * heads
         base = item * positions * dim  # (row * heads + head) rows of positions x dim
         _zero(out, base, leads[row] * dim)
-        source = head * head_stride
+        source = head * head_strides[pool_at]
         for run in range(run_first[row], run_first[row + 1]):
             position, slot, length = runs[run, 0], runs[run, 1], runs[run, 2]
             _copy(out, base + position * dim, pool, source + slot * dim, length * dim)
