@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.attention.features import combined_window
-from kvcache_core.attention.gather_kernel import SlotRuns, gather_runs
+from kvcache_core.attention.gather_kernel import SlotRuns, gather_runs_together
 from kvcache_core.attention.reference import paged_attention
 from kvcache_core.backends.dispatch import kernel_or_reference
 from kvcache_core.backends.numpy.states import NumpyStateStorage
@@ -287,15 +287,16 @@ class NumpyStorage:
             if len(self._slot_runs) >= 8:  # earlier steps'
                 self._slot_runs.clear()
             known = self._slot_runs[id(slots)] = (slots, SlotRuns(slots))
-        gathered: list[NumpyArray] = []
+        pairs: list[tuple[NumpyArray, NumpyArray]] = []
         for part in self._parts:
             cache = part[layer]  # [heads, blocks, block_size, dim]: a C-contiguous layer
             rows = cache.reshape(cache.shape[0], -1, cache.shape[3])
-            out = np.empty((known[1].batch, rows.shape[0], known[1].positions, rows.shape[2]), dtype=rows.dtype)
-            if not gather_runs(rows, out, known[1]):
-                return None
-            gathered.append(out)
-        return gathered[0], gathered[1]
+            pairs.append(
+                (rows, np.empty((known[1].batch, rows.shape[0], known[1].positions, rows.shape[2]), rows.dtype))
+            )
+        if not gather_runs_together(pairs, known[1]):  # keys and values in one call
+            return None
+        return pairs[0][1], pairs[1][1]
 
     def _tokens(self, cache: NumpyArray, blocks: IntArray, num_tokens: int) -> NumpyArray:
         heads, dim = self._config.num_heads, cache.shape[3]
