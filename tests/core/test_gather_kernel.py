@@ -26,6 +26,16 @@ def _expected(pool: npt.NDArray[Any], slots: npt.NDArray[np.int64]) -> npt.NDArr
     return np.where((slots >= 0)[:, None, :, None], taken, np.zeros((), dtype=pool.dtype))
 
 
+def _counting_team(calls: list[int]) -> Callable[[Callable[[], None], int], None]:
+    """The default team, each start's thread count appended to ``calls``."""
+
+    def team(share: Callable[[], None], threads: int) -> None:
+        calls.append(threads)
+        python_team(share, threads)
+
+    return team
+
+
 @st.composite
 def _batches(draw: st.DrawFn) -> tuple[npt.NDArray[np.int64], int]:
     """A padded slot array over a pool of ``slots`` slots: each row a few runs of distinct slots."""
@@ -149,11 +159,7 @@ def test_keys_and_values_gathered_together_equal_the_indexed_reads(
 @needs_numba
 def test_keys_and_values_together_start_the_team_once() -> None:
     calls: list[int] = []
-
-    def team(share: Callable[[], None], threads: int) -> None:
-        calls.append(threads)
-        python_team(share, threads)
-
+    team = _counting_team(calls)
     heads, dim, positions = 2, 64, 1000
     lengths = (1000, 5)
     slots = np.full((len(lengths), positions), -1, dtype=np.int64)
@@ -216,11 +222,7 @@ def test_arrays_not_in_rows_are_left_to_the_caller(which: str) -> None:
 @needs_numba
 def test_a_large_gather_runs_on_the_team_it_is_given() -> None:
     calls: list[int] = []
-
-    def team(share: Callable[[], None], threads: int) -> None:
-        calls.append(threads)
-        python_team(share, threads)
-
+    team = _counting_team(calls)
     heads, dim, positions = 4, 64, 1100
     lengths = (1100, 700, 5, 0)
     slots = np.full((len(lengths), positions), -1, dtype=np.int64)
