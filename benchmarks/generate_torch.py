@@ -43,7 +43,9 @@ more run of ours (``_harness.layer_cost``: the time in kvcache's calls from tran
 the time in the arithmetic, per decode forward), not as a difference of whole runs, which the
 machine's neighbours move by more than that cost. From it, the bound of a thinner per-layer
 path: ours with that cost taken out of its decode forwards, against DynamicCache (what the
-attention arithmetic and the model leave to gain). Times are medians (``--statistic``) over ``--repeats``
+attention arithmetic and the model leave to gain). One more run each of the contiguous path and
+of DynamicCache times their ``update`` per layer of a decode step, the call that hands the
+model its K/V (``_harness.layer_cost.decode_updates``). Times are medians (``--statistic``) over ``--repeats``
 runs, the approaches taking turns (their order rotates).
 
 The ratios to DynamicCache are also taken run by run: a round's two runs are close in time,
@@ -95,7 +97,7 @@ from _harness import (
     run,
     take_turns,
 )
-from _harness.layer_cost import measure_layer_cost
+from _harness.layer_cost import decode_updates, measure_layer_cost
 
 import kvcache_torch.storage
 from kvcache_core import PagedKvCacheManager, create_manager
@@ -395,6 +397,10 @@ def run_scenario(
         timings = measure((model, reference, ceiling), manager, prompt, args)
         with measure_layer_cost(model.config.num_hidden_layers) as cost:  # untimed: its calls are timed inside
             run_ours(model, manager, prompt, args.new_tokens, do_sample=False)
+        with decode_updates(PagedCache) as contiguous_updates:  # one more run of each, update() timed
+            run_contiguous(reference, manager, prompt, args.new_tokens, do_sample=False)
+        with decode_updates(transformers.DynamicCache) as dynamic_updates:
+            run_reference(reference, prompt, args.new_tokens, do_sample=False)
     header = f"  {'':<28}{'prefill':>12}{'decode/token':>15}{'whole generate':>17}"
     print(header)
     print("  " + "-" * (len(header) - 2))
@@ -427,6 +433,14 @@ def run_scenario(
         f"  with the model's own sdpa (the contiguous path): DynamicCache / ours {contiguous_whole} whole generate, "
         f"{contiguous_decode} decode (paired); never slower than DynamicCache: {contiguous_whole.verdict(1.0)}"
     )
+    if contiguous_updates and dynamic_updates:
+        mine, theirs = statistics.fmean(contiguous_updates), statistics.fmean(dynamic_updates)
+        print(
+            f"  the contiguous path's update per layer and decode step (a step's planning in its first layer's), "
+            f"inside one more run of each: ours {mine * 1e6:.0f} us mean ({statistics.median(contiguous_updates) * 1e6:.0f}"
+            f" us median), DynamicCache {theirs * 1e6:.0f} us mean ({statistics.median(dynamic_updates) * 1e6:.0f} us "
+            f"median); DynamicCache / ours {theirs / mine:.2f}x (means)"
+        )
     ceiling = timings["ceiling"]
     print(
         f"  ceiling: a cache and attention that cost nothing would make the whole generate "

@@ -11,7 +11,8 @@ neighbours far more than these microseconds do (a difference of two whole runs, 
 without the arithmetic, reads negative on a busy host).
 
 The kernel call's own Python (about 10 microseconds) counts as arithmetic; each timed call
-adds about a microsecond of its own. Needs torch and transformers.
+adds about a microsecond of its own. :func:`decode_updates` times a cache's ``update`` alone
+(the contiguous path's, beside ``DynamicCache``'s). Needs torch and transformers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from unittest import mock
 
 import transformers
@@ -32,7 +33,7 @@ from kvcache_core.attention.kernel import KernelCall
 from kvcache_torch.hf import ATTN_IMPLEMENTATION, PagedCache
 from kvcache_torch.hf.attention import paged_attention_forward, paged_attention_mask, register_attention
 
-__all__ = ["LayerCost", "measure_layer_cost", "timing_arithmetic"]
+__all__ = ["LayerCost", "decode_updates", "measure_layer_cost", "timing_arithmetic"]
 
 
 @dataclass
@@ -163,3 +164,23 @@ def timing_arithmetic(cost: LayerCost) -> Generator[None]:
         for module in (kvcache_torch.lanes, kvcache_torch.storage):
             stack.enter_context(mock.patch.object(module, "attend_pool", cost.leaf(module.attend_pool)))
         yield
+
+
+@contextmanager
+def decode_updates(owner: type[PagedCache] | type[transformers.DynamicCache]) -> Generator[list[float]]:
+    """Within the block, every decode call (one new token per row) of ``owner.update`` (a
+    cache's: ``PagedCache`` on the contiguous path, ``DynamicCache``) is timed, in seconds, into
+    the list yielded: what a layer of a decode step spends handing the model its K/V."""
+    times: list[float] = []
+    original = cast("Callable[..., Any]", owner.update)  # pyright: ignore[reportUnknownMemberType]  # transformers: partly untyped
+
+    def timed(cache: object, keys: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(cache, keys, *args, **kwargs)
+        finally:
+            if _update_decodes(cache, keys):
+                times.append(time.perf_counter() - start)
+
+    with mock.patch.object(owner, "update", timed):
+        yield times
