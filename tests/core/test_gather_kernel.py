@@ -204,6 +204,10 @@ def test_pairs_of_other_heads_or_sizes_are_refused_untouched(
     assert all((out == 3).all() for out in outs)
     with pytest.raises(InvalidArgumentError, match="at least one"):
         gather_runs_together((), runs)
+    for bad in (None, [(keys,)], [(keys, outs[0], outs[0])], "pairs"):
+        with pytest.raises(InvalidTypeError, match="pairs must be"):
+            gather_runs_together(bad, runs)  # type: ignore[arg-type]  # what a caller might pass
+    assert all((out == 3).all() for out in outs)
 
 
 @needs_numba

@@ -221,10 +221,15 @@ def gather_runs_together(
 
     Raises:
         InvalidArgumentError: no pairs.
-        InvalidTypeError: a pool or out is not an array, or the element sizes differ.
+        InvalidTypeError: ``pairs`` is not a list or tuple of ``(pool, out)`` pairs, a pool or
+            out is not an array, or the element sizes differ.
         ShapeMismatchError: the shapes do not fit each other or ``runs`` (a slot past a
             pool's), or the pools' heads differ.
     """
+    if not isinstance(pairs, (list, tuple)) or not all(
+        isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in pairs
+    ):
+        raise InvalidTypeError(f"pairs must be a list or tuple of (pool, out) pairs, got {pairs!r:.200}")
     if not pairs:
         raise InvalidArgumentError("gather_runs_together needs at least one (pool, out) pair, got none")
     checked = [_checked(pool, out, runs) for pool, out in pairs]
