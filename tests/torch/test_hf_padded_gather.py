@@ -12,6 +12,7 @@ import pytest
 
 from kvcache_core import PagedKvCacheManager, Step, create_manager
 from kvcache_torch.hf.rows import BatchRows
+from kvcache_torch.lanes import TorchLane
 from kvcache_torch.storage import TorchStorage
 from tests.torch.hf_support import (
     TOLERANCE,
@@ -35,8 +36,8 @@ def _row_by_row(*arguments: object) -> bool:
     return False
 
 
-def _no_views(*arguments: object, **keywords: object) -> None:
-    """``Step.padded_view`` declining: the padded gather copies."""
+def _no_lane(*arguments: object) -> None:
+    """``TorchStorage.step_lane`` of a storage without lanes: the manager's general path serves."""
     return None
 
 
@@ -116,42 +117,67 @@ def test_a_sliding_layer_reads_its_window_s_positions_in_one_padded_gather() -> 
 
 
 @pytest.mark.parametrize(
-    ("layout", "dtype", "viewed"),
-    [("heads_first", None, True), ("NHD", None, True), ("HND", None, False), ("heads_first", "int8", False)],
+    ("layout", "dtype", "viewed", "lanes"),
+    [
+        ("heads_first", None, True, True),
+        ("NHD", None, True, True),
+        ("heads_first", None, True, False),
+        ("HND", None, False, True),
+        ("heads_first", "int8", False, True),
+    ],
 )
 def test_one_request_in_one_run_reads_views_of_the_pool_with_the_same_logits(
-    layout: str, dtype: str | None, viewed: bool
+    layout: str, dtype: str | None, viewed: bool, lanes: bool
 ) -> None:
-    # One prompt's blocks are one run: each layer's update hands back views of the pool,
-    # nothing copied, where the layout lays a run's tokens out in order and the pool is
-    # unquantized; elsewhere the padded gather copies them. The logits are the same bit for bit.
+    # One prompt's blocks are one run: each layer's update writes its K/V and hands back views
+    # of the pool in one call (Step.write_and_view; through the storage's lane, or without one
+    # through the manager's general path), nothing copied, where the layout lays a run's tokens
+    # out in order and the pool is unquantized; elsewhere the padded gather copies them. The
+    # logits are the same bit for bit.
     model, reference = _sdpa_pair()
     ids, mask = prompts(1, 10)
     manager = _manager(model, layout, dtype)
     seen: list[tuple[Tensor, Tensor] | None] = []
-    original: Callable[..., Any] = vars(Step)["padded_view"]
+    original: Callable[..., Any] = vars(Step)["write_and_view"]
 
     def recorded(step: Step[Tensor], *args: Any, **kwargs: Any) -> Any:
         result = original(step, *args, **kwargs)
         seen.append(result)
         return result
 
+    served: list[bool] = []
+    through_lane: Callable[..., Any] = vars(TorchLane)["write_and_view"]
+
+    def lane_recorded(lane: TorchLane, *args: Any) -> Any:
+        result = through_lane(lane, *args)
+        served.append(result is not None)
+        return result
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Step, "padded_view", recorded)
+        patch.setattr(Step, "write_and_view", recorded)
+        patch.setattr(TorchLane, "write_and_view", lane_recorded)
+        if not lanes:
+            patch.setattr(TorchStorage, "step_lane", _no_lane)
         ours, gathers = _run(model, manager, ids, mask)
     layers = model.config.num_hidden_layers
     assert len(seen) == layers * 5  # every decode forward after the first, every layer
     storage = manager.storage
     assert isinstance(storage, TorchStorage)
     pool = storage.pool.untyped_storage().data_ptr()
+    # the lane shows what it can (every call, here), and a storage without lanes the manager
+    assert served == ([True] * layers * 5 if viewed and lanes else [False] * len(served))
     if viewed:
         assert gathers == 0
         assert all(views is not None and views[0].untyped_storage().data_ptr() == pool for views in seen)
     else:
         assert gathers == layers * 5
         assert all(views is None for views in seen)
+
+    def written_not_shown(step: Step[Tensor], layer: int, keys: Tensor, values: Tensor, **_: object) -> None:
+        step.write(layer, keys, values)
+
     with pytest.MonkeyPatch.context() as patch:  # the same run, copied by the padded gather
-        patch.setattr(Step, "padded_view", _no_views)
+        patch.setattr(Step, "write_and_view", written_not_shown)
         copied, gathers = _run(model, _manager(model, layout, dtype), ids, mask)
     assert gathers == layers * 5
     for got, expected in zip(ours.logits, copied.logits, strict=True):

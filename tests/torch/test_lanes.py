@@ -115,6 +115,84 @@ def test_the_lane_records_no_autograd_in_the_pool() -> None:
     assert storage.pool.grad_fn is None
 
 
+def one_run_decode_step(manager: Manager, prompt: int = 6) -> Any:
+    """A request of ``prompt`` tokens written on every layer, then its next decode step."""
+    handle = manager.allocate(AllocationRequest("a"))
+    step = manager.begin_step([handle], [prompt])
+    keys, values, query = arrays(manager, prompt, 7)
+    for layer in range(manager.config.num_layers):
+        step.write_and_attend(layer, keys, values, query)
+    return step.advance()
+
+
+@pytest.mark.parametrize("layout", ["heads_first", "NHD"])
+def test_the_lane_writes_a_one_run_decode_and_shows_the_pool_in_place(layout: str) -> None:
+    manager = make_manager(kv_layout=layout)
+    step = one_run_decode_step(manager)
+    lane = manager.storage.step_lane(step.page_table, step.slots, step.qo_indptr)  # type: ignore[attr-defined]
+    assert isinstance(lane, TorchLane)
+    keys, values, _ = arrays(manager, 1, 8)
+    shown = lane.write_and_view(1, keys, values, 3, "NHD")
+    assert shown is not None
+    storage = manager.storage
+    assert isinstance(storage, TorchStorage)
+    handle = manager.get_handle("a")
+    assert handle is not None
+    for view, whole in zip(shown, manager.gather(handle, 1), strict=True):
+        assert view.untyped_storage().data_ptr() == storage.pool.untyped_storage().data_ptr()  # no copy
+        assert torch.equal(view[0], whole[-3:])
+    assert torch.equal(shown[0][0, -1], keys[0])  # the new token, written
+
+
+def test_the_lane_declines_to_show_what_it_cannot_and_writes_nothing() -> None:
+    manager = make_manager(kv_layout="heads_first")
+    step = one_run_decode_step(manager)
+    lane = manager.storage.step_lane(step.page_table, step.slots, step.qo_indptr)  # type: ignore[attr-defined]
+    assert isinstance(lane, TorchLane)
+    keys, values, _ = arrays(manager, 1, 9)
+    before = pool_copy(manager)
+    for arguments in (
+        (keys.double(), values, None, "HND"),  # another dtype
+        (torch.cat([keys, keys]), values, None, "HND"),  # another shape
+        (keys, values, 8, "HND"),  # positions the request does not hold
+        (keys, values, 0, "HND"),
+        (keys, values, None, "heads_first"),  # a layout it does not show
+    ):
+        assert lane.write_and_view(0, *arguments) is None
+    assert torch.equal(pool_copy(manager), before)
+    batch = make_manager(kv_layout="heads_first")
+    handles = [batch.allocate(AllocationRequest(name)) for name in ("a", "b")]
+    two = batch.begin_step(handles, [2, 3]).advance()
+    lane = batch.storage.step_lane(two.page_table, two.slots, two.qo_indptr)  # type: ignore[attr-defined]
+    assert isinstance(lane, TorchLane)
+    before = pool_copy(batch)
+    assert lane.write_and_view(0, *arrays(batch, 2, 10)[:2], None, "HND") is None  # two requests: nothing shown
+    assert torch.equal(pool_copy(batch), before)
+
+
+def test_a_lane_that_only_wrote_and_showed_is_advanced_to_the_next_decode_step() -> None:
+    manager = make_manager(kv_layout="heads_first")
+    step = one_run_decode_step(manager)
+    made: list[TorchLane | None] = []
+    original = TorchStorage.step_lane
+
+    def counted(storage: TorchStorage, *args: Any) -> TorchLane | None:
+        made.append(original(storage, *args))
+        return made[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TorchStorage, "step_lane", counted)
+        for turn in range(4):
+            keys, values, _ = arrays(manager, 1, 20 + turn)
+            for layer in range(manager.config.num_layers):
+                shown = step.write_and_view(layer, keys, values, layout="HND")
+                assert shown is not None
+                assert shown[0].shape[2] == 7 + turn
+                assert torch.equal(shown[1][0, :, -1], values[0])
+            step = step.advance()
+    assert len(made) == 1  # prepared once, then advanced step after step
+
+
 @pytest.mark.parametrize("layout", ["heads_first", "NHD"])
 def test_a_one_run_decode_through_the_lane_equals_the_kernels_and_the_general_path(layout: str) -> None:
     """The lane's views of the one request's run (made for every layer at the step's first)

@@ -15,7 +15,7 @@ import numpy as np
 from kvcache_core.attention.features import storage_attention_features
 from kvcache_core.attention.reference import check_scale
 from kvcache_core.contract.config import CacheConfig
-from kvcache_core.contract.lanes import LaneStorage, StepLane, advance_lane
+from kvcache_core.contract.lanes import LaneStorage, StepLane, advance_lane, lane_write_and_view
 from kvcache_core.contract.padded import storage_view_padded
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
@@ -29,6 +29,7 @@ from kvcache_core.step import Step
 __all__ = ["DataPathRunner", "RunnerPath"]
 
 ArrayT = TypeVar("ArrayT")
+_Out = TypeVar("_Out")
 
 
 class RunnerPath(Protocol[ArrayT]):
@@ -192,15 +193,13 @@ class DataPathRunner(Generic[ArrayT]):
             )
             return path.storage.paged_attention(*call, **keywords)
 
-    def _lane_call(
-        self, step: Step[ArrayT], layer: int, keys: ArrayT, values: ArrayT, query: ArrayT, scale: float | None
-    ) -> ArrayT | None:
-        """A plain layer's write and attention through the storage's lane for the step
-        (:mod:`kvcache_core.contract.lanes`), the manager's policies kept; ``None`` where no
-        lane serves the call (nothing written: the general path then runs)."""
+    def _lane(self, step: Step[ArrayT], layer: int) -> tuple[StepLane[Any], int, int, int] | None:
+        """The storage's lane for the step's KV-cache group of a plain ``layer`` (prepared at the
+        group's first call), with the layer's ``(group, storage layer, head_dim)``; ``None``
+        where no lane serves the layer."""
         path, lanes = self._path, self._lanes
         places = path.lane_places
-        if lanes is None or type(layer) is not int or not 0 <= layer < len(places) or type(scale) not in _SCALES:
+        if lanes is None or type(layer) is not int or not 0 <= layer < len(places):
             return None
         place = places[layer]
         if place is None:
@@ -216,15 +215,32 @@ class DataPathRunner(Generic[ArrayT]):
                 else None
             )
             lanes[group] = lane = False if made is None else made
-        if lane is False:
+        return None if lane is False else (lane, group, index, head_dim)
+
+    def _lane_call(
+        self, step: Step[ArrayT], layer: int, keys: ArrayT, values: ArrayT, query: ArrayT, scale: float | None
+    ) -> ArrayT | None:
+        """A plain layer's write and attention through the storage's lane for the step
+        (:mod:`kvcache_core.contract.lanes`), the manager's policies kept; ``None`` where no
+        lane serves the call (nothing written: the general path then runs)."""
+        found = self._lane(step, layer) if type(scale) in _SCALES else None
+        if found is None:
             return None
+        lane, group, index, head_dim = found
         given, checked = self._scale
         if scale != given or scale is None:
             checked = check_scale(scale, head_dim)
             self._scale = (scale, checked)
+        return self._through_lane(step, group, index, lambda: lane(index, keys, values, query, checked))
+
+    def _through_lane(self, step: Step[ArrayT], group: int, index: int, call: Callable[[], _Out | None]) -> _Out | None:
+        """``call``, a lane's write into the step's slots of ``group`` (storage layer
+        ``index``), between the manager's policies: a slot in a shared block is refused first,
+        and what the lane wrote is recorded; ``None`` where the lane declined (nothing written)."""
+        path = self._path
         slots = self._slots(step, group)
         epoch = path.writable(slots, self._writable_at[group])  # a shared block is refused first
-        output = lane(index, keys, values, query, checked)
+        output = call()
         if output is not None:
             self._writable_at[group] = epoch
             path.record_written(index, slots)
@@ -245,6 +261,26 @@ class DataPathRunner(Generic[ArrayT]):
         path = self._path
         with path.lock:
             group, index, width = self._padded_place(layer, width, layout)
+            run = step.page_tables[group].one_run_slots(width)
+            return None if run is None else storage_view_padded(path.storage, index, *run, layout)
+
+    def write_and_view(
+        self, step: Step[ArrayT], layer: int, keys: ArrayT, values: ArrayT, width: int | None, layout: str
+    ) -> tuple[ArrayT, ArrayT] | None:
+        path = self._path
+        with path.lock:
+            group, index, width = self._padded_place(layer, width, layout)  # checked before any write
+            found = self._lane(step, layer) if self._lanes is not None else None
+            if found is not None:
+                lane = found[0]
+                shown = self._through_lane(
+                    step, group, index, lambda: lane_write_and_view(lane, index, keys, values, width, layout)
+                )
+                if shown is not None:
+                    return shown
+            self._writable_at[group] = path.write(
+                index, self._slots(step, group), keys, values, self._writable_at[group]
+            )
             run = step.page_tables[group].one_run_slots(width)
             return None if run is None else storage_view_padded(path.storage, index, *run, layout)
 

@@ -71,6 +71,12 @@ class StepRunner(Protocol[ArrayT]):
         """That batch as views of the pool, or ``None`` (:meth:`Step.padded_view`)."""
         ...
 
+    def write_and_view(
+        self, step: Step[ArrayT], layer: int, keys: ArrayT, values: ArrayT, width: int | None, layout: str
+    ) -> tuple[ArrayT, ArrayT] | None:
+        """:meth:`write` then :meth:`padded_view`, under one hold of the lock (:meth:`Step.write_and_view`)."""
+        ...
+
     def read_state(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT:
         """A copy of the step's requests' state array ``name`` of ``layer``."""
         ...
@@ -285,6 +291,29 @@ class Step(Generic[ArrayT]):
             StaleStepError, LayerIndexError, InvalidArgumentError: as :meth:`gather_padded`.
         """
         return self._runner.padded_view(self, layer, width, layout)
+
+    def write_and_view(
+        self, layer: int, keys: ArrayT, values: ArrayT, *, width: int | None = None, layout: str = "NHD"
+    ) -> tuple[ArrayT, ArrayT] | None:
+        """:meth:`write` the layer's new K/V, then its :meth:`padded_view`, in one call: what a
+        dense attention reading the pool in place (transformers' contiguous path) does once
+        per layer and step. Where the storage's step lane can show the batch
+        (:class:`~kvcache_core.contract.lanes.ViewLane`: one request in one run), the write
+        and the views take a few array operations, the views of every layer made once per
+        step; elsewhere it is the two calls. ``width`` and ``layout`` are checked before
+        anything is written; the write's errors are :meth:`write`'s, and a refused write
+        writes nothing.
+
+        Returns:
+            The views :meth:`padded_view` returns, or ``None`` (the layer is written; then
+            :meth:`gather_padded` copies).
+
+        Raises:
+            StaleStepError, LayerIndexError, InvalidArgumentError: as :meth:`padded_view`.
+            SharedBlockWriteError, ShapeMismatchError, DTypeMismatchError, ArrayTypeError:
+                as :meth:`write`.
+        """
+        return self._runner.write_and_view(self, layer, keys, values, width, layout)
 
     def state(self, layer: int, name: str) -> ArrayT:
         """The recurrent state array ``name`` of state layer ``layer`` for the step's

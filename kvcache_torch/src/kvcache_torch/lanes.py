@@ -156,6 +156,7 @@ class TorchLane:
         "_longest",
         "_memory",
         "_mode",
+        "_padded_runs",
         "_path",
         "_qo_indptr",
         "_rows",
@@ -208,6 +209,9 @@ class TorchLane:
         # its run (once the step's path is "views").
         self._writes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._runs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Per layer, the views of the one request's last tokens that ``write_and_view`` shows
+        # (made at its first layer), with how many tokens they span.
+        self._padded_runs: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._inherited = memory.settled.get(page_table.group) if page_table.sliding_window is None else None
         # The settled path the step took (inherited or remembered) and its longest request then.
         self._settled: _Settled | None = None
@@ -219,17 +223,7 @@ class TorchLane:
     def __call__(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, scale: float
     ) -> torch.Tensor | None:
-        dtype, device = self._dtype, self._device
-        if (
-            keys.shape != self._key_shape
-            or values.shape != self._value_shape
-            or keys.dtype is not dtype
-            or values.dtype is not dtype
-            or query.dtype is not dtype
-            or keys.get_device() != device
-            or values.get_device() != device
-            or query.get_device() != device
-        ):
+        if not self._takes(keys, values) or query.dtype is not self._dtype or query.get_device() != self._device:
             return None
         query_shape = query.shape
         heads, count = self._heads, self._key_shape[0]
@@ -240,13 +234,8 @@ class TorchLane:
         if torch.is_grad_enabled():  # the pool must never record autograd
             with torch.no_grad():
                 return self(layer, keys, values, query, scale)
-        writes = self._writes
-        if writes is None and self._slot >= 0:  # (a step of one new token: at its first layer)
-            writes = self._writes = self._slot_views()
-        if writes is not None:  # one request's one new token: a view of its slot per layer and pool
-            key_slot, value_slot = writes[layer]
-            key_slot.copy_(keys)
-            value_slot.copy_(values)
+        if self._slot >= 0:  # one request's one new token: a view of its slot per layer and pool
+            self._write_slot(layer, keys, values)
         else:
             index = self._index
             if index is None:
@@ -270,6 +259,56 @@ class TorchLane:
         output = self._attend(layer, query, scale)
         DISPATCH.record(tried[0], tried[1], perf_counter() - start)
         return output
+
+    def write_and_view(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: int | None, layout: str
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Write a decode step's one new token of its one request, then show that request's last
+        ``positions`` tokens (``None``: all) as views of the pool in ``layout`` (``"HND"``
+        ``[1, H, positions, D]`` or ``"NHD"``), as ``Step.padded_view`` shows them
+        (:class:`~kvcache_core.contract.lanes.ViewLane`): one ``copy_`` per pool into a view of
+        the slot and the views of every layer made at the step's first layer. ``None``,
+        nothing written, for any other step or arrays it was not prepared for."""
+        span = self._span
+        if span is None or span[0] + span[1] - 1 != self._slot or not self._takes(keys, values):
+            return None  # (not one request's one new token ending its one run)
+        first, tokens = span
+        count = tokens if positions is None else positions
+        if not 0 < count <= tokens or layout not in ("HND", "NHD"):
+            return None
+        if torch.is_grad_enabled():  # the pool must never record autograd
+            with torch.no_grad():
+                return self.write_and_view(layer, keys, values, positions, layout)
+        self._write_slot(layer, keys, values)
+        shown = self._padded_runs
+        if shown is None or shown[0] != count:  # the step's first layer: every layer's views at once
+            start = first + tokens - count
+            views = list(zip(self._layer_views(0, start, count), self._layer_views(1, start, count), strict=True))
+            shown = self._padded_runs = (count, views)
+        key_run, value_run = shown[1][layer]
+        return (key_run, value_run) if layout == "HND" else (key_run.transpose(1, 2), value_run.transpose(1, 2))
+
+    def _takes(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether ``keys`` and ``values`` are the new tokens' arrays the lane was prepared for."""
+        dtype, device = self._dtype, self._device
+        return not (
+            keys.shape != self._key_shape
+            or values.shape != self._value_shape
+            or keys.dtype is not dtype
+            or values.dtype is not dtype
+            or keys.get_device() != device
+            or values.get_device() != device
+        )
+
+    def _write_slot(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write a step of one new token through the views of its slot (made for every layer at
+        the step's first write)."""
+        writes = self._writes
+        if writes is None:
+            writes = self._writes = self._slot_views()
+        key_slot, value_slot = writes[layer]
+        key_slot.copy_(keys)
+        value_slot.copy_(values)
 
     def _attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """The layer's attention over the pool (its K/V written, the step's path settled)."""
@@ -300,10 +339,16 @@ class TorchLane:
         longer. ``None`` (the storage prepares a lane) where the step's path was not settled
         (its class still measured, or never remembered), the group settled another since, the
         step leaves the settled class (the longest request past its context bucket, a request
-        no longer in one run), or torch's threads changed."""
+        no longer in one run), or torch's threads changed. A lane that never attended (its
+        steps only written and shown, :meth:`write_and_view`) has no path to keep: it is
+        advanced for a batch of as many new tokens."""
         settled, span = self._settled, self._span
         slot = int(slots[0]) if slots.shape[0] == 1 else -1
-        if (
+        if self._mode is None:  # never attended: the group's settled path is looked up at its first attention
+            if int(slots.shape[0]) != self._key_shape[0]:
+                return None
+            self._inherited = self._memory.settled.get(page_table.group) if page_table.sliding_window is None else None
+        elif (
             settled is None
             or self._memory.settled.get(page_table.group) is not settled
             or self._longest + 1 > settled.context
@@ -318,7 +363,7 @@ class TorchLane:
         self._slot = slot
         self._span = None if span is None or span[0] + span[1] != slot else (span[0], span[1] + 1)
         self._kernel = None if self._kernel is None else self._kernel.for_batch(page_table, qo_indptr)
-        self._writes = None  # made at its first layer
+        self._writes = self._padded_runs = None  # made at its first layer
         self._runs = self._run_views()
         return self
 

@@ -27,6 +27,16 @@ opened a block; ``slots`` and ``qo_indptr`` are the new step's, checked). A lane
 what the two steps share (its path, its views of the pool, a kernel's settled call) and
 returns ``None`` where it would rather be prepared anew by ``step_lane``. It may return
 itself, updated: the last step is stale by then, so the manager never calls its lane again.
+
+A lane may have one more optional member, ``write_and_view(layer, keys, values, positions,
+layout) -> (keys, values) | None`` (:class:`ViewLane`): a plain layer's write, then the views
+of the pool that :meth:`~kvcache_core.step.Step.padded_view` would return for the last
+``positions`` tokens (``None``: all of them) in ``layout`` (``"NHD"`` or ``"HND"``, checked by
+the manager), for :meth:`~kvcache_core.step.Step.write_and_view` (transformers' contiguous path
+hands a model its K/V so, once per layer). It declines (``None``, nothing written) whatever it
+was not prepared for, as the lane's call does, and wherever the step is not one request whose
+last ``positions`` tokens are one run of slots (then the manager writes and reads the views on
+its general path).
 """
 
 from __future__ import annotations
@@ -39,7 +49,15 @@ import numpy.typing as npt
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import SlotArray
 
-__all__ = ["STEP_LANES", "LaneStorage", "StepLane", "advance_lane", "storage_step_lane"]
+__all__ = [
+    "STEP_LANES",
+    "LaneStorage",
+    "StepLane",
+    "ViewLane",
+    "advance_lane",
+    "lane_write_and_view",
+    "storage_step_lane",
+]
 
 #: The capability of a storage whose ``step_lane(...)`` prepares a step's plain layers.
 STEP_LANES: Final = "step_lanes"
@@ -58,6 +76,24 @@ class StepLane(Protocol[ArrayT]):
         would (``scale`` checked by the manager).
 
         Returns ``None``, having written nothing, for arrays the lane was not prepared for.
+        """
+        ...
+
+
+class ViewLane(Protocol[ArrayT]):
+    """The optional member of a :class:`StepLane` that writes a layer and shows its K/V in place."""
+
+    def write_and_view(
+        self, layer: int, keys: ArrayT, values: ArrayT, positions: int | None, layout: str
+    ) -> tuple[ArrayT, ArrayT] | None:
+        """Write ``keys`` and ``values`` (as the lane's call writes them) into the step's slots of
+        storage layer ``layer``, then return the views of the pool that ``Step.padded_view``
+        returns for the step's one request's last ``positions`` tokens (``None``: all), in
+        ``layout`` (``"NHD"`` ``[1, positions, num_heads, width]`` or ``"HND"`` ``[1,
+        num_heads, positions, width]``).
+
+        Returns ``None``, having written nothing, for arrays the lane was not prepared for and
+        for any step it cannot show so (several requests, several runs, too many positions).
         """
         ...
 
@@ -94,3 +130,14 @@ def advance_lane(
     if advance is None:
         return None
     return cast("StepLane[Any] | None", advance(page_table, slots, qo_indptr))
+
+
+def lane_write_and_view(
+    lane: object, layer: int, keys: ArrayT, values: ArrayT, positions: int | None, layout: str
+) -> tuple[ArrayT, ArrayT] | None:
+    """``lane.write_and_view(...)`` (:class:`ViewLane`), or ``None``, nothing written, when the
+    lane has no such member."""
+    write_and_view = getattr(lane, "write_and_view", None)
+    if write_and_view is None:
+        return None
+    return cast("tuple[ArrayT, ArrayT] | None", write_and_view(layer, keys, values, positions, layout))

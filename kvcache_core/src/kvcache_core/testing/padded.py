@@ -2,8 +2,9 @@
 :mod:`kvcache_core.contract.padded`): every backend gives each request's last tokens, as
 ``manager.gather`` gives them, at the end of its row and zeros before, in both layouts, bit
 for bit, whether its storage reads the slots in one pass or core gathers request by request;
-``Step.padded_view`` shows what the gather copies, where it shows anything; bad arguments are
-refused by name.
+``Step.padded_view`` shows what the gather copies, where it shows anything;
+``Step.write_and_view`` (a storage's step lane may serve it) is a write then that view; bad
+arguments are refused by name, before anything is written.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
 from kvcache_core.contract.groups import LayerSpec
-from kvcache_core.errors import InvalidArgumentError, LayerIndexError, StaleStepError
+from kvcache_core.errors import InvalidArgumentError, LayerIndexError, ShapeMismatchError, StaleStepError
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.step import Step
 from kvcache_core.testing.backend import BackendUnderTest
@@ -118,6 +119,51 @@ def _check_views(manager: Manager, step: Step[Any], handle: Any, layer: int, con
                 assert equal, f"{where}: {name} view differs from gather_padded's copy"
 
 
+def _pool(manager: Manager) -> tuple[bytes, bytes]:
+    """Every block of the pool, as host bytes."""
+    keys, values = manager.storage.blocks_to_host(np.arange(manager.config.num_blocks, dtype=np.int64))
+    return np.ascontiguousarray(keys).tobytes(), np.ascontiguousarray(values).tobytes()
+
+
+def _shown(
+    manager: Manager, lengths: tuple[int, ...], *, fused: bool
+) -> list[tuple[npt.NDArray[Any], npt.NDArray[Any]] | None]:
+    """Prefill ``lengths``, then 5 decode steps, each the last one's ``advance``: every layer of a
+    decode step written and viewed, with ``fused`` by ``Step.write_and_view``, else by
+    ``write`` then ``padded_view``, at widths and layouts in turn. Returns each view (host
+    arrays) or ``None``."""
+    config = manager.config
+    rng = np.random.default_rng(17)
+    handles = [manager.allocate(AllocationRequest(f"shown{row}")) for row in range(len(lengths))]
+    step = manager.begin_step(handles, list(lengths))
+    for layer in range(config.num_layers):
+        _write(manager, step.slots, rng, layer)
+    shown: list[tuple[npt.NDArray[Any], npt.NDArray[Any]] | None] = []
+    turns = ((None, "HND"), (None, "NHD"), (3, "HND"), (1, "NHD"), (max(lengths) + 9, "HND"))
+    for turn in range(5):
+        step = step.advance()
+        for layer in range(config.num_layers):
+            width, layout = turns[(turn + layer) % len(turns)]
+            shape = (len(lengths), config.num_heads, config.head_dim)
+            keys, values = (
+                BackendUnderTest.native(
+                    manager, BackendUnderTest.representable(rng.standard_normal(dims), config.io_dtype)
+                )
+                for dims in (shape, (*shape[:2], config.value_width))
+            )
+            if fused:
+                view = step.write_and_view(layer, keys, values, width=width, layout=layout)
+            else:
+                step.write(layer, keys, values)
+                view = step.padded_view(layer, width=width, layout=layout)
+            shown.append(
+                None
+                if view is None
+                else (BackendUnderTest.host(manager, view[0]), BackendUnderTest.host(manager, view[1]))
+            )
+    return shown
+
+
 class PaddedGatherCases:
     """Cases every backend runs (``Step.gather_padded`` is core's, over any storage)."""
 
@@ -136,6 +182,60 @@ class PaddedGatherCases:
                 assert all(step.padded_view(0, width=1, layout=layout) is None for layout in ("NHD", "HND")), (
                     f"{context}: a view of a batch of several requests"
                 )
+
+    def test_a_write_and_view_is_a_write_then_the_padded_view(self, kvcache_backend: BackendUnderTest) -> None:
+        # Through the storage's step lane where it serves the step (one request in one run),
+        # through the manager's general path elsewhere: the same views, the same pool.
+        for config in kvcache_backend.configs(num_blocks=40):
+            for lengths in ((11,), LENGTHS):
+                context = f"dtype {config.dtype}, layout {config.kv_layout}, prompts {list(lengths)}"
+                with kvcache_backend.manager(config) as fused, kvcache_backend.manager(config) as apart:
+                    got, expected = _shown(fused, lengths, fused=True), _shown(apart, lengths, fused=False)
+                    for index, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
+                        where = f"{context}, call {index}"
+                        assert (ours is None) == (theirs is None), f"{where}: a view where padded_view gives none"
+                        if ours is not None and theirs is not None:
+                            for name, one, other in zip(("keys", "values"), ours, theirs, strict=True):
+                                assert one.shape == other.shape, (
+                                    f"{where}: {name} of shape {one.shape}, not {other.shape}"
+                                )
+                                assert np.array_equal(one, other), f"{where}: {name} differ from padded_view's"
+                    if len(lengths) == 1 and any(view is not None for view in expected):
+                        assert any(view is not None for view in got), f"{context}: nothing shown"
+                    assert _pool(fused) == _pool(apart), f"{context}: the pools differ"
+
+    def test_a_write_and_view_refuses_bad_arguments_before_writing(self, kvcache_backend: BackendUnderTest) -> None:
+        config = kvcache_backend.config(num_blocks=40)
+        with kvcache_backend.manager(config) as manager:
+            step, _ = _filled(manager, (11,))
+            step = step.advance()
+            rng = np.random.default_rng(3)
+            shape = (1, config.num_heads, config.head_dim)
+            keys, values, short = (
+                BackendUnderTest.native(
+                    manager, BackendUnderTest.representable(rng.standard_normal(dims), config.io_dtype)
+                )
+                for dims in (shape, (*shape[:2], config.value_width), (1, config.num_heads, config.head_dim + 1))
+            )
+            before = _pool(manager)
+            capacity = config.num_blocks * config.block_size
+            for width in (-1, capacity + 1, 2.0, "3", True):
+                with pytest.raises(InvalidArgumentError, match="width"):
+                    step.write_and_view(0, keys, values, width=width)  # type: ignore[arg-type]  # what the case tests
+            for layout in ("HDN", "heads_first", None):
+                with pytest.raises(InvalidArgumentError, match="layout"):
+                    step.write_and_view(0, keys, values, layout=layout)  # type: ignore[arg-type]  # what the case tests
+            for layer in (-1, config.num_layers, "0"):
+                with pytest.raises(LayerIndexError):
+                    step.write_and_view(layer, keys, values)  # type: ignore[arg-type]  # what the case tests
+            with pytest.raises(ShapeMismatchError):
+                step.write_and_view(0, short, values, layout="HND")
+            assert _pool(manager) == before, "a refused write_and_view wrote"
+            step.write_and_view(0, keys, values, layout="HND")
+            assert _pool(manager) != before, "write_and_view wrote nothing"
+            step.advance()  # the requests grew: the old step is stale
+            with pytest.raises(StaleStepError):
+                step.write_and_view(0, keys, values)
 
     def test_a_padded_gather_holds_each_request_s_last_tokens_after_zeros(
         self, kvcache_backend: BackendUnderTest

@@ -379,14 +379,24 @@ class PagedCache(StateLayerCalls, Cache):
         if step.planned is None:  # the padding the hook's mask marks is not stored
             valid = self._feed.real_new_tokens(step.start + step.query_length, step.query_length, len(key_states))
             self._place_step(step, len(key_states), valid, "contiguous")
-        assert step.planned is not None  # placed just above
-        step.planned.write(layer, token_major(key_states, step.valid), token_major(value_states, step.valid))
-        self._progress.finish(step, layer)
+        planned = step.planned
+        assert planned is not None  # placed just above
+        keys, values = token_major(key_states, step.valid), token_major(value_states, step.valid)
         if step.start == 0:  # a first forward's K/V are the new ones, as DynamicCache returns them
+            planned.write(layer, keys, values)
+            self._progress.finish(step, layer)
             return key_states, value_states
         window = self._windows[layer]  # a sliding layer's last W - 1 positions and the step's
         kept = None if window is None else min(step.start, window - 1) + step.query_length
-        return self._rows.gather_padded(layer, kept, step.planned)
+        width = self._rows.one_row_width(layer, kept, planned)
+        if width is None:
+            planned.write(layer, keys, values)
+            self._progress.finish(step, layer)
+            return self._rows.gather_padded(layer, kept, planned)
+        # One row, all stored: written and shown in one call (the storage's lane, where it has one)
+        views = planned.write_and_view(layer, keys, values, width=width, layout="HND")
+        self._progress.finish(step, layer)
+        return planned.gather_padded(layer, width=width, layout="HND") if views is None else views
 
     def _mode_now(self) -> Mode:
         """The path of a forward starting now (:func:`~kvcache_torch.hf.pool_fit.forward_mode`)."""

@@ -192,6 +192,14 @@ class BatchRows:
             return torch.stack(keys), torch.stack(values)
         return _with_gaps(keys, held, width), _with_gaps(values, held, width)
 
+    def one_row_width(self, layer: int, last: int | None, step: Step[torch.Tensor]) -> int | None:
+        """The width of :meth:`gather_padded`'s read (``last`` as it takes it) where it is one
+        row's last positions, all stored, through the forward's ``step``: the read
+        ``Step.write_and_view`` may show in place with the layer's write; ``None`` otherwise."""
+        start = 0 if last is None else self.positions - last
+        width = self.positions - start
+        return width if self._unpadded_row(width) and self._left_padded(step, layer, start) else None
+
     def _unpadded_row(self, width: int) -> bool:
         """Whether the batch is one left-padded row whose last ``width`` positions hold no
         padding (it has as many tokens): its K/V there are one request's last tokens, which
