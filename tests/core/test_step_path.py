@@ -163,6 +163,10 @@ def test_a_step_advanced_plans_what_begin_step_plans(lengths: list[int]) -> None
         in_place = all((length + turn) % BLOCK for length in lengths)
         assert (advanced.page_table.kv_indices is steps[0].page_table.kv_indices) == in_place  # pages shared
         steps = [advanced, planned]
+    # What the advanced tables were built from stays right: a step planned anew after them
+    # (which shares their pages where it can) is the other manager's.
+    again = [manager.begin_step(rows, 1) for manager, rows in zip(managers, handles, strict=True)]
+    assert _snapshot(managers[0], again[0]) == _snapshot(managers[1], again[1])
 
 
 def test_an_advance_looks_for_growth_in_place_once() -> None:
