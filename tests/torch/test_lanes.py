@@ -170,6 +170,22 @@ def test_the_lane_declines_to_show_what_it_cannot_and_writes_nothing() -> None:
     assert torch.equal(pool_copy(batch), before)
 
 
+def test_a_lane_shows_the_pool_without_recording_autograd() -> None:
+    manager = make_manager(kv_layout="heads_first")
+    step = one_run_decode_step(manager)
+    keys, values, _ = arrays(manager, 1, 11)
+    keys.requires_grad_(True)
+    with torch.enable_grad():
+        shown = step.write_and_view(0, keys, values, layout="HND")
+    assert shown is not None
+    assert not shown[0].requires_grad
+    storage = manager.storage
+    assert isinstance(storage, TorchStorage)
+    assert not storage.pool.requires_grad
+    assert storage.pool.grad_fn is None
+    assert torch.equal(shown[0][0, :, -1], keys[0].detach())
+
+
 def test_a_lane_that_only_wrote_and_showed_is_advanced_to_the_next_decode_step() -> None:
     manager = make_manager(kv_layout="heads_first")
     step = one_run_decode_step(manager)
