@@ -223,7 +223,12 @@ class TorchLane:
     def __call__(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, scale: float
     ) -> torch.Tensor | None:
-        if not self._takes(keys, values) or query.dtype is not self._dtype or query.get_device() != self._device:
+        if (
+            not self._takes(keys, values)
+            or not isinstance(query, torch.Tensor)
+            or query.dtype is not self._dtype
+            or query.get_device() != self._device
+        ):
             return None
         query_shape = query.shape
         heads, count = self._heads, self._key_shape[0]
@@ -289,10 +294,13 @@ class TorchLane:
         return (key_run, value_run) if layout == "HND" else (key_run.transpose(1, 2), value_run.transpose(1, 2))
 
     def _takes(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """Whether ``keys`` and ``values`` are the new tokens' arrays the lane was prepared for."""
+        """Whether ``keys`` and ``values`` are the new tokens' arrays the lane was prepared for
+        (anything else, a non-tensor included, goes to the general path, which names it)."""
         dtype, device = self._dtype, self._device
         return not (
-            keys.shape != self._key_shape
+            not isinstance(keys, torch.Tensor)
+            or not isinstance(values, torch.Tensor)
+            or keys.shape != self._key_shape
             or values.shape != self._value_shape
             or keys.dtype is not dtype
             or values.dtype is not dtype

@@ -17,7 +17,7 @@ import pytest
 
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
 from kvcache_core.contract.lanes import storage_step_lane
-from kvcache_core.errors import ShapeMismatchError
+from kvcache_core.errors import ArrayTypeError, ShapeMismatchError
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 
@@ -166,4 +166,16 @@ class LaneCases:
                 )
                 with pytest.raises(ShapeMismatchError):  # the general path names what is wrong
                     step.write_and_attend(0, short_keys, short_values, query)
+                not_arrays: tuple[tuple[Any, Any, Any], ...] = (
+                    (None, values, query),
+                    (keys, [0.0], query),
+                    (keys, values, "q"),
+                )
+                for bad_keys, bad_values, bad_query in not_arrays:
+                    assert lane(0, bad_keys, bad_values, bad_query, scale) is None, (
+                        f"dtype {config.dtype}: a lane took {type(bad_keys).__name__}, {type(bad_values).__name__}, "
+                        f"{type(bad_query).__name__}"
+                    )
+                    with pytest.raises(ArrayTypeError):  # named by the general path, not an AttributeError
+                        step.write_and_attend(0, bad_keys, bad_values, bad_query)
                 assert _pool(manager) == before

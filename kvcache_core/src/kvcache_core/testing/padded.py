@@ -17,7 +17,13 @@ import pytest
 
 from kvcache_core.contract.config import AllocationRequest, CacheConfig
 from kvcache_core.contract.groups import LayerSpec
-from kvcache_core.errors import InvalidArgumentError, LayerIndexError, ShapeMismatchError, StaleStepError
+from kvcache_core.errors import (
+    ArrayTypeError,
+    InvalidArgumentError,
+    LayerIndexError,
+    ShapeMismatchError,
+    StaleStepError,
+)
 from kvcache_core.manager import PagedKvCacheManager
 from kvcache_core.step import Step
 from kvcache_core.testing.backend import BackendUnderTest
@@ -230,6 +236,9 @@ class PaddedGatherCases:
                     step.write_and_view(layer, keys, values)  # type: ignore[arg-type]  # what the case tests
             with pytest.raises(ShapeMismatchError):
                 step.write_and_view(0, short, values, layout="HND")
+            for not_arrays in ((None, values), (keys, [0.0])):
+                with pytest.raises(ArrayTypeError):  # named, never an AttributeError
+                    step.write_and_view(0, *not_arrays, layout="HND")
             assert _pool(manager) == before, "a refused write_and_view wrote"
             step.write_and_view(0, keys, values, layout="HND")
             assert _pool(manager) != before, "write_and_view wrote nothing"
