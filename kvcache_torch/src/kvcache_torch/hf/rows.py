@@ -170,9 +170,7 @@ class BatchRows:
         start = 0 if last is None else self.positions - last
         width = self.positions - start
         if step is not None and self._left_padded(step, layer, start):
-            # One row's positions all stored (as many tokens as positions): maybe views of the pool.
-            views = step.padded_view(layer, width=width, layout="HND") if self._unpadded_row(width) else None
-            return step.gather_padded(layer, width=width, layout="HND") if views is None else views
+            return step.gather_padded(layer, width=width, layout="HND")
         held = self.stored[: len(self.handles), start : self.positions]
         counts = held.sum(axis=1)
         keys: list[torch.Tensor] = []
@@ -203,7 +201,7 @@ class BatchRows:
     def _unpadded_row(self, width: int) -> bool:
         """Whether the batch is one left-padded row whose last ``width`` positions hold no
         padding (it has as many tokens): its K/V there are one request's last tokens, which
-        :meth:`Step.padded_view` shows in place where its blocks are one run (``DynamicCache``
+        ``Step.write_and_view`` shows in place where its blocks are one run (``DynamicCache``
         copies its whole K/V at every step)."""
         return len(self.handles) == 1 and self.tokens[0] >= width
 
