@@ -91,6 +91,36 @@ def test_a_long_context_on_few_heads_is_split_and_merged() -> None:
 
 
 @needs_numba
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8, 9])
+@pytest.mark.parametrize(("dim", "value_dim"), [(64, 64), (128, 128), (48, 48), (64, 32)])
+@pytest.mark.parametrize("layout", ["NHD", "heads_first"])
+def test_decode_rows_of_every_count_read_the_pool_right(group: int, dim: int, value_dim: int, layout: str) -> None:
+    """Decode of ragged requests (lengths off every tile and block boundary, blocks out of
+    order) for each count of rows per KV head: the blocks of products and sums with the
+    pool rows prefetched a few keys at a time (up to 8 rows), the whole tile at once (9), the
+    scalar rows after the vector ones (3, 6, 9), and features off the vector width (48)."""
+    rng = np.random.default_rng(group * 1000 + dim + value_dim)
+    lengths = [1, 3, 37, 130, 517]
+    blocks = sum(-(-n // 16) for n in lengths)
+    num_blocks = blocks + 3  # (three blocks no request holds)
+    table, _ = hand_built_table([int(b) for b in rng.permutation(num_blocks)[:blocks]], lengths, 16, None)
+    heads = 2
+    shape = (num_blocks, 16, heads) if layout == "NHD" else (heads, num_blocks, 16)
+    keys = rng.standard_normal((*shape, dim)).astype(np.float32)
+    values = rng.standard_normal((*shape, value_dim)).astype(np.float32)
+    query = rng.standard_normal((len(lengths), heads * group, dim)).astype(np.float32)
+    indptr = np.arange(len(lengths) + 1, dtype=np.int32)
+    got = paged_kernel.attend_with_kernel(
+        query, keys, values, table, indptr, dtype="float32", scale=0.125, causal=True, kv_layout=layout,
+        sliding_window=None, num_threads=1,
+    )  # fmt: skip
+    expected = paged_attention(
+        query.astype(np.float64), keys, values, table, qo_indptr=indptr, scale=0.125, kv_layout=layout
+    )
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+@needs_numba
 def test_a_prepared_call_runs_every_layer_and_refuses_arrays_it_was_not_prepared_for() -> None:
     rng = np.random.default_rng(1)
     table, _ = hand_built_table([0, 1, 2, 5, 6], [30, 40], 16, None)  # blocks up to 6: a pool of 7

@@ -21,7 +21,15 @@ __all__ = ["KERNEL_MODULES", "register_locators", "sources_stamp"]
 
 _PACKAGE: Final = "kvcache_core.attention"
 #: The modules compiled into the kernel and the padded gather, or defining their cached functions.
-KERNEL_MODULES: Final = ("_kernel_jit", "_kernel_ir", "_kernel_merge", "_kernel_entry", "_gather_jit", "_plan_jit")
+KERNEL_MODULES: Final = (
+    "_kernel_jit",
+    "_kernel_rows",
+    "_kernel_ir",
+    "_kernel_merge",
+    "_kernel_entry",
+    "_gather_jit",
+    "_plan_jit",
+)
 _QUALIFIED: Final = frozenset(f"{_PACKAGE}.{name}" for name in KERNEL_MODULES)
 
 

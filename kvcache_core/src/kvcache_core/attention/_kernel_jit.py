@@ -29,8 +29,10 @@ decoded tile by tile (``POOL_FLOAT16`` and ``POOL_BFLOAT16``, handed over as ``u
 bits; the quantized ``POOL_INT8`` and ``POOL_FLOAT8``, int8 or float8 e4m3 as ``uint8``,
 each row times its token head's scale) into float32 tiles that stay in L1, so the
 decoded values exist only there. The pool rows ``PREFETCH_KEYS`` keys ahead are
-prefetched into L2 as the scores are computed: the hardware prefetchers stop at every
-4 KiB page, which a head's keys cross every eight rows of 128 floats. The softmax
+prefetched into L2 a few keys at a time, the key rows' before each block of products and
+the value rows' before each few keys of weighted sums: the hardware prefetchers stop at every
+4 KiB page, which a head's keys cross every eight rows of 128 floats, and a burst of a whole
+pass's prefetches at once runs out of the core's outstanding misses. The softmax
 weights' exponentials are computed in vectorised passes (no call per key).
 ``cache=True``: the compiled code is kept on disk, so each machine compiles once (once
 for float pools, once for quantized ones).
@@ -52,13 +54,24 @@ from kvcache_core.attention._kernel_ir import (
     LANES,
     VALUE_CHUNK,
     claim_next,
-    prefetch_row,
     score_block_1,
     score_block_2,
     score_block_4,
     value_block_4,
 )
 from kvcache_core.attention._kernel_merge import merge_splits
+from kvcache_core.attention._kernel_rows import (
+    FASTMATH,
+    POOL_BFLOAT16,
+    POOL_FLOAT8,
+    POOL_FLOAT16,
+    POOL_FLOAT32,
+    POOL_INT8,
+    PREFETCH_KEYS,
+    decode_tile,
+    pool_rows,
+    prefetch_ahead,
+)
 
 # Before any decorator: the cached functions' locators stamp every kernel source.
 register_locators()
@@ -75,32 +88,23 @@ __all__ = [
     "merge_splits",
 ]
 
-#: Element kinds of a pool, as the kernel reads it.
-POOL_FLOAT32 = 0
-POOL_FLOAT16 = 1
-POOL_BFLOAT16 = 2
-#: Quantized pools, as their bytes: ``value = decoded byte * scale`` of the token head.
-POOL_INT8 = 3
-POOL_FLOAT8 = 4
-
 #: Query rows attended together (their K/V rows are read once for all of them).
 ROW_TILE = 16
 #: Keys per online-softmax step: their K (then V) rows are copied or decoded into one float32
 #: tile of ``KEY_TILE x head_dim`` (16 KiB at 128), read from L1 by every query row.
 KEY_TILE = 32
-#: How far ahead (in keys) the pool rows are prefetched: about two tiles' work covers a load
-#: from memory (measured best at 64; none or a whole tile at once ran 1.7x slower).
-PREFETCH_KEYS = 64
+#: Keys per weighted sum of a decode's few rows (at most :data:`FINE_ROWS`) over a float32
+#: pool read in place, each preceded by the prefetch of its keys' value rows ahead. Measured on
+#: an AMD EPYC (Zen 5, 2 cores, 32 MiB L3), a 4096-key decode of 32 layers (8 KV heads of 128,
+#: 4 query heads each) from memory, one thread: 105-110 ns per key and KV head with every
+#: prefetch of a 16-key pass issued at once before its products, 64-67 with the value rows'
+#: prefetched before each 8 keys of sums, 50-53 before each 4 keys; 43-44 ns either way with
+#: the pool in the L3 cache. (A plain read of the same bytes runs at 31-36 ns.)
+VALUE_KEYS = 4
+#: The most rows of a tile whose weighted sums go :data:`VALUE_KEYS` at a time (more rows read
+#: each value row for more products, and each pass loads and stores their sums).
+FINE_ROWS = 8
 
-# Helpers are inlined: a call between compiled functions (reference counts of its array
-# arguments) measured 10x the cost of the 4 x 128 products it made.
-# Reassociation lets LLVM vectorise the dot products; no "nnan"/"ninf": -inf is a real value
-# here (the running maximum before the first key).
-_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
-
-_F16_TO_F32 = np.float32(2.0**112)  # a half's bits shifted into a float32, times this, is its value
-_F16_OVERFLOW = np.float32(65536.0)  # ... and at least this for an infinity or NaN
-_F8_TO_F32 = np.float32(2.0**120)  # an e4m3 byte's bits shifted into a float32, times this, is its value
 # exp(x) for x <= 0: x = n ln 2 + r, 2**n built from its float32 bits. Below this, weights are
 # under 2**-125 (a difference from 0 far under float32's resolution next to the maximum's 1).
 _EXP_LOWEST = np.float32(-87.0)
@@ -111,69 +115,7 @@ _C3, _C4, _C5 = np.float32(1.0 / 6.0), np.float32(1.0 / 24.0), np.float32(1.0 / 
 _C6, _C7 = np.float32(1.0 / 720.0), np.float32(1.0 / 5040.0)
 
 
-@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
-def _pool_rows(block_row, first_key, keys, block_size, strides, scale_strides, head, rows_at, scales_at, scaled):  # type: ignore[no-untyped-def]
-    """The pool rows (``rows_at``) and, where ``scaled``, the scale indices (``scales_at``)
-    of keys ``[first_key, first_key + keys)`` of one head, following the block table row
-    ``block_row``: block by block, each block's rows a progression (a vectorised loop)."""
-    block_index = first_key // block_size
-    offset = first_key - block_index * block_size
-    head_row = head * strides[2]
-    head_scale = head * scale_strides[2]
-    c = 0
-    while c < keys:
-        block = block_row[block_index]
-        run = min(block_size - offset, keys - c)
-        first_row = block * strides[0] + offset * strides[1] + head_row
-        for t in range(run):
-            rows_at[c + t] = first_row + t * strides[1]
-        if scaled:
-            first_scale = block * scale_strides[0] + offset * scale_strides[1] + head_scale
-            for t in range(run):
-                scales_at[c + t] = first_scale + t * scale_strides[1]
-        c += run
-        offset = 0
-        block_index += 1
-
-
-@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
-def _decode_tile(pool, kind, rows_at, scales_at, first, keys, tile, bits, scales):  # type: ignore[no-untyped-def]
-    """Decode the pool rows ``rows_at[first : first + keys]`` (16-bit or quantized bits) into
-    ``tile [KEY_TILE, dim]`` float32 (``bits`` is its uint32 view)."""
-    dim = tile.shape[1]
-    for c in range(keys):
-        row = rows_at[first + c]
-        if kind >= POOL_INT8:  # POOL_INT8, POOL_FLOAT8
-            row_scale = scales[scales_at[first + c]]
-            if kind == POOL_INT8:
-                for d in range(dim):  # the byte read as a signed int8
-                    tile[c, d] = np.float32(np.int32(np.uint32(pool[row, d]) ^ np.uint32(128)) - np.int32(128))
-            else:  # e4m3 without NaN (never written): exponent and mantissa shifted under float32's
-                for d in range(dim):
-                    byte = np.uint32(pool[row, d])
-                    bits[c, d] = ((byte & np.uint32(0x7F)) << np.uint32(20)) | (
-                        (byte & np.uint32(0x80)) << np.uint32(24)
-                    )
-                for d in range(dim):
-                    tile[c, d] *= _F8_TO_F32
-            for d in range(dim):
-                tile[c, d] *= row_scale
-        elif kind == POOL_BFLOAT16:
-            for d in range(dim):
-                bits[c, d] = np.uint32(pool[row, d]) << np.uint32(16)
-        else:
-            for d in range(dim):
-                bits[c, d] = (np.uint32(pool[row, d]) & np.uint32(0x7FFF)) << np.uint32(13)
-            for d in range(dim):
-                tile[c, d] *= _F16_TO_F32  # exact for normal and subnormal halves
-            for d in range(dim):
-                extra = (np.uint32(pool[row, d]) & np.uint32(0x8000)) << np.uint32(16)
-                if tile[c, d] >= _F16_OVERFLOW:
-                    extra |= np.uint32(0x7F800000)
-                bits[c, d] |= extra
-
-
-@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _pair_scores(queries, rows, key_rows, rows_at, first, start, stop, scores):  # type: ignore[no-untyped-def]
     """``scores[j, c]`` = query row ``j`` times key row ``key_rows[rows_at[first + c]]`` for
     the keys ``[start, stop)``, four query rows times two keys per pass (each element loaded
@@ -214,47 +156,48 @@ def _pair_scores(queries, rows, key_rows, rows_at, first, start, stop, scores): 
         c += 2
 
 
-@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _key_scores(queries, rows, key_rows, rows_at, first, keys, scores, ahead):  # type: ignore[no-untyped-def]
     """``scores[j, c]`` = query row ``j`` times key row ``key_rows[rows_at[first + c]]``;
-    ``ahead = (in_place, pools, raw_pools, pool_rows, next, end)``: each pass prefetches the
-    rows ``pool_rows[next + c]`` below ``end`` of the pools (float32, read in place) or of the
-    raw ones. Where the features are a multiple of ``LANES``, ``LANES`` keys per pass go
-    through the vector blocks of :mod:`._kernel_ir` (a last pass of fewer keys, and other
-    feature counts, through :func:`_pair_scores`, two keys per pass)."""
-    in_place, pools, raw_pools, pool_rows, upcoming, end = ahead
-    # Unpacked once: taking an array out of a tuple inside the loop costs two atomic
-    # reference-count updates per key.
-    key_pool, value_pool = pools
-    key_raw, value_raw = raw_pools
+    ``ahead = (in_place, pools, raw_pools, pool_rows, next, end)``: the rows ``pool_rows[next
+    + c]`` below ``end`` of the key pool (float32, read in place; the value pool's go with the
+    sums, :func:`_add_values`), or of both raw pools, are prefetched a block of keys at a time,
+    before the block's products. Where the features are a multiple of ``LANES``, ``LANES``
+    keys per pass go through the vector blocks of :mod:`._kernel_ir` (a last pass of fewer
+    keys, and other feature counts, through :func:`_pair_scores`, two keys per pass)."""
+    in_place, upcoming = ahead[0], ahead[4]
+    values_too = not in_place  # raw pools: both decoded at the next tiles' start
     step = LANES if queries.shape[1] % LANES == 0 else 2
     c = 0
     while c < keys:
-        for later in range(upcoming + c, min(upcoming + c + step, end)):
-            if in_place:
-                prefetch_row(key_pool, pool_rows[later])
-                prefetch_row(value_pool, pool_rows[later])
-            else:
-                prefetch_row(key_raw, pool_rows[later])
-                prefetch_row(value_raw, pool_rows[later])
         if step < LANES or c + LANES > keys:
+            prefetch_ahead(ahead, upcoming + c, step, True, values_too)
             _pair_scores(queries, rows, key_rows, rows_at, first, c, min(c + step, keys), scores)
         else:
+            # The first rows' blocks prefetch their keys' rows, each block before its products:
+            # spread over the pass, the prefetches do not wait on each other for the core's
+            # outstanding misses (see VALUE_KEYS).
             j = 0
             while j + 4 <= rows:
                 for k in range(0, LANES, LANES // 4):
+                    if j == 0:
+                        prefetch_ahead(ahead, upcoming + c + k, LANES // 4, True, values_too)
                     score_block_4(queries, j, key_rows, rows_at, first, scores, c + k)
                 j += 4
             if j + 2 <= rows:
                 for k in range(0, LANES, LANES // 2):
+                    if j == 0:
+                        prefetch_ahead(ahead, upcoming + c + k, LANES // 2, True, values_too)
                     score_block_2(queries, j, key_rows, rows_at, first, scores, c + k)
                 j += 2
             if j < rows:
+                if j == 0:
+                    prefetch_ahead(ahead, upcoming + c, LANES, True, values_too)
                 score_block_1(queries, j, key_rows, rows_at, first, scores, c)
         c += step
 
 
-@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _softmax_step(rows, keys, tile_key, work, softcap):  # type: ignore[no-untyped-def]
     """Turn the scores of keys ``[tile_key, tile_key + keys)`` into weights (0 where a row
     may not see a key), rescaling each row's accumulator and sum when its maximum grows."""
@@ -321,20 +264,34 @@ def _softmax_step(rows, keys, tile_key, work, softcap):  # type: ignore[no-untyp
         row_sum[j] += total
 
 
-@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
-def _add_values(rows, value_rows, rows_at, first, keys, scores, acc):  # type: ignore[no-untyped-def]
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
+def _add_values(rows, value_rows, rows_at, first, keys, scores, acc, ahead):  # type: ignore[no-untyped-def]
     """``acc[j] += sum_c scores[j, c] * value_rows[rows_at[first + c]]``: four rows at a time
     through :func:`._kernel_ir.value_block_4` where the features are a multiple of
     ``VALUE_CHUNK``; the other rows four keys times two rows per pass, so each accumulator
-    element is loaded and stored once for four keys."""
+    element is loaded and stored once for four keys. A float32 pool read in place (``ahead``,
+    as :func:`_key_scores` takes it) has its value rows ``pool_rows[next + c]`` prefetched
+    before the sums of keys ``c``: for at most :data:`FINE_ROWS` rows, :data:`VALUE_KEYS`
+    keys at a time."""
     dim = acc.shape[1]
+    in_place, upcoming = ahead[0], ahead[4]
     vector_rows = 0
-    if dim % VALUE_CHUNK == 0:
-        while vector_rows + 4 <= rows:
-            value_block_4(value_rows, rows_at, first, keys, scores, vector_rows, acc)
-            vector_rows += 4
+    if dim % VALUE_CHUNK == 0 and rows >= 4:
+        part = VALUE_KEYS if in_place and rows <= FINE_ROWS else keys
+        for sub in range(0, keys, part):
+            if in_place:
+                prefetch_ahead(ahead, upcoming + sub, part, False, True)
+            sub_keys = min(part, keys - sub)
+            vector_rows = 0
+            while vector_rows + 4 <= rows:
+                # (a view of the weights from key ``sub``: the block reads ``weights[j + r, c]``)
+                value_block_4(value_rows, rows_at, first + sub, sub_keys, scores[:, sub:], vector_rows, acc)
+                vector_rows += 4
     c = 0 if vector_rows < rows else keys
+    prefetched = vector_rows > 0 or not in_place  # (the vector blocks' passes prefetched every value row)
     while c + 4 <= keys:
+        if not prefetched:
+            prefetch_ahead(ahead, upcoming + c, 4, False, True)
         v0, v1, v2, v3 = rows_at[first + c], rows_at[first + c + 1], rows_at[first + c + 2], rows_at[first + c + 3]
         j = vector_rows
         while j + 2 <= rows:
@@ -352,6 +309,8 @@ def _add_values(rows, value_rows, rows_at, first, keys, scores, acc):  # type: i
                 acc[j, d] += w0 * e0 + w1 * e1 + w2 * e2 + w3 * e3
         c += 4
     while c < keys:
+        if not prefetched:
+            prefetch_ahead(ahead, upcoming + c, 1, False, True)
         at = rows_at[first + c]
         for j in range(vector_rows, rows):
             weight = scores[j, c]
@@ -360,7 +319,7 @@ def _add_values(rows, value_rows, rows_at, first, keys, scores, acc):  # type: i
         c += 1
 
 
-@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _visible(position, first_key, last_key, causal, window, chunk):  # type: ignore[no-untyped-def]
     """The keys ``[low, high)`` of ``[first_key, last_key)`` the query at ``position`` sees."""
     low, high = first_key, last_key
@@ -375,7 +334,7 @@ def _visible(position, first_key, last_key, causal, window, chunk):  # type: ign
     return low, high
 
 
-@njit(cache=True, nogil=True, fastmath=_FASTMATH, inline="always")
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _attend_item(  # type: ignore[no-untyped-def]
     item,
     query,
@@ -429,7 +388,7 @@ def _attend_item(  # type: ignore[no-untyped-def]
         item_low, item_high = min(item_low, low), max(item_high, high)
     item_keys = max(0, item_high - item_low)
     scaled = pool_kind >= POOL_INT8  # quantized: each row has its token head's scale
-    _pool_rows(block_row, item_low, item_keys, block_size, strides, scale_strides, head, rows_at, scales_at, scaled)
+    pool_rows(block_row, item_low, item_keys, block_size, strides, scale_strides, head, rows_at, scales_at, scaled)
     for tile_row in range(first_row, last_row, ROW_TILE):
         rows = min(ROW_TILE, last_row - tile_row)
         low_all = last_key
@@ -456,14 +415,14 @@ def _attend_item(  # type: ignore[no-untyped-def]
             if in_place:  # float32: the rows read where they are
                 key_source, value_source, source_rows, source_first = pools[0], pools[1], rows_at, first
             else:
-                _decode_tile(raw_pools[0], pool_kind, rows_at, scales_at, first, keys, key_tile, key_bits, key_scales)
-                _decode_tile(
+                decode_tile(raw_pools[0], pool_kind, rows_at, scales_at, first, keys, key_tile, key_bits, key_scales)
+                decode_tile(
                     raw_pools[1], pool_kind, rows_at, scales_at, first, keys, value_tile, value_bits, value_scales
                 )
                 key_source, value_source, source_rows, source_first = key_tile, value_tile, tile_rows, 0
             _key_scores(queries, rows, key_source, source_rows, source_first, keys, scores, ahead)
             _softmax_step(rows, keys, tile_key, work, softcap)
-            _add_values(rows, value_source, source_rows, source_first, keys, scores, acc)
+            _add_values(rows, value_source, source_rows, source_first, keys, scores, acc, ahead)
         for j in range(rows):
             r = tile_row + j
             if partial_row < 0:
@@ -483,7 +442,7 @@ def _attend_item(  # type: ignore[no-untyped-def]
                 partial_stats[target, 1] = row_sum[j]
 
 
-@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def attend_share(  # type: ignore[no-untyped-def]
     query,
     key_rows,
