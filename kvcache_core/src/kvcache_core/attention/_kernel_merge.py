@@ -16,17 +16,15 @@ import numpy as np
 from numba import njit
 
 from kvcache_core.attention._kernel_cache import register_locators
+from kvcache_core.attention._kernel_rows import FASTMATH
 
 # Before any decorator: the cached functions' locators stamp every kernel source.
 register_locators()
 
 __all__ = ["merge_splits"]
 
-# As the kernel's: reassociation vectorises the sums; -inf is a real value (no "ninf").
-_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
-
-@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)  # (the kernel's: -inf is a real value here too)
 def merge_splits(qo_indptr, merges, group, out, partial_acc, partial_stats, sinks):  # type: ignore[no-untyped-def]
     """Merge the KV splits with a log-sum-exp: ``merges [m, 5]`` int64 rows ``(request,
     kv_head, rows, first_partial_row, splits)``, split ``s`` of row ``r`` at partial row
