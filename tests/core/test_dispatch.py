@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from kvcache_core.cli import main as cli_main
 from kvcache_core.errors import InvalidConfigError, UnsupportedConfigError
 
 LIBRARIES = {"kvcache-core": "test", "lib": "1"}
+#: The calibration file of backend "test" under LIBRARIES on this machine.
+FILE = dispatch.dispatch_file_name("test", dispatch.machine_key(LIBRARIES))
 
 
 def shape(**changes: object) -> ShapeClass:
@@ -106,10 +109,10 @@ def test_the_faster_path_wins_once_and_is_kept_on_disk(tmp_path: Path, clock: Cl
     again = AttentionDispatch("test", LIBRARIES, tmp_path)  # a later process reads the file
     assert again.run(shape(), paths) == "n"
     assert log == ["n", "n"]
-    stored = json.loads((tmp_path / "dispatch-test.json").read_text())
+    stored = json.loads((tmp_path / FILE).read_text())
     assert stored["machine"] == dispatch.machine_key(LIBRARIES)
     assert list(stored["choices"]) == [shape().key]
-    assert not [name for name in os.listdir(tmp_path) if name != "dispatch-test.json"]  # no temporary left
+    assert not [name for name in os.listdir(tmp_path) if name != FILE]  # no temporary left
 
 
 def in_model(**changes: object) -> ShapeClass:
@@ -137,7 +140,7 @@ def test_a_class_measured_as_the_model_runs_it_takes_turns_then_keeps_the_faster
     assert chooser.choice(shape()) is None  # the loop's class stays unmeasured
     chooser.record(decode, "native", 0.0)  # settled: ignored
     assert AttentionDispatch("test", LIBRARIES, tmp_path).trial_path(decode, ("kernel", "native")) == "kernel"
-    stored = json.loads((tmp_path / "dispatch-test.json").read_text())
+    stored = json.loads((tmp_path / FILE).read_text())
     assert list(stored["choices"]) == [decode.key]
 
 
@@ -153,7 +156,7 @@ def test_a_trial_within_the_noise_holds_for_the_process_only(tmp_path: Path) -> 
     assert choice is not None
     assert not choice.settled
     assert chooser.trial_path(decode, ("native", "kernel")) == "native"  # no second trial in this process
-    assert not (tmp_path / "dispatch-test.json").exists()
+    assert not (tmp_path / FILE).exists()
 
 
 def test_a_trial_waits_for_a_time_of_every_path_and_ignores_bad_records(tmp_path: Path) -> None:
@@ -216,7 +219,7 @@ def test_a_win_within_the_noise_holds_for_the_process_but_is_not_kept(tmp_path: 
     choice = chooser.choice(shape())
     assert choice is not None
     assert not choice.settled
-    assert not (tmp_path / "dispatch-test.json").exists()
+    assert not (tmp_path / FILE).exists()
     calls = len(log)
     chooser.run(shape(), {"kernel": noisy("kernel"), "native": noisy("native")})
     assert len(log) == calls + 1  # not measured again in this process
@@ -272,14 +275,69 @@ def test_a_recorded_path_not_offered_now_is_measured_again(tmp_path: Path, clock
 def test_a_corrupt_or_foreign_file_is_ignored_with_a_warning(
     tmp_path: Path, clock: Clock, content: bytes, reason: str
 ) -> None:
-    (tmp_path / "dispatch-test.json").write_bytes(content)
+    (tmp_path / FILE).write_bytes(content)
     log: list[str] = []
     chooser = AttentionDispatch("test", LIBRARIES, tmp_path)
     with pytest.warns(RuntimeWarning, match=reason):
         assert chooser.run(shape(), {"kernel": clock.path(0.002, "k", log), "native": clock.path(0.001, "n", log)})
     assert log.count("n") > 1  # measured
-    stored = json.loads((tmp_path / "dispatch-test.json").read_text())  # and replaced
+    stored = json.loads((tmp_path / FILE).read_text())  # and replaced
     assert stored["machine"] == dispatch.machine_key(LIBRARIES)
+
+
+def test_machines_and_versions_sharing_a_directory_keep_files_of_their_own(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A home directory on a network file system serves several machines, and a new version of
+    a library measures anew: neither warns nor replaces the other's choices."""
+    log: list[str] = []
+    paths = {"kernel": clock.path(0.002, "k", log), "native": clock.path(0.001, "n", log)}
+    newer = {**LIBRARIES, "lib": "2"}
+    AttentionDispatch("test", LIBRARIES, tmp_path).run(shape(), paths)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no file is foreign to its reader: none warns
+        AttentionDispatch("test", newer, tmp_path).run(shape(), paths)
+        monkeypatch.setattr(dispatch, "_cpu_model", lambda: "another CPU")
+        elsewhere = dispatch.machine_key(LIBRARIES)
+        AttentionDispatch("test", LIBRARIES, tmp_path).run(shape(), paths)
+        monkeypatch.undo()
+        keys = {FILE: dispatch.machine_key(LIBRARIES), dispatch.dispatch_file_name("test", elsewhere): elsewhere}
+        keys[dispatch.dispatch_file_name("test", dispatch.machine_key(newer))] = dispatch.machine_key(newer)
+        assert sorted(os.listdir(tmp_path)) == sorted(keys)
+        for name, key in keys.items():
+            assert json.loads((tmp_path / name).read_text())["machine"] == key
+        calls = len(log)
+        assert AttentionDispatch("test", LIBRARIES, tmp_path).run(shape(), paths) == "n"
+        assert AttentionDispatch("test", newer, tmp_path).run(shape(), paths) == "n"
+        assert len(log) == calls + 2  # each read its own file: nothing measured again
+
+
+def test_the_file_name_is_the_backend_and_a_digest_of_the_machine_key() -> None:
+    key = dispatch.machine_key(LIBRARIES)
+    name = dispatch.dispatch_file_name("torch", key)
+    assert name.startswith("dispatch-torch-")
+    assert name.endswith(".json")
+    assert name == dispatch.dispatch_file_name("torch", dict(reversed(list(key.items()))))  # the fields' order aside
+    assert name != dispatch.dispatch_file_name("torch", {**key, "torch": "other"})
+    assert name != dispatch.dispatch_file_name("jax", key)
+    assert dispatch.dispatch_file_backend(name) == "torch"
+    assert dispatch.dispatch_file_backend(dispatch.dispatch_file_name("my-backend", key)) == "my-backend"
+    assert dispatch.dispatch_file_backend("dispatch-torch.json") == "torch"  # kvcache-core 0.3's name
+    for other in ("dispatch-.json", "dispatch-torch.txt", "settings.json", "dispatch-torch"):
+        assert dispatch.dispatch_file_backend(other) is None, other
+
+
+def test_a_file_of_the_old_name_is_not_read(tmp_path: Path, clock: Clock) -> None:
+    body = {
+        "format": "kvcache-attention-dispatch",
+        "version": 1,
+        "machine": dispatch.machine_key(LIBRARIES),
+        "choices": {shape().key: {"path": "kernel", "seconds": {"kernel": 0.001, "native": 0.002}}},
+    }
+    (tmp_path / "dispatch-test.json").write_text(json.dumps(body))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert AttentionDispatch("test", LIBRARIES, tmp_path).choices() == {}
 
 
 def test_a_bad_choice_in_a_file_of_this_machine_is_refused(tmp_path: Path) -> None:
@@ -289,13 +347,13 @@ def test_a_bad_choice_in_a_file_of_this_machine_is_refused(tmp_path: Path) -> No
         "machine": dispatch.machine_key(LIBRARIES),
         "choices": {shape().key: {"path": "fastest", "seconds": {}}},
     }
-    (tmp_path / "dispatch-test.json").write_text(json.dumps(body))
+    (tmp_path / FILE).write_text(json.dumps(body))
     with pytest.warns(RuntimeWarning, match="names the path 'fastest'"):
         assert AttentionDispatch("test", LIBRARIES, tmp_path).choices() == {}
 
 
 def test_a_file_too_large_or_a_link_is_ignored(tmp_path: Path, clock: Clock) -> None:
-    big = tmp_path / "dispatch-test.json"
+    big = tmp_path / FILE
     big.write_bytes(b" " * (dispatch.MAX_FILE_BYTES + 1))
     with pytest.warns(RuntimeWarning, match="more than"):
         assert AttentionDispatch("test", LIBRARIES, tmp_path).choices() == {}
@@ -320,7 +378,7 @@ def test_forget_removes_the_choices_and_the_file(tmp_path: Path, clock: Clock) -
     chooser.run(shape(), {"kernel": clock.path(0.002, "k", log), "native": clock.path(0.001, "n", log)})
     chooser.forget()
     assert chooser.choices() == {}
-    assert not (tmp_path / "dispatch-test.json").exists()
+    assert not (tmp_path / FILE).exists()
 
 
 def test_the_cache_directory_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

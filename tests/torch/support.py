@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,8 +16,10 @@ import pytest
 import torch
 
 from kvcache_core import AllocationRequest, PagedKvCacheHandle, PagedKvCacheManager, create_manager
+from kvcache_core.backends import dispatch
 from kvcache_core.paging.allocator import Placement
 from kvcache_torch import TorchStorage
+from kvcache_torch import dispatch as torch_dispatch
 from tests.core.support import make_config
 
 Manager = PagedKvCacheManager[torch.Tensor]
@@ -35,6 +38,13 @@ DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)),
 ]
+
+
+def dispatch_file(directory: Path) -> Path:
+    """The torch backend's calibration file in ``directory`` on this machine, under the
+    installed versions (``kvcache_core.backends.dispatch.dispatch_file_name``)."""
+    machine = dispatch.machine_key(torch_dispatch.DISPATCH.libraries)
+    return directory / dispatch.dispatch_file_name("torch", machine)
 
 
 def make_manager(

@@ -16,7 +16,7 @@ from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.backends import dispatch
 from kvcache_core.errors import UnsupportedConfigError
 from kvcache_torch import dispatch as torch_dispatch
-from tests.torch.support import fill, make_manager
+from tests.torch.support import dispatch_file, fill, make_manager
 
 needs_numba = pytest.mark.skipif(not paged_kernel.kernel_available(), reason="numba is not installed (or switched off)")
 
@@ -67,7 +67,7 @@ def test_auto_measures_a_shape_class_once_and_runs_its_winner(measured: Path, mo
     torch.testing.assert_close(first, pinned.paged_attention(0, query, pinned.page_table(pinned_filled.handles)))
     assert second.shape == first.shape
     if choice.settled:
-        stored = json.loads((measured / "dispatch-torch.json").read_text())
+        stored = json.loads(dispatch_file(measured).read_text())
         assert stored["choices"][key]["path"] == choice.path
 
 

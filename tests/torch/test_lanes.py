@@ -25,7 +25,7 @@ from kvcache_torch import TorchStorage, lanes
 from kvcache_torch import dispatch as torch_dispatch
 from kvcache_torch.lanes import TorchLane
 from tests.core.support import make_config
-from tests.torch.support import Manager, make_manager
+from tests.torch.support import Manager, dispatch_file, make_manager
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -342,7 +342,7 @@ def test_a_decode_class_keeps_the_path_its_layers_ran_faster_in_the_model(
     (key,) = (key for key in torch_dispatch.DISPATCH.choices() if key.startswith("in-model decode"))
     choice = torch_dispatch.DISPATCH.choices()[key]
     assert (choice.path, choice.settled) == (faster, True)
-    assert '"in-model decode' in (tmp_path / "dispatch-torch.json").read_text()  # kept for later processes
+    assert '"in-model decode' in dispatch_file(tmp_path).read_text()  # kept for later processes
 
 
 def several_runs_by_hand(table: PageTable) -> bool:

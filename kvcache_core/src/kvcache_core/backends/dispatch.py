@@ -22,11 +22,16 @@ is written here; the paths are timed on this machine.
   costs a few calls of the shape's attention: well under a second for a model's shapes.
 * The choices are **cached on disk** per machine and library versions
   (:func:`machine_key`), in ``$KVCACHE_CACHE_DIR`` (else ``$XDG_CACHE_HOME/kvcache``, else
-  ``~/.cache/kvcache``), one JSON file per backend, rewritten atomically (a temporary file
-  created exclusively, then renamed). A later process reads them and measures nothing.
-  A file that is corrupt, too large, or written on another machine or by other versions is
-  ignored with a warning (and replaced at the next calibration). ``KVCACHE_CACHE_DIR=off``
-  keeps the choices in memory only.
+  ``~/.cache/kvcache``), one JSON file per backend and machine key, named by a digest of
+  the key (:func:`dispatch_file_name`), rewritten atomically (a temporary file created
+  exclusively, then renamed). A later process on the same machine and versions reads its
+  file and measures nothing. Machines sharing the directory (a home directory on a network
+  file system) each keep their own file, and a new version of a library measures anew
+  beside the old one's file, without a warning: neither replaces the other's choices. A file
+  of this name that is corrupt, too large, or holds another machine's key (altered, or a
+  digest collision) is ignored with a warning (and replaced at the next calibration).
+  ``KVCACHE_CACHE_DIR=off`` keeps the choices in memory only; ``kvcache dispatch --forget``
+  removes every file.
 * A decode step inside a model is **measured as the model runs it** (``ShapeClass.measured``
   ``"model"``; a class of its own, listed ``in-model ...``). Between two layers' attention
   the model's projections stream their weights through the CPU's caches, and each layer
@@ -49,6 +54,7 @@ is written here; the paths are timed on this machine.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -78,6 +84,8 @@ __all__ = [
     "ShapeClass",
     "cache_directory",
     "check_attention_path",
+    "dispatch_file_backend",
+    "dispatch_file_name",
     "kernel_or_reference",
     "machine_key",
     "pinned_path",
@@ -153,6 +161,27 @@ def machine_key(libraries: Mapping[str, str]) -> dict[str, str]:
     key = {"cpu": _cpu_model(), "cores": str(_usable_cores()), "python": platform.python_version()}
     key.update({name: str(version) for name, version in sorted(libraries.items())})
     return key
+
+
+def dispatch_file_name(backend: str, machine: Mapping[str, str]) -> str:
+    """The name of ``backend``'s calibration file for the machine key ``machine``
+    (:func:`machine_key`): ``dispatch-<backend>-<digest>.json``, the digest the first 16 hex
+    digits of the key's SHA-256 (its fields sorted), so machines and versions sharing a
+    directory keep files of their own."""
+    text = json.dumps(dict(machine), sort_keys=True, separators=(",", ":"))
+    return f"dispatch-{backend}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+
+
+def dispatch_file_backend(name: str) -> str | None:
+    """The backend of a calibration file named ``name`` (:func:`dispatch_file_name`, or
+    ``dispatch-<backend>.json`` as kvcache-core 0.3 named it); ``None`` for another name."""
+    if not name.startswith("dispatch-") or not name.endswith(".json"):
+        return None
+    stem = name[len("dispatch-") : -len(".json")]
+    backend, _, digest = stem.rpartition("-")
+    if backend and len(digest) == 16 and all(c in "0123456789abcdef" for c in digest):
+        return backend
+    return stem or None
 
 
 def cache_directory() -> Path | None:
@@ -284,11 +313,15 @@ class AttentionDispatch:
         file written under other versions is ignored."""
         return dict(self._libraries)
 
+    def _machine(self) -> dict[str, str]:
+        """This machine's key (:func:`machine_key`) now (its usable cores may change)."""
+        return machine_key(self._libraries)
+
     def _path(self) -> Path | None:
         directory = cache_directory() if self._directory == "default" else self._directory
         if directory is None:
             return None
-        return Path(directory) / f"dispatch-{self._backend}.json"
+        return Path(directory) / dispatch_file_name(self._backend, self._machine())
 
     def _load(self) -> dict[str, DispatchChoice]:
         """The choices of the file, or none (a warning says why a file is ignored)."""
@@ -297,7 +330,7 @@ class AttentionDispatch:
             return {}
         try:
             machine, choices = read_dispatch_file(path)
-            here = machine_key(self._libraries)
+            here = self._machine()
             if machine != here:
                 raise ValueError(f"it was measured on {machine!r}, this is {here!r}")
             return choices
@@ -312,7 +345,7 @@ class AttentionDispatch:
         body = {
             "format": _FORMAT,
             "version": _VERSION,
-            "machine": machine_key(self._libraries),
+            "machine": self._machine(),
             "choices": {
                 key: {"path": choice.path, "seconds": dict(choice.seconds)} for key, choice in sorted(choices.items())
             },
