@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from kvcache_core.attention import kernel as paged_kernel
 from kvcache_core.backends import dispatch
 from kvcache_core.backends.dispatch import AttentionDispatch, ShapeClass
 from kvcache_core.cli import main as cli_main
-from kvcache_core.errors import InvalidConfigError, UnsupportedConfigError
+from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError, UnsupportedConfigError
 
 LIBRARIES = {"kvcache-core": "test", "lib": "1"}
 #: The calibration file of backend "test" under LIBRARIES on this machine.
@@ -325,6 +326,20 @@ def test_the_file_name_is_the_backend_and_a_digest_of_the_machine_key() -> None:
     assert dispatch.dispatch_file_backend("dispatch-torch.json") == "torch"  # kvcache-core 0.3's name
     for other in ("dispatch-.json", "dispatch-torch.txt", "settings.json", "dispatch-torch"):
         assert dispatch.dispatch_file_backend(other) is None, other
+
+
+@pytest.mark.parametrize("name", ["", "../elsewhere", "a/b", ".hidden", "-flag", "x" * 65, "caf\u00e9", "a b"])
+def test_a_backend_name_that_cannot_stand_in_a_file_name_is_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="backend's name"):
+        AttentionDispatch(name, LIBRARIES, tmp_path)
+    with pytest.raises(InvalidArgumentError, match=re.escape(repr(name[:80]))):
+        dispatch.dispatch_file_name(name, {})
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_backend_name_that_is_not_a_str_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidTypeError, match="got bytes"):
+        AttentionDispatch(b"torch", LIBRARIES, tmp_path)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
 
 
 def test_a_file_of_the_old_name_is_not_read(tmp_path: Path, clock: Clock) -> None:

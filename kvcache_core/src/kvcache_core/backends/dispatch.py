@@ -58,6 +58,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import statistics
 import threading
 import time
@@ -69,7 +70,14 @@ from typing import Final, TypeVar, cast
 
 from kvcache_core.attention.kernel import DISABLE_ENV, KERNEL_DTYPES, QUANTIZED_KERNEL_DTYPES, kernel_available
 from kvcache_core.contract.config import ATTENTION_PATHS, CacheConfig
-from kvcache_core.errors import CacheFileError, CorruptCacheFileError, InvalidConfigError, UnsupportedConfigError
+from kvcache_core.errors import (
+    CacheFileError,
+    CorruptCacheFileError,
+    InvalidArgumentError,
+    InvalidConfigError,
+    InvalidTypeError,
+    UnsupportedConfigError,
+)
 from kvcache_core.offload.safe_files import RegularFile, remove_file, write_file_atomically
 from kvcache_core.offload.strict_json import parse_json
 
@@ -84,6 +92,7 @@ __all__ = [
     "ShapeClass",
     "cache_directory",
     "check_attention_path",
+    "check_backend_name",
     "dispatch_file_backend",
     "dispatch_file_name",
     "kernel_or_reference",
@@ -93,6 +102,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: A backend name that may stand in a calibration file's name (:func:`check_backend_name`).
+_BACKEND_NAME: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 #: The environment variable that pins a path for every pool of the process whose config says "auto".
 PATH_ENV: Final = "KVCACHE_ATTENTION_PATH"
@@ -163,11 +175,34 @@ def machine_key(libraries: Mapping[str, str]) -> dict[str, str]:
     return key
 
 
+def check_backend_name(backend: object) -> str:
+    """``backend``, a name that may stand in a file name: 1 to 64 ASCII letters, digits,
+    ``_``, ``.`` and ``-``, not starting with ``.`` or ``-``.
+
+    Raises:
+        InvalidTypeError: not a str. InvalidArgumentError: another name.
+    """
+    if not isinstance(backend, str):
+        raise InvalidTypeError(f"a backend's name is a str, got {type(backend).__name__}")
+    if not _BACKEND_NAME.fullmatch(backend):
+        raise InvalidArgumentError(
+            f"a backend's name for its calibration file is 1 to 64 ASCII letters, digits, '_', '.' and '-', "
+            f"not starting with '.' or '-'; got {backend[:80]!r}"
+        )
+    return backend
+
+
 def dispatch_file_name(backend: str, machine: Mapping[str, str]) -> str:
     """The name of ``backend``'s calibration file for the machine key ``machine``
     (:func:`machine_key`): ``dispatch-<backend>-<digest>.json``, the digest the first 16 hex
     digits of the key's SHA-256 (its fields sorted), so machines and versions sharing a
-    directory keep files of their own."""
+    directory keep files of their own.
+
+    Raises:
+        InvalidTypeError, InvalidArgumentError: ``backend`` is not a name
+            :func:`check_backend_name` takes.
+    """
+    check_backend_name(backend)
     text = json.dumps(dict(machine), sort_keys=True, separators=(",", ":"))
     return f"dispatch-{backend}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
 
@@ -292,13 +327,16 @@ class AttentionDispatch:
     per process, shared by its pools.
 
     Args:
-        backend: the backend's name (the calibration file's name).
+        backend: the backend's name (in the calibration file's name: :func:`check_backend_name`).
         libraries: name -> version of what the timings depend on, besides the machine.
         directory: where the file lives; by default :func:`cache_directory` at first use.
+
+    Raises:
+        InvalidTypeError, InvalidArgumentError: a ``backend`` name that may not stand in a file name.
     """
 
     def __init__(self, backend: str, libraries: Mapping[str, str], directory: Path | str | None = "default") -> None:
-        self._backend = backend
+        self._backend = check_backend_name(backend)
         self._libraries = dict(libraries)
         self._directory = directory
         self._lock = threading.Lock()
