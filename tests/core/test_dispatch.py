@@ -17,7 +17,7 @@ import pytest
 
 from kvcache_core import CacheConfig, create_manager
 from kvcache_core.attention import kernel as paged_kernel
-from kvcache_core.backends import dispatch
+from kvcache_core.backends import dispatch, dispatch_files
 from kvcache_core.backends.dispatch import AttentionDispatch, ShapeClass
 from kvcache_core.cli import main as cli_main
 from kvcache_core.errors import InvalidArgumentError, InvalidConfigError, InvalidTypeError, UnsupportedConfigError
@@ -298,7 +298,7 @@ def test_machines_and_versions_sharing_a_directory_keep_files_of_their_own(
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no file is foreign to its reader: none warns
         AttentionDispatch("test", newer, tmp_path).run(shape(), paths)
-        monkeypatch.setattr(dispatch, "_cpu_model", lambda: "another CPU")
+        monkeypatch.setattr(dispatch_files, "_cpu_model", lambda: "another CPU")
         elsewhere = dispatch.machine_key(LIBRARIES)
         AttentionDispatch("test", LIBRARIES, tmp_path).run(shape(), paths)
         monkeypatch.undo()

@@ -54,11 +54,8 @@ is written here; the paths are timed on this machine.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import platform
-import re
 import statistics
 import threading
 import time
@@ -69,22 +66,28 @@ from pathlib import Path
 from typing import Final, TypeVar, cast
 
 from kvcache_core.attention.kernel import DISABLE_ENV, KERNEL_DTYPES, QUANTIZED_KERNEL_DTYPES, kernel_available
-from kvcache_core.contract.config import ATTENTION_PATHS, CacheConfig
-from kvcache_core.errors import (
-    CacheFileError,
-    CorruptCacheFileError,
-    InvalidArgumentError,
-    InvalidConfigError,
-    InvalidTypeError,
-    UnsupportedConfigError,
+from kvcache_core.backends.dispatch_files import (
+    CACHE_DIR_ENV,
+    FILE_FORMAT,
+    FILE_VERSION,
+    MAX_FILE_BYTES,
+    DispatchChoice,
+    cache_directory,
+    check_backend_name,
+    dispatch_file_backend,
+    dispatch_file_name,
+    machine_key,
+    read_dispatch_file,
 )
-from kvcache_core.offload.safe_files import RegularFile, remove_file, write_file_atomically
-from kvcache_core.offload.strict_json import parse_json
+from kvcache_core.contract.config import ATTENTION_PATHS, CacheConfig
+from kvcache_core.errors import CacheFileError, InvalidConfigError, UnsupportedConfigError
+from kvcache_core.offload.safe_files import remove_file, write_file_atomically
 
 __all__ = [
     "ATTENTION_PATHS",
     "CACHE_DIR_ENV",
     "CALIBRATION_ROUNDS",
+    "MAX_FILE_BYTES",
     "PATH_ENV",
     "TRIAL_STEPS",
     "AttentionDispatch",
@@ -103,13 +106,8 @@ __all__ = [
 
 T = TypeVar("T")
 
-#: A backend name that may stand in a calibration file's name (:func:`check_backend_name`).
-_BACKEND_NAME: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
-
 #: The environment variable that pins a path for every pool of the process whose config says "auto".
 PATH_ENV: Final = "KVCACHE_ATTENTION_PATH"
-#: The environment variable naming the directory of the calibration files (``off``: none).
-CACHE_DIR_ENV: Final = "KVCACHE_CACHE_DIR"
 #: Timed calls of each path when a class is calibrated (after one untimed call each).
 CALIBRATION_ROUNDS: Final = 5
 #: Steps each path runs when a class is measured as the model runs it (:meth:`AttentionDispatch.trial_path`).
@@ -118,10 +116,6 @@ TRIAL_STEPS: Final = 2
 _TRIAL_MARGIN = 1.05
 #: A call slower than this (seconds, in the first timed round, once warm) is timed once only.
 _SLOW_CALL = 0.05
-#: The largest calibration file read (bytes); a larger one is ignored.
-MAX_FILE_BYTES: Final = 1 << 20
-_FORMAT: Final = "kvcache-attention-dispatch"
-_VERSION: Final = 1
 
 
 def check_attention_path(value: object, what: str = "CacheConfig.attention_path") -> str:
@@ -147,87 +141,6 @@ def pinned_path(configured: str) -> str:
     if configured != "auto":
         return configured
     return check_attention_path(os.environ.get(PATH_ENV, "") or "auto", PATH_ENV)
-
-
-def _cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` says)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def _usable_cores() -> int:
-    affinity: Callable[[int], set[int]] | None = getattr(os, "sched_getaffinity", None)
-    count = len(affinity(0)) if affinity is not None else os.cpu_count()
-    return max(1, count or 1)
-
-
-def machine_key(libraries: Mapping[str, str]) -> dict[str, str]:
-    """What a calibration file must match to be used: the CPU model, the usable cores, the
-    Python version and ``libraries`` (name -> version: kvcache-core's, the backend's)."""
-    key = {"cpu": _cpu_model(), "cores": str(_usable_cores()), "python": platform.python_version()}
-    key.update({name: str(version) for name, version in sorted(libraries.items())})
-    return key
-
-
-def check_backend_name(backend: object) -> str:
-    """``backend``, a name that may stand in a file name: 1 to 64 ASCII letters, digits,
-    ``_``, ``.`` and ``-``, not starting with ``.`` or ``-``.
-
-    Raises:
-        InvalidTypeError: not a str. InvalidArgumentError: another name.
-    """
-    if not isinstance(backend, str):
-        raise InvalidTypeError(f"a backend's name is a str, got {type(backend).__name__}")
-    if not _BACKEND_NAME.fullmatch(backend):
-        raise InvalidArgumentError(
-            f"a backend's name for its calibration file is 1 to 64 ASCII letters, digits, '_', '.' and '-', "
-            f"not starting with '.' or '-'; got {backend[:80]!r}"
-        )
-    return backend
-
-
-def dispatch_file_name(backend: str, machine: Mapping[str, str]) -> str:
-    """The name of ``backend``'s calibration file for the machine key ``machine``
-    (:func:`machine_key`): ``dispatch-<backend>-<digest>.json``, the digest the first 16 hex
-    digits of the key's SHA-256 (its fields sorted), so machines and versions sharing a
-    directory keep files of their own.
-
-    Raises:
-        InvalidTypeError, InvalidArgumentError: ``backend`` is not a name
-            :func:`check_backend_name` takes.
-    """
-    check_backend_name(backend)
-    text = json.dumps(dict(machine), sort_keys=True, separators=(",", ":"))
-    return f"dispatch-{backend}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
-
-
-def dispatch_file_backend(name: str) -> str | None:
-    """The backend of a calibration file named ``name`` (:func:`dispatch_file_name`, or
-    ``dispatch-<backend>.json`` as kvcache-core 0.3 named it); ``None`` for another name."""
-    if not name.startswith("dispatch-") or not name.endswith(".json"):
-        return None
-    stem = name[len("dispatch-") : -len(".json")]
-    backend, _, digest = stem.rpartition("-")
-    if backend and len(digest) == 16 and all(c in "0123456789abcdef" for c in digest):
-        return backend
-    return stem or None
-
-
-def cache_directory() -> Path | None:
-    """Where calibration files live (see the module docstring); ``None`` when switched off."""
-    chosen = os.environ.get(CACHE_DIR_ENV, "")
-    if chosen == "off":
-        return None
-    if chosen:
-        return Path(chosen)
-    base = os.environ.get("XDG_CACHE_HOME", "") or str(Path.home() / ".cache")
-    return Path(base) / "kvcache"
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,17 +224,6 @@ def _bucket(value: int, floor: int = 1) -> int:
     return bucket
 
 
-@dataclass(frozen=True, slots=True)
-class DispatchChoice:
-    """The path a shape class runs and the fewest seconds each path took when it was calibrated."""
-
-    path: str
-    seconds: Mapping[str, float]
-    #: Whether the calibration was decisive (:func:`_decisive`): only such choices are kept on
-    #: disk; an undecided one holds for this process, and the next process measures again.
-    settled: bool = True
-
-
 class AttentionDispatch:
     """The measured choices of one backend on this machine (thread-safe); one per backend
     per process, shared by its pools.
@@ -381,8 +283,8 @@ class AttentionDispatch:
         if path is None:
             return
         body = {
-            "format": _FORMAT,
-            "version": _VERSION,
+            "format": FILE_FORMAT,
+            "version": FILE_VERSION,
             "machine": self._machine(),
             "choices": {
                 key: {"path": choice.path, "seconds": dict(choice.seconds)} for key, choice in sorted(choices.items())
@@ -509,25 +411,6 @@ class AttentionDispatch:
                 remove_file(str(path), what="the attention dispatch file")
 
 
-def read_dispatch_file(path: str | Path) -> tuple[dict[str, str], dict[str, DispatchChoice]]:
-    """The machine a calibration file was measured on and its choices, checked strictly.
-
-    Raises:
-        CacheFileError: the file cannot be read (missing, a link, not a regular file).
-        CorruptCacheFileError: it is not a calibration file, or larger than :data:`MAX_FILE_BYTES`.
-    """
-    with RegularFile(str(path), what="the attention dispatch file") as file:
-        if file.size > MAX_FILE_BYTES:
-            raise CorruptCacheFileError(f"{str(path)!r} holds {file.size} bytes, more than the {MAX_FILE_BYTES} read")
-        data = file.read_at(0, file.size)
-    body = parse_json(data, what="the attention dispatch file", error=CorruptCacheFileError)
-    try:
-        choices = _parse(body, None)
-    except ValueError as exc:
-        raise CorruptCacheFileError(f"{str(path)!r}: {exc}") from exc
-    return _texts(cast("dict[str, object]", body)["machine"], "its machine"), choices
-
-
 def _decisive(winner: list[float], loser: list[float]) -> bool:
     """Whether timings of the winning path beat the loser's beyond noise: its fastest run 5%
     faster than the loser's and, with several rounds, its median below the loser's fastest.
@@ -536,54 +419,6 @@ def _decisive(winner: list[float], loser: list[float]) -> bool:
     if min(winner) * 1.05 >= min(loser):
         return False
     return len(winner) == 1 or statistics.median(winner) < min(loser)
-
-
-def _parse(body: object, machine: Mapping[str, str] | None) -> dict[str, DispatchChoice]:
-    """The choices of a calibration file's JSON, checked field by field.
-
-    Raises:
-        ValueError: a field missing, of another type, or the file from another machine or
-            versions (when ``machine`` is given).
-    """
-    if not isinstance(body, dict):
-        raise ValueError("it is not an attention dispatch file")
-    fields = cast("dict[str, object]", body)
-    if set(fields) != {"format", "version", "machine", "choices"}:
-        raise ValueError("it is not an attention dispatch file")
-    if fields["format"] != _FORMAT or fields["version"] != _VERSION:
-        raise ValueError(f"format {fields['format']!r} version {fields['version']!r}, expected {_FORMAT!r} {_VERSION}")
-    recorded = _texts(fields["machine"], "its machine")
-    if machine is not None and recorded != dict(machine):
-        raise ValueError(f"it was measured on {recorded!r}, this is {dict(machine)!r}")
-    listed = fields["choices"]
-    if not isinstance(listed, dict):
-        raise ValueError("its choices are not a mapping")
-    choices: dict[str, DispatchChoice] = {}
-    for key, entry in cast("dict[str, object]", listed).items():
-        if not isinstance(entry, dict) or set(cast("dict[str, object]", entry)) != {"path", "seconds"}:
-            raise ValueError(f"the choice {key!r} is malformed")
-        parts = cast("dict[str, object]", entry)
-        path, seconds = parts["path"], parts["seconds"]
-        if not isinstance(path, str) or path not in ATTENTION_PATHS[1:] or not isinstance(seconds, dict):
-            raise ValueError(f"the choice {key!r} names the path {path!r}")
-        timed: dict[str, float] = {}
-        for name, value in cast("dict[str, object]", seconds).items():
-            if name not in ATTENTION_PATHS[1:] or not isinstance(value, float) or not value >= 0.0:
-                raise ValueError(f"the choice {key!r} has a bad time {name!r}: {value!r}")
-            timed[name] = value
-        choices[key] = DispatchChoice(path, timed)
-    return choices
-
-
-def _texts(value: object, what: str) -> dict[str, str]:
-    """``value`` if it is a JSON object of texts."""
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} is not a mapping of texts")
-    items = cast("dict[str, object]", value)
-    texts = {name: text for name, text in items.items() if isinstance(text, str)}
-    if len(texts) != len(items):
-        raise ValueError(f"{what} is not a mapping of texts")
-    return texts
 
 
 def kernel_or_reference(config: CacheConfig) -> str:
