@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvcache_core.backends.dispatch import machine_key
+
 __all__ = [
     "LIBRARIES",
     "RECOMMENDED_ENV",
@@ -40,14 +42,9 @@ _CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
 def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` says)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    """The CPU's model name, as the attention dispatch keys its calibrations by it
+    (``/proc/cpuinfo``; else what ``platform`` says)."""
+    return machine_key({})["cpu"]
 
 
 def cache_sizes() -> str:

@@ -324,8 +324,13 @@ def test_the_file_name_is_the_backend_and_a_digest_of_the_machine_key() -> None:
     assert dispatch.dispatch_file_backend(name) == "torch"
     assert dispatch.dispatch_file_backend(dispatch.dispatch_file_name("my-backend", key)) == "my-backend"
     assert dispatch.dispatch_file_backend("dispatch-torch.json") == "torch"  # kvcache-core 0.3's name
-    for other in ("dispatch-.json", "dispatch-torch.txt", "settings.json", "dispatch-torch"):
+    for other in ("dispatch-.json", "dispatch-torch.txt", "settings.json", "dispatch-torch", "dispatch-a b.json"):
         assert dispatch.dispatch_file_backend(other) is None, other
+    with pytest.raises(InvalidTypeError, match="got bytes"):
+        dispatch.dispatch_file_backend(b"dispatch-torch.json")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    for machine in ([("cpu", "x")], {"cores": 2}, {1: "x"}):
+        with pytest.raises(InvalidTypeError, match="mapping of str to str"):
+            dispatch.dispatch_file_name("torch", machine)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
 
 
 @pytest.mark.parametrize("name", ["", "../elsewhere", "a/b", ".hidden", "-flag", "x" * 65, "caf\u00e9", "a b"])

@@ -100,23 +100,35 @@ def dispatch_file_name(backend: str, machine: Mapping[str, str]) -> str:
 
     Raises:
         InvalidTypeError, InvalidArgumentError: ``backend`` is not a name
-            :func:`check_backend_name` takes.
+            :func:`check_backend_name` takes. InvalidTypeError: ``machine`` is not a mapping
+            of str to str.
     """
     check_backend_name(backend)
+    if not isinstance(machine, Mapping) or not all(
+        isinstance(name, str) and isinstance(value, str) for name, value in machine.items()
+    ):
+        raise InvalidTypeError(f"a machine key is a mapping of str to str, got {type(machine).__name__}")
     text = json.dumps(dict(machine), sort_keys=True, separators=(",", ":"))
     return f"dispatch-{backend}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
 
 
 def dispatch_file_backend(name: str) -> str | None:
     """The backend of a calibration file named ``name`` (:func:`dispatch_file_name`, or
-    ``dispatch-<backend>.json`` as kvcache-core 0.3 named it); ``None`` for another name."""
+    ``dispatch-<backend>.json`` as kvcache-core 0.3 named it); ``None`` for another name,
+    or one whose backend :func:`check_backend_name` would refuse.
+
+    Raises:
+        InvalidTypeError: ``name`` is not a str.
+    """
+    if not isinstance(name, str):
+        raise InvalidTypeError(f"a calibration file's name is a str, got {type(name).__name__}")
     if not name.startswith("dispatch-") or not name.endswith(".json"):
         return None
     stem = name[len("dispatch-") : -len(".json")]
     backend, _, digest = stem.rpartition("-")
-    if backend and len(digest) == 16 and all(c in "0123456789abcdef" for c in digest):
-        return backend
-    return stem or None
+    if not (backend and len(digest) == 16 and all(c in "0123456789abcdef" for c in digest)):
+        backend = stem  # kvcache-core 0.3's name
+    return backend if _BACKEND_NAME.fullmatch(backend) else None
 
 
 def cache_directory() -> Path | None:
