@@ -4,8 +4,11 @@ every element size and either layout; refusals before anything is touched."""
 
 from __future__ import annotations
 
+import ctypes
+import threading
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import numpy.typing as npt
@@ -13,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcache_core.attention import gather_kernel
 from kvcache_core.attention.gather_kernel import MIN_THREAD_BYTES, SlotRuns, gather_runs, gather_runs_together
 from kvcache_core.attention.kernel import DISABLE_ENV, kernel_available, max_threads, python_team
 from kvcache_core.errors import InvalidArgumentError, InvalidTypeError, ShapeMismatchError
@@ -240,6 +244,81 @@ def test_a_large_gather_runs_on_the_team_it_is_given() -> None:
     assert gather_runs(pool, out, SlotRuns(slots), team)
     assert np.array_equal(out, _expected(pool, slots))
     assert calls == [min(max_threads(), 16)]  # 4 rows x 4 heads
+
+
+class _EntryTeam:
+    """A team with a C entry point, as torch's OpenMP team has: ``run_entry`` starts the C
+    function on ``threads`` threads at once (ctypes lets go of the GIL while each runs it),
+    or declines (``accepts=False``) and the gather runs its Python shares (``shares``)."""
+
+    def __init__(self, accepts: bool = True) -> None:
+        self.accepts = accepts
+        self.entries: list[int] = []
+        self.shares: list[int] = []
+
+    def __call__(self, share: Callable[[], None], threads: int) -> None:
+        self.shares.append(threads)
+        python_team(share, threads)
+
+    def run_entry(self, entry: int, data: int, threads: int) -> bool:
+        self.entries.append(threads)
+        if not self.accepts:
+            return False
+        function = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(entry)
+        started = [threading.Thread(target=function, args=(data,)) for _ in range(threads - 1)]
+        for thread in started:
+            thread.start()
+        function(data)
+        for thread in started:
+            thread.join()
+        return True
+
+
+@needs_numba
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=_batches(),
+    dtype=st.sampled_from([np.float32, np.float16, np.uint8, np.float64]),
+    widths=st.sampled_from([(5,), (4, 7), (8, 1)]),
+)
+def test_the_gather_through_a_teams_c_entry_equals_the_indexed_reads(
+    batch: tuple[npt.NDArray[np.int64], int], dtype: type[np.generic], widths: tuple[int, ...]
+) -> None:
+    slots, pool_slots = batch
+    heads = 3
+    generator = np.random.default_rng(6)
+    # Each pool inside a larger array (heads further apart than its slots), one pair or two.
+    pools = [
+        generator.integers(1, 100, size=(heads, pool_slots + 2, width)).astype(dtype)[:, :pool_slots]
+        for width in widths
+    ]
+    outs = [np.full((slots.shape[0], heads, slots.shape[1], width), 7, dtype=dtype) for width in widths]
+    team = _EntryTeam()
+    with mock.patch.object(gather_kernel, "MIN_THREAD_BYTES", 0):  # every gather on the team
+        assert gather_runs_together(list(zip(pools, outs, strict=True)), SlotRuns(slots), team)
+    for pool, out in zip(pools, outs, strict=True):
+        assert np.array_equal(out, _expected(pool, slots))
+    if slots.size and max_threads() > 1:
+        assert team.entries
+        assert not team.shares  # no thread ran Python
+
+
+@needs_numba
+@pytest.mark.parametrize("case", ["the team declines its entry", "more pairs than the entry takes"])
+def test_the_python_shares_run_where_the_c_entry_does_not(case: str) -> None:
+    slots = np.array([[-1, 0, 1, 2], [4, 5, 8, 9]], dtype=np.int64)
+    count = 3 if case == "more pairs than the entry takes" else 2
+    generator = np.random.default_rng(7)
+    pools = [generator.standard_normal((2, 10, 4)).astype(np.float32) for _ in range(count)]
+    outs = [np.full((2, 2, 4, 4), 5.0, dtype=np.float32) for _ in range(count)]
+    team = _EntryTeam(accepts=case != "the team declines its entry")
+    with mock.patch.object(gather_kernel, "MIN_THREAD_BYTES", 0):
+        assert gather_runs_together(list(zip(pools, outs, strict=True)), SlotRuns(slots), team)
+    for pool, out in zip(pools, outs, strict=True):
+        assert np.array_equal(out, _expected(pool, slots))
+    if max_threads() > 1:
+        assert team.shares == [min(max_threads(), 4 * count)]  # 2 rows x 2 heads per pool
+        assert team.entries == ([] if count == 3 else team.shares)
 
 
 def test_without_the_compiled_code_nothing_is_copied(monkeypatch: pytest.MonkeyPatch) -> None:

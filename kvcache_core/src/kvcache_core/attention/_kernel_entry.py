@@ -29,10 +29,10 @@ from typing import Any, Final
 
 import numpy as np
 from numba import cfunc, njit, types
-from numba.extending import intrinsic
 from numba.np.numpy_support import carray
 
 from kvcache_core.attention._kernel_cache import register_locators
+from kvcache_core.attention._kernel_ir import address_pointer as _pointer
 from kvcache_core.attention._kernel_jit import attend_share
 
 # Before any decorator: the cached functions' locators stamp every kernel source.
@@ -66,24 +66,6 @@ BLOCK_SIZE: Final = SCALE_AT + 2
 #: The array arguments that are other objects from one layer's call to the next (query, the
 #: pools' rows and bits, output, scales); the rest are the prepared call's own.
 PER_CALL: Final = tuple((position, ADDRESS_AT[position]) for position in (0, 1, 2, 3, 4, 17, 23, 24, 25))
-
-
-def _pointer_typer(typingctx, address, kind):  # type: ignore[no-untyped-def]
-    """A typed pointer from a raw pointer or an int64 address; ``kind`` names the element type."""
-    signature = types.CPointer(kind.instance_type)(address, kind)  # type: ignore[no-untyped-call]
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        target = context.get_value_type(sig.return_type)
-        if isinstance(sig.args[0], types.RawPointer):
-            return builder.bitcast(args[0], target)
-        return builder.inttoptr(args[0], target)
-
-    return signature, codegen
-
-
-#: ``_pointer(address, np.float32)`` in compiled code (typed ``Any``: numba's intrinsic wrapper
-#: declares the typing context as a parameter).
-_pointer: Any = intrinsic(_pointer_typer)
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -41,6 +41,7 @@ _config: Any = _numba_config
 __all__ = [
     "LANES",
     "VALUE_CHUNK",
+    "address_pointer",
     "claim_next",
     "compile_features",
     "prefetch_row",
@@ -300,3 +301,21 @@ claim_next: Any = intrinsic(_claim_typer)
 #: ``prefetch_row(array, row)`` in compiled code (typed ``Any``: numba's intrinsic wrapper
 #: declares the typing context as a parameter).
 prefetch_row: Any = intrinsic(_prefetch_row_typer)
+
+
+def _pointer_typer(typingctx, address, kind):  # type: ignore[no-untyped-def]
+    """A typed pointer from a raw pointer or an int64 address; ``kind`` names the element type."""
+    signature = types.CPointer(kind.instance_type)(address, kind)  # type: ignore[no-untyped-call]
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        target = context.get_value_type(sig.return_type)
+        if isinstance(sig.args[0], types.RawPointer):
+            return builder.bitcast(args[0], target)
+        return builder.inttoptr(args[0], target)
+
+    return signature, codegen
+
+
+#: ``address_pointer(address, np.float32)`` in compiled code: what a C entry point reads its
+#: arrays through (the kernel's and the padded gather's, from their blocks of addresses).
+address_pointer: Any = intrinsic(_pointer_typer)

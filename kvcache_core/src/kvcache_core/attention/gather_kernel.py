@@ -23,6 +23,9 @@ ms a pool and layer.
 team and one pass of the wrapper's Python for both. Inside that ``generate`` (machine D: AMD
 EPYC, Zen 5, 2 cores, L3 32 MiB; 2 KV heads of 64, 8 rows of 256-2,048 tokens), a decode
 layer's padded read took 1.06-1.11 ms that way against 1.08-1.32 ms as two calls.
+On a team with a C entry point (``run_entry``: torch's OpenMP team), one or two pairs are
+copied through the compiled entry (:func:`~kvcache_core.attention._gather_jit.entry_address`),
+no thread running Python; elsewhere, and where the team declines, through Python shares.
 
 Like the attention kernel, it runs only where numba imports and ``KVCACHE_DISABLE_NUMBA`` does
 not switch it off: :func:`gather_runs` returns ``False`` otherwise and the caller reads as
@@ -260,11 +263,45 @@ def gather_runs_together(
     nbytes = sum(out.nbytes for _, out in pairs)
     threads = min(max_threads(), int(order.shape[0]) * len(pairs)) if nbytes >= MIN_THREAD_BYTES else 1
     with LAUNCH_LOCK:
-        if threads > 1:
-            (team or python_team)(share, threads)
-        else:
+        if threads == 1:
             share()
+        elif not _run_entry(team, pairs, runs, order, threads):
+            (team or python_team)(share, threads)
     return True
+
+
+def _run_entry(
+    team: ThreadTeam | None,
+    pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
+    runs: SlotRuns,
+    order: IndexArray,
+    threads: int,
+) -> bool:
+    """Run the gather of checked ``pairs`` through ``team``'s C entry point (``run_entry``,
+    as torch's OpenMP team has: no thread runs Python or waits for the GIL); False, nothing
+    copied, where the team has none, cannot start it, or there are more pairs than its block holds."""
+    run_entry: Callable[[int, int, int], bool] | None = getattr(team, "run_entry", None)
+    if run_entry is None or len(pairs) > _jit().ENTRY_PAIRS:
+        return False
+    jit = _jit()
+    block = np.zeros(jit.ENTRY_BLOCK, dtype=np.int64)
+    claimed = np.zeros(1, dtype=np.int64)
+    arrays = (runs.leads, runs.run_first, runs.runs, order, claimed)
+    block[:6] = (len(pairs), pairs[0][0].shape[0], runs.positions, runs.batch, runs.runs.shape[0], order.shape[0])
+    block[6:11] = [_address(array) for array in arrays]
+    for index, (pool, out) in enumerate(pairs):
+        size = pool.itemsize
+        block[11 + index] = pool.strides[0]  # bytes (a whole number of elements: checked)
+        block[11 + jit.ENTRY_PAIRS + index] = pool.shape[2] * size
+        span = (pool.shape[0] - 1) * pool.strides[0] + pool.shape[1] * pool.shape[2] * size
+        at = jit.PAIR_AT + 4 * index
+        block[at : at + 4] = (_address(pool), span, _address(out), out.nbytes)
+    return bool(run_entry(jit.entry_address(), _address(block), threads))
+
+
+def _address(array: npt.NDArray[Any]) -> int:
+    address: int = array.__array_interface__["data"][0]
+    return address
 
 
 def _checked(pool: npt.NDArray[Any], out: npt.NDArray[Any], runs: SlotRuns) -> bool:
