@@ -33,6 +33,7 @@ Run, from the repository root::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import shutil
@@ -43,7 +44,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -264,35 +265,56 @@ def serve(
 # -- the server and the tier's throughput -----------------------------------------------------------
 
 
-def start_redis() -> tuple[subprocess.Popen[bytes], str] | None:
-    """A ``redis-server`` on a free port of 127.0.0.1 without persistence, once it answers."""
+@contextlib.contextmanager
+def running_redis() -> Generator[str | None]:
+    """The URL of a ``redis-server`` on a free port of 127.0.0.1 without persistence, once it
+    answers (``None`` where there is no server binary or no redis-py); killed on exit, its
+    folder removed, whatever happened (a server that did not start included)."""
     binary = os.environ.get("KVCACHE_REDIS_SERVER") or shutil.which("redis-server")
     try:
         import redis
     except ImportError:
-        return None
+        yield None
+        return
     if binary is None:
-        return None
+        yield None
+        return
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    directory = tempfile.mkdtemp(prefix="kvcache-fleet-")
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", directory],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    client: Any = redis.Redis(port=port, socket_connect_timeout=0.2)
-    deadline = time.monotonic() + 20
-    while True:
+    with tempfile.TemporaryDirectory(prefix="kvcache-fleet-") as directory:
+        process = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                directory,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
-            client.ping()
-            break
-        except redis.RedisError:
-            require(process.poll() is None and time.monotonic() < deadline, "redis-server did not start")
-            time.sleep(0.01)  # polling for the server, within the deadline
-    client.close()
-    return process, f"redis://127.0.0.1:{port}/0"
+            client: Any = redis.Redis(port=port, socket_connect_timeout=0.2)
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    client.ping()
+                    break
+                except redis.RedisError:
+                    require(process.poll() is None and time.monotonic() < deadline, "redis-server did not start")
+                    time.sleep(0.01)  # polling for the server, within the deadline
+            client.close()
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            process.kill()
+            process.wait()
 
 
 def throughput(args: argparse.Namespace, url: str) -> tuple[float, float, float, float]:
@@ -369,60 +391,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     for worker in workers:
         worker.start()
     connections = [parent for parent, _ in pipes]
-    server = start_redis()
-    modes = MODES if server is not None else MODES[:1]
-    if server is None:
-        print("no redis-server or redis-py here: the shared tier and the router are not measured")
-    status = 0
     try:
-        for workload, prompts in workloads.items():
-            blocks = working_set(prompts, args.block_size)
-            longest = max(-(-len(prompt.tokens) // args.block_size) for prompt in prompts)
-            pool = max(blocks // 10, longest)
-            print(
-                f"\n{workload}: {len(prompts)} requests on {args.workers} workers; working set {blocks} blocks, "
-                f"pool {pool} blocks per worker ({pool / blocks:.0%})"
-            )
-            runs = {
-                mode: serve(args, connections, workload, prompts, pool, mode, None if server is None else server[1])
-                for mode in modes
-            }
-            header = f"{'':<16}{'hit rate':>10}{'tokens computed':>17}{'request ms':>12}{'K/V exact':>11}"
-            print(header)
-            print("-" * len(header))
-            for mode, fleet_run in runs.items():
-                print(
-                    f"{mode:<16}{fleet_run.hit_rate:>10.3f}{fleet_run.computed:>17}"
-                    f"{statistics.median(fleet_run.seconds) * 1e3:>12.3f}{'yes' if not fleet_run.mismatches else 'NO':>11}"
-                )
-            require(not any(run.mismatches for run in runs.values()), "a gathered K/V differs from what was written")
-            isolated = runs["isolated"]
-            for mode in modes[1:]:
-                print(
-                    f"{mode} / isolated: hit rate {ratio(runs[mode].hit_rate, max(isolated.hit_rate, 1e-9))}, "
-                    f"tokens computed {ratio(runs[mode].computed, isolated.computed)}"
-                )
-            if workload == "chat" and server is not None:
-                shared_ok = runs["shared tier"].hit_rate >= 2 * isolated.hit_rate
-                routed_ok = runs["tier + router"].computed <= 0.5 * isolated.computed
-                print(f"target: shared tier >= 2x the isolated hit rate: {met(shared_ok)}")
-                print(f"target: with the router, tokens computed <= 0.5x isolated: {met(routed_ok)}")
-                status = 0 if shared_ok and routed_ok else 1
-        if server is not None:
-            tier_put, tier_get, raw_put, raw_get = throughput(args, server[1])
-            print(
-                f"\ntier throughput on {args.records} records: put {tier_put:.1f} MB/s, get {tier_get:.1f} MB/s; "
-                f"raw redis-py on the same bytes: put {raw_put:.1f} MB/s, get {raw_get:.1f} MB/s "
-                f"(tier / raw: put {ratio(tier_put, raw_put)}, get {ratio(tier_get, raw_get)})"
-            )
+        with running_redis() as url:
+            return measure(args, connections, workloads, url)
     finally:
         for connection in connections:
             connection.send(("quit",))
         for worker in workers:
             worker.join(10)
-        if server is not None:
-            server[0].kill()
-            server[0].wait()
+
+
+def measure(
+    args: argparse.Namespace, connections: list[Connection], workloads: dict[str, list[Prompt]], url: str | None
+) -> int:
+    """Serve each workload in every mode (the shared ones where ``url`` names a server), print
+    the table and the targets, then the tier's throughput; the exit status (1: a target missed)."""
+    modes = MODES if url is not None else MODES[:1]
+    if url is None:
+        print("no redis-server or redis-py here: the shared tier and the router are not measured")
+    status = 0
+    for workload, prompts in workloads.items():
+        blocks = working_set(prompts, args.block_size)
+        longest = max(-(-len(prompt.tokens) // args.block_size) for prompt in prompts)
+        pool = max(blocks // 10, longest)
+        print(
+            f"\n{workload}: {len(prompts)} requests on {args.workers} workers; working set {blocks} blocks, "
+            f"pool {pool} blocks per worker ({pool / blocks:.0%})"
+        )
+        runs = {mode: serve(args, connections, workload, prompts, pool, mode, url) for mode in modes}
+        header = f"{'':<16}{'hit rate':>10}{'tokens computed':>17}{'request ms':>12}{'K/V exact':>11}"
+        print(header)
+        print("-" * len(header))
+        for mode, fleet_run in runs.items():
+            print(
+                f"{mode:<16}{fleet_run.hit_rate:>10.3f}{fleet_run.computed:>17}"
+                f"{statistics.median(fleet_run.seconds) * 1e3:>12.3f}{'yes' if not fleet_run.mismatches else 'NO':>11}"
+            )
+        require(not any(run.mismatches for run in runs.values()), "a gathered K/V differs from what was written")
+        isolated = runs["isolated"]
+        for mode in modes[1:]:
+            print(
+                f"{mode} / isolated: hit rate {ratio(runs[mode].hit_rate, max(isolated.hit_rate, 1e-9))}, "
+                f"tokens computed {ratio(runs[mode].computed, isolated.computed)}"
+            )
+        if workload == "chat" and url is not None:
+            shared_ok = runs["shared tier"].hit_rate >= 2 * isolated.hit_rate
+            routed_ok = runs["tier + router"].computed <= 0.5 * isolated.computed
+            print(f"target: shared tier >= 2x the isolated hit rate: {met(shared_ok)}")
+            print(f"target: with the router, tokens computed <= 0.5x isolated: {met(routed_ok)}")
+            status = 0 if shared_ok and routed_ok else 1
+    if url is not None:
+        tier_put, tier_get, raw_put, raw_get = throughput(args, url)
+        print(
+            f"\ntier throughput on {args.records} records: put {tier_put:.1f} MB/s, get {tier_get:.1f} MB/s; "
+            f"raw redis-py on the same bytes: put {raw_put:.1f} MB/s, get {raw_get:.1f} MB/s "
+            f"(tier / raw: put {ratio(tier_put, raw_put)}, get {ratio(tier_get, raw_get)})"
+        )
     return status
 
 
