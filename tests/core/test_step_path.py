@@ -14,7 +14,7 @@ import pytest
 
 from kvcache_core import AllocationRequest, InvalidArgumentError, OutOfBlocksError, SequenceTooLongError, Step
 from kvcache_core.errors import ShapeMismatchError, StaleStepError
-from kvcache_core.paging import in_place
+from kvcache_core.paging import in_place, padded
 from kvcache_core.paging.block_pool import BlockPool
 from kvcache_core.paging.sequences import SequenceBlocks
 from tests.core.support import BLOCK, DIM, HEADS, LAYERS, Manager, make_manager
@@ -167,6 +167,42 @@ def test_a_step_advanced_plans_what_begin_step_plans(lengths: list[int]) -> None
     # (which shares their pages where it can) is the other manager's.
     again = [manager.begin_step(rows, 1) for manager, rows in zip(managers, handles, strict=True)]
     assert _snapshot(managers[0], again[0]) == _snapshot(managers[1], again[1])
+
+
+def test_an_advanced_step_s_padded_slots_extend_the_last_step_s() -> None:
+    """A decode step advanced from the last one finds its padded slots as the last step's
+    with a column more, not from its page table again, at every width the last step read
+    one less of (the longest request cut short included), whether a request opened a block
+    or not; they equal what its page table gives. A step planned anew finds them anew."""
+    manager = make_manager(enable_prefix_caching=False)
+    handles = [manager.allocate(AllocationRequest(f"r{row}")) for row in range(3)]
+    step = manager.begin_step(handles, [5, 2, BLOCK])
+    for layer in range(LAYERS):
+        step.write(layer, kv(7 + BLOCK, layer), kv(7 + BLOCK, layer + 10))
+    widths = [None, 3, 6, 10]  # each one more at each step
+    for width in widths:
+        step.gather_padded(0, width=width)
+    for turn in range(2 * BLOCK):
+        step = step.advance()
+        widths = [None if width is None else width + 1 for width in widths]
+        keys, values = kv(3, turn), kv(3, turn + 40)
+        for layer in range(LAYERS):
+            step.write(layer, keys, values)
+        with mock.patch("kvcache_core._step_runner.padded_slots", wraps=padded.padded_slots) as found:
+            for width in widths:
+                for layer in range(LAYERS):
+                    got_keys, got_values = step.gather_padded(layer, width=width)
+                    table_slots = padded.padded_slots(step.page_table, width)
+                    expected = padded.read_padded(manager.storage, layer, step.page_table, table_slots, "NHD")
+                    np.testing.assert_array_equal(got_keys, expected[0])
+                    np.testing.assert_array_equal(got_values, expected[1])
+            assert found.call_count == 0, f"turn {turn}: padded slots found from the page table"
+            assert step.gather_padded(0, width=2)[0].shape[1] == 2  # a width the last step did not read
+            assert found.call_count == 1
+    planned = manager.begin_step(handles, 1)
+    with mock.patch("kvcache_core._step_runner.padded_slots", wraps=padded.padded_slots) as found:
+        planned.gather_padded(0)
+    assert found.call_count == 1
 
 
 def test_an_advance_looks_for_growth_in_place_once() -> None:

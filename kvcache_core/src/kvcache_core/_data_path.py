@@ -272,7 +272,7 @@ class DataPath(Generic[ArrayT]):
         step = Step(
             runner, last.request_ids, tuple(counts), slots, (table,), last.num_heads, last.head_dim, last.value_width
         )
-        previous.hand_over(last, runner, step, same_blocks=not opening)
+        previous.hand_over(last, runner, step, same_blocks=not opening, extends=True)
         return step
 
     def step(

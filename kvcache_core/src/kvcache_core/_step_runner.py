@@ -21,7 +21,7 @@ from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import KvStorage, SlotArray
 from kvcache_core.contract.scalars import check_optional_count
 from kvcache_core.paging.checks import step_token_ids
-from kvcache_core.paging.padded import check_padded_layout, padded_slots, read_padded
+from kvcache_core.paging.padded import check_padded_layout, padded_slots, padded_slots_after, read_padded
 from kvcache_core.paging.request_state import RequestState
 from kvcache_core.paging.state_slots import slot_run
 from kvcache_core.step import Step
@@ -95,6 +95,7 @@ class DataPathRunner(Generic[ArrayT]):
         "_group_slots",
         "_lanes",
         "_padded",
+        "_padded_before",
         "_path",
         "_scale",
         "_served",
@@ -122,6 +123,9 @@ class DataPathRunner(Generic[ArrayT]):
         self._scale: tuple[float | None, float] = (None, 0.0)  # the last scale given and checked
         # The padded gathers' slots by (group, width): the same for every layer of a group.
         self._padded: dict[tuple[int, int | None], SlotArray] = {}
+        # The last step's, where this step is its decode step that moved no earlier token: each
+        # of this step's is one of those with a column more (paging.padded.padded_slots_after).
+        self._padded_before: dict[tuple[int, int | None], SlotArray] | None = None
 
     def _states_slots(self) -> SlotArray:
         """The requests' state slots (found once per step, by the first state layer)."""
@@ -291,8 +295,20 @@ class DataPathRunner(Generic[ArrayT]):
             table = step.page_tables[group]
             slots = self._padded.get((group, width))
             if slots is None:  # planned once per group and width
-                slots = self._padded[group, width] = padded_slots(table, width)
+                slots = self._extended_padded(step, group, width)
+                if slots is None:
+                    slots = padded_slots(table, width)
+                self._padded[group, width] = slots
             return read_padded(path.storage, index, table, slots, layout)
+
+    def _extended_padded(self, step: Step[ArrayT], group: int, width: int | None) -> SlotArray | None:
+        """The padded slots of ``group`` at ``width`` from the last step's (see
+        ``_padded_before``), or ``None``."""
+        before = self._padded_before
+        previous = None if before is None else before.get((group, None if width is None else width - 1))
+        if previous is None:
+            return None
+        return padded_slots_after(previous, width, step.page_tables[group], self._slots(step, group))
 
     def read_state(self, step: Step[ArrayT], layer: int, name: str) -> ArrayT:
         path = self._path
@@ -332,13 +348,23 @@ class DataPathRunner(Generic[ArrayT]):
             return path.advance_step(states, step, self, ids)
 
     def hand_over(
-        self, last: Step[ArrayT], runner: DataPathRunner[ArrayT], step: Step[ArrayT], *, same_blocks: bool
+        self,
+        last: Step[ArrayT],
+        runner: DataPathRunner[ArrayT],
+        step: Step[ArrayT],
+        *,
+        same_blocks: bool,
+        extends: bool = False,
     ) -> None:
         """Hand ``runner`` of ``step``, the decode step after ``last`` (this runner's), what the
         two share: each KV-cache group's lane, advanced (where it cannot be, the storage is
         asked for one as for any step), the last scale checked, and, where every request grew
         inside the blocks it held (``same_blocks``) and had a slot in ``last``, the epoch at
-        which the slots were found writable (the new slots lie in the same blocks)."""
+        which the slots were found writable (the new slots lie in the same blocks); where no
+        request's earlier token moved (``extends``: grown in place or into a block of its own),
+        ``last``'s padded slots, which ``step``'s extend by a column."""
+        if extends:
+            runner._padded_before = self._padded
         if same_blocks and min(last.new_tokens, default=0) >= 1:
             runner._writable_at[:] = self._writable_at
         runner._scale = self._scale  # the scale the model gives every step: checked once

@@ -160,20 +160,24 @@ class SlotRuns:
             follows = stored & (runs[last, 1] + runs[last, 2] == column)
         else:
             follows = np.zeros(self._batch, dtype=np.bool_)
+        extended = object.__new__(SlotRuns)
+        extended._batch, extended._positions = self._batch, self._positions + 1
+        extended._leads = self._leads
+        extended._slots_needed = max(self._slots_needed, int(column.max()) + 1 if column.size else 0)
+        extended._orders = self._orders  # the same leads: the same orders
         grown = runs.copy()
         grown[last[follows], 2] += 1
+        if bool(follows.all()):  # every new slot extends its row's last run (a decode step, mostly)
+            grown.flags.writeable = False
+            extended._runs, extended._run_first = grown, self._run_first
+            return extended
         opened = ~follows
         new = np.stack([np.full(int(opened.sum()), self._positions, dtype=np.int64), column[opened]], axis=1)
         grown = np.insert(
             grown, ends[opened], np.concatenate([new, np.ones((new.shape[0], 1), np.int64)], axis=1), axis=0
         )
-        extended = object.__new__(SlotRuns)
-        extended._batch, extended._positions = self._batch, self._positions + 1
-        extended._leads = self._leads
         extended._runs = _frozen(grown)
         extended._run_first = _frozen(np.concatenate(([0], np.cumsum(np.diff(self._run_first) + opened))))
-        extended._slots_needed = max(self._slots_needed, int(column.max()) + 1 if column.size else 0)
-        extended._orders = self._orders  # the same leads: the same orders
         return extended
 
     def order(self, heads: int) -> IndexArray:

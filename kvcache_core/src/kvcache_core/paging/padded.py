@@ -59,6 +59,32 @@ def padded_slots(table: PageTable, width: int | None) -> SlotArray:
     return frozen
 
 
+def padded_slots_after(
+    previous: SlotArray, width: int | None, table: PageTable, new_slots: SlotArray
+) -> SlotArray | None:
+    """:func:`padded_slots` of ``table`` at ``width`` for the decode step after the one whose
+    array at the width one less (``None``: ``None``) was ``previous``, found from it: that
+    array with the step's new slots (``new_slots``, one per request) as one more column. A
+    request's last ``w`` tokens of ``n`` are its last ``w - 1`` of ``n - 1`` and the new one, at
+    the same place (as many padding positions before them), whether or not they are all of
+    its tokens. Only the caller knows that the step grew each request by one token and moved
+    none of its earlier ones (grown in place or into a block of its own); this checks the
+    rest (the table has no window, one new slot per request, the longest request one token
+    longer at width ``None``), else ``None`` (then :func:`padded_slots` finds it)."""
+    batch, columns = (int(size) for size in previous.shape)
+    lengths = table.seq_lens
+    if table.sliding_window is not None or new_slots.shape != (batch,) or int(lengths.shape[0]) != batch:
+        return None
+    if width is None and batch and int(lengths.max()) != columns + 1:
+        return None
+    grown = np.empty((batch, columns + 1), dtype=np.int64)
+    grown[:, :columns] = previous
+    grown[:, columns] = new_slots
+    grown.flags.writeable = False
+    frozen: SlotArray = grown.view()  # as padded_slots gives it
+    return frozen
+
+
 def read_padded(
     storage: KvStorage[ArrayT], layer: int, table: PageTable, slots: SlotArray, layout: str
 ) -> tuple[ArrayT, ArrayT]:

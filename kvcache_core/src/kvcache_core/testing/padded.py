@@ -91,7 +91,7 @@ def _expected(
 def _check(manager: Manager, step: Step[Any], handles: list[Any], layer: int, context: str) -> None:
     """Every width and layout of ``layer`` against :func:`_expected`, bit for bit."""
     longest = max(handle.num_tokens() for handle in handles)
-    for width in (None, 0, 3, longest, longest + 5):
+    for width in (None, 0, 3, max(longest - 2, 0), longest, longest + 5):  # (the longest request cut short too)
         for layout in ("NHD", "HND"):
             keys, values = step.gather_padded(layer, width=width, layout=layout)
             *expected, dtype = _expected(manager, handles, layer, width, layout)
@@ -261,6 +261,26 @@ class PaddedGatherCases:
                 context = f"dtype {config.dtype}, layout {config.kv_layout}"
                 for layer in range(config.num_layers):
                     _check(manager, step, handles, layer, context)
+
+    def test_padded_gathers_of_advanced_decode_steps_hold_each_request_s_last_tokens(
+        self, kvcache_backend: BackendUnderTest
+    ) -> None:
+        # Each decode step the last one's ``advance``: its padded slots may be the last step's
+        # with a column more (no earlier token moved), whether a request grew in its block or
+        # opened one, at every width (the longest request's grows with it) and layout.
+        for config in kvcache_backend.configs(num_blocks=40):
+            with kvcache_backend.manager(config) as manager:
+                step, handles = _filled(manager, LENGTHS, decodes=0)
+                rng = np.random.default_rng(23)
+                opened = 0
+                for turn in range(2 * config.block_size + 1):
+                    before = step.page_table.block_tables.shape[1]
+                    step = step.advance()
+                    opened += step.page_table.block_tables.shape[1] - before
+                    for layer in range(config.num_layers):
+                        _write(manager, step.slots, rng, layer)
+                        _check(manager, step, handles, layer, f"dtype {config.dtype}, decode step {turn + 1}")
+                assert opened, "no request opened a block: the case tests half of it"
 
     @pytest.mark.kvcache_requires("sliding_window")
     def test_a_padded_gather_of_a_window_holds_the_tokens_the_window_keeps(
