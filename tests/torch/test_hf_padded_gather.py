@@ -89,6 +89,27 @@ def test_a_left_padded_batch_is_read_in_one_padded_gather_per_layer(layout: str)
     assert max_logit_difference(ours.logits, generate(reference, ids, mask).logits) <= TOLERANCE
 
 
+def test_what_one_decode_step_found_of_the_rows_padding_holds_at_the_next() -> None:
+    # Whether the padded gather serves the rows (each row's stored positions its last tokens)
+    # is found from the batch's arrays at the first decode step; each later one, advanced from
+    # it, carries it: one more stored position per row keeps it true.
+    model, reference = _sdpa_pair()
+    ids, mask = prompts(3, 10, pads=(0, 4, 1))
+    calls = [0]
+    original: Callable[..., bool] = vars(BatchRows)["_stored_last"]
+
+    def counted(rows: BatchRows, *args: Any) -> bool:
+        calls[0] += 1
+        return original(rows, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BatchRows, "_stored_last", counted)
+        ours, gathers = _run(model, _manager(model, "heads_first"), ids, mask)
+    assert gathers == model.config.num_hidden_layers * 5
+    assert calls[0] == 1
+    assert max_logit_difference(ours.logits, generate(reference, ids, mask).logits) <= TOLERANCE
+
+
 def test_a_quantized_pool_is_read_request_by_request_with_the_same_logits() -> None:
     model, _ = _sdpa_pair()
     ids, mask = prompts(3, 10, pads=(0, 4, 1))

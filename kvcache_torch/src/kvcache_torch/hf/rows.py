@@ -102,6 +102,7 @@ class BatchRows:
             else:
                 self.tokens[:] = [tokens + 1 for tokens in self.tokens]
                 self._record_stored(None, 1)
+                self._carry_padded(last, planned)
                 return planned, False
         try:
             if allocated:
@@ -227,6 +228,22 @@ class BatchRows:
         )
         known[1][group, start] = usable
         return usable
+
+    def _carry_padded(self, last: Step[torch.Tensor], planned: Step[torch.Tensor]) -> None:
+        """After ``planned``, the decode step after ``last`` (one token more per row, each
+        stored): what :meth:`_left_padded` found true of ``last`` from a row's first position
+        stays true (each row's stored positions there are still its last tokens, one more,
+        which its request and page table hold), as long as the positions fit the pool, so it
+        is not found again from the batch's arrays (once per decode step)."""
+        known = self._padded_known
+        if known is None or known[0] is not last:
+            return
+        config = self.manager.config
+        fits = self.positions <= config.num_blocks * config.block_size
+        self._padded_known = (
+            planned,
+            {key: True for key, usable in known[1].items() if usable and fits and key[1] == 0},
+        )
 
     def _stored_last(self, start: int, listed: npt.NDArray[np.int32]) -> bool:
         """Whether each row's stored positions from ``start`` on are its last tokens there (as
