@@ -285,9 +285,9 @@ def _run_entry(
     as torch's OpenMP team has: no thread runs Python or waits for the GIL); False, nothing
     copied, where the team has none, cannot start it, or there are more pairs than its block holds."""
     run_entry: Callable[[int, int, int], bool] | None = getattr(team, "run_entry", None)
-    if run_entry is None or len(pairs) > _jit().ENTRY_PAIRS:
-        return False
     jit = _jit()
+    if run_entry is None or len(pairs) > jit.ENTRY_PAIRS:
+        return False
     block = np.zeros(jit.ENTRY_BLOCK, dtype=np.int64)
     claimed = np.zeros(1, dtype=np.int64)
     arrays = (runs.leads, runs.run_first, runs.runs, order, claimed)
