@@ -2,16 +2,19 @@
 
 What is compared, in one process, on the same random-weight model and prompt (fp32, CPU):
 
-* **ours** -- ``model.generate(..., cache=PagedCache(manager, model.config))`` with the model
-  loaded with ``attn_implementation="kvcache_paged"``: each layer's new K/V go into the
-  torch backend's paged pool in one write and attention reads the pool in place (decode never
-  rebuilds a contiguous K/V). The pool (``create_manager("torch", cache_config_for(model, ...))``)
-  is allocated once, outside the timed region, as a server would; each run's requests are
-  allocated at its first forward and released at its end, inside it.
-* **ours, sdpa** -- ``PagedCache(manager, model)`` with the model's own ``sdpa`` attention (what a
-  user gets without choosing ``"kvcache_paged"``): the contiguous path, whose ``update`` writes
-  the new K/V and hands back the whole K/V (for one request in one run of blocks, views of the
-  pool; else a padded copy) for transformers' attention to read.
+* **ours** -- ``model.generate(..., cache=PagedCache(manager, model))`` on the model as
+  transformers loads it (``sdpa``), what a user runs by default: the cache runs the model's
+  forwards with the ``"kvcache_paged"`` attention (``attention="auto"``), so each layer's new K/V
+  go into the torch backend's paged pool in one write and attention reads the pool in place
+  (decode never rebuilds a contiguous K/V). The pool (``create_manager("torch",
+  cache_config_for(model, ...))``) is allocated once, outside the timed region, as a server
+  would; each run's requests are allocated at its first forward and released at its end,
+  inside it. (A model loaded with ``attn_implementation="kvcache_paged"`` runs the same path;
+  the check below runs it too.)
+* **ours, attention="model"** -- ``PagedCache(manager, model, attention="model")``: the model's
+  own ``sdpa`` attention, the contiguous path, whose ``update`` writes the new K/V and hands
+  back the whole K/V (for one request in one run of blocks, views of the pool; else a padded
+  copy) for transformers' attention to read.
 * **DynamicCache** -- transformers' default: ``model.generate(...)`` with
   ``attn_implementation="sdpa"``, which creates a ``DynamicCache`` (K/V grown by
   ``torch.cat`` every step) and runs ``scaled_dot_product_attention`` on it.
@@ -117,8 +120,8 @@ TARGET_LAYER_OVERHEAD = 30e-6
 
 APPROACHES = ("ours", "sdpa", "bare", "dynamic", "static", "ceiling")
 LABELS = {
-    "ours": "ours (PagedCache, paged)",
-    "sdpa": "ours (PagedCache, sdpa)",
+    "ours": "ours (PagedCache, default)",
+    "sdpa": "ours, attention='model'",
     "bare": "ours, arithmetic free",
     "dynamic": "DynamicCache (sdpa)",
     "static": "StaticCache (sdpa)",
@@ -252,16 +255,19 @@ def ragged_batch(args: argparse.Namespace) -> Prompt:
 def run_ours(
     model: Model, manager: PagedKvCacheManager[torch.Tensor], prompt: Prompt, new_tokens: int, **options: Any
 ) -> Any:
-    with PagedCache(manager, model.config, max_sequence_length=prompt.positions + new_tokens) as cache:
+    """Ours as a user runs it by default: the cache built with the model (on ``sdpa``, its
+    forwards then run ``"kvcache_paged"``; a model loaded with it runs it anyway)."""
+    with PagedCache(manager, model, max_sequence_length=prompt.positions + new_tokens) as cache:
         return model.generate(prompt.ids, attention_mask=prompt.mask, cache=cache, max_new_tokens=new_tokens, **options)
 
 
 def run_contiguous(
     model: Model, manager: PagedKvCacheManager[torch.Tensor], prompt: Prompt, new_tokens: int, **options: Any
 ) -> Any:
-    """Ours on the contiguous path: ``model`` keeps its ``sdpa`` attention; the cache is built with
-    the model, whose forward hook hands it the padding mask (padding is then not stored)."""
-    with PagedCache(manager, model, max_sequence_length=prompt.positions + new_tokens) as cache:
+    """Ours on the contiguous path: ``model`` keeps its ``sdpa`` attention (``attention="model"``);
+    the cache is built with the model, whose forward hook hands it the padding mask (padding is
+    then not stored)."""
+    with PagedCache(manager, model, max_sequence_length=prompt.positions + new_tokens, attention="model") as cache:
         return model.generate(prompt.ids, attention_mask=prompt.mask, cache=cache, max_new_tokens=new_tokens, **options)
 
 
@@ -303,17 +309,20 @@ def check_agreement(
 ) -> tuple[bool, str]:
     """One run of each with logits: the same tokens, and logits within the tolerance."""
     options: dict[str, Any] = {"do_sample": False, "output_logits": True, "return_dict_in_generate": True}
-    ours = run_ours(model, manager, prompt, new_tokens, **options)
+    ours = run_ours(reference, manager, prompt, new_tokens, **options)  # sdpa: the cache switches it
+    loaded = run_ours(model, manager, prompt, new_tokens, **options)  # loaded with "kvcache_paged"
     expected = run_reference(reference, prompt, new_tokens, **options)
     static = run_reference(reference, prompt, new_tokens, static=True, **options)
     contiguous = run_contiguous(reference, manager, prompt, new_tokens, **options)  # the model's own sdpa
     same_tokens, worst = generation.agreement(ours, expected)
+    same_loaded, worst_loaded = generation.agreement(loaded, expected)
+    same_tokens, worst = same_tokens and same_loaded, max(worst, worst_loaded)
     same_contiguous, worst_contiguous = generation.agreement(contiguous, expected)
     static_tokens = bool(torch.equal(static.sequences, expected.sequences))
     ok = same_tokens and same_contiguous and max(worst, worst_contiguous) <= generation.LOGIT_TOLERANCE
     return ok, (
-        f"same tokens as DynamicCache: {same_tokens} (with sdpa: {same_contiguous}; StaticCache: {static_tokens}), "
-        f"max |logit difference| {worst:.2e} (with sdpa: {worst_contiguous:.2e}; tolerance "
+        f"same tokens as DynamicCache: {same_tokens} (attention='model': {same_contiguous}; StaticCache: "
+        f"{static_tokens}), max |logit difference| {worst:.2e} (attention='model': {worst_contiguous:.2e}; tolerance "
         f"{generation.LOGIT_TOLERANCE:g})"
     )
 
@@ -343,14 +352,14 @@ def measure(
 ) -> dict[str, Timing]:
     """Prefill and whole-run times of every approach (``models``: ours, the reference, the
     ceiling's), taking turns in a rotating order: first the prefills, then the whole runs."""
-    model, reference, ceiling = models
+    _, reference, ceiling = models  # ours runs the reference: the cache switches its attention
     options: dict[str, Any] = {"do_sample": False}
 
     def turns(tokens: int) -> Mapping[str, Callable[[], object]]:
         return {
-            f"ours {tokens}": functools.partial(run_ours, model, manager, prompt, tokens, **options),
+            f"ours {tokens}": functools.partial(run_ours, reference, manager, prompt, tokens, **options),
             f"sdpa {tokens}": functools.partial(run_contiguous, reference, manager, prompt, tokens, **options),
-            f"bare {tokens}": functools.partial(run_bare, model, manager, prompt, tokens, **options),
+            f"bare {tokens}": functools.partial(run_bare, reference, manager, prompt, tokens, **options),
             f"dynamic {tokens}": functools.partial(run_reference, reference, prompt, tokens, **options),
             f"static {tokens}": functools.partial(run_reference, reference, prompt, tokens, static=True, **options),
             f"ceiling {tokens}": functools.partial(run_ceiling, ceiling, prompt, tokens, **options),
@@ -396,7 +405,7 @@ def run_scenario(
         ceiling.set_attn_implementation(FREE_ATTENTION)
         timings = measure((model, reference, ceiling), manager, prompt, args)
         with measure_layer_cost(model.config.num_hidden_layers) as cost:  # untimed: its calls are timed inside
-            run_ours(model, manager, prompt, args.new_tokens, do_sample=False)
+            run_ours(reference, manager, prompt, args.new_tokens, do_sample=False)
         with decode_updates(PagedCache) as contiguous_updates:  # one more run of each, update() timed
             run_contiguous(reference, manager, prompt, args.new_tokens, do_sample=False)
         with decode_updates(transformers.DynamicCache) as dynamic_updates:
@@ -430,7 +439,7 @@ def run_scenario(
     )
     _, contiguous_decode, contiguous_whole = dynamic.paired(contiguous)
     print(
-        f"  with the model's own sdpa (the contiguous path): DynamicCache / ours {contiguous_whole} whole generate, "
+        f"  attention='model' (the model's own sdpa, the contiguous path): DynamicCache / ours {contiguous_whole} whole generate, "
         f"{contiguous_decode} decode (paired); never slower than DynamicCache: {contiguous_whole.verdict(1.0)}"
     )
     if contiguous_updates and dynamic_updates:

@@ -6,9 +6,9 @@ Two pieces, used together or apart::
     from kvcache_core import create_manager
     from kvcache_torch.hf import PagedCache, cache_config_for
 
-    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="kvcache_paged")
+    model = AutoModelForCausalLM.from_pretrained(name)  # "sdpa": the cache switches it
     manager = create_manager("torch", cache_config_for(model, max_tokens=16384))
-    with PagedCache(manager, model.config) as cache:
+    with PagedCache(manager, model) as cache:
         out = model.generate(**inputs, cache=cache, max_new_tokens=64)  # past_key_values= before 5.x
 
 - :class:`PagedCache` is a ``transformers.Cache`` whose K/V live in the manager's pool: one
@@ -24,6 +24,10 @@ Two pieces, used together or apart::
   A first forward without padding attends over its own new K/V with transformers' ``sdpa``
   (they are the whole context and contiguous already; measured faster than reading them
   back from the pool); every later forward (decode, chunked prefill) reads the pool.
+- A cache built with the model (``PagedCache(manager, model)``, ``attention="auto"``) runs
+  each forward of a plain decoder on ``"sdpa"`` whose attention calls transformers' interface
+  with ``"kvcache_paged"``, and puts the model's attention back after it
+  (:mod:`~kvcache_torch.hf.attention_choice`); ``attention="model"`` keeps the model's own.
 - ``"kvcache_paged"`` serves models whose attention calls transformers' attention interface.
   One that computes attention itself (Bloom, MPT, XGLM, ...) or rejects the name at load
   (Falcon, GPT-Neo, GIT) is refused by name with its remedy, by :func:`cache_config_for` and
@@ -78,6 +82,7 @@ says: geometry, layer specs, :func:`cache_config_for`, :func:`model_fingerprint`
 rows), :mod:`~kvcache_torch.hf.forward_pass` (a forward's step, each layer's positions, the
 hand-off from ``update`` to the attention), :mod:`~kvcache_torch.hf.padding`,
 :mod:`~kvcache_torch.hf.attention` (the ``"kvcache_paged"`` implementation),
+:mod:`~kvcache_torch.hf.attention_choice` (which attention a cache's forwards run),
 :mod:`~kvcache_torch.hf.prompts` (token ids from the model to the pool),
 :mod:`~kvcache_torch.hf.shared_kv` (layers reusing others' K/V) and
 :mod:`~kvcache_torch.hf.guard` (which models it serves).

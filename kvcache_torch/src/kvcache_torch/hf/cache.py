@@ -15,6 +15,7 @@ from kvcache_core import InvalidArgumentError, PagedKvCacheHandle, PagedKvCacheM
 from kvcache_core.contract.config import check_count
 from kvcache_core.errors import InvalidTypeError, ShapeMismatchError
 from kvcache_torch.hf.attention import attend_new_tokens
+from kvcache_torch.hf.attention_choice import AttentionChoice, AttentionSwitch, check_choice, paged_by_choice
 from kvcache_torch.hf.forward_pass import ForwardStep, Handoff, LayerProgress, Mode, drop_handoff, hand_off
 from kvcache_torch.hf.guard import decoder_class, not_through_interface, unattended_layer
 from kvcache_torch.hf.layer import PagedCacheLayer
@@ -34,8 +35,9 @@ class PagedCache(StateLayerCalls, Cache):
     Row ``b`` of the batch is one kvcache request (allocated at the first forward, so the
     batch size comes from the model's input). Pass it to ``model.generate(..., cache=...)``
     (``past_key_values=`` before transformers 5) or to ``model(..., cache=...)`` in a manual
-    loop, and load the model with ``attn_implementation="kvcache_paged"`` for the fast path
-    (see :mod:`kvcache_torch.hf`).
+    loop. The fast path is the ``"kvcache_paged"`` attention: load the model with it, or build
+    the cache with a model on transformers' default ``"sdpa"``, whose forwards then run it
+    (``attention="auto"``; :mod:`~kvcache_torch.hf.attention_choice`).
 
     Positions, lengths and masks are counted as transformers counts them: every column of
     the batch's 2-D ``attention_mask``, padding included (``get_seq_length``,
@@ -52,6 +54,10 @@ class PagedCache(StateLayerCalls, Cache):
         config: the model (a ``torch.nn.Module`` with a ``config``), or its config
             (``model.config``); the config's ``_attn_implementation`` chooses the paged or
             the contiguous path at each forward.
+        attention: ``"auto"`` (given the model): a plain decoder on ``"sdpa"`` whose attention
+            goes through transformers' interface runs its forwards with ``"kvcache_paged"``
+            (the paged path; logits within 1e-4 of ``DynamicCache``); ``"model"``: always the
+            attention its config names.
         max_sequence_length: the most tokens a row will hold, if known: the allocator then
             keeps each request's blocks in one run, and growing past it raises
             ``SequenceTooLongError``.
@@ -69,7 +75,8 @@ class PagedCache(StateLayerCalls, Cache):
             transformers' attention interface (the message names the class and the remedy,
             its own ``"sdpa"`` or ``"eager"``; a model transformers cannot judge up front is
             refused at its first forward, see :meth:`update`).
-        InvalidArgumentError: a bad ``max_sequence_length``; ``handles`` not live requests of ``manager`` of one length.
+        InvalidArgumentError: a bad ``max_sequence_length`` or ``attention``; ``handles`` not live requests of
+            ``manager`` of one length.
     """
 
     def __init__(
@@ -79,6 +86,7 @@ class PagedCache(StateLayerCalls, Cache):
         *,
         max_sequence_length: int | None = None,
         handles: Sequence[PagedKvCacheHandle[torch.Tensor]] | None = None,
+        attention: AttentionChoice = "auto",
     ) -> None:
         if not isinstance(manager, PagedKvCacheManager):
             raise InvalidTypeError(f"manager must be a PagedKvCacheManager, got {type(manager).__name__}")
@@ -89,6 +97,7 @@ class PagedCache(StateLayerCalls, Cache):
         config = found
         if max_sequence_length is not None:
             max_sequence_length = check_count(max_sequence_length, "max_sequence_length", minimum=1)
+        choice = check_choice(attention)
         pool = manager.config
         text = text_config(config)
         layers, self._layer_specs, self._sources = check_model_fits_pool(config, text, pool, model)
@@ -105,6 +114,7 @@ class PagedCache(StateLayerCalls, Cache):
         self._manager = manager
         self._check_update = UpdateCheck(pool)  # the pool's layers are the model's
         self._text = text
+        self._switch = AttentionSwitch(text) if paged_by_choice(model, text, choice) else None
         self._latent = latent_attention(text) is not None  # fixed by the config: checked once
         self._read_later = frozenset(self._sources[layers:])  # layers whose K/V later layers reuse
         self._max_sequence_length = max_sequence_length
@@ -118,11 +128,10 @@ class PagedCache(StateLayerCalls, Cache):
         self._mode: Mode | None = None
         self._feed = TokenFeed(self._rows)
         if model is not None and (pool.enable_prefix_caching or attention_implementation(text) != ATTN_IMPLEMENTATION):
-            attach_prompt_hook(model)  # each forward's ids (prefix caching) and padding mask (contiguous path)
+            attach_prompt_hook(model)  # ids (prefix caching), padding mask (contiguous path), the switch
         self._finalizer = weakref.finalize(self, release_requests, manager, self._rows.request_ids)
         if handles is not None:
-            mode: Mode = "paged" if attention_implementation(text) == ATTN_IMPLEMENTATION else "contiguous"
-            self._rows_started(self._rows.adopt(handles), mode)
+            self._rows_started(self._rows.adopt(handles), self._path())
 
     # -- introspection -----------------------------------------------------------------
 
@@ -225,7 +234,7 @@ class PagedCache(StateLayerCalls, Cache):
     def _contiguous_window(self, layer: object) -> int | None:
         """The window of ``layer``'s contiguous K/V: ``None`` on the paged path (its mask
         spans every position) and for full layers."""
-        if attention_implementation(self._text) == ATTN_IMPLEMENTATION:
+        if self._path() == "paged":
             return None
         if not isinstance(layer, int) or not 0 <= layer < len(self._sources):
             return None
@@ -272,10 +281,10 @@ class PagedCache(StateLayerCalls, Cache):
         """
         if self._rows.handles:
             raise InvalidArgumentError(f"the cache holds {len(self._rows)} rows already: release() it first")
-        if attention_implementation(self._text) != ATTN_IMPLEMENTATION:
+        if self._path() != "paged":
             raise UnsupportedConfigError(
-                f"map_cached_prefix needs attn_implementation={ATTN_IMPLEMENTATION!r}, the model runs "
-                f"{attention_implementation(self._text)!r}"
+                f"map_cached_prefix needs attn_implementation={ATTN_IMPLEMENTATION!r} (or a cache built with the "
+                f"model, attention='auto'), the model runs {attention_implementation(self._text)!r}"
             )
         prompts = prompt_rows(input_ids, attention_mask)
         columns = int(input_ids.shape[1])
@@ -296,9 +305,23 @@ class PagedCache(StateLayerCalls, Cache):
         self._feed.mask = attention_mask  # the contiguous path stores the tokens it marks real
         if not self._manager.config.enable_prefix_caching:
             return 0
-        mode: Mode = "paged" if attention_implementation(self._text) == ATTN_IMPLEMENTATION else "contiguous"
         shared = self._feed.receive(input_ids, attention_mask, position_ids)
-        return 0 if shared is None else self._rows_started(shared, mode)
+        return 0 if shared is None else self._rows_started(shared, self._path())
+
+    def forward_begins(self, module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+        """A forward of ``module`` begins (its pre-hook): ``attention="auto"`` may switch it."""
+        if self._switch is not None:
+            self._switch.begin(module, kwargs)
+
+    def forward_ended(self, module: torch.nn.Module) -> None:
+        """The forward of ``module`` ended or failed (its hook): the model's attention is back."""
+        if self._switch is not None:
+            self._switch.end(module)
+
+    def _path(self) -> Mode:
+        """The path of this cache's forwards, read between forwards too."""
+        paged = self._switch is not None or attention_implementation(self._text) == ATTN_IMPLEMENTATION
+        return "paged" if paged else "contiguous"
 
     def _rows_started(self, positions: int, mode: Mode) -> int:  # the new rows hold positions already
         self._mode = mode
@@ -323,9 +346,7 @@ class PagedCache(StateLayerCalls, Cache):
         """:meth:`release`."""
         self.release()
 
-    def reset(self) -> None:
-        """transformers' ``Cache.reset``: here the same as :meth:`release`."""
-        self.release()
+    reset = close  # transformers' Cache.reset: the same as release()
 
     def __enter__(self) -> PagedCache:
         return self

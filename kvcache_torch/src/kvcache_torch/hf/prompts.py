@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from kvcache_torch.hf.attention_choice import ForwardWatcher
 from kvcache_torch.hf.padding import real_tokens
 from kvcache_torch.hf.rows import BatchRows
 
@@ -44,18 +45,33 @@ _HOOKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 def attach_prompt_hook(model: torch.nn.Module) -> None:
     """Register, once per model, the forward pre-hook that hands a :class:`PromptReceiver`
-    cache (passed as ``cache=`` or ``past_key_values=``) each forward's token ids. With any
-    other cache, or none, the hook changes nothing."""
+    cache (passed as ``cache=`` or ``past_key_values=``) each forward's token ids, and tells a
+    :class:`~kvcache_torch.hf.attention_choice.ForwardWatcher` cache when the forward begins
+    and (a forward hook that runs on errors too) ends. With any other cache, or none, the
+    hooks change nothing."""
     if model in _HOOKED:
         return
     model.register_forward_pre_hook(_before_forward, with_kwargs=True)
+    model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)
     _HOOKED.add(model)
+
+
+def _cache_of(kwargs: dict[str, Any]) -> object:
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def _after_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: object) -> None:
+    cache = _cache_of(kwargs)
+    if isinstance(cache, ForwardWatcher):
+        cache.forward_ended(module)
 
 
 def _before_forward(
     module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    cache: object = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = _cache_of(kwargs)
+    if isinstance(cache, ForwardWatcher):
+        cache.forward_begins(module, kwargs)
     if not isinstance(cache, PromptReceiver):
         return None
     input_ids: object = kwargs.get("input_ids", args[0] if args else None)
