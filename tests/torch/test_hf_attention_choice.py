@@ -145,3 +145,29 @@ def test_a_direct_call_of_the_decoder_after_switched_forwards_is_refused_by_name
         with torch.no_grad(), pytest.raises(UnsupportedConfigError, match="filled with the paged path"):
             model.model(input_ids=ids[:, -1:], cache=cache, use_cache=True)  # its config names sdpa again
         assert cache.request_lengths() == [6]
+
+
+@pytest.mark.parametrize("how", ["beams", "assisted", "second generate"])
+def test_switched_forwards_serve_beam_search_assisted_decoding_and_a_second_generate(how: str) -> None:
+    model = build_model("llama")
+    model.set_attn_implementation("sdpa")
+    reference = copy.deepcopy(model)
+    ids, mask = prompts(2, 10, pads=(0, 3), seed=3)
+    options: dict[str, object] = {"max_new_tokens": 8}
+    if how == "beams":
+        options["num_beams"] = 3
+    elif how == "assisted":  # crop() of the rejected draft tokens
+        ids, mask = ids[:1], mask[:1]
+        assistant = build_model("llama", num_hidden_layers=1)
+        assistant.set_attn_implementation("sdpa")
+        options["assistant_model"] = assistant
+    with PagedCache(make_manager(model, num_blocks=200), model) as cache:
+        if how == "second generate":  # the cache goes on from its rows
+            first = generate(model, ids, mask, cache, max_new_tokens=4)
+            ids, mask = first.sequences, torch.cat([mask, torch.ones_like(mask[:, :4])], dim=1)
+        ours = generate(model, ids, mask, cache, **options)
+        assert _path(cache) == "paged"
+    expected = generate(reference, ids, mask, **options)
+    assert torch.equal(ours.sequences, expected.sequences)
+    assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
+    assert model.config._attn_implementation == "sdpa"
