@@ -21,6 +21,7 @@ from kvcache_core import (
     PagedKvCacheManager,
     create_manager,
 )
+from kvcache_torch.hf.attention_choice import AttentionChoice
 from tests.torch.hf_models import STATE_COMMON, STATE_MODELS
 from tests.torch.hf_support import (
     ATTN_IMPLEMENTATION,
@@ -61,26 +62,29 @@ def computed_per_forward(model: Model) -> tuple[list[int], Any]:
     return counts, model.model.embed_tokens.register_forward_hook(count)
 
 
-def prefilled(model: Model, manager: PagedKvCacheManager[Tensor], ids: Tensor) -> tuple[Any, Any]:
+def prefilled(
+    model: Model, manager: PagedKvCacheManager[Tensor], ids: Tensor, attention: AttentionChoice = "model"
+) -> tuple[Any, Any]:
     """Prefill ``ids`` and generate the first token; a fork of the request (what an import
     gives: the prompt's tokens, nothing more) and the first step's output."""
-    with PagedCache(manager, model) as cache:
+    with PagedCache(manager, model, attention=attention) as cache:
         first = generate(model, ids, torch.ones_like(ids), cache, max_new_tokens=1)
         cache.flush_states()  # the last forward's states into the slots, which a fork copies
         copies = [manager.fork(handle, f"copy-{row}") for row, handle in enumerate(cache.handles)]
     return copies, first
 
 
-@pytest.mark.parametrize("path", ["paged", "sdpa"])
+@pytest.mark.parametrize("path", ["paged", "sdpa", "auto"])  # auto: an sdpa model the cache switches
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix caching", "no prefix caching"])
 def test_generate_goes_on_from_adopted_requests_computing_only_the_new_tokens(path: str, prefix_caching: bool) -> None:
-    model, reference = model_pair("llama", path)
+    model, reference = model_pair("llama", "sdpa" if path == "auto" else path)
+    attention: AttentionChoice = "auto" if path == "auto" else "model"
     manager = pool(model, prefix_caching=prefix_caching)
     ids, mask = prompts(2, 29, seed=31)
-    handles, first = prefilled(model, manager, ids)
+    handles, first = prefilled(model, manager, ids, attention)
     counts, hook = computed_per_forward(model)
     try:
-        with PagedCache(manager, model, handles=handles) as cache:
+        with PagedCache(manager, model, handles=handles, attention=attention) as cache:
             assert cache.get_seq_length() == 29
             assert cache.request_ids == ("copy-0", "copy-1")
             rest = generate(model, first.sequences, torch.ones_like(first.sequences), cache, max_new_tokens=16)
@@ -100,7 +104,7 @@ def test_an_adopted_request_whose_ids_are_known_caches_the_blocks_decode_writes(
     manager = pool(model)
     ids, _ = prompts(1, 16, seed=32)
     (handle,), first = prefilled(model, manager, ids)
-    with PagedCache(manager, model, handles=[handle]) as cache:
+    with PagedCache(manager, model, handles=[handle], attention="model") as cache:
         rest = generate(model, first.sequences, torch.ones_like(first.sequences), cache, max_new_tokens=9)
     again = manager.allocate(AllocationRequest("again", prompt_token_ids=(*rest.sequences[0].tolist(), 5)))
     assert again.num_cached_tokens() == 24  # the prompt's 2 blocks and the one decode filled
@@ -130,7 +134,7 @@ def test_handles_that_are_not_one_batch_of_live_requests_are_refused_by_name(cas
     if case == "a released request":
         manager.deallocate("b")
     with pytest.raises(InvalidArgumentError, match=r"handles|live request|twice|tokens"):
-        PagedCache(manager, model, handles=handles)
+        PagedCache(manager, model, handles=handles, attention="model")
     assert sorted(rid for rid, _ in manager.list_handles()) == (["a"] if case == "a released request" else ["a", "b"])
     assert a.num_tokens() == 5
     manager.check_invariants()
@@ -141,7 +145,7 @@ def test_an_empty_request_is_refused() -> None:
     manager = pool(model)
     empty = manager.allocate(AllocationRequest("empty"))
     with pytest.raises(InvalidArgumentError, match=r"\[0\] tokens"):
-        PagedCache(manager, model, handles=[empty])
+        PagedCache(manager, model, handles=[empty], attention="model")
     assert manager.get_handle("empty") == empty
 
 
@@ -166,7 +170,7 @@ def test_a_hybrid_model_goes_on_from_adopted_requests_and_their_states(family: s
     (handle,), first = prefilled(model, manager, ids)
     counts, hook = computed_per_forward(model)
     try:
-        with PagedCache(manager, model, handles=[handle]) as cache:
+        with PagedCache(manager, model, handles=[handle], attention="model") as cache:
             rest = generate(model, first.sequences, torch.ones_like(first.sequences), cache, max_new_tokens=12)
     finally:
         hook.remove()
@@ -189,7 +193,7 @@ def test_flush_states_writes_the_last_states_to_the_slots_and_handles_still_does
     slots: dict[str, list[bytes]] = {}
     for way in ("flush_states", "handles"):  # the same model and prompt, in a pool of its own each
         _, model, manager = hybrid("bamba")
-        with manager, PagedCache(manager, model) as cache:
+        with manager, PagedCache(manager, model, attention="model") as cache:
             generate(model, ids, torch.ones_like(ids), cache, max_new_tokens=1)
             (handle,) = cache._rows.handles  # pyright: ignore[reportPrivateUsage]  # no side effect
             before = _slot_bytes(manager, handle)

@@ -43,7 +43,9 @@ def test_the_family_gives_the_logits_of_dynamic_cache_on_its_path(family: Family
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     ids, mask = prompts(2, 10, pads=(0, 3), seed=31)
     manager = make_manager(model, num_blocks=64)
-    with PagedCache(manager, model) as cache:  # the model: its hook brings the mask on the contiguous path
+    with PagedCache(
+        manager, model, attention="model"
+    ) as cache:  # the model: its hook brings the mask (contiguous path)
         ours = generate(model, ids, mask, cache, max_new_tokens=16)
         if family.path != "states":  # (a model of state layers alone keeps no tokens)
             assert cache.request_lengths() == [10 + 15, 7 + 15]  # no padding stored, on either path

@@ -35,8 +35,20 @@ from tests.torch.hf_support import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PATHS = ("paged", "sdpa")
+#: ``"paged"``: a model loaded with ``"kvcache_paged"``; ``"sdpa"``: the contiguous path
+#: (``attention="model"``); ``"auto"``: an ``sdpa`` model whose forwards the cache switches.
+PATHS = ("paged", "sdpa", "auto")
 BLOCK = 8
+
+
+def pair_on(path: str) -> tuple[Model, Model]:
+    """The model under test on ``path`` and its reference."""
+    return model_pair("llama", "sdpa" if path == "auto" else path)
+
+
+def cache_for(manager: PagedKvCacheManager[Tensor], model: Model, path: str) -> PagedCache:
+    """A cache built with the model, which takes ``path``."""
+    return PagedCache(manager, model, attention="auto" if path == "auto" else "model")
 
 
 def prefix_caching_manager(model: Model, num_blocks: int = 128) -> PagedKvCacheManager[Tensor]:
@@ -78,7 +90,7 @@ def computed() -> Iterator[Any]:
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_second_generate_on_a_shared_prompt_computes_only_the_uncached_tokens(path: str, computed: Any) -> None:
-    model, reference = model_pair("llama", path)
+    model, reference = pair_on(path)
     manager = prefix_caching_manager(model)
     ids, mask = prompts(1, 45, seed=21)
     watch = computed(model)
@@ -86,8 +98,9 @@ def test_a_second_generate_on_a_shared_prompt_computes_only_the_uncached_tokens(
     prefills: list[int] = []
     for _ in range(2):
         watch.counts.clear()
-        with PagedCache(manager, model) as cache:
+        with cache_for(manager, model, path) as cache:
             runs.append(generate(model, ids, mask, cache))
+            assert ("mode=paged" in repr(cache)) == (path != "sdpa")
         prefills.append(watch.counts[0])
     assert prefills == [45, 45 - 40]  # every full block but the one of the last token
     assert manager.stats().prefix_cache_hits >= 40 // BLOCK
@@ -126,10 +139,10 @@ def test_the_contiguous_path_caches_padded_rows(computed: Any) -> None:
     manager = prefix_caching_manager(model)
     ids, mask = prompts(2, 30, pads=(0, 3), seed=23)
     watch = computed(model)
-    with PagedCache(manager, model) as cache:
+    with cache_for(manager, model, "sdpa") as cache:
         generate(model, ids, mask, cache, max_new_tokens=1)
         assert cache.request_lengths() == [30, 27]  # the 3 padding columns are not stored
-    with PagedCache(manager, model) as cache:
+    with cache_for(manager, model, "sdpa") as cache:
         ours = generate(model, ids, mask, cache)
         # Row 0 hits 3 blocks, row 1 3 blocks after its 3 padding columns: they share 24
         # positions, of which row 1 holds 21.
@@ -142,15 +155,15 @@ def test_the_contiguous_path_caches_padded_rows(computed: Any) -> None:
 
 @pytest.mark.parametrize("path", PATHS)
 def test_the_next_turn_reuses_the_blocks_of_the_generated_tokens(path: str, computed: Any) -> None:
-    model, reference = model_pair("llama", path)
+    model, reference = pair_on(path)
     manager = prefix_caching_manager(model)
     ids, mask = prompts(1, 13, seed=24)
-    with PagedCache(manager, model) as cache:
+    with cache_for(manager, model, path) as cache:
         first = generate(model, ids, mask, cache, max_new_tokens=20)
     more, _ = prompts(1, 5, seed=25)
     turn = torch.cat([first.sequences, more], dim=1)  # 13 + 20 + 5 = 38 tokens
     watch = computed(model)
-    with PagedCache(manager, model) as cache:
+    with cache_for(manager, model, path) as cache:
         ours = generate(model, turn, torch.ones_like(turn), cache)
     # The first run stored 13 + 19 tokens: 4 full blocks, 32 positions, reach the second.
     assert watch.counts[0] == 38 - 32
@@ -160,13 +173,13 @@ def test_the_next_turn_reuses_the_blocks_of_the_generated_tokens(path: str, comp
 
 @pytest.mark.parametrize("path", PATHS)
 def test_beam_search_from_a_cached_prefix_gives_the_logits_of_dynamic_cache(path: str) -> None:
-    model, reference = model_pair("llama", path)
+    model, reference = pair_on(path)
     manager = prefix_caching_manager(model)
     ids, mask = prompts(1, 20, seed=26)
     options: dict[str, Any] = {"num_beams": 3, "max_new_tokens": 10, "output_scores": True}
     runs: list[Any] = []
     for _ in range(2):  # the second starts from the first's cached blocks
-        with PagedCache(manager, model) as cache:
+        with cache_for(manager, model, path) as cache:
             runs.append(generate(model, ids, mask, cache, **options))
             manager.check_invariants()
     assert manager.stats().prefix_cache_hits > 0
@@ -221,12 +234,12 @@ def test_a_forward_on_embeddings_maps_nothing_and_warns_that_no_ids_came() -> No
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_chunked_prefill_from_a_cached_prefix_gives_the_logits_of_dynamic_cache(path: str) -> None:
-    model, reference = model_pair("llama", path)
+    model, reference = pair_on(path)
     manager = prefix_caching_manager(model)
     ids, mask = prompts(2, 40, pads=(0, 5), seed=30)
     runs: list[Any] = []
     for _ in range(2):  # the second maps the first's blocks within its first chunk
-        with PagedCache(manager, model) as cache:
+        with cache_for(manager, model, path) as cache:
             runs.append(generate(model, ids, mask, cache, max_new_tokens=8, prefill_chunk_size=16))
     assert manager.stats().prefix_cache_hits > 0
     expected = generate(reference, ids, mask, max_new_tokens=8)

@@ -218,7 +218,7 @@ def test_generate_alone_starts_a_longer_prompt_from_the_last_checkpoint(family: 
     try:
         for ids in (shared, longer):
             computed.clear()
-            with PagedCache(manager, model) as cache:  # the model itself: its forwards' ids reach the pool
+            with PagedCache(manager, model, attention="model") as cache:  # the model: its forwards' ids reach the pool
                 ours = generate(model, ids, torch.ones_like(ids), cache, max_new_tokens=16)
             prefills.append(computed[0])
             expected = generate(reference, ids, torch.ones_like(ids), max_new_tokens=16)
