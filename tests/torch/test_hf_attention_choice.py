@@ -171,3 +171,24 @@ def test_switched_forwards_serve_beam_search_assisted_decoding_and_a_second_gene
     assert torch.equal(ours.sequences, expected.sequences)
     assert max_logit_difference(ours.logits, expected.logits) <= TOLERANCE
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_decoder_called_directly_on_a_fresh_cache_runs_the_contiguous_path_with_its_window() -> None:
+    """The model's hooks never see a call of its inner decoder: that forward runs the model's
+    own attention, and the cache sizes its mask and its sliding layers' K/V for that path."""
+    family = next(family for family in FAMILIES if family.name == "Qwen2, sliding window")
+    model = family.build()
+    ids, mask = prompts(1, 12, seed=10)  # longer than the window: the sliding layers' K/V are cut
+    with PagedCache(make_manager(model, num_blocks=64), model) as cache, torch.no_grad():
+        ours = model.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
+        step = model.model(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], dim=1), cache=cache)
+        assert _path(cache) == "contiguous"
+    with torch.no_grad():
+        reference = model.model(input_ids=ids, attention_mask=mask, use_cache=True)
+        expected = model.model(
+            input_ids=ids[:, -1:],
+            attention_mask=torch.cat([mask, mask[:, -1:]], dim=1),
+            past_key_values=reference.past_key_values,
+        ).last_hidden_state
+    assert float((ours - reference.last_hidden_state).abs().max()) <= TOLERANCE
+    assert float((step.last_hidden_state - expected).abs().max()) <= TOLERANCE

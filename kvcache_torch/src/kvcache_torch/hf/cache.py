@@ -234,7 +234,7 @@ class PagedCache(StateLayerCalls, Cache):
     def _contiguous_window(self, layer: object) -> int | None:
         """The window of ``layer``'s contiguous K/V: ``None`` on the paged path (its mask
         spans every position) and for full layers."""
-        if self._path() == "paged":
+        if attention_implementation(self._text) == ATTN_IMPLEMENTATION:  # this forward's, switched or not
             return None
         if not isinstance(layer, int) or not 0 <= layer < len(self._sources):
             return None
@@ -306,7 +306,7 @@ class PagedCache(StateLayerCalls, Cache):
         if not self._manager.config.enable_prefix_caching:
             return 0
         shared = self._feed.receive(input_ids, attention_mask, position_ids)
-        return 0 if shared is None else self._rows_started(shared, self._path())
+        return 0 if shared is None else self._rows_started(shared, forward_mode(self._text, self._latent, None))
 
     def forward_begins(self, module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
         """A forward of ``module`` begins (its pre-hook): ``attention="auto"`` may switch it."""
@@ -319,7 +319,7 @@ class PagedCache(StateLayerCalls, Cache):
             self._switch.end(module)
 
     def _path(self) -> Mode:
-        """The path of this cache's forwards, read between forwards too."""
+        """The path of this cache's forwards, read between forwards (during one, the config says)."""
         paged = self._switch is not None or attention_implementation(self._text) == ATTN_IMPLEMENTATION
         return "paged" if paged else "contiguous"
 
