@@ -27,16 +27,17 @@ from tests.torch.hf_support import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-#: The catalogue's families the paged path serves that transformers loads with ``sdpa`` (Gemma 3:
-#: the catalogue's reference runs ``eager``, its default is ``sdpa``; Gemma 2 and gpt-oss refuse it).
+#: The catalogue's families the paged path serves, on the attention transformers loads them with:
+#: ``sdpa``, or ``eager`` where the class has no ``sdpa`` (Gemma 2, gpt-oss). Gemma 3's reference
+#: runs ``eager``; its default is ``sdpa``.
 SWITCHED = [
     family if family.name != "Gemma 3" else dataclasses.replace(family, attention="sdpa")
     for family in FAMILIES
-    if family.path == "paged" and (family.attention == "sdpa" or family.name == "Gemma 3")
+    if family.path == "paged"
 ]
 #: Families the cache leaves on their own attention (a class that does not call the
 #: interface, latent attention).
-KEPT = [family for family in FAMILIES if family.path == "contiguous" and family.attention == "sdpa"]
+KEPT = [family for family in FAMILIES if family.path == "contiguous"]
 
 
 def _path(cache: PagedCache) -> str:
@@ -44,12 +45,12 @@ def _path(cache: PagedCache) -> str:
 
 
 def test_the_catalogue_has_families_of_both_kinds() -> None:
-    assert len(SWITCHED) >= 10
-    assert {family.name for family in KEPT} >= {"Falcon", "DeepSeek-V3"}
+    assert {family.attention for family in SWITCHED} == {"sdpa", "eager"}
+    assert {family.name for family in KEPT} >= {"Falcon", "Bloom", "DeepSeek-V3"}
 
 
 @pytest.mark.parametrize("family", SWITCHED, ids=[family.name for family in SWITCHED])
-def test_a_cache_built_with_an_sdpa_model_runs_its_forwards_on_the_paged_path(family: Family) -> None:
+def test_a_cache_built_with_the_model_as_loaded_runs_its_forwards_on_the_paged_path(family: Family) -> None:
     model = family.build()
     reference = copy.deepcopy(model)
     ids, mask = prompts(2, 10, pads=(0, 3), seed=31)
@@ -57,7 +58,7 @@ def test_a_cache_built_with_an_sdpa_model_runs_its_forwards_on_the_paged_path(fa
     with PagedCache(manager, model) as cache:
         ours = generate(model, ids, mask, cache, max_new_tokens=8)
         assert _path(cache) == "paged"
-        assert model.config._attn_implementation == "sdpa"  # switched for each forward only
+        assert model.config._attn_implementation == family.attention  # switched for each forward only
         assert cache.request_lengths() == [10 + 7, 7 + 7]
     expected = generate(reference, ids, mask, max_new_tokens=8)
     assert torch.equal(ours.sequences, expected.sequences)
@@ -88,7 +89,9 @@ def test_attention_model_keeps_the_contiguous_path_with_the_same_tokens() -> Non
 
 
 @pytest.mark.parametrize("implementation", ["eager", "config"])
-def test_an_eager_model_or_a_cache_built_with_the_config_alone_is_not_switched(implementation: str) -> None:
+def test_an_eager_model_of_a_class_with_sdpa_or_a_cache_built_with_the_config_alone_is_not_switched(
+    implementation: str,
+) -> None:
     model = build_model("llama")
     model.set_attn_implementation("eager" if implementation == "eager" else "sdpa")
     ids, mask = prompts(2, 8, pads=(0, 2), seed=6)
@@ -188,7 +191,7 @@ def test_a_decoder_called_directly_on_a_fresh_cache_runs_the_contiguous_path_wit
         expected = model.model(
             input_ids=ids[:, -1:],
             attention_mask=torch.cat([mask, mask[:, -1:]], dim=1),
-            past_key_values=reference.past_key_values,
+            cache=reference.past_key_values,
         ).last_hidden_state
     assert float((ours - reference.last_hidden_state).abs().max()) <= TOLERANCE
     assert float((step.last_hidden_state - expected).abs().max()) <= TOLERANCE

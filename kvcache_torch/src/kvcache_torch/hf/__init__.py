@@ -25,7 +25,8 @@ Two pieces, used together or apart::
   (they are the whole context and contiguous already; measured faster than reading them
   back from the pool); every later forward (decode, chunked prefill) reads the pool.
 - A cache built with the model (``PagedCache(manager, model)``, ``attention="auto"``) runs
-  each forward of a plain decoder on ``"sdpa"`` whose attention calls transformers' interface
+  each forward of a plain decoder on its default attention (``"sdpa"``, or ``"eager"`` for a
+  class without it) whose attention calls transformers' interface
   with ``"kvcache_paged"``, and puts the model's attention back after it
   (:mod:`~kvcache_torch.hf.attention_choice`); ``attention="model"`` keeps the model's own.
 - ``"kvcache_paged"`` serves models whose attention calls transformers' attention interface.

@@ -8,8 +8,10 @@ model itself (``PagedCache(manager, model)``, ``attention="auto"``, the default)
 its forwards with ``"kvcache_paged"`` where that serves the model as well as ``"sdpa"``:
 
 - the model is a plain decoder (its config is the decoder's: a composite model's wrappers may
-  mask other than causally) running ``"sdpa"``: ``"eager"`` is what a user picks to see the
-  attention weights, and any other name was chosen on purpose;
+  mask other than causally) running transformers' default for its class: ``"sdpa"``, or
+  ``"eager"`` for a class without ``sdpa`` (Gemma 2, gpt-oss: ``"kvcache_paged"`` applies their
+  soft-capping and sinks as ``"eager"`` does). ``"eager"`` on a class that has ``"sdpa"`` is
+  what a user picks to see the attention weights, and any other name was chosen on purpose;
 - its class calls transformers' attention interface (:func:`~kvcache_torch.hf.guard.uses_interface`
   answers ``True``, not "cannot tell"), without latent attention (it expands the latent
   before attending) and without layers that reuse K/V on a prefill's last positions only;
@@ -47,9 +49,6 @@ __all__ = [
 AttentionChoice = Literal["auto", "model"]
 ATTENTION_CHOICES: Final = ("auto", "model")
 
-#: The implementation whose models ``"auto"`` moves to ``"kvcache_paged"``: transformers' default.
-_DEFAULT_IMPLEMENTATION: Final = "sdpa"
-
 
 def check_choice(choice: object) -> AttentionChoice:
     """``choice`` as an :data:`AttentionChoice`.
@@ -70,7 +69,8 @@ def paged_by_choice(model: torch.nn.Module | None, text: PretrainedConfig, choic
     attention (the conditions are the module's)."""
     if choice == "model" or model is None or getattr(model, "config", None) is not text:
         return False
-    if attention_implementation(text) != _DEFAULT_IMPLEMENTATION or latent_attention(text) is not None:
+    default = "sdpa" if getattr(type(model), "_supports_sdpa", False) else "eager"  # transformers' choice
+    if attention_implementation(text) != default or latent_attention(text) is not None:
         return False
     try:
         refuse_sliced_shared_layers_on_paged_path(text)

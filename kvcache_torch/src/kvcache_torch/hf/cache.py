@@ -36,7 +36,7 @@ class PagedCache(StateLayerCalls, Cache):
     batch size comes from the model's input). Pass it to ``model.generate(..., cache=...)``
     (``past_key_values=`` before transformers 5) or to ``model(..., cache=...)`` in a manual
     loop. The fast path is the ``"kvcache_paged"`` attention: load the model with it, or build
-    the cache with a model on transformers' default ``"sdpa"``, whose forwards then run it
+    the cache with a model on transformers' default attention, whose forwards then run it
     (``attention="auto"``; :mod:`~kvcache_torch.hf.attention_choice`).
 
     Positions, lengths and masks are counted as transformers counts them: every column of
@@ -54,8 +54,8 @@ class PagedCache(StateLayerCalls, Cache):
         config: the model (a ``torch.nn.Module`` with a ``config``), or its config
             (``model.config``); the config's ``_attn_implementation`` chooses the paged or
             the contiguous path at each forward.
-        attention: ``"auto"`` (given the model): a plain decoder on ``"sdpa"`` whose attention
-            goes through transformers' interface runs its forwards with ``"kvcache_paged"``
+        attention: ``"auto"`` (given the model): a plain decoder on its default attention whose
+            attention goes through transformers' interface runs its forwards with ``"kvcache_paged"``
             (the paged path; logits within 1e-4 of ``DynamicCache``); ``"model"``: always the
             attention its config names.
         max_sequence_length: the most tokens a row will hold, if known: the allocator then
