@@ -195,3 +195,14 @@ def test_a_decoder_called_directly_on_a_fresh_cache_runs_the_contiguous_path_wit
         ).last_hidden_state
     assert float((ours - reference.last_hidden_state).abs().max()) <= TOLERANCE
     assert float((step.last_hidden_state - expected).abs().max()) <= TOLERANCE
+
+
+def test_a_model_set_to_another_attention_after_the_cache_was_built_keeps_it() -> None:
+    model = build_model("llama")
+    model.set_attn_implementation("sdpa")
+    ids, mask = prompts(1, 8, seed=11)
+    with PagedCache(make_manager(model), model) as cache:
+        model.set_attn_implementation("eager")  # chosen after: the cache does not override it
+        generate(model, ids, mask, cache, max_new_tokens=3)
+        assert _path(cache) == "contiguous"
+        assert model.config._attn_implementation == "eager"

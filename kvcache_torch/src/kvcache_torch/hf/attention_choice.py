@@ -90,30 +90,27 @@ class ForwardWatcher(Protocol):
 
 class AttentionSwitch:
     """Sets the decoder config ``text`` to ``"kvcache_paged"`` while a forward of its model runs
-    and puts back what it named after, once per forward (a nested forward finds it switched)."""
+    and puts back what it named after, once per forward (a nested forward finds it switched).
+    Only from the attention ``text`` named when the switch was made: a model the user has set
+    to another attention since keeps that one."""
 
     def __init__(self, text: PretrainedConfig) -> None:
         self._text = text
+        self._from = attention_implementation(text)
         self._owner: torch.nn.Module | None = None  # the module whose forward switched it
-        self._saved: str | None = None
-
-    @property
-    def switched(self) -> bool:
-        """Whether a forward runs with the switched attention now."""
-        return self._owner is not None
 
     def begin(self, module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
         """Switch for ``module``'s forward, unless the module is not the model of ``text``, a
-        forward already switched it, or the forward asks for attention weights."""
+        forward already switched it, the model runs another attention than it did, or the
+        forward asks for attention weights."""
         text = self._text
         if self._owner is not None or getattr(module, "config", None) is not text:
             return
         if kwargs.get("output_attentions") or getattr(text, "output_attentions", False):
             return
-        current = attention_implementation(text)
-        if current == ATTN_IMPLEMENTATION:
+        if attention_implementation(text) != self._from:
             return
-        self._owner, self._saved = module, current
+        self._owner = module
         text._attn_implementation = ATTN_IMPLEMENTATION  # pyright: ignore[reportPrivateUsage]  # transformers' own switch
 
     def end(self, module: torch.nn.Module) -> None:
@@ -121,4 +118,4 @@ class AttentionSwitch:
         if self._owner is not module:
             return
         self._owner = None
-        self._text._attn_implementation = self._saved  # pyright: ignore[reportPrivateUsage]  # transformers' own switch
+        self._text._attn_implementation = self._from  # pyright: ignore[reportPrivateUsage]  # transformers' own switch
