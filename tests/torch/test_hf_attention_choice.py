@@ -112,7 +112,7 @@ def test_a_forward_asking_for_attention_weights_is_not_switched() -> None:
     assert output.logits.shape == (1, 6, model.config.vocab_size)
 
 
-@pytest.mark.parametrize("attention", ["paged", "AUTO", None, 1])
+@pytest.mark.parametrize("attention", ["paged", "AUTO", None, 1, torch.tensor(1)], ids=str)
 def test_a_bad_attention_choice_is_refused_by_name(attention: object) -> None:
     model = build_model("llama")
     manager = make_manager(model)

@@ -56,9 +56,9 @@ def check_choice(choice: object) -> AttentionChoice:
     Raises:
         InvalidArgumentError: naming the value and the valid ones.
     """
-    if choice == "auto":
+    if isinstance(choice, str) and choice == "auto":
         return "auto"
-    if choice == "model":
+    if isinstance(choice, str) and choice == "model":
         return "model"
     raise InvalidArgumentError(f"attention must be one of {ATTENTION_CHOICES}, got {choice!r}")
 
