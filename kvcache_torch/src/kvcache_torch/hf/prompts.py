@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 import torch
@@ -60,20 +60,35 @@ def _cache_of(kwargs: dict[str, Any]) -> object:
     return kwargs.get("cache", kwargs.get("past_key_values"))
 
 
+_ROLES: weakref.WeakKeyDictionary[type, tuple[bool, bool]] = weakref.WeakKeyDictionary()
+
+
+def _roles(kind: type) -> tuple[bool, bool]:
+    """Whether a cache of class ``kind`` is a :class:`ForwardWatcher` and a :class:`PromptReceiver`:
+    asked once per class, as a runtime protocol check costs microseconds and the hooks run at
+    every forward."""
+    found = _ROLES.get(kind)
+    if found is None:
+        found = _ROLES[kind] = (issubclass(kind, ForwardWatcher), issubclass(kind, PromptReceiver))
+    return found
+
+
 def _after_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: object) -> None:
     cache = _cache_of(kwargs)
-    if isinstance(cache, ForwardWatcher):
-        cache.forward_ended(module)
+    if _roles(type(cache))[0]:
+        cast(ForwardWatcher, cache).forward_ended(module)
 
 
 def _before_forward(
     module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     cache = _cache_of(kwargs)
-    if isinstance(cache, ForwardWatcher):
-        cache.forward_begins(module, kwargs)
-    if not isinstance(cache, PromptReceiver):
+    watches, receives = _roles(type(cache))
+    if watches:
+        cast(ForwardWatcher, cache).forward_begins(module, kwargs)
+    if not receives:
         return None
+    receiver = cast(PromptReceiver, cache)
     input_ids: object = kwargs.get("input_ids", args[0] if args else None)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         return None
@@ -86,7 +101,7 @@ def _before_forward(
     positions: object = kwargs.get("position_ids")
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
         return None  # a prepared 4-D mask or a mask per layer type: its padding is not read here
-    skipped = cache.receive_token_ids(
+    skipped = receiver.receive_token_ids(
         input_ids,
         mask if isinstance(mask, torch.Tensor) else None,
         positions if isinstance(positions, torch.Tensor) else None,
