@@ -345,14 +345,15 @@ def kv_bytes(model: Model, manager: PagedKvCacheManager[torch.Tensor], prompt: P
 
 
 def measure(
-    models: tuple[Model, Model, Model],
+    models: tuple[Model, Model],
     manager: PagedKvCacheManager[torch.Tensor],
     prompt: Prompt,
     args: argparse.Namespace,
 ) -> dict[str, Timing]:
-    """Prefill and whole-run times of every approach (``models``: ours, the reference, the
-    ceiling's), taking turns in a rotating order: first the prefills, then the whole runs."""
-    _, reference, ceiling = models  # ours runs the reference: the cache switches its attention
+    """Prefill and whole-run times of every approach (``models``: the reference, which ours runs
+    too, its cache switching the attention, and the ceiling's), taking turns in a rotating order:
+    first the prefills, then the whole runs."""
+    reference, ceiling = models
     options: dict[str, Any] = {"do_sample": False}
 
     def turns(tokens: int) -> Mapping[str, Callable[[], object]]:
@@ -403,7 +404,7 @@ def run_scenario(
         print(f"  {kv_bytes(model, manager, prompt, args.new_tokens)}")
         ceiling = copy.deepcopy(reference)
         ceiling.set_attn_implementation(FREE_ATTENTION)
-        timings = measure((model, reference, ceiling), manager, prompt, args)
+        timings = measure((reference, ceiling), manager, prompt, args)
         with measure_layer_cost(model.config.num_hidden_layers) as cost:  # untimed: its calls are timed inside
             run_ours(reference, manager, prompt, args.new_tokens, do_sample=False)
         with decode_updates(PagedCache) as contiguous_updates:  # one more run of each, update() timed
