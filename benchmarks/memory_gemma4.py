@@ -11,10 +11,11 @@ last ``W - 1`` positions, ``DynamicSlidingWindowLayer``) and once with ``PagedCa
 (``kvcache_paged`` attention, the pool of ``cache_config_for``); both must give the same tokens,
 logits within 1e-2 (:data:`TOLERANCE`; exit 1 otherwise).
 
-The pool's sliding layers form KV-cache groups keeping only their window's blocks; each place of
-the groups holds a sliding and a full layer, which view one page of the full layers' shape
-(``CacheConfig.storage_layers``), so a sliding layer's block takes a full layer's bytes. The pool
-is sized for the prefill's peak (``cache_config_for``'s ``max_tokens`` gives every group its
+The pool's sliding layers form KV-cache groups keeping only their window's blocks; each page of
+the full layers' shape holds a full layer or two sliding layers side by side (half its
+features each: ``CacheConfig.storage_layers``, packed views), so a sliding group has twice a
+full group's layers over the same pages (25 sliding layers: two groups of 10 and one of 5, half
+filled). The pool is sized for the prefill's peak (``cache_config_for``'s ``max_tokens`` gives every group its
 blocks): one step of the whole prompt takes every group's blocks of the prompt (its first
 queries see the window before them), released as the request grows.
 
@@ -23,7 +24,8 @@ its key and value tensors) and ours / DynamicCache; beside it the floor, compute
 figures and not measured: the bytes if each layer's blocks took only its own geometry
 (``ceil(W / block_size) + 1`` blocks per sliding layer, every block per full layer); and per
 KV-cache group (``stats()``) its bytes per token in the pool and at its layers' own geometry, its
-blocks in use, and the bytes the padding of narrower layers to their pages takes.
+blocks in use, and the bytes its pages hold beyond its layers' own (a group filling its pages
+only partly).
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 HF_HUB_OFFLINE=1 \\
         .venv/bin/python benchmarks/memory_gemma4.py [--quick]
@@ -156,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"per KV-cache group (stats()): bytes per token in the pool {list(stats.group_bytes_per_token)}, at the "
         f"layers' own geometry {list(stats.group_layer_bytes_per_token)}, blocks used {list(stats.group_used_blocks)};"
-        f" padding of narrower layers to their pages {mib(padding)} ({padding / mine:.0%} of ours)"
+        f" pages' bytes beyond the layers' own {mib(padding)} ({padding / mine:.0%} of ours)"
     )
     return 0
 

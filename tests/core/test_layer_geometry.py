@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from kvcache_core import AllocationRequest, CacheConfig, LayerSpec, create_manager
 from kvcache_core.backends.layered import LayeredStorage
 from kvcache_core.backends.numpy import NumpyStorage
-from kvcache_core.contract.groups import LayerGeometry
+from kvcache_core.contract.groups import LayerGeometry, ViewPlace
 from kvcache_core.contract.states import StateArray, StateSpec
 from kvcache_core.errors import InvalidConfigError, LayerIndexError, ShapeMismatchError, UnsupportedConfigError
 from kvcache_core.manager import PagedKvCacheManager
@@ -91,26 +92,78 @@ def test_the_storage_config_keeps_each_storage_layers_geometry_and_is_its_own() 
 
 
 def test_groups_whose_layers_differ_in_geometry_view_one_page_sized_for_the_widest() -> None:
-    specs = [LayerSpec(window=4), LayerSpec(num_heads=1, head_dim=16), LayerSpec(window=4)]
-    grouped = config(num_layers=3, layer_specs=specs)
+    specs = [LayerSpec(window=4), LayerSpec(num_heads=1, head_dim=16)]
+    grouped = config(num_layers=2, layer_specs=specs)
     storage = grouped.storage_layers
 
-    assert grouped.num_groups == 3  # two sliding layers and one full: groups of one layer
-    assert storage.places == ((0, 0), (1, 1), (2, 0))
+    assert grouped.num_groups == 2  # a sliding layer and a full one: groups of one layer
+    assert storage.places == ((0, 0), (1, 1))
     assert storage.pages == (0, 0)
     assert storage.page_geometry == (LayerGeometry(2, 16, 16),)  # the most heads, the widest keys and values
     assert storage.shares_pages
+    assert not storage.packs_views  # each view side by side with another would take no fewer pages
     assert grouped.pool_layers == 2
     assert grouped.bytes_per_block == 4 * 2 * (16 + 16) * 4  # one page of every block
-    assert grouped.bytes_per_token == 3 * 2 * (16 + 16) * 4  # each group's layer its page
+    assert grouped.bytes_per_token == 2 * 2 * (16 + 16) * 4  # each group's layer its page
     built = grouped.storage_config()
     assert [built.layer_geometry(layer) for layer in range(2)] == [LayerGeometry(2, 8, 8), LayerGeometry(1, 16, 16)]
 
 
-def test_stats_report_each_groups_bytes_per_token_in_the_pool_and_at_its_own_geometry() -> None:
+def test_narrower_layers_share_a_page_side_by_side_where_that_takes_fewer_pages() -> None:
     specs = [LayerSpec(window=4), LayerSpec(num_heads=1, head_dim=16), LayerSpec(window=4)]
+    grouped = config(num_layers=3, layer_specs=specs)
+    storage = grouped.storage_layers
+
+    # Both sliding layers (2 heads of 8) side by side in a page of 2 heads of 16, along the
+    # features; the full layer (1 head of 16) in its first head: two groups, not three.
+    assert [(group.layers, group.views) for group in grouped.kv_groups] == [((0, 2), 2), ((1,), 2)]
+    assert storage.places == ((0, 0), (1, 2), (0, 1))
+    assert storage.pages == (0, 0, 0)
+    assert storage.offsets == (ViewPlace(), ViewPlace(0, 8, 8), ViewPlace())
+    assert storage.page_geometry == (LayerGeometry(2, 16, 16),)
+    assert storage.packs_views
+    assert grouped.bytes_per_token == 2 * 2 * (16 + 16) * 4  # a page a group (three groups unpacked)
+
+
+@pytest.mark.parametrize(
+    ("kinds", "groups"),
+    [
+        # Gemma 4 (30 layers, five sliding of half the head size to one full): 4 groups of 5
+        # pages, the last sliding one half filled (6 groups of 5 pages unpacked).
+        ([(4, 32, 512)] * 5 + [(4, 64, None)], [(512, 10, 2), (None, 5, 1), (512, 10, 2), (512, 5, 2)]),
+        # Half the KV heads on the sliding layers (10 to 5 full): side by side along the heads,
+        # one group of each kind over 5 pages (3 groups unpacked).
+        ([(2, 64, 512)] * 2 + [(4, 64, None)], [(512, 10, 2), (None, 5, 1)]),
+    ],
+)
+def test_packed_groups_take_a_whole_number_of_pages(
+    kinds: list[tuple[int, int, int | None]], groups: list[tuple[int | None, int, int]]
+) -> None:
+    specs = [LayerSpec(window=window, num_heads=heads, head_dim=dim) for heads, dim, window in kinds] * 5
+    grouped = CacheConfig(
+        num_layers=len(specs), num_heads=4, head_dim=64, num_blocks=8, block_size=4, layer_specs=specs
+    )
+
+    assert [(group.window, len(group.layers), group.views) for group in grouped.kv_groups] == groups
+    storage = grouped.storage_layers
+    pages = len(storage.page_geometry)
+    assert storage.page_geometry == (LayerGeometry(4, 64, 64),) * pages
+    seen: dict[tuple[int, int, int], int] = {}
+    for layer, spec in enumerate(specs):
+        group, row = grouped.layer_place(layer)
+        shape, place = storage.geometry[row], storage.view_place(row)
+        assert (shape.num_heads, shape.head_dim) == (spec.num_heads, spec.head_dim)
+        assert place.head + shape.num_heads <= 4 and place.key + shape.head_dim <= 64  # noqa: PT018
+        for head in range(place.head, place.head + shape.num_heads):  # no two layers of a group in one place
+            for key in range(place.key, place.key + shape.head_dim):
+                assert seen.setdefault((group, storage.pages[row], head * 64 + key), layer) == layer
+    assert grouped.bytes_per_token == len(groups) * pages * 4 * 128 * 4
+
+
+def test_stats_report_each_groups_bytes_per_token_in_the_pool_and_at_its_own_geometry() -> None:
+    specs = [LayerSpec(window=4), LayerSpec(num_heads=1, head_dim=12), LayerSpec(window=4)]  # no views side by side
     grouped = config(num_layers=3, layer_specs=specs, num_blocks=16)
-    page, sliding, full = 2 * (16 + 16) * 4, 2 * (8 + 8) * 4, 1 * (16 + 16) * 4
+    page, sliding, full = 2 * (12 + 12) * 4, 2 * (8 + 8) * 4, 1 * (12 + 12) * 4
 
     with create_manager("numpy", grouped) as manager:
         handle = manager.allocate(AllocationRequest("r"))
@@ -280,3 +333,44 @@ def test_a_block_of_layers_viewing_one_page_is_cached_once_its_groups_layers_wro
         assert hit.num_tokens() == 8
         assert np.array_equal(manager.gather(hit, 1)[0], keys[:8].reshape(8, 1, 16))
         manager.check_invariants()
+
+
+class _NoViewWrites(NumpyStorage):
+    """A NumPy storage without ``write_view`` (:mod:`kvcache_core.contract.views`)."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "write_view":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "heads_first"])
+@pytest.mark.parametrize("factory", [NumpyStorage, _NoViewWrites], ids=["write_view", "rows-read-and-written"])
+def test_views_side_by_side_keep_each_others_rows_with_or_without_write_view(factory: Any, layout: str) -> None:
+    specs = [LayerSpec(window=4), LayerSpec(num_heads=1, head_dim=16), LayerSpec(window=4)]
+    pool = config(num_layers=3, layer_specs=specs, kv_layout=layout)
+    layers = pool.storage_layers
+    storage = LayeredStorage(pool.storage_config(), factory, pages=layers.pages, offsets=layers.offsets)
+    rng = np.random.default_rng(11)
+    slots = np.array([5, 0, 9, 30], dtype=np.int64)
+    written: list[tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]] = []
+    rows = layers.group_rows(pool.kv_groups[0])  # the sliding group's two layers, side by side in a page
+    assert [layers.view_place(row) for row in rows] == [ViewPlace(), ViewPlace(0, 8, 8)]
+    for row in rows:  # then the first again: its rewrite keeps the other's part of each row
+        shape = layers.geometry[row]
+        keys = rng.standard_normal((4, shape.num_heads, shape.head_dim)).astype(np.float32)
+        values = rng.standard_normal((4, shape.num_heads, shape.value_width)).astype(np.float32)
+        storage.write(row, slots, keys, values)
+        written.append((keys, values))
+    storage.write(0, slots[:2], 3 * written[0][0][:2], 3 * written[0][1][:2])
+    written[0] = (
+        np.concatenate([3 * written[0][0][:2], written[0][0][2:]]),
+        np.concatenate([3 * written[0][1][:2], written[0][1][2:]]),
+    )
+
+    for row, (keys, values) in zip(rows, written, strict=True):
+        blocks = slots // pool.block_size
+        got_keys, got_values = storage.gather(row, np.unique(blocks), len(np.unique(blocks)) * pool.block_size)
+        at = np.searchsorted(np.unique(blocks), blocks) * pool.block_size + slots % pool.block_size
+        assert np.array_equal(got_keys[at], keys), f"storage layer {row}: keys"
+        assert np.array_equal(got_values[at], values), f"storage layer {row}: values"

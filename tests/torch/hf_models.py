@@ -401,7 +401,7 @@ _BY_HAND: tuple[Family, ...] = (
         "Gemma4ForCausalLM",
         {**GEMMA4},
         why=f"{_INTERFACE}; full layers of their own head size and KV heads (per-layer geometry: sliding layers "
-        "keep their window's blocks, each position in the KV-cache groups sharing one page)",
+        "keep their window's blocks, side by side in pages of the full layers' width)",
     ),
     Family("Phi-3", "Phi3Config", "Phi3ForCausalLM", _decoder()),
     Family(

@@ -110,8 +110,11 @@ def test_the_pool_gives_each_layer_the_geometry_its_attention_hands_the_cache() 
     assert [pool.layer_geometry(layer) for layer in range(4)] == [sliding, full] * 2
     assert pool.num_groups == 2  # the sliding layers keep their window's blocks
     assert [group.window for group in pool.kv_groups] == [6, None]
-    assert pool.storage_layers.page_geometry == (LayerGeometry(2, 32, 32),) * 2  # a sliding and a full layer each
-    assert pool.bytes_per_token == 2 * 2 * (2 * 32 * 2) * 4
+    # One page of 2 heads of 32: the sliding layers side by side along its features, the full
+    # layers along its heads (a page a layer, two pages a group, before).
+    assert pool.storage_layers.page_geometry == (LayerGeometry(2, 32, 32),)
+    assert pool.storage_layers.packs_views
+    assert pool.bytes_per_token == 2 * (2 * 32 * 2) * 4
     with PagedCache(create_manager("torch", pool), model.config) as cache:
         assert cache.is_sliding == transformers.DynamicCache(config=model.config).is_sliding
 
@@ -244,5 +247,7 @@ def test_the_real_gemma4_config_gives_its_full_layers_their_head_size() -> None:
     pool = cache_config_for(config, num_blocks=8, dtype="bfloat16")
 
     assert [pool.layer_geometry(layer).head_dim for layer in range(6)] == [16] * 5 + [512]  # global_head_dim
-    assert pool.num_groups == 6  # five sliding layers and a full one: groups of one layer, one page
+    # The five sliding layers side by side in one page of the full layer's width (32 would fit):
+    # two groups of one page (six before, a page each).
+    assert [len(group.layers) for group in pool.kv_groups] == [5, 1]
     assert pool.bytes_per_block == 16 * 2 * (512 + 512) * 2  # 16 tokens of 2 heads of 512 (keys, values), bf16

@@ -191,4 +191,6 @@ def test_per_layer_head_sizes_give_each_layer_its_own() -> None:
     pool = cache_config_for(config, num_blocks=8)
 
     assert [pool.layer_geometry(layer).head_dim for layer in range(6)] == [16, 16, 16, 16, 16, 32]
-    assert pool.num_groups == 6  # the sliding layers keep their window's blocks, each place one page
+    # The sliding layers keep their window's blocks, two side by side in a page of the full
+    # layer's width: three sliding groups of one page and the full one (six unpacked).
+    assert [len(group.layers) for group in pool.kv_groups] == [2, 2, 1, 1]

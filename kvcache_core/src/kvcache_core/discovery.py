@@ -337,7 +337,10 @@ def create_manager(
             ) from exc
     storage: Any
     if storage_config.mixed_geometry:  # one part per geometry of the layers (capability checked above)
-        storage = LayeredStorage(storage_config, spec.storage_factory, pages=config.storage_layers.pages, **options)
+        layers = config.storage_layers
+        storage = LayeredStorage(
+            storage_config, spec.storage_factory, pages=layers.pages, offsets=layers.offsets, **options
+        )
     else:
         storage = spec.storage_factory(storage_config, **options)
     missing = [name for name in _STORAGE_MEMBERS if not hasattr(storage, name)]

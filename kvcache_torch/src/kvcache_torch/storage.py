@@ -8,6 +8,7 @@ is refused there, so the manager raises :class:`~kvcache_core.errors.ArrayTypeEr
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from kvcache_core.attention.features import combined_window
 from kvcache_core.contract import quantization
 from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.groups import ViewPlace
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.regions import MemoryRegion, pool_regions
 from kvcache_core.contract.states import StateArray
@@ -30,6 +32,7 @@ from kvcache_torch.dispatch import pool_path
 from kvcache_torch.dtypes import BIT_DTYPES, VALUE_DTYPES, dtype_name, tensor_of, torch_dtype
 from kvcache_torch.lanes import LaneMemory, TorchLane
 from kvcache_torch.padded import PaddedReader
+from kvcache_torch.scatter import scatter
 from kvcache_torch.spec import ATTENTION_FEATURES, PREFERRED_LAYOUT
 from kvcache_torch.states import TorchStateStorage
 
@@ -233,26 +236,24 @@ class TorchStorage:
         if self._scales is not None:
             raw_keys, raw_values = self._quantize(layer, slot_index, keys, values)
             keys, values = raw_keys.view(torch.uint8), raw_values.view(torch.uint8)
-        if torch.is_grad_enabled():  # keys that need grad must not make the pool record autograd
-            with torch.no_grad():
-                self._scatter(layer, slot_index, keys, values)
-        else:
-            self._scatter(layer, slot_index, keys, values)
+        # keys that need grad must not make the pool record autograd
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+            scatter(self._write_targets(layer), self._config, slot_index, keys, values)
 
-    def _scatter(self, layer: int, slot_index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """One indexed copy per pool (NHD, heads-first: flat views; HND: its token-major view)."""
-        layout = self._config.kv_layout
-        if layout == "NHD":
-            self._targets[0][layer].index_copy_(0, slot_index, keys)
-            self._targets[1][layer].index_copy_(0, slot_index, values)
-        elif layout == "heads_first":
-            self._targets[0][layer].index_copy_(1, slot_index, keys.transpose(0, 1))
-            self._targets[1][layer].index_copy_(1, slot_index, values.transpose(0, 1))
-        else:
-            blocks = torch.div(slot_index, self._config.block_size, rounding_mode="floor")
-            offsets = slot_index - blocks * self._config.block_size
-            for kv, data in ((0, keys), (1, values)):
-                self._moved_parts[kv][layer].transpose(1, 2).index_put_((blocks, offsets), data)
+    def write_view(
+        self, layer: int, slots: IntArray, keys: torch.Tensor, values: torch.Tensor, place: ViewPlace
+    ) -> None:
+        """Scatter into the part of each slot's row from ``place``, the rest kept (an
+        unquantized pool; :mod:`kvcache_core.contract.views`): one indexed copy per pool."""
+        with torch.no_grad():
+            scatter(self._write_targets(layer), self._config, self._index(slots), keys, values, place)
+
+    def _write_targets(self, layer: int) -> TensorPair:
+        """What a write of ``layer`` indexes (:func:`kvcache_torch.scatter.scatter`; a quantized
+        pool's bytes): the flat views (NHD, heads-first) or the token-major view (HND)."""
+        if self._config.kv_layout == "HND":
+            return self._moved_parts[0][layer].transpose(1, 2), self._moved_parts[1][layer].transpose(1, 2)
+        return self._targets[0][layer], self._targets[1][layer]
 
     def _quantize(
         self, layer: int, slot_index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor

@@ -13,7 +13,10 @@ array per page, of the page's geometry (the most heads, the widest keys and valu
 views), and each storage layer is a view of its page's first heads and features. A narrower
 layer's writes are padded with zeros to the page's shape, its queries too (zero features add
 nothing to a score; extra heads are dropped from the output), so every backend's storage
-serves the view without knowing of it; ``key_cache`` gives the view itself.
+serves the view without knowing of it; ``key_cache`` gives the view itself. Where a page holds
+views side by side (``offsets``: Gemma 4's sliding layers two to a page of its full layers'
+width), a view's write keeps the rest of each row it writes (the rows are read from the page
+first and the view's part replaced), and its queries sit at its offset among zeros.
 
 Host copies of blocks are in one form per pool, ``[layers, n, block_size, num_heads, width]``,
 which layers of several shapes do not fit: this storage hands swap a packed form, ``[n,
@@ -29,17 +32,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract.config import CacheConfig
-from kvcache_core.contract.groups import LayerGeometry
+from kvcache_core.contract.groups import LayerGeometry, ViewPlace
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import BlockArray, KvStorage, SlotArray
 from kvcache_core.contract.regions import MemoryRegion, storage_regions
 from kvcache_core.contract.states import StateArray
+from kvcache_core.contract.views import storage_write_view
 from kvcache_core.errors import InvalidConfigError, ShapeMismatchError, UnsupportedConfigError
 from kvcache_core.offload.host_form import check_host_array
 
@@ -68,43 +72,92 @@ def part_config(config: CacheConfig, shape: LayerGeometry, layers: int) -> Cache
     )
 
 
-def page_shapes(config: CacheConfig, pages: Sequence[int]) -> dict[int, LayerGeometry]:
-    """Per page, the geometry holding each storage layer viewing it (``pages[layer]``): the
-    most KV heads, the widest keys and the widest values."""
+def page_shapes(
+    config: CacheConfig, pages: Sequence[int], offsets: Sequence[ViewPlace] | None = None
+) -> dict[int, LayerGeometry]:
+    """Per page, the geometry holding each storage layer viewing it (``pages[layer]``, at
+    ``offsets[layer]``): the most KV heads, the widest keys and the widest values."""
     found: dict[int, LayerGeometry] = {}
     for layer, page in enumerate(pages):
-        shape = config.layer_geometry(layer)
-        held = found.get(page, shape)
+        shape, place = config.layer_geometry(layer), ViewPlace() if offsets is None else offsets[layer]
+        reach = LayerGeometry(place.head + shape.num_heads, place.key + shape.head_dim, place.value + shape.value_width)
+        held = found.get(page, reach)
         found[page] = LayerGeometry(
-            max(held.num_heads, shape.num_heads),
-            max(held.head_dim, shape.head_dim),
-            max(held.value_width, shape.value_width),
+            max(held.num_heads, reach.num_heads),
+            max(held.head_dim, reach.head_dim),
+            max(held.value_width, reach.value_width),
         )
     return found
 
 
-def _padded(namespace: Any, array: Any, shape: tuple[int, ...]) -> Any:
-    """``array`` with zeros appended along each axis shorter than ``shape``'s (the Array API's
-    ``concat``, ``zeros_like`` and ``broadcast_to``: on the array's own device)."""
+def _placed(namespace: Any, array: Any, shape: tuple[int, ...], start: tuple[int, ...] | None = None) -> Any:
+    """``array`` among zeros in an array of ``shape``, from ``start`` (the origin by default)
+    along each axis (the Array API's ``concat``, ``zeros_like`` and ``broadcast_to``: on the
+    array's own device)."""
     for axis, size in enumerate(shape):
         have = int(array.shape[axis])
-        if have < size:
+        before = 0 if start is None else start[axis]
+        after = size - have - before
+        if before or after:
             edge = tuple(slice(0, 1) if index == axis else slice(None) for index in range(len(shape)))
-            filler = list(array.shape)
-            filler[axis] = size - have
-            zeros = namespace.broadcast_to(namespace.zeros_like(array[edge]), tuple(filler))
-            array = namespace.concat([array, zeros], axis=axis)
+            zero = namespace.zeros_like(array[edge])
+
+            def zeros(count: int, axis: int = axis, zero: Any = zero, array: Any = array) -> Any:
+                filler = list(array.shape)
+                filler[axis] = count
+                return namespace.broadcast_to(zero, tuple(filler))
+
+            parts = [zeros(before)] if before else []
+            parts += [array, zeros(after)] if after else [array]
+            array = namespace.concat(parts, axis=axis)
     return array
 
 
-def _view_index(layout: str, heads: int, width: int) -> tuple[slice, ...]:
-    """The index of the first ``heads`` heads and ``width`` features of a pool array in ``layout``."""
-    every, first_heads, features = slice(None), slice(0, heads), slice(0, width)
+def _spliced(namespace: Any, rows: Any, part: Any, start: tuple[int, int]) -> Any:
+    """``rows`` ``[n, heads, width]`` with ``part`` in place of its own extent from ``start``
+    (first head, first feature): what a view's write makes of the rows of its page."""
+    heads, width = (int(size) for size in part.shape[1:])
+    head, feature = start
+    middle = part
+    if width < int(rows.shape[2]):
+        around = rows[:, head : head + heads]
+        pieces = (around[:, :, :feature], part, around[:, :, feature + width :])
+        middle = namespace.concat([piece for piece in pieces if int(piece.shape[2])], axis=2)
+    pieces = (rows[:, :head], middle, rows[:, head + heads :])
+    return namespace.concat([piece for piece in pieces if int(piece.shape[1])], axis=1)
+
+
+def _view_index(layout: str, heads: int, width: int, place: ViewPlace, part: str) -> tuple[slice, ...]:
+    """The index of ``heads`` heads and ``width`` features of a pool array in ``layout``, from
+    ``place`` (in the ``"keys"`` or ``"values"`` pool)."""
+    first = place.value if part == "values" else place.key
+    every, first_heads, features = slice(None), slice(place.head, place.head + heads), slice(first, first + width)
     if layout == "NHD":
         return (every, every, first_heads, features)
     if layout == "HND":
         return (every, first_heads, every, features)
     return (first_heads, every, every, features)
+
+
+class _Route(NamedTuple):
+    """Where a storage layer lives: its part, its page's place in the part, its own and its
+    page's geometry, its view's place in the page, whether it is narrower than its page and
+    whether its page holds views side by side (its writes then keep the rest of each row)."""
+
+    part: int
+    local: int
+    own: LayerGeometry
+    page: LayerGeometry
+    place: ViewPlace
+    narrow: bool
+    packed: bool
+
+    def host_index(self, kv: int) -> tuple[slice, slice, slice, slice]:
+        """The view in a host copy ``[n, block_size, heads, width]`` of its page's blocks
+        (keys for ``kv`` 0, values for 1): its heads and features."""
+        width, first = (self.own.value_width, self.place.value) if kv else (self.own.head_dim, self.place.key)
+        heads = slice(self.place.head, self.place.head + self.own.num_heads)
+        return slice(None), slice(None), heads, slice(first, first + width)
 
 
 class LayeredStorage(Generic[ArrayT]):
@@ -117,13 +170,15 @@ class LayeredStorage(Generic[ArrayT]):
         pages: per storage layer, the page whose memory it views
             (``CacheConfig.storage_layers.pages`` of the pool's config); ``None``: each layer
             its own.
+        offsets: per storage layer, where its view lies in its page
+            (``CacheConfig.storage_layers.offsets``); ``None``: each at its page's origin.
 
     Attributes:
         parts: the storages, one per geometry (of pages).
         attention_features: the attention capabilities every part serves.
 
     Raises:
-        InvalidConfigError: ``pages`` not one page per storage layer.
+        InvalidConfigError: ``pages`` or ``offsets`` not one per storage layer.
     """
 
     def __init__(
@@ -132,30 +187,35 @@ class LayeredStorage(Generic[ArrayT]):
         factory: Callable[..., KvStorage[ArrayT]],
         *,
         pages: Sequence[int] | None = None,
+        offsets: Sequence[ViewPlace] | None = None,
         **options: Any,
     ) -> None:
         self._config = config
         viewed = tuple(range(config.num_layers)) if pages is None else tuple(pages)
-        if len(viewed) != config.num_layers:
-            raise InvalidConfigError(
-                f"pages names {len(viewed)} storage layers, the storage config has {config.num_layers}: give one "
-                "page per storage layer (CacheConfig.storage_layers.pages)"
-            )
-        shapes = page_shapes(config, viewed)
+        places = (ViewPlace(),) * config.num_layers if offsets is None else tuple(offsets)
+        for name, given in (("pages", viewed), ("offsets", places)):
+            if len(given) != config.num_layers:
+                raise InvalidConfigError(
+                    f"{name} names {len(given)} storage layers, the storage config has {config.num_layers}: give "
+                    f"one per storage layer (CacheConfig.storage_layers.{name})"
+                )
+        shapes = page_shapes(config, viewed, places)
         classes: dict[LayerGeometry, list[int]] = {}
         for page, shape in shapes.items():
             classes.setdefault(shape, []).append(page)
         self.shares_pages = len(shapes) != config.num_layers
-        # Per storage layer: its part, the page's place in it, its own and its page's geometry.
-        self._route: list[tuple[int, int, LayerGeometry, LayerGeometry]] = []
+        packed = {page for page, place in zip(viewed, places, strict=True) if not place.origin}
+        self._route: list[_Route] = []
         parts: list[KvStorage[ArrayT]] = []
         try:
             for shape, held in classes.items():
                 parts.append(factory(part_config(config, shape, len(held)), **options))
-            for layer, page in enumerate(viewed):
-                index = list(classes).index(shapes[page])
+            for layer, (page, place) in enumerate(zip(viewed, places, strict=True)):
+                own, whole = config.layer_geometry(layer), shapes[page]
+                index = list(classes).index(whole)
+                narrow = own != whole
                 self._route.append(
-                    (index, classes[shapes[page]].index(page), config.layer_geometry(layer), shapes[page])
+                    _Route(index, classes[whole].index(page), own, whole, place, narrow, narrow and page in packed)
                 )
         except BaseException:
             for part in parts:  # built parts are nobody's: release them now
@@ -176,16 +236,17 @@ class LayeredStorage(Generic[ArrayT]):
         return self._config
 
     def _part(self, layer: int) -> tuple[KvStorage[ArrayT], int]:
-        index, local, _, _ = self._route[layer]
-        return self.parts[index], local
+        route = self._route[layer]
+        return self.parts[route.part], route.local
 
     def _view(self, layer: int, array: ArrayT, part: str) -> ArrayT:
-        """``array``, the page's pool of ``layer``, as the layer's view: its first heads and features."""
-        _, _, own, page = self._route[layer]
-        if own == page:
+        """``array``, the page's pool of ``layer``, as the layer's view: its heads and features."""
+        route = self._route[layer]
+        if not route.narrow:
             return array
+        own = route.own
         width = own.value_width if part == "values" else own.head_dim
-        view: ArrayT = cast("Any", array)[_view_index(self._config.layout, own.num_heads, width)]
+        view: ArrayT = cast("Any", array)[_view_index(self._config.layout, own.num_heads, width, route.place, part)]
         return view
 
     def key_cache(self, layer: int) -> ArrayT:
@@ -200,27 +261,52 @@ class LayeredStorage(Generic[ArrayT]):
 
     def write(self, layer: int, slots: SlotArray, keys: ArrayT, values: ArrayT) -> None:
         """Scatter the layer's ``[n, its heads, its widths]`` K/V into ``slots`` (padded with
-        zeros to its page's shape where it views a wider page)."""
+        zeros to its page's shape where it views a wider page; where the page holds views side
+        by side, into the rows as they are, the other views' parts kept)."""
         part, local = self._part(layer)
-        _, _, own, page = self._route[layer]
-        if own != page:
-            namespace = part.array_namespace()
+        route = self._route[layer]
+        if route.packed:
+            if storage_write_view(part, local, slots, keys, values, route.place):
+                return
+            keys, values = self._rows_with(part, local, slots, keys, values, route)
+        elif route.narrow:
+            namespace, page = part.array_namespace(), route.page
             count = int(cast("Any", keys).shape[0])
-            keys = _padded(namespace, keys, (count, page.num_heads, page.head_dim))
-            values = _padded(namespace, values, (count, page.num_heads, page.value_width))
+            keys = _placed(namespace, keys, (count, page.num_heads, page.head_dim))
+            values = _placed(namespace, values, (count, page.num_heads, page.value_width))
         part.write(local, slots, keys, values)
+
+    def _rows_with(
+        self, part: KvStorage[ArrayT], local: int, slots: SlotArray, keys: ArrayT, values: ArrayT, route: _Route
+    ) -> tuple[ArrayT, ArrayT]:
+        """The page's rows at ``slots``, as they are, with the view's part replaced by ``keys``
+        and ``values``: read through the part's ``gather`` of the slots' blocks (for a part
+        without ``write_view``, :mod:`kvcache_core.contract.views`)."""
+        block_size = self._config.block_size
+        written = np.asarray(slots, dtype=np.int64)
+        blocks, where = np.unique(written // block_size, return_inverse=True)
+        rows = where.reshape(-1) * block_size + written % block_size
+        namespace = part.array_namespace()
+        held = part.gather(local, blocks, len(blocks) * block_size)
+        index = part.from_numpy(rows)
+        spliced: list[ArrayT] = []
+        for kept, new, feature in zip(held, (keys, values), (route.place.key, route.place.value), strict=True):
+            current = namespace.astype(namespace.take(kept, index, axis=0), cast("Any", new).dtype)
+            spliced.append(_spliced(namespace, current, new, (route.place.head, feature)))
+        return spliced[0], spliced[1]
 
     def gather(self, layer: int, blocks: BlockArray, num_tokens: int) -> tuple[ArrayT, ArrayT]:
         """Contiguous copies of the layer's tokens in ``blocks``, of its own geometry."""
         part, local = self._part(layer)
         keys, values = part.gather(local, blocks, num_tokens)
-        _, _, own, page = self._route[layer]
-        if own == page:
+        route = self._route[layer]
+        if not route.narrow:
             return keys, values
-        heads = slice(0, own.num_heads)
+        own, place = route.own, route.place
+        heads = slice(place.head, place.head + own.num_heads)
         narrow: tuple[Any, Any] = (
-            cast("Any", keys)[:, heads, : own.head_dim],
-            cast("Any", values)[:, heads, : own.value_width],
+            cast("Any", keys)[:, heads, place.key : place.key + own.head_dim],
+            cast("Any", values)[:, heads, place.value : place.value + own.value_width],
         )
         return narrow
 
@@ -239,10 +325,10 @@ class LayeredStorage(Generic[ArrayT]):
         packed = [
             np.concatenate(
                 [
-                    copies[index][kv][local][:, :, : own.num_heads, : own.value_width if kv else own.head_dim].reshape(
-                        count, block_size * own.num_heads * (own.value_width if kv else own.head_dim)
+                    copies[route.part][kv][route.local][route.host_index(kv)].reshape(
+                        count, block_size * route.own.num_heads * (route.own.value_width if kv else route.own.head_dim)
                     )
-                    for index, local, own, _ in self._route
+                    for route in self._route
                 ],
                 axis=1,
             )
@@ -279,11 +365,12 @@ class LayeredStorage(Generic[ArrayT]):
         ]
         for kv, array in enumerate((keys, values)):
             start = 0
-            for index, local, own, _ in self._route:
+            for route in self._route:
+                own = route.own
                 width = own.value_width if kv else own.head_dim
                 elements = block_size * own.num_heads * width
                 block = array[:, start : start + elements].reshape(count, block_size, own.num_heads, width)
-                pages[index][kv][local][:, :, : own.num_heads, :width] = block
+                pages[route.part][kv][route.local][route.host_index(kv)] = block
                 start += elements
         for part, (part_keys, part_values) in zip(self.parts, pages, strict=True):
             part.blocks_from_host(blocks, part_keys, part_values)
@@ -300,20 +387,25 @@ class LayeredStorage(Generic[ArrayT]):
     ) -> ArrayT:
         """Attention over the layer's pool (its part's kernel): ``query`` ``[tokens, k * its
         heads, its head_dim]``, output ``[tokens, k * its heads, its value width]`` (a view of
-        a wider page attends with queries padded by zeros: no score changes)."""
+        a wider page attends with queries among zeros at its place: a zero feature adds
+        nothing to a score, whatever another view of the page holds there)."""
         part, local = self._part(layer)
-        _, _, own, page = self._route[layer]
-        if own == page:
+        route = self._route[layer]
+        if not route.narrow:
             return part.paged_attention(local, query, page_table, qo_indptr, scale, causal, **features)
+        own, page, place = route.own, route.page, route.place
         namespace = part.array_namespace()
         tokens, query_heads = (int(size) for size in cast("Any", query).shape[:2])
-        heads = query_heads // own.num_heads * page.num_heads
-        padded = _padded(namespace, query, (tokens, heads, page.head_dim))
+        group = query_heads // own.num_heads
+        heads, first = group * page.num_heads, group * place.head
+        placed = _placed(namespace, query, (tokens, heads, page.head_dim), (0, first, place.key))
         sinks = features.get("sinks")
-        if sinks is not None and heads != query_heads:  # the extra heads' sinks: any, their outputs are dropped
-            features["sinks"] = _padded(np if isinstance(sinks, np.ndarray) else namespace, sinks, (heads,))
-        output = part.paged_attention(local, padded, page_table, qo_indptr, scale, causal, **features)
-        narrow: ArrayT = cast("Any", output)[:, :query_heads, : own.value_width]
+        if sinks is not None and heads != query_heads:  # the other heads' sinks: any, their outputs are dropped
+            features["sinks"] = _placed(np if isinstance(sinks, np.ndarray) else namespace, sinks, (heads,), (first,))
+        output = part.paged_attention(local, placed, page_table, qo_indptr, scale, causal, **features)
+        narrow: ArrayT = cast("Any", output)[
+            :, first : first + query_heads, place.value : place.value + own.value_width
+        ]
         return narrow
 
     def array_info(self, array: object) -> tuple[tuple[int, ...], str]:
@@ -353,9 +445,9 @@ class LayeredStorage(Generic[ArrayT]):
             found.append(regions)
         return tuple(
             dataclasses.replace(region, layer=layer)
-            for layer, (index, local, _, _) in enumerate(self._route)
-            for region in found[index]
-            if region.layer == local
+            for layer, route in enumerate(self._route)
+            for region in found[route.part]
+            if region.layer == route.local
         )
 
     def state_storage(self, arrays: tuple[StateArray, ...], num_slots: int) -> Any:

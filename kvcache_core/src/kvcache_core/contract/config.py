@@ -301,15 +301,14 @@ class CacheConfig:
                 )
             specs = cast("tuple[LayerSpec, ...]", items)
             object.__setattr__(self, "layer_specs", specs)
-        groups = plan_groups(self.num_layers, specs, self.sliding_window)
-        object.__setattr__(self, "_groups", groups)
         object.__setattr__(self, "_specs", specs or (LayerSpec(window=self.sliding_window),) * self.num_layers)
         object.__setattr__(self, "_states", StatePool.of(self._specs, self.state_slots, self.num_blocks))
         object.__setattr__(self, "state_slots", None if self.state_slots is None else self._states.num_slots)
-        self._check_layer_geometry()
+        self._check_layer_geometry(specs)
 
-    def _check_layer_geometry(self) -> None:
-        """Resolve every layer's geometry; refuse mixed geometry where the pool cannot hold it."""
+    def _check_layer_geometry(self, specs: tuple[LayerSpec, ...] | None) -> None:
+        """Resolve every layer's geometry and plan the KV-cache groups and storage layers;
+        refuse mixed geometry where the pool cannot hold it."""
         values = self.value_head_dim
         geometry = tuple(
             LayerGeometry(
@@ -320,6 +319,7 @@ class CacheConfig:
             for spec in self._specs
         )
         object.__setattr__(self, "_geometry", geometry)
+        object.__setattr__(self, "_groups", plan_groups(self.num_layers, specs, self.sliding_window, geometry))
         storage = plan_storage(self._groups, self.num_layers, geometry)
         object.__setattr__(self, "_storage", storage)
         object.__setattr__(self, "_slots", storage.places)

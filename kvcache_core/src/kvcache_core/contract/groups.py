@@ -31,6 +31,15 @@ each geometry gets a storage layer of its own and they all view one **page**
 (:func:`plan_storage`): a page is as large as its widest view (the most KV heads, the widest
 keys, the widest values), each view its first heads and features, so the memory of a block
 still serves whichever group holds it.
+
+Where a page is wider than a narrower kind's layers by a whole factor (Gemma 4's sliding
+layers have half the head size of its full ones), the page holds several of them side by side
+(**packed views**): a view at an offset of heads or features, each layer's K/V written into
+its own part of every row of the page (:class:`ViewPlace`). A group of such a kind then has
+that factor times as many layers as a group of the widest kind, over the same pages
+(:func:`plan_groups`), so its blocks take no padding. Packing is chosen only where it takes
+fewer pages per block than one layer a page (the last group of a kind may fill its pages only
+partly).
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ __all__ = [
     "LayerGeometry",
     "LayerSpec",
     "StorageLayers",
+    "ViewPlace",
     "check_group",
     "first_visible_block",
     "group_serves_layer",
@@ -56,6 +66,7 @@ __all__ = [
     "plan_groups",
     "plan_storage",
     "token_bytes",
+    "view_folds",
 ]
 
 
@@ -210,19 +221,28 @@ class KvGroup:
         index: the group's number (groups are numbered by their first layer).
         window: the sliding window its layers share, ``None`` for full or chunked layers
             (those keep every block).
-        layers: its model layers, ascending; layer ``layers[i]`` lives in the storage's
-            layer ``i``.
+        layers: its model layers, ascending; layer ``layers[i]`` lives in page ``i // views``
+            of every block the group holds (:attr:`StorageLayers.places` names its storage layer).
+        views: how many of its layers one page holds side by side (1: a layer a page; more
+            for a kind packed into a wider page, see the module).
     """
 
     index: int
     window: int | None
     layers: tuple[int, ...]
+    views: int = 1
 
 
 def plan_groups(
-    num_layers: int, specs: tuple[LayerSpec, ...] | None, sliding_window: int | None
+    num_layers: int,
+    specs: tuple[LayerSpec, ...] | None,
+    sliding_window: int | None,
+    geometry: tuple[LayerGeometry, ...] | None = None,
 ) -> tuple[KvGroup, ...]:
-    """The KV-cache groups of a pool (see the module docstring).
+    """The KV-cache groups of a pool (see the module docstring): without packing, every group
+    has the greatest common divisor of the kinds' layer counts; with ``geometry`` (per layer)
+    where packing takes fewer pages (:func:`view_folds`), each group of a kind holds its
+    fold times the pages' count of layers.
 
     Raises:
         InvalidConfigError: ``specs`` not one :class:`LayerSpec` per layer.
@@ -240,14 +260,80 @@ def plan_groups(
             by_window.setdefault(spec.window, []).append(layer)
     if not by_window:  # no layer keeps K/V: one group of none still counts each request's tokens
         return (KvGroup(0, None, ()),)
+    folds = dict.fromkeys(by_window, 1)
     size = math.gcd(*(len(layers) for layers in by_window.values()))
+    if geometry is not None:
+        packed = _packed_pages(by_window, geometry)
+        if packed is not None:
+            size, folds = packed
     chunks = [
-        (window, tuple(layers[start : start + size]))
+        (window, tuple(layers[start : start + size * folds[window]]), folds[window])
         for window, layers in by_window.items()
-        for start in range(0, len(layers), size)
+        for start in range(0, len(layers), size * folds[window])
     ]
     chunks.sort(key=lambda chunk: chunk[1][0])
-    return tuple(KvGroup(index, window, layers) for index, (window, layers) in enumerate(chunks))
+    return tuple(KvGroup(index, window, layers, views) for index, (window, layers, views) in enumerate(chunks))
+
+
+def view_folds(shape: LayerGeometry, page: LayerGeometry) -> tuple[int, int]:
+    """``(along heads, along features)``: how many views of ``shape`` a page of ``page``
+    holds side by side without overlap (``(1, 1)`` where ``shape`` does not fit)."""
+    if shape.num_heads > page.num_heads or shape.head_dim > page.head_dim or shape.value_width > page.value_width:
+        return 1, 1
+    features = min(page.head_dim // shape.head_dim, page.value_width // shape.value_width)
+    return page.num_heads // shape.num_heads, features
+
+
+def _widest(shapes: list[LayerGeometry]) -> LayerGeometry:
+    """The geometry holding each of ``shapes``: the most KV heads, the widest keys and values."""
+    return LayerGeometry(
+        max(shape.num_heads for shape in shapes),
+        max(shape.head_dim for shape in shapes),
+        max(shape.value_width for shape in shapes),
+    )
+
+
+def _packed_pages(
+    by_window: dict[int | None, list[int]], geometry: tuple[LayerGeometry, ...]
+) -> tuple[int, dict[int | None, int]] | None:
+    """``(pages per group, layers per page of each kind)`` where packing the narrower kinds
+    into pages of the widest geometry takes fewer pages per block than a layer a page; ``None``
+    otherwise. A kind packs when its layers share one geometry; the pages per group are the
+    largest divisor of the unpacked kinds' greatest common divisor (of the packed kinds' page
+    counts where every kind packs) that leaves no group partly filled, else that divisor."""
+    page = _widest([geometry[layer] for layers in by_window.values() for layer in layers])
+    folds: dict[int | None, int] = {}
+    for window, layers in by_window.items():
+        shapes = {geometry[layer] for layer in layers}
+        along_heads, along_features = view_folds(shapes.pop(), page) if len(shapes) == 1 else (1, 1)
+        folds[window] = along_heads * along_features
+    if all(fold == 1 for fold in folds.values()):
+        return None
+    counts = {window: len(layers) for window, layers in by_window.items()}
+    plain = [count for window, count in counts.items() if folds[window] == 1]
+    base = math.gcd(*plain) if plain else math.gcd(*(-(-count // folds[window]) for window, count in counts.items()))
+    divisors = [pages for pages in range(base, 0, -1) if base % pages == 0]
+    size = next(
+        (pages for pages in divisors if all(count % (pages * folds[window]) == 0 for window, count in counts.items())),
+        base,
+    )
+    used = sum(-(-count // (size * folds[window])) * size for window, count in counts.items())
+    return (size, folds) if used < sum(counts.values()) else None
+
+
+@dataclass(frozen=True, slots=True)
+class ViewPlace:
+    """Where a storage layer's view lies in its page: its first KV head, first key feature and
+    first value feature (all 0 for a view of the page's first heads and features)."""
+
+    head: int = 0
+    key: int = 0
+    value: int = 0
+
+    @property
+    def origin(self) -> bool:
+        """Whether the view starts at the page's first head and features."""
+        return self.head == 0 and self.key == 0 and self.value == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,18 +347,31 @@ class StorageLayers:
         pages: per storage layer, the page whose memory it views (its place in the groups);
             storage layers of one page share the memory of every block.
         page_geometry: per page, the geometry holding each of its views: the most KV heads,
-            the widest keys and the widest values among its storage layers.
+            the widest keys and the widest values among its storage layers (each from its
+            offset).
+        offsets: per storage layer, where its view lies in its page (empty: every view at
+            the page's origin).
     """
 
     places: tuple[tuple[int, int], ...]
     geometry: tuple[LayerGeometry, ...]
     pages: tuple[int, ...]
     page_geometry: tuple[LayerGeometry, ...]
+    offsets: tuple[ViewPlace, ...] = ()
 
     @property
     def shares_pages(self) -> bool:
-        """Whether some page holds storage layers of several geometries."""
+        """Whether some page holds several storage layers (of several geometries, or packed)."""
         return len(self.pages) != len(self.page_geometry)
+
+    @property
+    def packs_views(self) -> bool:
+        """Whether some page holds views side by side (a storage layer off the page's origin)."""
+        return any(not place.origin for place in self.offsets)
+
+    def view_place(self, row: int) -> ViewPlace:
+        """Where storage layer ``row``'s view lies in its page."""
+        return self.offsets[row] if self.offsets else ViewPlace()
 
     def group_rows(self, group: KvGroup) -> tuple[int, ...]:
         """The storage layers of ``group``'s layers, in its layer order."""
@@ -285,31 +384,51 @@ class StorageLayers:
 
 
 def plan_storage(groups: tuple[KvGroup, ...], num_layers: int, geometry: tuple[LayerGeometry, ...]) -> StorageLayers:
-    """The storage layers of a pool: the ``i``-th layer of every group lives in page ``i``,
-    in the storage layer of its geometry there (one storage layer per page when every group's
-    ``i``-th layer has one geometry: storage layer ``i``)."""
+    """The storage layers of a pool: the ``i``-th layer of a group lives in page ``i //
+    views`` (:attr:`KvGroup.views`), in the storage layer of its geometry and place there (one
+    storage layer per page when every group's ``i``-th layer has one geometry and no page
+    packs views: storage layer ``i``). A packed group's views of a page lie side by side,
+    along the features where the page is wider (:func:`view_folds`), then along its heads."""
     places = [(-1, -1)] * num_layers
-    shapes: list[LayerGeometry] = []
+    shapes: list[tuple[LayerGeometry, ViewPlace]] = []
     pages: list[int] = []
     page_geometry: list[LayerGeometry] = []
-    for page in range(len(groups[0].layers)):
+    packed = [geometry[layer] for group in groups if group.views > 1 for layer in group.layers]
+    widest = _widest([geometry[layer] for group in groups for layer in group.layers]) if packed else None
+    count = max(-(-len(group.layers) // group.views) for group in groups)
+    for page in range(count):
         first = len(shapes)
         for group in groups:
-            layer = group.layers[page]
-            shape = geometry[layer]
-            if shape not in shapes[first:]:
-                shapes.append(shape)
-                pages.append(page)
-            places[layer] = (group.index, first + shapes[first:].index(shape))
+            for view in range(group.views):
+                index = page * group.views + view
+                if index >= len(group.layers):
+                    break
+                layer = group.layers[index]
+                shape = geometry[layer]
+                place = ViewPlace()
+                if widest is not None and group.views > 1:
+                    features = view_folds(shape, widest)[1]
+                    across, along = divmod(view, features)
+                    place = ViewPlace(across * shape.num_heads, along * shape.head_dim, along * shape.value_width)
+                if (shape, place) not in shapes[first:]:
+                    shapes.append((shape, place))
+                    pages.append(page)
+                places[layer] = (group.index, first + shapes[first:].index((shape, place)))
         views = shapes[first:]
         page_geometry.append(
             LayerGeometry(
-                max(view.num_heads for view in views),
-                max(view.head_dim for view in views),
-                max(view.value_width for view in views),
+                max(place.head + view.num_heads for view, place in views),
+                max(place.key + view.head_dim for view, place in views),
+                max(place.value + view.value_width for view, place in views),
             )
         )
-    return StorageLayers(tuple(places), tuple(shapes), tuple(pages), tuple(page_geometry))
+    return StorageLayers(
+        tuple(places),
+        tuple(shape for shape, _ in shapes),
+        tuple(pages),
+        tuple(page_geometry),
+        tuple(place for _, place in shapes),
+    )
 
 
 def first_visible_block(window: int | None, length: int, block_size: int) -> int:

@@ -12,7 +12,10 @@ prefix hit serving every layer in its own shape; swap bit-exact in every layer (
 form); host copies beyond the pool (tiers, prefix files) refused by name, nothing changed. In
 KV-cache groups whose layers differ in geometry (:data:`GROUPED_GEOMETRY_SPECS`, layers viewing
 one page), the same: each layer its own shape and attention, sliding layers keeping only their
-window's blocks, the lockstep state machine.
+window's blocks, the lockstep state machine; and where narrower layers share a page side by side
+(:data:`PACKED_GEOMETRY_SPECS`, Gemma 4's sliding layers two to a page of its full layers'
+width), each layer's writes leaving the others' parts of every row as they were, in every
+layout, with swap bit-exact.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from kvcache_core.offload.tiers import HostTier
 from kvcache_core.testing.backend import TOLERANCES, BackendUnderTest
 from kvcache_core.testing.features import dense_feature_attention
 
-__all__ = ["GEOMETRY_SPECS", "GROUPED_GEOMETRY_SPECS", "LayerGeometryCases", "geometry_config"]
+__all__ = ["GEOMETRY_SPECS", "GROUPED_GEOMETRY_SPECS", "PACKED_GEOMETRY_SPECS", "LayerGeometryCases", "geometry_config"]
 
 Manager = PagedKvCacheManager[Any]
 Handle = PagedKvCacheHandle[Any]
@@ -56,6 +59,16 @@ GROUPED_GEOMETRY_SPECS: Final = (
     LayerSpec(num_heads=1, head_dim=16),
     LayerSpec(window=6, num_heads=4, value_head_dim=4),
 )
+
+#: Narrower layers two to a page (:attr:`~kvcache_core.contract.groups.KvGroup.views`): beside
+#: full layers of 2 heads of 16, sliding layers of window 6 and one head of 16 (side by side
+#: along the heads) and of window 4 and the pool's 2 heads of 8 (along the features): four
+#: groups of one page (six unpacked), each sliding group's two layers in one page.
+PACKED_GEOMETRY_SPECS: Final = (
+    LayerSpec(window=6, num_heads=1, head_dim=16),
+    LayerSpec(window=4),
+    LayerSpec(head_dim=16),
+) * 2
 
 #: Request lengths of the attention cases: ragged, over several blocks and runs.
 _LENGTHS: Final = (5, 17, 30)
@@ -151,7 +164,11 @@ class LayerGeometryCases:
         caching = kvcache_backend.claims("prefix_caching")
         for layout in dict.fromkeys((kvcache_backend.kv_layouts[0], kvcache_backend.kv_layouts[-1])):
             # each layer its own part; then KV-cache groups whose layers view one page
-            for name, specs, blocks in (("layer", GEOMETRY_SPECS, 12), ("grouped", GROUPED_GEOMETRY_SPECS, 16)):
+            for name, specs, blocks in (
+                ("layer", GEOMETRY_SPECS, 12),
+                ("grouped", GROUPED_GEOMETRY_SPECS, 16),
+                ("packed", PACKED_GEOMETRY_SPECS, 20),
+            ):
                 config = kvcache_backend.config(
                     num_layers=len(specs),
                     layer_specs=specs,
@@ -167,7 +184,8 @@ class LayerGeometryCases:
     ) -> None:
         from kvcache_core.testing.faults import run_fault_injection
 
-        for specs in (GEOMETRY_SPECS, GROUPED_GEOMETRY_SPECS):  # each layer its part; layers viewing one page
+        # each layer its part; layers viewing one page; layers side by side in a page
+        for specs in (GEOMETRY_SPECS, GROUPED_GEOMETRY_SPECS, PACKED_GEOMETRY_SPECS):
             run_fault_injection(kvcache_backend, layer_specs=specs).check(kvcache_backend.claims, f"{specs}: ")
 
     @pytest.mark.kvcache_requires("layer_geometry")
@@ -200,27 +218,33 @@ class LayerGeometryCases:
 
     @pytest.mark.kvcache_requires("layer_geometry")
     @pytest.mark.kvcache_requires("attention_window")
+    @pytest.mark.parametrize(
+        ("specs", "groups", "packed"), [(GROUPED_GEOMETRY_SPECS, 3, False), (PACKED_GEOMETRY_SPECS, 4, True)]
+    )
     def test_groups_of_mixed_geometry_keep_their_window_and_each_layer_its_shape(
-        self, kvcache_backend: BackendUnderTest
+        self, kvcache_backend: BackendUnderTest, specs: tuple[LayerSpec, ...], groups: int, packed: bool
     ) -> None:
         rng = np.random.default_rng(83)
-        specs = GROUPED_GEOMETRY_SPECS
-        for config in kvcache_backend.configs(num_layers=len(specs), layer_specs=specs, num_blocks=48):
+        for config in kvcache_backend.configs(num_layers=len(specs), layer_specs=specs, num_blocks=64):
             context = f"dtype {config.dtype}, layout {config.kv_layout}"
             with kvcache_backend.manager(config) as manager:
                 resolved = manager.config
-                assert resolved.num_groups == 3, context
+                assert resolved.num_groups == groups, context
                 assert resolved.storage_layers.shares_pages, f"{context}: its layers do not view one page"
+                assert resolved.storage_layers.packs_views == packed, context
                 handles = _grow(manager, rng)
                 for layer in range(resolved.num_layers):
                     assert manager.storage.array_info(handles[0].key_cache(layer))[0] == resolved.layer_block_shape(
                         layer
                     ), f"{context}, layer {layer}: its key pool is not of its own shape"
                 contexts = [_gathered(manager, handle) for handle in handles]
-                window_blocks = -(-6 // resolved.block_size) + 1
                 for handle, length in zip(handles, _LENGTHS, strict=True):
                     full = -(-length // resolved.block_size)
-                    assert handle.stats().blocks_allocated <= full + 2 * (window_blocks + 1), (
+                    kept = sum(
+                        full if group.window is None else min(full, -(-group.window // resolved.block_size) + 2)
+                        for group in resolved.kv_groups
+                    )
+                    assert handle.stats().blocks_allocated <= kept, (
                         f"{context}: a request of {length} tokens holds {handle.stats().blocks_allocated} blocks; its "
                         "sliding layers keep only their window's"
                     )
@@ -229,6 +253,29 @@ class LayerGeometryCases:
                     features: dict[str, Any] = {} if spec.window is None else {"window": spec.window}
                     where = f"{context}, layer {layer}, {features}"
                     self._attend_layer_and_compare(manager, handles, contexts, layer, features, rng, where, (1, 1, 1))
+                manager.check_invariants()
+
+    @pytest.mark.kvcache_requires("layer_geometry")
+    @pytest.mark.kvcache_requires("attention_window")
+    def test_layers_side_by_side_in_a_page_keep_what_each_wrote(self, kvcache_backend: BackendUnderTest) -> None:
+        rng = np.random.default_rng(89)
+        specs = PACKED_GEOMETRY_SPECS
+        for config in kvcache_backend.configs(num_layers=len(specs), layer_specs=specs, num_blocks=32):
+            context = f"dtype {config.dtype}, layout {config.kv_layout}"
+            with kvcache_backend.manager(config) as manager:
+                handle = manager.allocate(AllocationRequest("r"))
+                written = _write_all(manager, manager.extend(handle, 5), rng)
+                # a later write of each layer, into rows its page's other views hold already
+                for layer, more in enumerate(_write_all(manager, manager.extend(handle, 3), rng)):
+                    written[layer] = (
+                        np.concatenate([written[layer][0], more[0]]),
+                        np.concatenate([written[layer][1], more[1]]),
+                    )
+                for layer, (got, sent) in enumerate(zip(_gathered(manager, handle), written, strict=True)):
+                    for name, kept, wrote in zip(("keys", "values"), got, sent, strict=True):
+                        assert np.array_equal(kept, wrote[len(wrote) - len(kept) :]), (
+                            f"{context}, layer {layer}: its {name} changed when the layers beside it in its page wrote"
+                        )
                 manager.check_invariants()
 
     @staticmethod
@@ -300,9 +347,12 @@ class LayerGeometryCases:
 
     @pytest.mark.kvcache_requires("layer_geometry")
     @pytest.mark.kvcache_requires("swap")
-    def test_swap_keeps_every_layer_bit_exact_in_its_own_shape(self, kvcache_backend: BackendUnderTest) -> None:
+    @pytest.mark.parametrize("specs", [GEOMETRY_SPECS, PACKED_GEOMETRY_SPECS], ids=["own", "packed"])
+    def test_swap_keeps_every_layer_bit_exact_in_its_own_shape(
+        self, kvcache_backend: BackendUnderTest, specs: tuple[LayerSpec, ...]
+    ) -> None:
         rng = np.random.default_rng(79)
-        for config in kvcache_backend.configs(num_layers=len(GEOMETRY_SPECS), layer_specs=GEOMETRY_SPECS):
+        for config in kvcache_backend.configs(num_layers=len(specs), layer_specs=specs, num_blocks=48):
             context = f"dtype {config.dtype}, layout {config.kv_layout}"
             with kvcache_backend.manager(config) as manager:
                 handle = manager.allocate(AllocationRequest("r"))

@@ -21,6 +21,7 @@ from kvcache_core.backends.dispatch import kernel_or_reference
 from kvcache_core.backends.numpy.states import NumpyStateStorage
 from kvcache_core.contract import quantization
 from kvcache_core.contract.config import KV_LAYOUTS, CacheConfig
+from kvcache_core.contract.groups import ViewPlace
 from kvcache_core.contract.hookspecs import (
     ATTENTION_CAPABILITIES,
     LAYER_GEOMETRY,
@@ -240,6 +241,21 @@ class NumpyStorage:
                     cache[blocks, :, offsets, :] = data
                 else:  # heads_first: the indexed axes stay in place -> [heads, n, dim]
                     cache[:, blocks, offsets, :] = data.transpose(1, 0, 2)
+
+    def write_view(self, layer: int, slots: IntArray, keys: NumpyArray, values: NumpyArray, place: ViewPlace) -> None:
+        """Scatter ``[n, h, d]`` keys and ``[n, h, dv]`` values into the part of each slot's row
+        from ``place`` (an unquantized pool; :mod:`kvcache_core.contract.views`), the rest kept."""
+        for kv, data, first in ((0, keys, place.key), (1, values, place.value)):
+            cache = self._parts[kv][layer]
+            heads, features = slice(place.head, place.head + data.shape[1]), slice(first, first + data.shape[2])
+            if self._config.kv_layout == "NHD":
+                cache.reshape(-1, *cache.shape[2:])[slots, heads, features] = data
+            else:
+                blocks, offsets = np.divmod(slots, self._config.block_size)
+                if self._config.kv_layout == "HND":
+                    cache[blocks, heads, offsets, features] = data  # the indexed axes first -> [n, h, d]
+                else:  # heads_first: the indexed axes stay in place -> [h, n, d]
+                    cache[heads, blocks, offsets, features] = data.transpose(1, 0, 2)
 
     def _quantize(
         self, layer: int, slots: IntArray, keys: NumpyArray, values: NumpyArray
