@@ -249,8 +249,10 @@ class LayerGeometryCases:
                         "sliding layers keep only their window's"
                     )
                     assert handle.stats().memory_bytes == handle.stats().blocks_allocated * resolved.bytes_per_block
+                sinks = kvcache_backend.claims("sinks")  # at the view's place among the page's heads
                 for layer, spec in enumerate(specs):
                     features: dict[str, Any] = {} if spec.window is None else {"window": spec.window}
+                    features.update({"sinks": True} if sinks and layer % 2 else {})
                     where = f"{context}, layer {layer}, {features}"
                     self._attend_layer_and_compare(manager, handles, contexts, layer, features, rng, where, (1, 1, 1))
                 manager.check_invariants()
@@ -297,13 +299,22 @@ class LayerGeometryCases:
             rng.standard_normal((int(indptr[-1]), query_heads, shape.head_dim)), config.dtype
         )
         scale = 1.0 / math.sqrt(shape.head_dim)
+        if features.get("sinks") is True:  # a sink per query head, drawn here
+            features = {
+                **features,
+                "sinks": BackendUnderTest.representable(rng.standard_normal(query_heads), config.dtype),
+            }
+        native = {
+            name: BackendUnderTest.native(manager, value) if name == "sinks" else value
+            for name, value in features.items()
+        }
         output = manager.paged_attention(
             layer,
             BackendUnderTest.native(manager, query),
             manager.page_table(handles, group=config.layer_place(layer)[0]),
             qo_indptr=indptr,
             scale=scale,
-            **features,
+            **native,
         )
         expected = np.concatenate(
             [
