@@ -41,11 +41,18 @@ def _compiled() -> dict[str, Callable[..., None]]:
     def block_1(queries: Any, j: int, keys: Any, rows_at: Any, first: int, scores: Any, c: int) -> None:
         simd.score_block_1(queries, j, keys, rows_at, first, scores, c)
 
-    def values_4(values: Any, rows_at: Any, first: int, count: int, weights: Any, j: int, acc: Any) -> None:
-        simd.value_block_4(values, rows_at, first, count, weights, j, acc)
+    def values_4(
+        values: Any, rows_at: Any, first: int, count: int, weights: Any, column: int, j: int, acc: Any
+    ) -> None:
+        simd.value_block_4(values, rows_at, first, count, weights, column, j, acc)
 
     jit: Any = njit
-    return {"rows 4": jit(block_4), "rows 2": jit(block_2), "rows 1": jit(block_1), "values": jit(values_4)}
+    return {
+        "rows 4": jit(block_4),
+        "rows 2": jit(block_2),
+        "rows 1": jit(block_1),
+        "values": jit(values_4),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +115,7 @@ def test_a_score_block_is_a_vector_of_dot_products(
     first=st.integers(0, 20),
     count=st.integers(0, 32),
     seed=st.integers(0, 2**16),
+    column=st.integers(0, 8),
 )
 def test_a_value_block_adds_four_rows_of_weighted_values(
     blocks: dict[str, Callable[..., None]],
@@ -117,6 +125,7 @@ def test_a_value_block_adds_four_rows_of_weighted_values(
     first: int,
     count: int,
     seed: int,
+    column: int,
 ) -> None:
     from kvcache_core.attention._kernel_ir import VALUE_CHUNK
 
@@ -124,13 +133,13 @@ def test_a_value_block_adds_four_rows_of_weighted_values(
     rng = np.random.default_rng(seed)
     pool = _pool(rng, 64, features, padding)
     rows_at = rng.permutation(64).astype(np.int64)
-    weights = rng.random((16, 32)).astype(np.float32)
+    weights = rng.random((16, 40)).astype(np.float32)
     acc = rng.standard_normal((16, features)).astype(np.float32)
     before = acc.copy()
-    blocks["values"](pool, rows_at, first, count, weights, first_row, acc)
+    blocks["values"](pool, rows_at, first, count, weights, column, first_row, acc)  # weights from column
     rows = slice(first_row, first_row + 4)
     taken = pool[rows_at[first : first + count]].astype(np.float64)
-    expected = before[rows].astype(np.float64) + weights[rows, :count].astype(np.float64) @ taken
+    expected = before[rows].astype(np.float64) + weights[rows, column : column + count].astype(np.float64) @ taken
     np.testing.assert_allclose(acc[rows], expected, rtol=1e-5, atol=1e-4)
     others = np.ones(16, dtype=bool)
     others[rows] = False

@@ -44,6 +44,7 @@ __all__ = [
     "address_pointer",
     "claim_next",
     "compile_features",
+    "prefetch_at",
     "prefetch_row",
     "score_block_1",
     "score_block_2",
@@ -210,20 +211,21 @@ score_block_2: Any = intrinsic(_score_block_typer(2))
 score_block_1: Any = intrinsic(_score_block_typer(1))
 
 
-def _value_block_typer(typingctx, value_rows, rows_at, first, keys, weights, first_row, acc):  # type: ignore[no-untyped-def]
-    """``value_block_4(value_rows, rows_at, first, keys, weights, j, acc)``: ``acc[j + r] +=
-    sum_c weights[j + r, c] * value_rows[rows_at[first + c]]`` for ``r < 4``, ``c < keys``."""
-    if not _block_types((value_rows, weights, acc), rows_at, (first, keys, first_row)):
+def _value_block_typer(typingctx, value_rows, rows_at, first, keys, weights, column, first_row, acc):  # type: ignore[no-untyped-def]
+    """``value_block_4(value_rows, rows_at, first, keys, weights, column, j, acc)``: ``acc[j +
+    r] += sum_c weights[j + r, column + c] * value_rows[rows_at[first + c]]`` for ``r < 4``,
+    ``c < keys``."""
+    if not _block_types((value_rows, weights, acc), rows_at, (first, keys, column, first_row)):
         return None
 
     def codegen(context, builder, signature, arguments):  # type: ignore[no-untyped-def]
         code = _Code(context, builder, signature, arguments)
-        start, count, row = code.values[2], code.values[3], code.values[5]
+        start, count, offset, row = code.values[2], code.values[3], code.values[5], code.values[6]
         parts = VALUE_CHUNK // LANES
-        acc_rows = [code.row(6, code.plus(row, r)) for r in range(_VALUE_ROWS)]
+        acc_rows = [code.row(7, code.plus(row, r)) for r in range(_VALUE_ROWS)]
         sums = [_cgutils.alloca_once(builder, _VECTOR) for _ in range(_VALUE_ROWS * parts)]
         broadcast = _lane_mask([0] * LANES)
-        features = builder.extract_value(code.values[6].shape, 1)
+        features = builder.extract_value(code.values[7].shape, 1)
         with _cgutils.for_range_slice(builder, code.constant(0), features, code.constant(VALUE_CHUNK)) as (feature, _):
             chunk = [code.plus(feature, part * LANES) for part in range(parts)]
             for r in range(_VALUE_ROWS):
@@ -234,7 +236,7 @@ def _value_block_typer(typingctx, value_rows, rows_at, first, keys, weights, fir
                 value_row = code.row(0, builder.load(code.item(1, [builder.add(start, key)])))
                 values = [code.lanes(value_row, chunk[part]) for part in range(parts)]
                 for r in range(_VALUE_ROWS):
-                    weight = builder.load(code.item(4, [code.plus(row, r), key]))
+                    weight = builder.load(code.item(4, [code.plus(row, r), builder.add(offset, key)]))
                     single = builder.insert_element(ir.Constant(_VECTOR, None), weight, ir.Constant(ir.IntType(32), 0))
                     weights = builder.shuffle_vector(single, ir.Constant(_VECTOR, None), broadcast)
                     for part in range(parts):
@@ -245,12 +247,12 @@ def _value_block_typer(typingctx, value_rows, rows_at, first, keys, weights, fir
                     builder.store(builder.load(sums[r * parts + part]), at, align=4)
         return context.get_dummy_value()
 
-    return types.void(value_rows, rows_at, first, keys, weights, first_row, acc), codegen
+    return types.void(value_rows, rows_at, first, keys, weights, column, first_row, acc), codegen
 
 
-#: ``value_block_4(value_rows, rows_at, first, keys, weights, j, acc)`` in compiled code:
-#: ``acc[j + r] += sum_c weights[j + r, c] * value_rows[rows_at[first + c]]`` for ``r < 4``
-#: and ``c < keys``. The features (``acc.shape[1]``) must be a multiple of
+#: ``value_block_4(value_rows, rows_at, first, keys, weights, column, j, acc)`` in compiled
+#: code: ``acc[j + r] += sum_c weights[j + r, column + c] * value_rows[rows_at[first + c]]``
+#: for ``r < 4`` and ``c < keys``. The features (``acc.shape[1]``) must be a multiple of
 #: :data:`VALUE_CHUNK`, every row contiguous.
 value_block_4: Any = intrinsic(_value_block_typer)
 
@@ -284,6 +286,31 @@ def _prefetch_row_typer(typingctx, array, row):  # type: ignore[no-untyped-def]
     return types.void(array, row), codegen
 
 
+def _prefetch_at_typer(typingctx, address, row, row_bytes):  # type: ignore[no-untyped-def]
+    """``prefetch_row`` of the row ``row`` of ``row_bytes`` bytes from the int64 ``address``
+    (a pool's first byte): no array, so a loop that prefetches takes no reference counts."""
+    if not all(isinstance(value, types.Integer) for value in (address, row, row_bytes)):
+        return None
+
+    def codegen(context, builder, signature, arguments):  # type: ignore[no-untyped-def]
+        address, row, row_bytes = (
+            context.cast(builder, value, kind, types.intp)
+            for value, kind in zip(arguments, signature.args, strict=True)
+        )
+        byte = ir.IntType(8).as_pointer()
+        start = builder.inttoptr(builder.add(address, builder.mul(row, row_bytes)), byte)
+        int32 = ir.IntType(32)
+        prefetch = _cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte, int32, int32, int32]), "llvm.prefetch.p0"
+        )
+        zero_bytes, line_bytes = context.get_constant(types.intp, 0), context.get_constant(types.intp, 64)
+        with _cgutils.for_range_slice(builder, zero_bytes, row_bytes, line_bytes) as (offset, _):
+            builder.call(prefetch, [builder.gep(start, [offset]), int32(0), int32(2), int32(1)])
+        return context.get_dummy_value()
+
+    return types.void(address, row, row_bytes), codegen
+
+
 def _claim_typer(typingctx, counter):  # type: ignore[no-untyped-def]
     """``counter[0]``, incremented atomically: the next item a thread takes."""
     if not (isinstance(counter, types.Array) and counter.ndim == 1 and counter.dtype == types.int64):
@@ -301,6 +328,8 @@ claim_next: Any = intrinsic(_claim_typer)
 #: ``prefetch_row(array, row)`` in compiled code (typed ``Any``: numba's intrinsic wrapper
 #: declares the typing context as a parameter).
 prefetch_row: Any = intrinsic(_prefetch_row_typer)
+#: ``prefetch_at(address, row, row_bytes)`` in compiled code (:func:`_prefetch_at_typer`).
+prefetch_at: Any = intrinsic(_prefetch_at_typer)
 
 
 def _pointer_typer(typingctx, address, kind):  # type: ignore[no-untyped-def]

@@ -157,21 +157,20 @@ def _pair_scores(queries, rows, key_rows, rows_at, first, start, stop, scores): 
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
-def _key_scores(queries, rows, key_rows, rows_at, first, keys, scores, ahead):  # type: ignore[no-untyped-def]
+def _key_scores(queries, rows, key_rows, rows_at, first, keys, scores, ahead, pool_rows, upcoming):  # type: ignore[no-untyped-def]
     """``scores[j, c]`` = query row ``j`` times key row ``key_rows[rows_at[first + c]]``;
-    ``ahead = (in_place, pools, raw_pools, pool_rows, next, end)``: the rows ``pool_rows[next
-    + c]`` below ``end`` of the key pool (float32, read in place; the value pool's go with the
+    ``ahead`` (:func:`._kernel_rows.prefetch_ahead`): the rows ``pool_rows[upcoming + c]``
+    below its end of the key pool (float32, read in place; the value pool's go with the
     sums, :func:`_add_values`), or of both raw pools, are prefetched a block of keys at a time,
     before the block's products. Where the features are a multiple of ``LANES``, ``LANES``
     keys per pass go through the vector blocks of :mod:`._kernel_ir` (a last pass of fewer
     keys, and other feature counts, through :func:`_pair_scores`, two keys per pass)."""
-    in_place, upcoming = ahead[0], ahead[4]
-    values_too = not in_place  # raw pools: both decoded at the next tiles' start
+    values_too = not ahead[0]  # raw pools: both decoded at the next tiles' start
     step = LANES if queries.shape[1] % LANES == 0 else 2
     c = 0
     while c < keys:
         if step < LANES or c + LANES > keys:
-            prefetch_ahead(ahead, upcoming + c, step, True, values_too)
+            prefetch_ahead(ahead, pool_rows, upcoming + c, step, True, values_too)
             _pair_scores(queries, rows, key_rows, rows_at, first, c, min(c + step, keys), scores)
         else:
             # The first rows' blocks prefetch their keys' rows, each block before its products:
@@ -181,27 +180,29 @@ def _key_scores(queries, rows, key_rows, rows_at, first, keys, scores, ahead):  
             while j + 4 <= rows:
                 for k in range(0, LANES, LANES // 4):
                     if j == 0:
-                        prefetch_ahead(ahead, upcoming + c + k, LANES // 4, True, values_too)
+                        prefetch_ahead(ahead, pool_rows, upcoming + c + k, LANES // 4, True, values_too)
                     score_block_4(queries, j, key_rows, rows_at, first, scores, c + k)
                 j += 4
             if j + 2 <= rows:
                 for k in range(0, LANES, LANES // 2):
                     if j == 0:
-                        prefetch_ahead(ahead, upcoming + c + k, LANES // 2, True, values_too)
+                        prefetch_ahead(ahead, pool_rows, upcoming + c + k, LANES // 2, True, values_too)
                     score_block_2(queries, j, key_rows, rows_at, first, scores, c + k)
                 j += 2
             if j < rows:
                 if j == 0:
-                    prefetch_ahead(ahead, upcoming + c, LANES, True, values_too)
+                    prefetch_ahead(ahead, pool_rows, upcoming + c, LANES, True, values_too)
                 score_block_1(queries, j, key_rows, rows_at, first, scores, c)
         c += step
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
-def _softmax_step(rows, keys, tile_key, work, softcap):  # type: ignore[no-untyped-def]
+def _softmax_step(  # type: ignore[no-untyped-def]
+    rows, keys, tile_key, scores, acc, row_max, row_sum, row_low, row_high, powers, power_values, softcap
+):
     """Turn the scores of keys ``[tile_key, tile_key + keys)`` into weights (0 where a row
-    may not see a key), rescaling each row's accumulator and sum when its maximum grows."""
-    scores, acc, row_max, row_sum, row_low, row_high, powers, power_values = work
+    may not see a key), rescaling each row's accumulator and sum when its maximum grows
+    (``powers``, ``power_values``: the exponents' scratch, int32 and its float32 view)."""
     dim = acc.shape[1]
     for j in range(rows):
         low = max(row_low[j], tile_key) - tile_key
@@ -265,7 +266,7 @@ def _softmax_step(rows, keys, tile_key, work, softcap):  # type: ignore[no-untyp
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
-def _add_values(rows, value_rows, rows_at, first, keys, scores, acc, ahead):  # type: ignore[no-untyped-def]
+def _add_values(rows, value_rows, rows_at, first, keys, scores, acc, ahead, pool_rows, upcoming):  # type: ignore[no-untyped-def]
     """``acc[j] += sum_c scores[j, c] * value_rows[rows_at[first + c]]``: four rows at a time
     through :func:`._kernel_ir.value_block_4` where the features are a multiple of
     ``VALUE_CHUNK``; the other rows four keys times two rows per pass, so each accumulator
@@ -274,24 +275,24 @@ def _add_values(rows, value_rows, rows_at, first, keys, scores, acc, ahead):  # 
     before the sums of keys ``c``: for at most :data:`FINE_ROWS` rows, :data:`VALUE_KEYS`
     keys at a time."""
     dim = acc.shape[1]
-    in_place, upcoming = ahead[0], ahead[4]
+    in_place = ahead[0]
     vector_rows = 0
     if dim % VALUE_CHUNK == 0 and rows >= 4:
         part = VALUE_KEYS if in_place and rows <= FINE_ROWS else keys
         for sub in range(0, keys, part):
             if in_place:
-                prefetch_ahead(ahead, upcoming + sub, part, False, True)
+                prefetch_ahead(ahead, pool_rows, upcoming + sub, part, False, True)
             sub_keys = min(part, keys - sub)
             vector_rows = 0
             while vector_rows + 4 <= rows:
-                # (a view of the weights from key ``sub``: the block reads ``weights[j + r, c]``)
-                value_block_4(value_rows, rows_at, first + sub, sub_keys, scores[:, sub:], vector_rows, acc)
+                # (the weights from column ``sub``: no view, which would take atomic reference counts)
+                value_block_4(value_rows, rows_at, first + sub, sub_keys, scores, sub, vector_rows, acc)
                 vector_rows += 4
     c = 0 if vector_rows < rows else keys
     prefetched = vector_rows > 0 or not in_place  # (the vector blocks' passes prefetched every value row)
     while c + 4 <= keys:
         if not prefetched:
-            prefetch_ahead(ahead, upcoming + c, 4, False, True)
+            prefetch_ahead(ahead, pool_rows, upcoming + c, 4, False, True)
         v0, v1, v2, v3 = rows_at[first + c], rows_at[first + c + 1], rows_at[first + c + 2], rows_at[first + c + 3]
         j = vector_rows
         while j + 2 <= rows:
@@ -310,7 +311,7 @@ def _add_values(rows, value_rows, rows_at, first, keys, scores, acc, ahead):  # 
         c += 4
     while c < keys:
         if not prefetched:
-            prefetch_ahead(ahead, upcoming + c, 1, False, True)
+            prefetch_ahead(ahead, pool_rows, upcoming + c, 1, False, True)
         at = rows_at[first + c]
         for j in range(vector_rows, rows):
             weight = scores[j, c]
@@ -373,6 +374,7 @@ def _attend_item(  # type: ignore[no-untyped-def]
     partial_acc, partial_stats = partials
     rows_at, scales_at, tile_rows, key_tile, key_bits, value_tile, value_bits = tiles
     scores, acc, row_max, row_sum, row_low, row_high = work[0], work[1], work[2], work[3], work[4], work[5]
+    powers, power_values = work[6], work[7]
     request, head, first_row, last_row = item[0], item[1], item[2], item[3]
     first_key, last_key, partial_row = item[4], item[5], item[6]
     dim = query.shape[2]
@@ -389,6 +391,15 @@ def _attend_item(  # type: ignore[no-untyped-def]
     item_keys = max(0, item_high - item_low)
     scaled = pool_kind >= POOL_INT8  # quantized: each row has its token head's scale
     pool_rows(block_row, item_low, item_keys, block_size, strides, scale_strides, head, rows_at, scales_at, scaled)
+    key_pool, value_pool = pools
+    key_raw, value_raw = raw_pools
+    # What the prefetches read, as integers (an array in a tuple or passed on in a loop takes
+    # atomic reference-count updates each time): the pools' addresses and row bytes.
+    if in_place:
+        read = (key_pool.ctypes.data, value_pool.ctypes.data, key_pool.strides[0], value_pool.strides[0])
+    else:
+        read = (key_raw.ctypes.data, value_raw.ctypes.data, key_raw.strides[0], value_raw.strides[0])
+    ahead = (in_place, read[0], read[1], read[2], read[3], item_keys)
     for tile_row in range(first_row, last_row, ROW_TILE):
         rows = min(ROW_TILE, last_row - tile_row)
         low_all = last_key
@@ -408,21 +419,48 @@ def _attend_item(  # type: ignore[no-untyped-def]
                 acc[j, d] = 0.0
             row_max[j] = -np.inf
             row_sum[j] = 0.0
+        # The tiles' calls name the same arrays at every tile (no array chosen per tile): an
+        # array a loop rebinds or packs anew takes atomic reference-count updates each time.
         for tile_key in range(low_all, high_all, KEY_TILE):
             keys = min(KEY_TILE, high_all - tile_key)
             first = tile_key - item_low
-            ahead = (in_place, pools, raw_pools, rows_at, first + PREFETCH_KEYS, item_keys)
+            upcoming = first + PREFETCH_KEYS
             if in_place:  # float32: the rows read where they are
-                key_source, value_source, source_rows, source_first = pools[0], pools[1], rows_at, first
-            else:
-                decode_tile(raw_pools[0], pool_kind, rows_at, scales_at, first, keys, key_tile, key_bits, key_scales)
-                decode_tile(
-                    raw_pools[1], pool_kind, rows_at, scales_at, first, keys, value_tile, value_bits, value_scales
+                _key_scores(queries, rows, key_pool, rows_at, first, keys, scores, ahead, rows_at, upcoming)
+                _softmax_step(
+                    rows,
+                    keys,
+                    tile_key,
+                    scores,
+                    acc,
+                    row_max,
+                    row_sum,
+                    row_low,
+                    row_high,
+                    powers,
+                    power_values,
+                    softcap,
                 )
-                key_source, value_source, source_rows, source_first = key_tile, value_tile, tile_rows, 0
-            _key_scores(queries, rows, key_source, source_rows, source_first, keys, scores, ahead)
-            _softmax_step(rows, keys, tile_key, work, softcap)
-            _add_values(rows, value_source, source_rows, source_first, keys, scores, acc, ahead)
+                _add_values(rows, value_pool, rows_at, first, keys, scores, acc, ahead, rows_at, upcoming)
+            else:
+                decode_tile(key_raw, pool_kind, rows_at, scales_at, first, keys, key_tile, key_bits, key_scales)
+                decode_tile(value_raw, pool_kind, rows_at, scales_at, first, keys, value_tile, value_bits, value_scales)
+                _key_scores(queries, rows, key_tile, tile_rows, 0, keys, scores, ahead, rows_at, upcoming)
+                _softmax_step(
+                    rows,
+                    keys,
+                    tile_key,
+                    scores,
+                    acc,
+                    row_max,
+                    row_sum,
+                    row_low,
+                    row_high,
+                    powers,
+                    power_values,
+                    softcap,
+                )
+                _add_values(rows, value_tile, tile_rows, 0, keys, scores, acc, ahead, rows_at, upcoming)
         for j in range(rows):
             r = tile_row + j
             if partial_row < 0:

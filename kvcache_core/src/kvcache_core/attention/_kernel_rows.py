@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 
 from kvcache_core.attention._kernel_cache import register_locators
-from kvcache_core.attention._kernel_ir import prefetch_row
+from kvcache_core.attention._kernel_ir import prefetch_at
 
 # Before any decorator: the cached functions' locators stamp every kernel source.
 register_locators()
@@ -119,25 +119,17 @@ def decode_tile(pool, kind, rows_at, scales_at, first, keys, tile, bits, scales)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
-def prefetch_ahead(ahead, start, count, keys_too, values_too):  # type: ignore[no-untyped-def]
+def prefetch_ahead(ahead, pool_rows, start, count, keys_too, values_too):  # type: ignore[no-untyped-def]
     """Prefetch the pool rows ``pool_rows[start : start + count]`` (below ``end``) of the
-    key pool (``keys_too``) and the value pool (``values_too``): the float32 pools where they are
-    read in place, else their bits; ``ahead = (in_place, pools, raw_pools, pool_rows, next,
-    end)``."""
-    in_place, pools, raw_pools, pool_rows, _, end = ahead
-    # Unpacked once: taking an array out of a tuple inside the loop costs two atomic
-    # reference-count updates per key.
-    key_pool, value_pool = pools
-    key_raw, value_raw = raw_pools
+    key pool (``keys_too``) and the value pool (``values_too``); ``ahead = (in_place,
+    key_address, value_address, key_row_bytes, value_row_bytes, end)``, the addresses of the
+    pools read (the float32 pools where they are read in place, else their bits). Integers
+    only: an array taken out of a tuple, or passed on, inside a loop costs atomic
+    reference-count updates each time."""
+    _, key_address, value_address, key_bytes, value_bytes, end = ahead
     for later in range(start, min(start + count, end)):
         row = pool_rows[later]
-        if in_place:
-            if keys_too:
-                prefetch_row(key_pool, row)
-            if values_too:
-                prefetch_row(value_pool, row)
-        else:
-            if keys_too:
-                prefetch_row(key_raw, row)
-            if values_too:
-                prefetch_row(value_raw, row)
+        if keys_too:
+            prefetch_at(key_address, row, key_bytes)
+        if values_too:
+            prefetch_at(value_address, row, value_bytes)
