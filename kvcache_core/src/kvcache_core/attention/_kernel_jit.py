@@ -197,12 +197,10 @@ def _key_scores(queries, rows, key_rows, rows_at, first, keys, scores, ahead, po
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
-def _softmax_step(  # type: ignore[no-untyped-def]
-    rows, keys, tile_key, scores, acc, row_max, row_sum, row_low, row_high, powers, power_values, softcap
-):
+def _softmax_step(rows, keys, tile_key, work, softcap):  # type: ignore[no-untyped-def]
     """Turn the scores of keys ``[tile_key, tile_key + keys)`` into weights (0 where a row
-    may not see a key), rescaling each row's accumulator and sum when its maximum grows
-    (``powers``, ``power_values``: the exponents' scratch, int32 and its float32 view)."""
+    may not see a key), rescaling each row's accumulator and sum when its maximum grows."""
+    scores, acc, row_max, row_sum, row_low, row_high, powers, power_values = work
     dim = acc.shape[1]
     for j in range(rows):
         low = max(row_low[j], tile_key) - tile_key
@@ -374,7 +372,6 @@ def _attend_item(  # type: ignore[no-untyped-def]
     partial_acc, partial_stats = partials
     rows_at, scales_at, tile_rows, key_tile, key_bits, value_tile, value_bits = tiles
     scores, acc, row_max, row_sum, row_low, row_high = work[0], work[1], work[2], work[3], work[4], work[5]
-    powers, power_values = work[6], work[7]
     request, head, first_row, last_row = item[0], item[1], item[2], item[3]
     first_key, last_key, partial_row = item[4], item[5], item[6]
     dim = query.shape[2]
@@ -427,39 +424,14 @@ def _attend_item(  # type: ignore[no-untyped-def]
             upcoming = first + PREFETCH_KEYS
             if in_place:  # float32: the rows read where they are
                 _key_scores(queries, rows, key_pool, rows_at, first, keys, scores, ahead, rows_at, upcoming)
-                _softmax_step(
-                    rows,
-                    keys,
-                    tile_key,
-                    scores,
-                    acc,
-                    row_max,
-                    row_sum,
-                    row_low,
-                    row_high,
-                    powers,
-                    power_values,
-                    softcap,
-                )
-                _add_values(rows, value_pool, rows_at, first, keys, scores, acc, ahead, rows_at, upcoming)
             else:
                 decode_tile(key_raw, pool_kind, rows_at, scales_at, first, keys, key_tile, key_bits, key_scales)
                 decode_tile(value_raw, pool_kind, rows_at, scales_at, first, keys, value_tile, value_bits, value_scales)
                 _key_scores(queries, rows, key_tile, tile_rows, 0, keys, scores, ahead, rows_at, upcoming)
-                _softmax_step(
-                    rows,
-                    keys,
-                    tile_key,
-                    scores,
-                    acc,
-                    row_max,
-                    row_sum,
-                    row_low,
-                    row_high,
-                    powers,
-                    power_values,
-                    softcap,
-                )
+            _softmax_step(rows, keys, tile_key, work, softcap)
+            if in_place:
+                _add_values(rows, value_pool, rows_at, first, keys, scores, acc, ahead, rows_at, upcoming)
+            else:
                 _add_values(rows, value_tile, tile_rows, 0, keys, scores, acc, ahead, rows_at, upcoming)
         for j in range(rows):
             r = tile_row + j
