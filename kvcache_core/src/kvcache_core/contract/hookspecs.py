@@ -100,7 +100,8 @@ CAPABILITIES: dict[str, str] = {
     "layer_geometry": "a pool whose layers differ in KV heads or widths (LayerSpec(num_heads=..., head_dim=..., "
     "value_head_dim=...)): the storage factory may be called once per geometry of one pool (core's "
     "LayeredStorage routes each layer to its part, views a shared page with narrower layers' writes and queries "
-    "padded by zeros, and packs swap's host copies); tiers, prefix files, host writes, and transfer of KV-cache "
+    "padded by zeros or, for layers side by side in a page, placed at their offset (the storage's optional "
+    "write_view writes one part of each row: kvcache_core.contract.views), and packs swap's host copies); tiers, prefix files, host writes, and transfer of KV-cache "
     "groups whose layers share pages refuse such a pool by name",
 }
 
