@@ -374,3 +374,10 @@ def test_views_side_by_side_keep_each_others_rows_with_or_without_write_view(fac
         at = np.searchsorted(np.unique(blocks), blocks) * pool.block_size + slots % pool.block_size
         assert np.array_equal(got_keys[at], keys), f"storage layer {row}: keys"
         assert np.array_equal(got_values[at], values), f"storage layer {row}: values"
+
+
+@pytest.mark.parametrize("field", ["head", "key", "value"])
+@pytest.mark.parametrize("value", [-1, 2**31, True, 2.5, None], ids=["negative", "too-large", "bool", "float", "none"])
+def test_a_view_place_outside_its_range_is_refused_by_name(field: str, value: object) -> None:
+    with pytest.raises(InvalidConfigError, match=rf"ViewPlace\.{field} must be an int >= 0.*got"):
+        ViewPlace(**{field: value})  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]  # refused

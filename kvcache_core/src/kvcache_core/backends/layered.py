@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache_core.contract.config import CacheConfig
-from kvcache_core.contract.groups import LayerGeometry, ViewPlace
+from kvcache_core.contract.groups import LayerGeometry, ViewPlace, widest_geometry
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.protocols import BlockArray, KvStorage, SlotArray
 from kvcache_core.contract.regions import MemoryRegion, storage_regions
@@ -77,17 +77,11 @@ def page_shapes(
 ) -> dict[int, LayerGeometry]:
     """Per page, the geometry holding each storage layer viewing it (``pages[layer]``, at
     ``offsets[layer]``): the most KV heads, the widest keys and the widest values."""
-    found: dict[int, LayerGeometry] = {}
+    reaches: dict[int, list[LayerGeometry]] = {}
     for layer, page in enumerate(pages):
-        shape, place = config.layer_geometry(layer), ViewPlace() if offsets is None else offsets[layer]
-        reach = LayerGeometry(place.head + shape.num_heads, place.key + shape.head_dim, place.value + shape.value_width)
-        held = found.get(page, reach)
-        found[page] = LayerGeometry(
-            max(held.num_heads, reach.num_heads),
-            max(held.head_dim, reach.head_dim),
-            max(held.value_width, reach.value_width),
-        )
-    return found
+        place = ViewPlace() if offsets is None else offsets[layer]
+        reaches.setdefault(page, []).append(place.reach(config.layer_geometry(layer)))
+    return {page: widest_geometry(found) for page, found in reaches.items()}
 
 
 def _placed(namespace: Any, array: Any, shape: tuple[int, ...], start: tuple[int, ...] | None = None) -> Any:

@@ -45,11 +45,20 @@ partly).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvcache_core.contract.scalars import INT32_MAX, IntLike, as_integer, check_flag, check_optional_count, shown
+from kvcache_core.contract.scalars import (
+    INT32_MAX,
+    IntLike,
+    as_integer,
+    check_count,
+    check_flag,
+    check_optional_count,
+    shown,
+)
 from kvcache_core.contract.states import StateSpec
 from kvcache_core.errors import InvalidConfigError, LayerIndexError
 
@@ -67,6 +76,7 @@ __all__ = [
     "plan_storage",
     "token_bytes",
     "view_folds",
+    "widest_geometry",
 ]
 
 
@@ -284,8 +294,9 @@ def view_folds(shape: LayerGeometry, page: LayerGeometry) -> tuple[int, int]:
     return page.num_heads // shape.num_heads, features
 
 
-def _widest(shapes: list[LayerGeometry]) -> LayerGeometry:
-    """The geometry holding each of ``shapes``: the most KV heads, the widest keys and values."""
+def widest_geometry(given: Iterable[LayerGeometry]) -> LayerGeometry:
+    """The geometry holding each of ``given``: the most KV heads, the widest keys and values."""
+    shapes = list(given)
     return LayerGeometry(
         max(shape.num_heads for shape in shapes),
         max(shape.head_dim for shape in shapes),
@@ -301,7 +312,7 @@ def _packed_pages(
     otherwise. A kind packs when its layers share one geometry; the pages per group are the
     largest divisor of the unpacked kinds' greatest common divisor (of the packed kinds' page
     counts where every kind packs) that leaves no group partly filled, else that divisor."""
-    page = _widest([geometry[layer] for layers in by_window.values() for layer in layers])
+    page = widest_geometry(geometry[layer] for layers in by_window.values() for layer in layers)
     folds: dict[int | None, int] = {}
     for window, layers in by_window.items():
         shapes = {geometry[layer] for layer in layers}
@@ -330,10 +341,19 @@ class ViewPlace:
     key: int = 0
     value: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("head", "key", "value"):  # an offset past the page's start: ints >= 0, stored as int
+            value = check_count(getattr(self, name), f"ViewPlace.{name}", 0, INT32_MAX, error=InvalidConfigError)
+            object.__setattr__(self, name, value)
+
     @property
     def origin(self) -> bool:
         """Whether the view starts at the page's first head and features."""
         return self.head == 0 and self.key == 0 and self.value == 0
+
+    def reach(self, shape: LayerGeometry) -> LayerGeometry:
+        """How far a view of ``shape`` at this place reaches into its page, from its origin."""
+        return LayerGeometry(self.head + shape.num_heads, self.key + shape.head_dim, self.value + shape.value_width)
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,8 +413,8 @@ def plan_storage(groups: tuple[KvGroup, ...], num_layers: int, geometry: tuple[L
     shapes: list[tuple[LayerGeometry, ViewPlace]] = []
     pages: list[int] = []
     page_geometry: list[LayerGeometry] = []
-    packed = [geometry[layer] for group in groups if group.views > 1 for layer in group.layers]
-    widest = _widest([geometry[layer] for group in groups for layer in group.layers]) if packed else None
+    packed = any(group.views > 1 for group in groups)
+    widest = widest_geometry(geometry[layer] for group in groups for layer in group.layers) if packed else None
     count = max(-(-len(group.layers) // group.views) for group in groups)
     for page in range(count):
         first = len(shapes)
@@ -414,14 +434,7 @@ def plan_storage(groups: tuple[KvGroup, ...], num_layers: int, geometry: tuple[L
                     shapes.append((shape, place))
                     pages.append(page)
                 places[layer] = (group.index, first + shapes[first:].index((shape, place)))
-        views = shapes[first:]
-        page_geometry.append(
-            LayerGeometry(
-                max(place.head + view.num_heads for view, place in views),
-                max(place.key + view.head_dim for view, place in views),
-                max(place.value + view.value_width for view, place in views),
-            )
-        )
+        page_geometry.append(widest_geometry(place.reach(view) for view, place in shapes[first:]))
     return StorageLayers(
         tuple(places),
         tuple(shape for shape, _ in shapes),
