@@ -113,6 +113,32 @@ def test_benchmark_quick_run_succeeds_and_prints_ratios(script: str) -> None:
     assert any(character.isdigit() for character in result.stdout)
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_help_prints_its_options(script: str) -> None:
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
+    )
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "usage:" in result.stdout
+    assert "--quick" in result.stdout
+
+
+def test_bench_parser_prints_a_percent_in_help_as_it_is(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = bench_harness().BenchParser("A benchmark.", quick="fewer repeats")
+    parser.flag("--repeats", (6, 2), help="timed runs (6 or more give a 95 % interval)")
+
+    with pytest.raises(SystemExit):
+        parser.parse(["--help"])
+
+    assert "95 % interval" in capsys.readouterr().out
+
+
 def test_take_turns_rotates_the_order_each_round_and_times_after_the_warmup() -> None:
     harness = bench_harness()
     order: list[str] = []

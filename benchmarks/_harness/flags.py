@@ -77,7 +77,9 @@ class BenchParser(argparse.ArgumentParser):
     def flag(
         self, name: str, default: Default, *, type: Callable[[str], Any] = positive_int, help: str, **options: Any
     ) -> None:
-        """``--name`` of ``type`` (an integer >= 1 unless said), ``default`` or ``(full, quick)``."""
+        """``--name`` of ``type`` (an integer >= 1 unless said), ``default`` or ``(full, quick)``;
+        ``help`` is prose (a ``%`` in it is printed as it is, not read as argparse's formatting)."""
+        help = help.replace("%", "%%")
         if isinstance(default, tuple):
             full, quick = cast("tuple[object, object]", default)
             self._quick_defaults[name.lstrip("-").replace("-", "_")] = (full, quick)
