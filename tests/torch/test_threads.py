@@ -311,3 +311,82 @@ def test_the_team_refuses_a_bad_call_before_starting_a_region() -> None:
     with pytest.raises(InvalidTypeError, match="callable share"):
         team("share", 2)  # type: ignore[arg-type]
     assert ran == []
+
+
+@needs_numba
+@needs_openmp
+def test_a_call_by_address_reads_and_writes_where_the_array_call_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KernelCall.attend_at`` (query and output as addresses, through the C launch an array
+    call of its batch set up) gives the array call's bits for each layer's pools; it declines,
+    running nothing, before that launch, for another query shape and on one thread; and an
+    array call after it reads its own query again, not the address it left in the block."""
+    pytest.importorskip("kvcache_core.attention._kernel_entry")
+    from kvcache_torch import dispatch as torch_dispatch
+
+    manager = make_manager(kv_layout="NHD", num_blocks=200, block_size=8)
+    generator = torch.Generator().manual_seed(21)
+    handles = [manager.allocate(AllocationRequest(name)) for name in "abcd"]
+    lengths = [90, 40, 120, 60]
+    prefill = manager.begin_step(handles, lengths)
+    for layer in range(2):
+        prefill.write(layer, *(torch.randn((sum(lengths), 2, 8), generator=generator) for _ in range(2)))
+    step = manager.begin_step(handles, [1] * 4)
+    for layer in range(2):
+        step.write(layer, *(torch.randn((4, 2, 8), generator=generator) for _ in range(2)))
+    storage = manager.storage
+    pools = [
+        (torch_dispatch.host_view(storage.key_cache(i)), torch_dispatch.host_view(storage.value_cache(i)))
+        for i in range(2)
+    ]
+    monkeypatch.setattr(kernel_plan, "MIN_THREAD_WORK", 1)  # two threads for this small batch
+    queries = [torch.randn((4, 4, 8), generator=generator) for _ in range(3)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        call = paged_kernel.prepare_kernel_call(
+            (4, 4, 8),
+            *pools[0],
+            step.page_table,
+            step.qo_indptr,
+            dtype="float32",
+            causal=True,
+            kv_layout="NHD",
+            sliding_window=None,
+            team=threads.torch_team(),
+        )
+        out = torch.empty(call.output_shape)
+
+        def by_address(query: torch.Tensor, layer: int, shape: tuple[int, ...] = (4, 4, 8)) -> bool:
+            return call.attend_at(query.data_ptr(), shape, out.data_ptr(), pools[layer], 0.3)
+
+        out.fill_(float("nan"))
+        assert not by_address(queries[0], 0)  # no launch yet: nothing run
+        assert out.isnan().all()
+        expected = [[call(query.numpy(), *pools[layer], 0.3) for layer in range(2)] for query in queries]
+        held = queries[0].numpy()  # one array object, read-only (taken as it is): the launch knows its address
+        held.flags.writeable = False
+        first = call(held, *pools[0], 0.3)
+        for query, wanted in zip(queries, expected, strict=True):
+            for layer in range(2):
+                out.fill_(float("nan"))
+                assert by_address(query, layer)
+                assert np.array_equal(out.numpy(), wanted[layer])
+        assert np.array_equal(call(held, *pools[0], 0.3), first)  # its own query again, not the last address
+        assert not by_address(queries[0], 0, (4, 2, 16))  # another query shape
+        torch.set_num_threads(1)
+        single = paged_kernel.prepare_kernel_call(
+            (4, 4, 8),
+            *pools[0],
+            step.page_table,
+            step.qo_indptr,
+            dtype="float32",
+            causal=True,
+            kv_layout="NHD",
+            sliding_window=None,
+            num_threads=1,
+            team=threads.torch_team(),
+        )
+        single(queries[0].numpy(), *pools[0], 0.3)
+        assert not single.attend_at(queries[0].data_ptr(), (4, 4, 8), out.data_ptr(), pools[0], 0.3)
+    finally:
+        torch.set_num_threads(previous)

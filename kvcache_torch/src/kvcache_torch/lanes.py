@@ -4,16 +4,20 @@ few torch operations each.
 Prepared once per step and KV-cache group: the step's slots, and whether the step is a decode
 of one request whose blocks are one run (then its keys and values are one view of the pool per
 layer). Per layer, the lane checks its three arrays in a few comparisons, writes the new K/V
-(one indexed copy per pool; a step of one new token: one ``copy_`` into a view of its slot,
-the views of every layer made at the first in one loop, since inside a model each torch call
-costs several times what it costs in a loop), and attends:
+(on the CPU, where they are contiguous: one compiled call for both pools,
+:class:`~kvcache_core.attention.row_writes.PoolWriter`, made once per layer; inside a model
+each torch call costs several times what it costs in a loop, and two indexed copies took 22 us
+more a layer; otherwise one indexed copy per pool, or for a step of one new token one ``copy_``
+into a view of its slot, the views of every layer made at the first in one loop), and attends:
 
 * one request in one run, where the dispatch chose torch's own path (or it is pinned, or the
   pool is not on the CPU): one ``scaled_dot_product_attention`` on the views of its run (made
   for every layer once the path is known), nothing gathered;
 * where the dispatch chose the compiled kernel: its call prepared once for the step
   (:func:`~kvcache_core.attention.kernel.prepare_kernel_call`: the plan, the page table's
-  arrays, the options), run on each layer's pools;
+  arrays, the options), run on each layer's pools; a float32 query and the output go by
+  address where the call can take them (:meth:`~kvcache_core.attention.kernel.KernelCall.attend_at`:
+  the layers after the step's first on torch's team), not converted to NumPy and back;
 * otherwise through :func:`~kvcache_torch.attention.attend_pool`, the storage's own attention.
 
 The lane reads the dispatch's choice for the step at its first layer, without attending
@@ -42,13 +46,14 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvcache_core.attention.kernel import KernelCall, prepare_kernel_call
+from kvcache_core.attention.row_writes import PoolWriter
 from kvcache_core.backends.dispatch import ShapeClass
 from kvcache_core.contract.page_table import PageTable
 from kvcache_torch.attention import attend_pool
@@ -90,14 +95,16 @@ class _Settled:
 
 class LaneMemory:
     """What a storage's lanes keep between steps: per layer, the pools' host views the kernel
-    reads (made once); per KV-cache group, the path its last fully settled step took; per
+    reads and the compiled writer of the new K/V (made once); per KV-cache group, the path its last fully settled step took; per
     part (keys, values), the distance between consecutive layers' write views in their
     storage, where every layer's is alike (found once)."""
 
-    __slots__ = ("hosts", "layer_steps", "settled")
+    __slots__ = ("hosts", "layer_steps", "settled", "writers")
 
     def __init__(self, num_layers: int) -> None:
         self.hosts: list[tuple[npt.NDArray[Any], npt.NDArray[Any]] | None] = [None] * num_layers
+        # Per layer, its compiled writer (None: not made yet; False: none runs here).
+        self.writers: list[PoolWriter | Literal[False] | None] = [None] * num_layers
         self.settled: dict[int, _Settled] = {}
         self.layer_steps: dict[int, int | None] = {}
 
@@ -192,7 +199,7 @@ class TorchLane:
         self._path, self._dtype = path, dtype
         self._device = -1 if device.type == "cpu" else (device.index or 0)  # as Tensor.get_device() gives it
         self._table, self._qo_indptr = page_table, qo_indptr
-        self._slots, self._where = slots, None if device.type == "cpu" else device
+        self._slots, self._where = np.ascontiguousarray(slots, dtype=np.int64), None if device.type == "cpu" else device
         self._index: torch.Tensor | None = None  # the slots as a tensor, made where a write needs it
         keys, values = views[0][0], views[1][0]
         heads_axis = 0 if self._heads_first else 2
@@ -239,7 +246,9 @@ class TorchLane:
         if torch.is_grad_enabled():  # the pool must never record autograd
             with torch.no_grad():
                 return self(layer, keys, values, query, scale)
-        if self._slot >= 0:  # one request's one new token: a view of its slot per layer and pool
+        if self._write_compiled(layer, keys, values):
+            pass
+        elif self._slot >= 0:  # one request's one new token: a view of its slot per layer and pool
             self._write_slot(layer, keys, values)
         else:
             index = self._index
@@ -284,7 +293,8 @@ class TorchLane:
         if torch.is_grad_enabled():  # the pool must never record autograd
             with torch.no_grad():
                 return self.write_and_view(layer, keys, values, positions, layout)
-        self._write_slot(layer, keys, values)
+        if not self._write_compiled(layer, keys, values):
+            self._write_slot(layer, keys, values)
         shown = self._padded_runs
         if shown is None or shown[0] != count:  # the step's first layer: every layer's views at once
             start = first + tokens - count
@@ -307,6 +317,23 @@ class TorchLane:
             or keys.get_device() != device
             or values.get_device() != device
         )
+
+    def _write_compiled(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Write the new K/V in one compiled call for both pools (:class:`PoolWriter`, made once
+        per layer); False, nothing written, where it does not run (another device, numba
+        missing or switched off, arrays not C-contiguous)."""
+        writers = self._memory.writers
+        writer = writers[layer]
+        if writer is None:
+            made = None
+            if self._where is None:  # a CPU pool
+                layout = "heads_first" if self._heads_first else "NHD"
+                made = PoolWriter.for_pools(*self._host_pools(layer), layout)
+            writer = writers[layer] = made or False
+        if writer is False or not keys.is_contiguous() or not values.is_contiguous():
+            return False
+        writer(keys.data_ptr(), values.data_ptr(), self._slots)
+        return True
 
     def _write_slot(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write a step of one new token through the views of its slot (made for every layer at
@@ -331,6 +358,10 @@ class TorchLane:
         kernel = self._kernel
         if kernel is not None:
             source = query.detach() if query.requires_grad else query
+            if source.dtype is torch.float32 and source.is_contiguous():  # no conversion: by address
+                out = torch.empty(kernel.output_shape, dtype=torch.float32)
+                if kernel.attend_at(source.data_ptr(), source.shape, out.data_ptr(), self._host_pools(layer), scale):
+                    return out
             if source.dtype is not torch.float32:
                 source = source.to(torch.float32)
             result = tensor_of(kernel(source.numpy(), *self._host_pools(layer), scale))
@@ -366,7 +397,8 @@ class TorchLane:
             or page_table.one_run_each != settled.one_run_each
         ):
             return None
-        self._table, self._slots, self._qo_indptr, self._index = page_table, slots, qo_indptr, None
+        self._table, self._qo_indptr, self._index = page_table, qo_indptr, None
+        self._slots = np.ascontiguousarray(slots, dtype=np.int64)
         self._longest += 1
         self._slot = slot
         self._span = None if span is None or span[0] + span[1] != slot else (span[0], span[1] + 1)

@@ -29,6 +29,7 @@ KERNEL_MODULES: Final = (
     "_kernel_entry",
     "_gather_jit",
     "_plan_jit",
+    "_row_writes_jit",
 )
 _QUALIFIED: Final = frozenset(f"{_PACKAGE}.{name}" for name in KERNEL_MODULES)
 

@@ -184,7 +184,7 @@ class CompiledLaunch:
     before: the addresses of the arrays of :data:`PER_CALL` that are other objects (its query,
     pools, output), and the scale."""
 
-    __slots__ = ("_block", "_entry", "_floats", "_last", "_owner", "_run")
+    __slots__ = ("_at", "_block", "_entry", "_floats", "_last", "_owner", "_run")
 
     def __init__(
         self, run: Any, entry: int, block: np.ndarray[Any, Any], first: tuple[Any, ...], owner: object
@@ -193,6 +193,7 @@ class CompiledLaunch:
         self._last = list(first)  # the arrays whose addresses the block holds
         self._owner = owner  # the prepared call whose arrays those are (None: none, refill)
         self._floats = block.view(np.float64)
+        self._at = _address(block)
 
     @staticmethod
     def make(run: Any, arguments: tuple[Any, ...], owner: object = None) -> CompiledLaunch | bool:
@@ -225,6 +226,25 @@ class CompiledLaunch:
                     last[position] = array
             self._floats[SCALE_AT] = arguments[14]
         ran: bool = self._run(self._entry, _address(block), threads)
+        return ran
+
+    def at(self, owner: object, arrays: tuple[Any, ...], scale: float, threads: int) -> bool:
+        """Run the shares of the prepared call ``owner`` whose block this launch holds, with
+        ``arrays = (query address, output address, key rows, value rows, key bits, value bits)``
+        (the addresses the caller's, of the shapes the block holds) and ``scale``; False,
+        nothing run, where the block holds another call's arrays or the team cannot start it."""
+        if owner is not self._owner:
+            return False
+        block, last = self._block, self._last
+        block[0], block[ADDRESS_AT[17]] = arrays[0], arrays[1]
+        last[0] = last[17] = None  # (an array call after this one writes its own again)
+        for position in (1, 2, 3, 4):  # the pools, where another layer's
+            array = arrays[position + 1]
+            if array is not last[position]:
+                block[ADDRESS_AT[position]] = _address(array)
+                last[position] = array
+        self._floats[SCALE_AT] = scale
+        ran: bool = self._run(self._entry, self._at, threads)
         return ran
 
 
