@@ -460,3 +460,27 @@ class TestTheKitsQuantizedCasesOnAMesh(QuantizedCases):
         assert isinstance(storage, QuantizedJaxStorage)
         assert storage.placement.shards == 2
         assert_split_over_heads(storage.scales(0)[0], kvcache_backend.mesh, partition_spec("model", None, None), 0)
+
+
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_a_write_into_part_of_each_row_equals_the_single_device_pool_and_stays_split(kv_layout: str) -> None:
+    """A view's heads across the split (heads 3 and 4 of 8, one a device): the sharded pool
+    writes its part as the single-device pool does, and stays split over the heads."""
+    from kvcache_core.contract.groups import ViewPlace
+
+    mesh = line_mesh()
+    config = dataclasses.replace(CONFIG, kv_layout=kv_layout)
+    sharded, single = JaxStorage(config, mesh=mesh, axis="model"), JaxStorage(config)
+    rng = np.random.default_rng(4)
+    slots = np.asarray([2, 7, 11], dtype=np.int64)
+    whole = [rng.standard_normal((3, 8, 4)).astype(np.float32) for _ in range(2)]
+    part = [rng.standard_normal((3, 2, 2)).astype(np.float32) for _ in range(2)]
+    for storage in (sharded, single):
+        storage.write(0, slots, *(storage.from_numpy(array) for array in whole))
+        keys, values = (storage.from_numpy(array) for array in part)
+        storage.write_view(0, slots, keys, values, ViewPlace(3, 2, 1))
+
+    for got, expected in ((sharded.key_cache(0), single.key_cache(0)), (sharded.value_cache(0), single.value_cache(0))):
+        assert_split_over_heads(got, mesh, pool_spec(kv_layout), HEADS_AXIS[kv_layout])
+        assert np.array_equal(sharded.to_numpy(got), single.to_numpy(expected))
+    assert not np.array_equal(single.to_numpy(single.key_cache(0)), single.to_numpy(JaxStorage(config).key_cache(0)))

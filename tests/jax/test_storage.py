@@ -297,3 +297,65 @@ def test_host_round_trips_and_block_copies_are_exact(kv_layout: str) -> None:
 def test_create_manager_returns_the_same_storage_type_as_direct_construction() -> None:
     config = CacheConfig(num_layers=1, num_heads=2, head_dim=4, num_blocks=4)
     assert type(create_manager("jax", config).storage) is JaxStorage
+
+
+def _rows_part(
+    config: CacheConfig, pool: HostArray, slots: npt.NDArray[np.int64], part: tuple[slice, slice]
+) -> HostArray:
+    """The part ``(heads, features)`` of each slot's row, ``[n, h, d]``."""
+    return tokens_in_pool(config, pool, slots)[:, part[0], part[1]]
+
+
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_a_write_into_part_of_each_row_keeps_the_rest_in_place(kv_layout: str) -> None:
+    """``write_view`` (a layer viewing a page beside others) writes its heads and features of
+    each slot's row and keeps every other element, donating the pool (no copy)."""
+    from kvcache_core.contract.groups import ViewPlace
+
+    config = CacheConfig(
+        num_layers=1, num_heads=4, head_dim=8, value_head_dim=6, num_blocks=8, block_size=4, kv_layout=kv_layout
+    )
+    storage = JaxStorage(config)
+    slots = np.asarray([3, 9, 17, 30], dtype=np.int64)
+    whole = (host_values((4, 4, 8), 1, "float32"), host_values((4, 4, 6), 2, "float32"))
+    storage.write(0, slots, *(storage.from_numpy(array) for array in whole))
+    before = [storage.to_numpy(storage.key_cache(0)), storage.to_numpy(storage.value_cache(0))]
+    part = (host_values((2, 2, 4), 3, "float32"), host_values((2, 2, 2), 4, "float32"))
+
+    keys, values = (storage.from_numpy(array) for array in part)
+    storage.write_view(0, slots[1:3], keys, values, ViewPlace(2, 4, 3))
+
+    after = [storage.to_numpy(storage.key_cache(0)), storage.to_numpy(storage.value_cache(0))]
+    assert storage.copies_made == 0
+    for pool, old, data, features in zip(after, before, part, (slice(4, 8), slice(3, 5)), strict=True):
+        assert np.array_equal(_rows_part(config, pool, slots[1:3], (slice(2, 4), features)), data)
+        restored = pool.copy()  # every other element as it was
+        if kv_layout == "NHD":
+            restored[slots[1:3] // 4, slots[1:3] % 4, 2:4, features] = old[
+                slots[1:3] // 4, slots[1:3] % 4, 2:4, features
+            ]
+        elif kv_layout == "HND":
+            restored[slots[1:3] // 4, 2:4, slots[1:3] % 4, features] = old[
+                slots[1:3] // 4, 2:4, slots[1:3] % 4, features
+            ]
+        else:
+            restored[2:4, slots[1:3] // 4, slots[1:3] % 4, features] = old[
+                2:4, slots[1:3] // 4, slots[1:3] % 4, features
+            ]
+        assert np.array_equal(restored, old)
+
+
+def test_a_part_outside_the_rows_is_refused_and_the_pool_kept() -> None:
+    from kvcache_core.contract.groups import ViewPlace
+
+    storage = JaxStorage(CacheConfig(num_layers=1, num_heads=4, head_dim=8, num_blocks=8, block_size=4))
+    slots = np.asarray([1, 2], dtype=np.int64)
+    storage.write(0, slots, *(storage.from_numpy(host_values((2, 4, 8), seed, "float32")) for seed in (5, 6)))
+    before = storage.to_numpy(storage.key_cache(0))
+    data = storage.from_numpy(host_values((2, 2, 4), 7, "float32"))
+
+    for place in (ViewPlace(3, 0, 0), ViewPlace(0, 6, 0), ViewPlace(0, 0, 5)):
+        with pytest.raises(ShapeMismatchError, match="inside heads 4"):
+            storage.write_view(0, slots, data, data, place)
+
+    assert np.array_equal(storage.to_numpy(storage.key_cache(0)), before)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kvcache_jax.attention import paged_attention
-from kvcache_jax.scatter import copy_blocks, gather, read_blocks, write, write_blocks
+from kvcache_jax.scatter import copy_blocks, gather, read_blocks, write, write_blocks, write_part
 from kvcache_jax.sharding import REPLICATED, Placement, shard_over_heads
 
 __all__ = ["Pools", "Programs", "programs_for", "zeros_program"]
@@ -43,6 +43,11 @@ class Programs:
     _padders: dict[int, Callable[[jax.Array], jax.Array]] = field(
         default_factory=dict[int, Callable[[jax.Array], jax.Array]], compare=False, hash=False
     )
+    _part_writes: dict[tuple[int, int, int], Callable[..., tuple[jax.Array, jax.Array]]] = field(
+        default_factory=dict[tuple[int, int, int], Callable[..., tuple[jax.Array, jax.Array]]],
+        compare=False,
+        hash=False,
+    )
 
     def _jit(
         self, function: Callable[..., Any], in_specs: tuple[Any, ...], out_specs: Any, donate: tuple[int, ...] = ()
@@ -59,6 +64,22 @@ class Programs:
             return write(k, v, s, x, y, kv_layout=layout)
 
         return self._jit(program, (pool, pool, REPLICATED, tokens, tokens), (pool, pool), donate=(0, 1))
+
+    def write_part(self, place: tuple[int, int, int]) -> Callable[..., tuple[jax.Array, jax.Array]]:
+        """``(keys_pool, values_pool, slots, keys, values) -> pools``, pools donated, into the
+        part of each row from ``place`` (first head, key feature, value feature:
+        :func:`~kvcache_jax.scatter.write_part`). Jitted over the whole pools with their
+        sharding, not per shard: a view's heads may lie across the mesh's split (XLA splits
+        the scatter); the sources come replicated."""
+        program = self._part_writes.get(place)
+        if program is None:
+            layout, pools = self.kv_layout, self.placement.pool(self.kv_layout)
+
+            def scatter(k: jax.Array, v: jax.Array, s: jax.Array, x: jax.Array, y: jax.Array) -> tuple[jax.Array, ...]:
+                return write_part(k, v, s, x, y, place=place, kv_layout=layout)
+
+            program = self._part_writes[place] = jax.jit(scatter, donate_argnums=(0, 1), out_shardings=(pools, pools))
+        return program
 
     @functools.cached_property
     def gather(self) -> Callable[..., tuple[jax.Array, jax.Array]]:

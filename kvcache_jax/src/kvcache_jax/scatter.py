@@ -32,6 +32,7 @@ __all__ = [
     "read_blocks",
     "write",
     "write_blocks",
+    "write_part",
 ]
 
 #: Axis of the block index in each layout.
@@ -80,6 +81,71 @@ def _token_index(kv_layout: str, blocks: jax.Array, offsets: jax.Array) -> tuple
     return (slice(None), blocks, offsets)
 
 
+def _blocks_and_offsets(slots: jax.Array, count: int, num_blocks: int, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """The blocks and offsets of ``slots``, those outside the pool past its end (dropped)."""
+    total = num_blocks * block_size
+    slots = slots.astype(jnp.int32)
+    # Out-of-range slots become distinct slots past the end, which mode="drop" discards
+    # (a negative one would otherwise wrap around to the pool's end).
+    slots = jnp.where((slots >= 0) & (slots < total), slots, total + jnp.arange(count, dtype=jnp.int32))
+    return slots // block_size, slots % block_size
+
+
+def write_part(
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    slots: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    *,
+    place: tuple[int, int, int],
+    kv_layout: str = "NHD",
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`write` into a part of each slot's row: ``keys`` ``[n, h, d]`` into heads
+    ``place[0]`` to ``place[0] + h`` and key features ``place[1]`` to ``place[1] + d``,
+    ``values`` ``[n, h, dv]`` into the same heads and value features from ``place[2]``; the
+    rest of each row is kept (a layer viewing a page side by side with others,
+    :class:`~kvcache_core.contract.groups.ViewPlace`). Pure, as :func:`write`.
+
+    Raises:
+        InvalidArgumentError: unknown layout.
+        ShapeMismatchError: shapes that do not fit together, or a part outside the rows.
+    """
+    num_blocks, block_size, num_heads, head_dim = _check_pair(key_cache, value_cache, kv_layout)
+    count = int(slots.shape[0]) if slots.ndim == 1 else -1
+    head, key_at, value_at = place
+    heads = int(keys.shape[1]) if keys.ndim == 3 else -1
+    parts = ((key_cache, keys, key_at, head_dim), (value_cache, values, value_at, int(value_cache.shape[3])))
+    if (
+        count < 0
+        or heads < 0
+        or min(place) < 0
+        or head + heads > num_heads
+        or any(
+            tuple(data.shape[:2]) != (count, heads) or first + data.shape[-1] > width for _, data, first, width in parts
+        )
+    ):
+        raise ShapeMismatchError(
+            f"write_part takes slots [n] and keys [n, h, d], values [n, h, dv] inside heads {num_heads}, key features "
+            f"{head_dim} and value features {parts[1][3]} from {place}; got slots {tuple(slots.shape)}, keys "
+            f"{tuple(keys.shape)}, values {tuple(values.shape)}"
+        )
+    blocks, offsets = _blocks_and_offsets(slots, count, num_blocks, block_size)
+    new_pools: list[jax.Array] = []
+    for cache, data, first, _ in parts:
+        head_part, features = slice(head, head + heads), slice(first, first + int(data.shape[2]))
+        update = data.astype(cache.dtype)
+        index: tuple[Any, ...]
+        if kv_layout == "NHD":
+            index = (blocks, offsets, head_part, features)  # -> [n, h, d]
+        elif kv_layout == "HND":
+            index = (blocks, head_part, offsets, features)  # the indexed axes first -> [n, h, d]
+        else:  # heads_first: the indexed axes stay in place -> [h, n, d]
+            index, update = (head_part, blocks, offsets, features), update.transpose(1, 0, 2)
+        new_pools.append(cache.at[index].set(update, mode="drop", unique_indices=True))
+    return new_pools[0], new_pools[1]
+
+
 def write(
     key_cache: jax.Array,
     value_cache: jax.Array,
@@ -116,12 +182,7 @@ def write(
             f"write takes slots [n], keys [n, {num_heads}, {head_dim}] and values [n, {num_heads}, {value_dim}], got slots "
             f"{tuple(slots.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
         )
-    total = num_blocks * block_size
-    slots = slots.astype(jnp.int32)
-    # Out-of-range slots become distinct slots past the end, which mode="drop" discards
-    # (a negative one would otherwise wrap around to the pool's end).
-    slots = jnp.where((slots >= 0) & (slots < total), slots, total + jnp.arange(count, dtype=jnp.int32))
-    blocks, offsets = slots // block_size, slots % block_size
+    blocks, offsets = _blocks_and_offsets(slots, count, num_blocks, block_size)
     index = _token_index(kv_layout, blocks, offsets)
     new_pools: list[jax.Array] = []
     for cache, tokens in ((key_cache, keys), (value_cache, values)):

@@ -26,6 +26,7 @@ from jax.core import Tracer
 
 from kvcache_core.attention.features import combined_window
 from kvcache_core.contract.config import CacheConfig
+from kvcache_core.contract.groups import ViewPlace
 from kvcache_core.contract.page_table import PageTable
 from kvcache_core.contract.states import StateArray
 from kvcache_core.errors import (
@@ -262,6 +263,21 @@ class JaxStorage:
         value_pool = self._donatable(self._values, layer)
         self._keys[layer], self._values[layer] = self._programs.write(
             key_pool, value_pool, slots_in, keys_in, values_in
+        )
+
+    def write_view(self, layer: int, slots: IndexArray, keys: jax.Array, values: jax.Array, place: ViewPlace) -> None:
+        """Scatter ``[n, h, d]`` keys and ``[n, h, dv]`` values into the part of each of the
+        distinct ``slots``' rows from ``place`` (:mod:`kvcache_core.contract.views`; an
+        unquantized pool), the rest kept, in place: one jitted program per place."""
+        padded_slots = pad_slots(np.asarray(slots), self._config.total_tokens)
+        extra = int(padded_slots.shape[0]) - int(keys.shape[0])
+        replicated = self._placement.replicated
+        keys_in, values_in = (_put(jnp.pad(data, ((0, extra), (0, 0), (0, 0))), replicated) for data in (keys, values))
+        key_pool = self._donatable(self._keys, layer)
+        value_pool = self._donatable(self._values, layer)
+        program = self._programs.write_part((place.head, place.key, place.value))
+        self._keys[layer], self._values[layer] = program(
+            key_pool, value_pool, self._replicated(padded_slots), keys_in, values_in
         )
 
     def gather(self, layer: int, blocks: IndexArray, num_tokens: int) -> tuple[jax.Array, jax.Array]:
