@@ -10,7 +10,8 @@ itself, it does not depend on the model around it, whose time moves with the mac
 neighbours far more than these microseconds do (a difference of two whole runs, with and
 without the arithmetic, reads negative on a busy host).
 
-The kernel call's own Python (about 10 microseconds) counts as arithmetic; each timed call
+The kernel call's own Python (about 10 microseconds with arrays, less by address) counts as
+arithmetic; each timed call
 adds about a microsecond of its own. :func:`decode_updates` times a cache's ``update`` alone
 (the contiguous path's, beside ``DynamicCache``'s). Needs torch and transformers.
 """
@@ -155,11 +156,12 @@ def measure_layer_cost(layers: int) -> Generator[LayerCost]:
 
 @contextmanager
 def timing_arithmetic(cost: LayerCost) -> Generator[None]:
-    """Within the block, the torch backend's attention arithmetic (the kernel's call, torch's
-    SDPA on the pool's views, the storage's own attention) is timed into ``cost``'s current
-    forward."""
+    """Within the block, the torch backend's attention arithmetic (the kernel's call, with
+    arrays or by address, torch's SDPA on the pool's views, the storage's own attention) is
+    timed into ``cost``'s current forward."""
     with ExitStack() as stack:
         stack.enter_context(mock.patch.object(KernelCall, "__call__", cost.leaf(KernelCall.__call__)))
+        stack.enter_context(mock.patch.object(KernelCall, "attend_at", cost.leaf(KernelCall.attend_at)))
         stack.enter_context(mock.patch.object(kvcache_torch.lanes, "_SDPA", cost.leaf(kvcache_torch.lanes._SDPA)))  # pyright: ignore[reportPrivateUsage]
         for module in (kvcache_torch.lanes, kvcache_torch.storage):
             stack.enter_context(mock.patch.object(module, "attend_pool", cost.leaf(module.attend_pool)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from pathlib import Path
@@ -315,36 +316,49 @@ def test_the_team_refuses_a_bad_call_before_starting_a_region() -> None:
 
 @needs_numba
 @needs_openmp
-def test_a_call_by_address_reads_and_writes_where_the_array_call_would(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("lengths", [[90, 40, 120, 60], [1500, 60]], ids=["whole", "split-and-merged"])
+def test_a_call_by_address_reads_and_writes_where_the_array_call_would(
+    lengths: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``KernelCall.attend_at`` (query and output as addresses, through the C launch an array
     call of its batch set up) gives the array call's bits for each layer's pools; it declines,
     running nothing, before that launch, for another query shape and on one thread; and an
-    array call after it reads its own query again, not the address it left in the block."""
+    array call after it reads its own query again, not the address it left in the block. A long
+    context split over the threads is merged into the output where it is."""
     pytest.importorskip("kvcache_core.attention._kernel_entry")
     from kvcache_torch import dispatch as torch_dispatch
 
     manager = make_manager(kv_layout="NHD", num_blocks=200, block_size=8)
     generator = torch.Generator().manual_seed(21)
-    handles = [manager.allocate(AllocationRequest(name)) for name in "abcd"]
-    lengths = [90, 40, 120, 60]
+    handles = [manager.allocate(AllocationRequest(name)) for name in "abcd"[: len(lengths)]]
+    count = len(lengths)
     prefill = manager.begin_step(handles, lengths)
     for layer in range(2):
         prefill.write(layer, *(torch.randn((sum(lengths), 2, 8), generator=generator) for _ in range(2)))
-    step = manager.begin_step(handles, [1] * 4)
+    step = manager.begin_step(handles, [1] * count)
     for layer in range(2):
-        step.write(layer, *(torch.randn((4, 2, 8), generator=generator) for _ in range(2)))
+        step.write(layer, *(torch.randn((count, 2, 8), generator=generator) for _ in range(2)))
     storage = manager.storage
     pools = [
         (torch_dispatch.host_view(storage.key_cache(i)), torch_dispatch.host_view(storage.value_cache(i)))
         for i in range(2)
     ]
     monkeypatch.setattr(kernel_plan, "MIN_THREAD_WORK", 1)  # two threads for this small batch
-    queries = [torch.randn((4, 4, 8), generator=generator) for _ in range(3)]
+    compiled = importlib.import_module("kvcache_core.attention._kernel_jit")
+    merged: list[int] = []
+    merge = compiled.merge_splits_at
+
+    def counted_merge(*arguments: Any) -> None:
+        merged.append(1)
+        merge(*arguments)
+
+    monkeypatch.setattr(compiled, "merge_splits_at", counted_merge)
+    queries = [torch.randn((count, 4, 8), generator=generator) for _ in range(3)]
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         call = paged_kernel.prepare_kernel_call(
-            (4, 4, 8),
+            (count, 4, 8),
             *pools[0],
             step.page_table,
             step.qo_indptr,
@@ -356,8 +370,8 @@ def test_a_call_by_address_reads_and_writes_where_the_array_call_would(monkeypat
         )
         out = torch.empty(call.output_shape)
 
-        def by_address(query: torch.Tensor, layer: int, shape: tuple[int, ...] = (4, 4, 8)) -> bool:
-            return call.attend_at(query.data_ptr(), shape, out.data_ptr(), pools[layer], 0.3)
+        def by_address(query: torch.Tensor, layer: int, shape: tuple[int, ...] | None = None) -> bool:
+            return call.attend_at(query.data_ptr(), shape or (count, 4, 8), out.data_ptr(), pools[layer], 0.3)
 
         out.fill_(float("nan"))
         assert not by_address(queries[0], 0)  # no launch yet: nothing run
@@ -372,10 +386,11 @@ def test_a_call_by_address_reads_and_writes_where_the_array_call_would(monkeypat
                 assert by_address(query, layer)
                 assert np.array_equal(out.numpy(), wanted[layer])
         assert np.array_equal(call(held, *pools[0], 0.3), first)  # its own query again, not the last address
-        assert not by_address(queries[0], 0, (4, 2, 16))  # another query shape
+        assert len(merged) == (6 if count == 2 else 0)  # the long context split: merged where the output is
+        assert not by_address(queries[0], 0, (count, 2, 16))  # another query shape
         torch.set_num_threads(1)
         single = paged_kernel.prepare_kernel_call(
-            (4, 4, 8),
+            (count, 4, 8),
             *pools[0],
             step.page_table,
             step.qo_indptr,
@@ -387,6 +402,6 @@ def test_a_call_by_address_reads_and_writes_where_the_array_call_would(monkeypat
             team=threads.torch_team(),
         )
         single(queries[0].numpy(), *pools[0], 0.3)
-        assert not single.attend_at(queries[0].data_ptr(), (4, 4, 8), out.data_ptr(), pools[0], 0.3)
+        assert not single.attend_at(queries[0].data_ptr(), (count, 4, 8), out.data_ptr(), pools[0], 0.3)
     finally:
         torch.set_num_threads(previous)

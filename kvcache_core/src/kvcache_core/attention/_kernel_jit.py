@@ -59,7 +59,7 @@ from kvcache_core.attention._kernel_ir import (
     score_block_4,
     value_block_4,
 )
-from kvcache_core.attention._kernel_merge import merge_splits
+from kvcache_core.attention._kernel_merge import merge_splits, merge_splits_at
 from kvcache_core.attention._kernel_rows import (
     FASTMATH,
     POOL_BFLOAT16,
@@ -86,6 +86,7 @@ __all__ = [
     "ROW_TILE",
     "attend_share",
     "merge_splits",
+    "merge_splits_at",
 ]
 
 #: Query rows attended together (their K/V rows are read once for all of them).

@@ -14,14 +14,16 @@ import math
 
 import numpy as np
 from numba import njit
+from numba.np.numpy_support import carray
 
 from kvcache_core.attention._kernel_cache import register_locators
+from kvcache_core.attention._kernel_ir import address_pointer
 from kvcache_core.attention._kernel_rows import FASTMATH
 
 # Before any decorator: the cached functions' locators stamp every kernel source.
 register_locators()
 
-__all__ = ["merge_splits"]
+__all__ = ["merge_splits", "merge_splits_at"]
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)  # (the kernel's: -inf is a real value here too)
@@ -66,3 +68,11 @@ def merge_splits(qo_indptr, merges, group, out, partial_acc, partial_stats, sink
             inverse = np.float32(1.0) / total
             for d in range(dim):
                 out[query_start + q_index, q_head, d] = merged[d] * inverse
+
+
+@njit(cache=True, nogil=True)
+def merge_splits_at(qo_indptr, merges, group, out_address, out_shape, partial_acc, partial_stats, sinks):  # type: ignore[no-untyped-def]
+    """:func:`merge_splits` into the C-contiguous float32 output at ``out_address`` of
+    ``out_shape`` (a caller's array, by address: nothing converted)."""
+    out = carray(address_pointer(out_address, np.float32), out_shape)
+    merge_splits(qo_indptr, merges, group, out, partial_acc, partial_stats, sinks)

@@ -528,9 +528,9 @@ class KernelCall:
         array is made or converted (inside a model, a framework's conversion of the query and of
         the output cost 20 us a layer). Only where a call with arrays of this batch ran through a
         team's C entry before, over these pools; False, nothing run, otherwise (a first layer,
-        one thread, split keys to merge, a quantized pool): then call the call itself."""
+        one thread, a quantized pool): then call the call itself."""
         launch, plan = self._compiled[0], self._plan
-        if not launch or self._quantized or plan.threads == 1 or plan.merges.shape[0] or not self._shape[0]:
+        if not launch or self._quantized or plan.threads == 1 or not self._shape[0]:
             return False
         known = self._pools.get(id(pools[0]))
         if known is None or known[0] is not pools[0] or known[1] is not pools[1] or query_shape != self._signature[0]:
@@ -538,6 +538,11 @@ class KernelCall:
         with LAUNCH_LOCK:
             self._claimed[0] = 0
             ran: bool = launch.at(self, (query, out, *known[2]), scale, plan.threads)
+            if ran and plan.merges.shape[0]:  # split keys: merged into the output where it is
+                merge: Callable[..., None] = self._module.merge_splits_at
+                merge(
+                    self._tables[2], plan.merges, self._options[0], out, self._shape, *self._buffers, self._features[1]
+                )
         return ran
 
     def __call__(
