@@ -95,9 +95,9 @@ class _Settled:
 
 class LaneMemory:
     """What a storage's lanes keep between steps: per layer, the pools' host views the kernel
-    reads and the compiled writer of the new K/V (made once); per KV-cache group, the path its last fully settled step took; per
-    part (keys, values), the distance between consecutive layers' write views in their
-    storage, where every layer's is alike (found once)."""
+    reads and the compiled writer of the new K/V (made once); per KV-cache group, the path its
+    last fully settled step took; per part (keys, values), the distance between consecutive
+    layers' write views in their storage, where every layer's is alike (found once)."""
 
     __slots__ = ("hosts", "layer_steps", "settled", "writers")
 
@@ -246,21 +246,7 @@ class TorchLane:
         if torch.is_grad_enabled():  # the pool must never record autograd
             with torch.no_grad():
                 return self(layer, keys, values, query, scale)
-        if self._write_compiled(layer, keys, values):
-            pass
-        elif self._slot >= 0:  # one request's one new token: a view of its slot per layer and pool
-            self._write_slot(layer, keys, values)
-        else:
-            index = self._index
-            if index is None:
-                index = tensor_of(np.array(self._slots, dtype=np.int64))
-                index = self._index = index if self._where is None else index.to(self._where)
-            if self._heads_first:
-                self._rows[0][layer].index_copy_(1, index, keys.transpose(0, 1))
-                self._rows[1][layer].index_copy_(1, index, values.transpose(0, 1))
-            else:
-                self._rows[0][layer].index_copy_(0, index, keys)
-                self._rows[1][layer].index_copy_(0, index, values)
+        self._write(layer, keys, values)
         if self._mode is None:  # the step's first layer: its path
             measured = self._settle(layer, query, scale)
             self._runs = self._run_views()
@@ -317,6 +303,25 @@ class TorchLane:
             or keys.get_device() != device
             or values.get_device() != device
         )
+
+    def _write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the layer's new K/V: in one compiled call (:meth:`_write_compiled`), else one
+        ``copy_`` per pool into a view of the one new token's slot, else one indexed copy per pool."""
+        if self._write_compiled(layer, keys, values):
+            return
+        if self._slot >= 0:  # one request's one new token: a view of its slot per layer and pool
+            self._write_slot(layer, keys, values)
+        else:
+            index = self._index
+            if index is None:
+                index = tensor_of(np.array(self._slots, dtype=np.int64))
+                index = self._index = index if self._where is None else index.to(self._where)
+            if self._heads_first:
+                self._rows[0][layer].index_copy_(1, index, keys.transpose(0, 1))
+                self._rows[1][layer].index_copy_(1, index, values.transpose(0, 1))
+            else:
+                self._rows[0][layer].index_copy_(0, index, keys)
+                self._rows[1][layer].index_copy_(0, index, values)
 
     def _write_compiled(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> bool:
         """Write the new K/V in one compiled call for both pools (:class:`PoolWriter`, made once
