@@ -356,8 +356,9 @@ def test_a_call_by_address_reads_and_writes_where_the_array_call_would(
     queries = [torch.randn((count, 4, 8), generator=generator) for _ in range(3)]
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
-    try:
-        call = paged_kernel.prepare_kernel_call(
+
+    def prepared(**options: Any) -> paged_kernel.KernelCall:
+        return paged_kernel.prepare_kernel_call(
             (count, 4, 8),
             *pools[0],
             step.page_table,
@@ -367,7 +368,11 @@ def test_a_call_by_address_reads_and_writes_where_the_array_call_would(
             kv_layout="NHD",
             sliding_window=None,
             team=threads.torch_team(),
+            **options,
         )
+
+    try:
+        call = prepared()
         out = torch.empty(call.output_shape)
 
         def by_address(query: torch.Tensor, layer: int, shape: tuple[int, ...] | None = None) -> bool:
@@ -389,18 +394,7 @@ def test_a_call_by_address_reads_and_writes_where_the_array_call_would(
         assert len(merged) == (6 if count == 2 else 0)  # the long context split: merged where the output is
         assert not by_address(queries[0], 0, (count, 2, 16))  # another query shape
         torch.set_num_threads(1)
-        single = paged_kernel.prepare_kernel_call(
-            (count, 4, 8),
-            *pools[0],
-            step.page_table,
-            step.qo_indptr,
-            dtype="float32",
-            causal=True,
-            kv_layout="NHD",
-            sliding_window=None,
-            num_threads=1,
-            team=threads.torch_team(),
-        )
+        single = prepared(num_threads=1)
         single(queries[0].numpy(), *pools[0], 0.3)
         assert not single.attend_at(queries[0].data_ptr(), (count, 4, 8), out.data_ptr(), pools[0], 0.3)
     finally:
