@@ -520,15 +520,18 @@ class KernelCall:
         return self._shape
 
     def attend_at(
-        self, query: int, query_shape: tuple[int, ...], out: int, pools: tuple[npt.NDArray[Any], ...], scale: float
+        self,
+        query: int,
+        query_shape: tuple[int, ...],
+        out: int,
+        pools: tuple[npt.NDArray[Any], npt.NDArray[Any]],
+        scale: float,
     ) -> bool:
-        """A call (of the float pools ``pools = (key_cache, value_cache)``, and a checked
-        ``scale``) whose query and output are the addresses of C-contiguous float32 arrays, of
-        ``query_shape`` and :attr:`output_shape`, that the caller vouches for and keeps alive: no
-        array is made or converted (inside a model, a framework's conversion of the query and of
-        the output cost 20 us a layer). Only where a call with arrays of this batch ran through a
-        team's C entry before, over these pools; False, nothing run, otherwise (a first layer,
-        one thread, a quantized pool): then call the call itself."""
+        """A call over unquantized ``pools = (key_cache, value_cache)`` (a checked ``scale``) whose
+        query and output are addresses of C-contiguous float32 arrays of ``query_shape`` and
+        :attr:`output_shape`, which the caller vouches for: nothing made or converted (20 us a
+        layer inside a model). Through the C launch a call with arrays of this batch set up;
+        False, nothing run, where there is none (a first layer, one thread, a quantized pool)."""
         launch, plan = self._compiled[0], self._plan
         if not launch or self._quantized or plan.threads == 1 or not self._shape[0]:
             return False
