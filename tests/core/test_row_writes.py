@@ -129,3 +129,34 @@ def test_without_compiled_code_there_is_no_writer(monkeypatch: pytest.MonkeyPatc
     cache = pool("NHD", 4, np.float32)
 
     assert PoolWriter.for_pools(cache, cache.copy(), "NHD") is None
+
+
+@needs_numba
+@pytest.mark.parametrize(
+    ("keys", "slots", "error", "message"),
+    [
+        (0, np.zeros(1, np.int64), InvalidArgumentError, "the keys' address"),
+        ("0x10", np.zeros(1, np.int64), InvalidArgumentError, "the keys' address"),
+        (None, [0], InvalidArgumentError, "the keys' address"),
+        (1, [0], ArrayTypeError, "C-contiguous 1-D int64"),
+    ],
+)
+def test_a_call_refuses_what_is_not_an_address_or_slots_by_name(
+    keys: Any, slots: Any, error: type[Exception], message: str
+) -> None:
+    keys_pool = pool("NHD", 4, np.float32)
+    writer = PoolWriter.for_pools(keys_pool, keys_pool.copy(), "NHD")
+    assert writer is not None
+    rows = np.ones((1, HEADS, 4), dtype=np.float32)
+
+    with pytest.raises(error, match=message):
+        writer(rows.ctypes.data if keys == 1 else keys, rows.ctypes.data, slots)
+
+    assert not keys_pool.any()
+
+
+def test_a_layout_that_is_not_a_name_is_refused() -> None:
+    cache = pool("NHD", 4, np.float32)
+
+    with pytest.raises(InvalidArgumentError, match="kv_layout"):
+        PoolWriter.for_pools(cache, cache.copy(), ["NHD"])  # type: ignore[arg-type]

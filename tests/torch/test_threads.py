@@ -393,6 +393,8 @@ def test_a_call_by_address_reads_and_writes_where_the_array_call_would(
         assert np.array_equal(call(held, *pools[0], 0.3), first)  # its own query again, not the last address
         assert len(merged) == (6 if count == 2 else 0)  # the long context split: merged where the output is
         assert not by_address(queries[0], 0, (count, 2, 16))  # another query shape
+        with pytest.raises(InvalidArgumentError, match="a query's address"):
+            call.attend_at(0, (count, 4, 8), out.data_ptr(), pools[0], 0.3)
         torch.set_num_threads(1)
         single = prepared(num_threads=1)
         single(queries[0].numpy(), *pools[0], 0.3)

@@ -60,8 +60,9 @@ from kvcache_core.attention.features import check_chunk, check_finite_logits, ch
 from kvcache_core.attention.kernel_plan import MIN_SPLIT_KEYS, MIN_THREAD_WORK, ROW_SPLIT, Plan
 from kvcache_core.attention.kernel_plan import cached_plan as _cached_plan
 from kvcache_core.attention.teams import LAUNCH_LOCK, ThreadTeam, check_team_call, max_threads, python_team
+from kvcache_core.contract.config import LAYOUT_AXES
 from kvcache_core.contract.page_table import PageTable
-from kvcache_core.contract.scalars import check_positive_float32
+from kvcache_core.contract.scalars import check_count, check_positive_float32
 from kvcache_core.errors import InvalidTypeError, ShapeMismatchError, UnsupportedConfigError
 
 __all__ = [
@@ -117,8 +118,6 @@ _NO_BITS.flags.writeable = False
 
 
 _HEADS_AXIS: Final = {"NHD": 2, "HND": 1, "heads_first": 0}
-#: Axes of (block, token in block, head) in each layout.
-_STRIDE_AXES: Final = {"NHD": (0, 1, 2), "HND": (0, 2, 1), "heads_first": (1, 2, 0)}
 
 FloatArray = npt.NDArray[np.float32]
 IndexArray = npt.NDArray[np.int64]
@@ -217,7 +216,7 @@ def _read_only(array: npt.NDArray[Any], dtype: type[np.generic]) -> npt.NDArray[
 def _row_strides(strides: tuple[int, ...], kv_layout: str, row_bytes: int) -> IndexArray:
     """Read-only int64 strides in rows of (block, token in block, head) of a pool with byte
     ``strides`` in ``kv_layout`` (the same few for every call of a run)."""
-    rows = np.asarray([strides[axis] // row_bytes for axis in _STRIDE_AXES[kv_layout]], dtype=np.int64)
+    rows = np.asarray([strides[axis] // row_bytes for axis in LAYOUT_AXES[kv_layout]], dtype=np.int64)
     rows.flags.writeable = False
     return rows
 
@@ -527,11 +526,12 @@ class KernelCall:
         pools: tuple[npt.NDArray[Any], npt.NDArray[Any]],
         scale: float,
     ) -> bool:
-        """A call over unquantized ``pools = (key_cache, value_cache)`` (a checked ``scale``) whose
-        query and output are addresses of C-contiguous float32 arrays of ``query_shape`` and
-        :attr:`output_shape`, which the caller vouches for: nothing made or converted (20 us a
-        layer inside a model). Through the C launch a call with arrays of this batch set up;
-        False, nothing run, where there is none (a first layer, one thread, a quantized pool)."""
+        """A call over unquantized ``pools = (key_cache, value_cache)`` (a checked ``scale``), the
+        query and output addresses (ints >= 1, else InvalidArgumentError) of C-contiguous float32
+        arrays of ``query_shape`` and :attr:`output_shape` the caller vouches for, through the C launch
+        an array call of this batch set up; False, nothing run, where none did, one thread or quantized pools."""
+        check_count(query, "a query's address", 1)
+        check_count(out, "an output's address", 1)
         launch, plan = self._compiled[0], self._plan
         if not launch or self._quantized or plan.threads == 1 or not self._shape[0]:
             return False

@@ -33,6 +33,7 @@ __all__ = [
     "ATTENTION_PATHS",
     "DTYPE_SIZES",
     "KV_LAYOUTS",
+    "LAYOUT_AXES",
     "MAX_KV_SCALE",
     "MAX_POOL_SLOTS",
     "MAX_TOKEN_ID",
@@ -80,6 +81,8 @@ SCALE_BYTES: Final = 4
 #: FlashInfer); ``"HND"`` is ``[num_blocks, num_heads, block_size, head_dim]``;
 #: ``"heads_first"`` is ``[num_heads, num_blocks, block_size, head_dim]`` (JAX Pallas).
 KV_LAYOUTS: Final[tuple[str, ...]] = ("NHD", "HND", "heads_first")
+#: The axes of (block, token in block, head) of a pool in each layout.
+LAYOUT_AXES: Final = {"NHD": (0, 1, 2), "HND": (0, 2, 1), "heads_first": (1, 2, 0)}
 
 #: The values of :attr:`CacheConfig.attention_path`: the measured choice, the compiled kernel,
 #: the array library's own path (:mod:`kvcache_core.backends.dispatch`).
