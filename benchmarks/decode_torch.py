@@ -51,6 +51,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -169,6 +170,18 @@ class SingleRow:
     spread: float
     over_dense: PairedRatio  # ours / dense, step by step
     over_bandwidth: PairedRatio  # ours / the bandwidth floor, step by step
+    read_bytes: int  # every K/V byte of the context, once
+    ours_steps: tuple[float, ...]  # seconds
+    floor_steps: tuple[float, ...]  # the bandwidth floor's, seconds
+
+    def read_rates(self) -> str:
+        """Ours' and the bandwidth floor's reads of the K/V, in GB/s: the median step's and
+        the fastest step's (the floor's fastest shows what the host's memory gave in this run)."""
+        return "; ".join(
+            f"{name} {self.read_bytes / statistics.median(steps) / 1e9:.1f} GB/s (fastest step "
+            f"{self.read_bytes / min(steps) / 1e9:.1f})"
+            for name, steps in (("ours", self.ours_steps), ("the floor", self.floor_steps))
+        )
 
 
 def run_single(scenario: SingleScenario, session: DecodeSession) -> SingleRow:
@@ -212,6 +225,9 @@ def run_single(scenario: SingleScenario, session: DecodeSession) -> SingleRow:
         spread=times.spread("ours", "dynamic", "dense-sdpa"),
         over_dense=paired_ratio(times.samples["ours"], times.samples[f"dense-{dense_kind}"]),
         over_bandwidth=paired_ratio(times.samples["ours"], times.samples["bandwidth"]),
+        read_bytes=scenario.context * session.geometry.bytes_per_token,
+        ours_steps=tuple(times.samples["ours"]),
+        floor_steps=tuple(times.samples["bandwidth"]),
     )
 
 
@@ -256,6 +272,10 @@ def print_single(rows: Sequence[SingleRow], geometry: Geometry, statistic: str) 
                 f"  target at {TARGET_CONTEXT}: ours within {TARGET_OURS_OVER_BANDWIDTH}x of the bandwidth floor, "
                 f"paired step by step (the floor's own time moves with the host): {row.over_bandwidth}, "
                 f"{row.over_bandwidth.verdict(TARGET_OURS_OVER_BANDWIDTH, at_most=True)}"
+            )
+            print(
+                f"  K/V read at {TARGET_CONTEXT} (its bytes over a step's time): {row.read_rates()}; a floor far "
+                "faster than ours: memory bandwidth the host had and the kernel did not draw"
             )
 
 
